@@ -1,0 +1,7 @@
+"""`python -m vllmsim` runs the same command as the `vllmsim` console script."""
+
+import sys
+
+from vllmsim.cli import main
+
+sys.exit(main())

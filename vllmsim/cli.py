@@ -1,0 +1,164 @@
+"""`vllmsim`: start one simulated vLLM 0.33 engine.
+
+Flags follow `vllm serve` where they mean the same thing (--host, --port, --model,
+--served-model-name, --kv-transfer-config, --tokenizer; VLLM_NIXL_SIDE_CHANNEL_HOST /
+VLLM_NIXL_SIDE_CHANNEL_PORT). Cost-model and fault flags are the simulator's own.
+
+Deviation from vLLM, by design: a push decode request missing a required
+kv_transfer_params key (remote_engine_id, remote_host, remote_port, tp_size,
+remote_request_id) makes real vLLM's EngineCore die with a KeyError; the simulator
+logs an error and answers that request with HTTP 500 instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllmsim.config import (
+    PULL_CONNECTORS,
+    PUSH_CONNECTORS,
+    ROLES,
+    CostModel,
+    Faults,
+    KVTransferConfig,
+    SimConfig,
+)
+
+log = logging.getLogger("vllmsim")
+
+
+class ConfigError(Exception):
+    """A bad flag or bad --kv-transfer-config: one line on stderr, exit 2."""
+
+
+def parse_kv_transfer_config(text: str) -> KVTransferConfig:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--kv-transfer-config is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError("--kv-transfer-config must be a JSON object")
+    connector = raw.get("kv_connector")
+    if connector not in PUSH_CONNECTORS | PULL_CONNECTORS:
+        known = ", ".join(sorted(PUSH_CONNECTORS | PULL_CONNECTORS))
+        raise ConfigError(f"kv_connector {connector!r} is not supported (use one of {known})")
+    role = raw.get("kv_role")
+    if role not in ROLES:
+        raise ConfigError(f"kv_role is required once kv_connector is set: one of {sorted(ROLES)}")
+    if role == "kv_both":
+        log.warning("kv_role 'kv_both' is deprecated for NIXL connectors")
+    extra = raw.get("kv_connector_extra_config") or {}
+    try:
+        lease = float(extra.get("kv_lease_duration", 30))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("kv_connector_extra_config.kv_lease_duration must be a number") from exc
+    policy = raw.get("kv_load_failure_policy", "fail")
+    if policy not in ("fail", "recompute"):
+        raise ConfigError("kv_load_failure_policy must be 'fail' or 'recompute'")
+    engine_id = raw.get("engine_id")
+    return KVTransferConfig(connector, role, str(engine_id) if engine_id else None, lease, policy)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllmsim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("model_tag", nargs="?", help="model, as in `vllm serve MODEL`")
+    p.add_argument("--model", help="model name (default: sim-model)")
+    p.add_argument("--served-model-name", nargs="+", help="names the API accepts")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 = ephemeral")
+    p.add_argument("--kv-transfer-config", help="JSON, as for vllm serve")
+    p.add_argument("--tokenizer", help="local HF tokenizer folder, for exact token counts")
+    p.add_argument("--port-file", help="write {port, side_channel_port, engine_id, pid} here")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    cost = p.add_argument_group("cost model (defaults: 8B model on one H100)")
+    for f in dataclasses.fields(CostModel):
+        flag = "--" + f.name.replace("_", "-")
+        cost.add_argument(flag, type=type(f.default), default=f.default, dest=f.name,
+                          help=f"default {f.default}")  # fmt: skip
+    faults = p.add_argument_group("faults (also settable at run time: POST /sim/faults)")
+    faults.add_argument("--fail-next", type=int, default=0, help="fail the next N requests")
+    faults.add_argument("--fail-status", type=int, default=500, help="status for --fail-next")
+    faults.add_argument("--hang-next", type=int, default=0, help="accept N requests, never answer")
+    faults.add_argument("--latency-ms", type=float, default=0.0, help="delay before each answer")
+    faults.add_argument("--drop-registrations", action="store_true", help="P ignores PUSH_REG")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig:
+    names = tuple(args.served_model_name or [args.model or args.model_tag or "sim-model"])
+    kv = parse_kv_transfer_config(args.kv_transfer_config) if args.kv_transfer_config else None
+    try:
+        side_port = int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+    except ValueError as exc:
+        raise ConfigError("VLLM_NIXL_SIDE_CHANNEL_PORT must be an integer") from exc
+    cost = CostModel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CostModel)})
+    if cost.max_num_batched_tokens < 1 or cost.num_gpu_blocks < 1 or cost.kv_bandwidth_gbps <= 0:
+        raise ConfigError("cost model values must be positive")
+    faults = Faults(args.fail_next, args.fail_status, args.hang_next, args.latency_ms,
+                    args.drop_registrations)  # fmt: skip
+    if args.tokenizer and not Path(args.tokenizer).exists():
+        raise ConfigError(f"--tokenizer {args.tokenizer}: no such file or directory")
+    return SimConfig(args.host, args.port, names, kv,
+                     env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"), side_port,
+                     args.tokenizer, args.port_file, cost, faults)  # fmt: skip
+
+
+def write_port_file(path: str, info: dict[str, Any]) -> None:
+    tmp = Path(f"{path}.tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)  # atomic: readers never see a half-written file
+
+
+async def serve(cfg: SimConfig) -> None:
+    from vllmsim.app import build_app
+    from vllmsim.server import SimServer
+
+    sim = SimServer(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await sim.start(build_app(sim))
+    try:
+        gen = sim.current
+        info = {"port": sim.http_port, "side_channel_port": sim.side.port,
+                "engine_id": gen.engine_id, "pid": os.getpid()}  # fmt: skip
+        if cfg.port_file:
+            write_port_file(cfg.port_file, info)
+        kv = cfg.kv
+        log.info("vllmsim ready on http://%s:%d side channel %s:%d engine_id %s mode %s",
+                 cfg.host, sim.http_port, cfg.side_channel_host, sim.side.port, gen.engine_id,
+                 kv.transfer_mode if kv else "aggregated")  # fmt: skip
+        await stop.wait()
+    finally:
+        await sim.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    try:
+        cfg = config_from_args(args, dict(os.environ))
+        asyncio.run(serve(cfg))
+    except ConfigError as exc:
+        print(f"vllmsim: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # port in use, bad host, ...
+        print(f"vllmsim: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+

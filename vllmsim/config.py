@@ -1,0 +1,87 @@
+"""SimConfig: the only input of a simulated engine, built by cli.py.
+
+Keeps `vllm serve`-shaped settings (model names, kv-transfer-config, side channel)
+apart from the simulator's own knobs (cost model, faults).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BLOCK_SIZE = 16  # tokens per KV block, vLLM's default on CUDA
+
+PUSH_CONNECTORS = frozenset({"NixlPushConnector"})
+PULL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector"})
+ROLES = frozenset({"kv_producer", "kv_consumer", "kv_both"})
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Knobs of the step-time model; defaults mimic an 8B model on one H100.
+
+    step = step_base + prefill_per_token x prefill tokens + decode_per_seq x decode seqs,
+    so a 1024-token prompt alone takes ~70 ms and a decode step 10-13 ms.
+    """
+
+    step_base_ms: float = 10.0
+    prefill_per_token_ms: float = 0.058
+    decode_per_seq_ms: float = 0.02
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 32768
+    num_gpu_blocks: int = 8192
+    # Llama-3-8B: 32 layers x K,V x 8 heads x 128 dims x 2 bytes x 16 tokens = 2 MiB.
+    block_bytes: int = 2 * 1024 * 1024
+    kv_bandwidth_gbps: float = 25.0  # GB/s, one RDMA NIC
+    kv_message_latency_ms: float = 0.2  # one-way, per side-channel message
+
+
+@dataclass
+class Faults:
+    """Mutable fault plan; flipped at run time through POST /sim/faults."""
+
+    fail_next: int = 0
+    fail_status: int = 500
+    hang_next: int = 0
+    latency_ms: float = 0.0
+    drop_registrations: bool = False
+    refuse_connections: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "fail_next": self.fail_next,
+            "fail_status": self.fail_status,
+            "hang_next": self.hang_next,
+            "latency_ms": self.latency_ms,
+            "drop_registrations": self.drop_registrations,
+            "refuse_connections": self.refuse_connections,
+        }
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """The parts of vLLM's --kv-transfer-config the simulator understands."""
+
+    connector: str
+    role: str
+    engine_id: str | None = None  # pinned id; otherwise a new uuid4 per (re)start
+    lease_duration_s: float = 30.0  # kv_connector_extra_config.kv_lease_duration
+    load_failure_policy: str = "fail"  # kv_load_failure_policy: fail | recompute
+
+    @property
+    def transfer_mode(self) -> str:
+        return "push" if self.connector in PUSH_CONNECTORS else "pull"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ("sim-model",)
+    kv: KVTransferConfig | None = None
+    side_channel_host: str = "localhost"
+    side_channel_port: int = 5600
+    tokenizer: str | None = None
+    port_file: str | None = None
+    cost: CostModel = field(default_factory=CostModel)
+    faults: Faults = field(default_factory=Faults)

@@ -1,0 +1,272 @@
+"""The engine step loop: admit waiting -> batch under the token budget -> sleep -> emit.
+
+One loop per engine. A step "takes" its modelled time through asyncio.sleep, so the
+simulation costs little CPU; an idle loop waits on an event (no busy spin).
+
+Request life cycle (vLLM v1 names):
+  WAITING --(blocks allocated)--> RUNNING --(last token)--> FINISHED
+  WAITING --(blocks allocated, remote KV)--> WAITING_FOR_REMOTE_KVS --(KV in)--> RUNNING
+A remote-prefilled request decodes its first token in the step after its KV arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from vllmsim.config import CostModel
+from vllmsim.cost_model import blocks_for, step_seconds
+from vllmsim.kv_cache import BlockPool
+from vllmsim.metrics import Metrics
+from vllmsim.tokens import output_token
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class KVMode(enum.Enum):
+    LOCAL = "local"  # no connector, or no kv_transfer_params
+    PREFILL = "prefill"  # do_remote_decode: P keeps the blocks under a lease
+    PULL = "pull"  # D reads P's blocks
+    PUSH = "push"  # D registers, P writes
+    RECOMPUTE = "recompute"  # D got invalid params and prefills locally
+
+
+@dataclass
+class TokenEvent:
+    index: int
+    text: str
+
+
+@dataclass
+class FinishEvent:
+    finish_reason: str
+    kv_transfer_params: dict[str, Any] | None
+
+
+@dataclass
+class ErrorEvent:
+    message: str
+    status: int = 500
+    reset: bool = False  # close the HTTP connection (simulated restart)
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+@dataclass(eq=False)
+class SimRequest:
+    internal_id: str
+    prompt_tokens: int
+    max_tokens: int
+    seed: bytes
+    mode: KVMode = KVMode.LOCAL
+    remote: dict[str, Any] | None = None  # kv_transfer_params as received
+    state: State = State.WAITING
+    arrival: float = field(default_factory=time.monotonic)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_output: int = 0
+    kv_label: str | None = None  # push-parallel | push-serial | pull | ...
+    fetch_stage: str | None = None  # waiting_to_start | in_progress | completed_waiting
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+
+    @property
+    def prefill_left(self) -> int:
+        return self.prompt_tokens - self.num_computed
+
+
+class KVConnector(Protocol):
+    """What the engine needs from a NIXL connector (nixl/pull.py, nixl/push.py)."""
+
+    def start_recv(self, req: SimRequest) -> None: ...
+    def request_finished(self, req: SimRequest) -> dict[str, Any] | None: ...
+    def start_step(self) -> bool: ...
+    def abort(self, req: SimRequest) -> None: ...
+
+
+@dataclass
+class _Batch:
+    prefill: list[tuple[SimRequest, int]] = field(default_factory=list)
+    decode: list[SimRequest] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill)
+
+
+class Engine:
+    def __init__(self, cost: CostModel, metrics: Metrics) -> None:
+        self.cost = cost
+        self.metrics = metrics
+        self.pool = BlockPool(cost.num_gpu_blocks)
+        self.connector: KVConnector | None = None
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.remote_wait: set[SimRequest] = set()
+        self._wake = asyncio.Event()
+
+    # -- API used by the HTTP layer -------------------------------------------------
+    def submit(self, req: SimRequest) -> None:
+        if req.mode in (KVMode.PULL, KVMode.PUSH):
+            req.fetch_stage = "waiting_to_start"
+        self.waiting.append(req)
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> None:
+        """Client went away (or restart): drop the request and free its blocks now."""
+        if req.state is State.FINISHED:
+            return
+        if req.state is State.WAITING:
+            self._discard_waiting(req)
+        self.remote_wait.discard(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.connector is not None:
+            self.connector.abort(req)
+        self._finish(req, None)
+        self._wake.set()
+
+    def abort_all(self, message: str) -> None:
+        for req in [*self.waiting, *self.remote_wait, *self.running]:
+            self.abort(req)
+            req.events.put_nowait(ErrorEvent(message, reset=True))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.remote_wait)
+
+    # -- API used by connectors ------------------------------------------------------
+    def kv_ready(self, req: SimRequest, label: str) -> None:
+        """Remote KV has landed; decode from the next step."""
+        if req not in self.remote_wait:
+            return
+        self.remote_wait.discard(req)
+        req.kv_label = label
+        req.fetch_stage = "completed_waiting"
+        req.num_computed = req.prompt_tokens
+        req.state = State.RUNNING
+        self.running.append(req)
+        self.metrics.lbl(self.metrics.prompt_by_source, source="external_kv_transfer").inc(
+            req.prompt_tokens
+        )
+        self._wake.set()
+
+    def kv_failed(self, req: SimRequest, message: str, recompute: bool) -> None:
+        """A failed recv: recompute locally, or fail the request (policy "fail")."""
+        if req not in self.remote_wait:
+            return
+        self.remote_wait.discard(req)
+        self.metrics.lbl(self.metrics.nixl_failed_transfers).inc()
+        if recompute:
+            req.mode, req.kv_label, req.fetch_stage = KVMode.RECOMPUTE, "recompute", None
+            req.state = State.RUNNING
+            self.running.append(req)
+        else:
+            log.error("KV load failed for %s: %s", req.internal_id, message)
+            self._finish(req, None)
+            req.events.put_nowait(ErrorEvent("Internal server error"))
+        self._wake.set()
+
+    # -- the loop ----------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            self._wake.clear()
+            self._admit()
+            connector_work = self.connector.start_step() if self.connector else False
+            batch = self._plan()
+            if not batch.prefill and not batch.decode:
+                if not connector_work:
+                    await self._wake.wait()
+                continue
+            await asyncio.sleep(step_seconds(self.cost, batch.num_prefill_tokens,
+                                             len(batch.decode)))  # fmt: skip
+            self._apply(batch)
+
+    def _admit(self) -> None:
+        """FIFO admission while blocks and sequence slots last (head-of-line blocking)."""
+        while self.waiting:
+            if len(self.running) + len(self.remote_wait) >= self.cost.max_num_seqs:
+                return
+            req = self.waiting[0]
+            blocks = self.pool.allocate(blocks_for(req.prompt_tokens + req.max_tokens))
+            if blocks is None:
+                return
+            self.waiting.popleft()
+            req.blocks = blocks
+            if req.mode in (KVMode.PULL, KVMode.PUSH) and self.connector is not None:
+                req.state = State.WAITING_FOR_REMOTE_KVS
+                req.fetch_stage = "in_progress"
+                self.remote_wait.add(req)
+                self.connector.start_recv(req)
+            else:
+                req.state = State.RUNNING
+                self.running.append(req)
+
+    def _plan(self) -> _Batch:
+        batch, budget = _Batch(), self.cost.max_num_batched_tokens
+        for req in self.running:  # running requests first, in arrival order, like vLLM
+            if budget <= 0:
+                break
+            if req.prefill_left > 0:
+                chunk = min(req.prefill_left, budget)
+                batch.prefill.append((req, chunk))
+                budget -= chunk
+            else:
+                batch.decode.append(req)
+                budget -= 1
+        return batch
+
+    def _apply(self, batch: _Batch) -> None:
+        done: list[SimRequest] = []
+        for req, chunk in batch.prefill:
+            if req.state is not State.RUNNING:
+                continue  # aborted during the step
+            req.num_computed += chunk
+            self.metrics.lbl(self.metrics.prompt_tokens).inc(chunk)
+            if req.prefill_left == 0:
+                self.metrics.lbl(self.metrics.prompt_by_source, source="local_compute").inc(
+                    req.prompt_tokens
+                )
+                done.append(req)
+        done.extend(r for r in batch.decode if r.state is State.RUNNING)
+        for req in done:
+            self._emit_token(req)
+
+    def _emit_token(self, req: SimRequest) -> None:
+        if req.num_output == 0:
+            self.metrics.lbl(self.metrics.ttft).observe(time.monotonic() - req.arrival)
+            req.fetch_stage = None
+        req.events.put_nowait(TokenEvent(req.num_output, output_token(req.seed, req.num_output)))
+        req.num_output += 1
+        self.metrics.lbl(self.metrics.generation_tokens).inc()
+        if req.num_output >= req.max_tokens:
+            self.running.remove(req)
+            params = None
+            if req.mode is KVMode.PREFILL and self.connector is not None:
+                params = self.connector.request_finished(req)  # takes over the blocks
+            self._finish(req, params)
+            req.events.put_nowait(FinishEvent("length", params))
+
+    def _finish(self, req: SimRequest, params: dict[str, Any] | None) -> None:
+        req.state = State.FINISHED
+        req.fetch_stage = None
+        if params is None and req.blocks:
+            self.pool.free(req.blocks)
+        req.blocks = []
+
+    def _discard_waiting(self, req: SimRequest) -> None:
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(req)

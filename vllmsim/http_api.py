@@ -1,0 +1,239 @@
+"""aiohttp routes of the OpenAI-compatible API, driving the engine of the current generation.
+
+Every completion request leaves one record in `SimServer.records` (see GET /sim/requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from vllmsim import shapes
+from vllmsim.engine import ErrorEvent, Event, FinishEvent, KVMode, SimRequest, TokenEvent
+from vllmsim.faults import apply_request_faults
+from vllmsim.metrics import FETCH_STAGES
+from vllmsim.requests import ApiError, ParsedRequest, base_request_id, parse
+from vllmsim.server import SIM_KEY, SimServer
+
+log = logging.getLogger(__name__)
+
+_MODE_LABEL = {KVMode.LOCAL: "local", KVMode.PREFILL: "prefill", KVMode.RECOMPUTE: "recompute"}
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=shapes.dumps(obj), status=status, content_type="application/json")
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return json_response(shapes.error_body(message, status), status)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    sim = request.app[SIM_KEY]
+    rec: dict[str, Any] = {
+        "x_request_id": request.headers.get("X-Request-Id"), "internal_id": None,
+        "path": request.path, "received_at": time.time(), "body": None,
+        "headers": {k.lower(): v for k, v in request.headers.items()},
+        "status": None, "outcome": "running", "kv": None, "first_token_at": None,
+    }  # fmt: skip
+    sim.records.append(rec)
+    try:
+        response = await _serve(request, sim, rec, chat)
+    except asyncio.CancelledError:
+        rec["outcome"] = "aborted"
+        raise
+    if rec["outcome"] == "running":
+        rec["outcome"] = "ok" if response.status < 400 else "error"
+    rec["status"] = response.status
+    return response
+
+
+async def _serve(
+    request: web.Request, sim: SimServer, rec: dict[str, Any], chat: bool
+) -> web.StreamResponse:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return error_response(400, "Invalid JSON body")
+    rec["body"] = body
+    if (fault := await apply_request_faults(sim.faults)) is not None:
+        return error_response(fault, "Simulated failure (vllmsim fault injection)")
+    try:
+        parsed = parse(sim.cfg, sim.tokens, body, chat)
+    except ApiError as exc:
+        return error_response(exc.status, exc.message)
+    external, internal = shapes.request_ids(base_request_id(request.headers, body), chat)
+    rec["internal_id"] = internal
+    engine = sim.current.engine
+    req = SimRequest(internal, parsed.prompt_tokens, parsed.max_tokens, parsed.seed,
+                     mode=parsed.mode, remote=parsed.kv_params)  # fmt: skip
+    engine.submit(req)
+    try:
+        if parsed.stream:
+            return await _stream(request, req, parsed, external, rec)
+        return await _complete(request, req, parsed, external, rec)
+    finally:
+        engine.abort(req)  # no-op once finished; frees blocks on disconnect
+        rec["kv"] = req.kv_label or _MODE_LABEL.get(req.mode)
+
+
+async def _events(req: SimRequest, rec: dict[str, Any]) -> AsyncIterator[Event]:
+    while True:
+        event = await req.events.get()
+        if isinstance(event, TokenEvent) and event.index == 0:
+            rec["first_token_at"] = time.time()
+        yield event
+        if not isinstance(event, TokenEvent):
+            return
+
+
+def _reset(request: web.Request, rec: dict[str, Any]) -> None:
+    """A simulated restart: the peer sees its connection reset, like a dead process."""
+    rec["outcome"] = "aborted"
+    if request.transport is not None:
+        request.transport.abort()
+    raise asyncio.CancelledError
+
+
+async def _complete(request: web.Request, req: SimRequest, parsed: ParsedRequest,
+                    external: str, rec: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+    created, text = int(time.time()), []
+    async for event in _events(req, rec):
+        if isinstance(event, TokenEvent):
+            text.append(event.text)
+        elif isinstance(event, ErrorEvent):
+            if event.reset:
+                _reset(request, rec)
+            return error_response(event.status, event.message)
+        else:
+            build = shapes.chat_completion if parsed.chat else shapes.completion
+            return json_response(build(external, created, parsed.model, "".join(text),
+                                       event.finish_reason, parsed.prompt_tokens, len(text),
+                                       event.kv_transfer_params))  # fmt: skip
+    raise RuntimeError("event stream ended without a finish")
+
+
+async def _stream(request: web.Request, req: SimRequest, parsed: ParsedRequest,
+                  external: str, rec: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+    resp = web.StreamResponse(headers={"Content-Type": shapes.SSE_CONTENT_TYPE})
+    await resp.prepare(request)
+    created, model, pending, n = int(time.time()), parsed.model, None, 0
+    async for event in _events(req, rec):
+        if isinstance(event, ErrorEvent):
+            if event.reset:
+                _reset(request, rec)
+            rec["outcome"] = "error"
+            await resp.write(shapes.sse(shapes.error_body(event.message, event.status)))
+            break
+        if isinstance(event, TokenEvent):
+            if pending is not None:  # hold one token back: the last one carries finish_reason
+                await resp.write(_chunk(parsed, external, created, pending.text, None))
+            elif parsed.chat:
+                role = {"role": "assistant", "content": ""}
+                await resp.write(shapes.sse(shapes.chat_chunk(external, created, model, role,
+                                                              None)))  # fmt: skip
+            pending, n = event, n + 1
+            continue
+        assert isinstance(event, FinishEvent) and pending is not None
+        await resp.write(_chunk(parsed, external, created, pending.text, event))
+        if parsed.include_usage:
+            make = shapes.chat_usage_chunk if parsed.chat else shapes.completion_usage_chunk
+            await resp.write(shapes.sse(make(external, created, model, parsed.prompt_tokens, n)))
+    await resp.write(shapes.DONE)
+    await resp.write_eof()
+    return resp
+
+
+def _chunk(parsed: ParsedRequest, rid: str, created: int, text: str,
+           finish: FinishEvent | None) -> bytes:  # fmt: skip
+    reason = finish.finish_reason if finish else None
+    params = finish.kv_transfer_params if finish else None
+    if parsed.chat:
+        return shapes.sse(shapes.chat_chunk(rid, created, parsed.model, {"content": text}, reason,
+                                            final=finish is not None, kv_params=params))
+    return shapes.sse(shapes.completion_chunk(rid, created, parsed.model, text, reason, params))
+
+
+# -- small endpoints ---------------------------------------------------------------------------
+async def models(request: web.Request) -> web.Response:
+    sim = request.app[SIM_KEY]
+    created = int(sim.current.start_time)
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "vllm",
+             "root": name, "parent": None, "max_model_len": sim.cfg.cost.max_model_len}
+            for name in sim.cfg.served_model_names]  # fmt: skip
+    return json_response({"object": "list", "data": data})
+
+
+async def health(_request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def version(_request: web.Request) -> web.Response:
+    return json_response({"version": "0.33.0"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gen = request.app[SIM_KEY].current
+    m, engine = gen.metrics, gen.engine
+    m.lbl(m.running).set(len(engine.running))
+    m.lbl(m.waiting).set(engine.num_waiting)
+    m.lbl(m.waiting_by_reason, reason="capacity").set(len(engine.waiting))
+    m.lbl(m.waiting_by_reason, reason="deferred").set(len(engine.remote_wait))
+    m.lbl(m.kv_usage).set(engine.pool.usage())
+    stages = dict.fromkeys(FETCH_STAGES, 0)
+    for req in [*engine.waiting, *engine.remote_wait, *engine.running]:
+        if req.fetch_stage in stages:
+            stages[req.fetch_stage] += 1
+    for stage, count in stages.items():
+        m.lbl(m.fetch_by_stage, stage=stage).set(count)
+    return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    sim = request.app[SIM_KEY]
+    body = await request.json()
+    if "messages" in body:
+        from vllmsim.tokens import chat_prompt_text
+
+        ids = sim.tokens.encode(chat_prompt_text(body["messages"]))
+    elif isinstance(body.get("prompt"), str):
+        ids = sim.tokens.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
+    else:
+        return error_response(400, "prompt or messages is required")
+    return json_response({"count": len(ids), "max_model_len": sim.cfg.cost.max_model_len,
+                          "tokens": ids, "token_strs": None})  # fmt: skip
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    sim = request.app[SIM_KEY]
+    body = await request.json()
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        return error_response(400, "tokens must be a list of integers")
+    return json_response({"prompt": sim.tokens.decode(ids)})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)

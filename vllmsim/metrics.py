@@ -1,0 +1,96 @@
+"""Prometheus instruments with vLLM's names, one registry per engine generation.
+
+A simulated restart builds a fresh `Metrics`, which resets every counter and moves
+``process_start_time_seconds``, as a real process restart would.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+disable_created_metrics()  # vLLM does the same: no *_created series
+
+# vLLM's TTFT buckets (v1/metrics/loggers.py).
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+FETCH_STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
+TOKEN_SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
+
+
+class Metrics:
+    def __init__(self, model_name: str, start_time: float | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.start_time = start_time if start_time is not None else time.time()
+        labels = ["model_name", "engine"]
+        self._labels = {"model_name": model_name, "engine": "0"}
+        reg = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in the batch", labels,
+                             registry=reg)  # fmt: skip
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", labels,
+                             registry=reg)  # fmt: skip
+        self.waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason", "Waiting requests by reason",
+            [*labels, "reason"], registry=reg,
+        )  # fmt: skip
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", labels,
+                              registry=reg)  # fmt: skip
+        self.fetch_by_stage = Gauge(
+            "vllm:num_requests_kv_fetch_by_stage", "Consumer requests by KV fetch stage",
+            [*labels, "stage"], registry=reg,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", labels,
+            buckets=_TTFT_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels,
+                                     registry=reg)  # fmt: skip
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generation tokens processed", labels, registry=reg
+        )
+        self.prompt_by_source = Counter(
+            "vllm:prompt_tokens_by_source", "Prompt tokens by where they came from",
+            [*labels, "source"], registry=reg,
+        )  # fmt: skip
+        self.nixl_xfer_time = Histogram(
+            "vllm:nixl_xfer_time_seconds", "NIXL transfer time", labels, registry=reg
+        )
+        self.nixl_bytes = Counter(
+            "vllm:nixl_bytes_transferred", "Bytes moved by NIXL", labels, registry=reg
+        )
+        self.nixl_failed_transfers = Counter(
+            "vllm:nixl_num_failed_transfers", "Failed NIXL transfers", labels, registry=reg
+        )
+        self.nixl_failed_notifs = Counter(
+            "vllm:nixl_num_failed_notifications", "Failed NIXL notifications", labels,
+            registry=reg,
+        )  # fmt: skip
+        self.nixl_expired = Counter(
+            "vllm:nixl_num_kv_expired_reqs", "P requests whose KV lease expired", labels,
+            registry=reg,
+        )  # fmt: skip
+        self.process_start = Gauge(
+            "process_start_time_seconds", "Start time of the process since unix epoch",
+            registry=reg,
+        )  # fmt: skip
+        self.process_start.set(self.start_time)
+        for source in TOKEN_SOURCES:  # export zeros so scrapers see every series
+            self.prompt_by_source.labels(**self._labels, source=source)
+        for stage in FETCH_STAGES:
+            self.fetch_by_stage.labels(**self._labels, stage=stage)
+
+    def lbl(self, metric: Counter | Gauge | Histogram, **extra: str) -> Counter | Gauge | Histogram:
+        return metric.labels(**self._labels, **extra)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

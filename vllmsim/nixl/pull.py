@@ -1,0 +1,68 @@
+"""Pull (READ) mode: D reads P's leased blocks, P answers when the READ would be done.
+
+P: `request_finished` leases the blocks and returns pull-shaped params.
+D: one `pull_read` message to P's side channel; P sleeps the bandwidth-modelled
+transfer time, releases the lease and replies; D decodes from its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from vllmsim.cost_model import transfer_seconds
+from vllmsim.engine import SimRequest
+from vllmsim.kv_cache import Lease
+from vllmsim.nixl import side_channel
+from vllmsim.nixl.base import ConnectorBase
+from vllmsim.nixl.params import prefill_params
+
+log = logging.getLogger(__name__)
+
+
+class PullConnector(ConnectorBase):
+    mode = "pull"
+    registration_generation = 0
+
+    def request_finished(self, req: SimRequest) -> dict[str, Any] | None:
+        self.leases.add(Lease(req.internal_id, list(req.blocks), req.prompt_tokens, None))
+        return prefill_params(self.ident, self.mode, req.blocks, req.internal_id,
+                              req.num_computed, self.registration_generation)  # fmt: skip
+
+    async def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("type") != "pull_read":
+            return await super().handle(msg)
+        if (err := self.engine_id_error(msg)) is not None:
+            return err
+        lease = self.leases.get(str(msg.get("remote_request_id")))
+        if lease is None:
+            return {"ok": False, "error": "unknown or expired request"}
+        seconds = transfer_seconds(self.engine.cost, len(lease.blocks))
+        await asyncio.sleep(seconds)
+        self.record_transfer(len(lease.blocks), seconds)
+        self.leases.release(lease.request_id)
+        return {"ok": True, "num_blocks": len(lease.blocks)}
+
+    async def _recv(self, req: SimRequest) -> None:
+        p = req.remote or {}
+        msg = {
+            "type": "pull_read",
+            "request_id": req.internal_id,
+            "decode_engine_id": self.ident.engine_id,
+            "remote_engine_id": p["remote_engine_id"],
+            "remote_request_id": p["remote_request_id"],
+            "remote_block_ids": p["remote_block_ids"],
+        }
+        started = time.monotonic()
+        try:
+            reply = await side_channel.request(p["remote_host"], int(p["remote_port"]), msg,
+                                               self.latency_s, timeout=None)  # fmt: skip
+        except side_channel.SideChannelError as exc:
+            reply = {"ok": False, "error": str(exc)}
+        if reply.get("ok"):
+            log.debug("pulled %s in %.1f ms", req.internal_id, 1e3 * (time.monotonic() - started))
+            self.engine.kv_ready(req, "pull")
+        else:
+            self.engine.kv_failed(req, str(reply.get("error")), self.recompute_on_failure)

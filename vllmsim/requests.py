@@ -1,0 +1,139 @@
+"""Parse and validate an OpenAI completion/chat body into a `ParsedRequest`.
+
+Raises `ApiError` with vLLM's status and message for bad input; decides the KV mode
+from `kv_transfer_params` and this engine's connector exactly as vLLM 0.33 does.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from vllmsim.config import SimConfig
+from vllmsim.engine import KVMode
+from vllmsim.nixl.params import PULL_REQUIRED, PUSH_REQUIRED, missing_keys
+from vllmsim.tokens import TokenCounter, chat_prompt_text, prompt_seed
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class ParsedRequest:
+    chat: bool
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    seed: bytes
+    mode: KVMode
+    kv_params: dict[str, Any] | None
+
+
+def base_request_id(headers: Any, body: dict[str, Any]) -> str:
+    """The `X` of cmpl-X: header wins, then body `request_id`, then a fresh uuid."""
+    header = headers.get("X-Request-Id")
+    if header:
+        return str(header)
+    if isinstance(body.get("request_id"), str) and body["request_id"]:
+        return str(body["request_id"])
+    return uuid.uuid4().hex
+
+
+def _int_field(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"{name}: Input should be a valid integer")
+    return value
+
+
+def _prompt(body: dict[str, Any], chat: bool, tokens: TokenCounter) -> tuple[int, object]:
+    """(token count, the thing that seeds the output)."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages: Field required")
+        return tokens.count(chat_prompt_text(messages)), messages
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return tokens.count(prompt), prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt), prompt  # token ids count exactly
+    if prompt is None:
+        raise ApiError(400, "prompt: Field required")
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a one-element list")
+
+
+def _max_tokens(body: dict[str, Any], chat: bool, prompt_tokens: int, max_len: int) -> int:
+    value = _int_field(body, "max_completion_tokens") if chat else None
+    if value is None:
+        value = _int_field(body, "max_tokens")
+    if value is None:
+        value = max_len - prompt_tokens if chat else 16  # vLLM's defaults
+    if value < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {value}.")
+    if prompt_tokens + value > max_len:
+        raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, "
+                            f"you requested {prompt_tokens + value} tokens ({prompt_tokens} in the "
+                            f"messages, {value} in the completion). Please reduce the length of "
+                            "the messages or completion.")  # fmt: skip
+    min_tokens = _int_field(body, "min_tokens") or 0
+    if min_tokens < 0 or min_tokens > value:
+        raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={value}, "
+                            f"got {min_tokens}.")  # fmt: skip
+    return value
+
+
+def kv_mode(cfg: SimConfig, params: Any) -> KVMode:
+    """How this request meets the KV connector (spec §3)."""
+    if cfg.kv is None or not isinstance(params, dict):
+        return KVMode.LOCAL  # no connector: kv_transfer_params are ignored
+    if params.get("do_remote_decode"):
+        return KVMode.PREFILL
+    if not params.get("do_remote_prefill"):
+        return KVMode.LOCAL
+    if cfg.kv.transfer_mode == "push":
+        if missing := missing_keys(params, PUSH_REQUIRED):
+            # vLLM 0.33 raises KeyError in the scheduler and its EngineCore dies; the
+            # simulator stays up and fails only this request.
+            log.error("push kv_transfer_params missing %s: real vLLM would crash here", missing)
+            raise ApiError(500, "Internal server error")
+        return KVMode.PUSH
+    if missing := missing_keys(params, PULL_REQUIRED):
+        log.warning("Got invalid KVTransferParams (missing %s); recomputing locally", missing)
+        return KVMode.RECOMPUTE
+    return KVMode.PULL
+
+
+def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object")
+    model = body.get("model") or cfg.served_model_names[0]
+    if model not in cfg.served_model_names:
+        raise ApiError(404, f"The model `{model}` does not exist.")
+    count, seed_src = _prompt(body, chat, tokens)
+    max_tokens = _max_tokens(body, chat, count, cfg.cost.max_model_len)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream: Input should be a valid boolean")
+    opts = body.get("stream_options") or {}
+    if opts and not stream:
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.")
+    params = body.get("kv_transfer_params")
+    return ParsedRequest(chat, str(model), count, max_tokens, stream,
+                         bool(isinstance(opts, dict) and opts.get("include_usage")),
+                         prompt_seed(seed_src), kv_mode(cfg, params),
+                         params if isinstance(params, dict) else None)  # fmt: skip
