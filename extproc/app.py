@@ -1,0 +1,85 @@
+"""`up`: the ext_proc and its Envoy as one unit, started in the right order, stopped together.
+
+Order matters: the ext_proc binds first (Envoy's bootstrap names its port), Envoy starts and
+becomes ready, and only then do health checks and identity probes run (they go through
+Envoy's prefill listener).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from extproc.config import Config
+from extproc.envoy_config import render_bootstrap, render_yaml
+from extproc.envoy_process import EnvoyProcess
+from extproc.runtime import Runtime
+from extproc.server import ExtProcServer
+
+__all__ = ["Sidecar", "SidecarAddresses"]
+
+log = logging.getLogger("extproc")
+
+
+@dataclass(frozen=True)
+class SidecarAddresses:
+    url: str  # the OpenAI endpoint (Envoy's ingress listener)
+    envoy_admin: str
+    metrics: str
+    extproc: str
+    prefill_listener: str
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.__dict__)
+
+
+class Sidecar:
+    def __init__(self, config: Config, run_dir: Path | None = None) -> None:
+        self.config = config
+        self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="pd-extproc-"))
+        self.prefill_listener = (
+            config.envoy.prefill_listener or f"unix:{self.run_dir / 'prefill.sock'}"
+        )
+        self.runtime = Runtime(config, self.prefill_listener)
+        self.server = ExtProcServer(self.runtime)
+        self.envoy = EnvoyProcess(
+            self.run_dir / "envoy.yaml", self.run_dir, config.envoy.log_level,
+            config.envoy.concurrency,
+        )
+        self.addresses: SidecarAddresses | None = None
+
+    async def start(self) -> SidecarAddresses:
+        cfg = self.config
+        await self.server.start()
+        extproc = f"{cfg.extproc.host}:{self.server.grpc_port}"
+        bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener)
+        self.envoy.config_path.write_text(render_yaml(bootstrap))
+        try:
+            await self.envoy.start()
+            await self.runtime.start()
+            ingress = await self.envoy.listener_address("ingress")
+        except BaseException:
+            await self.stop()
+            raise
+        self.addresses = SidecarAddresses(
+            url=f"http://{ingress}",
+            envoy_admin=self.envoy.admin_url,
+            metrics=f"http://{cfg.metrics.host}:{self.server.metrics_port}",
+            extproc=extproc,
+            prefill_listener=self.prefill_listener,
+        )
+        return self.addresses
+
+    async def wait_envoy_exit(self) -> int:
+        return await self.envoy.wait()
+
+    async def stop(self) -> None:
+        await asyncio.gather(
+            self.envoy.stop(), self.server.stop(self.config.timeouts.drain_s),
+            return_exceptions=True,
+        )

@@ -1,0 +1,143 @@
+"""`pd-extproc up | serve | render-envoy | demo`: parse, load the config, run one thing.
+
+Errors a user can cause (bad config, port in use, Envoy missing) print one line and exit 2
+(config) or 1 (start-up), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from extproc.config import Config, ConfigError, load_config
+from extproc.envoy_process import EnvoyError
+
+__all__ = ["main"]
+
+log = logging.getLogger("extproc")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pd-extproc",
+        description="Envoy ext_proc for vLLM prefill/decode disaggregation (parallel NIXL push).",
+    )
+    parser.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start Envoy and the ext_proc for a config")
+    up.add_argument("--config", "-c", required=True, type=Path)
+    up.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON")
+    serve = commands.add_parser("serve", help="run only the ext_proc, for an existing Envoy")
+    serve.add_argument("--config", "-c", required=True, type=Path)
+    serve.add_argument(
+        "--prefill-listener", required=True,
+        help="where your Envoy's prefill listener is: unix:/path or 127.0.0.1:port",
+    )
+    render = commands.add_parser("render-envoy", help="print the Envoy bootstrap for a config")
+    render.add_argument("--config", "-c", required=True, type=Path)
+    render.add_argument("--extproc-address", default=None,
+                        help="host:port of the ext_proc (default: from the config)")
+    render.add_argument("--prefill-listener", default="127.0.0.1:10001")
+    demo = commands.add_parser("demo", help="2P2D simulated push engines + Envoy + ext_proc")
+    demo.add_argument("--once", action="store_true", help="send the demo requests, then exit")
+    demo.add_argument("--requests", type=int, default=6)
+    demo.add_argument("--port", type=int, default=8000, help="Envoy's port for clients")
+    return parser
+
+
+async def _until_signal(body: Callable[[asyncio.Event], Awaitable[int]]) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return await body(stop)
+
+
+async def _up(config: Config, ready_file: Path | None, stop: asyncio.Event) -> int:
+    from extproc.app import Sidecar
+
+    sidecar = Sidecar(config)
+    addresses = await sidecar.start()
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_bytes(addresses.to_json())
+        tmp.rename(ready_file)
+    print(f"pd-extproc is up: {addresses.url}/v1/completions "
+          f"(metrics {addresses.metrics}/metrics, Envoy admin {addresses.envoy_admin})",
+          flush=True)
+    envoy_exit = asyncio.create_task(sidecar.wait_envoy_exit())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({envoy_exit, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    code = 0
+    if envoy_exit.done():
+        code = 1
+        log.error("Envoy exited (%s); see %s", envoy_exit.result(), sidecar.envoy.log_path)
+    envoy_exit.cancel()
+    await sidecar.stop()
+    return code
+
+
+async def _serve(config: Config, prefill_listener: str, stop: asyncio.Event) -> int:
+    from extproc.runtime import Runtime
+    from extproc.server import ExtProcServer
+
+    runtime = Runtime(config, prefill_listener)
+    server = ExtProcServer(runtime)
+    await server.start()
+    await runtime.start()
+    print(f"pd-extproc ext_proc on {config.extproc.host}:{server.grpc_port}", flush=True)
+    await stop.wait()
+    await server.stop(config.timeouts.drain_s)
+    return 0
+
+
+def _render(config: Config, extproc_address: str | None, prefill_listener: str) -> int:
+    from extproc.envoy_config import render_bootstrap, render_yaml
+
+    if extproc_address is None and config.extproc.port == 0:
+        raise ConfigError("extproc.port is 0 (any free port): pass --extproc-address host:port")
+    address = extproc_address or f"{config.extproc.host}:{config.extproc.port}"
+    sys.stdout.write(render_yaml(render_bootstrap(config, address, prefill_listener)))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "demo":
+        from extproc.demo import run_demo
+
+        return asyncio.run(_until_signal(
+            lambda stop: run_demo(stop, once=args.once, requests=args.requests, port=args.port)
+        ))
+    config = load_config(args.config)
+    if args.command == "render-envoy":
+        return _render(config, args.extproc_address, args.prefill_listener)
+    if args.command == "serve":
+        return asyncio.run(_until_signal(lambda stop: _serve(config, args.prefill_listener, stop)))
+    return asyncio.run(_until_signal(lambda stop: _up(config, args.ready_file, stop)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return _run(args)
+    except ConfigError as error:
+        print(f"pd-extproc: invalid configuration:\n{error}", file=sys.stderr)
+        return 2
+    except (EnvoyError, OSError) as error:
+        print(f"pd-extproc: cannot start: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The sidecar's one input: a YAML file validated by pydantic.
+
+`load_config` turns a file into a `Config` or raises `ConfigError`, whose message has one line
+per problem ("prefill.endpoints.0: not a host:port (got 'x')"), so a user sees every mistake at
+once and never a traceback.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DispatchMode",
+    "EndpointConfig",
+    "load_config",
+    "parse_config",
+]
+
+
+class ConfigError(Exception):
+    """The configuration is unusable; `str()` is one line per problem."""
+
+
+class DispatchMode(StrEnum):
+    """How the two legs of a request are sent (see `extproc.dispatch`)."""
+
+    AUTO = "auto"  # learn transfer_mode from P: push → parallel, pull → serial
+    PUSH = "push"  # parallel whenever P's identity is known
+    PULL = "pull"  # always serial, P's params forwarded verbatim
+    SERIAL_PUSH = "serial-push"  # push engines, serial dispatch (the PR #187 baseline)
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """'10.0.0.1:8000' or '[::1]:8000' → (host, port); raises ValueError with a clear text."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"not a host:port (got {value!r})")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"port out of range 1-65535 (got {port})")
+    host = host.removeprefix("[").removesuffix("]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not host.replace("-", "").replace(".", "").isalnum():
+            raise ValueError(f"not a host name or IP address (got {host!r})") from None
+    return host, port
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EndpointConfig(_Strict):
+    """One vLLM server. `address` is what Envoy connects to and what routing headers name."""
+
+    address: str
+    mode: DispatchMode | None = None  # prefill only: overrides dispatch.mode for this endpoint
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        parse_host_port(value)
+        return value
+
+    @property
+    def host(self) -> str:
+        return parse_host_port(self.address)[0]
+
+    @property
+    def port(self) -> int:
+        return parse_host_port(self.address)[1]
+
+
+def _endpoint(value: Any) -> Any:
+    return {"address": value} if isinstance(value, str) else value
+
+
+Endpoint = Annotated[EndpointConfig, Field()]
+PolicyName = Literal["round_robin", "least_request"]
+
+
+class PoolConfig(_Strict):
+    endpoints: list[Endpoint] = Field(min_length=1)
+    policy: PolicyName = "round_robin"
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _short_form(cls, value: Any) -> Any:
+        return [_endpoint(v) for v in value] if isinstance(value, list) else value
+
+    @field_validator("endpoints")
+    @classmethod
+    def _unique(cls, value: list[EndpointConfig]) -> list[EndpointConfig]:
+        addresses = [e.address for e in value]
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"endpoints listed twice: {sorted(addresses)}")
+        return value
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, lt=65536)
+
+
+class DispatchConfig(_Strict):
+    mode: DispatchMode = DispatchMode.AUTO
+    # Learn a prefill's identity with a one-token probe as soon as it appears, so that the
+    # first user request is already parallel.
+    probe: bool = True
+    # Identity changed this many times within `flap_window_s` (data-parallel ranks behind one
+    # port): serve the endpoint serially for `serial_cooldown_s`.
+    flap_threshold: int = Field(default=2, ge=1)
+    flap_window_s: PositiveFloat = 60.0
+    serial_cooldown_s: PositiveFloat = 300.0
+    # What to do when no prefill endpoint is healthy: refuse (503) or let D prefill itself.
+    no_healthy_prefill: Literal["error", "decode_only"] = "error"
+
+
+class TimeoutConfig(_Strict):
+    prefill_s: PositiveFloat = 30.0  # P leg, from sending to P's complete answer
+    probe_s: PositiveFloat = 10.0
+    connect_s: PositiveFloat = 1.0
+    # Envoy's per-message ext_proc timer; the body answer is extended to `prefill_s` in serial
+    # dispatch (override_message_timeout).
+    extproc_message_s: PositiveFloat = 1.0
+    drain_s: PositiveFloat = 10.0
+    # Longest a request may stay open (a long generation); then the sidecar stops watching it.
+    request_s: PositiveFloat = 3600.0
+
+
+class HealthConfig(_Strict):
+    interval_s: PositiveFloat = 2.0
+    timeout_s: PositiveFloat = 1.0
+
+
+class LimitConfig(_Strict):
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+
+
+class EnvoyConfig(_Strict):
+    listen: ListenConfig = ListenConfig(port=8000)
+    admin: ListenConfig = ListenConfig()
+    # Where Envoy listens for the ext_proc's prefill requests: "unix:/path" or "127.0.0.1:port".
+    # Empty: a Unix socket in the run directory (`up`), which nothing outside this host reaches.
+    prefill_listener: str = ""
+    concurrency: int = Field(default=1, ge=1)
+    log_level: Literal["trace", "debug", "info", "warning", "error", "critical", "off"] = (
+        "warning"
+    )
+
+    @field_validator("prefill_listener")
+    @classmethod
+    def _check_prefill_listener(cls, value: str) -> str:
+        if value and not value.startswith("unix:"):
+            host, _ = parse_host_port(value)
+            if not ipaddress.ip_address(host).is_loopback:
+                raise ValueError("must be a loopback address or unix:/path (it has no auth)")
+        return value
+
+
+class Config(_Strict):
+    """Everything the sidecar needs; see the README's configuration reference."""
+
+    prefill: PoolConfig
+    decode: PoolConfig
+    dispatch: DispatchConfig = DispatchConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+    health: HealthConfig = HealthConfig()
+    limits: LimitConfig = LimitConfig()
+    extproc: ListenConfig = ListenConfig(port=50051)
+    metrics: ListenConfig = ListenConfig(port=9464)
+    envoy: EnvoyConfig = EnvoyConfig()
+
+    @model_validator(mode="after")
+    def _pools_disjoint(self) -> Config:
+        shared = {e.address for e in self.prefill.endpoints} & {
+            e.address for e in self.decode.endpoints
+        }
+        if shared:
+            raise ValueError(f"an endpoint cannot be both prefill and decode: {sorted(shared)}")
+        return self
+
+    def prefill_mode(self, address: str) -> DispatchMode:
+        for endpoint in self.prefill.endpoints:
+            if endpoint.address == address and endpoint.mode is not None:
+                return endpoint.mode
+        return self.dispatch.mode
+
+
+def _format_errors(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "config"
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "config") -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_errors(error)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    return parse_config(data, str(path))

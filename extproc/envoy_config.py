@@ -1,0 +1,252 @@
+"""Config → Envoy bootstrap (a plain dict, rendered as YAML). Pure: no I/O.
+
+The settings follow the measurements in DESIGN.md / envoy-extproc.md:
+- ext_proc: request headers SEND + body BUFFERED (routing can depend on the body and
+  content-length is kept), response headers SEND (the sidecar sees D's status; one cheap
+  round trip that overlaps decoding), response body NONE (SSE streams through untouched),
+  fail closed with 503, message timeout ~1 s, extendable to the prefill timeout.
+- decode_pool / prefill_pool: real clusters with the override_host LB policy reading
+  x-gateway-destination-endpoint, so only pool members can ever be chosen.
+- the prefill leg enters through a listener bound to loopback or a Unix socket.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from extproc.config import Config, parse_host_port
+from extproc.envoy_msgs import DESTINATION_HEADER
+from extproc.errors import error_body
+from extproc.prefill_leg import LOCAL_REPLY_HEADER
+from extproc.request import PATHS
+
+__all__ = ["EXTPROC_CLUSTER", "render_bootstrap", "render_yaml"]
+
+EXTPROC_CLUSTER = "pd_extproc"
+_TYPED = "@type"
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+_ROUND_ROBIN = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+_HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+# Paths of the engines that need no P/D routing: any decode engine answers them.
+PASSTHROUGH_PATHS = ("/v1/models", "/health", "/metrics", "/version", "/tokenize", "/detokenize")
+_UNLIMITED = {"max_connections": 100000, "max_pending_requests": 100000,
+              "max_requests": 100000, "max_retries": 1000}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:g}s"
+
+
+def socket_address(listen: str) -> dict[str, Any]:
+    """'unix:/path' → a pipe address; 'host:port' → a socket address."""
+    if listen.startswith("unix:"):
+        return {"pipe": {"path": listen.removeprefix("unix:"), "mode": 0o600}}
+    host, port = parse_host_port(listen)
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _router() -> dict[str, Any]:
+    return {"name": "envoy.filters.http.router", "typed_config": {_TYPED: _ROUTER}}
+
+
+def _ext_proc_filter(cfg: Config) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            _TYPED: _EXT_PROC,
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+            "failure_mode_allow": False,  # without the ext_proc there is no decode target
+            "status_on_error": {"code": 503},
+            "message_timeout": _duration(cfg.timeouts.extproc_message_s),
+            # serial dispatch extends the timer while P computes (override_message_timeout)
+            "max_message_timeout": _duration(cfg.timeouts.prefill_s + 5),
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "request_body_mode": "BUFFERED",
+                "request_trailer_mode": "SKIP",
+                "response_header_mode": "SEND",
+                "response_body_mode": "NONE",
+                "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+
+
+def _local_reply_413(cfg: Config) -> dict[str, Any]:
+    limit = cfg.limits.max_body_bytes
+    body = error_body(413, f"request body exceeds the limit of {limit} bytes").decode()
+    return {
+        "mappers": [
+            {
+                "filter": {"status_code_filter": {"comparison": {
+                    "op": "EQ", "value": {"default_value": 413, "runtime_key": "pd_413"}}}},
+                "body": {"inline_string": body},
+                "headers_to_add": [{"header": {"key": "content-type",
+                                               "value": "application/json"}}],
+            }
+        ]
+    }
+
+
+def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
+    decode_route = {
+        "cluster": "decode_pool",
+        "timeout": "0s",  # generations stream for minutes; the ext_proc bounds the P leg
+        # a refused connection is retried on the next host of the ext_proc's list
+        "retry_policy": {"retry_on": "connect-failure", "num_retries": 1},
+    }
+    routes: list[dict[str, Any]] = [
+        {
+            "match": {"path": path},
+            "route": decode_route,
+            "request_body_buffer_limit": cfg.limits.max_body_bytes,
+        }
+        for path in sorted(PATHS)
+    ]
+    routes += [
+        {
+            "match": {"prefix": prefix},
+            "route": {"cluster": "decode_pool", "timeout": "60s"},
+            "request_headers_to_remove": [DESTINATION_HEADER],
+            "typed_per_filter_config": {
+                "envoy.filters.http.ext_proc": {_TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
+            },
+        }
+        for prefix in PASSTHROUGH_PATHS
+    ]
+    routes.append({
+        "match": {"prefix": "/"},
+        "direct_response": {"status": 404, "body": {"inline_string": error_body(
+            404, f"not found; this gateway serves {', '.join(sorted(PATHS))}").decode()}},
+        "typed_per_filter_config": {
+            "envoy.filters.http.ext_proc": {_TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
+        },
+    })
+    return routes
+
+
+def _ingress_listener(cfg: Config) -> dict[str, Any]:
+    listen = cfg.envoy.listen
+    return {
+        "name": "ingress",
+        "address": {"socket_address": {"address": listen.host, "port_value": listen.port}},
+        "per_connection_buffer_limit_bytes": cfg.limits.max_body_bytes,
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                _TYPED: _HCM,
+                "stat_prefix": "ingress",
+                "delayed_close_timeout": "0s",  # resets reach HTTP/1.1 clients at once
+                "local_reply_config": _local_reply_413(cfg),
+                "route_config": {"name": "ingress", "virtual_hosts": [
+                    {"name": "llm", "domains": ["*"], "routes": _ingress_routes(cfg)}
+                ]},
+                "http_filters": [_ext_proc_filter(cfg), _router()],
+            },
+        }]}],
+    }
+
+
+def _prefill_listener(cfg: Config, prefill_listener: str) -> dict[str, Any]:
+    return {
+        "name": "prefill",
+        "address": socket_address(prefill_listener),
+        "per_connection_buffer_limit_bytes": cfg.limits.max_body_bytes,
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                _TYPED: _HCM,
+                "stat_prefix": "prefill",
+                "delayed_close_timeout": "0s",
+                # Envoy's own replies (connect failure, reset) are marked with their flags so
+                # the ext_proc can tell "P unreachable" from "P answered 503".
+                "local_reply_config": {"mappers": [{
+                    "filter": {"not_health_check_filter": {}},
+                    "headers_to_add": [{"header": {"key": LOCAL_REPLY_HEADER,
+                                                   "value": "%RESPONSE_FLAGS%"}}],
+                }]},
+                "route_config": {"name": "prefill", "virtual_hosts": [{
+                    "name": "prefill", "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"},
+                                "route": {"cluster": "prefill_pool", "timeout": "0s"},
+                                "request_body_buffer_limit": cfg.limits.max_body_bytes}],
+                }]},
+                "http_filters": [_router()],
+            },
+        }]}],
+    }
+
+
+def _endpoints(addresses: list[str]) -> list[dict[str, Any]]:
+    return [{"endpoint": {"address": socket_address(a)}} for a in addresses]
+
+
+def _pool_cluster(name: str, addresses: list[str], cfg: Config) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": _duration(cfg.timeouts.connect_s),
+        "circuit_breakers": {"thresholds": [_UNLIMITED]},
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                _TYPED: _OVERRIDE_HOST,
+                "override_host_sources": [{"header": DESTINATION_HEADER}],
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {_TYPED: _ROUND_ROBIN},
+                }}]},
+            },
+        }}]},
+        "load_assignment": {"cluster_name": name, "endpoints": [
+            {"lb_endpoints": _endpoints(addresses)}
+        ]},
+    }
+
+
+def _extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
+    return {
+        "name": EXTPROC_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": _duration(cfg.timeouts.connect_s),
+        # every in-flight LLM request holds one ext_proc stream: the default 1024 is too low
+        "circuit_breakers": {"thresholds": [_UNLIMITED]},
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                _TYPED: _HTTP_OPTIONS,
+                "explicit_http_config": {"http2_protocol_options": {
+                    "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                }},
+            }
+        },
+        "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [
+            {"lb_endpoints": _endpoints([extproc_address])}
+        ]},
+    }
+
+
+def render_bootstrap(cfg: Config, extproc_address: str, prefill_listener: str) -> dict[str, Any]:
+    """The whole Envoy bootstrap for `cfg`, with the ext_proc at `extproc_address`."""
+    admin = cfg.envoy.admin
+    return {
+        "admin": {"address": {"socket_address": {"address": admin.host,
+                                                 "port_value": admin.port}}},
+        "static_resources": {
+            "listeners": [_ingress_listener(cfg), _prefill_listener(cfg, prefill_listener)],
+            "clusters": [
+                _extproc_cluster(extproc_address, cfg),
+                _pool_cluster("decode_pool", [e.address for e in cfg.decode.endpoints], cfg),
+                _pool_cluster("prefill_pool", [e.address for e in cfg.prefill.endpoints], cfg),
+            ],
+        },
+    }
+
+
+def render_yaml(bootstrap: dict[str, Any]) -> str:
+    return yaml.safe_dump(bootstrap, sort_keys=False, width=120)

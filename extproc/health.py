@@ -1,0 +1,94 @@
+"""Active health checks of every engine, and the identity work that follows a transition.
+
+Each round GETs `/health` of every endpoint directly. A prefill endpoint that becomes healthy
+(at start-up, or after an outage) is probed for its identity; one that goes down loses it.
+Passive marking (a refused P leg) happens in the processor and is undone here when the
+endpoint answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from extproc.probe import probe_prefill
+
+if TYPE_CHECKING:
+    from extproc.pool import EndpointState, Pool
+    from extproc.runtime import Runtime
+
+__all__ = ["HealthChecker"]
+
+log = logging.getLogger("extproc.health")
+
+
+class HealthChecker:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._probes: dict[str, asyncio.Task[bool]] = {}
+
+    async def start(self) -> None:
+        """One round now (so start-up knows who is down), then one every interval."""
+        self._session = aiohttp.ClientSession()
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        tasks = [t for t in [self._task, *self._probes.values()] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.rt.config.health.interval_s)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        pools = (self.rt.decode, self.rt.prefill)  # decodes first: a probe needs one
+        for pool in pools:
+            await asyncio.gather(*(self._check(pool, state) for state in pool))
+        for state in self.rt.prefill:
+            if state.healthy and self.rt.identities.get(state.address) is None:
+                self._maybe_probe(state.address)
+
+    async def _check(self, pool: Pool, state: EndpointState) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                f"http://{state.address}/health",
+                timeout=aiohttp.ClientTimeout(total=self.rt.config.health.timeout_s),
+            ) as response:
+                healthy = response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            healthy = False
+        if healthy != state.healthy:
+            log.warning("%s %s is now %s", pool.role, state.address,
+                        "healthy" if healthy else "unhealthy")
+        pool.set_healthy(state.address, healthy)
+        if not healthy and pool is self.rt.prefill:
+            self.rt.identities.drop(state.address)
+
+    def _maybe_probe(self, address: str) -> None:
+        """Probe once at a time per endpoint, when enabled and useful."""
+        if not self.rt.config.dispatch.probe or self._session is None:
+            return
+        running = self._probes.get(address)
+        if running is not None and not running.done():
+            return
+        self._probes[address] = asyncio.create_task(
+            probe_prefill(self.rt, self._session, address)
+        )
+
+    async def probes_settled(self, timeout_s: float) -> None:
+        """Wait (bounded) for the probes in flight; used at start-up."""
+        pending = [t for t in self._probes.values() if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)

@@ -1,0 +1,181 @@
+"""What the sidecar knows of each prefill engine's NIXL identity.
+
+vLLM has no endpoint that advertises a P's identity; it is learned from P's own
+`kv_transfer_params` (spec §7). The cache is keyed by prefill endpoint and is refreshed from
+every P response. An identity is dropped on a P error, a P timeout, a D error or a mismatch,
+so the next request learns it again. An endpoint whose identity keeps changing (data-parallel
+ranks behind one port) is served serially for a cool-down.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["IdentityCache", "PrefillIdentity", "identity_from_params"]
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillIdentity:
+    """The fields a decode engine needs to register a push with this P (spec §3.4)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    pp_size: int
+    dcp_size: int
+    transfer_mode: str | None  # "push" | "pull"; None before vLLM 0.28
+
+    def decode_params(self, request_id: str, transfer_id: str) -> dict[str, Any]:
+        """D's kv_transfer_params for a parallel push dispatch."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "dcp_size": self.dcp_size,
+            # Only P's lease heartbeat reads it; any string works in push mode (spec §3.4).
+            "remote_request_id": request_id,
+            "transfer_id": transfer_id,
+        }
+
+
+def _positive_int(params: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = params.get(key, default)
+    if value is None and default is not None:
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{key} must be a positive integer (got {value!r})")
+    return value
+
+
+def _valid_host(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 253:
+        raise ValueError(f"remote_host must be a host name or IP (got {value!r})")
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        labels = value.split(".")
+        if not all(label and label.replace("-", "").isalnum() for label in labels):
+            raise ValueError(f"remote_host is not a valid host name (got {value!r})") from None
+    return value
+
+
+def identity_from_params(params: Any) -> PrefillIdentity:
+    """Validate P's kv_transfer_params before anything is forwarded; ValueError if unusable."""
+    if not isinstance(params, Mapping):
+        raise ValueError("P returned no kv_transfer_params (is it started with a KV connector?)")
+    engine_id = params.get("remote_engine_id")
+    if not isinstance(engine_id, str) or not engine_id or len(engine_id) > 256:
+        raise ValueError(f"remote_engine_id must be a non-empty string (got {engine_id!r})")
+    port = params.get("remote_port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ValueError(f"remote_port must be 1-65535 (got {port!r})")
+    mode = params.get("transfer_mode")
+    if mode not in (None, "push", "pull"):
+        raise ValueError(f"transfer_mode must be 'push' or 'pull' (got {mode!r})")
+    return PrefillIdentity(
+        engine_id=engine_id,
+        host=_valid_host(params.get("remote_host")),
+        port=port,
+        tp_size=_positive_int(params, "tp_size"),
+        pp_size=_positive_int(params, "pp_size", 1),
+        dcp_size=_positive_int(params, "dcp_size", 1),
+        transfer_mode=mode,
+    )
+
+
+@dataclass
+class _Entry:
+    identity: PrefillIdentity | None = None
+    changes: deque[float] = field(default_factory=deque)
+    serial_until: float = 0.0
+
+
+class IdentityCache:
+    """Per-endpoint identities; every transition is reported to `on_event(endpoint, event)`.
+
+    Events: learned, refreshed, changed, dropped, flapping.
+    """
+
+    def __init__(
+        self,
+        flap_threshold: int,
+        flap_window_s: float,
+        serial_cooldown_s: float,
+        on_event: Callable[[str, str], None] = lambda endpoint, event: None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._flap_threshold = flap_threshold
+        self._flap_window_s = flap_window_s
+        self._serial_cooldown_s = serial_cooldown_s
+        self._on_event = on_event
+        self._clock = clock
+
+    def get(self, endpoint: str) -> PrefillIdentity | None:
+        entry = self._entries.get(endpoint)
+        return None if entry is None else entry.identity
+
+    def serial_only(self, endpoint: str) -> bool:
+        entry = self._entries.get(endpoint)
+        return entry is not None and self._clock() < entry.serial_until
+
+    def learn(self, endpoint: str, identity: PrefillIdentity) -> None:
+        """Record what P just reported; a different engine than before counts as a change."""
+        entry = self._entries.setdefault(endpoint, _Entry())
+        previous, entry.identity = entry.identity, identity
+        if previous is None:
+            self._on_event(endpoint, "learned")
+        elif previous == identity:
+            self._on_event(endpoint, "refreshed")
+        else:
+            self._on_event(endpoint, "changed")
+            self._count_change(endpoint, entry)
+
+    def _count_change(self, endpoint: str, entry: _Entry) -> None:
+        now = self._clock()
+        entry.changes.append(now)
+        while entry.changes and now - entry.changes[0] > self._flap_window_s:
+            entry.changes.popleft()
+        if len(entry.changes) >= self._flap_threshold:
+            entry.serial_until = now + self._serial_cooldown_s
+            entry.changes.clear()
+            self._on_event(endpoint, "flapping")
+
+    def drop(self, endpoint: str, only_if: PrefillIdentity | None = None) -> bool:
+        """Forget an endpoint's identity (only if it is still `only_if`, when given)."""
+        entry = self._entries.get(endpoint)
+        if entry is None or entry.identity is None:
+            return False
+        if only_if is not None and entry.identity != only_if:
+            return False
+        entry.identity = None
+        self._on_event(endpoint, "dropped")
+        return True
+
+    def forget(self, endpoint: str) -> None:
+        """The endpoint left the pool."""
+        self._entries.pop(endpoint, None)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """For /ready and tests: what is known of each endpoint."""
+        now = self._clock()
+        return {
+            endpoint: {
+                "engine_id": None if e.identity is None else e.identity.engine_id,
+                "transfer_mode": None if e.identity is None else e.identity.transfer_mode,
+                "serial_only": now < e.serial_until,
+            }
+            for endpoint, e in self._entries.items()
+        }

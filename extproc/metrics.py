@@ -1,0 +1,77 @@
+"""Every Prometheus instrument of the sidecar, declared once, on its own registry.
+
+A registry per `Metrics` (not the global one) lets tests build many runtimes in one process.
+Names follow Prometheus conventions: `pd_extproc_` prefix, base units, `_total` counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics"]
+
+# Latency buckets from 0.1 ms (ext_proc work, skew) to 60 s (a queued prefill).
+_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pd_extproc_requests",
+            "Client requests by outcome and by how their legs were dispatched.",
+            ["outcome", "strategy", "reason"],
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "pd_extproc_prefill_leg_seconds",
+            "P leg latency, from sending to P's complete answer.",
+            ["outcome"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.skew_seconds = Histogram(
+            "pd_extproc_dispatch_skew_seconds",
+            "Parallel dispatch: |P leg leaving - decode body answer leaving Envoy's stream|.",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.processing_seconds = Histogram(
+            "pd_extproc_processing_seconds",
+            "ext_proc time per request from the body message to the body answer, "
+            "not counting the wait for P in serial dispatch.",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.identity_events = Counter(
+            "pd_extproc_identity_events",
+            "Prefill identity cache transitions: learned, refreshed, changed, mismatched, "
+            "dropped, flapping.",
+            ["endpoint", "event"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "pd_extproc_inflight_requests",
+            "Requests in flight per endpoint, as counted by this ext_proc.",
+            ["role", "endpoint"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "pd_extproc_endpoint_healthy",
+            "1 if the endpoint passes health checks and accepts connections, else 0.",
+            ["role", "endpoint"],
+            registry=r,
+        )
+        self.probes = Counter(
+            "pd_extproc_identity_probes",
+            "One-token probes sent to learn a prefill identity before user traffic.",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

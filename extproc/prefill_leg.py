@@ -1,0 +1,115 @@
+"""The P leg: a POST through Envoy's loopback prefill listener, bounded by a timeout.
+
+Going through Envoy (not straight to P) keeps connection pooling, stats and the override_host
+pool check for prefill too. Envoy marks its own local replies (connect failure, reset) with
+`LOCAL_REPLY_HEADER` so that "P is unreachable" (503, retryable, mark unhealthy) can be told
+from "P answered 503".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from extproc.envoy_msgs import DESTINATION_HEADER
+from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
+
+__all__ = ["LOCAL_REPLY_HEADER", "PrefillClient", "PrefillResult"]
+
+LOCAL_REPLY_HEADER = "x-pd-extproc-envoy-flags"
+# Envoy response flags that mean the upstream was never reached or dropped the connection.
+_UNREACHABLE_FLAGS = {"UF", "UH", "URX", "UO", "UC", "UR", "NR", "LR"}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    status: int
+    kv_transfer_params: Any
+    started_at: float  # perf_counter when the request left the sidecar
+    elapsed_s: float
+
+
+def _prefill_error(status: int, flags: str | None, body: bytes, endpoint: str) -> Exception:
+    if flags is not None and _UNREACHABLE_FLAGS & set(flags.split(",")):
+        return PrefillUnreachable(
+            503, f"prefill endpoint {endpoint} is unreachable ({flags}); retry", retry_after_s=1
+        )
+    message = f"prefill endpoint {endpoint} answered {status}"
+    try:
+        detail = orjson.loads(body)["error"]["message"]
+        message += f": {detail}"
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        pass
+    # 4xx from P means the request is bad for the engine: pass it on; 5xx becomes 502.
+    return PrefillFailed(status if 400 <= status < 500 else 502, message)
+
+
+class PrefillClient:
+    """Sends P legs to Envoy's prefill listener ("unix:/path" or "host:port")."""
+
+    def __init__(self, listener: str, connect_timeout_s: float) -> None:
+        self._listener = listener
+        self._connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            if self._listener.startswith("unix:"):
+                connector: aiohttp.BaseConnector = aiohttp.UnixConnector(
+                    path=self._listener.removeprefix("unix:"), limit=0
+                )
+                self._base = "http://prefill"
+            else:
+                connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+                self._base = f"http://{self._listener}"
+            self._session = aiohttp.ClientSession(
+                connector=connector, skip_auto_headers=("User-Agent",)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def send(
+        self, endpoint: str, path: str, body: bytes, request_id: str, timeout_s: float,
+        extra_headers: dict[str, str] | None = None,
+    ) -> PrefillResult:
+        """POST the P body; PrefillResult on 2xx, else a LegError subclass is raised."""
+        headers = {
+            "content-type": "application/json",
+            DESTINATION_HEADER: endpoint,
+            "x-request-id": request_id,
+            **(extra_headers or {}),
+        }
+        session = self.session
+        started = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
+        try:
+            async with session.post(
+                self._base + path, data=body, headers=headers, timeout=timeout
+            ) as response:
+                payload = await response.read()
+                status, flags = response.status, response.headers.get(LOCAL_REPLY_HEADER)
+        except TimeoutError:
+            raise PrefillTimeout(
+                504, f"prefill endpoint {endpoint} did not answer within {timeout_s:g} s"
+            ) from None
+        except aiohttp.ClientError as error:
+            raise PrefillUnreachable(
+                503, f"prefill listener unreachable: {error}", retry_after_s=1
+            ) from None
+        elapsed = time.perf_counter() - started
+        if status >= 300:
+            raise _prefill_error(status, flags, payload, endpoint)
+        try:
+            params = orjson.loads(payload).get("kv_transfer_params")
+        except (orjson.JSONDecodeError, AttributeError):
+            raise PrefillFailed(502, f"prefill endpoint {endpoint} sent a non-JSON body") from None
+        return PrefillResult(status, params, started, elapsed)

@@ -1,0 +1,263 @@
+"""One client request through its phases: headers → body (dispatch) → response → end.
+
+    1. request headers: route check (404/405), answer CONTINUE (Envoy holds the headers)
+    2. request body (BUFFERED, whole): parse once, pick P and D, choose the strategy,
+       build both bodies by splicing, then
+         parallel: start the P leg and answer the body message in the same loop turn
+         serial:   extend Envoy's message timer, await P, forward its params to D
+    3. until the stream ends: watch the P leg and D's response headers together;
+       a failed P ends the request (ImmediateResponse) and Envoy resets D; a failed D
+       cancels P; the stream ending (done or client gone) cancels a running P.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
+
+from extproc import envoy_msgs
+from extproc.bodies import decode_body, prefill_body
+from extproc.dispatch import Strategy, choose_strategy
+from extproc.errors import (
+    ClientError,
+    IdentityChanged,
+    LegError,
+    NoHealthyPrefill,
+    PrefillFailed,
+    PrefillUnreachable,
+    RequestEnded,
+)
+from extproc.identity import PrefillIdentity, identity_from_params
+from extproc.prefill_leg import PrefillResult
+from extproc.request import ClientRequest, check_route, parse_request
+from extproc.stream import EnvoyStream
+
+if TYPE_CHECKING:
+    from extproc.runtime import Runtime
+
+__all__ = ["RequestProcessor"]
+
+log = logging.getLogger("extproc.request")
+
+_BODY_WAIT_S = 300.0  # a slow client upload; Envoy's own idle timeout usually ends it first
+
+
+class RequestProcessor:
+    """Per-stream state and phase handling; `run` owns the P leg task and cancels it."""
+
+    def __init__(self, runtime: Runtime, stream: EnvoyStream) -> None:
+        self.rt = runtime
+        self.stream = stream
+        self.client_request_id = ""
+        self.request_id = ""
+        self.strategy = Strategy.SERIAL
+        self.reason = "none"
+        self.outcome = "cancelled"
+        self.prefill: str | None = None
+        self.given: PrefillIdentity | None = None  # identity D was given (parallel)
+        self.leg: asyncio.Task[PrefillResult] | None = None
+
+    async def run(self) -> None:
+        try:
+            with ExitStack() as inflight:
+                await self._run(inflight)
+        except RequestEnded as error:
+            await self._end(error)
+        finally:
+            if self.leg is not None and not self.leg.done():
+                self.leg.cancel()  # client gone or D finished/failed: P's work is useless
+            self.stream.close()
+            self.rt.metrics.requests.labels(self.outcome, self.strategy, self.reason).inc()
+
+    async def _end(self, error: RequestEnded) -> None:
+        self.outcome = error.label if isinstance(error, LegError) else "client_error"
+        if isinstance(error, LegError):
+            log.warning(
+                "request %s (client id %r) failed: %s",
+                self.request_id, self.client_request_id, error,
+            )
+        if not self.stream.ended:
+            await self.stream.write(envoy_msgs.immediate(error))
+
+    async def _run(self, inflight: ExitStack) -> None:
+        message = await self.stream.read(_BODY_WAIT_S)
+        if message is None or message.WhichOneof("request") != "request_headers":
+            return
+        headers = envoy_msgs.header_map(message.request_headers)
+        self.client_request_id = headers.get("x-request-id", "")
+        api = check_route(headers.get(":method", ""), headers.get(":path", ""))
+        if message.request_headers.end_of_stream:
+            raise ClientError(400, "the request has no body; send a JSON object")
+        await self.stream.write(envoy_msgs.continue_request_headers())
+        message = await self.stream.read(_BODY_WAIT_S)
+        if message is None:
+            return
+        if message.WhichOneof("request") != "request_body":
+            raise ClientError(400, "unexpected message order from Envoy")
+        started = time.perf_counter()
+        request = parse_request(api, message.request_body.body, self.rt.config.limits.max_body_bytes)
+        await self._dispatch(request, inflight, started)
+        await self._watch()
+
+    def _pick(self, inflight: ExitStack) -> tuple[list[str], str | None]:
+        decodes = self.rt.decode.pick_with_fallback()
+        if not decodes:
+            raise LegError(503, "no healthy decode endpoint; retry later", retry_after_s=1)
+        inflight.enter_context(self.rt.decode.track(decodes[0]))
+        prefill = self.rt.prefill.pick()
+        if prefill is not None:
+            inflight.enter_context(self.rt.prefill.track(prefill))
+            return [d.address for d in decodes], prefill.address
+        if self.rt.config.dispatch.no_healthy_prefill == "decode_only":
+            return [d.address for d in decodes], None
+        raise NoHealthyPrefill(503, "no healthy prefill endpoint; retry later", retry_after_s=1)
+
+    async def _dispatch(self, request: ClientRequest, inflight: ExitStack, started: float) -> None:
+        decodes, self.prefill = self._pick(inflight)
+        self.request_id = str(uuid.uuid4())
+        if self.prefill is None:
+            self.strategy, self.reason = Strategy.DECODE_ONLY, "no_prefill"
+            await self._answer(decode_body(request.parts, None), decodes, started)
+            return
+        cache = self.rt.identities
+        identity = cache.get(self.prefill)
+        mode = self.rt.config.prefill_mode(self.prefill)
+        self.strategy, self.reason = choose_strategy(
+            mode, identity, cache.serial_only(self.prefill)
+        )
+        transfer_id = f"xfer-{uuid.uuid4()}"
+        p_body = prefill_body(
+            request.parts, request.has_max_completion_tokens, _prefill_params(transfer_id)
+        )
+        if self.strategy is Strategy.PARALLEL:
+            assert identity is not None
+            self.given = identity
+            d_body = decode_body(
+                request.parts, identity.decode_params(self.request_id, transfer_id)
+            )
+            # Created before the answer is written: both leave in this event-loop turn.
+            self.leg = self._start_leg(request, p_body)
+            await self._answer(d_body, decodes, started)
+            self.rt.metrics.skew_seconds.observe(abs(time.perf_counter() - self._leg_started))
+            return
+        await self.stream.write(envoy_msgs.extend_timeout(self.rt.config.timeouts.prefill_s + 1))
+        waited = time.perf_counter()
+        self.leg = self._start_leg(request, p_body)
+        result = await self._await_serial_leg()
+        if result is None:
+            return  # the client went away while P computed
+        started += time.perf_counter() - waited
+        params = self._learn(result)
+        await self._answer(decode_body(request.parts, params), decodes, started)
+
+    def _start_leg(self, request: ClientRequest, body: bytes) -> asyncio.Task[PrefillResult]:
+        assert self.prefill is not None
+        self._leg_started = time.perf_counter()
+        return asyncio.create_task(
+            self.rt.prefill_client.send(
+                self.prefill, request.api.value, body, self.request_id,
+                self.rt.config.timeouts.prefill_s,
+            )
+        )
+
+    async def _answer(self, body: bytes, decodes: list[str], started: float) -> None:
+        await self.stream.write(envoy_msgs.body_answer(body, decodes, self.request_id))
+        self.rt.metrics.processing_seconds.observe(time.perf_counter() - started)
+        log.debug(
+            "request %s (client id %r): %s/%s P=%s D=%s", self.request_id,
+            self.client_request_id, self.strategy, self.reason, self.prefill, decodes[0],
+        )
+
+    async def _await_serial_leg(self) -> PrefillResult | None:
+        assert self.leg is not None
+        read = self.stream.next_message()
+        await asyncio.wait({self.leg, read}, return_when=asyncio.FIRST_COMPLETED)
+        if self.leg.done():
+            return self._leg_result()
+        # Envoy sends nothing while it waits for our body answer, so this is the stream's end.
+        self.stream.take()
+        return None
+
+    def _leg_result(self) -> PrefillResult:
+        """The finished P leg's result; on failure drop the identity and raise for the client."""
+        assert self.leg is not None and self.prefill is not None
+        try:
+            result = self.leg.result()
+        except LegError as error:
+            self.rt.metrics.prefill_seconds.labels(error.label).observe(
+                time.perf_counter() - self._leg_started
+            )
+            self.rt.identities.drop(self.prefill)
+            if isinstance(error, PrefillUnreachable):
+                self.rt.prefill.set_healthy(self.prefill, False)
+            raise
+        self.rt.metrics.prefill_seconds.labels("ok").observe(result.elapsed_s)
+        return result
+
+    def _learn(self, result: PrefillResult) -> dict[str, Any]:
+        """Validate P's params (never forward unchecked values) and refresh the cache."""
+        assert self.prefill is not None
+        try:
+            identity = identity_from_params(result.kv_transfer_params)
+        except ValueError as error:
+            self.rt.identities.drop(self.prefill)
+            raise PrefillFailed(502, f"prefill {self.prefill} sent unusable params: {error}")
+        self.rt.identities.learn(self.prefill, identity)
+        if self.given is not None and identity != self.given:
+            self.rt.metrics.identity_events.labels(self.prefill, "mismatched").inc()
+            raise IdentityChanged(
+                503, f"prefill {self.prefill} restarted (new engine id); retry", retry_after_s=1
+            )
+        return result.kv_transfer_params  # type: ignore[no-any-return]
+
+    async def _watch(self) -> None:
+        """Until the stream ends: P leg outcome and D's response headers, whichever first."""
+        while not self.stream.ended:
+            read = self.stream.next_message()
+            leg_pending = self.leg is not None and not self.leg.done()
+            waiting = {read, self.leg} if leg_pending else {read}
+            await asyncio.wait(
+                waiting, timeout=self.rt.config.timeouts.request_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.given is not None and self.leg is not None and self.leg.done():
+                if self.leg.cancelled():
+                    return
+                self._learn(self._leg_result())  # compares with the identity D was given
+                self.given = None
+            if read.done():
+                await self._on_message(self.stream.take())
+            elif not any(task.done() for task in waiting):
+                return  # request_s elapsed: stop watching, Envoy's timeouts own it now
+
+    async def _on_message(self, message: Any) -> None:
+        if message is None:
+            if self.outcome == "cancelled" and self.leg is not None and not self.leg.done():
+                log.info("request %s: stream ended before P answered", self.request_id)
+            return
+        if message.WhichOneof("request") != "response_headers":
+            return
+        status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
+        self.outcome = "ok" if status < 400 else f"decode_{status // 100}xx"
+        if status >= 500 and self.prefill is not None:
+            self.rt.identities.drop(self.prefill, only_if=self.given)
+            if self.leg is not None and not self.leg.done():
+                self.leg.cancel()
+                self.given = None
+        await self.stream.write(envoy_msgs.continue_response_headers())
+
+
+def _prefill_params(transfer_id: str) -> dict[str, Any]:
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+        "transfer_id": transfer_id,
+    }

@@ -1,0 +1,80 @@
+"""Config → the live objects one ext_proc process shares between its streams.
+
+This is the only module that names concrete classes; everything else receives them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from extproc.config import Config
+from extproc.health import HealthChecker
+from extproc.identity import IdentityCache
+from extproc.metrics import Metrics
+from extproc.pool import EndpointState, Pool, picker
+from extproc.prefill_leg import PrefillClient
+
+__all__ = ["Runtime"]
+
+log = logging.getLogger("extproc")
+
+
+class Runtime:
+    def __init__(self, config: Config, prefill_listener: str) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        dispatch = config.dispatch
+        self.identities = IdentityCache(
+            dispatch.flap_threshold,
+            dispatch.flap_window_s,
+            dispatch.serial_cooldown_s,
+            on_event=self._identity_event,
+        )
+        self.prefill = Pool(
+            "prefill",
+            [e.address for e in config.prefill.endpoints],
+            picker(config.prefill.policy),
+            on_change=self._endpoint_changed("prefill"),
+        )
+        self.decode = Pool(
+            "decode",
+            [e.address for e in config.decode.endpoints],
+            picker(config.decode.policy),
+            on_change=self._endpoint_changed("decode"),
+        )
+        for pool in (self.prefill, self.decode):
+            for state in pool:
+                self._endpoint_changed(pool.role)(state)
+        self.prefill_client = PrefillClient(prefill_listener, config.timeouts.connect_s)
+        self.health = HealthChecker(self)
+
+    def _identity_event(self, endpoint: str, event: str) -> None:
+        self.metrics.identity_events.labels(endpoint, event).inc()
+        if event in ("changed", "flapping", "dropped"):
+            log.info("prefill %s: identity %s", endpoint, event)
+
+    def _endpoint_changed(self, role: str):
+        def record(state: EndpointState) -> None:
+            self.metrics.inflight.labels(role, state.address).set(state.in_flight)
+            self.metrics.healthy.labels(role, state.address).set(1 if state.healthy else 0)
+
+        return record
+
+    async def start(self) -> None:
+        await self.health.start()
+        await self.health.probes_settled(self.config.timeouts.probe_s)
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        await self.prefill_client.close()
+
+    def readiness(self) -> dict[str, object]:
+        """What /ready shows: endpoint health and load, and the identity cache."""
+        return {
+            "ready": any(s.healthy for s in self.decode),
+            "prefill": {s.address: {"healthy": s.healthy, "in_flight": s.in_flight}
+                        for s in self.prefill},
+            "decode": {s.address: {"healthy": s.healthy, "in_flight": s.in_flight}
+                       for s in self.decode},
+            "identities": self.identities.snapshot(),
+        }

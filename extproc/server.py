@@ -1,0 +1,90 @@
+"""The ext_proc process: gRPC server (ExternalProcessor), and the metrics/readiness HTTP port.
+
+`ExtProcServer.start()` binds both (port 0 picks a free port; the bound ports are attributes
+afterwards), `stop(grace)` lets in-flight streams finish for up to `grace` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc import aio
+
+from extproc.processor import RequestProcessor
+from extproc.runtime import Runtime
+from extproc.stream import EnvoyStream
+
+__all__ = ["ExtProcServer"]
+
+log = logging.getLogger("extproc.server")
+
+# Whole bodies travel in one gRPC message; Python's default 4 MiB would cap prompts.
+_GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_concurrent_streams", 100_000),
+    # Envoy pings every 30 s (cluster keepalive); don't punish it with GOAWAY.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def Process(self, request_iterator: Any, context: aio.ServicerContext) -> None:
+        await RequestProcessor(self.runtime, EnvoyStream(context)).run()
+
+
+class ExtProcServer:
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._grpc: aio.Server | None = None
+        self._http: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        cfg = self.runtime.config
+        await self.runtime.start()
+        self._grpc = aio.server(options=_GRPC_OPTIONS)
+        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.extproc.host}:{cfg.extproc.port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot listen on {cfg.extproc.host}:{cfg.extproc.port} (in use?)")
+        await self._grpc.start()
+        self._http = web.AppRunner(self._http_app(), access_log=None)
+        await self._http.setup()
+        site = web.TCPSite(self._http, cfg.metrics.host, cfg.metrics.port)
+        await site.start()
+        self.metrics_port = self._http.addresses[0][1]
+        log.info("ext_proc on %s:%d, metrics on %s:%d", cfg.extproc.host, self.grpc_port,
+                 cfg.metrics.host, self.metrics_port)
+
+    def _http_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/ready", self._ready)
+        return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.runtime.metrics.render(),
+                            content_type="text/plain", charset="utf-8")
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        state = self.runtime.readiness()
+        return web.Response(body=orjson.dumps(state), status=200 if state["ready"] else 503,
+                            content_type="application/json")
+
+    async def stop(self, grace_s: float) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        if self._http is not None:
+            await self._http.cleanup()
+        await self.runtime.stop()

@@ -1,0 +1,52 @@
+"""One Envoy ext_proc gRPC stream (= one HTTP request), read with at most one read pending.
+
+A pending read is kept as a task so that the processor can wait on "Envoy's next message"
+and "the P leg finished" at once without ever losing a message; it is cancelled on close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from grpc import aio
+
+__all__ = ["EnvoyStream"]
+
+
+class EnvoyStream:
+    def __init__(self, context: aio.ServicerContext[Any, Any]) -> None:
+        self._context = context
+        self._pending: asyncio.Task[Any] | None = None
+        self.ended = False
+
+    def next_message(self) -> asyncio.Task[Any]:
+        """The task reading Envoy's next message (created once, reused until consumed)."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._context.read())
+        return self._pending
+
+    def take(self) -> ep.ProcessingRequest | None:
+        """The message of a finished `next_message()` task; None when the stream ended."""
+        task, self._pending = self._pending, None
+        assert task is not None and task.done()
+        message = None if task.cancelled() or task.exception() else task.result()
+        if message is None or message is aio.EOF:
+            self.ended = True
+            return None
+        return message
+
+    async def read(self, timeout_s: float) -> ep.ProcessingRequest | None:
+        """Envoy's next message, or None when the stream ended or nothing came in time."""
+        task = self.next_message()
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        return self.take() if done else None
+
+    async def write(self, response: ep.ProcessingResponse) -> None:
+        await self._context.write(response)
+
+    def close(self) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+        self._pending = None

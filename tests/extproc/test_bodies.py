@@ -1,0 +1,87 @@
+"""The splice must always equal 'parse, change the fields, serialise' — without re-serialising."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.bodies import BodyError, decode_body, members, prefill_body
+
+json_scalars = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text() | st.floats(
+    allow_nan=False, allow_infinity=False
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+bodies = st.dictionaries(
+    st.sampled_from(
+        ["model", "prompt", "messages", "stream", "stream_options", "max_tokens",
+         "max_completion_tokens", "min_tokens", "kv_transfer_params", "temperature", "x"]
+    ) | st.text(max_size=8),
+    json_values,
+    max_size=8,
+)
+KV = {"do_remote_decode": True, "remote_host": None}
+
+
+def _serialise(doc: dict, pretty: bool) -> bytes:
+    return orjson.dumps(doc, option=orjson.OPT_INDENT_2 if pretty else 0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(doc=bodies, pretty=st.booleans())
+def test_decode_body_is_the_original_plus_the_routers_params(doc: dict, pretty: bool) -> None:
+    raw = _serialise(doc, pretty)
+    out = orjson.loads(decode_body(members(raw), KV))
+    assert out == {**{k: v for k, v in doc.items() if k != "kv_transfer_params"},
+                   "kv_transfer_params": KV}
+
+
+@settings(max_examples=400, deadline=None)
+@given(doc=bodies, pretty=st.booleans())
+def test_prefill_body_caps_tokens_and_drops_streaming(doc: dict, pretty: bool) -> None:
+    raw = _serialise(doc, pretty)
+    has_mct = "max_completion_tokens" in doc
+    out = orjson.loads(prefill_body(members(raw), has_mct, KV))
+    dropped = {"stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
+               "min_completion_tokens", "kv_transfer_params"}
+    expected = {k: v for k, v in doc.items() if k not in dropped}
+    expected |= {"max_tokens": 1, "stream": False, "kv_transfer_params": KV}
+    if has_mct:
+        expected["max_completion_tokens"] = 1
+    assert out == expected
+
+
+def test_prompt_bytes_are_kept_verbatim() -> None:
+    raw = b'{"model":"m","prompt":"caf\\u00e9 \\"quoted\\" \\\\ {not a brace}","stream":true}'
+    out = decode_body(members(raw), None)
+    assert b'"prompt":"caf\\u00e9 \\"quoted\\" \\\\ {not a brace}"' in out
+
+
+def test_escaped_key_cannot_smuggle_router_fields() -> None:
+    raw = b'{"model":"m","kv\\u005ftransfer_params":{"remote_host":"evil"},"prompt":"p"}'
+    out = orjson.loads(decode_body(members(raw), None))
+    assert "kv_transfer_params" not in out
+
+
+def test_duplicate_router_keys_are_all_removed() -> None:
+    raw = b'{"kv_transfer_params":1,"model":"m","kv_transfer_params":{"a":2}}'
+    assert orjson.loads(decode_body(members(raw), {"b": 3})) == {
+        "model": "m", "kv_transfer_params": {"b": 3}}
+
+
+@pytest.mark.parametrize("raw", [b"[]", b'"x"', b"{", b'{"a" 1}', b'{"a":1 "b":2}'])
+def test_non_objects_are_rejected(raw: bytes) -> None:
+    with pytest.raises(BodyError):
+        members(raw)
+
+
+def test_one_megabyte_prompt_is_spliced_without_reparsing() -> None:
+    raw = orjson.dumps({"model": "m", "prompt": "word " * 200_000, "stream": True})
+    parts = members(raw)
+    assert [k for k, _ in parts] == ["model", "prompt", "stream"]
+    assert parts[1][1] in raw  # the prompt member is a slice of the input, not a copy
