@@ -84,6 +84,10 @@ class Metrics:
             registry=reg,
         )  # fmt: skip
         self.process_start.set(self.start_time)
+        for m in (self.running, self.waiting, self.kv_usage, self.ttft, self.prompt_tokens,
+                  self.generation_tokens, self.nixl_xfer_time, self.nixl_bytes,
+                  self.nixl_failed_transfers, self.nixl_failed_notifs, self.nixl_expired):
+            m.labels(**self._labels)  # fmt: skip
         for source in TOKEN_SOURCES:  # export zeros so scrapers see every series
             self.prompt_by_source.labels(**self._labels, source=source)
         for stage in FETCH_STAGES:
