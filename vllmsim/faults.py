@@ -48,9 +48,13 @@ async def post_faults(request: web.Request) -> web.Response:
     sim = request.app[SIM_KEY]
     body = await _body(request)
     faults = sim.faults
-    for key in ("fail_next", "fail_status", "hang_next"):
-        if key in body:
-            setattr(faults, key, int(body[key]))
+    if "fail_next" in body:  # fail_status defaults to 500 for each new fail_next
+        faults.fail_next = int(body["fail_next"])
+        faults.fail_status = int(body.get("fail_status", 500))
+    elif "fail_status" in body:
+        faults.fail_status = int(body["fail_status"])
+    if "hang_next" in body:
+        faults.hang_next = int(body["hang_next"])
     if "latency_ms" in body:
         faults.latency_ms = float(body["latency_ms"])
     if "drop_registrations" in body:
