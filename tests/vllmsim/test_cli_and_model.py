@@ -1,0 +1,90 @@
+"""The command itself (start-up time, RSS, errors, signals) and the timing model."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import aiohttp
+
+from vllmsim.testing import running_engine, running_engine_sync, vllmsim_command
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*vllmsim_command(), *args], capture_output=True, text=True,
+                          timeout=20)  # fmt: skip
+
+
+def test_bad_kv_transfer_config_is_one_line() -> None:
+    for bad in ("{not json", '{"kv_connector":"Nope","kv_role":"kv_producer"}',
+                '{"kv_connector":"NixlPushConnector"}'):  # fmt: skip
+        proc = _run("--port", "0", "--kv-transfer-config", bad)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("vllmsim: error:"), proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_port_in_use_is_one_line() -> None:
+    with running_engine_sync() as eng:
+        proc = _run("--port", str(eng.port))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("vllmsim: error: cannot listen")
+
+
+def test_startup_time_rss_and_sigterm(tmp_path: Path) -> None:
+    port_file = tmp_path / "port.json"
+    started = time.monotonic()
+    proc = subprocess.Popen([*vllmsim_command(), "--port", "0", "--port-file", str(port_file)],
+                            env={**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": "0"},
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        while not port_file.exists():
+            assert time.monotonic() - started < 5 and proc.poll() is None
+            time.sleep(0.005)
+        startup = time.monotonic() - started
+        info = json.loads(port_file.read_text())
+        assert info["pid"] == proc.pid and info["port"] > 0
+        time.sleep(0.3)
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        rss_kb = int(next(x for x in status.splitlines() if x.startswith("VmRSS")).split()[1])
+        print(f"\nstart-up {startup * 1000:.0f} ms, idle RSS {rss_kb / 1024:.1f} MiB")
+        assert startup < 1.0
+        assert rss_kb < 150 * 1024
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(3) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def _ttft(http: aiohttp.ClientSession, url: str, tokens: int) -> tuple[float, list[float]]:
+    body = {"prompt": [7] * tokens, "max_tokens": 12, "stream": True}
+    started = time.monotonic()
+    stamps: list[float] = []
+    async with http.post(url + "/v1/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                stamps.append(time.monotonic())
+    return stamps[0] - started, [b - a for a, b in itertools.pairwise(stamps)]
+
+
+async def test_default_timing_model(http: aiohttp.ClientSession) -> None:
+    async with running_engine() as eng:
+        alone = []
+        for _ in range(3):
+            ttft, gaps = await _ttft(http, eng.url, 1024)
+            alone.append(ttft)
+        assert 0.055 < statistics.median(alone) < 0.15  # ~70 ms modelled
+        assert 0.008 < statistics.median(gaps) < 0.02  # 10-15 ms per output token
+        loaded = await asyncio.gather(*(_ttft(http, eng.url, 1024) for _ in range(8)))
+        # 8 prompts share a 2048-token budget: queueing makes TTFT grow with load.
+        assert statistics.mean(t for t, _ in loaded) > 2 * statistics.median(alone)
