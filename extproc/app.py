@@ -48,7 +48,9 @@ class Sidecar:
         self.runtime = Runtime(config, self.prefill_listener)
         self.server = ExtProcServer(self.runtime)
         self.envoy = EnvoyProcess(
-            self.run_dir / "envoy.yaml", self.run_dir, config.envoy.log_level,
+            self.run_dir / "envoy.yaml",
+            self.run_dir,
+            config.envoy.log_level,
             config.envoy.concurrency,
         )
         self.addresses: SidecarAddresses | None = None
@@ -80,6 +82,7 @@ class Sidecar:
 
     async def stop(self) -> None:
         await asyncio.gather(
-            self.envoy.stop(), self.server.stop(self.config.timeouts.drain_s),
+            self.envoy.stop(),
+            self.server.stop(self.config.timeouts.drain_s),
             return_exceptions=True,
         )

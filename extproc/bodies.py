@@ -30,8 +30,15 @@ _STRUCTURAL = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
 ROUTER_FIELDS = frozenset({"kv_transfer_params"})
 # Fields the P leg overrides (vLLM rejects min_tokens > max_tokens, so they go).
 _PREFILL_DROPPED = frozenset(
-    {"stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
-     "min_completion_tokens", "kv_transfer_params"}
+    {
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "min_completion_tokens",
+        "kv_transfer_params",
+    }
 )
 
 

@@ -35,13 +35,17 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run only the ext_proc, for an existing Envoy")
     serve.add_argument("--config", "-c", required=True, type=Path)
     serve.add_argument(
-        "--prefill-listener", required=True,
+        "--prefill-listener",
+        required=True,
         help="where your Envoy's prefill listener is: unix:/path or 127.0.0.1:port",
     )
     render = commands.add_parser("render-envoy", help="print the Envoy bootstrap for a config")
     render.add_argument("--config", "-c", required=True, type=Path)
-    render.add_argument("--extproc-address", default=None,
-                        help="host:port of the ext_proc (default: from the config)")
+    render.add_argument(
+        "--extproc-address",
+        default=None,
+        help="host:port of the ext_proc (default: from the config)",
+    )
     render.add_argument("--prefill-listener", default="127.0.0.1:10001")
     demo = commands.add_parser("demo", help="2P2D simulated push engines + Envoy + ext_proc")
     demo.add_argument("--once", action="store_true", help="send the demo requests, then exit")
@@ -67,9 +71,11 @@ async def _up(config: Config, ready_file: Path | None, stop: asyncio.Event) -> i
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_bytes(addresses.to_json())
         tmp.rename(ready_file)
-    print(f"pd-extproc is up: {addresses.url}/v1/completions "
-          f"(metrics {addresses.metrics}/metrics, Envoy admin {addresses.envoy_admin})",
-          flush=True)
+    print(
+        f"pd-extproc is up: {addresses.url}/v1/completions "
+        f"(metrics {addresses.metrics}/metrics, Envoy admin {addresses.envoy_admin})",
+        flush=True,
+    )
     envoy_exit = asyncio.create_task(sidecar.wait_envoy_exit())
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({envoy_exit, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -111,9 +117,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from extproc.demo import run_demo
 
-        return asyncio.run(_until_signal(
-            lambda stop: run_demo(stop, once=args.once, requests=args.requests, port=args.port)
-        ))
+        return asyncio.run(
+            _until_signal(
+                lambda stop: run_demo(stop, once=args.once, requests=args.requests, port=args.port)
+            )
+        )
     config = load_config(args.config)
     if args.command == "render-envoy":
         return _render(config, args.extproc_address, args.prefill_listener)

@@ -148,6 +148,7 @@ class TimeoutConfig(_Strict):
 class HealthConfig(_Strict):
     interval_s: PositiveFloat = 2.0
     timeout_s: PositiveFloat = 1.0
+    unhealthy_after: int = Field(default=2, ge=1)  # consecutive failed checks
 
 
 class LimitConfig(_Strict):
@@ -161,9 +162,7 @@ class EnvoyConfig(_Strict):
     # Empty: a Unix socket in the run directory (`up`), which nothing outside this host reaches.
     prefill_listener: str = ""
     concurrency: int = Field(default=1, ge=1)
-    log_level: Literal["trace", "debug", "info", "warning", "error", "critical", "off"] = (
-        "warning"
-    )
+    log_level: Literal["trace", "debug", "info", "warning", "error", "critical", "off"] = "warning"
 
     @field_validator("prefill_listener")
     @classmethod

@@ -26,17 +26,30 @@ __all__ = ["EXTPROC_CLUSTER", "render_bootstrap", "render_yaml"]
 
 EXTPROC_CLUSTER = "pd_extproc"
 _TYPED = "@type"
-_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_HCM = (
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+    ".HttpConnectionManager"
+)
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
-_EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_EXT_PROC_PER_ROUTE = (
+    "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+)
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-_OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
-_ROUND_ROBIN = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+_OVERRIDE_HOST = (
+    "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+)
+_ROUND_ROBIN = (
+    "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+)
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 # Paths of the engines that need no P/D routing: any decode engine answers them.
 PASSTHROUGH_PATHS = ("/v1/models", "/health", "/metrics", "/version", "/tokenize", "/detokenize")
-_UNLIMITED = {"max_connections": 100000, "max_pending_requests": 100000,
-              "max_requests": 100000, "max_retries": 1000}
+_UNLIMITED = {
+    "max_connections": 100000,
+    "max_pending_requests": 100000,
+    "max_requests": 100000,
+    "max_retries": 1000,
+}
 
 
 def _duration(seconds: float) -> str:
@@ -84,11 +97,18 @@ def _local_reply_413(cfg: Config) -> dict[str, Any]:
     return {
         "mappers": [
             {
-                "filter": {"status_code_filter": {"comparison": {
-                    "op": "EQ", "value": {"default_value": 413, "runtime_key": "pd_413"}}}},
+                "filter": {
+                    "status_code_filter": {
+                        "comparison": {
+                            "op": "EQ",
+                            "value": {"default_value": 413, "runtime_key": "pd_413"},
+                        }
+                    }
+                },
                 "body": {"inline_string": body},
-                "headers_to_add": [{"header": {"key": "content-type",
-                                               "value": "application/json"}}],
+                "headers_to_add": [
+                    {"header": {"key": "content-type", "value": "application/json"}}
+                ],
             }
         ]
     }
@@ -120,93 +140,114 @@ def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
         }
         for prefix in PASSTHROUGH_PATHS
     ]
-    routes.append({
-        "match": {"prefix": "/"},
-        "direct_response": {"status": 404, "body": {"inline_string": error_body(
-            404, f"not found; this gateway serves {', '.join(sorted(PATHS))}").decode()}},
-        "typed_per_filter_config": {
-            "envoy.filters.http.ext_proc": {_TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
-        },
-    })
+    routes.append(
+        {
+            "match": {"prefix": "/"},
+            "direct_response": {
+                "status": 404,
+                "body": {
+                    "inline_string": error_body(
+                        404, f"not found; this gateway serves {', '.join(sorted(PATHS))}"
+                    ).decode()
+                },
+            },
+            "typed_per_filter_config": {
+                "envoy.filters.http.ext_proc": {_TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
+            },
+        }
+    )
     return routes
+
+
+def _listener(name: str, address: dict[str, Any], hcm: dict[str, Any], cfg: Config) -> dict:
+    return {
+        "name": name,
+        "address": address,
+        "per_connection_buffer_limit_bytes": cfg.limits.max_body_bytes,
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                          "typed_config": {_TYPED: _HCM, **hcm}}]}
+        ],
+    }  # fmt: skip
 
 
 def _ingress_listener(cfg: Config) -> dict[str, Any]:
     listen = cfg.envoy.listen
-    return {
-        "name": "ingress",
-        "address": {"socket_address": {"address": listen.host, "port_value": listen.port}},
-        "per_connection_buffer_limit_bytes": cfg.limits.max_body_bytes,
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager",
-            "typed_config": {
-                _TYPED: _HCM,
-                "stat_prefix": "ingress",
-                "delayed_close_timeout": "0s",  # resets reach HTTP/1.1 clients at once
-                "local_reply_config": _local_reply_413(cfg),
-                "route_config": {"name": "ingress", "virtual_hosts": [
-                    {"name": "llm", "domains": ["*"], "routes": _ingress_routes(cfg)}
-                ]},
-                "http_filters": [_ext_proc_filter(cfg), _router()],
-            },
-        }]}],
+    hcm = {
+        "stat_prefix": "ingress",
+        "delayed_close_timeout": "0s",  # resets reach HTTP/1.1 clients at once
+        "local_reply_config": _local_reply_413(cfg),
+        "route_config": {
+            "name": "ingress",
+            "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _ingress_routes(cfg)}],
+        },
+        "http_filters": [_ext_proc_filter(cfg), _router()],
     }
+    address = {"socket_address": {"address": listen.host, "port_value": listen.port}}
+    return _listener("ingress", address, hcm, cfg)
+
+
+# Envoy's own replies (connect failure, reset) carry their response flags, so the ext_proc
+# can tell "P unreachable" from "P answered 503".
+_FLAG_LOCAL_REPLIES = {
+    "mappers": [
+        {
+            "filter": {"not_health_check_filter": {}},
+            "headers_to_add": [
+                {"header": {"key": LOCAL_REPLY_HEADER, "value": "%RESPONSE_FLAGS%"}}
+            ],
+        }
+    ]
+}
 
 
 def _prefill_listener(cfg: Config, prefill_listener: str) -> dict[str, Any]:
-    return {
-        "name": "prefill",
-        "address": socket_address(prefill_listener),
-        "per_connection_buffer_limit_bytes": cfg.limits.max_body_bytes,
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager",
-            "typed_config": {
-                _TYPED: _HCM,
-                "stat_prefix": "prefill",
-                "delayed_close_timeout": "0s",
-                # Envoy's own replies (connect failure, reset) are marked with their flags so
-                # the ext_proc can tell "P unreachable" from "P answered 503".
-                "local_reply_config": {"mappers": [{
-                    "filter": {"not_health_check_filter": {}},
-                    "headers_to_add": [{"header": {"key": LOCAL_REPLY_HEADER,
-                                                   "value": "%RESPONSE_FLAGS%"}}],
-                }]},
-                "route_config": {"name": "prefill", "virtual_hosts": [{
-                    "name": "prefill", "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"},
-                                "route": {"cluster": "prefill_pool", "timeout": "0s"},
-                                "request_body_buffer_limit": cfg.limits.max_body_bytes}],
-                }]},
-                "http_filters": [_router()],
-            },
-        }]}],
+    route = {
+        "match": {"prefix": "/"},
+        "route": {"cluster": "prefill_pool", "timeout": "0s"},  # the ext_proc times P out
+        "request_body_buffer_limit": cfg.limits.max_body_bytes,
     }
+    hcm = {
+        "stat_prefix": "prefill",
+        "delayed_close_timeout": "0s",
+        "local_reply_config": _FLAG_LOCAL_REPLIES,
+        "route_config": {
+            "name": "prefill",
+            "virtual_hosts": [{"name": "prefill", "domains": ["*"], "routes": [route]}],
+        },
+        "http_filters": [_router()],
+    }
+    return _listener("prefill", socket_address(prefill_listener), hcm, cfg)
 
 
 def _endpoints(addresses: list[str]) -> list[dict[str, Any]]:
     return [{"endpoint": {"address": socket_address(a)}} for a in addresses]
 
 
+def _lb_policy(name: str, typed_config: dict[str, Any]) -> dict[str, Any]:
+    """Envoy's LoadBalancingPolicy with one typed extension."""
+    return {"policies": [{"typed_extension_config": {"name": name, "typed_config": typed_config}}]}
+
+
 def _pool_cluster(name: str, addresses: list[str], cfg: Config) -> dict[str, Any]:
+    round_robin = _lb_policy("envoy.load_balancing_policies.round_robin", {_TYPED: _ROUND_ROBIN})
+    override_host = {
+        _TYPED: _OVERRIDE_HOST,
+        "override_host_sources": [{"header": DESTINATION_HEADER}],
+        "fallback_policy": round_robin,  # only for routes without the ext_proc (/v1/models)
+    }
     return {
         "name": name,
         "type": "STATIC",
         "connect_timeout": _duration(cfg.timeouts.connect_s),
         "circuit_breakers": {"thresholds": [_UNLIMITED]},
-        "load_balancing_policy": {"policies": [{"typed_extension_config": {
-            "name": "envoy.load_balancing_policies.override_host",
-            "typed_config": {
-                _TYPED: _OVERRIDE_HOST,
-                "override_host_sources": [{"header": DESTINATION_HEADER}],
-                "fallback_policy": {"policies": [{"typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.round_robin",
-                    "typed_config": {_TYPED: _ROUND_ROBIN},
-                }}]},
-            },
-        }}]},
-        "load_assignment": {"cluster_name": name, "endpoints": [
-            {"lb_endpoints": _endpoints(addresses)}
-        ]},
+        "load_balancing_policy": _lb_policy(
+            "envoy.load_balancing_policies.override_host", override_host
+        ),
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": _endpoints(addresses)}],
+        },
     }
 
 
@@ -220,14 +261,17 @@ def _extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 _TYPED: _HTTP_OPTIONS,
-                "explicit_http_config": {"http2_protocol_options": {
-                    "connection_keepalive": {"interval": "30s", "timeout": "5s"},
-                }},
+                "explicit_http_config": {
+                    "http2_protocol_options": {
+                        "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                    }
+                },
             }
         },
-        "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [
-            {"lb_endpoints": _endpoints([extproc_address])}
-        ]},
+        "load_assignment": {
+            "cluster_name": EXTPROC_CLUSTER,
+            "endpoints": [{"lb_endpoints": _endpoints([extproc_address])}],
+        },
     }
 
 
@@ -235,8 +279,7 @@ def render_bootstrap(cfg: Config, extproc_address: str, prefill_listener: str) -
     """The whole Envoy bootstrap for `cfg`, with the ext_proc at `extproc_address`."""
     admin = cfg.envoy.admin
     return {
-        "admin": {"address": {"socket_address": {"address": admin.host,
-                                                 "port_value": admin.port}}},
+        "admin": {"address": {"socket_address": {"address": admin.host, "port_value": admin.port}}},
         "static_resources": {
             "listeners": [_ingress_listener(cfg), _prefill_listener(cfg, prefill_listener)],
             "clusters": [

@@ -52,9 +52,7 @@ def continue_response_headers() -> ep.ProcessingResponse:
     return _CONTINUE_RESPONSE
 
 
-def body_answer(
-    body: bytes, destinations: Iterable[str], request_id: str
-) -> ep.ProcessingResponse:
+def body_answer(body: bytes, destinations: Iterable[str], request_id: str) -> ep.ProcessingResponse:
     """Replace the body, route to `destinations` (ordered fallbacks), set the request id.
 
     With request headers SENT and the body BUFFERED, Envoy checks content-length against the

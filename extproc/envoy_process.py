@@ -31,6 +31,10 @@ def envoy_binary() -> str:
     return found
 
 
+def _read_if_exists(path: Path) -> str:
+    return path.read_text().strip() if path.exists() else ""
+
+
 class EnvoyProcess:
     def __init__(self, config_path: Path, run_dir: Path, log_level: str, concurrency: int) -> None:
         self.config_path = config_path
@@ -43,9 +47,15 @@ class EnvoyProcess:
 
     async def validate(self) -> None:
         process = await asyncio.create_subprocess_exec(
-            envoy_binary(), "--mode", "validate", "-c", str(self.config_path),
-            "--log-level", "error",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            envoy_binary(),
+            "--mode",
+            "validate",
+            "-c",
+            str(self.config_path),
+            "--log-level",
+            "error",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
         )
         output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
         if process.returncode != 0:
@@ -56,26 +66,37 @@ class EnvoyProcess:
         admin_path.unlink(missing_ok=True)
         with self.log_path.open("wb") as log:
             self._process = await asyncio.create_subprocess_exec(
-                envoy_binary(), "-c", str(self.config_path),
-                "--admin-address-path", str(admin_path),
-                "--log-level", self.log_level, "--concurrency", str(self.concurrency),
+                envoy_binary(),
+                "-c",
+                str(self.config_path),
+                "--admin-address-path",
+                str(admin_path),
+                "--log-level",
+                self.log_level,
+                "--concurrency",
+                str(self.concurrency),
                 "--disable-hot-restart",  # many Envoys on one host must not share memory
-                stdout=log, stderr=log, start_new_session=True,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
             )
         try:
             await asyncio.wait_for(self._wait_ready(admin_path), timeout_s)
         except TimeoutError:
             await self.stop()
-            raise EnvoyError(f"Envoy did not become ready in {timeout_s:g} s; see {self.log_path}")
+            raise EnvoyError(
+                f"Envoy did not become ready in {timeout_s:g} s; see {self.log_path}"
+            ) from None
 
     async def _wait_ready(self, admin_path: Path) -> None:
         async with aiohttp.ClientSession() as session:
             while True:
                 if self._process is not None and self._process.returncode is not None:
-                    tail = self.log_path.read_text(errors="replace")[-1500:]
+                    tail = (await asyncio.to_thread(self.log_path.read_text))[-1500:]
                     raise EnvoyError(f"Envoy exited with {self._process.returncode}:\n{tail}")
-                if admin_path.exists() and admin_path.read_text().strip():
-                    self.admin_url = "http://" + admin_path.read_text().strip()
+                address = await asyncio.to_thread(_read_if_exists, admin_path)
+                if address:
+                    self.admin_url = "http://" + address
                     try:
                         async with session.get(self.admin_url + "/ready") as response:
                             if response.status == 200:
@@ -86,9 +107,12 @@ class EnvoyProcess:
 
     async def listener_address(self, name: str) -> str:
         """'host:port' Envoy really bound for listener `name` (resolves port 0)."""
-        async with aiohttp.ClientSession() as session, session.get(
-            self.admin_url + "/listeners?format=json", timeout=aiohttp.ClientTimeout(total=5)
-        ) as response:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(
+                self.admin_url + "/listeners?format=json", timeout=aiohttp.ClientTimeout(total=5)
+            ) as response,
+        ):
             listeners = (await response.json())["listener_statuses"]
         for listener in listeners:
             if listener["name"] == name:

@@ -1,12 +1,12 @@
 """Errors that end a client request, and their one mapping to OpenAI-style JSON.
 
-    ClientError              4xx: the request itself is wrong; nothing reaches an engine
-    LegError                 a leg failed; status says what the client gets
-      PrefillFailed          P answered 4xx/5xx (P's status, or 502)
-      PrefillUnreachable     P refused the connection or reset it (503, retryable)
-      PrefillTimeout         P did not answer within timeouts.prefill_s (504)
-      IdentityChanged        P restarted under a request already dispatched (503, retryable)
-      NoHealthyPrefill       every prefill endpoint is down (503, retryable)
+ClientError              4xx: the request itself is wrong; nothing reaches an engine
+LegError                 a leg failed; status says what the client gets
+  PrefillFailed          P answered 4xx/5xx (P's status, or 502)
+  PrefillUnreachable     P refused the connection or reset it (503, retryable)
+  PrefillTimeout         P did not answer within timeouts.prefill_s (504)
+  IdentityChanged        P restarted under a request already dispatched (503, retryable)
+  NoHealthyPrefill       every prefill endpoint is down (503, retryable)
 """
 
 from __future__ import annotations

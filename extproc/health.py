@@ -31,11 +31,12 @@ class HealthChecker:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._probes: dict[str, asyncio.Task[bool]] = {}
+        self._failures: dict[str, int] = {}
 
     async def start(self) -> None:
         """One round now (so start-up knows who is down), then one every interval."""
         self._session = aiohttp.ClientSession()
-        await self.check_all()
+        await self.check_all(unhealthy_after=1)  # nothing is known yet: believe the first answer
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
@@ -51,15 +52,16 @@ class HealthChecker:
             await asyncio.sleep(self.rt.config.health.interval_s)
             await self.check_all()
 
-    async def check_all(self) -> None:
+    async def check_all(self, unhealthy_after: int | None = None) -> None:
+        threshold = unhealthy_after or self.rt.config.health.unhealthy_after
         pools = (self.rt.decode, self.rt.prefill)  # decodes first: a probe needs one
         for pool in pools:
-            await asyncio.gather(*(self._check(pool, state) for state in pool))
+            await asyncio.gather(*(self._check(pool, state, threshold) for state in pool))
         for state in self.rt.prefill:
             if state.healthy and self.rt.identities.get(state.address) is None:
                 self._maybe_probe(state.address)
 
-    async def _check(self, pool: Pool, state: EndpointState) -> None:
+    async def _check(self, pool: Pool, state: EndpointState, unhealthy_after: int) -> None:
         assert self._session is not None
         try:
             async with self._session.get(
@@ -69,9 +71,15 @@ class HealthChecker:
                 healthy = response.status == 200
         except (aiohttp.ClientError, TimeoutError):
             healthy = False
+        # One slow answer on a busy host is not an outage: require consecutive failures.
+        failures = 0 if healthy else self._failures.get(state.address, 0) + 1
+        self._failures[state.address] = failures
+        if not healthy and state.healthy and failures < unhealthy_after:
+            return
         if healthy != state.healthy:
-            log.warning("%s %s is now %s", pool.role, state.address,
-                        "healthy" if healthy else "unhealthy")
+            log.warning(
+                "%s %s is now %s", pool.role, state.address, "healthy" if healthy else "unhealthy"
+            )
         pool.set_healthy(state.address, healthy)
         if not healthy and pool is self.rt.prefill:
             self.rt.identities.drop(state.address)
@@ -83,9 +91,7 @@ class HealthChecker:
         running = self._probes.get(address)
         if running is not None and not running.done():
             return
-        self._probes[address] = asyncio.create_task(
-            probe_prefill(self.rt, self._session, address)
-        )
+        self._probes[address] = asyncio.create_task(probe_prefill(self.rt, self._session, address))
 
     async def probes_settled(self, timeout_s: float) -> None:
         """Wait (bounded) for the probes in flight; used at start-up."""

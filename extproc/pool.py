@@ -82,12 +82,19 @@ class Pool:
         return self._policy.pick(healthy) if healthy else None
 
     def pick_with_fallback(self) -> list[EndpointState]:
-        """The chosen endpoint, then another healthy one Envoy may retry on connect failure."""
+        """The policy's choice, then the next healthy endpoint for Envoy's connect-failure retry.
+
+        The fallback is taken in list order, not from the policy, so it does not advance it.
+        """
         first = self.pick()
         if first is None:
             return []
-        second = self.pick(exclude=first.address)
-        return [first] if second is None else [first, second]
+        ordered = list(self._endpoints.values())
+        start = ordered.index(first)
+        for state in ordered[start + 1 :] + ordered[:start]:
+            if state.healthy:
+                return [first, state]
+        return [first]
 
     def set_healthy(self, address: str, healthy: bool) -> None:
         state = self._endpoints.get(address)

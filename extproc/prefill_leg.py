@@ -78,7 +78,12 @@ class PrefillClient:
             self._session = None
 
     async def send(
-        self, endpoint: str, path: str, body: bytes, request_id: str, timeout_s: float,
+        self,
+        endpoint: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        timeout_s: float,
         extra_headers: dict[str, str] | None = None,
     ) -> PrefillResult:
         """POST the P body; PrefillResult on 2xx, else a LegError subclass is raised."""

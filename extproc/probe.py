@@ -42,10 +42,18 @@ async def probe_prefill(rt: Runtime, session: aiohttp.ClientSession, address: st
     try:
         model = await _served_model(session, address, timeout_s)
         client_body = orjson.dumps({"model": model, "prompt": "probe", "temperature": 0})
-        p_body = prefill_body(members(client_body), False, {
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None,
-        })
+        p_body = prefill_body(
+            members(client_body),
+            False,
+            {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        )
         result = await rt.prefill_client.send(
             address, "/v1/completions", p_body, request_id, timeout_s
         )
@@ -62,7 +70,10 @@ async def probe_prefill(rt: Runtime, session: aiohttp.ClientSession, address: st
 
 
 async def _complete_transfer(
-    rt: Runtime, session: aiohttp.ClientSession, client_body: bytes, params: object,
+    rt: Runtime,
+    session: aiohttp.ClientSession,
+    client_body: bytes,
+    params: object,
     request_id: str,
 ) -> None:
     """Let a decode engine take the probe's KV, so that P frees its blocks at once."""
@@ -72,7 +83,8 @@ async def _complete_transfer(
     body = orjson.loads(client_body) | {"max_tokens": 1, "kv_transfer_params": params}
     try:
         async with session.post(
-            f"http://{decode.address}/v1/completions", data=orjson.dumps(body),
+            f"http://{decode.address}/v1/completions",
+            data=orjson.dumps(body),
             headers={"content-type": "application/json", "x-request-id": request_id},
             timeout=aiohttp.ClientTimeout(total=rt.config.timeouts.probe_s),
         ) as response:

@@ -1,13 +1,13 @@
 """One client request through its phases: headers → body (dispatch) → response → end.
 
-    1. request headers: route check (404/405), answer CONTINUE (Envoy holds the headers)
-    2. request body (BUFFERED, whole): parse once, pick P and D, choose the strategy,
-       build both bodies by splicing, then
-         parallel: start the P leg and answer the body message in the same loop turn
-         serial:   extend Envoy's message timer, await P, forward its params to D
-    3. until the stream ends: watch the P leg and D's response headers together;
-       a failed P ends the request (ImmediateResponse) and Envoy resets D; a failed D
-       cancels P; the stream ending (done or client gone) cancels a running P.
+1. request headers: route check (404/405), answer CONTINUE (Envoy holds the headers)
+2. request body (BUFFERED, whole): parse once, pick P and D, choose the strategy,
+   build both bodies by splicing, then
+     parallel: start the P leg and answer the body message in the same loop turn
+     serial:   extend Envoy's message timer, await P, forward its params to D
+3. until the stream ends: watch the P leg and D's response headers together;
+   a failed P ends the request (ImmediateResponse) and Envoy resets D; a failed D
+   cancels P; the stream ending (done or client gone) cancels a running P.
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ class RequestProcessor:
         if isinstance(error, LegError):
             log.warning(
                 "request %s (client id %r) failed: %s",
-                self.request_id, self.client_request_id, error,
+                self.request_id,
+                self.client_request_id,
+                error,
             )
         if not self.stream.ended:
             await self.stream.write(envoy_msgs.immediate(error))
@@ -99,7 +101,9 @@ class RequestProcessor:
         if message.WhichOneof("request") != "request_body":
             raise ClientError(400, "unexpected message order from Envoy")
         started = time.perf_counter()
-        request = parse_request(api, message.request_body.body, self.rt.config.limits.max_body_bytes)
+        request = parse_request(
+            api, message.request_body.body, self.rt.config.limits.max_body_bytes
+        )
         await self._dispatch(request, inflight, started)
         await self._watch()
 
@@ -159,7 +163,10 @@ class RequestProcessor:
         self._leg_started = time.perf_counter()
         return asyncio.create_task(
             self.rt.prefill_client.send(
-                self.prefill, request.api.value, body, self.request_id,
+                self.prefill,
+                request.api.value,
+                body,
+                self.request_id,
                 self.rt.config.timeouts.prefill_s,
             )
         )
@@ -168,8 +175,13 @@ class RequestProcessor:
         await self.stream.write(envoy_msgs.body_answer(body, decodes, self.request_id))
         self.rt.metrics.processing_seconds.observe(time.perf_counter() - started)
         log.debug(
-            "request %s (client id %r): %s/%s P=%s D=%s", self.request_id,
-            self.client_request_id, self.strategy, self.reason, self.prefill, decodes[0],
+            "request %s (client id %r): %s/%s P=%s D=%s",
+            self.request_id,
+            self.client_request_id,
+            self.strategy,
+            self.reason,
+            self.prefill,
+            decodes[0],
         )
 
     async def _await_serial_leg(self) -> PrefillResult | None:
@@ -205,7 +217,9 @@ class RequestProcessor:
             identity = identity_from_params(result.kv_transfer_params)
         except ValueError as error:
             self.rt.identities.drop(self.prefill)
-            raise PrefillFailed(502, f"prefill {self.prefill} sent unusable params: {error}")
+            raise PrefillFailed(
+                502, f"prefill {self.prefill} sent unusable params: {error}"
+            ) from None
         self.rt.identities.learn(self.prefill, identity)
         if self.given is not None and identity != self.given:
             self.rt.metrics.identity_events.labels(self.prefill, "mismatched").inc()
@@ -221,7 +235,8 @@ class RequestProcessor:
             leg_pending = self.leg is not None and not self.leg.done()
             waiting = {read, self.leg} if leg_pending else {read}
             await asyncio.wait(
-                waiting, timeout=self.rt.config.timeouts.request_s,
+                waiting,
+                timeout=self.rt.config.timeouts.request_s,
                 return_when=asyncio.FIRST_COMPLETED,
             )
             if self.given is not None and self.leg is not None and self.leg.done():

@@ -66,8 +66,10 @@ def _check_prompt(api: Api, doc: dict[str, Any]) -> None:
     prompt = doc.get("prompt")
     if isinstance(prompt, str):
         return
-    if isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
         return  # one prompt given as token ids
     if isinstance(prompt, list):

@@ -72,9 +72,11 @@ class Runtime:
         """What /ready shows: endpoint health and load, and the identity cache."""
         return {
             "ready": any(s.healthy for s in self.decode),
-            "prefill": {s.address: {"healthy": s.healthy, "in_flight": s.in_flight}
-                        for s in self.prefill},
-            "decode": {s.address: {"healthy": s.healthy, "in_flight": s.in_flight}
-                       for s in self.decode},
+            "prefill": {
+                s.address: {"healthy": s.healthy, "in_flight": s.in_flight} for s in self.prefill
+            },
+            "decode": {
+                s.address: {"healthy": s.healthy, "in_flight": s.in_flight} for s in self.decode
+            },
             "identities": self.identities.snapshot(),
         }

@@ -1,7 +1,8 @@
 """The ext_proc process: gRPC server (ExternalProcessor), and the metrics/readiness HTTP port.
 
 `ExtProcServer.start()` binds both (port 0 picks a free port; the bound ports are attributes
-afterwards), `stop(grace)` lets in-flight streams finish for up to `grace` seconds.
+afterwards); the caller starts the runtime's health checks and probes once Envoy's prefill
+listener exists. `stop(grace)` lets in-flight streams finish for up to `grace` seconds.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ class ExtProcServer:
 
     async def start(self) -> None:
         cfg = self.runtime.config
-        await self.runtime.start()
         self._grpc = aio.server(options=_GRPC_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(f"{cfg.extproc.host}:{cfg.extproc.port}")
@@ -64,8 +64,13 @@ class ExtProcServer:
         site = web.TCPSite(self._http, cfg.metrics.host, cfg.metrics.port)
         await site.start()
         self.metrics_port = self._http.addresses[0][1]
-        log.info("ext_proc on %s:%d, metrics on %s:%d", cfg.extproc.host, self.grpc_port,
-                 cfg.metrics.host, self.metrics_port)
+        log.info(
+            "ext_proc on %s:%d, metrics on %s:%d",
+            cfg.extproc.host,
+            self.grpc_port,
+            cfg.metrics.host,
+            self.metrics_port,
+        )
 
     def _http_app(self) -> web.Application:
         app = web.Application()
@@ -74,13 +79,17 @@ class ExtProcServer:
         return app
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.runtime.metrics.render(),
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(
+            body=self.runtime.metrics.render(), content_type="text/plain", charset="utf-8"
+        )
 
     async def _ready(self, request: web.Request) -> web.Response:
         state = self.runtime.readiness()
-        return web.Response(body=orjson.dumps(state), status=200 if state["ready"] else 503,
-                            content_type="application/json")
+        return web.Response(
+            body=orjson.dumps(state),
+            status=200 if state["ready"] else 503,
+            content_type="application/json",
+        )
 
     async def stop(self, grace_s: float) -> None:
         if self._grpc is not None:

@@ -9,8 +9,12 @@ from hypothesis import strategies as st
 
 from extproc.bodies import BodyError, decode_body, members, prefill_body
 
-json_scalars = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text() | st.floats(
-    allow_nan=False, allow_infinity=False
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53), 2**53)
+    | st.text()
+    | st.floats(allow_nan=False, allow_infinity=False)
 )
 json_values = st.recursive(
     json_scalars,
@@ -19,9 +23,21 @@ json_values = st.recursive(
 )
 bodies = st.dictionaries(
     st.sampled_from(
-        ["model", "prompt", "messages", "stream", "stream_options", "max_tokens",
-         "max_completion_tokens", "min_tokens", "kv_transfer_params", "temperature", "x"]
-    ) | st.text(max_size=8),
+        [
+            "model",
+            "prompt",
+            "messages",
+            "stream",
+            "stream_options",
+            "max_tokens",
+            "max_completion_tokens",
+            "min_tokens",
+            "kv_transfer_params",
+            "temperature",
+            "x",
+        ]
+    )
+    | st.text(max_size=8),
     json_values,
     max_size=8,
 )
@@ -37,8 +53,10 @@ def _serialise(doc: dict, pretty: bool) -> bytes:
 def test_decode_body_is_the_original_plus_the_routers_params(doc: dict, pretty: bool) -> None:
     raw = _serialise(doc, pretty)
     out = orjson.loads(decode_body(members(raw), KV))
-    assert out == {**{k: v for k, v in doc.items() if k != "kv_transfer_params"},
-                   "kv_transfer_params": KV}
+    assert out == {
+        **{k: v for k, v in doc.items() if k != "kv_transfer_params"},
+        "kv_transfer_params": KV,
+    }
 
 
 @settings(max_examples=400, deadline=None)
@@ -47,8 +65,15 @@ def test_prefill_body_caps_tokens_and_drops_streaming(doc: dict, pretty: bool) -
     raw = _serialise(doc, pretty)
     has_mct = "max_completion_tokens" in doc
     out = orjson.loads(prefill_body(members(raw), has_mct, KV))
-    dropped = {"stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
-               "min_completion_tokens", "kv_transfer_params"}
+    dropped = {
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "min_completion_tokens",
+        "kv_transfer_params",
+    }
     expected = {k: v for k, v in doc.items() if k not in dropped}
     expected |= {"max_tokens": 1, "stream": False, "kv_transfer_params": KV}
     if has_mct:
@@ -71,7 +96,9 @@ def test_escaped_key_cannot_smuggle_router_fields() -> None:
 def test_duplicate_router_keys_are_all_removed() -> None:
     raw = b'{"kv_transfer_params":1,"model":"m","kv_transfer_params":{"a":2}}'
     assert orjson.loads(decode_body(members(raw), {"b": 3})) == {
-        "model": "m", "kv_transfer_params": {"b": 3}}
+        "model": "m",
+        "kv_transfer_params": {"b": 3},
+    }
 
 
 @pytest.mark.parametrize("raw", [b"[]", b'"x"', b"{", b'{"a" 1}', b'{"a":1 "b":2}'])

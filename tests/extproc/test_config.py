@@ -11,8 +11,10 @@ from extproc.config import ConfigError, DispatchMode, parse_config
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import envoy_binary
 
-MINIMAL = {"prefill": {"endpoints": ["127.0.0.1:8100"]},
-           "decode": {"endpoints": ["127.0.0.1:8200"]}}
+MINIMAL = {
+    "prefill": {"endpoints": ["127.0.0.1:8100"]},
+    "decode": {"endpoints": ["127.0.0.1:8200"]},
+}
 
 
 def test_minimal_config_gets_defaults() -> None:
@@ -22,15 +24,25 @@ def test_minimal_config_gets_defaults() -> None:
 
 
 def test_per_endpoint_mode() -> None:
-    cfg = parse_config(MINIMAL | {"prefill": {"endpoints": [
-        {"address": "127.0.0.1:8100", "mode": "pull"}, "127.0.0.1:8101"]}})
+    cfg = parse_config(
+        MINIMAL
+        | {
+            "prefill": {
+                "endpoints": [{"address": "127.0.0.1:8100", "mode": "pull"}, "127.0.0.1:8101"]
+            }
+        }
+    )
     assert cfg.prefill_mode("127.0.0.1:8100") is DispatchMode.PULL
     assert cfg.prefill_mode("127.0.0.1:8101") is DispatchMode.AUTO
 
 
 def test_every_problem_is_one_line() -> None:
-    bad = {"prefill": {"endpoints": ["nope", "127.0.0.1:99999"]},
-           "decode": {"endpoints": []}, "dispatch": {"mode": "fast"}, "typo": 1}
+    bad = {
+        "prefill": {"endpoints": ["nope", "127.0.0.1:99999"]},
+        "decode": {"endpoints": []},
+        "dispatch": {"mode": "fast"},
+        "typo": 1,
+    }
     with pytest.raises(ConfigError) as caught:
         parse_config(bad)
     lines = str(caught.value).splitlines()
@@ -51,7 +63,9 @@ def test_cli_reports_bad_config_without_traceback(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"prefill": {"endpoints": ["x"]}}))
     result = subprocess.run(
         [sys.executable, "-m", "extproc", "render-envoy", "-c", str(path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
@@ -65,7 +79,9 @@ def test_rendered_bootstrap_passes_envoy_validate(tmp_path: Path, listener: str)
     path.write_text(render_yaml(render_bootstrap(cfg, "127.0.0.1:50051", listener)))
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr

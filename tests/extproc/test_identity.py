@@ -7,10 +7,19 @@ from extproc.dispatch import Strategy, choose_strategy
 from extproc.identity import IdentityCache, identity_from_params
 
 P_PARAMS = {
-    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
-    "remote_engine_id": "e1", "remote_request_id": "cmpl-x-0-12345678",
-    "remote_host": "10.0.0.11", "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-    "remote_num_tokens": 20, "transfer_mode": "push", "remote_prefill_cached_tokens": 0,
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[1, 2]],
+    "remote_engine_id": "e1",
+    "remote_request_id": "cmpl-x-0-12345678",
+    "remote_host": "10.0.0.11",
+    "remote_port": 5600,
+    "tp_size": 1,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 20,
+    "transfer_mode": "push",
+    "remote_prefill_cached_tokens": 0,
 }
 
 
@@ -18,9 +27,16 @@ def test_identity_from_p_response() -> None:
     identity = identity_from_params(P_PARAMS)
     params = identity.decode_params("rid", "xfer-1")
     assert params == {
-        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
-        "remote_host": "10.0.0.11", "remote_port": 5600, "tp_size": 1, "pp_size": 1,
-        "dcp_size": 1, "remote_request_id": "rid", "transfer_id": "xfer-1",
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "e1",
+        "remote_host": "10.0.0.11",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "pp_size": 1,
+        "dcp_size": 1,
+        "remote_request_id": "rid",
+        "transfer_id": "xfer-1",
     }
 
 
@@ -110,5 +126,5 @@ PULL = identity_from_params(P_PARAMS | {"transfer_mode": "pull"})
     ],
     ids=lambda v: str(v) if not hasattr(v, "engine_id") else v.transfer_mode,
 )
-def test_strategy_table(mode, identity, serial_only, expected) -> None:  # noqa: ANN001
+def test_strategy_table(mode, identity, serial_only, expected) -> None:
     assert choose_strategy(mode, identity, serial_only) == expected

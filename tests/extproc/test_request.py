@@ -17,8 +17,11 @@ LIMIT = 1000
         (b'{"model":"m","prompt":"p","max_tokens":"8"}', 400, "'max_tokens' must be an integer"),
         (b'{"model":"m","prompt":"p","n":2}', 400, "'n' greater than 1"),
         (b'{"model":"m","prompt":["a","b"]}', 400, "list of prompts"),
-        (b'{"model":"m","prompt":"p","stream_options":{"include_usage":true}}', 400,
-         "only allowed when 'stream' is true"),
+        (
+            b'{"model":"m","prompt":"p","stream_options":{"include_usage":true}}',
+            400,
+            "only allowed when 'stream' is true",
+        ),
         (b'{"model":"m","prompt":"\xff\xfe"}', 400, "UTF-8"),
         (b'{"model":"m","prompt":"' + b"x" * LIMIT + b'"}', 413, "limit is 1000 bytes"),
         (b"", 400, "no body"),
@@ -45,7 +48,11 @@ def test_token_id_prompt_is_one_prompt() -> None:
 
 @pytest.mark.parametrize(
     ("method", "path", "status"),
-    [("POST", "/v1/embeddings", 404), ("GET", "/v1/completions", 405), ("PUT", "/v1/chat/completions", 405)],
+    [
+        ("POST", "/v1/embeddings", 404),
+        ("GET", "/v1/completions", 405),
+        ("PUT", "/v1/chat/completions", 405),
+    ],
 )
 def test_routes(method: str, path: str, status: int) -> None:
     with pytest.raises(ClientError) as caught:

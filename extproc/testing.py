@@ -1,0 +1,134 @@
+"""Start a real `pd-extproc up` process for tests and benchmarks.
+
+`async with running_sidecar(config_dict) as sidecar:` writes the config, starts Envoy + the
+ext_proc as a subprocess on ephemeral ports, waits for its ready file (bounded) and stops it
+on exit (SIGTERM, then SIGKILL of its whole process group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import yaml
+
+__all__ = ["SidecarHandle", "running_sidecar", "scrape"]
+
+
+@dataclass(frozen=True)
+class SidecarHandle:
+    url: str
+    envoy_admin: str
+    metrics: str
+    extproc: str
+    pid: int
+    log_path: Path
+    config_path: Path
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def ephemeral_config(prefill: list[Any], decode: list[Any], **extra: Any) -> dict[str, Any]:
+    """A config with every port left to the OS; `extra` merges top-level sections."""
+    config: dict[str, Any] = {
+        "prefill": {"endpoints": prefill},
+        "decode": {"endpoints": decode},
+        "extproc": {"port": 0},
+        "metrics": {"port": 0},
+        "envoy": {"listen": {"port": 0}},
+        "health": {"interval_s": 0.5, "timeout_s": 0.5},
+    }
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config
+
+
+async def _wait_ready(path: Path, process: asyncio.subprocess.Process, timeout_s: float) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if process.returncode is not None:
+            raise RuntimeError(f"pd-extproc exited with {process.returncode}")
+        if await asyncio.to_thread(path.exists):
+            return orjson.loads(await asyncio.to_thread(path.read_bytes))
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"pd-extproc was not ready within {timeout_s:g} s")
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), 15)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def running_sidecar(
+    config: dict[str, Any], start_timeout_s: float = 60.0, log_level: str = "INFO"
+) -> AsyncIterator[SidecarHandle]:
+    with tempfile.TemporaryDirectory(prefix="pd-extproc-test-") as tmp:
+        config_path, ready = Path(tmp) / "config.yaml", Path(tmp) / "ready.json"
+        log_path = Path(tmp) / "sidecar.log"
+        config_path.write_text(yaml.safe_dump(config))
+        with log_path.open("wb") as log:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "extproc",
+                "--log-level",
+                log_level,
+                "up",
+                "--config",
+                str(config_path),
+                "--ready-file",
+                str(ready),
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        try:
+            try:
+                info = await _wait_ready(ready, process, start_timeout_s)
+            except (RuntimeError, TimeoutError) as error:
+                raise RuntimeError(f"{error}:\n{log_path.read_text()[-3000:]}") from None
+            yield SidecarHandle(
+                info["url"],
+                info["envoy_admin"],
+                info["metrics"],
+                info["extproc"],
+                process.pid,
+                log_path,
+                config_path,
+            )
+        finally:
+            await _stop(process)
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Prometheus text → {'name{labels}': value} (enough for tests to compare counters)."""
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as response:
+        text = await response.text()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples

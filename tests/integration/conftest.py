@@ -1,0 +1,108 @@
+"""Real topologies for integration tests: vllmsim engines, Envoy and the ext_proc, all as
+processes on ephemeral loopback ports, started per module and stopped after it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest_asyncio
+
+from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
+from vllmsim.testing import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
+
+__all__ = ["PULL", "PUSH", "Topology", "topology"]
+
+PUSH = (PUSH_P, PUSH_D)
+PULL = (PULL_P, PULL_D)
+MODEL = "sim-model"
+
+
+@dataclass
+class Topology:
+    prefills: list[EngineHandle]
+    decodes: list[EngineHandle]
+    sidecar: SidecarHandle
+    session: aiohttp.ClientSession
+    engines_by_address: dict[str, EngineHandle] = field(default_factory=dict)
+
+    @property
+    def engines(self) -> list[EngineHandle]:
+        return [*self.prefills, *self.decodes]
+
+    async def post(self, path: str, body: dict[str, Any], **kwargs: Any) -> tuple[int, bytes, dict]:
+        async with self.session.post(
+            self.sidecar.url + path,
+            json=body,
+            timeout=aiohttp.ClientTimeout(total=kwargs.pop("timeout", 30)),
+            **kwargs,
+        ) as response:
+            return response.status, await response.read(), dict(response.headers)
+
+    async def seen(self, engine: EngineHandle) -> list[dict[str, Any]]:
+        """What `engine` received (vllmsim's request log), probes excluded."""
+        async with self.session.get(engine.url + "/sim/requests") as response:
+            records = await response.json()
+        return [r for r in records if not (r["x_request_id"] or "").startswith("pd-extproc-probe-")]
+
+    async def clear(self) -> None:
+        for engine in self.engines:
+            async with self.session.delete(engine.url + "/sim/requests"):
+                pass
+            async with self.session.delete(engine.url + "/sim/faults"):
+                pass
+
+    async def metrics(self) -> dict[str, float]:
+        return await scrape(self.session, self.sidecar.metrics + "/metrics")
+
+    async def ready(self) -> dict[str, Any]:
+        async with self.session.get(self.sidecar.metrics + "/ready") as response:
+            return await response.json()
+
+    async def sim(self, engine: EngineHandle, method: str, path: str, body: Any = None) -> Any:
+        async with self.session.request(method, engine.url + path, json=body) as response:
+            return await response.json()
+
+
+def address(engine: EngineHandle) -> str:
+    return f"127.0.0.1:{engine.port}"
+
+
+@contextlib.asynccontextmanager
+async def topology(
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    connectors: tuple[str, str] = PUSH,
+    engine_flags: Sequence[str] = (),
+    **config: Any,
+) -> AsyncIterator[Topology]:
+    async with contextlib.AsyncExitStack() as stack:
+        prefills = [
+            await stack.enter_async_context(
+                running_engine("--kv-transfer-config", connectors[0], *engine_flags)
+            )
+            for _ in range(n_prefill)
+        ]
+        decodes = [
+            await stack.enter_async_context(
+                running_engine("--kv-transfer-config", connectors[1], *engine_flags)
+            )
+            for _ in range(n_decode)
+        ]
+        cfg = ephemeral_config(
+            [address(e) for e in prefills], [address(e) for e in decodes], **config
+        )
+        sidecar = await stack.enter_async_context(running_sidecar(cfg))
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        topo = Topology(prefills, decodes, sidecar, session)
+        topo.engines_by_address = {address(e): e for e in topo.engines}
+        yield topo
+
+
+@pytest_asyncio.fixture(scope="module")
+async def push_1p1d() -> AsyncIterator[Topology]:
+    async with topology() as topo:
+        yield topo

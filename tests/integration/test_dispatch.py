@@ -1,0 +1,195 @@
+"""Issue 3 through a real Envoy, the real ext_proc and vllmsim engines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.integration.conftest import MODEL, PULL, Topology, address, topology
+
+COMPLETION = {
+    "model": MODEL,
+    "prompt": "The quick brown fox " * 20,
+    "max_tokens": 8,
+    "temperature": 0,
+}
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me a story " * 10}],
+    "max_tokens": 8,
+    "temperature": 0,
+}
+
+
+def by_request_id(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["x_request_id"]: r for r in records}
+
+
+async def legs(topo: Topology) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(P record, D record) pairs of the user requests the engines saw, oldest first."""
+    prefill_seen: dict[str, dict[str, Any]] = {}
+    for engine in topo.prefills:
+        prefill_seen |= by_request_id(await topo.seen(engine))
+    pairs = []
+    for engine in topo.decodes:
+        for record in await topo.seen(engine):
+            pairs.append((prefill_seen.get(record["x_request_id"]), record))
+    return sorted(pairs, key=lambda pair: pair[1]["received_at"])
+
+
+async def test_probe_makes_the_first_request_parallel() -> None:
+    async with topology() as topo:
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+        [(p, d)] = await legs(topo)
+        assert d["kv"] == "push-parallel"
+        assert abs(p["received_at"] - d["received_at"]) < 0.005
+        metrics = await topo.metrics()
+        key = 'pd_extproc_requests_total{outcome="ok",reason="cache_hit",strategy="parallel"}'
+        assert metrics[key] == 1
+
+
+async def test_without_probe_first_request_per_prefill_is_serial_then_parallel() -> None:
+    async with topology(n_prefill=2, dispatch={"probe": False}) as topo:
+        for _ in range(4):  # round robin: two per prefill
+            status, body, _ = await topo.post("/v1/completions", COMPLETION)
+            assert status == 200, body
+        pairs = await legs(topo)
+        # serial: D gets P's own params (P's internal request id) after P answered;
+        # parallel: D gets the cached identity with the router's id, at the same time as P
+        for p, d in pairs[:2]:
+            assert d["received_at"] > p["received_at"]
+            assert d["body"]["kv_transfer_params"]["remote_request_id"].startswith("cmpl-")
+        for p, d in pairs[2:]:
+            assert d["body"]["kv_transfer_params"]["remote_request_id"] == p["x_request_id"]
+            assert abs(p["received_at"] - d["received_at"]) < 0.005
+        metrics = await topo.metrics()
+        assert (
+            metrics['pd_extproc_requests_total{outcome="ok",reason="cache_miss",strategy="serial"}']
+            == 2
+        )
+        assert (
+            metrics[
+                'pd_extproc_requests_total{outcome="ok",reason="cache_hit",strategy="parallel"}'
+            ]
+            == 2
+        )
+
+
+async def test_pull_mode_is_serial_with_params_verbatim() -> None:
+    async with topology(connectors=PULL) as topo:
+        for _ in range(3):
+            status, body, _ = await topo.post("/v1/completions", COMPLETION)
+            assert status == 200, body
+        for p, d in await legs(topo):
+            assert d["kv"] == "pull"
+            assert d["received_at"] > p["received_at"]
+            # P's answer is not visible to the test, but its id and block ids are: they
+            # must have reached D untouched.
+            params = d["body"]["kv_transfer_params"]
+            assert params["transfer_mode"] == "pull"
+            assert params["remote_request_id"].startswith(f"cmpl-{p['x_request_id']}-0-")
+            assert params["remote_block_ids"] and isinstance(params["remote_block_ids"][0], list)
+        metrics = await topo.metrics()
+        assert (
+            metrics['pd_extproc_requests_total{outcome="ok",reason="pull",strategy="serial"}'] == 3
+        )
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)],
+    ids=["completions", "chat"],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_both_apis_streaming_and_not(
+    push_1p1d: Topology, path: str, body: dict, stream: bool
+) -> None:
+    topo = push_1p1d
+    await topo.clear()
+    request = body | ({"stream": True, "stream_options": {"include_usage": True}} if stream else {})
+    status, payload, _ = await topo.post(path, request)
+    assert status == 200, payload
+    [(p, d)] = await legs(topo)
+    assert p["path"] == d["path"] == path
+    assert p["x_request_id"] == d["x_request_id"]
+    assert d["kv"] == "push-parallel"
+    assert abs(p["received_at"] - d["received_at"]) < 0.005
+    # P: one token, whole answer; D: what the client asked for
+    assert p["body"]["max_tokens"] == 1 and p["body"]["stream"] is False
+    assert "stream_options" not in p["body"]
+    assert d["body"].get("stream", False) is stream
+    assert d["body"]["max_tokens"] == 8
+    if stream:
+        events = payload.decode().split("\n\n")
+        assert events[-2] == "data: [DONE]"
+        usage = orjson.loads(events[-3].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 8
+    else:
+        assert orjson.loads(payload)["usage"]["completion_tokens"] == 8
+
+
+async def test_content_length_matches_the_rewritten_body(push_1p1d: Topology) -> None:
+    topo = push_1p1d
+    await topo.clear()
+    status, _, _ = await topo.post("/v1/completions", COMPLETION | {"prompt": "é" * 3000})
+    assert status == 200
+    [(p, d)] = await legs(topo)
+    for record in (p, d):
+        assert int(record["headers"]["content-length"]) == record["body_bytes"]
+
+
+async def test_client_routing_fields_never_reach_an_engine(push_1p1d: Topology) -> None:
+    topo = push_1p1d
+    await topo.clear()
+    evil = {
+        "do_remote_prefill": True,
+        "remote_host": "203.0.113.9",
+        "remote_port": 1,
+        "remote_engine_id": "attacker",
+        "tp_size": 1,
+        "remote_request_id": "x",
+    }
+    status, body, _ = await topo.post(
+        "/v1/completions",
+        COMPLETION | {"kv_transfer_params": evil},
+        headers={"x-gateway-destination-endpoint": "203.0.113.9:80", "x-request-id": "mine"},
+    )
+    assert status == 200, body
+    [(p, d)] = await legs(topo)
+    assert "attacker" not in orjson.dumps([p["body"], d["body"]]).decode()
+    assert d["body"]["kv_transfer_params"]["remote_engine_id"] == topo.prefills[0].engine_id
+    assert p["x_request_id"] != "mine"  # a fresh id per dispatch, never the client's
+    for record in (p, d):
+        assert "203.0.113.9" not in record["headers"].get("x-gateway-destination-endpoint", "")
+
+
+async def test_sse_chunks_arrive_as_they_are_generated() -> None:
+    # 20 ms decode steps: 10 tokens take ~200 ms; a buffering proxy would deliver them at once.
+    flags = ("--step-base-ms", "20", "--prefill-per-token-ms", "0.001")
+    async with topology(engine_flags=flags) as topo:
+        arrivals = []
+        async with topo.session.post(
+            topo.sidecar.url + "/v1/completions",
+            json=COMPLETION | {"stream": True, "max_tokens": 10},
+        ) as response:
+            async for _ in response.content.iter_any():
+                arrivals.append(time.perf_counter())
+        assert len(arrivals) >= 5
+        assert arrivals[-1] - arrivals[0] > 0.1
+
+
+async def test_two_by_two_uses_every_endpoint() -> None:
+    async with topology(n_prefill=2, n_decode=2) as topo:
+        results = await asyncio.gather(
+            *(topo.post("/v1/completions", COMPLETION) for _ in range(8))
+        )
+        assert [status for status, _, _ in results] == [200] * 8
+        for engine in topo.engines:
+            assert len(await topo.seen(engine)) >= 2, (address(engine), await topo.ready())
+        for _, d in await legs(topo):
+            assert d["kv"] == "push-parallel"
