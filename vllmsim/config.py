@@ -28,7 +28,7 @@ class CostModel:
     decode_per_seq_ms: float = 0.02
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    max_model_len: int = 32768
+    max_model_len: int = 8192
     num_gpu_blocks: int = 8192
     # Llama-3-8B: 32 layers x K,V x 8 heads x 128 dims x 2 bytes x 16 tokens = 2 MiB.
     block_bytes: int = 2 * 1024 * 1024

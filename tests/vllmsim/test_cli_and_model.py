@@ -88,3 +88,23 @@ async def test_default_timing_model(http: aiohttp.ClientSession) -> None:
         loaded = await asyncio.gather(*(_ttft(http, eng.url, 1024) for _ in range(8)))
         # 8 prompts share a 2048-token budget: queueing makes TTFT grow with load.
         assert statistics.mean(t for t, _ in loaded) > 2 * statistics.median(alone)
+
+
+async def test_exact_counts_with_tokenizer(http: aiohttp.ClientSession, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "foo": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    prompt = "hello world foo bar hello"
+    expected = len(tok.encode(prompt).ids)
+    async with running_engine("--step-base-ms", "1", "--tokenizer", str(tmp_path)) as eng:
+        async with http.post(eng.url + "/tokenize", json={"prompt": prompt}) as resp:
+            body = await resp.json()
+        assert body["tokens"] == tok.encode(prompt).ids and body["count"] == expected
+        async with http.post(eng.url + "/v1/completions",
+                             json={"prompt": prompt, "max_tokens": 1}) as resp:  # fmt: skip
+            assert (await resp.json())["usage"]["prompt_tokens"] == expected
+        async with http.post(eng.url + "/detokenize", json={"tokens": [1, 2]}) as resp:
+            assert (await resp.json())["prompt"] == "hello world"

@@ -213,3 +213,28 @@ async def test_client_disconnect_frees_d_blocks(http: aiohttp.ClientSession) -> 
 
         await eventually(freed)
         assert (await record(http, d, "orphan"))["outcome"] == "aborted"
+
+
+async def test_chat_push_parallel_and_path_mismatch(http: aiohttp.ClientSession) -> None:
+    slow_prefill = ("--step-base-ms", "1", "--prefill-per-token-ms", "2")
+    chat = {"model": "sim-model", "messages": [{"role": "user", "content": PROMPT}]}
+    async with (running_engine(*slow_prefill, "--kv-transfer-config", PUSH_P) as p,
+                running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d):  # fmt: skip
+        p_leg = post(http, p, "/v1/chat/completions",
+                     {**chat, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+                     rid="chat-1")  # fmt: skip
+        d_leg = post(http, d, "/v1/chat/completions",
+                     {**chat, "max_tokens": 4, "kv_transfer_params": identity(p, "c")},
+                     rid="chat-1")  # fmt: skip
+        (ps, pr), (ds, dr) = await asyncio.gather(p_leg, d_leg)
+        assert ps == ds == 200 and dr["kv_transfer_params"] is None
+        assert pr["id"] == dr["id"] == "chatcmpl-chat-1"
+        assert (await record(http, d, "chat-1"))["kv"] == "push-parallel"
+        # Same X-Request-Id but different paths never pair (cmpl-... vs chatcmpl-...).
+        d_task = asyncio.create_task(post(http, d, "/v1/chat/completions",
+                                          {**chat, "max_tokens": 2,
+                                           "kv_transfer_params": identity(p, "m")}, rid="mix"))
+        await post(http, p, "/v1/completions", p_body(), rid="mix")
+        done, _ = await asyncio.wait({d_task}, timeout=0.5)
+        assert not done, "a chat D leg must not pair with a completions P leg"
+        d_task.cancel()
