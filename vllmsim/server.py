@@ -71,7 +71,9 @@ class SimServer:
     async def start(self, app: web.Application) -> None:
         # handler_cancellation: a client disconnect cancels the handler, which aborts
         # the request and frees its blocks, as vLLM does.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+        )
         await self._runner.setup()
         await self._listen(self.cfg.port)
         await self.side.start(_bind_host(self.cfg.side_channel_host), self.cfg.side_channel_port)
