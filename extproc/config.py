@@ -141,6 +141,9 @@ class TimeoutConfig(_Strict):
     # dispatch (override_message_timeout).
     extproc_message_s: PositiveFloat = 1.0
     drain_s: PositiveFloat = 10.0
+    # D failed in parallel dispatch: wait this long for P's answer to tell a P restart
+    # (answer 503 + Retry-After) from a D fault (pass D's error on, cancel P).
+    decode_error_grace_s: PositiveFloat = 0.5
     # Longest a request may stay open (a long generation); then the sidecar stops watching it.
     request_s: PositiveFloat = 3600.0
 

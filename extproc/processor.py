@@ -259,11 +259,27 @@ class RequestProcessor:
         status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
         self.outcome = "ok" if status < 400 else f"decode_{status // 100}xx"
         if status >= 500 and self.prefill is not None:
-            self.rt.identities.drop(self.prefill, only_if=self.given)
-            if self.leg is not None and not self.leg.done():
-                self.leg.cancel()
-                self.given = None
+            await self._on_decode_error()
         await self.stream.write(envoy_msgs.continue_response_headers())
+
+    async def _on_decode_error(self) -> None:
+        """D failed. If P restarted under this request, say so (retryable); else cancel P.
+
+        A D given a stale identity fails its NIXL handshake at once, usually before P has
+        answered; P's answer (with its new identity) tells the two cases apart, so it is
+        awaited for a short grace.
+        """
+        assert self.prefill is not None
+        grace = self.rt.config.timeouts.decode_error_grace_s
+        if self.given is not None and self.leg is not None and not self.leg.done():
+            await self.stream.write(envoy_msgs.extend_timeout(grace + 1))
+            await asyncio.wait({self.leg}, timeout=grace)
+        if self.given is not None and self.leg is not None and self.leg.done():
+            self._learn(self._leg_result())  # raises IdentityChanged on a restart
+        self.rt.identities.drop(self.prefill, only_if=self.given)
+        self.given = None
+        if self.leg is not None and not self.leg.done():
+            self.leg.cancel()
 
 
 def _prefill_params(transfer_id: str) -> dict[str, Any]:

@@ -49,6 +49,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         "path": request.path, "received_at": time.time(), "body": None,
         "headers": {k.lower(): v for k, v in request.headers.items()},
         "status": None, "outcome": "running", "kv": None, "first_token_at": None,
+        "body_bytes": None,
     }  # fmt: skip
     sim.records.append(rec)
     try:
@@ -66,6 +67,7 @@ async def _serve(
     request: web.Request, sim: SimServer, rec: dict[str, Any], chat: bool
 ) -> web.StreamResponse:
     raw = await request.read()
+    rec["body_bytes"] = len(raw)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:

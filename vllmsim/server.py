@@ -138,10 +138,22 @@ class SimServer:
         if refuse and self._site is not None:
             await self._site.stop()
             self._site = None
+            self._drop_connections()
             if for_s:
                 self._relisten = asyncio.get_running_loop().create_task(self._relisten_after(for_s))
         elif not refuse and self._site is None:
             await self._listen(self.http_port)
+
+    def _drop_connections(self) -> None:
+        """A dead process also loses its open connections (clients' keep-alive pools).
+
+        The connection carrying the admin request that asked for this is closed a moment
+        later, so that its answer still goes out.
+        """
+        assert self._runner is not None and self._runner.server is not None
+        loop = asyncio.get_running_loop()
+        for handler in self._runner.server.connections:
+            loop.call_later(0.05, handler.force_close)
 
     async def _relisten_after(self, seconds: float) -> None:
         await asyncio.sleep(seconds)

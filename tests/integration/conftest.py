@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest_asyncio
+from multidict import CIMultiDict
 
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
 from vllmsim.testing import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
@@ -33,14 +34,14 @@ class Topology:
     def engines(self) -> list[EngineHandle]:
         return [*self.prefills, *self.decodes]
 
-    async def post(self, path: str, body: dict[str, Any], **kwargs: Any) -> tuple[int, bytes, dict]:
+    async def post(self, path: str, body: dict[str, Any], **kwargs: Any) -> tuple[int, bytes, CIMultiDict[str]]:
         async with self.session.post(
             self.sidecar.url + path,
             json=body,
             timeout=aiohttp.ClientTimeout(total=kwargs.pop("timeout", 30)),
             **kwargs,
         ) as response:
-            return response.status, await response.read(), dict(response.headers)
+            return response.status, await response.read(), CIMultiDict(response.headers)
 
     async def seen(self, engine: EngineHandle) -> list[dict[str, Any]]:
         """What `engine` received (vllmsim's request log), probes excluded."""

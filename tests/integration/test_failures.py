@@ -1,0 +1,140 @@
+"""Failure coupling through Envoy: no request hangs when one leg fails (issues 3 and 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+
+from tests.integration.conftest import MODEL, Topology, topology
+
+COMPLETION = {"model": MODEL, "prompt": "Once upon a time " * 20, "max_tokens": 8}
+
+
+async def outcome_of(topo: Topology, engine, request_id: str) -> str:  # noqa: ANN001
+    for record in await topo.seen(engine):
+        if record["x_request_id"] == request_id:
+            return record["outcome"]
+    raise AssertionError(f"{engine.url} never saw {request_id}")
+
+
+async def wait_for_outcome(topo: Topology, engine, request_id: str, expected: str) -> None:  # noqa: ANN001
+    """Engines notice a reset asynchronously; poll briefly (bounded) for it."""
+    for _ in range(50):
+        if await outcome_of(topo, engine, request_id) == expected:
+            return
+        await asyncio.sleep(0.05)
+    assert await outcome_of(topo, engine, request_id) == expected
+
+
+async def test_serial_dispatch_survives_a_prefill_slower_than_envoys_message_timeout() -> None:
+    # Envoy's ext_proc message timeout is 1 s; a serial dispatch extends it while P computes.
+    async with topology(dispatch={"probe": False}) as topo:
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults", {"latency_ms": 1500})
+        started = time.perf_counter()
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+        assert time.perf_counter() - started > 1.5
+
+
+async def test_failed_prefill_in_parallel_mode_fails_fast_and_aborts_decode() -> None:
+    async with topology() as topo:
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults",
+                       {"fail_next": 1, "fail_status": 500, "latency_ms": 300})
+        started = time.perf_counter()
+        status, body, headers = await topo.post("/v1/completions", COMPLETION)
+        elapsed = time.perf_counter() - started
+        assert status == 502, body
+        error = orjson.loads(body)["error"]
+        assert error["code"] == 502 and "answered 500" in error["message"]
+        assert headers.get("content-type") == "application/json", headers
+        assert elapsed < 2.0
+        [d_record] = await topo.seen(topo.decodes[0])
+        await wait_for_outcome(topo, topo.decodes[0], d_record["x_request_id"], "aborted")
+        ready = await topo.ready()
+        assert ready["identities"][f"127.0.0.1:{topo.prefills[0].port}"]["engine_id"] in (
+            None, topo.prefills[0].engine_id)  # dropped, or already re-probed
+        metrics = await topo.metrics()
+        assert metrics['pd_extproc_requests_total{outcome="prefill_error",reason="cache_hit",strategy="parallel"}'] == 1
+
+
+async def test_prefill_4xx_is_passed_on_with_its_status() -> None:
+    async with topology() as topo:
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults", {"fail_next": 1, "fail_status": 400})
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 400, body
+
+
+async def test_hanging_prefill_gives_504_after_the_prefill_timeout() -> None:
+    async with topology(timeouts={"prefill_s": 1.0}) as topo:
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults", {"hang_next": 1})
+        started = time.perf_counter()
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        elapsed = time.perf_counter() - started
+        assert status == 504, body
+        assert 0.9 < elapsed < 3.0
+        [p_record] = await topo.seen(topo.prefills[0])
+        await wait_for_outcome(topo, topo.prefills[0], p_record["x_request_id"], "aborted")
+        await wait_for_outcome(topo, topo.decodes[0], p_record["x_request_id"], "aborted")
+
+
+async def test_client_disconnect_cancels_both_legs_and_keeps_the_identity() -> None:
+    async with topology() as topo:
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults", {"latency_ms": 2000})
+        try:
+            await topo.post("/v1/completions", COMPLETION, timeout=0.5)
+        except (TimeoutError, aiohttp.ServerTimeoutError):
+            pass
+        [p_record] = await topo.seen(topo.prefills[0])
+        await wait_for_outcome(topo, topo.prefills[0], p_record["x_request_id"], "aborted")
+        await wait_for_outcome(topo, topo.decodes[0], p_record["x_request_id"], "aborted")
+        ready = await topo.ready()
+        identity = ready["identities"][f"127.0.0.1:{topo.prefills[0].port}"]
+        assert identity["engine_id"] == topo.prefills[0].engine_id
+        for role in ("prefill", "decode"):
+            assert all(e["in_flight"] == 0 for e in ready[role].values())
+
+
+async def test_prefill_restart_is_learned_and_nobody_hangs() -> None:
+    async with topology(dispatch={"probe": False}) as topo:
+        status, _, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200
+        new_state = await topo.sim(topo.prefills[0], "POST", "/sim/restart")
+        assert new_state["engine_id"] != topo.prefills[0].engine_id
+        started = time.perf_counter()
+        status, body, headers = await topo.post("/v1/completions", COMPLETION)
+        assert time.perf_counter() - started < 5
+        # D was given the stale identity: the client gets a clear retryable error
+        assert status == 503, body
+        assert headers.get("retry-after") == "1"
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+        d_records = await topo.seen(topo.decodes[0])
+        assert d_records[-1]["body"]["kv_transfer_params"]["remote_engine_id"] == new_state["engine_id"]
+
+
+async def test_decode_failure_cancels_prefill_and_reaches_the_client() -> None:
+    async with topology() as topo:
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults", {"latency_ms": 3000})
+        await topo.sim(topo.decodes[0], "POST", "/sim/faults", {"fail_next": 1, "fail_status": 503})
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 503, body
+        [p_record] = await topo.seen(topo.prefills[0])
+        await wait_for_outcome(topo, topo.prefills[0], p_record["x_request_id"], "aborted")
+
+
+async def test_unreachable_prefill_is_marked_down_and_skipped() -> None:
+    async with topology(n_prefill=2) as topo:
+        down = topo.prefills[0]
+        await topo.sim(down, "POST", "/sim/faults", {"refuse_connections": True, "refuse_for_s": 30})
+        statuses = []
+        for _ in range(6):
+            status, body, _ = await topo.post("/v1/completions", COMPLETION)
+            statuses.append(status)
+        # at most one request is caught in flight (503, retryable); the rest go to the other P
+        assert statuses.count(200) >= 5, statuses
+        assert set(statuses) <= {200, 503}
+        ready = await topo.ready()
+        assert ready["prefill"][f"127.0.0.1:{down.port}"]["healthy"] is False
