@@ -231,23 +231,25 @@ class RequestProcessor:
     async def _watch(self) -> None:
         """Until the stream ends: P leg outcome and D's response headers, whichever first."""
         while not self.stream.ended:
+            self._check_parallel_leg()  # P may have finished while the answer was written
             read = self.stream.next_message()
-            leg_pending = self.leg is not None and not self.leg.done()
-            waiting = {read, self.leg} if leg_pending else {read}
-            await asyncio.wait(
+            waiting = {read} if self.given is None else {read, self.leg}
+            done, _ = await asyncio.wait(
                 waiting,
                 timeout=self.rt.config.timeouts.request_s,
                 return_when=asyncio.FIRST_COMPLETED,
             )
-            if self.given is not None and self.leg is not None and self.leg.done():
-                if self.leg.cancelled():
-                    return
-                self._learn(self._leg_result())  # compares with the identity D was given
-                self.given = None
+            if not done:
+                return  # request_s elapsed: stop watching, Envoy's timeouts own it now
             if read.done():
                 await self._on_message(self.stream.take())
-            elif not any(task.done() for task in waiting):
-                return  # request_s elapsed: stop watching, Envoy's timeouts own it now
+
+    def _check_parallel_leg(self) -> None:
+        """Once the parallel P leg is done: raise its failure or a restart, else learn."""
+        if self.given is None or self.leg is None or not self.leg.done():
+            return
+        self._learn(self._leg_result())  # compares with the identity D was given
+        self.given = None
 
     async def _on_message(self, message: Any) -> None:
         if message is None:
@@ -274,8 +276,7 @@ class RequestProcessor:
         if self.given is not None and self.leg is not None and not self.leg.done():
             await self.stream.write(envoy_msgs.extend_timeout(grace + 1))
             await asyncio.wait({self.leg}, timeout=grace)
-        if self.given is not None and self.leg is not None and self.leg.done():
-            self._learn(self._leg_result())  # raises IdentityChanged on a restart
+        self._check_parallel_leg()  # raises IdentityChanged on a restart
         self.rt.identities.drop(self.prefill, only_if=self.given)
         self.given = None
         if self.leg is not None and not self.leg.done():
