@@ -27,7 +27,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="pd-extproc",
         description="Envoy ext_proc for vLLM prefill/decode disaggregation (parallel NIXL push).",
     )
-    parser.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
+    parser.add_argument(
+        "--log-level", default=None, help="Python log level (default INFO; WARNING for demo)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start Envoy and the ext_proc for a config")
     up.add_argument("--config", "-c", required=True, type=Path)
@@ -132,8 +134,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    level = args.log_level or ("WARNING" if args.command == "demo" else "INFO")
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         return _run(args)
