@@ -1,0 +1,1 @@
+"""Helper scripts (cached real-vLLM environments, engine harness, demos)."""
