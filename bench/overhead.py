@@ -29,8 +29,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from extproc.testing import ephemeral_config, running_sidecar  # noqa: E402
-from vllmsim.testing import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine  # noqa: E402
+from extproc.testing import ephemeral_config, running_sidecar
+from vllmsim.testing import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
 
 BODY = {"model": "sim-model", "prompt": "benchmark prompt " * 64, "max_tokens": 4}
 
@@ -48,15 +48,27 @@ async def timed_post(session: aiohttp.ClientSession, url: str, body: bytes, head
     return time.perf_counter() - started
 
 
-async def direct_pd(session: aiohttp.ClientSession, p: EngineHandle, d: EngineHandle,
-                    identity: dict) -> float:
+async def direct_pd(
+    session: aiohttp.ClientSession, p: EngineHandle, d: EngineHandle, identity: dict
+) -> float:
     rid = str(uuid.uuid4())
     xfer = f"xfer-{uuid.uuid4()}"
     headers = {"content-type": "application/json", "x-request-id": rid}
-    p_body = orjson.dumps(BODY | {"max_tokens": 1, "stream": False, "kv_transfer_params": {
-        "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": xfer}})
-    d_body = orjson.dumps(BODY | {"kv_transfer_params": identity | {
-        "remote_request_id": rid, "transfer_id": xfer}})
+    p_body = orjson.dumps(
+        BODY
+        | {
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_id": xfer,
+            },
+        }
+    )
+    d_body = orjson.dumps(
+        BODY | {"kv_transfer_params": identity | {"remote_request_id": rid, "transfer_id": xfer}}
+    )
     started = time.perf_counter()
     prefill = asyncio.create_task(timed_post(session, p.url + "/v1/completions", p_body, headers))
     await timed_post(session, d.url + "/v1/completions", d_body, headers)
@@ -83,16 +95,20 @@ async def skews(session: aiohttp.ClientSession, p: EngineHandle, d: EngineHandle
         p_seen = {r["x_request_id"]: r["received_at"] for r in await response.json()}
     async with session.get(d.url + "/sim/requests") as response:
         d_seen = await response.json()
-    return [abs(r["received_at"] - p_seen[r["x_request_id"]]) for r in d_seen
-            if r["x_request_id"] in p_seen and r["body"].get("kv_transfer_params")]
+    return [
+        abs(r["received_at"] - p_seen[r["x_request_id"]])
+        for r in d_seen
+        if r["x_request_id"] in p_seen and r["body"].get("kv_transfer_params")
+    ]
 
 
 async def main(requests: int, rounds: int, out: Path) -> None:
     async with (
         running_engine("--kv-transfer-config", PUSH_P, *FAST) as p,
         running_engine("--kv-transfer-config", PUSH_D, *FAST) as d,
-        running_sidecar(ephemeral_config([f"127.0.0.1:{p.port}"], [f"127.0.0.1:{d.port}"]),
-                        log_level="WARNING") as sidecar,
+        running_sidecar(
+            ephemeral_config([f"127.0.0.1:{p.port}"], [f"127.0.0.1:{d.port}"]), log_level="WARNING"
+        ) as sidecar,
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
     ):
         identity = await learn_identity(session, p)
@@ -100,10 +116,12 @@ async def main(requests: int, rounds: int, out: Path) -> None:
         json_headers = {"content-type": "application/json"}
         paths = {
             "aggregated (client -> D)": lambda: timed_post(
-                session, d.url + "/v1/completions", plain, json_headers),
+                session, d.url + "/v1/completions", plain, json_headers
+            ),
             "direct P/D (client sends both legs)": lambda: direct_pd(session, p, d, identity),
             "sidecar (client -> Envoy + ext_proc)": lambda: timed_post(
-                session, sidecar.url + "/v1/completions", plain, json_headers),
+                session, sidecar.url + "/v1/completions", plain, json_headers
+            ),
         }
         times: dict[str, list[float]] = {name: [] for name in paths}
         for run in paths.values():  # warm-up: connections, handshakes
@@ -132,8 +150,10 @@ def report(times: dict[str, list[float]], skew: list[float], cpu: float, out: Pa
         "|---|---|---|---|",
     ]
     for name, values in times.items():
-        lines.append(f"| {name} | {percentile(values, 50) * 1e3:.2f} | "
-                     f"{percentile(values, 90) * 1e3:.2f} | {percentile(values, 99) * 1e3:.2f} |")
+        lines.append(
+            f"| {name} | {percentile(values, 50) * 1e3:.2f} | "
+            f"{percentile(values, 90) * 1e3:.2f} | {percentile(values, 99) * 1e3:.2f} |"
+        )
     lines += [
         "",
         f"added by Envoy + ext_proc (sidecar - direct P/D): p50 "

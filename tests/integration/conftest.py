@@ -34,7 +34,9 @@ class Topology:
     def engines(self) -> list[EngineHandle]:
         return [*self.prefills, *self.decodes]
 
-    async def post(self, path: str, body: dict[str, Any], **kwargs: Any) -> tuple[int, bytes, CIMultiDict[str]]:
+    async def post(
+        self, path: str, body: dict[str, Any], **kwargs: Any
+    ) -> tuple[int, bytes, CIMultiDict[str]]:
         async with self.session.post(
             self.sidecar.url + path,
             json=body,
@@ -66,6 +68,13 @@ class Topology:
     async def sim(self, engine: EngineHandle, method: str, path: str, body: Any = None) -> Any:
         async with self.session.request(method, engine.url + path, json=body) as response:
             return await response.json()
+
+
+def requests_total(outcome: str, reason: str, strategy: str) -> str:
+    """The sample name of pd_extproc_requests_total for these labels (as `scrape` keys it)."""
+    return (
+        f'pd_extproc_requests_total{{outcome="{outcome}",reason="{reason}",strategy="{strategy}"}}'
+    )
 
 
 def address(engine: EngineHandle) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.integration.conftest import MODEL, PULL, Topology, address, topology
+from tests.integration.conftest import MODEL, PULL, Topology, address, requests_total, topology
 
 COMPLETION = {
     "model": MODEL,
@@ -49,7 +49,7 @@ async def test_probe_makes_the_first_request_parallel() -> None:
         assert d["kv"] == "push-parallel"
         assert abs(p["received_at"] - d["received_at"]) < 0.005
         metrics = await topo.metrics()
-        key = 'pd_extproc_requests_total{outcome="ok",reason="cache_hit",strategy="parallel"}'
+        key = requests_total("ok", "cache_hit", "parallel")
         assert metrics[key] == 1
 
 
@@ -68,16 +68,8 @@ async def test_without_probe_first_request_per_prefill_is_serial_then_parallel()
             assert d["body"]["kv_transfer_params"]["remote_request_id"] == p["x_request_id"]
             assert abs(p["received_at"] - d["received_at"]) < 0.005
         metrics = await topo.metrics()
-        assert (
-            metrics['pd_extproc_requests_total{outcome="ok",reason="cache_miss",strategy="serial"}']
-            == 2
-        )
-        assert (
-            metrics[
-                'pd_extproc_requests_total{outcome="ok",reason="cache_hit",strategy="parallel"}'
-            ]
-            == 2
-        )
+        assert metrics[requests_total("ok", "cache_miss", "serial")] == 2
+        assert metrics[requests_total("ok", "cache_hit", "parallel")] == 2
 
 
 async def test_pull_mode_is_serial_with_params_verbatim() -> None:
@@ -95,9 +87,7 @@ async def test_pull_mode_is_serial_with_params_verbatim() -> None:
             assert params["remote_request_id"].startswith(f"cmpl-{p['x_request_id']}-0-")
             assert params["remote_block_ids"] and isinstance(params["remote_block_ids"][0], list)
         metrics = await topo.metrics()
-        assert (
-            metrics['pd_extproc_requests_total{outcome="ok",reason="pull",strategy="serial"}'] == 3
-        )
+        assert metrics[requests_total("ok", "pull", "serial")] == 3
 
 
 @pytest.mark.parametrize(
