@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
         help="host:port of the ext_proc (default: from the config)",
     )
     render.add_argument("--prefill-listener", default="127.0.0.1:10001")
+    render.add_argument(
+        "--snippet",
+        action="store_true",
+        help="print only the ext_proc filter, the clusters and the prefill listener",
+    )
     demo = commands.add_parser("demo", help="2P2D simulated push engines + Envoy + ext_proc")
     demo.add_argument("--once", action="store_true", help="send the demo requests, then exit")
     demo.add_argument("--requests", type=int, default=6)
@@ -105,12 +110,18 @@ async def _serve(config: Config, prefill_listener: str, stop: asyncio.Event) -> 
     return 0
 
 
-def _render(config: Config, extproc_address: str | None, prefill_listener: str) -> int:
-    from extproc.envoy_config import render_bootstrap, render_yaml
+def _render(
+    config: Config, extproc_address: str | None, prefill_listener: str, snippet: bool = False
+) -> int:
+    from extproc.envoy_config import render_bootstrap, render_snippet, render_yaml, snippet_header
 
     if extproc_address is None and config.extproc.port == 0:
         raise ConfigError("extproc.port is 0 (any free port): pass --extproc-address host:port")
     address = extproc_address or f"{config.extproc.host}:{config.extproc.port}"
+    if snippet:  # the pieces for an Envoy the user already runs
+        pieces = render_snippet(config, address, prefill_listener)
+        sys.stdout.write(snippet_header(config) + render_yaml(pieces))
+        return 0
     sys.stdout.write(render_yaml(render_bootstrap(config, address, prefill_listener)))
     return 0
 
@@ -126,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     config = load_config(args.config)
     if args.command == "render-envoy":
-        return _render(config, args.extproc_address, args.prefill_listener)
+        return _render(config, args.extproc_address, args.prefill_listener, args.snippet)
     if args.command == "serve":
         return asyncio.run(_until_signal(lambda stop: _serve(config, args.prefill_listener, stop)))
     return asyncio.run(_until_signal(lambda stop: _up(config, args.ready_file, stop)))

@@ -22,7 +22,7 @@ from extproc.errors import error_body
 from extproc.prefill_leg import LOCAL_REPLY_HEADER
 from extproc.request import PATHS
 
-__all__ = ["EXTPROC_CLUSTER", "render_bootstrap", "render_yaml"]
+__all__ = ["EXTPROC_CLUSTER", "render_bootstrap", "render_snippet", "render_yaml", "snippet_header"]
 
 EXTPROC_CLUSTER = "pd_extproc"
 _TYPED = "@type"
@@ -289,6 +289,40 @@ def render_bootstrap(cfg: Config, extproc_address: str, prefill_listener: str) -
             ],
         },
     }
+
+
+def render_snippet(cfg: Config, extproc_address: str, prefill_listener: str) -> dict[str, Any]:
+    """The pieces to paste into an Envoy that already exists (`render-envoy --snippet`).
+
+    The same objects as in `render_bootstrap`, so a drop-in behaves like `pd-extproc up`;
+    the ingress listener and its routes stay the user's own (see `snippet_header`).
+    """
+    return {
+        "http_filters": [_ext_proc_filter(cfg)],
+        "clusters": [
+            _extproc_cluster(extproc_address, cfg),
+            _pool_cluster("decode_pool", [e.address for e in cfg.decode.endpoints], cfg),
+            _pool_cluster("prefill_pool", [e.address for e in cfg.prefill.endpoints], cfg),
+        ],
+        "listeners": [_prefill_listener(cfg, prefill_listener)],
+    }
+
+
+def snippet_header(cfg: Config) -> str:
+    """YAML comments telling where each piece of `render_snippet` goes."""
+    paths = ", ".join(sorted(PATHS))
+    return (
+        "# pd-extproc drop-in for an existing Envoy (verified on Envoy 1.40).\n"
+        "# http_filters: add to the http_filters of your ingress http_connection_manager,\n"
+        "#   before envoy.filters.http.router.\n"
+        "# clusters: add to static_resources.clusters (pd_extproc is the ext_proc's gRPC).\n"
+        "# listeners: add to static_resources.listeners; the ext_proc sends the prefill leg\n"
+        "#   here. It has no authentication: keep it on loopback or a Unix socket.\n"
+        f"# routes: send {paths} to cluster decode_pool with timeout: 0s,\n"
+        "#   retry_policy {retry_on: connect-failure, num_retries: 1} and\n"
+        f"#   request_body_buffer_limit: {cfg.limits.max_body_bytes}; disable the ext_proc\n"
+        "#   (ExtProcPerRoute disabled: true) on every other route.\n"
+    )
 
 
 def render_yaml(bootstrap: dict[str, Any]) -> str:
