@@ -154,6 +154,15 @@ class HealthConfig(_Strict):
     unhealthy_after: int = Field(default=2, ge=1)  # consecutive failed checks
 
 
+class KvCheckConfig(_Strict):
+    """Scrape decode engines' prompt-token sources to catch P/D that silently recomputes."""
+
+    enabled: bool = True
+    interval_s: PositiveFloat = 10.0
+    min_share: float = Field(default=0.5, ge=0, le=1)  # below this share of KV-transferred
+    # prompt tokens, with disaggregated requests in the window, the sidecar warns
+
+
 class LimitConfig(_Strict):
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
 
@@ -185,6 +194,7 @@ class Config(_Strict):
     dispatch: DispatchConfig = DispatchConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     health: HealthConfig = HealthConfig()
+    kv_check: KvCheckConfig = KvCheckConfig()
     limits: LimitConfig = LimitConfig()
     extproc: ListenConfig = ListenConfig(port=50051)
     metrics: ListenConfig = ListenConfig(port=9464)

@@ -33,9 +33,9 @@ class HealthChecker:
         self._probes: dict[str, asyncio.Task[bool]] = {}
         self._failures: dict[str, int] = {}
 
-    async def start(self) -> None:
+    async def start(self, session: aiohttp.ClientSession) -> None:
         """One round now (so start-up knows who is down), then one every interval."""
-        self._session = aiohttp.ClientSession()
+        self._session = session
         await self.check_all(unhealthy_after=1)  # nothing is known yet: believe the first answer
         self._task = asyncio.create_task(self._loop())
 
@@ -44,8 +44,6 @@ class HealthChecker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
 
     async def _loop(self) -> None:
         while True:

@@ -89,5 +89,26 @@ class Metrics:
             registry=r,
         )
 
+        self.decode_prompt_tokens = Gauge(
+            "pd_extproc_decode_prompt_tokens",
+            "Prompt tokens of each decode engine by source, as the engine reports them "
+            "(vllm:prompt_tokens_by_source_total).",
+            ["endpoint", "source"],
+            registry=r,
+        )
+        self.kv_transfer_share = Gauge(
+            "pd_extproc_decode_kv_transfer_share",
+            "Share of a decode engine's prompt tokens that arrived by KV transfer over the "
+            "last check window (1 = real P/D; 0 = everything recomputed).",
+            ["endpoint"],
+            registry=r,
+        )
+        self.recompute_alerts = Counter(
+            "pd_extproc_pd_recompute_alerts",
+            "Check windows in which a decode engine recomputed prompts of disaggregated requests.",
+            ["endpoint"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -173,6 +173,8 @@ class RequestProcessor:
 
     async def _answer(self, body: bytes, decodes: list[str], started: float) -> None:
         await self.stream.write(envoy_msgs.body_answer(body, decodes, self.request_id))
+        if self.prefill is not None:
+            self.rt.kv_check.note_dispatch(decodes[0])
         self.rt.metrics.processing_seconds.observe(time.perf_counter() - started)
         log.debug(
             "request %s (client id %r): %s/%s P=%s D=%s",

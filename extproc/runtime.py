@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import logging
 
+import aiohttp
+
 from extproc.config import Config
 from extproc.health import HealthChecker
 from extproc.identity import IdentityCache
+from extproc.kv_check import KvCheck
 from extproc.metrics import Metrics
 from extproc.pool import EndpointState, Pool, picker
 from extproc.prefill_leg import PrefillClient
@@ -47,6 +50,8 @@ class Runtime:
                 self._endpoint_changed(pool.role)(state)
         self.prefill_client = PrefillClient(prefill_listener, config.timeouts.connect_s)
         self.health = HealthChecker(self)
+        self.kv_check = KvCheck(self)
+        self._session: aiohttp.ClientSession | None = None
 
     def _identity_event(self, endpoint: str, event: str) -> None:
         self.metrics.identity_events.labels(endpoint, event).inc()
@@ -61,12 +66,18 @@ class Runtime:
         return record
 
     async def start(self) -> None:
-        await self.health.start()
+        """Health checks, identity probes and KV checks; call once Envoy is serving."""
+        self._session = aiohttp.ClientSession()
+        await self.health.start(self._session)
+        self.kv_check.start(self._session)
         await self.health.probes_settled(self.config.timeouts.probe_s)
 
     async def stop(self) -> None:
+        await self.kv_check.stop()
         await self.health.stop()
         await self.prefill_client.close()
+        if self._session is not None:
+            await self._session.close()
 
     def readiness(self) -> dict[str, object]:
         """What /ready shows: endpoint health and load, and the identity cache."""
@@ -79,4 +90,5 @@ class Runtime:
                 s.address: {"healthy": s.healthy, "in_flight": s.in_flight} for s in self.decode
             },
             "identities": self.identities.snapshot(),
+            "decode_kv": self.kv_check.snapshot(),
         }
