@@ -145,7 +145,7 @@ def test_a_query_on_something_nobody_exports_is_reported() -> None:
 
     metrics = {"pd_extproc_requests_total": {"outcome", "strategy", "reason"}}
     query = parse('sum by (zone) (rate(pd_extproc_nope_total{strategy="x"}[5m]))')
-    assert len(problems(query, metrics, {"job", "instance"})) == 2
+    assert len(problems(query, metrics, {"job", "instance"})) == 3  # name, label, by
     query = parse('sum by (strategy) (rate(pd_extproc_requests_total{pool="x"}[5m]))')
     [problem] = problems(query, metrics, {"job", "instance"})
     assert "no label 'pool'" in problem
