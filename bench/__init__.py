@@ -1,0 +1,1 @@
+"""Benchmarks: `python bench/run.py` (TTFT table and plot), `python bench/hotpath.py` (overhead)."""

@@ -1,0 +1,102 @@
+"""Drive `vllm bench serve` (from the cached vllm venv) over a list of runs, read its results.
+
+One client process serves a whole plan (see vllm_bench_loop.py); each run is the PR #187 test
+plan's command: random 1024-token prompts, 64 output tokens, 2 × C prompts at concurrency C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.procs import pinned, running_process
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.cached_envs import bench_client_cmd, bench_client_env  # noqa: E402
+
+INPUT_LEN, OUTPUT_LEN = 1024, 64
+DONE = re.compile(r"^BENCH-DONE (\S+) (.*)$", re.M)
+
+
+@dataclass(frozen=True)
+class Run:
+    id: str
+    topology: str
+    config: str
+    concurrency: int
+    index: int  # which repetition
+    url: str
+    result: Path
+
+
+def warmups(concurrency: int) -> int:
+    """One request per connection the run will use, so no run pays for opening connections."""
+    return min(max(2, concurrency), 64)
+
+
+def bench_flags(run: Run, model: str, tokenizer: Path) -> list[str]:
+    return [
+        "--base-url", run.url, "--endpoint", "/v1/completions", "--backend", "openai",
+        "--model", model, "--tokenizer", str(tokenizer),
+        "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
+        "--random-output-len", str(OUTPUT_LEN), "--random-range-ratio", "0", "--ignore-eos",
+        "--num-prompts", str(2 * run.concurrency), "--max-concurrency", str(run.concurrency),
+        "--num-warmups", str(warmups(run.concurrency)), "--seed", str(1000 + run.index),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--disable-tqdm", "--ready-check-timeout-sec", "60",
+        "--save-result", "--result-filename", str(run.result),
+    ]  # fmt: skip
+
+
+def time_budget_s(runs: list[Run]) -> float:
+    """A generous bound for the whole plan: start-up plus a slow pace per request."""
+    return 120 + sum(30 + 1.0 * (3 * r.concurrency) for r in runs)
+
+
+async def run_plan(
+    runs: list[Run], model: str, tokenizer: Path, work: Path, cpus: set[int] | None = None
+) -> dict[str, dict]:
+    """Run every entry in one client process; return {run id: result JSON or {'error': ...}}."""
+    plan = [{"id": r.id, "argv": bench_flags(r, model, tokenizer)} for r in runs]
+    plan_path, log_path = work / "plan.json", work / "client.log"
+    plan_path.write_text(json.dumps(plan))
+    python = bench_client_cmd()[0]
+    argv = [python, str(Path(__file__).with_name("vllm_bench_loop.py")), str(plan_path)]
+    with pinned(cpus):
+        runner = running_process(argv, log_path, env=bench_client_env())
+        process = await runner.__aenter__()
+    try:
+        await _follow(process, log_path, len(runs), time_budget_s(runs))
+    finally:
+        await runner.__aexit__(None, None, None)
+    return {r.id: _load(r, log_path) for r in runs}
+
+
+async def _follow(process: asyncio.subprocess.Process, log_path: Path, total: int,
+                  budget_s: float) -> None:  # fmt: skip
+    """Print progress as runs finish; stop at the time budget."""
+    deadline, seen = time.monotonic() + budget_s, 0
+    while process.returncode is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"client plan exceeded {budget_s:.0f} s (log: {log_path})")
+        text = await asyncio.to_thread(log_path.read_text, errors="replace")
+        done = DONE.findall(text)
+        for run_id, status in done[seen:]:
+            print(f"  [{len(done)}/{total}] {run_id} {status}", flush=True)
+        seen = len(done)
+        await asyncio.sleep(0.5)
+
+
+def _load(run: Run, log_path: Path) -> dict:
+    statuses = dict(DONE.findall(log_path.read_text(errors="replace")))
+    if statuses.get(run.id) != "ok" or not run.result.exists():
+        return {"error": statuses.get(run.id, "did not run")}
+    return json.loads(run.result.read_text())

@@ -1,0 +1,72 @@
+"""The simulated engines of one topology (nPnD, push or pull connectors), started together.
+
+Every engine gets the client's tokenizer and served name, so the simulator counts exactly the
+tokens `vllm bench serve` counts (the client replaces its prompt lengths by the server's usage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from bench.procs import pinned
+from vllmsim.testing import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
+
+CONNECTORS = {"push": (PUSH_P, PUSH_D), "pull": (PULL_P, PULL_D)}
+# Near-instant steps: what is measured is the proxy, not the model.
+INSTANT = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0")
+
+
+@dataclass(frozen=True)
+class Engines:
+    kind: str
+    prefill: list[EngineHandle]
+    decode: list[EngineHandle]
+
+    def addresses(self, role: str) -> list[str]:
+        handles = self.prefill if role == "prefill" else self.decode
+        return [f"127.0.0.1:{h.port}" for h in handles]
+
+    @property
+    def all(self) -> list[EngineHandle]:
+        return [*self.prefill, *self.decode]
+
+
+@contextlib.asynccontextmanager
+async def running_engines(
+    kind: str, n_prefill: int, n_decode: int, model: str, tokenizer: Path | None,
+    cost_flags: Sequence[str] = (), cpus: set[int] | None = None,
+) -> AsyncIterator[Engines]:  # fmt: skip
+    p_cfg, d_cfg = CONNECTORS[kind]
+    common = ["--served-model-name", model, "--log-level", "warning", *cost_flags]
+    if tokenizer is not None:
+        common += ["--tokenizer", str(tokenizer)]
+    async with contextlib.AsyncExitStack() as stack:
+        with pinned(cpus):
+            prefill = [await stack.enter_async_context(_engine(p_cfg, common))
+                       for _ in range(n_prefill)]  # fmt: skip
+            decode = [await stack.enter_async_context(_engine(d_cfg, common))
+                      for _ in range(n_decode)]  # fmt: skip
+        yield Engines(kind, prefill, decode)
+
+
+def _engine(kv_config: str, flags: list[str]) -> contextlib.AbstractAsyncContextManager:
+    return running_engine("--kv-transfer-config", kv_config, *flags, start_timeout=30)
+
+
+async def sim_requests(http: aiohttp.ClientSession, engine: EngineHandle) -> list[dict]:
+    """What one engine received (x_request_id, received_at, kv), from GET /sim/requests."""
+    async with http.get(engine.url + "/sim/requests") as resp:
+        resp.raise_for_status()
+        return list(await resp.json())
+
+
+async def clear_sim_requests(http: aiohttp.ClientSession, engines: Engines) -> None:
+    """Forget recorded requests, so each measurement reads only its own (and memory stays flat)."""
+    for engine in engines.all:
+        async with http.delete(engine.url + "/sim/requests") as resp:
+            resp.raise_for_status()

