@@ -58,7 +58,7 @@ class Sidecar:
     async def start(self) -> SidecarAddresses:
         cfg = self.config
         await self.server.start()
-        extproc = f"{cfg.extproc.host}:{self.server.grpc_port}"
+        extproc = self.server.address
         bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener)
         self.envoy.config_path.write_text(render_yaml(bootstrap))
         try:

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import orjson
+
 from extproc.config import Config, ConfigError, load_config
 from extproc.envoy_process import EnvoyError
 
@@ -41,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         help="where your Envoy's prefill listener is: unix:/path or 127.0.0.1:port",
     )
+    serve.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON")
     render = commands.add_parser("render-envoy", help="print the Envoy bootstrap for a config")
     render.add_argument("--config", "-c", required=True, type=Path)
     render.add_argument(
@@ -74,10 +77,7 @@ async def _up(config: Config, ready_file: Path | None, stop: asyncio.Event) -> i
 
     sidecar = Sidecar(config)
     addresses = await sidecar.start()
-    if ready_file is not None:
-        tmp = ready_file.with_suffix(".tmp")
-        tmp.write_bytes(addresses.to_json())
-        tmp.rename(ready_file)
+    _write_ready(ready_file, addresses.to_json())
     print(
         f"pd-extproc is up: {addresses.url}/v1/completions "
         f"(metrics {addresses.metrics}/metrics, Envoy admin {addresses.envoy_admin})",
@@ -96,7 +96,17 @@ async def _up(config: Config, ready_file: Path | None, stop: asyncio.Event) -> i
     return code
 
 
-async def _serve(config: Config, prefill_listener: str, stop: asyncio.Event) -> int:
+def _write_ready(path: Path | None, payload: bytes) -> None:
+    """Atomically, so that a watcher never reads half a file."""
+    if path is not None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(payload)
+        tmp.rename(path)
+
+
+async def _serve(
+    config: Config, prefill_listener: str, ready_file: Path | None, stop: asyncio.Event
+) -> int:
     from extproc.runtime import Runtime
     from extproc.server import ExtProcServer
 
@@ -104,7 +114,9 @@ async def _serve(config: Config, prefill_listener: str, stop: asyncio.Event) -> 
     server = ExtProcServer(runtime)
     await server.start()
     await runtime.start()
-    print(f"pd-extproc ext_proc on {config.extproc.host}:{server.grpc_port}", flush=True)
+    metrics = f"http://{config.metrics.host}:{server.metrics_port}"
+    _write_ready(ready_file, orjson.dumps({"extproc": server.address, "metrics": metrics}))
+    print(f"pd-extproc ext_proc on {server.address}, metrics {metrics}/metrics", flush=True)
     await stop.wait()
     await server.stop(config.timeouts.drain_s)
     return 0
@@ -115,9 +127,9 @@ def _render(
 ) -> int:
     from extproc.envoy_config import render_bootstrap, render_snippet, render_yaml, snippet_header
 
-    if extproc_address is None and config.extproc.port == 0:
+    if extproc_address is None and config.extproc.address.endswith(":0"):
         raise ConfigError("extproc.port is 0 (any free port): pass --extproc-address host:port")
-    address = extproc_address or f"{config.extproc.host}:{config.extproc.port}"
+    address = extproc_address or config.extproc.address
     if snippet:  # the pieces for an Envoy the user already runs
         pieces = render_snippet(config, address, prefill_listener)
         sys.stdout.write(snippet_header(config) + render_yaml(pieces))
@@ -139,7 +151,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "render-envoy":
         return _render(config, args.extproc_address, args.prefill_listener, args.snippet)
     if args.command == "serve":
-        return asyncio.run(_until_signal(lambda stop: _serve(config, args.prefill_listener, stop)))
+        return asyncio.run(
+            _until_signal(lambda stop: _serve(config, args.prefill_listener, args.ready_file, stop))
+        )
     return asyncio.run(_until_signal(lambda stop: _up(config, args.ready_file, stop)))
 
 

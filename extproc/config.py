@@ -115,8 +115,12 @@ class PoolConfig(_Strict):
 
 
 class ListenConfig(_Strict):
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the ext_proc also takes "unix:/path" (then port is unused)
     port: int = Field(default=0, ge=0, lt=65536)
+
+    @property
+    def address(self) -> str:
+        return self.host if self.host.startswith("unix:") else f"{self.host}:{self.port}"
 
 
 class DispatchConfig(_Strict):
@@ -144,6 +148,10 @@ class TimeoutConfig(_Strict):
     # D failed in parallel dispatch: wait this long for P's answer to tell a P restart
     # (answer 503 + Retry-After) from a D fault (pass D's error on, cancel P).
     decode_error_grace_s: PositiveFloat = 0.5
+    # Longest silence from D (before its first byte, or between chunks). vLLM has no timeout
+    # for a decode waiting on KV that never comes; Envoy answers 504 (or resets a started
+    # stream) after this. Non-streaming answers are silent until done: keep it above them.
+    kv_wait_s: PositiveFloat = 300.0
     # Longest a request may stay open (a long generation); then the sidecar stops watching it.
     request_s: PositiveFloat = 3600.0
 

@@ -80,8 +80,10 @@ async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) ->
         addresses = await sidecar.start()
         stack.push_async_callback(sidecar.stop)
         learned = sum(1 for i in sidecar.runtime.identities.snapshot().values() if i["engine_id"])
-        print(f"Envoy + ext_proc up at {addresses.url}; {learned} of 2 prefill identities "
-              "learned by probe before the first request")
+        print(
+            f"Envoy + ext_proc up at {addresses.url}; {learned} of 2 prefill identities "
+            "learned by probe before the first request"
+        )
         session = await stack.enter_async_context(aiohttp.ClientSession())
         ttfts = [await _first_token_time(session, addresses.url, i) for i in range(requests)]
         records = await _records(session, engines)
@@ -91,8 +93,10 @@ async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) ->
         print(f"\nmetrics: {addresses.metrics}/metrics   Envoy admin: {addresses.envoy_admin}")
         if once:
             return 0
-        print("\nTry it (Ctrl-C to stop):\n"
-              f"  curl -s {addresses.url}/v1/completions -H 'content-type: application/json' \\\n"
-              "    -d '{\"model\":\"sim-model\",\"prompt\":\"Hello\",\"max_tokens\":16}'")
+        print(
+            "\nTry it (Ctrl-C to stop):\n"
+            f"  curl -s {addresses.url}/v1/completions -H 'content-type: application/json' \\\n"
+            '    -d \'{"model":"sim-model","prompt":"Hello","max_tokens":16}\''
+        )
         await stop.wait()
     return 0

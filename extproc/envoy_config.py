@@ -41,6 +41,7 @@ _OVERRIDE_HOST = (
 _ROUND_ROBIN = (
     "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 )
+_CEL_FILTER = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 # Paths of the engines that need no P/D routing: any decode engine answers them.
 PASSTHROUGH_PATHS = ("/v1/models", "/health", "/metrics", "/version", "/tokenize", "/detokenize")
@@ -91,33 +92,52 @@ def _ext_proc_filter(cfg: Config) -> dict[str, Any]:
     }
 
 
-def _local_reply_413(cfg: Config) -> dict[str, Any]:
-    limit = cfg.limits.max_body_bytes
-    body = error_body(413, f"request body exceeds the limit of {limit} bytes").decode()
+def _json_reply(filter_: dict[str, Any], status: int, message: str) -> dict[str, Any]:
+    """A local-reply mapper that gives Envoy's own errors an OpenAI-style JSON body."""
     return {
-        "mappers": [
+        "filter": filter_,
+        "body": {"inline_string": error_body(status, message).decode()},
+        "headers_to_add": [
             {
-                "filter": {
-                    "status_code_filter": {
-                        "comparison": {
-                            "op": "EQ",
-                            "value": {"default_value": 413, "runtime_key": "pd_413"},
-                        }
-                    }
-                },
-                "body": {"inline_string": body},
-                "headers_to_add": [
-                    {"header": {"key": "content-type", "value": "application/json"}}
-                ],
+                "header": {"key": "content-type", "value": "application/json"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
             }
-        ]
+        ],
     }
+
+
+def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
+    limit = cfg.limits.max_body_bytes
+    too_large = {
+        "status_code_filter": {
+            "comparison": {
+                "op": "EQ",
+                "value": {"default_value": 413, "runtime_key": "pd_extproc.413"},
+            }
+        }
+    }
+    # The ext_proc's own ImmediateResponses carry their JSON already (details pd_extproc_*);
+    # only failures to reach it (details ext_proc_error_*) get this body.
+    extproc_down = {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                _TYPED: _CEL_FILTER,
+                "expression": "response.code_details.startsWith('ext_proc_error')",
+            },
+        }
+    }
+    return {"mappers": [
+        _json_reply(too_large, 413, f"request body exceeds the limit of {limit} bytes"),
+        _json_reply(extproc_down, 503, "the pd-extproc ext_proc is unavailable; retry"),
+    ]}  # fmt: skip
 
 
 def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
     decode_route = {
         "cluster": "decode_pool",
         "timeout": "0s",  # generations stream for minutes; the ext_proc bounds the P leg
+        "idle_timeout": _duration(cfg.timeouts.kv_wait_s),  # a D waiting for KV forever
         # a refused connection is retried on the next host of the ext_proc's list
         "retry_policy": {"retry_on": "connect-failure", "num_retries": 1},
     }
@@ -176,7 +196,7 @@ def _ingress_listener(cfg: Config) -> dict[str, Any]:
     hcm = {
         "stat_prefix": "ingress",
         "delayed_close_timeout": "0s",  # resets reach HTTP/1.1 clients at once
-        "local_reply_config": _local_reply_413(cfg),
+        "local_reply_config": _ingress_local_replies(cfg),
         "route_config": {
             "name": "ingress",
             "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _ingress_routes(cfg)}],

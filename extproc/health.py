@@ -1,7 +1,9 @@
 """Active health checks of every engine, and the identity work that follows a transition.
 
-Each round GETs `/health` of every endpoint directly. A prefill endpoint that becomes healthy
-(at start-up, or after an outage) is probed for its identity; one that goes down loses it.
+Each round GETs `/health` of every decode endpoint and `/metrics` of every prefill endpoint
+directly (a changed `process_start_time_seconds` reveals a restart before any request does).
+A prefill endpoint that becomes healthy (at start-up, or after an outage) is probed for its
+identity; one that goes down loses it.
 Passive marking (a refused P leg) happens in the processor and is undone here when the
 endpoint answers again.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -24,6 +27,10 @@ __all__ = ["HealthChecker"]
 
 log = logging.getLogger("extproc.health")
 
+# Prefill engines are checked through /metrics: the same 200 as /health, plus the process
+# start time that reveals a restart (vLLM and vllmsim both export it).
+_START_TIME = re.compile(rb"^process_start_time_seconds\S* (\S+)$", re.MULTILINE)
+
 
 class HealthChecker:
     def __init__(self, rt: Runtime) -> None:
@@ -32,6 +39,7 @@ class HealthChecker:
         self._task: asyncio.Task[None] | None = None
         self._probes: dict[str, asyncio.Task[bool]] = {}
         self._failures: dict[str, int] = {}
+        self._start_times: dict[str, float] = {}
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         """One round now (so start-up knows who is down), then one every interval."""
@@ -60,15 +68,8 @@ class HealthChecker:
                 self._maybe_probe(state.address)
 
     async def _check(self, pool: Pool, state: EndpointState, unhealthy_after: int) -> None:
-        assert self._session is not None
-        try:
-            async with self._session.get(
-                f"http://{state.address}/health",
-                timeout=aiohttp.ClientTimeout(total=self.rt.config.health.timeout_s),
-            ) as response:
-                healthy = response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            healthy = False
+        prefill = pool is self.rt.prefill
+        healthy, started = await self._fetch(state.address, "/metrics" if prefill else "/health")
         # One slow answer on a busy host is not an outage: require consecutive failures.
         failures = 0 if healthy else self._failures.get(state.address, 0) + 1
         self._failures[state.address] = failures
@@ -79,8 +80,34 @@ class HealthChecker:
                 "%s %s is now %s", pool.role, state.address, "healthy" if healthy else "unhealthy"
             )
         pool.set_healthy(state.address, healthy)
-        if not healthy and pool is self.rt.prefill:
+        if prefill and not healthy:
             self.rt.identities.drop(state.address)
+        if prefill and started is not None:
+            self._note_start_time(state.address, started)
+
+    async def _fetch(self, address: str, path: str) -> tuple[bool, float | None]:
+        """(answered 200, the engine's process_start_time_seconds if the body has it)."""
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                f"http://{address}{path}",
+                timeout=aiohttp.ClientTimeout(total=self.rt.config.health.timeout_s),
+            ) as response:
+                if response.status != 200:
+                    return False, None
+                match = _START_TIME.search(await response.read())
+        except (aiohttp.ClientError, TimeoutError):
+            return False, None
+        return True, None if match is None else float(match.group(1))
+
+    def _note_start_time(self, address: str, started: float) -> None:
+        """A new process start time is a restart: its identity is stale before any request."""
+        previous = self._start_times.get(address)
+        self._start_times[address] = started
+        if previous is not None and previous != started:
+            log.warning("prefill %s restarted; its identity is dropped and re-learned", address)
+            self.rt.metrics.identity_events.labels(address, "restarted").inc()
+            self.rt.identities.drop(address)
 
     def _maybe_probe(self, address: str) -> None:
         """Probe once at a time per endpoint, when enabled and useful."""

@@ -98,6 +98,7 @@ def identity_from_params(params: Any) -> PrefillIdentity:
 @dataclass
 class _Entry:
     identity: PrefillIdentity | None = None
+    last: PrefillIdentity | None = None  # survives drops, so a restart still counts as a change
     changes: deque[float] = field(default_factory=deque)
     serial_until: float = 0.0
 
@@ -105,7 +106,8 @@ class _Entry:
 class IdentityCache:
     """Per-endpoint identities; every transition is reported to `on_event(endpoint, event)`.
 
-    Events: learned, refreshed, changed, dropped, flapping.
+    Events: learned (after a miss), refreshed (same again), changed (a different engine than the
+    last one seen, even across a drop), dropped, flapping.
     """
 
     def __init__(
@@ -134,11 +136,12 @@ class IdentityCache:
     def learn(self, endpoint: str, identity: PrefillIdentity) -> None:
         """Record what P just reported; a different engine than before counts as a change."""
         entry = self._entries.setdefault(endpoint, _Entry())
-        previous, entry.identity = entry.identity, identity
-        if previous is None:
-            self._on_event(endpoint, "learned")
-        elif previous == identity:
+        known, previous = entry.identity, entry.last
+        entry.identity = entry.last = identity
+        if known == identity:
             self._on_event(endpoint, "refreshed")
+        elif previous is None or previous == identity:
+            self._on_event(endpoint, "learned")
         else:
             self._on_event(endpoint, "changed")
             self._count_change(endpoint, entry)

@@ -7,7 +7,9 @@ listener exists. `stop(grace)` lets in-flight streams finish for up to `grace` s
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from typing import Any
 
 import orjson
@@ -46,7 +48,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 class ExtProcServer:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.grpc_port = 0
+        self.address = ""  # "host:port" or "unix:/path", as Envoy's cluster should name it
         self.metrics_port = 0
         self._grpc: aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -55,9 +57,14 @@ class ExtProcServer:
         cfg = self.runtime.config
         self._grpc = aio.server(options=_GRPC_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.extproc.host}:{cfg.extproc.port}")
-        if self.grpc_port == 0:
-            raise OSError(f"cannot listen on {cfg.extproc.host}:{cfg.extproc.port} (in use?)")
+        wanted = cfg.extproc.address
+        if wanted.startswith("unix:"):
+            with contextlib.suppress(FileNotFoundError):  # a previous run's socket
+                os.unlink(wanted.removeprefix("unix:"))
+        port = self._grpc.add_insecure_port(wanted)
+        if port == 0:
+            raise OSError(f"cannot listen on {wanted} (in use?)")
+        self.address = wanted if wanted.startswith("unix:") else f"{cfg.extproc.host}:{port}"
         await self._grpc.start()
         self._http = web.AppRunner(self._http_app(), access_log=None)
         await self._http.setup()
@@ -65,9 +72,8 @@ class ExtProcServer:
         await site.start()
         self.metrics_port = self._http.addresses[0][1]
         log.info(
-            "ext_proc on %s:%d, metrics on %s:%d",
-            cfg.extproc.host,
-            self.grpc_port,
+            "ext_proc on %s, metrics on %s:%d",
+            self.address,
             cfg.metrics.host,
             self.metrics_port,
         )

@@ -90,6 +90,10 @@ def test_cache_learns_refreshes_changes_and_drops() -> None:
     assert cache.drop("p1")
     assert cache.get("p1") is None
     assert events == ["learned", "refreshed", "changed", "dropped"]
+    cache.learn("p1", first)  # a different engine seen across a drop is still a change
+    cache.drop("p1")
+    cache.learn("p1", first)  # the same engine again after a drop is only re-learned
+    assert events[4:] == ["changed", "flapping", "dropped", "learned"]  # 2 changes in 60 s
 
 
 def test_flapping_endpoint_becomes_serial_for_the_cooldown() -> None:

@@ -107,8 +107,9 @@ async def test_client_disconnect_cancels_both_legs_and_keeps_the_identity() -> N
             assert all(e["in_flight"] == 0 for e in ready[role].values())
 
 
-async def test_prefill_restart_is_learned_and_nobody_hangs() -> None:
-    async with topology(dispatch={"probe": False}) as topo:
+async def test_prefill_restart_under_a_request_gives_a_retryable_error_at_worst() -> None:
+    # Health checks are slowed down so that the restart is first seen by a request.
+    async with topology(dispatch={"probe": False}, health={"interval_s": 30}) as topo:
         status, _, _ = await topo.post("/v1/completions", COMPLETION)
         assert status == 200
         new_state = await topo.sim(topo.prefills[0], "POST", "/sim/restart")
@@ -119,13 +120,47 @@ async def test_prefill_restart_is_learned_and_nobody_hangs() -> None:
         # D was given the stale identity: the client gets a clear retryable error
         assert status == 503, body
         assert headers.get("retry-after") == "1"
+        assert "restarted" in orjson.loads(body)["error"]["message"]
         status, body, _ = await topo.post("/v1/completions", COMPLETION)
         assert status == 200, body
         d_records = await topo.seen(topo.decodes[0])
-        assert (
-            d_records[-1]["body"]["kv_transfer_params"]["remote_engine_id"]
-            == new_state["engine_id"]
-        )
+        new_id = new_state["engine_id"]
+        assert d_records[-1]["body"]["kv_transfer_params"]["remote_engine_id"] == new_id
+
+
+async def test_prefill_restart_is_detected_before_any_request() -> None:
+    async with topology() as topo:  # health checks every 0.5 s, probes on
+        prefill = f"127.0.0.1:{topo.prefills[0].port}"
+        new_state = await topo.sim(topo.prefills[0], "POST", "/sim/restart")
+        for _ in range(50):
+            if (await topo.ready())["identities"][prefill]["engine_id"] == new_state["engine_id"]:
+                break
+            await asyncio.sleep(0.1)
+        assert (await topo.ready())["identities"][prefill]["engine_id"] == new_state["engine_id"]
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+        [(d_record)] = await topo.seen(topo.decodes[0])
+        assert d_record["kv"] == "push-parallel"
+        metrics = await topo.metrics()
+        key = f'pd_extproc_identity_events_total{{endpoint="{prefill}",event="restarted"}}'
+        assert metrics[key] == 1
+
+
+async def test_flapping_identity_makes_the_endpoint_serial_for_a_while() -> None:
+    async with topology(dispatch={"probe": False}, health={"interval_s": 30}) as topo:
+        prefill = f"127.0.0.1:{topo.prefills[0].port}"
+        for _ in range(3):  # three engines behind one address within the window
+            await topo.post("/v1/completions", COMPLETION)
+            await topo.sim(topo.prefills[0], "POST", "/sim/restart")
+        await topo.post("/v1/completions", COMPLETION)
+        ready = await topo.ready()
+        assert ready["identities"][prefill]["serial_only"] is True
+        metrics = await topo.metrics()
+        assert metrics[f'pd_extproc_identity_events_total{{endpoint="{prefill}",event="flapping"}}'] >= 1
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+        metrics = await topo.metrics()
+        assert metrics[requests_total("ok", "serial_only", "serial")] >= 1
 
 
 async def test_decode_failure_cancels_prefill_and_reaches_the_client() -> None:
