@@ -77,6 +77,10 @@ def requests_total(outcome: str, reason: str, strategy: str) -> str:
     )
 
 
+def identity_events(endpoint: str, event: str) -> str:
+    return f'pd_extproc_identity_events_total{{endpoint="{endpoint}",event="{event}"}}'
+
+
 def address(engine: EngineHandle) -> str:
     return f"127.0.0.1:{engine.port}"
 

@@ -9,7 +9,7 @@ import time
 import aiohttp
 import orjson
 
-from tests.integration.conftest import MODEL, Topology, requests_total, topology
+from tests.integration.conftest import MODEL, Topology, identity_events, requests_total, topology
 from vllmsim.testing import EngineHandle
 
 COMPLETION = {"model": MODEL, "prompt": "Once upon a time " * 20, "max_tokens": 8}
@@ -142,8 +142,7 @@ async def test_prefill_restart_is_detected_before_any_request() -> None:
         [(d_record)] = await topo.seen(topo.decodes[0])
         assert d_record["kv"] == "push-parallel"
         metrics = await topo.metrics()
-        key = f'pd_extproc_identity_events_total{{endpoint="{prefill}",event="restarted"}}'
-        assert metrics[key] == 1
+        assert metrics[identity_events(prefill, "restarted")] == 1
 
 
 async def test_flapping_identity_makes_the_endpoint_serial_for_a_while() -> None:
@@ -156,7 +155,7 @@ async def test_flapping_identity_makes_the_endpoint_serial_for_a_while() -> None
         ready = await topo.ready()
         assert ready["identities"][prefill]["serial_only"] is True
         metrics = await topo.metrics()
-        assert metrics[f'pd_extproc_identity_events_total{{endpoint="{prefill}",event="flapping"}}'] >= 1
+        assert metrics[identity_events(prefill, "flapping")] >= 1
         status, body, _ = await topo.post("/v1/completions", COMPLETION)
         assert status == 200, body
         metrics = await topo.metrics()

@@ -98,9 +98,12 @@ async def split_topology() -> AsyncIterator[Split]:
 
 
 async def post(url: str) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as session, session.post(
-        url + "/v1/completions", json=COMPLETION, timeout=aiohttp.ClientTimeout(total=10)
-    ) as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            url + "/v1/completions", json=COMPLETION, timeout=aiohttp.ClientTimeout(total=10)
+        ) as response,
+    ):
         return response.status, orjson.loads(await response.read())
 
 
