@@ -1,0 +1,120 @@
+"""Turn per-run `vllm bench serve` results into the PR #187-shaped table, ratios and a plot.
+
+A cell is the median over runs of each run's median TTFT (the PR took the best mean of 4 runs;
+the median of runs is less flattered by one lucky run). Ratios are cell / vllm-router's cell.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on a benchmark box
+import matplotlib.pyplot as plt
+
+Key = tuple[str, str, int]  # topology, config, concurrency
+METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+BASELINE = "vllm-router"
+
+
+def cells(records: Iterable[dict]) -> dict[Key, dict[str, float]]:
+    """(topology, config, C) → median over successful runs of each metric, plus run counts."""
+    grouped: dict[Key, list[dict]] = defaultdict(list)
+    for rec in records:
+        grouped[(rec["topology"], rec["config"], rec["concurrency"])].append(rec)
+    out: dict[Key, dict[str, float]] = {}
+    for key, recs in grouped.items():
+        ok = [r for r in recs if "error" not in r and r.get("completed") and not r.get("failed")]
+        cell: dict[str, float] = {"runs": len(ok), "attempts": len(recs)}
+        for metric in METRICS:
+            if ok:
+                cell[metric] = statistics.median(r[metric] for r in ok)
+        if ok:
+            cell["best_mean_ttft_ms"] = min(r["mean_ttft_ms"] for r in ok)
+        out[key] = cell
+    return out
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def ttft_table(table: dict[Key, dict[str, float]], topology: str, configs: list[str],
+               concurrencies: list[int]) -> list[str]:  # fmt: skip
+    others = [c for c in configs if c != BASELINE]
+    head = ["concurrency", *configs, *(f"{c} / router" for c in others if BASELINE in configs)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for conc in concurrencies:
+        values = {c: table.get((topology, c, conc), {}).get("median_ttft_ms") for c in configs}
+        row = [str(conc), *(_fmt(values[c]) for c in configs)]
+        base = values.get(BASELINE)
+        if BASELINE in configs:
+            row += [_fmt(values[c] / base, 2) if values[c] and base else "—" for c in others]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def detail_table(table: dict[Key, dict[str, float]], topology: str, configs: list[str],
+                 concurrencies: list[int]) -> list[str]:  # fmt: skip
+    lines = ["| concurrency | config | median TTFT | p99 TTFT | median TPOT | p99 TPOT | "
+             "best mean TTFT | runs ok |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for conc in concurrencies:
+        for config in configs:
+            cell = table.get((topology, config, conc), {})
+            lines.append(
+                f"| {conc} | {config} | {_fmt(cell.get('median_ttft_ms'))} | "
+                f"{_fmt(cell.get('p99_ttft_ms'))} | {_fmt(cell.get('median_tpot_ms'), 2)} | "
+                f"{_fmt(cell.get('p99_tpot_ms'), 2)} | {_fmt(cell.get('best_mean_ttft_ms'))} | "
+                f"{int(cell.get('runs', 0))}/{int(cell.get('attempts', 0))} |")
+    return lines
+
+
+def target_checks(table: dict[Key, dict[str, float]], topology: str,
+                  concurrencies: list[int]) -> list[str]:  # fmt: skip
+    """The issue's targets, one line each, with the concurrencies that miss."""
+    def ttft(config: str, conc: int) -> float | None:
+        return table.get((topology, config, conc), {}).get("median_ttft_ms")
+
+    def misses(other: str, strict: bool, limit: int | None = None) -> list[int]:
+        bad = []
+        for conc in concurrencies:
+            mine, theirs = ttft("push", conc), ttft(other, conc)
+            if mine is None or theirs is None or (limit and conc > limit):
+                continue
+            if mine > theirs or (strict and mine == theirs):
+                bad.append(conc)
+        return bad
+
+    checks = [("push ≤ vllm-router at every concurrency", misses(BASELINE, False)),
+              ("push < pull up to 64", misses("pull", True, 64)),
+              ("push < serial-push up to 64", misses("serial-push", True, 64))]  # fmt: skip
+    return [f"- {name}: " + ("met" if not bad else f"MISSED at C = {bad}") for name, bad in checks]
+
+
+def plot(table: dict[Key, dict[str, float]], topologies: list[str], configs: list[str],
+         concurrencies: list[int], path: Path) -> None:  # fmt: skip
+    fig, axes = plt.subplots(1, len(topologies), figsize=(6 * len(topologies), 4.5),
+                             squeeze=False)  # fmt: skip
+    for ax, topology in zip(axes[0], topologies, strict=True):
+        for config in configs:
+            points = [(c, table.get((topology, config, c), {}).get("median_ttft_ms"))
+                      for c in concurrencies]  # fmt: skip
+            points = [(c, v) for c, v in points if v is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=config)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+        ax.set_xlabel("concurrency (prompts = 2 × concurrency)")
+        ax.set_ylabel("median TTFT (ms)")
+        ax.set_title(f"{topology}, vllmsim engines, input 1024 / output 64")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Median TTFT of every configuration side by side on the same vllmsim engines (PR #187's plan).
+
+For each topology (1P1D, 2P2D) the harness starts push engines and pull engines, then
+vllm-router 0.1.17 and pd-extproc in pull, serial-push and push modes, all at once, and runs
+`vllm bench serve` (random 1024 in / 64 out, 2 × C prompts at concurrency C, warm-ups) over
+every configuration, interleaved per (run, concurrency) so drift hits them alike. Output:
+bench/results/ttft.md (table, ratios to vllm-router, targets), ttft.json (every run), ttft.png.
+
+    python bench/run.py                 # full: C = 1..64, 3 runs, 1P1D and 2P2D
+    python bench/run.py --quick         # a few minutes: C = 1, 4, 16, 1 run, 1P1D
+    python bench/run.py --concurrency 1,8,64 --runs 4 --topologies 2P2D
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import report
+from bench.client import Run, run_plan
+from bench.engines import Engines, running_engines
+from bench.procs import ALL_CPUS
+from bench.targets import CONFIGS, ENGINE_KIND, Target, running_target
+from scripts.cached_envs import tiny_model, vllm_router_venv
+
+MODEL = "tiny"  # the served name the client asks for
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cpu_split(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """Engines on the first CPU, proxies and client on the last: the proxy under test never
+    competes with the simulated GPUs for a core (both proxies get the same placement)."""
+    if not pin or len(ALL_CPUS) < 2:
+        return None, None
+    return {min(ALL_CPUS)}, {max(ALL_CPUS)}
+
+
+def plan(topology: str, targets: dict[str, Target], concurrencies: list[int], runs: int,
+         work: Path) -> list[Run]:  # fmt: skip
+    """Interleaved: run 0 of every (C, config), then run 1, ...; the config order rotates."""
+    names = list(targets)
+    out = []
+    for index in range(runs):
+        for conc in concurrencies:
+            shift = (index + conc) % len(names)
+            for name in names[shift:] + names[:shift]:
+                run_id = f"{topology}-{name}-c{conc}-r{index}"
+                out.append(Run(run_id, topology, name, conc, index, targets[name].url,
+                               work / f"{run_id}.json"))  # fmt: skip
+    return out
+
+
+async def bench_topology(topology: str, args: argparse.Namespace, work: Path) -> list[dict]:
+    n = int(topology[0])
+    engine_cpus, proxy_cpus = cpu_split(args.pin)
+    tokenizer, router = tiny_model(), vllm_router_venv() / "bin" / "vllm-router"
+    async with contextlib.AsyncExitStack() as stack:
+        engines: dict[str, Engines] = {}
+        for kind in sorted({ENGINE_KIND[c] for c in args.configs}):
+            engines[kind] = await stack.enter_async_context(
+                running_engines(kind, n, n, MODEL, tokenizer, cpus=engine_cpus))
+        targets = {c: await stack.enter_async_context(
+            running_target(c, engines[ENGINE_KIND[c]], router, proxy_cpus)) for c in args.configs}
+        runs = plan(topology, targets, args.concurrency, args.runs, work)
+        print(f"{topology}: {len(runs)} runs over {', '.join(targets)}", flush=True)
+        results = await run_plan(runs, MODEL, tokenizer, work, proxy_cpus)
+    return [{"topology": r.topology, "config": r.config, "concurrency": r.concurrency,
+             "index": r.index, **_slim(results[r.id])} for r in runs]  # fmt: skip
+
+
+def _slim(result: dict) -> dict:
+    """Keep the scalar metrics; drop per-request arrays and echoed arguments."""
+    return {k: v for k, v in result.items() if isinstance(v, int | float | str) and k != "date"}
+
+
+def write_outputs(records: list[dict], args: argparse.Namespace, meta: dict) -> None:
+    table = report.cells(records)
+    lines = ["# Median TTFT (ms), vllmsim engines, input 1024 / output 64, prompts = 2 × C",
+             "", f"{meta['when']}; {args.runs} run(s) per cell, cell = median over runs of the "
+             f"run's median TTFT; {meta['duration_s']:.0f} s; load average before "
+             f"{meta['load_before']}, after {meta['load_after']}; pinning: {meta['pinning']}.",
+             ""]  # fmt: skip
+    for topology in args.topologies:
+        lines += [f"## {topology}", "", *report.ttft_table(table, topology, args.configs,
+                                                          args.concurrency), ""]  # fmt: skip
+        lines += ["Targets:", *report.target_checks(table, topology, args.concurrency), ""]
+        lines += ["<details><summary>p99 TTFT, TPOT</summary>", "",
+                  *report.detail_table(table, topology, args.configs, args.concurrency),
+                  "", "</details>", ""]  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ttft.md").write_text("\n".join(lines))
+    (args.out / "ttft.json").write_text(json.dumps({"meta": meta, "runs": records}, indent=1))
+    report.plot(table, args.topologies, args.configs, args.concurrency, args.out / "ttft.png")
+    print("\n".join(lines))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="C = 1,4,16, 1 run, 1P1D")
+    parser.add_argument("--concurrency", help="comma list (default 1,2,4,...,64)")
+    parser.add_argument("--runs", type=int, help="runs per cell (default 3)")
+    parser.add_argument("--topologies", help="comma list of nPnD (default 1P1D,2P2D)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="do not pin engines and proxies to separate CPUs")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    quick = args.quick
+    args.concurrency = [int(c) for c in (args.concurrency or
+                        ("1,4,16" if quick else "1,2,4,8,16,32,64")).split(",")]  # fmt: skip
+    args.runs = args.runs or (1 if quick else 3)
+    args.topologies = (args.topologies or ("1P1D" if quick else "1P1D,2P2D")).split(",")
+    args.configs = args.configs.split(",")
+    unknown = set(args.configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}; choose from {CONFIGS}")
+    return args
+
+
+async def main() -> None:
+    args = parse_args()
+    started, load_before = time.monotonic(), os.getloadavg()
+    records: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
+        for topology in args.topologies:
+            records += await bench_topology(topology, args, Path(tmp))
+    engine_cpus, proxy_cpus = cpu_split(args.pin)
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "duration_s": time.monotonic() - started,
+            "load_before": " ".join(f"{x:.2f}" for x in load_before),
+            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "pinning": f"engines on CPU {engine_cpus}, proxies and client on CPU {proxy_cpus}"
+                       if engine_cpus else "none",
+            "argv": sys.argv[1:]}  # fmt: skip
+    write_outputs(records, args, meta)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
