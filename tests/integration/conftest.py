@@ -91,6 +91,7 @@ async def topology(
     n_decode: int = 1,
     connectors: tuple[str, str] = PUSH,
     engine_flags: Sequence[str] = (),
+    extra_prefills: Sequence[EngineHandle] = (),
     **config: Any,
 ) -> AsyncIterator[Topology]:
     async with contextlib.AsyncExitStack() as stack:
@@ -99,7 +100,7 @@ async def topology(
                 running_engine("--kv-transfer-config", connectors[0], *engine_flags)
             )
             for _ in range(n_prefill)
-        ]
+        ] + list(extra_prefills)
         decodes = [
             await stack.enter_async_context(
                 running_engine("--kv-transfer-config", connectors[1], *engine_flags)

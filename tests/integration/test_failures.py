@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 
 from tests.integration.conftest import MODEL, Topology, identity_events, requests_total, topology
-from vllmsim.testing import EngineHandle
+from vllmsim.testing import PUSH_P, EngineHandle, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "Once upon a time " * 20, "max_tokens": 8}
 
@@ -187,3 +187,92 @@ async def test_unreachable_prefill_is_marked_down_and_skipped() -> None:
         assert set(statuses) <= {200, 503}
         ready = await topo.ready()
         assert ready["prefill"][f"127.0.0.1:{down.port}"]["healthy"] is False
+
+
+async def test_decode_that_never_gets_its_kv_is_bounded_by_the_kv_wait() -> None:
+    async with topology(timeouts={"kv_wait_s": 1.5}) as topo:
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults", {"drop_registrations": True})
+        started = time.perf_counter()
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        elapsed = time.perf_counter() - started
+        assert status == 504, body
+        assert 1.4 < elapsed < 4.0
+        [d_record] = await topo.seen(topo.decodes[0])
+        await wait_for_outcome(topo, topo.decodes[0], d_record["x_request_id"], "aborted")
+        # a streaming client is cut off just as fast (its 200 has already gone out)
+        started = time.perf_counter()
+        with contextlib.suppress(aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
+            await topo.post("/v1/completions", COMPLETION | {"stream": True})
+        assert time.perf_counter() - started < 4.0
+
+
+async def test_client_disconnect_mid_stream_cancels_decode_and_keeps_identity() -> None:
+    async with topology(engine_flags=("--step-base-ms", "50")) as topo:
+        body = COMPLETION | {"stream": True, "max_tokens": 100}
+        async with topo.session.post(topo.sidecar.url + "/v1/completions", json=body) as response:
+            assert response.status == 200
+            await response.content.readline()  # the first event: the stream is running
+        [(d_record)] = await topo.seen(topo.decodes[0])
+        await wait_for_outcome(topo, topo.decodes[0], d_record["x_request_id"], "aborted")
+        ready = await topo.ready()
+        prefill = f"127.0.0.1:{topo.prefills[0].port}"
+        assert ready["identities"][prefill]["engine_id"] == topo.prefills[0].engine_id
+        assert all(e["in_flight"] == 0 for e in ready["decode"].values())
+
+
+async def wait_healthy(topo: Topology, role: str, endpoint: str, healthy: bool) -> None:
+    for _ in range(100):
+        if (await topo.ready())[role][endpoint]["healthy"] is healthy:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{role} {endpoint} never became healthy={healthy}")
+
+
+async def test_prefill_down_at_start_up_is_used_once_it_comes_up() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        prefill_engine = await stack.enter_async_context(
+            running_engine("--kv-transfer-config", PUSH_P)
+        )
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(prefill_engine.url + "/sim/restart", json={"down_for_s": 4}),
+        ):
+            pass  # the engine now refuses connections for 4 s, as if still starting
+        async with topology(n_prefill=0, extra_prefills=[prefill_engine]) as topo:
+            prefill = f"127.0.0.1:{prefill_engine.port}"
+            assert (await topo.ready())["prefill"][prefill]["healthy"] is False
+            await wait_healthy(topo, "prefill", prefill, True)
+            for _ in range(50):  # re-probed once healthy
+                if (await topo.ready())["identities"].get(prefill, {}).get("engine_id"):
+                    break
+                await asyncio.sleep(0.1)
+            status, body, _ = await topo.post("/v1/completions", COMPLETION)
+            assert status == 200, body
+            [(d_record)] = await topo.seen(topo.decodes[0])
+            assert d_record["kv"] == "push-parallel"
+
+
+async def test_no_healthy_prefill_is_a_retryable_503_by_default() -> None:
+    async with topology() as topo:
+        prefill = f"127.0.0.1:{topo.prefills[0].port}"
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults",
+                       {"refuse_connections": True, "refuse_for_s": 30})  # fmt: skip
+        await wait_healthy(topo, "prefill", prefill, False)
+        status, body, headers = await topo.post("/v1/completions", COMPLETION)
+        assert status == 503, body
+        assert headers["retry-after"] == "1"
+        assert await topo.seen(topo.decodes[0]) == []
+
+
+async def test_no_healthy_prefill_can_fall_back_to_decode_only() -> None:
+    async with topology(dispatch={"no_healthy_prefill": "decode_only"}) as topo:
+        prefill = f"127.0.0.1:{topo.prefills[0].port}"
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults",
+                       {"refuse_connections": True, "refuse_for_s": 30})  # fmt: skip
+        await wait_healthy(topo, "prefill", prefill, False)
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+        [d_record] = await topo.seen(topo.decodes[0])
+        assert "kv_transfer_params" not in d_record["body"]
+        metrics = await topo.metrics()
+        assert metrics[requests_total("ok", "no_prefill", "decode_only")] == 1
