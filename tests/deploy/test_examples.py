@@ -1,0 +1,288 @@
+"""examples/: every Envoy configuration passes `envoy --mode validate`, every Kubernetes core
+resource validates against its schema (kubernetes-validate, bundled schemas, offline), and the
+custom resources (Istio, Gateway API, Envoy Gateway), for which no schema package works offline,
+get structural checks plus cross-checks against the pd-extproc config they are made for."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from extproc.config import Config, load_config
+from extproc.envoy_msgs import DESTINATION_HEADER
+from tests.deploy.helpers import (
+    ROOT,
+    by_kind,
+    documents,
+    envoy_validate,
+    envoy_validate_dict,
+)
+
+EXAMPLES = ROOT / "examples"
+K8S_VERSION = "1.30.0"
+CORE_KINDS = {"ConfigMap", "Deployment", "Service"}
+
+
+def regenerate() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("regenerate", EXAMPLES / "regenerate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def config(example: str) -> Config:
+    return load_config(EXAMPLES / example / "pd-extproc.yaml")
+
+
+def test_generated_files_are_current() -> None:
+    stale = [
+        str(path.relative_to(ROOT))
+        for path, text in regenerate().expected().items()
+        if not path.exists() or path.read_text() != text
+    ]
+    assert not stale, f"stale (run: python examples/regenerate.py): {stale}"
+
+
+@pytest.mark.parametrize(
+    "path", ["plain-envoy/envoy.yaml", "kubernetes/envoy.yaml", "envoy-gateway/prefill-envoy.yaml"]
+)
+def test_envoy_bootstraps_validate(path: str) -> None:
+    envoy_validate(EXAMPLES / path)
+
+
+def _hcm_listener(name: str, port: int, filters: list[Any], vhosts: list[Any]) -> dict:
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+        "http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": name,
+        "route_config": {"name": name, "virtual_hosts": vhosts},
+        "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+    }  # fmt: skip
+    return {
+        "name": name,
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [
+            {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+    }  # fmt: skip
+
+
+def _bootstrap(listeners: list[Any], clusters: list[Any]) -> dict[str, Any]:
+    return {"static_resources": {"listeners": listeners, "clusters": clusters}}
+
+
+def test_snippet_pasted_into_an_existing_envoy_validates(tmp_path: Path) -> None:
+    snippet = yaml.safe_load((EXAMPLES / "plain-envoy" / "snippet.yaml").read_text())
+    assert set(snippet) == {"http_filters", "clusters", "listeners"}
+    assert [c["name"] for c in snippet["clusters"]] == ["pd_extproc", "decode_pool", "prefill_pool"]
+    assert [f["name"] for f in snippet["http_filters"]] == ["envoy.filters.http.ext_proc"]
+    # the user's own listener and routes, with the LLM routes sent to decode_pool
+    llm = {"prefix": "/v1/", "route": {"cluster": "decode_pool", "timeout": "0s"}}
+    vhost = {"name": "mine", "domains": ["*"], "routes": [{"match": {"prefix": "/v1/"},
+                                                           "route": llm["route"]}]}  # fmt: skip
+    listener = _hcm_listener("my_ingress", 8080, snippet["http_filters"], [vhost])
+    bootstrap = _bootstrap([listener, *snippet["listeners"]], snippet["clusters"])
+    envoy_validate_dict(bootstrap, tmp_path, "existing-envoy")
+
+
+def test_snippet_header_says_where_each_piece_goes() -> None:
+    header = [line for line in (EXAMPLES / "plain-envoy" / "snippet.yaml").read_text()
+              .splitlines() if line.startswith("#")]  # fmt: skip
+    text = "\n".join(header)
+    for where in ("http_filters:", "clusters:", "listeners:", "routes:", "loopback"):
+        assert where in text
+
+
+# --- Istio -------------------------------------------------------------------------------
+
+
+def _envoyfilter() -> dict[str, Any]:
+    [envoyfilter] = documents(EXAMPLES / "istio" / "envoyfilter.yaml")
+    return envoyfilter
+
+
+def _patches(apply_to: str) -> list[dict[str, Any]]:
+    return [p for p in _envoyfilter()["spec"]["configPatches"] if p["applyTo"] == apply_to]
+
+
+def test_istio_envoyfilter_patches_assemble_into_a_valid_envoy(tmp_path: Path) -> None:
+    [ext_proc] = [p["patch"]["value"] for p in _patches("HTTP_FILTER")]
+    [vhost] = [p["patch"]["value"] for p in _patches("VIRTUAL_HOST")]
+    clusters = [p["patch"]["value"] for p in _patches("CLUSTER")]
+    listeners = [p["patch"]["value"] for p in _patches("LISTENER")]
+    gateway = _hcm_listener("gateway_8080", 8080, [ext_proc], [vhost])
+    envoy_validate_dict(_bootstrap([gateway, *listeners], clusters), tmp_path, "istio")
+
+
+def test_istio_envoyfilter_structure() -> None:
+    envoyfilter = _envoyfilter()
+    assert envoyfilter["apiVersion"] == "networking.istio.io/v1alpha3"
+    for patch in envoyfilter["spec"]["configPatches"]:
+        assert patch["match"]["context"] == "GATEWAY"
+        assert patch["patch"]["operation"] in {"ADD", "INSERT_BEFORE"}
+    [http_filter] = _patches("HTTP_FILTER")
+    assert http_filter["patch"]["operation"] == "INSERT_BEFORE"
+    sub = http_filter["match"]["listener"]["filterChain"]["filter"]["subFilter"]
+    assert sub["name"] == "envoy.filters.http.router"
+    [listener] = [p["patch"]["value"] for p in _patches("LISTENER")]
+    address = listener["address"]["socket_address"]
+    assert (address["address"], address["port_value"]) == ("127.0.0.1", 10001)
+
+
+def test_istio_gateway_matches_the_envoyfilter() -> None:
+    docs = documents(EXAMPLES / "istio" / "gateway.yaml")
+    [deployment], [service], [gateway] = (by_kind(docs, k) for k in
+                                          ("Deployment", "Service", "Gateway"))  # fmt: skip
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selector = _envoyfilter()["spec"]["workloadSelector"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    assert gateway["spec"]["selector"].items() <= pod_labels.items()
+    [server] = gateway["spec"]["servers"]
+    [routes] = _patches("VIRTUAL_HOST")
+    assert routes["match"]["routeConfiguration"]["portNumber"] == server["port"]["number"]
+    [port] = service["spec"]["ports"]
+    [http_filter] = _patches("HTTP_FILTER")
+    assert http_filter["match"]["listener"]["portNumber"] == port["targetPort"]
+    assert port["port"] == server["port"]["number"]
+    assert set(server["hosts"]) <= set(routes["patch"]["value"]["domains"])
+    assert any(c["name"] == "istio-proxy" for c in deployment["spec"]["template"]["spec"][
+        "containers"])  # fmt: skip
+
+
+# --- Envoy Gateway ---------------------------------------------------------------------------
+
+
+def _eg(kind: str) -> dict[str, Any]:
+    [doc] = by_kind(documents(EXAMPLES / "envoy-gateway" / "gateway.yaml"), kind)
+    return doc
+
+
+def test_envoy_gateway_resources_match_the_config() -> None:
+    cfg = config("envoy-gateway")
+    backend = _eg("Backend")["spec"]["endpoints"]
+    assert {f"{e['ip']['address']}:{e['ip']['port']}" for e in backend} == {
+        e.address for e in cfg.decode.endpoints
+    }
+    [rule] = _eg("HTTPRoute")["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {"group": "gateway.envoyproxy.io", "kind": "Backend", "name": "decode-pool"}
+    ]
+    assert {m["path"]["value"] for m in rule["matches"]} == {
+        "/v1/completions", "/v1/chat/completions"}  # fmt: skip
+    [ext_proc] = _eg("EnvoyExtensionPolicy")["spec"]["extProc"]
+    assert ext_proc["backendRefs"] == [{"name": "pd-extproc", "port": cfg.extproc.port}]
+    assert ext_proc["processingMode"] == {"request": {"body": "Buffered"}, "response": {}}
+    assert ext_proc["failOpen"] is False
+    assert _seconds(ext_proc["messageTimeout"]) > cfg.timeouts.prefill_s
+    override = _eg("BackendTrafficPolicy")["spec"]["loadBalancer"]["endpointOverride"]
+    assert override["extractFrom"] == [{"header": DESTINATION_HEADER}]
+    limit = _eg("ClientTrafficPolicy")["spec"]["connection"]["bufferLimit"]
+    assert _bytes(limit) >= cfg.limits.max_body_bytes
+    for kind in ("EnvoyExtensionPolicy", "BackendTrafficPolicy"):
+        assert _eg(kind)["spec"]["targetRefs"][0]["name"] == _eg("HTTPRoute")["metadata"]["name"]
+
+
+def test_envoy_gateway_extproc_service_serves_grpc() -> None:
+    [service] = by_kind(documents(EXAMPLES / "envoy-gateway" / "extproc-deployment.yaml"),
+                        "Service")  # fmt: skip
+    [grpc] = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    assert grpc["port"] == config("envoy-gateway").extproc.port
+    assert grpc["appProtocol"] == "kubernetes.io/h2c"  # ext_proc is gRPC: HTTP/2 cleartext
+
+
+def _seconds(duration: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", duration)
+    assert match, duration
+    return float(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60}[match.group(2)]
+
+
+def _bytes(quantity: str) -> int:
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi)?", quantity)
+    assert match, quantity
+    return int(match.group(1)) * {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}[match.group(2)]
+
+
+# --- Kubernetes manifests (all three Kubernetes examples) -----------------------------------
+
+KUSTOMIZATIONS = ["kubernetes", "istio", "envoy-gateway"]
+# Custom resources: (apiVersion, kind) → the spec fields their CRDs require.
+CUSTOM_KINDS = {
+    ("networking.istio.io/v1alpha3", "EnvoyFilter"): ["configPatches"],
+    ("networking.istio.io/v1", "Gateway"): ["selector", "servers"],
+    ("gateway.networking.k8s.io/v1", "Gateway"): ["gatewayClassName", "listeners"],
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): ["parentRefs", "rules"],
+    ("gateway.envoyproxy.io/v1alpha1", "Backend"): ["endpoints"],
+    ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"): ["targetRefs", "extProc"],
+    ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"): ["targetRefs"],
+    ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"): ["targetRefs"],
+}
+
+
+def kustomized(example: str) -> list[dict[str, Any]]:
+    """The resources `kubectl apply -k` would create, ConfigMaps built from their files."""
+    folder = EXAMPLES / example
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    docs = [doc for name in kustomization["resources"] for doc in documents(folder / name)]
+    for generator in kustomization.get("configMapGenerator", []):
+        data = {}
+        for entry in generator["files"]:
+            key, _, source = entry.rpartition("=") if "=" in entry else ("", "", entry)
+            data[key or Path(source).name] = (folder / source).read_text()
+        docs.append({"apiVersion": "v1", "kind": "ConfigMap",
+                     "metadata": {"name": generator["name"]}, "data": data})  # fmt: skip
+    return docs
+
+
+@pytest.mark.parametrize("example", KUSTOMIZATIONS)
+def test_core_resources_validate_against_kubernetes_schemas(example: str) -> None:
+    for doc in kustomized(example):
+        if doc["kind"] in CORE_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("example", KUSTOMIZATIONS)
+def test_custom_resources_have_the_required_structure(example: str) -> None:
+    for doc in kustomized(example):
+        if doc["kind"] in CORE_KINDS:
+            continue
+        required = CUSTOM_KINDS.get((doc["apiVersion"], doc["kind"]))
+        assert required is not None, f"unknown resource {doc['apiVersion']} {doc['kind']}"
+        assert re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", doc["metadata"]["name"]), doc
+        missing = [key for key in required if not doc.get("spec", {}).get(key)]
+        assert not missing, f"{doc['kind']} {doc['metadata']['name']}: spec lacks {missing}"
+
+
+@pytest.mark.parametrize("example", KUSTOMIZATIONS)
+def test_pods_mount_their_configs_where_the_commands_read_them(example: str) -> None:
+    docs = kustomized(example)
+    config_maps = {d["metadata"]["name"]: d for d in by_kind(docs, "ConfigMap")}
+    for deployment in by_kind(docs, "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        volumes = {v["name"]: v["configMap"]["name"] for v in pod.get("volumes", [])}
+        for container in pod["containers"]:
+            mounts = {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts", [])}
+            command = container.get("command", [])
+            for flag in ("--config", "-c"):
+                if flag in command:
+                    path = Path(command[command.index(flag) + 1])
+                    config_map = config_maps[mounts[str(path.parent)]]
+                    assert path.name in config_map["data"], (example, container["name"])
+            if "--prefill-listener" in command:
+                listener = command[command.index("--prefill-listener") + 1]
+                cfg = config(example)
+                assert cfg.envoy.prefill_listener in ("", listener)
+                assert listener == "127.0.0.1:10001"
+
+
+@pytest.mark.parametrize("example", ["plain-envoy", *KUSTOMIZATIONS])
+def test_pd_extproc_configs_load(example: str) -> None:
+    cfg = config(example)
+    assert cfg.prefill.endpoints and cfg.decode.endpoints
