@@ -38,11 +38,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def cpu_split(pin: bool) -> tuple[set[int] | None, set[int] | None]:
-    """Engines on the first CPU, proxies and client on the last: the proxy under test never
-    competes with the simulated GPUs for a core (both proxies get the same placement)."""
+    """(engines and client, proxies): the proxy under test gets the last CPU to itself, so it
+    never waits behind the simulated GPUs or the client; both proxies get the same placement."""
     if not pin or len(ALL_CPUS) < 2:
         return None, None
-    return {min(ALL_CPUS)}, {max(ALL_CPUS)}
+    return ALL_CPUS - {max(ALL_CPUS)}, {max(ALL_CPUS)}
 
 
 def plan(topology: str, targets: dict[str, Target], concurrencies: list[int], runs: int,
@@ -73,7 +73,7 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path) ->
             running_target(c, engines[ENGINE_KIND[c]], router, proxy_cpus)) for c in args.configs}
         runs = plan(topology, targets, args.concurrency, args.runs, work)
         print(f"{topology}: {len(runs)} runs over {', '.join(targets)}", flush=True)
-        results = await run_plan(runs, MODEL, tokenizer, work, proxy_cpus)
+        results = await run_plan(runs, MODEL, tokenizer, work, engine_cpus)
     return [{"topology": r.topology, "config": r.config, "concurrency": r.concurrency,
              "index": r.index, **_slim(results[r.id])} for r in runs]  # fmt: skip
 
@@ -139,7 +139,7 @@ async def main() -> None:
             "duration_s": time.monotonic() - started,
             "load_before": " ".join(f"{x:.2f}" for x in load_before),
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "pinning": f"engines on CPU {engine_cpus}, proxies and client on CPU {proxy_cpus}"
+            "pinning": f"engines and client on CPU {engine_cpus}, proxies on CPU {proxy_cpus}"
                        if engine_cpus else "none",
             "argv": sys.argv[1:]}  # fmt: skip
     write_outputs(records, args, meta)

@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""Proxy overhead and hot path: pd-extproc against vllm-router on instant vllmsim engines.
+
+One 1P1D push topology whose engines answer in ~1 ms, so the figures are the proxies':
+
+  1. sequential requests, interleaved in rounds: latency of aggregated (client → D), direct P/D
+     (the client sends both legs itself), pd-extproc (push) and vllm-router; added latency =
+     proxy − direct P/D at p50 and p99; dispatch skew |D arrival − P arrival| from each engine's
+     GET /sim/requests; CPU seconds per request of the ext_proc, of its Envoy and of the router.
+  2. open-loop rate steps: the highest rate at which each proxy's p99 added latency stays < 5 ms.
+  3. a py-spy profile of the ext_proc process under open-loop load, top self/inclusive costs.
+
+    python bench/hotpath.py [--requests 400] [--rates 25,50,100,150,200,300] [--step-s 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import pyspy
+from bench.engines import INSTANT, Engines, clear_sim_requests, running_engines, sim_requests
+from bench.openloop import open_loop, percentile
+from bench.overhead import BODY, direct_pd, learn_identity
+from bench.procs import child_pids, cpu_seconds, pinned
+from bench.run import cpu_split
+from bench.targets import Target, running_target
+from scripts.cached_envs import vllm_router_venv
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROXIES = ("pd-extproc", "vllm-router")
+ADDED_P99_LIMIT_MS = 5.0
+
+
+@dataclass
+class PathStats:
+    latencies: list[float] = field(default_factory=list)
+    skews: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # process name → CPU seconds
+
+
+async def timed(session: aiohttp.ClientSession, url: str) -> float:
+    """One plain request through `url`, with a fresh X-Request-Id (both proxies may keep it)."""
+    headers = {"content-type": "application/json", "x-request-id": str(uuid.uuid4())}
+    started = time.perf_counter()
+    async with session.post(url + "/v1/completions", data=orjson.dumps(BODY),
+                            headers=headers) as resp:  # fmt: skip
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}")
+    return time.perf_counter() - started
+
+
+async def leg_skews(session: aiohttp.ClientSession, engines: Engines) -> list[float]:
+    """|D arrival − P arrival| per P/D request pair seen by the engines since the last clear."""
+    p_seen = {r["x_request_id"]: r["received_at"] for r in await sim_requests(session,
+                                                                             engines.prefill[0])}
+    d_seen = await sim_requests(session, engines.decode[0])
+    return [abs(r["received_at"] - p_seen[r["x_request_id"]]) for r in d_seen
+            if r["x_request_id"] in p_seen]  # fmt: skip
+
+
+def proxy_pids(targets: dict[str, Target]) -> dict[str, dict[str, int]]:
+    """Per path, the processes whose CPU it costs (the ext_proc's Envoy is its child)."""
+    extproc = targets["pd-extproc"].pid
+    assert extproc is not None and targets["vllm-router"].pid is not None
+    envoy = child_pids(extproc)
+    return {"pd-extproc": {"ext_proc": extproc, **({"envoy": envoy[0]} if envoy else {})},
+            "vllm-router": {"vllm-router": targets["vllm-router"].pid}}  # fmt: skip
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+async def measured(run: Callable[[], Awaitable[float]], n: int, stats: PathStats,
+                   pids: dict[str, int]) -> None:  # fmt: skip
+    """n sequential requests; their latencies and the CPU the path's processes spent."""
+    before = cpu_snapshot(pids)
+    for _ in range(n):
+        stats.latencies.append(await run())
+    for name, value in cpu_snapshot(pids).items():
+        stats.cpu[name] = stats.cpu.get(name, 0.0) + value - before[name]
+
+
+async def sequential(paths: dict[str, Callable[[], Awaitable[float]]], engines: Engines,
+                     session: aiohttp.ClientSession, pids: dict[str, dict[str, int]],
+                     requests: int, rounds: int) -> dict[str, PathStats]:  # fmt: skip
+    stats = {name: PathStats() for name in paths}
+    for _ in range(rounds):
+        for name, run in paths.items():
+            await clear_sim_requests(session, engines)
+            await measured(run, requests // rounds, stats[name], pids.get(name, {}))
+            if name != "aggregated (client → D)":
+                stats[name].skews += await leg_skews(session, engines)
+    return stats
+
+
+@dataclass(frozen=True)
+class RateRow:
+    rate: float
+    achieved: dict[str, float]
+    p50_ms: dict[str, float]
+    p99_ms: dict[str, float]
+    cpu_ms: dict[str, float]  # per request, all of the path's processes
+    errors: dict[str, int]
+
+
+async def rate_steps(paths: dict[str, Callable[[], Awaitable[float]]], rates: list[float],
+                     step_s: float, pids: dict[str, dict[str, int]]) -> list[RateRow]:  # fmt: skip
+    rows = []
+    for rate in rates:
+        achieved, p50, p99, cpu, errors = {}, {}, {}, {}, {}
+        for name, run in paths.items():
+            before = cpu_snapshot(pids.get(name, {}))
+            result = await open_loop(run, rate, step_s)
+            spent = sum(cpu_snapshot(pids.get(name, {})).values()) - sum(before.values())
+            achieved[name], errors[name] = result.achieved_rate, result.errors
+            p50[name] = percentile(result.latencies, 50) * 1e3 if result.latencies else float("nan")
+            p99[name] = percentile(result.latencies, 99) * 1e3 if result.latencies else float("nan")
+            cpu[name] = spent / max(1, len(result.latencies)) * 1e3
+            await asyncio.sleep(0.5)  # let queues drain between paths
+        rows.append(RateRow(rate, achieved, p50, p99, cpu, errors))
+        print(f"  rate {rate:g}/s: " + ", ".join(f"{n} p99 {p99[n]:.1f} ms" for n in paths),
+              flush=True)
+        if all(p99[n] - p99["direct P/D"] > ADDED_P99_LIMIT_MS for n in PROXIES):
+            break  # both proxies are past the limit: higher rates add nothing
+    return rows
+
+
+async def profile(pid: int, run: Callable[[], Awaitable[float]], rate: float, seconds: float,
+                  out: Path) -> Path | None:  # fmt: skip
+    """py-spy the ext_proc while an open loop keeps it busy."""
+    recording = asyncio.create_task(pyspy.record(pid, seconds, out))
+    await asyncio.sleep(0.5)  # py-spy attaches
+    load = await open_loop(run, rate, seconds)
+    print(f"  profiled at {load.achieved_rate:.0f} req/s", flush=True)
+    return await recording
+
+
+def versions() -> str:
+    router = vllm_router_venv() / "bin" / "pip"
+    shown = subprocess.run([str(router), "show", "vllm-router"], capture_output=True, text=True,
+                           timeout=60, check=False).stdout  # fmt: skip
+    line = next((x for x in shown.splitlines() if x.startswith("Version:")), "Version: ?")
+    return f"vllm-router {line.split(': ', 1)[1]}"
+
+
+async def main(args: argparse.Namespace) -> None:
+    engine_cpus, proxy_cpus = cpu_split(args.pin)
+    router_bin = vllm_router_venv() / "bin" / "vllm-router"
+    load_before, started = " ".join(f"{x:.2f}" for x in os.getloadavg()), time.time()
+    async with contextlib.AsyncExitStack() as stack:
+        engines = await stack.enter_async_context(running_engines(
+            "push", 1, 1, "sim-model", None, INSTANT, engine_cpus))
+        targets = {"pd-extproc": await stack.enter_async_context(
+                       running_target("push", engines, router_bin, proxy_cpus)),
+                   "vllm-router": await stack.enter_async_context(
+                       running_target("vllm-router", engines, router_bin, proxy_cpus))}
+        session = await stack.enter_async_context(aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)))
+        p, d = engines.prefill[0], engines.decode[0]
+        identity = await learn_identity(session, p)
+        paths: dict[str, Callable[[], Awaitable[float]]] = {
+            "aggregated (client → D)": lambda: timed(session, d.url),
+            "direct P/D": lambda: direct_pd(session, p, d, identity),
+            "pd-extproc": lambda: timed(session, targets["pd-extproc"].url),
+            "vllm-router": lambda: timed(session, targets["vllm-router"].url),
+        }
+        pids = proxy_pids(targets)
+        with pinned(engine_cpus):  # the client shares the engines' CPU, as in bench/run.py
+            for run in paths.values():  # warm-up: connections, the router's first serial request
+                for _ in range(30):
+                    await run()
+            print("sequential rounds", flush=True)
+            seq = await sequential(paths, engines, session, pids, args.requests, args.rounds)
+            print("open-loop rate steps", flush=True)
+            loaded = {k: v for k, v in paths.items() if k != "aggregated (client → D)"}
+            rows = await rate_steps(loaded, args.rates, args.step_s, pids)
+            print("profile", flush=True)
+            raw = await profile(pids["pd-extproc"]["ext_proc"], paths["pd-extproc"],
+                                args.profile_rate, args.profile_s, args.out / "profile-extproc.txt")
+    meta = {"load_before": load_before, "duration_s": time.time() - started,
+            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "pinning": f"engines and client {engine_cpus}, proxies {proxy_cpus}",
+            "versions": versions()}  # fmt: skip
+    write_report(seq, rows, raw, args, meta)
+
+
+def _ms(values: list[float], q: float) -> float:
+    return percentile(values, q) * 1e3
+
+
+def sequential_lines(seq: dict[str, PathStats]) -> list[str]:
+    lines = ["| path | p50 | p90 | p99 | mean | requests |", "|---|---|---|---|---|---|"]
+    for name, st in seq.items():
+        lines.append(f"| {name} | {_ms(st.latencies, 50):.2f} | {_ms(st.latencies, 90):.2f} | "
+                     f"{_ms(st.latencies, 99):.2f} | {statistics.mean(st.latencies) * 1e3:.2f} | "
+                     f"{len(st.latencies)} |")  # fmt: skip
+    direct = seq["direct P/D"].latencies
+    lines += ["", "| proxy | added p50 (ms) | added p99 (ms) | skew p50 (ms) | skew p99 (ms) | "
+              "skew max (ms) | CPU per request (ms) |", "|---|---|---|---|---|---|---|"]
+    for name in ("direct P/D", *PROXIES):
+        st = seq[name]
+        added = (f"{_ms(st.latencies, 50) - _ms(direct, 50):+.2f} | "
+                 f"{_ms(st.latencies, 99) - _ms(direct, 99):+.2f}") if name in PROXIES else "— | —"
+        skew = (f"{_ms(st.skews, 50):.3f} | {_ms(st.skews, 99):.3f} | {max(st.skews) * 1e3:.3f}"
+                if st.skews else "— | — | —")  # fmt: skip
+        n = max(1, len(st.latencies))
+        cpu = " + ".join(f"{k} {v / n * 1e3:.2f}" for k, v in st.cpu.items()) or "—"
+        if len(st.cpu) > 1:
+            cpu += f" = {sum(st.cpu.values()) / n * 1e3:.2f}"
+        lines.append(f"| {name} | {added} | {skew} | {cpu} |")
+    return lines
+
+
+def rate_lines(rows: list[RateRow]) -> list[str]:
+    lines = ["| rate (req/s) | sent (direct / extproc / router) | direct P/D p99 | pd-extproc p99 "
+             "(added) | vllm-router p99 (added) | CPU/req extproc+envoy | CPU/req router |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in rows:
+        base = row.p99_ms["direct P/D"]
+        cells = []
+        for name in PROXIES:
+            added = row.p99_ms[name] - base
+            cells.append(f"{row.p99_ms[name]:.2f} ({added:+.2f})")
+        sent = " / ".join(f"{row.achieved[n]:.0f}" for n in ("direct P/D", *PROXIES))
+        lines.append(f"| {row.rate:g} | {sent} | {base:.2f} | {cells[0]} | {cells[1]} | "
+                     f"{row.cpu_ms['pd-extproc']:.2f} | {row.cpu_ms['vllm-router']:.2f} |")
+    lines += ["", *(f"- highest rate with p99 added < {ADDED_P99_LIMIT_MS:g} ms, {name}: "
+                    f"{_highest(rows, name)}" for name in PROXIES)]  # fmt: skip
+    return lines
+
+
+def _highest(rows: list[RateRow], name: str) -> str:
+    """The last rate of the unbroken run of rates, from the lowest, under the limit."""
+    ok = None
+    for row in rows:
+        if row.errors[name] or row.p99_ms[name] - row.p99_ms["direct P/D"] >= ADDED_P99_LIMIT_MS:
+            break
+        ok = row
+    if ok is None:
+        return f"none (already over at {rows[0].rate:g} req/s)"
+    limited = f" (client sent only {ok.achieved[name]:.0f}/s)" \
+        if ok.achieved[name] < 0.9 * ok.rate else ""
+    return f"{ok.rate:g} req/s{limited}"
+
+
+def workers_option() -> str:
+    """Whether `pd-extproc up` can run N ext_proc processes (the lead may add it)."""
+    shown = subprocess.run([sys.executable, "-m", "extproc", "up", "--help"], capture_output=True,
+                           text=True, timeout=60, check=False).stdout  # fmt: skip
+    found = [line.strip() for line in shown.splitlines() if "worker" in line.lower()]
+    return "; ".join(found) if found else ""
+
+
+def profile_lines(raw: Path | None) -> list[str]:
+    if raw is None:
+        return ["py-spy is not installed (`.venv/bin/pip install py-spy`): no profile."]
+    total, self_top, incl_top = pyspy.summarize(raw)
+    lines = [f"{total} samples of the ext_proc's threads (raw stacks: `{raw.name}`).", "",
+             "| top self cost | share |", "|---|---|"]  # fmt: skip
+    lines += [f"| `{frame}` | {count / total:.1%} |" for frame, count in self_top]
+    lines += ["", "| top inclusive cost | share |", "|---|---|"]
+    lines += [f"| `{frame}` | {count / total:.1%} |" for frame, count in incl_top]
+    _, _, ours = pyspy.summarize(raw, top=20, only="extproc/")
+    lines += ["", "| top inclusive cost in extproc/ | share |", "|---|---|"]
+    lines += [f"| `{frame}` | {count / total:.1%} |" for frame, count in ours]
+    return lines
+
+
+def write_report(seq: dict[str, PathStats], rows: list[RateRow], raw: Path | None,
+                 args: argparse.Namespace, meta: dict) -> None:  # fmt: skip
+    workers = workers_option()
+    lines = [
+        "# Proxy overhead and hot path: pd-extproc (push) vs vllm-router, instant vllmsim 1P1D",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {meta['versions']}; "
+        f"{meta['duration_s']:.0f} s; load average before {meta['load_before']}, after "
+        f"{meta['load_after']}; pinning: {meta['pinning']}. Engines: `{' '.join(INSTANT)}`.",
+        "", "## Sequential requests (ms)", "",
+        "Added latency = proxy − direct P/D (the client sending both legs itself) at the same "
+        "percentile. Skew = |D arrival − P arrival| on the engines' clocks. CPU = user+system "
+        "of the proxy's processes over the measured requests.", "",
+        *sequential_lines(seq), "",
+        f"## Open-loop rate steps ({args.step_s:g} s per rate and path, latencies in ms)", "",
+        *rate_lines(rows), "",
+        "## N ext_proc processes behind Envoy", "",
+        (f"`pd-extproc up --help` offers: {workers}; not measured by this version of the script."
+         if workers else "Not available: `pd-extproc up --help` has no workers option; only "
+         "N = 1 (above) was measured."), "",
+        f"## py-spy profile of the ext_proc at {args.profile_rate:g} req/s open loop", "",
+        *profile_lines(raw), "",
+    ]  # fmt: skip
+    (args.out / "hotpath.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=400, help="sequential, per path")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rates", default="25,50,100,150,200,300,400")
+    parser.add_argument("--step-s", type=float, default=4.0)
+    parser.add_argument("--profile-rate", type=float, default=100.0)
+    parser.add_argument("--profile-s", type=float, default=10.0)
+    parser.add_argument("--no-pin", dest="pin", action="store_false")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    args.rates = [float(r) for r in args.rates.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))
