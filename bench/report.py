@@ -1,7 +1,8 @@
 """Turn per-run `vllm bench serve` results into the PR #187-shaped table, ratios and a plot.
 
-A cell is the median over runs of each run's median TTFT (the PR took the best mean of 4 runs;
-the median of runs is less flattered by one lucky run). Ratios are cell / vllm-router's cell.
+A cell is the median TTFT over the requests of all runs pooled (the PR took the best mean of 4
+runs, which one lucky run flatters; that figure is in the detail table too). Ratios are
+cell / vllm-router's cell.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ matplotlib.use("Agg")  # files only; no display on a benchmark box
 import matplotlib.pyplot as plt
 
 Key = tuple[str, str, int]  # topology, config, concurrency
-METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 BASELINE = "vllm-router"
 
 
 def cells(records: Iterable[dict]) -> dict[Key, dict[str, float]]:
-    """(topology, config, C) → median over successful runs of each metric, plus run counts."""
+    """(topology, config, C) → metrics over the requests of all successful runs, pooled.
+
+    Pooling (rather than a median of per-run medians) matters here: with 2 × C prompts arriving
+    at once, a run's TTFTs fall into prefill batches, and one run's median jumps between them.
+    """
     grouped: dict[Key, list[dict]] = defaultdict(list)
     for rec in records:
         grouped[(rec["topology"], rec["config"], rec["concurrency"])].append(rec)
@@ -30,13 +34,21 @@ def cells(records: Iterable[dict]) -> dict[Key, dict[str, float]]:
     for key, recs in grouped.items():
         ok = [r for r in recs if "error" not in r and r.get("completed") and not r.get("failed")]
         cell: dict[str, float] = {"runs": len(ok), "attempts": len(recs)}
-        for metric in METRICS:
-            if ok:
-                cell[metric] = statistics.median(r[metric] for r in ok)
-        if ok:
-            cell["best_mean_ttft_ms"] = min(r["mean_ttft_ms"] for r in ok)
+        ttfts = [t for r in ok for t in r["ttfts_ms"]]
+        tpots = [t for r in ok for t in r["tpots_ms"]]
+        if ttfts:
+            cell |= {"median_ttft_ms": statistics.median(ttfts), "p99_ttft_ms": _p99(ttfts),
+                     "mean_ttft_ms": statistics.fmean(ttfts), "requests": len(ttfts),
+                     "best_mean_ttft_ms": min(r["mean_ttft_ms"] for r in ok)}  # fmt: skip
+        if tpots:
+            cell |= {"median_tpot_ms": statistics.median(tpots), "p99_tpot_ms": _p99(tpots)}
         out[key] = cell
     return out
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -60,15 +72,17 @@ def ttft_table(table: dict[Key, dict[str, float]], topology: str, configs: list[
 
 def detail_table(table: dict[Key, dict[str, float]], topology: str, configs: list[str],
                  concurrencies: list[int]) -> list[str]:  # fmt: skip
-    lines = ["| concurrency | config | median TTFT | p99 TTFT | median TPOT | p99 TPOT | "
-             "best mean TTFT | runs ok |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| concurrency | config | median TTFT | p99 TTFT | mean TTFT | best run's mean TTFT | "
+             "median TPOT | p99 TPOT | requests | runs ok |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for conc in concurrencies:
         for config in configs:
             cell = table.get((topology, config, conc), {})
             lines.append(
                 f"| {conc} | {config} | {_fmt(cell.get('median_ttft_ms'))} | "
-                f"{_fmt(cell.get('p99_ttft_ms'))} | {_fmt(cell.get('median_tpot_ms'), 2)} | "
-                f"{_fmt(cell.get('p99_tpot_ms'), 2)} | {_fmt(cell.get('best_mean_ttft_ms'))} | "
+                f"{_fmt(cell.get('p99_ttft_ms'))} | {_fmt(cell.get('mean_ttft_ms'))} | "
+                f"{_fmt(cell.get('best_mean_ttft_ms'))} | {_fmt(cell.get('median_tpot_ms'), 2)} | "
+                f"{_fmt(cell.get('p99_tpot_ms'), 2)} | {int(cell.get('requests', 0))} | "
                 f"{int(cell.get('runs', 0))}/{int(cell.get('attempts', 0))} |")
     return lines
 

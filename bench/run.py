@@ -79,15 +79,24 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path) ->
 
 
 def _slim(result: dict) -> dict:
-    """Keep the scalar metrics; drop per-request arrays and echoed arguments."""
-    return {k: v for k, v in result.items() if isinstance(v, int | float | str) and k != "date"}
+    """The scalar metrics, plus per-request TTFT and TPOT (ms) so cells can pool all runs.
+
+    TPOT is the client's own definition: (latency - TTFT) / (output tokens - 1).
+    """
+    slim = {k: v for k, v in result.items() if isinstance(v, int | float | str) and k != "date"}
+    per_request = zip(result.get("ttfts", []), result.get("latencies", []),
+                      result.get("output_lens", []), result.get("errors", []), strict=False)
+    done = [(t, lat, n) for t, lat, n, err in per_request if not err and n]
+    slim["ttfts_ms"] = [round(t * 1e3, 3) for t, _, _ in done]
+    slim["tpots_ms"] = [round((lat - t) / (n - 1) * 1e3, 3) for t, lat, n in done if n > 1]
+    return slim
 
 
 def write_outputs(records: list[dict], args: argparse.Namespace, meta: dict) -> None:
     table = report.cells(records)
     lines = ["# Median TTFT (ms), vllmsim engines, input 1024 / output 64, prompts = 2 × C",
-             "", f"{meta['when']}; {args.runs} run(s) per cell, cell = median over runs of the "
-             f"run's median TTFT; {meta['duration_s']:.0f} s; load average before "
+             "", f"{meta['when']}; {args.runs} run(s) per cell, cell = median TTFT of all the "
+             f"cell's requests (runs pooled); {meta['duration_s']:.0f} s; load average before "
              f"{meta['load_before']}, after {meta['load_after']}; pinning: {meta['pinning']}.",
              ""]  # fmt: skip
     for topology in args.topologies:
