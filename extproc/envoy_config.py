@@ -160,22 +160,8 @@ def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
         }
         for prefix in PASSTHROUGH_PATHS
     ]
-    routes.append(
-        {
-            "match": {"prefix": "/"},
-            "direct_response": {
-                "status": 404,
-                "body": {
-                    "inline_string": error_body(
-                        404, f"not found; this gateway serves {', '.join(sorted(PATHS))}"
-                    ).decode()
-                },
-            },
-            "typed_per_filter_config": {
-                "envoy.filters.http.ext_proc": {_TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
-            },
-        }
-    )
+    # Everything else goes through the ext_proc too, which answers 404/405 in JSON.
+    routes.append({"match": {"prefix": "/"}, "route": decode_route})
     return routes
 
 

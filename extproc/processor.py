@@ -70,6 +70,8 @@ class RequestProcessor:
         finally:
             if self.leg is not None and not self.leg.done():
                 self.leg.cancel()  # client gone or D finished/failed: P's work is useless
+            elif self.leg is not None and not self.leg.cancelled():
+                self.leg.exception()  # D answered first (its own error): P's is moot
             self.stream.close()
             self.rt.metrics.requests.labels(self.outcome, self.strategy, self.reason).inc()
 
@@ -99,7 +101,11 @@ class RequestProcessor:
         if message is None:
             return
         if message.WhichOneof("request") != "request_body":
-            raise ClientError(400, "unexpected message order from Envoy")
+            # Envoy answered the client itself (413 for a body over its buffer limit): the
+            # local reply passes through our response phase and is let through.
+            await self._on_message(message)
+            self.outcome = "client_error"
+            return
         started = time.perf_counter()
         request = parse_request(
             api, message.request_body.body, self.rt.config.limits.max_body_bytes
