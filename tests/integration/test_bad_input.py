@@ -48,7 +48,8 @@ CASES = [
     ("stream_options without stream", "POST", "/v1/chat/completions",
      b'{"model":"m","messages":[{"role":"user","content":"x"}],'
      b'"stream_options":{"include_usage":true}}', 400, "stream_options"),
-    ("unsupported path", "POST", "/v1/embeddings", b'{"model":"m","input":"x"}', 404, "not served here"),
+    ("unsupported path", "POST", "/v1/embeddings",
+     b'{"model":"m","input":"x"}', 404, "not served here"),
     ("unsupported method", "GET", "/v1/completions", b"", 405, "GET"),
     ("empty body", "POST", "/v1/completions", b"", 400, "no body"),
     ("over the limit", "POST", "/v1/completions",
