@@ -111,24 +111,40 @@ def target_checks(table: dict[Key, dict[str, float]], topology: str,
 
 def plot(table: dict[Key, dict[str, float]], topologies: list[str], configs: list[str],
          concurrencies: list[int], path: Path) -> None:  # fmt: skip
-    fig, axes = plt.subplots(1, len(topologies), figsize=(6 * len(topologies), 4.5),
-                             squeeze=False)  # fmt: skip
-    for ax, topology in zip(axes[0], topologies, strict=True):
-        for config in configs:
-            points = [(c, table.get((topology, config, c), {}).get("median_ttft_ms"))
-                      for c in concurrencies]  # fmt: skip
-            points = [(c, v) for c, v in points if v is not None]
+    """Top row: median TTFT against concurrency; bottom row: each configuration / vllm-router."""
+    fig, axes = plt.subplots(2, len(topologies), figsize=(6 * len(topologies), 8),
+                             squeeze=False, height_ratios=[3, 2])  # fmt: skip
+    for column, topology in enumerate(topologies):
+        top, bottom = axes[0][column], axes[1][column]
+        base = {c: table.get((topology, BASELINE, c), {}).get("median_ttft_ms")
+                for c in concurrencies}  # fmt: skip
+        for index, config in enumerate(configs):
+            style = {"marker": "o", "label": config, "color": f"C{index}"}  # same in both rows
+            points = _points(table, topology, config, concurrencies)
             if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=config)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
-        ax.set_xlabel("concurrency (prompts = 2 × concurrency)")
-        ax.set_ylabel("median TTFT (ms)")
-        ax.set_title(f"{topology}, vllmsim engines, input 1024 / output 64")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+                top.plot(*zip(*points, strict=True), **style)
+            ratios = [(c, v / base[c]) for c, v in points if base.get(c)]
+            if ratios and config != BASELINE:
+                bottom.plot(*zip(*ratios, strict=True), **style)
+        top.set_yscale("log")
+        top.set_ylabel("median TTFT (ms)")
+        top.set_title(f"{topology}, vllmsim engines, input 1024 / output 64")
+        bottom.axhline(1.0, color="black", linewidth=0.8)
+        bottom.set_ylabel("median TTFT / vllm-router's")
+        bottom.set_xlabel("concurrency (prompts = 2 × concurrency)")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize="small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _points(table: dict[Key, dict[str, float]], topology: str, config: str,
+            concurrencies: list[int]) -> list[tuple[int, float]]:  # fmt: skip
+    values = [(c, table.get((topology, config, c), {}).get("median_ttft_ms"))
+              for c in concurrencies]  # fmt: skip
+    return [(c, v) for c, v in values if v is not None]

@@ -148,7 +148,8 @@ async def main() -> None:
             "duration_s": time.monotonic() - started,
             "load_before": " ".join(f"{x:.2f}" for x in load_before),
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "pinning": f"engines and client on CPU {engine_cpus}, proxies on CPU {proxy_cpus}"
+            "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
+                       f"{sorted(proxy_cpus or ())}"
                        if engine_cpus else "none",
             "argv": sys.argv[1:]}  # fmt: skip
     write_outputs(records, args, meta)
