@@ -135,6 +135,8 @@ class DispatchConfig(_Strict):
     serial_cooldown_s: PositiveFloat = 300.0
     # What to do when no prefill endpoint is healthy: refuse (503) or let D prefill itself.
     no_healthy_prefill: Literal["error", "decode_only"] = "error"
+    # The header whose value the `session` policy hashes (sticky routing per conversation).
+    session_header: str = "x-session-id"
 
 
 class TimeoutConfig(_Strict):

@@ -1,59 +1,30 @@
 """Endpoint pools: who is healthy, how busy each endpoint is, and which one to pick.
 
-A picker is a one-method policy over the healthy endpoints; in-flight counts are kept here and
-taken/released in one context manager so that no error path can leak a count.
+The choice itself is a policy (`extproc.picking`) over the healthy endpoints; in-flight counts
+are kept here and taken/released in one context manager so that no error path leaks a count.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
-__all__ = ["EndpointState", "LeastRequestPicker", "Picker", "Pool", "RoundRobinPicker", "picker"]
+from extproc.picking import Picker, PickRequest
+
+__all__ = ["EndpointState", "Pool"]
 
 
 @dataclass(eq=False)
 class EndpointState:
     address: str
     healthy: bool = True
-    in_flight: int = 0
+    in_flight: int = 0  # requests this ext_proc has in flight there
+    waiting: float = 0.0  # the engine's vllm:num_requests_waiting, when scraped
+    kv_usage: float = 0.0  # the engine's vllm:kv_cache_usage_perc (0-1), when scraped
 
 
-class Picker(Protocol):
-    def pick(self, candidates: Sequence[EndpointState]) -> EndpointState: ...
-
-
-class RoundRobinPicker:
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def pick(self, candidates: Sequence[EndpointState]) -> EndpointState:
-        return candidates[next(self._counter) % len(candidates)]
-
-
-class LeastRequestPicker:
-    """Fewest in-flight requests; ties broken round robin so equal endpoints share load."""
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def pick(self, candidates: Sequence[EndpointState]) -> EndpointState:
-        least = min(c.in_flight for c in candidates)
-        tied = [c for c in candidates if c.in_flight == least]
-        return tied[next(self._counter) % len(tied)]
-
-
-_PICKERS: dict[str, Callable[[], Picker]] = {
-    "round_robin": RoundRobinPicker,
-    "least_request": LeastRequestPicker,
-}
-
-
-def picker(name: str) -> Picker:
-    return _PICKERS[name]()
+_ANY = PickRequest()  # probes and tools: nothing known of the request
 
 
 class Pool:
@@ -77,16 +48,16 @@ class Pool:
     def get(self, address: str) -> EndpointState:
         return self._endpoints[address]
 
-    def pick(self, exclude: str | None = None) -> EndpointState | None:
-        healthy = [e for e in self._endpoints.values() if e.healthy and e.address != exclude]
-        return self._policy.pick(healthy) if healthy else None
+    def pick(self, request: PickRequest = _ANY) -> EndpointState | None:
+        healthy = [e for e in self._endpoints.values() if e.healthy]
+        return self._policy.pick(healthy, request) if healthy else None
 
-    def pick_with_fallback(self) -> list[EndpointState]:
+    def pick_with_fallback(self, request: PickRequest = _ANY) -> list[EndpointState]:
         """The policy's choice, then the next healthy endpoint for Envoy's connect-failure retry.
 
         The fallback is taken in list order, not from the policy, so it does not advance it.
         """
-        first = self.pick()
+        first = self.pick(request)
         if first is None:
             return []
         ordered = list(self._endpoints.values())

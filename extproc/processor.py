@@ -32,6 +32,7 @@ from extproc.errors import (
     RequestEnded,
 )
 from extproc.identity import PrefillIdentity, identity_from_params
+from extproc.picking import PickRequest
 from extproc.prefill_leg import PrefillResult
 from extproc.request import ClientRequest, check_route, parse_request
 from extproc.stream import EnvoyStream
@@ -110,15 +111,16 @@ class RequestProcessor:
         request = parse_request(
             api, message.request_body.body, self.rt.config.limits.max_body_bytes
         )
-        await self._dispatch(request, inflight, started)
+        session = headers.get(self.rt.config.dispatch.session_header)
+        await self._dispatch(request, _pick_request(request, session), inflight, started)
         await self._watch()
 
-    def _pick(self, inflight: ExitStack) -> tuple[list[str], str | None]:
-        decodes = self.rt.decode.pick_with_fallback()
+    def _pick(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
+        decodes = self.rt.decode.pick_with_fallback(wanted)
         if not decodes:
             raise LegError(503, "no healthy decode endpoint; retry later", retry_after_s=1)
         inflight.enter_context(self.rt.decode.track(decodes[0]))
-        prefill = self.rt.prefill.pick()
+        prefill = self.rt.prefill.pick(wanted)
         if prefill is not None:
             inflight.enter_context(self.rt.prefill.track(prefill))
             return [d.address for d in decodes], prefill.address
@@ -126,8 +128,10 @@ class RequestProcessor:
             return [d.address for d in decodes], None
         raise NoHealthyPrefill(503, "no healthy prefill endpoint; retry later", retry_after_s=1)
 
-    async def _dispatch(self, request: ClientRequest, inflight: ExitStack, started: float) -> None:
-        decodes, self.prefill = self._pick(inflight)
+    async def _dispatch(
+        self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack, started: float
+    ) -> None:
+        decodes, self.prefill = self._pick(wanted, inflight)
         self.request_id = str(uuid.uuid4())
         if self.prefill is None:
             self.strategy, self.reason = Strategy.DECODE_ONLY, "no_prefill"
@@ -289,6 +293,14 @@ class RequestProcessor:
         self.given = None
         if self.leg is not None and not self.leg.done():
             self.leg.cancel()
+
+
+_PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash
+
+
+def _pick_request(request: ClientRequest, session: str | None) -> PickRequest:
+    prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
+    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES])
 
 
 def _prefill_params(transfer_id: str) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from extproc.health import HealthChecker
 from extproc.identity import IdentityCache
 from extproc.kv_check import KvCheck
 from extproc.metrics import Metrics
-from extproc.pool import EndpointState, Pool, picker
+from extproc.picking import POLICIES
+from extproc.pool import EndpointState, Pool
 from extproc.prefill_leg import PrefillClient
 
 __all__ = ["Runtime"]
@@ -36,13 +37,13 @@ class Runtime:
         self.prefill = Pool(
             "prefill",
             [e.address for e in config.prefill.endpoints],
-            picker(config.prefill.policy),
+            POLICIES[config.prefill.policy](),
             on_change=self._endpoint_changed("prefill"),
         )
         self.decode = Pool(
             "decode",
             [e.address for e in config.decode.endpoints],
-            picker(config.decode.policy),
+            POLICIES[config.decode.policy](),
             on_change=self._endpoint_changed("decode"),
         )
         for pool in (self.prefill, self.decode):
