@@ -10,7 +10,7 @@ One 1P1D push topology whose engines answer in ~1 ms, so the figures are the pro
   2. open-loop rate steps: the highest rate at which each proxy's p99 added latency stays < 5 ms.
   3. a py-spy profile of the ext_proc process under open-loop load, top self/inclusive costs.
 
-    python bench/hotpath.py [--requests 400] [--rates 25,50,100,150,200,300] [--step-s 4]
+    python bench/hotpath.py [--requests 400] [--rates 20,40,60,80,100,125,150] [--step-s 4]
 """
 
 from __future__ import annotations
@@ -315,10 +315,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400, help="sequential, per path")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rates", default="25,50,100,150,200,300,400")
+    parser.add_argument("--rates", default="20,40,60,80,100,125,150")
     parser.add_argument("--step-s", type=float, default=4.0)
-    parser.add_argument("--profile-rate", type=float, default=100.0)
-    parser.add_argument("--profile-s", type=float, default=10.0)
+    parser.add_argument("--profile-rate", type=float, default=50.0)
+    parser.add_argument("--profile-s", type=float, default=15.0)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
