@@ -153,6 +153,17 @@ async def profile(pid: int, run: Callable[[], Awaitable[float]], rate: float, se
     return await recording
 
 
+async def envoy_counters(session: aiohttp.ClientSession, admin: str | None) -> list[str]:
+    """Envoy's connection and request totals per listener / connection manager: shows whether
+    the P legs reuse their connections to the prefill listener."""
+    if admin is None:
+        return []
+    url = admin + "/stats?filter=(downstream_cx_total|downstream_rq_total|upstream_cx_total)$"
+    async with session.get(url) as resp:
+        text = await resp.text()
+    return [line for line in text.splitlines() if line and not line.endswith(": 0")]
+
+
 def versions() -> str:
     router = vllm_router_venv() / "bin" / "pip"
     shown = subprocess.run([str(router), "show", "vllm-router"], capture_output=True, text=True,
@@ -195,10 +206,11 @@ async def main(args: argparse.Namespace) -> None:
             print("profile", flush=True)
             raw = await profile(pids["pd-extproc"]["ext_proc"], paths["pd-extproc"],
                                 args.profile_rate, args.profile_s, args.out / "profile-extproc.txt")
+            counters = await envoy_counters(session, targets["pd-extproc"].envoy_admin)
     meta = {"load_before": load_before, "duration_s": time.time() - started,
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "pinning": f"engines and client {engine_cpus}, proxies {proxy_cpus}",
-            "versions": versions()}  # fmt: skip
+            "versions": versions(), "envoy": counters}  # fmt: skip
     write_report(seq, rows, raw, args, meta)
 
 
@@ -306,6 +318,8 @@ def write_report(seq: dict[str, PathStats], rows: list[RateRow], raw: Path | Non
          "N = 1 (above) was measured."), "",
         f"## py-spy profile of the ext_proc at {args.profile_rate:g} req/s open loop", "",
         *profile_lines(raw), "",
+        "## Envoy totals of the pd-extproc path at the end (all phases)", "",
+        "```", *meta["envoy"], "```", "",
     ]  # fmt: skip
     (args.out / "hotpath.md").write_text("\n".join(lines))
     print("\n".join(lines))

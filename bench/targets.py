@@ -32,6 +32,7 @@ class Target:
     url: str  # base URL of the OpenAI API
     pid: int | None  # the proxy process whose CPU we account (None: direct)
     metrics: str | None = None
+    envoy_admin: str | None = None
 
 
 @contextlib.asynccontextmanager
@@ -73,7 +74,7 @@ async def running_extproc(
         runner = running_sidecar(config, log_level="WARNING")
         sidecar = await runner.__aenter__()
     try:
-        yield Target(name, sidecar.url, sidecar.pid, sidecar.metrics)
+        yield Target(name, sidecar.url, sidecar.pid, sidecar.metrics, sidecar.envoy_admin)
     finally:
         await runner.__aexit__(None, None, None)
 
