@@ -80,6 +80,18 @@ class Sidecar:
     async def wait_envoy_exit(self) -> int:
         return await self.envoy.wait()
 
+    async def drain(self) -> None:
+        """Take no new requests; let those in flight finish, for at most timeouts.drain_s."""
+        await self.envoy.drain_inbound()
+        try:
+            await asyncio.wait_for(self.runtime.idle.wait(), self.config.timeouts.drain_s)
+        except TimeoutError:
+            log.warning(
+                "drain: %d requests still open after %g s; closing them",
+                self.runtime.active_streams,
+                self.config.timeouts.drain_s,
+            )
+
     async def stop(self) -> None:
         await asyncio.gather(
             self.envoy.stop(),

@@ -92,6 +92,8 @@ async def _up(config: Config, ready_file: Path | None, stop: asyncio.Event) -> i
         code = 1
         log.error("Envoy exited (%s); see %s", envoy_exit.result(), sidecar.envoy.log_path)
     envoy_exit.cancel()
+    if code == 0:
+        await sidecar.drain()
     await sidecar.stop()
     return code
 

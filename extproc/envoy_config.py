@@ -190,7 +190,7 @@ def _ingress_listener(cfg: Config) -> dict[str, Any]:
         "http_filters": [_ext_proc_filter(cfg), _router()],
     }
     address = {"socket_address": {"address": listen.host, "port_value": listen.port}}
-    return _listener("ingress", address, hcm, cfg)
+    return {**_listener("ingress", address, hcm, cfg), "traffic_direction": "INBOUND"}
 
 
 # Envoy's own replies (connect failure, reset) carry their response flags, so the ext_proc
@@ -223,7 +223,9 @@ def _prefill_listener(cfg: Config, prefill_listener: str) -> dict[str, Any]:
         },
         "http_filters": [_router()],
     }
-    return _listener("prefill", socket_address(prefill_listener), hcm, cfg)
+    # OUTBOUND: a graceful drain of the ingress (inboundonly) leaves it serving P legs
+    prefill = _listener("prefill", socket_address(prefill_listener), hcm, cfg)
+    return {**prefill, "traffic_direction": "OUTBOUND"}
 
 
 def _endpoints(addresses: list[str]) -> list[dict[str, Any]]:

@@ -120,6 +120,21 @@ class EnvoyProcess:
                 return f"{socket['address']}:{socket['port_value']}"
         raise EnvoyError(f"Envoy has no listener named {name!r}")
 
+    async def drain_inbound(self) -> None:
+        """Stop the ingress listener (new connections are refused); open streams go on.
+
+        Only INBOUND listeners: the prefill listener must keep serving the requests that
+        are still in flight.
+        """
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                self.admin_url + "/drain_listeners?inboundonly",
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as response,
+        ):
+            response.raise_for_status()
+
     @property
     def returncode(self) -> int | None:
         return None if self._process is None else self._process.returncode

@@ -5,7 +5,10 @@ This is the only module that names concrete classes; everything else receives th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import aiohttp
 
@@ -53,6 +56,21 @@ class Runtime:
         self.health = HealthChecker(self)
         self.kv_check = KvCheck(self)
         self._session: aiohttp.ClientSession | None = None
+        self.active_streams = 0  # Envoy streams being processed (= requests in flight)
+        self.idle = asyncio.Event()  # set while no stream is open (drain waits on it)
+        self.idle.set()
+
+    @contextlib.contextmanager
+    def stream(self) -> Iterator[None]:
+        """Count one open Envoy stream for the whole of its processing."""
+        self.active_streams += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.active_streams -= 1
+            if not self.active_streams:
+                self.idle.set()
 
     def _identity_event(self, endpoint: str, event: str) -> None:
         self.metrics.identity_events.labels(endpoint, event).inc()

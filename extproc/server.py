@@ -42,7 +42,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         self.runtime = runtime
 
     async def Process(self, request_iterator: Any, context: aio.ServicerContext) -> None:
-        await RequestProcessor(self.runtime, EnvoyStream(context)).run()
+        with self.runtime.stream():
+            await RequestProcessor(self.runtime, EnvoyStream(context)).run()
 
 
 class ExtProcServer:

@@ -34,9 +34,14 @@ class SidecarHandle:
     pid: int
     log_path: Path
     config_path: Path
+    process: asyncio.subprocess.Process
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    async def wait_exit(self, timeout_s: float) -> int:
+        """The process's exit code, once it has exited by itself (bounded wait)."""
+        return await asyncio.wait_for(self.process.wait(), timeout_s)
 
 
 def ephemeral_config(prefill: list[Any], decode: list[Any], **extra: Any) -> dict[str, Any]:
@@ -117,6 +122,7 @@ async def running_sidecar(
                 process.pid,
                 log_path,
                 config_path,
+                process,
             )
         finally:
             await _stop(process)
