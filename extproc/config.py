@@ -93,12 +93,24 @@ def _endpoint(value: Any) -> Any:
 
 
 Endpoint = Annotated[EndpointConfig, Field()]
-PolicyName = Literal["round_robin", "least_request"]
+PolicyName = Literal[
+    "round_robin", "least_request", "random", "power_of_two", "session", "prefix"
+]  # see extproc.picking
 
 
 class PoolConfig(_Strict):
     endpoints: list[Endpoint] = Field(min_length=1)
     policy: PolicyName = "round_robin"
+    # power_of_two: how often the engines' /metrics are scraped for num_requests_waiting and
+    # kv_cache_usage_perc (the smallest interval of the pools that need it is used).
+    load_interval_s: PositiveFloat = 1.0
+    # power_of_two: a full KV cache counts as this many waiting requests in the load score.
+    kv_usage_weight: float = Field(default=4.0, ge=0)
+    # prefix: how many bytes of the raw prompt/messages JSON are hashed (~4 KV blocks of 16
+    # tokens), and how far above the average in-flight count an endpoint may go before a
+    # request spills to the next endpoint of its hash order.
+    prefix_bytes: int = Field(default=256, ge=1, le=4096)
+    prefix_load_slack: float = Field(default=0.25, ge=0)
 
     @field_validator("endpoints", mode="before")
     @classmethod

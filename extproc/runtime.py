@@ -16,8 +16,9 @@ from extproc.config import Config
 from extproc.health import HealthChecker
 from extproc.identity import IdentityCache
 from extproc.kv_check import KvCheck
+from extproc.load import LoadScraper
 from extproc.metrics import Metrics
-from extproc.picking import POLICIES
+from extproc.picking import build_picker
 from extproc.pool import EndpointState, Pool
 from extproc.prefill_leg import PrefillClient
 
@@ -40,13 +41,13 @@ class Runtime:
         self.prefill = Pool(
             "prefill",
             [e.address for e in config.prefill.endpoints],
-            POLICIES[config.prefill.policy](),
+            build_picker(config.prefill),
             on_change=self._endpoint_changed("prefill"),
         )
         self.decode = Pool(
             "decode",
             [e.address for e in config.decode.endpoints],
-            POLICIES[config.decode.policy](),
+            build_picker(config.decode),
             on_change=self._endpoint_changed("decode"),
         )
         for pool in (self.prefill, self.decode):
@@ -55,6 +56,7 @@ class Runtime:
         self.prefill_client = PrefillClient(prefill_listener, config.timeouts.connect_s)
         self.health = HealthChecker(self)
         self.kv_check = KvCheck(self)
+        self.load = LoadScraper(self)  # engine load for power_of_two
         self._session: aiohttp.ClientSession | None = None
         self.active_streams = 0  # Envoy streams being processed (= requests in flight)
         self.idle = asyncio.Event()  # set while no stream is open (drain waits on it)
@@ -89,10 +91,12 @@ class Runtime:
         self._session = aiohttp.ClientSession()
         await self.health.start(self._session)
         self.kv_check.start(self._session)
+        self.load.start(self._session)
         await self.health.probes_settled(self.config.timeouts.probe_s)
 
     async def stop(self) -> None:
         await self.kv_check.stop()
+        await self.load.stop()
         await self.health.stop()
         await self.prefill_client.close()
         if self._session is not None:

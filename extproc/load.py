@@ -1,0 +1,98 @@
+"""Engine load for load-aware policies: scrape `/metrics` and keep `EndpointState` fresh.
+
+`power_of_two` weighs each endpoint by the engine's own queue (`vllm:num_requests_waiting`)
+and KV cache fill (`vllm:kv_cache_usage_perc`), which see load this sidecar did not send.
+One task per runtime scrapes every endpoint of the pools whose policy needs it, all at once,
+every `load_interval_s`. Engines that do not export a metric count as 0 for it; an engine
+that does not answer keeps its last values (the health checker decides whether it is used).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from extproc.picking import ENGINE_LOAD_POLICIES
+
+if TYPE_CHECKING:
+    from extproc.pool import EndpointState, Pool
+    from extproc.runtime import Runtime
+
+__all__ = ["LoadScraper", "parse_load"]
+
+
+def _sample(name: str) -> re.Pattern[bytes]:
+    # One sample line of `name` with any labels; the trailing space keeps
+    # vllm:num_requests_waiting from matching vllm:num_requests_waiting_by_reason.
+    return re.compile(rb"^" + re.escape(name.encode()) + rb"(?:\{[^}]*\})? (\S+)", re.MULTILINE)
+
+
+_WAITING = _sample("vllm:num_requests_waiting")
+_KV_USAGE = _sample("vllm:kv_cache_usage_perc")
+_GPU_CACHE_USAGE = _sample("vllm:gpu_cache_usage_perc")  # its name before vLLM 0.10
+
+
+def _values(pattern: re.Pattern[bytes], text: bytes) -> list[float]:
+    return [float(m.group(1)) for m in pattern.finditer(text)]
+
+
+def parse_load(text: bytes) -> tuple[float, float]:
+    """(waiting, kv_usage) from Prometheus text; 0 for a metric the engine does not export.
+
+    A server with several data-parallel engines exports one sample per engine: their queues
+    add up, their caches are averaged (each request lands in one of them).
+    """
+    waiting = sum(_values(_WAITING, text))
+    usage = _values(_KV_USAGE, text) or _values(_GPU_CACHE_USAGE, text)
+    return waiting, (sum(usage) / len(usage) if usage else 0.0)
+
+
+def load_aware_pools(rt: Runtime) -> list[Pool]:
+    pools = ((rt.prefill, rt.config.prefill), (rt.decode, rt.config.decode))
+    return [pool for pool, cfg in pools if cfg.policy in ENGINE_LOAD_POLICIES]
+
+
+class LoadScraper:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._pools = load_aware_pools(rt)
+        configs = (rt.config.prefill, rt.config.decode)
+        aware = [c.load_interval_s for c in configs if c.policy in ENGINE_LOAD_POLICIES]
+        self._interval_s = min(aware, default=1.0)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        if self._pools:  # no load-aware policy configured: nothing to scrape
+            self._task = asyncio.create_task(self._loop(session))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await self.scrape_all(session)
+            await asyncio.sleep(self._interval_s)
+
+    async def scrape_all(self, session: aiohttp.ClientSession) -> None:
+        states: Sequence[EndpointState] = [s for pool in self._pools for s in pool]
+        await asyncio.gather(*(self._scrape(session, state) for state in states))
+
+    async def _scrape(self, session: aiohttp.ClientSession, state: EndpointState) -> None:
+        # A scrape slower than the interval is stale by the time it lands: bound it by both.
+        timeout = min(self._interval_s, self.rt.config.health.timeout_s)
+        try:
+            async with session.get(
+                f"http://{state.address}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
+                if response.status != 200:
+                    return
+                text = await response.read()
+        except (aiohttp.ClientError, TimeoutError):
+            return
+        state.waiting, state.kv_usage = parse_load(text)
