@@ -3,8 +3,10 @@
 `power_of_two` weighs each endpoint by the engine's own queue (`vllm:num_requests_waiting`)
 and KV cache fill (`vllm:kv_cache_usage_perc`), which see load this sidecar did not send.
 One task per runtime scrapes every endpoint of the pools whose policy needs it, all at once,
-every `load_interval_s`. Engines that do not export a metric count as 0 for it; an engine
-that does not answer keeps its last values (the health checker decides whether it is used).
+every `load_interval_s` (the smallest of those pools'); pools, members and policies are
+re-read each round, so discovery and reloads need nothing from it. Engines that do not
+export a metric count as 0 for it; an engine that does not answer keeps its last values (the
+health checker decides whether it is used).
 """
 
 from __future__ import annotations
@@ -59,15 +61,17 @@ def load_aware_pools(rt: Runtime) -> list[Pool]:
 class LoadScraper:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self._pools = load_aware_pools(rt)
-        configs = (rt.config.prefill, rt.config.decode)
-        aware = [c.load_interval_s for c in configs if c.policy in ENGINE_LOAD_POLICIES]
-        self._interval_s = min(aware, default=1.0)
         self._task: asyncio.Task[None] | None = None
 
+    def _interval_s(self) -> float:
+        configs = (self.rt.config.prefill, self.rt.config.decode)
+        aware = [c.load_interval_s for c in configs if c.policy in ENGINE_LOAD_POLICIES]
+        return min(aware, default=1.0)
+
     def start(self, session: aiohttp.ClientSession) -> None:
-        if self._pools:  # no load-aware policy configured: nothing to scrape
-            self._task = asyncio.create_task(self._loop(session))
+        # Runs even without a load-aware policy (then each round scrapes nothing): pools,
+        # members and policies are re-read every round, so a reload can switch them.
+        self._task = asyncio.create_task(self._loop(session))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -77,15 +81,15 @@ class LoadScraper:
     async def _loop(self, session: aiohttp.ClientSession) -> None:
         while True:
             await self.scrape_all(session)
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(self._interval_s())
 
     async def scrape_all(self, session: aiohttp.ClientSession) -> None:
-        states: Sequence[EndpointState] = [s for pool in self._pools for s in pool]
+        states: Sequence[EndpointState] = [s for pool in load_aware_pools(self.rt) for s in pool]
         await asyncio.gather(*(self._scrape(session, state) for state in states))
 
     async def _scrape(self, session: aiohttp.ClientSession, state: EndpointState) -> None:
         # A scrape slower than the interval is stale by the time it lands: bound it by both.
-        timeout = min(self._interval_s, self.rt.config.health.timeout_s)
+        timeout = min(self._interval_s(), self.rt.config.health.timeout_s)
         try:
             async with session.get(
                 f"http://{state.address}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)

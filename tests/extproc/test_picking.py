@@ -1,0 +1,418 @@
+"""Endpoint-picking policies: the contract every policy keeps, then each policy's behaviour.
+
+Statistical checks use fixed seeds or fixed key sets (blake2b is deterministic), so they are
+exact reruns, not flaky; their bounds are still the statistical ones, with margin.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from typing import get_args
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.config import PolicyName, parse_config
+from extproc.load import LoadScraper, parse_load
+from extproc.picking import (
+    POLICIES,
+    PickRequest,
+    PowerOfTwoPicker,
+    PrefixPicker,
+    RandomPicker,
+    RoundRobinPicker,
+    SessionPicker,
+    build_picker,
+    hrw_order,
+    load_score,
+)
+from extproc.pool import EndpointState, Pool
+from extproc.runtime import Runtime
+
+
+def endpoints(n: int, **loads: Sequence[float]) -> list[EndpointState]:
+    """n endpoints; `loads` gives per-endpoint in_flight / waiting / kv_usage lists."""
+    states = [EndpointState(f"10.0.0.{i + 1}:8000") for i in range(n)]
+    for name, values in loads.items():
+        for state, value in zip(states, values, strict=True):
+            setattr(state, name, value)
+    return states
+
+
+def keys(n: int) -> list[str]:
+    return [f"conversation-{i}" for i in range(n)]
+
+
+# ---- the contract, for every registered policy ------------------------------------------
+
+REQUESTS = [
+    PickRequest(),
+    PickRequest(model="m", session="s-1"),
+    PickRequest(model="m", prefix=b'[{"role":"system","content":"You are helpful."}]'),
+    PickRequest(model="m", session="s-2", prefix=b'"Once upon a time"'),
+]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("request_", REQUESTS, ids=["empty", "session", "prefix", "both"])
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_returns_one_of_the_candidates(name: str, request_: PickRequest, n: int) -> None:
+    picker = POLICIES[name]()
+    candidates = endpoints(n, in_flight=[i % 3 for i in range(n)])
+    for _ in range(20):
+        assert picker.pick(candidates, request_) in candidates
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_never_an_unhealthy_endpoint_through_the_pool(name: str) -> None:
+    addresses = [f"10.0.0.{i}:8000" for i in range(1, 6)]
+    pool = Pool("decode", addresses, POLICIES[name]())
+    for address in addresses[:3]:
+        pool.set_healthy(address, False)
+    for i in range(50):
+        for request in [*REQUESTS, PickRequest(session=f"s{i}", prefix=f"p{i}".encode())]:
+            picked = pool.pick(request)
+            assert picked is not None and picked.healthy
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_no_healthy_endpoint_is_none(name: str) -> None:
+    pool = Pool("decode", ["10.0.0.1:8000"], POLICIES[name]())
+    pool.set_healthy("10.0.0.1:8000", False)
+    assert pool.pick(PickRequest(session="s")) is None
+
+
+state_lists = st.integers(min_value=1, max_value=8).flatmap(
+    lambda n: st.lists(
+        st.builds(
+            EndpointState,
+            address=st.just("x"),
+            in_flight=st.integers(0, 50),
+            waiting=st.floats(0, 100),
+            kv_usage=st.floats(0, 1),
+        ),
+        min_size=n,
+        max_size=n,
+    )
+)
+pick_requests = st.builds(
+    PickRequest,
+    model=st.text(max_size=5),
+    session=st.none() | st.text(max_size=20),
+    prefix=st.binary(max_size=600),
+)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@given(states=state_lists, request_=pick_requests)
+def test_any_load_any_request_picks_a_candidate(
+    name: str, states: list[EndpointState], request_: PickRequest
+) -> None:
+    for i, state in enumerate(states):
+        state.address = f"10.0.0.{i}:8000"
+    assert POLICIES[name]().pick(states, request_) in states
+
+
+def test_config_names_exactly_the_registered_policies() -> None:
+    assert set(get_args(PolicyName)) == set(POLICIES)
+
+
+def test_build_picker_passes_the_pool_options() -> None:
+    config = parse_config(
+        {
+            "prefill": {
+                "endpoints": ["127.0.0.1:8100"],
+                "policy": "prefix",
+                "prefix_bytes": 64,
+                "prefix_load_slack": 0.5,
+            },
+            "decode": {
+                "endpoints": ["127.0.0.1:8200"],
+                "policy": "power_of_two",
+                "kv_usage_weight": 0,
+            },
+        }
+    )
+    prefill, decode = build_picker(config.prefill), build_picker(config.decode)
+    assert isinstance(prefill, PrefixPicker) and prefill._prefix_bytes == 64
+    assert prefill._load_slack == 0.5
+    assert isinstance(decode, PowerOfTwoPicker) and decode._kv_usage_weight == 0
+
+
+# ---- round_robin and random -------------------------------------------------------------
+
+
+def test_round_robin_cycles() -> None:
+    candidates = endpoints(3)
+    picker = RoundRobinPicker()
+    assert [picker.pick(candidates, PickRequest()) for _ in range(6)] == candidates * 2
+
+
+def test_random_is_roughly_uniform() -> None:
+    candidates = endpoints(4)
+    picker = RandomPicker(random.Random(7))
+    counts = Counter(picker.pick(candidates, PickRequest()).address for _ in range(4000))
+    # 1000 expected each; 5 standard deviations (sqrt(4000 × 1/4 × 3/4) ≈ 27) is ±137
+    assert all(abs(count - 1000) < 140 for count in counts.values()), counts
+
+
+# ---- power_of_two -------------------------------------------------------------------------
+
+
+def test_load_score_is_in_flight_plus_waiting_plus_weighted_kv() -> None:
+    [state] = endpoints(1, in_flight=[2], waiting=[3.0], kv_usage=[0.5])
+    assert load_score(state, kv_usage_weight=4.0) == 2 + 3 + 4 * 0.5
+
+
+@pytest.mark.parametrize(
+    ("loads", "busy"),
+    [
+        ({"in_flight": [0, 0, 6, 0]}, 2),  # our own requests
+        ({"waiting": [0, 9, 0, 0]}, 1),  # another router's requests, queued at the engine
+        ({"kv_usage": [0.1, 0.1, 0.1, 0.95]}, 3),  # a nearly full KV cache
+        ({"in_flight": [1, 1, 1, 1], "waiting": [4, 0, 0, 0]}, 0),
+    ],
+)
+def test_power_of_two_never_picks_the_busiest(loads: dict[str, list[float]], busy: int) -> None:
+    """Any pair containing the busiest endpoint holds a less busy one: it is never taken."""
+    candidates = endpoints(4, **loads)
+    picker = PowerOfTwoPicker(rng=random.Random(1))
+    picks = Counter(picker.pick(candidates, PickRequest()).address for _ in range(600))
+    assert candidates[busy].address not in picks
+    assert len(picks) == 3  # the others share the load
+
+
+def test_power_of_two_with_two_always_takes_the_lighter() -> None:
+    candidates = endpoints(2, in_flight=[3, 3], waiting=[0, 2])
+    picker = PowerOfTwoPicker(rng=random.Random(3))
+    assert {picker.pick(candidates, PickRequest()).address for _ in range(50)} == {
+        candidates[0].address
+    }
+
+
+def test_power_of_two_kv_weight_zero_ignores_kv_usage() -> None:
+    candidates = endpoints(2, in_flight=[1, 2], kv_usage=[1.0, 0.0])
+    picker = PowerOfTwoPicker(kv_usage_weight=0, rng=random.Random(3))
+    assert picker.pick(candidates, PickRequest()) is candidates[0]
+    assert PowerOfTwoPicker(kv_usage_weight=4).pick(candidates, PickRequest()) is candidates[1]
+
+
+def test_power_of_two_spreads_equal_endpoints() -> None:
+    candidates = endpoints(3)
+    picker = PowerOfTwoPicker(rng=random.Random(5))
+    counts = Counter(picker.pick(candidates, PickRequest()).address for _ in range(3000))
+    assert all(abs(count - 1000) < 150 for count in counts.values()), counts
+
+
+# ---- session ----------------------------------------------------------------------------
+
+
+def sessions_to(candidates: list[EndpointState], ids: list[str]) -> dict[str, str]:
+    picker = SessionPicker()
+    return {s: picker.pick(candidates, PickRequest(session=s)).address for s in ids}
+
+
+def test_session_sticks_whatever_the_load() -> None:
+    candidates = endpoints(4)
+    picker = SessionPicker()
+    first = picker.pick(candidates, PickRequest(session="abc"))
+    for i in range(20):
+        candidates[i % 4].in_flight += 3
+        assert picker.pick(candidates, PickRequest(session="abc")) is first
+
+
+def test_session_does_not_depend_on_candidate_order() -> None:
+    candidates = endpoints(5)
+    assert sessions_to(candidates, keys(200)) == sessions_to(candidates[::-1], keys(200))
+
+
+def test_session_hash_is_stable_across_processes() -> None:
+    """Pinned: Python's salted hash() would give another answer in another process."""
+    order = hrw_order(b"conversation-1", endpoints(3))
+    assert [s.address for s in order] == ["10.0.0.3:8000", "10.0.0.2:8000", "10.0.0.1:8000"]
+
+
+def test_sessions_spread_evenly() -> None:
+    counts = Counter(sessions_to(endpoints(4), keys(4000)).values())
+    # 1000 expected each, binomial sd ≈ 27: ±150 is more than 5 sd
+    assert all(abs(count - 1000) < 150 for count in counts.values()), counts
+
+
+def test_removing_an_endpoint_moves_only_its_sessions_and_spreads_them() -> None:
+    candidates = endpoints(4)
+    before = sessions_to(candidates, keys(4000))
+    gone = candidates[1].address
+    after = sessions_to([c for c in candidates if c.address != gone], keys(4000))
+    moved = {s for s in before if before[s] != after[s]}
+    assert moved == {s for s in before if before[s] == gone}  # exactly the departed one's
+    assert 0.25 - 0.04 < len(moved) / 4000 < 0.25 + 0.04
+    spread = Counter(after[s] for s in moved)
+    assert len(spread) == 3 and min(spread.values()) > len(moved) / 3 * 0.75, spread
+
+
+def test_adding_an_endpoint_moves_about_one_in_n() -> None:
+    candidates = endpoints(5)
+    before = sessions_to(candidates[:4], keys(4000))
+    after = sessions_to(candidates, keys(4000))
+    moved = [s for s in before if before[s] != after[s]]
+    assert all(after[s] == candidates[4].address for s in moved)  # only onto the new one
+    assert 0.2 - 0.04 < len(moved) / 4000 < 0.2 + 0.04
+
+
+def test_session_without_header_is_least_request() -> None:
+    candidates = endpoints(3, in_flight=[4, 1, 2])
+    picker = SessionPicker()
+    assert picker.pick(candidates, PickRequest()) is candidates[1]
+    assert picker.pick(candidates, PickRequest(session="")) is candidates[1]
+
+
+# ---- prefix -----------------------------------------------------------------------------
+
+SYSTEM = b'[{"role":"system","content":"' + b"You are a careful assistant. " * 12
+
+
+def test_prefix_same_start_same_endpoint() -> None:
+    candidates = endpoints(4)
+    picker = PrefixPicker(prefix_bytes=256)
+    picks = {
+        picker.pick(candidates, PickRequest(prefix=SYSTEM + f"question {i}".encode())).address
+        for i in range(50)
+    }
+    assert len(picks) == 1
+
+
+def test_prefix_different_starts_spread() -> None:
+    candidates = endpoints(4)
+    picker = PrefixPicker(prefix_bytes=256)
+    counts = Counter(
+        picker.pick(candidates, PickRequest(prefix=f"doc {i}: ".encode() + SYSTEM)).address
+        for i in range(2000)
+    )
+    assert all(abs(count - 500) < 100 for count in counts.values()), counts
+
+
+def test_prefix_only_the_first_bytes_count() -> None:
+    candidates = endpoints(8)
+    picker = PrefixPicker(prefix_bytes=16)
+    same = {
+        picker.pick(candidates, PickRequest(prefix=b"0123456789abcdef" + bytes([i]) * 40))
+        for i in range(40)
+    }
+    assert len(same) == 1
+
+
+def test_prefix_spills_to_the_same_second_choice_when_overloaded() -> None:
+    candidates = endpoints(4)
+    request = PickRequest(prefix=SYSTEM)
+    first, second = hrw_order(SYSTEM[:256], candidates)[:2]
+    picker = PrefixPicker(prefix_bytes=256, load_slack=0.25)
+    assert picker.pick(candidates, request) is first
+    first.in_flight = 3  # others idle: bound ceil(1.25 × 4 / 4) = 2, 3 + 1 > 2
+    for _ in range(5):
+        assert picker.pick(candidates, request) is second
+
+
+def test_prefix_keeps_affinity_under_even_load() -> None:
+    candidates = endpoints(4, in_flight=[5, 5, 5, 5])
+    first = hrw_order(SYSTEM[:256], candidates)[0]
+    first.in_flight = 6  # bound ceil(1.25 × 22 / 4) = 7, 6 + 1 fits
+    assert PrefixPicker().pick(candidates, PickRequest(prefix=SYSTEM)) is first
+
+
+@given(
+    in_flight=st.lists(st.integers(0, 30), min_size=1, max_size=8),
+    prefix=st.binary(min_size=1, max_size=300),
+    slack=st.floats(0, 2),
+)
+def test_prefix_respects_the_load_bound(in_flight: list[int], prefix: bytes, slack: float) -> None:
+    candidates = endpoints(len(in_flight), in_flight=in_flight)
+    picked = PrefixPicker(load_slack=slack).pick(candidates, PickRequest(prefix=prefix))
+    total = sum(in_flight)
+    assert picked.in_flight + 1 <= -(-(1 + slack) * (total + 1) // len(candidates))
+
+
+def test_prefix_without_prompt_is_least_request() -> None:
+    candidates = endpoints(3, in_flight=[4, 1, 2])
+    assert PrefixPicker().pick(candidates, PickRequest()) is candidates[1]
+
+
+# ---- engine load: parsing /metrics and the scraper --------------------------------------
+
+VLLM_METRICS = b"""\
+# HELP vllm:num_requests_waiting Requests waiting
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 50.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (VLLM_METRICS, (5.0, 0.375)),  # data-parallel engines: queues add, caches average
+        (b"vllm:num_requests_waiting 7\n", (7.0, 0.0)),
+        (b'vllm:gpu_cache_usage_perc{model_name="m"} 0.8\n', (0.0, 0.8)),  # vLLM < 0.10
+        (b"process_start_time_seconds 1.7e9\n", (0.0, 0.0)),  # not exported: neutral
+        (b"", (0.0, 0.0)),
+    ],
+)
+def test_parse_load(text: bytes, expected: tuple[float, float]) -> None:
+    assert parse_load(text) == pytest.approx(expected)
+
+
+@pytest.fixture
+async def fake_engines() -> AsyncIterator[list[str]]:
+    """Two /metrics servers on 127.0.0.1: one vLLM-like, one without the metrics (404)."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=VLLM_METRICS, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runners = [web.AppRunner(app), web.AppRunner(web.Application())]
+    addresses = []
+    for runner in runners:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        addresses.append(f"127.0.0.1:{runner.addresses[0][1]}")
+    yield addresses
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def test_scraper_fills_load_of_power_of_two_pools_only(fake_engines: list[str]) -> None:
+    config = parse_config(
+        {
+            "prefill": {"endpoints": ["127.0.0.1:1"], "policy": "prefix"},
+            "decode": {"endpoints": fake_engines, "policy": "power_of_two"},
+            "health": {"timeout_s": 1},
+        }
+    )
+    rt = Runtime(config, "unix:/nonexistent")
+    scraper = LoadScraper(rt)
+    async with aiohttp.ClientSession() as session:
+        await scraper.scrape_all(session)
+    decode = {s.address: s for s in rt.decode}
+    served, missing = (decode[a] for a in fake_engines)
+    assert (served.waiting, served.kv_usage) == (5.0, 0.375)
+    assert (missing.waiting, missing.kv_usage) == (0.0, 0.0)
+    assert [s.waiting for s in rt.prefill] == [0.0]  # the prefix pool is not scraped
+
+
+async def test_scraper_skips_pools_without_a_load_aware_policy(fake_engines: list[str]) -> None:
+    config = parse_config(
+        {"prefill": {"endpoints": ["127.0.0.1:1"]}, "decode": {"endpoints": fake_engines}}
+    )
+    rt = Runtime(config, "unix:/nonexistent")
+    async with aiohttp.ClientSession() as session:
+        await LoadScraper(rt).scrape_all(session)
+    assert [s.waiting for s in rt.decode] == [0.0, 0.0]
