@@ -3,6 +3,7 @@ processes on ephemeral loopback ports, started per module and stopped after it."
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,15 @@ class Topology:
                 pass
 
     async def metrics(self) -> dict[str, float]:
+        """The sidecar's metrics once every finished request has been counted.
+
+        A request is counted when Envoy closes its ext_proc stream, just after the client
+        got the answer; waiting for no open stream avoids reading too early.
+        """
+        for _ in range(100):
+            if (await self.ready())["active_streams"] == 0:
+                break
+            await asyncio.sleep(0.02)
         return await scrape(self.session, self.sidecar.metrics + "/metrics")
 
     async def ready(self) -> dict[str, Any]:
@@ -107,8 +117,14 @@ async def topology(
             )
             for _ in range(n_decode)
         ]
-        cfg = ephemeral_config(
-            [address(e) for e in prefills], [address(e) for e in decodes], **config
+        # `prefill=` / `decode=` sections (a policy and its options) join the endpoints
+        pools = {
+            role: {"endpoints": [address(e) for e in engines], **config.pop(role, {})}
+            for role, engines in (("prefill", prefills), ("decode", decodes))
+        }
+        cfg = (
+            ephemeral_config(pools["prefill"]["endpoints"], pools["decode"]["endpoints"], **config)
+            | pools
         )
         sidecar = await stack.enter_async_context(running_sidecar(cfg))
         session = await stack.enter_async_context(aiohttp.ClientSession())
