@@ -15,7 +15,8 @@ from pathlib import Path
 
 import orjson
 
-from extproc.config import Config
+from extproc.config import Config, ConfigError, load_config
+from extproc.eds import write_eds
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
 from extproc.runtime import Runtime
@@ -59,9 +60,13 @@ class Sidecar:
         cfg = self.config
         await self.server.start()
         extproc = self.server.address
-        bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener)
+        bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener, eds_dir=self.run_dir)
         self.envoy.config_path.write_text(render_yaml(bootstrap))
         try:
+            await self.runtime.discover()
+            for role in ("prefill", "decode"):  # Envoy's pools follow the ext_proc's
+                self._write_eds(role, self.runtime.pool(role).addresses)
+            self.runtime.on_members = self._write_eds
             await self.envoy.start()
             await self.runtime.start()
             ingress = await self.envoy.listener_address("ingress")
@@ -76,6 +81,22 @@ class Sidecar:
             prefill_listener=self.prefill_listener,
         )
         return self.addresses
+
+    def _write_eds(self, role: str, members: list[str]) -> None:
+        write_eds(self.run_dir, f"{role}_pool", members)
+
+    async def reload(self, config_path: Path) -> None:
+        """SIGHUP: new requests use the new config; requests in flight are untouched."""
+        try:
+            config = await asyncio.to_thread(load_config, config_path)
+        except ConfigError as error:
+            log.error("reload refused, keeping the running config:\n%s", error)
+            return
+        for section in self.runtime.reload(config):
+            log.warning("reload: %s changed; that takes a restart to apply", section)
+        self.config = config
+        await self.runtime.discover()
+        log.info("configuration reloaded from %s", config_path)
 
     async def wait_envoy_exit(self) -> int:
         return await self.envoy.wait()

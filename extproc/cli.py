@@ -72,11 +72,21 @@ async def _until_signal(body: Callable[[asyncio.Event], Awaitable[int]]) -> int:
     return await body(stop)
 
 
-async def _up(config: Config, ready_file: Path | None, stop: asyncio.Event) -> int:
+async def _up(
+    config: Config, config_path: Path, ready_file: Path | None, stop: asyncio.Event
+) -> int:
     from extproc.app import Sidecar
 
     sidecar = Sidecar(config)
     addresses = await sidecar.start()
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_hangup() -> None:
+        task = asyncio.create_task(sidecar.reload(config_path))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_hangup)
     _write_ready(ready_file, addresses.to_json())
     print(
         f"pd-extproc is up: {addresses.url}/v1/completions "
@@ -92,6 +102,8 @@ async def _up(config: Config, ready_file: Path | None, stop: asyncio.Event) -> i
         code = 1
         log.error("Envoy exited (%s); see %s", envoy_exit.result(), sidecar.envoy.log_path)
     envoy_exit.cancel()
+    for task in reloads:
+        task.cancel()
     if code == 0:
         await sidecar.drain()
     await sidecar.stop()
@@ -156,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:
         return asyncio.run(
             _until_signal(lambda stop: _serve(config, args.prefill_listener, args.ready_file, stop))
         )
-    return asyncio.run(_until_signal(lambda stop: _up(config, args.ready_file, stop)))
+    return asyncio.run(_until_signal(lambda stop: _up(config, args.config, args.ready_file, stop)))
 
 
 def main(argv: list[str] | None = None) -> int:

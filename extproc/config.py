@@ -98,8 +98,20 @@ PolicyName = Literal[
 ]  # see extproc.picking
 
 
+class KubernetesSource(_Strict):
+    """Pods of one role found by label selector (their pod IPs, `port`)."""
+
+    namespace: str = "default"
+    label_selector: str  # e.g. "app=vllm,role=prefill"
+    port: int = Field(gt=0, lt=65536)
+
+
 class PoolConfig(_Strict):
-    endpoints: list[Endpoint] = Field(min_length=1)
+    # Members: a static list, and/or a DNS name (a headless service) re-resolved every
+    # discovery.interval_s, and/or Kubernetes pods by label. At least one source.
+    endpoints: list[Endpoint] = []
+    dns: str | None = None  # "name:port"; every A/AAAA record is one endpoint
+    kubernetes: KubernetesSource | None = None
     policy: PolicyName = "round_robin"
     # power_of_two: how often the engines' /metrics are scraped for num_requests_waiting and
     # kv_cache_usage_perc (the smallest interval of the pools that need it is used).
@@ -111,6 +123,24 @@ class PoolConfig(_Strict):
     # request spills to the next endpoint of its hash order.
     prefix_bytes: int = Field(default=256, ge=1, le=4096)
     prefix_load_slack: float = Field(default=0.25, ge=0)
+
+    @model_validator(mode="after")
+    def _has_a_source(self) -> PoolConfig:
+        if not (self.endpoints or self.dns or self.kubernetes):
+            raise ValueError("give endpoints, dns or kubernetes")
+        return self
+
+    @field_validator("dns")
+    @classmethod
+    def _check_dns(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_host_port(value)
+        return value
+
+    @property
+    def addresses(self) -> list[str]:
+        """The static members (discovered ones come at run time)."""
+        return [e.address for e in self.endpoints]
 
     @field_validator("endpoints", mode="before")
     @classmethod
@@ -185,6 +215,14 @@ class KvCheckConfig(_Strict):
     # prompt tokens, with disaggregated requests in the window, the sidecar warns
 
 
+class DiscoveryConfig(_Strict):
+    interval_s: PositiveFloat = 5.0  # how often DNS names and Kubernetes selectors are re-read
+    # Kubernetes API access (in a pod: the service account's token and CA are used)
+    kubernetes_api: str = "https://kubernetes.default.svc"
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+
+
 class LimitConfig(_Strict):
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
 
@@ -217,6 +255,7 @@ class Config(_Strict):
     timeouts: TimeoutConfig = TimeoutConfig()
     health: HealthConfig = HealthConfig()
     kv_check: KvCheckConfig = KvCheckConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
     limits: LimitConfig = LimitConfig()
     extproc: ListenConfig = ListenConfig(port=50051)
     metrics: ListenConfig = ListenConfig(port=9464)

@@ -12,11 +12,13 @@ The settings follow the measurements in DESIGN.md / envoy-extproc.md:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from extproc.config import Config, parse_host_port
+from extproc.eds import eds_path
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.errors import error_body
 from extproc.prefill_leg import LOCAL_REPLY_HEADER
@@ -237,26 +239,37 @@ def _lb_policy(name: str, typed_config: dict[str, Any]) -> dict[str, Any]:
     return {"policies": [{"typed_extension_config": {"name": name, "typed_config": typed_config}}]}
 
 
-def _pool_cluster(name: str, addresses: list[str], cfg: Config) -> dict[str, Any]:
+def _pool_cluster(
+    name: str, addresses: list[str], cfg: Config, eds_dir: Path | None = None
+) -> dict[str, Any]:
+    """A pool cluster: static members, or (eds_dir) members the ext_proc writes to a file."""
     round_robin = _lb_policy("envoy.load_balancing_policies.round_robin", {_TYPED: _ROUND_ROBIN})
     override_host = {
         _TYPED: _OVERRIDE_HOST,
         "override_host_sources": [{"header": DESTINATION_HEADER}],
         "fallback_policy": round_robin,  # only for routes without the ext_proc (/v1/models)
     }
-    return {
+    cluster: dict[str, Any] = {
         "name": name,
-        "type": "STATIC",
         "connect_timeout": _duration(cfg.timeouts.connect_s),
         "circuit_breakers": {"thresholds": [_UNLIMITED]},
         "load_balancing_policy": _lb_policy(
             "envoy.load_balancing_policies.override_host", override_host
         ),
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": _endpoints(addresses)}],
-        },
     }
+    if eds_dir is None:
+        endpoints = [{"lb_endpoints": _endpoints(addresses)}]
+        return {**cluster, "type": "STATIC",
+                "load_assignment": {"cluster_name": name, "endpoints": endpoints}}  # fmt: skip
+    source = {
+        "path_config_source": {
+            "path": str(eds_path(eds_dir, name)),
+            "watched_directory": {"path": str(eds_dir)},
+        },
+        "resource_api_version": "V3",
+    }
+    return {**cluster, "type": "EDS",
+            "eds_cluster_config": {"service_name": name, "eds_config": source}}  # fmt: skip
 
 
 def _extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
@@ -283,17 +296,24 @@ def _extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
     }
 
 
-def render_bootstrap(cfg: Config, extproc_address: str, prefill_listener: str) -> dict[str, Any]:
-    """The whole Envoy bootstrap for `cfg`, with the ext_proc at `extproc_address`."""
+def render_bootstrap(
+    cfg: Config, extproc_address: str, prefill_listener: str, eds_dir: Path | None = None
+) -> dict[str, Any]:
+    """The whole Envoy bootstrap for `cfg`, with the ext_proc at `extproc_address`.
+
+    With `eds_dir`, pool membership comes from the EDS files the ext_proc keeps there
+    (`extproc.eds`); without it, from the static endpoint lists of the config.
+    """
     admin = cfg.envoy.admin
     return {
+        "node": {"id": "pd-extproc", "cluster": "pd-extproc"},  # file-based EDS needs both
         "admin": {"address": {"socket_address": {"address": admin.host, "port_value": admin.port}}},
         "static_resources": {
             "listeners": [_ingress_listener(cfg), _prefill_listener(cfg, prefill_listener)],
             "clusters": [
                 _extproc_cluster(extproc_address, cfg),
-                _pool_cluster("decode_pool", [e.address for e in cfg.decode.endpoints], cfg),
-                _pool_cluster("prefill_pool", [e.address for e in cfg.prefill.endpoints], cfg),
+                _pool_cluster("decode_pool", cfg.decode.addresses, cfg, eds_dir),
+                _pool_cluster("prefill_pool", cfg.prefill.addresses, cfg, eds_dir),
             ],
         },
     }
@@ -309,8 +329,8 @@ def render_snippet(cfg: Config, extproc_address: str, prefill_listener: str) -> 
         "http_filters": [_ext_proc_filter(cfg)],
         "clusters": [
             _extproc_cluster(extproc_address, cfg),
-            _pool_cluster("decode_pool", [e.address for e in cfg.decode.endpoints], cfg),
-            _pool_cluster("prefill_pool", [e.address for e in cfg.prefill.endpoints], cfg),
+            _pool_cluster("decode_pool", cfg.decode.addresses, cfg),
+            _pool_cluster("prefill_pool", cfg.prefill.addresses, cfg),
         ],
         "listeners": [_prefill_listener(cfg, prefill_listener)],
     }

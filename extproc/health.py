@@ -11,6 +11,7 @@ endpoint answers again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ class HealthChecker:
         self._probes: dict[str, asyncio.Task[bool]] = {}
         self._failures: dict[str, int] = {}
         self._start_times: dict[str, float] = {}
+        self._wake = asyncio.Event()
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         """One round now (so start-up knows who is down), then one every interval."""
@@ -55,8 +57,14 @@ class HealthChecker:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.rt.config.health.interval_s)
+            with contextlib.suppress(TimeoutError):  # an early round when members change
+                await asyncio.wait_for(self._wake.wait(), self.rt.config.health.interval_s)
+            self._wake.clear()
             await self.check_all()
+
+    def check_soon(self) -> None:
+        """Run the next round now (new members start unhealthy until checked)."""
+        self._wake.set()
 
     async def check_all(self, unhealthy_after: int | None = None) -> None:
         threshold = unhealthy_after or self.rt.config.health.unhealthy_after

@@ -55,7 +55,7 @@ class _Window:
 class KvCheck:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self._windows = {state.address: _Window() for state in rt.decode}
+        self._windows: dict[str, _Window] = {}
         self._dispatched: Counter[str] = Counter()  # disaggregated requests per decode, per window
         self._task: asyncio.Task[None] | None = None
 
@@ -78,7 +78,14 @@ class KvCheck:
             await asyncio.sleep(self.rt.config.kv_check.interval_s)
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
-        await asyncio.gather(*(self._check(session, address) for address in self._windows))
+        await asyncio.gather(
+            *(self._check(session, address) for address in self.rt.decode.addresses)
+        )
+
+    def forget(self, address: str) -> None:
+        """The decode endpoint left the pool."""
+        self._windows.pop(address, None)
+        self._dispatched.pop(address, None)
 
     async def _check(self, session: aiohttp.ClientSession, address: str) -> None:
         try:
@@ -94,7 +101,7 @@ class KvCheck:
             self._update(address, totals)
 
     def _update(self, address: str, totals: dict[str, float]) -> None:
-        window = self._windows[address]
+        window = self._windows.setdefault(address, _Window())
         previous, window.last, window.totals = window.last, totals, totals
         for source in SOURCES:
             self.rt.metrics.decode_prompt_tokens.labels(address, source).set(totals.get(source, 0))

@@ -6,6 +6,8 @@ Names follow Prometheus conventions: `pd_extproc_` prefix, base units, `_total` 
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["Metrics"]
@@ -109,6 +111,15 @@ class Metrics:
             ["endpoint"],
             registry=r,
         )
+
+    def forget_endpoint(self, role: str, address: str) -> None:
+        """Drop the per-endpoint series of an endpoint that left its pool."""
+        for gauge in (self.inflight, self.healthy):
+            with contextlib.suppress(KeyError):
+                gauge.remove(role, address)
+        if role == "decode":
+            with contextlib.suppress(KeyError):
+                self.kv_transfer_share.remove(address)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

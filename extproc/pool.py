@@ -42,11 +42,31 @@ class Pool:
         self._policy = policy
         self._on_change = on_change
 
-    def __iter__(self) -> Iterator[EndpointState]:
-        return iter(self._endpoints.values())
+    def update(self, addresses: Sequence[str]) -> tuple[list[str], list[str]]:
+        """New membership from discovery or a reload: (added, removed) addresses.
 
-    def get(self, address: str) -> EndpointState:
-        return self._endpoints[address]
+        Known endpoints keep their state; new ones start unhealthy until a health check
+        passes; removed ones are forgotten here while their in-flight requests finish.
+        """
+        wanted = list(dict.fromkeys(addresses))
+        added = [a for a in wanted if a not in self._endpoints]
+        removed = [a for a in self._endpoints if a not in wanted]
+        for address in removed:
+            del self._endpoints[address]
+        for address in added:
+            self._endpoints[address] = EndpointState(address, healthy=False)
+            self._on_change(self._endpoints[address])
+        return added, removed
+
+    def set_policy(self, policy: Picker) -> None:
+        self._policy = policy
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._endpoints)
+
+    def __iter__(self) -> Iterator[EndpointState]:
+        return iter(list(self._endpoints.values()))  # a copy: membership may change meanwhile
 
     def pick(self, request: PickRequest = _ANY) -> EndpointState | None:
         healthy = [e for e in self._endpoints.values() if e.healthy]

@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import aiohttp
 
 from extproc.config import Config
+from extproc.discovery import Discovery
 from extproc.health import HealthChecker
 from extproc.identity import IdentityCache
 from extproc.kv_check import KvCheck
@@ -25,6 +26,9 @@ from extproc.prefill_leg import PrefillClient
 __all__ = ["Runtime"]
 
 log = logging.getLogger("extproc")
+
+# Timeouts rendered into Envoy's bootstrap: changing them needs an Envoy restart.
+_ENVOY_TIMEOUTS = {"connect_s", "extproc_message_s", "kv_wait_s", "prefill_s"}
 
 
 class Runtime:
@@ -40,13 +44,13 @@ class Runtime:
         )
         self.prefill = Pool(
             "prefill",
-            [e.address for e in config.prefill.endpoints],
+            config.prefill.addresses,
             build_picker(config.prefill),
             on_change=self._endpoint_changed("prefill"),
         )
         self.decode = Pool(
             "decode",
-            [e.address for e in config.decode.endpoints],
+            config.decode.addresses,
             build_picker(config.decode),
             on_change=self._endpoint_changed("decode"),
         )
@@ -57,6 +61,9 @@ class Runtime:
         self.health = HealthChecker(self)
         self.kv_check = KvCheck(self)
         self.load = LoadScraper(self)  # engine load for power_of_two
+        self.discovery = Discovery(self)
+        # Called with (role, members) when a pool's membership changes (up: EDS for Envoy).
+        self.on_members: Callable[[str, list[str]], None] = lambda role, members: None
         self._session: aiohttp.ClientSession | None = None
         self.active_streams = 0  # Envoy streams being processed (= requests in flight)
         self.idle = asyncio.Event()  # set while no stream is open (drain waits on it)
@@ -79,22 +86,65 @@ class Runtime:
         if event in ("changed", "flapping", "dropped"):
             log.info("prefill %s: identity %s", endpoint, event)
 
-    def _endpoint_changed(self, role: str):
+    def _endpoint_changed(self, role: str) -> Callable[[EndpointState], None]:
         def record(state: EndpointState) -> None:
             self.metrics.inflight.labels(role, state.address).set(state.in_flight)
             self.metrics.healthy.labels(role, state.address).set(1 if state.healthy else 0)
 
         return record
 
+    def pool(self, role: str) -> Pool:
+        return self.prefill if role == "prefill" else self.decode
+
+    def set_members(self, role: str, members: list[str]) -> None:
+        """Apply a pool's membership from discovery or a reload."""
+        pool = self.pool(role)
+        added, removed = pool.update(members)
+        for address in removed:
+            log.info("%s %s left the pool", role, address)
+            self.identities.forget(address)
+            self.kv_check.forget(address)
+            self.metrics.forget_endpoint(role, address)
+        for address in added:
+            log.info("%s %s joined the pool", role, address)
+        if added or removed:
+            self.on_members(role, pool.addresses)
+            if self._session is not None:
+                self.health.check_soon()  # new members are unhealthy until checked
+
+    async def discover(self) -> None:
+        """The first membership, before Envoy starts (it reads the EDS files written here)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        await self.discovery.refresh(self._session)
+
+    def reload(self, config: Config) -> list[str]:
+        """Take a new config for new requests; returns the changes that need a restart."""
+        needs_restart = [
+            section for section in ("envoy", "extproc", "metrics", "limits")
+            if getattr(config, section) != getattr(self.config, section)
+        ]  # fmt: skip
+        if config.timeouts.model_dump(include=_ENVOY_TIMEOUTS) != self.config.timeouts.model_dump(
+            include=_ENVOY_TIMEOUTS
+        ):
+            needs_restart.append("timeouts (" + ", ".join(sorted(_ENVOY_TIMEOUTS)) + ")")
+        self.config = config
+        self.prefill.set_policy(build_picker(config.prefill))
+        self.decode.set_policy(build_picker(config.decode))
+        return needs_restart
+
     async def start(self) -> None:
-        """Health checks, identity probes and KV checks; call once Envoy is serving."""
-        self._session = aiohttp.ClientSession()
+        """Health checks, identity probes, KV checks, discovery; once Envoy is serving."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        self.discovery.start(self._session)
         await self.health.start(self._session)
         self.kv_check.start(self._session)
         self.load.start(self._session)
         await self.health.probes_settled(self.config.timeouts.probe_s)
 
     async def stop(self) -> None:
+        await self.discovery.stop()
         await self.kv_check.stop()
         await self.load.stop()
         await self.health.stop()
@@ -106,6 +156,7 @@ class Runtime:
         """What /ready shows: endpoint health and load, and the identity cache."""
         return {
             "ready": any(s.healthy for s in self.decode),
+            "active_streams": self.active_streams,
             "prefill": {
                 s.address: {"healthy": s.healthy, "in_flight": s.in_flight} for s in self.prefill
             },

@@ -1,0 +1,137 @@
+"""Pool membership: the static list, plus DNS names and Kubernetes pods, kept current.
+
+Each pool's members are the union of its sources. DNS names (a headless service) and
+Kubernetes label selectors are re-read every `discovery.interval_s`. A source that fails to
+answer keeps its last members: a DNS hiccup must not empty a pool. Changes go to the runtime,
+which updates the pool, forgets identities of endpoints that left, and tells Envoy (EDS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import ssl
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import aiohttp
+
+from extproc.config import KubernetesSource, PoolConfig, parse_host_port
+
+if TYPE_CHECKING:
+    from extproc.runtime import Runtime
+
+__all__ = ["Discovery", "kubernetes_members", "resolve_dns"]
+
+log = logging.getLogger("extproc.discovery")
+
+
+def _address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
+
+
+async def resolve_dns(name_port: str) -> list[str]:
+    """Every address a name resolves to, as 'ip:port' (sorted, so order is stable)."""
+    host, port = parse_host_port(name_port)
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({_address(str(info[4][0]), port) for info in infos})
+
+
+def _ready_pod_ips(pods: dict[str, Any]) -> list[str]:
+    ips = []
+    for pod in pods.get("items", []):
+        status = pod.get("status", {})
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions", [])
+        )
+        if status.get("phase") == "Running" and ready and status.get("podIP"):
+            ips.append(status["podIP"])
+    return ips
+
+
+async def kubernetes_members(
+    session: aiohttp.ClientSession, api: str, source: KubernetesSource,
+    token: str | None, tls: ssl.SSLContext | None,
+) -> list[str]:  # fmt: skip
+    """Ready pods matching the selector, as 'podIP:port'."""
+    url = (
+        f"{api}/api/v1/namespaces/{quote(source.namespace)}/pods"
+        f"?labelSelector={quote(source.label_selector)}"
+    )
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    async with session.get(
+        url, headers=headers, ssl=tls if tls is not None else True,
+        timeout=aiohttp.ClientTimeout(total=10),
+    ) as response:  # fmt: skip
+        response.raise_for_status()
+        pods = await response.json()
+    return sorted(_address(ip, source.port) for ip in _ready_pod_ips(pods))
+
+
+class Discovery:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._last: dict[tuple[str, str], list[str]] = {}  # (role, source) → last good answer
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        cfg = self.rt.config
+        return any(pool.dns or pool.kubernetes for pool in (cfg.prefill, cfg.decode))
+
+    async def refresh(self, session: aiohttp.ClientSession) -> None:
+        """Resolve every source of both pools once and hand the result to the runtime."""
+        cfg = self.rt.config
+        for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            self.rt.set_members(role, await self._members(session, role, pool))
+
+    async def _members(
+        self, session: aiohttp.ClientSession, role: str, pool: PoolConfig
+    ) -> list[str]:
+        members = list(pool.addresses)
+        if pool.dns:
+            members += await self._source(role, "dns", resolve_dns(pool.dns))
+        if pool.kubernetes:
+            members += await self._source(role, "kubernetes", self._kubernetes(session, pool))
+        return list(dict.fromkeys(members))
+
+    async def _source(self, role: str, name: str, lookup: Any) -> list[str]:
+        try:
+            found = await asyncio.wait_for(lookup, timeout=15)
+        except (OSError, aiohttp.ClientError, TimeoutError, ValueError) as error:
+            log.warning("%s discovery (%s) failed, keeping the last members: %s", role, name, error)
+            return self._last.get((role, name), [])
+        self._last[(role, name)] = found
+        return found
+
+    async def _kubernetes(self, session: aiohttp.ClientSession, pool: PoolConfig) -> list[str]:
+        assert pool.kubernetes is not None
+        cfg = self.rt.config.discovery
+        token_path, ca_path = Path(cfg.token_file), Path(cfg.ca_file)
+        token = await asyncio.to_thread(_read_if_exists, token_path)
+        tls = None
+        if cfg.kubernetes_api.startswith("https") and await asyncio.to_thread(ca_path.exists):
+            tls = await asyncio.to_thread(ssl.create_default_context, cafile=str(ca_path))
+        return await kubernetes_members(session, cfg.kubernetes_api, pool.kubernetes, token, tls)
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        if self.dynamic:
+            self._task = asyncio.create_task(self._loop(session))
+
+    async def _loop(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(self.rt.config.discovery.interval_s)
+            await self.refresh(session)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _read_if_exists(path: Path) -> str | None:
+    return path.read_text().strip() if path.exists() else None
