@@ -52,7 +52,7 @@ MARKER = re.compile(r"prompt (\d+) ")
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    policies: tuple[str, ...]
+    policies: tuple[str, ...]  # a name from POLICIES, or "name option=value" (pool options)
     role: str  # the pool whose policy is varied
     decode_flags: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     external_load: int = 0  # requests kept in flight on D1 by another client
@@ -76,7 +76,18 @@ SCENARIOS = [
         external_load=12,
         watch=("on busy D %", 0),
     ),
-    Scenario("shared-prefix", ("round_robin", "least_request", "prefix"), "prefill", groups=16),
+    Scenario(
+        "shared-prefix",
+        (
+            "round_robin",
+            "least_request",
+            "prefix",
+            "prefix prefix_load_slack=0.5",
+            "prefix prefix_load_slack=1.0",
+        ),
+        "prefill",
+        groups=16,
+    ),
 ]
 
 
@@ -85,6 +96,12 @@ class Sample:
     index: int
     ttft_s: float
     latency_s: float
+
+
+def pool_options(policy: str) -> dict[str, Any]:
+    """ "prefix prefix_load_slack=1.0" → {"policy": "prefix", "prefix_load_slack": 1.0}"""
+    name, *options = policy.split()
+    return {"policy": name} | {k: float(v) for k, v in (o.split("=") for o in options)}
 
 
 def address(engine: EngineHandle) -> str:
@@ -206,7 +223,7 @@ async def run_policy(
 ) -> dict[str, float]:
     prefills, decodes = pools
     cfg = ephemeral_config([address(e) for e in prefills], [address(e) for e in decodes])
-    cfg[scenario.role] |= {"policy": policy, "load_interval_s": 0.5}
+    cfg[scenario.role] |= {"load_interval_s": 0.5} | pool_options(policy)
     timeout = aiohttp.ClientTimeout(total=120)
     async with running_sidecar(cfg) as sidecar, aiohttp.ClientSession(timeout=timeout) as http:
         await clear(http, [*prefills, *decodes])
