@@ -18,6 +18,7 @@ import orjson
 
 from extproc.config import Config, ConfigError, load_config
 from extproc.envoy_process import EnvoyError
+from extproc.logs import configure_logging
 
 __all__ = ["main"]
 
@@ -162,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
             )
         )
     config = load_config(args.config)
+    configure_logging(args.log_level or "INFO", config.log.format)
     if args.command == "render-envoy":
         return _render(config, args.extproc_address, args.prefill_listener, args.snippet)
     if args.command == "serve":

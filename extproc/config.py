@@ -156,6 +156,18 @@ class PoolConfig(_Strict):
         return value
 
 
+class TlsConfig(_Strict):
+    """TLS between Envoy and the ext_proc (both sides are configured from these files)."""
+
+    cert_file: str  # the ext_proc's certificate chain (PEM)
+    key_file: str
+    ca_file: str  # the CA Envoy trusts for the ext_proc's certificate
+    server_name: str = "localhost"  # SNI and the name checked in the ext_proc's certificate
+    # mTLS: Envoy's client certificate; the ext_proc then requires it (signed by ca_file)
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+
+
 class ListenConfig(_Strict):
     host: str = "127.0.0.1"  # the ext_proc also takes "unix:/path" (then port is unused)
     port: int = Field(default=0, ge=0, lt=65536)
@@ -163,6 +175,15 @@ class ListenConfig(_Strict):
     @property
     def address(self) -> str:
         return self.host if self.host.startswith("unix:") else f"{self.host}:{self.port}"
+
+
+class ExtProcListenConfig(ListenConfig):
+    tls: TlsConfig | None = None  # plaintext by default: it listens on loopback or a socket
+
+
+class LogConfig(_Strict):
+    format: Literal["text", "json"] = "text"
+    requests: bool = False  # one line per finished request (ids, dispatch, outcome)
 
 
 class DispatchConfig(_Strict):
@@ -256,8 +277,9 @@ class Config(_Strict):
     health: HealthConfig = HealthConfig()
     kv_check: KvCheckConfig = KvCheckConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    log: LogConfig = LogConfig()
     limits: LimitConfig = LimitConfig()
-    extproc: ListenConfig = ListenConfig(port=50051)
+    extproc: ExtProcListenConfig = ExtProcListenConfig(port=50051)
     metrics: ListenConfig = ListenConfig(port=9464)
     envoy: EnvoyConfig = EnvoyConfig()
 

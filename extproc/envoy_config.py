@@ -44,6 +44,8 @@ _ROUND_ROBIN = (
     "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 )
 _CEL_FILTER = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
+_TLS_CONTEXT = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # its gRPC health service name
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 # Paths of the engines that need no P/D routing: any decode engine answers them.
 PASSTHROUGH_PATHS = ("/v1/models", "/health", "/metrics", "/version", "/tokenize", "/detokenize")
@@ -293,7 +295,31 @@ def _extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
             "cluster_name": EXTPROC_CLUSTER,
             "endpoints": [{"lb_endpoints": _endpoints([extproc_address])}],
         },
-    }
+        # the gRPC health service of the ext_proc (NOT_SERVING while it drains)
+        "health_checks": [{
+            "timeout": "1s", "interval": "5s", "unhealthy_threshold": 2, "healthy_threshold": 1,
+            "grpc_health_check": {"service_name": EXTPROC_SERVICE},
+        }],
+        **_extproc_tls(cfg),
+    }  # fmt: skip
+
+
+def _extproc_tls(cfg: Config) -> dict[str, Any]:
+    """Envoy's side of TLS to the ext_proc: trust its CA, check its name, maybe mTLS."""
+    tls = cfg.extproc.tls
+    if tls is None:
+        return {}
+    name = {"san_type": "DNS", "matcher": {"exact": tls.server_name}}
+    common: dict[str, Any] = {"validation_context": {
+        "trusted_ca": {"filename": tls.ca_file}, "match_typed_subject_alt_names": [name],
+    }}  # fmt: skip
+    if tls.client_cert_file and tls.client_key_file:
+        common["tls_certificates"] = [{
+            "certificate_chain": {"filename": tls.client_cert_file},
+            "private_key": {"filename": tls.client_key_file},
+        }]  # fmt: skip
+    context = {_TYPED: _TLS_CONTEXT, "sni": tls.server_name, "common_tls_context": common}
+    return {"transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": context}}
 
 
 def render_bootstrap(

@@ -75,6 +75,18 @@ class RequestProcessor:
                 self.leg.exception()  # D answered first (its own error): P's is moot
             self.stream.close()
             self.rt.metrics.requests.labels(self.outcome, self.strategy, self.reason).inc()
+            if self.rt.config.log.requests and self.request_id:
+                log.info("request %s %s", self.request_id, self.outcome, extra=self._log_fields())
+
+    def _log_fields(self) -> dict[str, object]:
+        return {
+            "request_id": self.request_id,
+            "client_request_id": self.client_request_id,
+            "strategy": str(self.strategy),
+            "reason": self.reason,
+            "outcome": self.outcome,
+            "prefill": self.prefill,
+        }
 
     async def _end(self, error: RequestEnded) -> None:
         self.outcome = error.label if isinstance(error, LegError) else "client_error"
@@ -84,6 +96,7 @@ class RequestProcessor:
                 self.request_id,
                 self.client_request_id,
                 error,
+                extra=self._log_fields(),
             )
         if not self.stream.ended:
             await self.stream.write(envoy_msgs.immediate(error))

@@ -7,16 +7,21 @@ listener exists. `stop(grace)` lets in-flight streams finish for up to `grace` s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 from typing import Any
 
+import grpc
 import orjson
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from extproc.config import TlsConfig
+from extproc.envoy_config import EXTPROC_SERVICE
 from extproc.processor import RequestProcessor
 from extproc.runtime import Runtime
 from extproc.stream import EnvoyStream
@@ -46,12 +51,26 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             await RequestProcessor(self.runtime, EnvoyStream(context)).run()
 
 
+def _credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    def read(path: str) -> bytes:
+        with open(path, "rb") as file:
+            return file.read()
+
+    mutual = tls.client_cert_file is not None
+    return grpc.ssl_server_credentials(
+        [(read(tls.key_file), read(tls.cert_file))],
+        root_certificates=read(tls.ca_file) if mutual else None,
+        require_client_auth=mutual,
+    )
+
+
 class ExtProcServer:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.address = ""  # "host:port" or "unix:/path", as Envoy's cluster should name it
         self.metrics_port = 0
         self._grpc: aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
         self._http: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -62,11 +81,19 @@ class ExtProcServer:
         if wanted.startswith("unix:"):
             with contextlib.suppress(FileNotFoundError):  # a previous run's socket
                 os.unlink(wanted.removeprefix("unix:"))
-        port = self._grpc.add_insecure_port(wanted)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        tls = cfg.extproc.tls
+        if tls is None:
+            port = self._grpc.add_insecure_port(wanted)
+        else:
+            port = self._grpc.add_secure_port(wanted, await asyncio.to_thread(_credentials, tls))
         if port == 0:
             raise OSError(f"cannot listen on {wanted} (in use?)")
         self.address = wanted if wanted.startswith("unix:") else f"{cfg.extproc.host}:{port}"
         await self._grpc.start()
+        for service in (EXTPROC_SERVICE, ""):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._http = web.AppRunner(self._http_app(), access_log=None)
         await self._http.setup()
         site = web.TCPSite(self._http, cfg.metrics.host, cfg.metrics.port)
@@ -99,7 +126,9 @@ class ExtProcServer:
         )
 
     async def stop(self, grace_s: float) -> None:
-        if self._grpc is not None:
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._grpc is not None:  # Envoy's health check sees it first
             await self._grpc.stop(grace_s)
         if self._http is not None:
             await self._http.cleanup()
