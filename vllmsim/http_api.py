@@ -30,8 +30,9 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=shapes.dumps(obj), status=status, content_type="application/json")
 
 
-def error_response(status: int, message: str) -> web.Response:
-    return json_response(shapes.error_body(message, status), status)
+def error_response(status: int, message: str, param: str | None = None,
+                   kind: str | None = None) -> web.Response:
+    return json_response(shapes.error_body(message, status, param, kind), status)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -71,14 +72,16 @@ async def _serve(
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return error_response(400, "Invalid JSON body")
+        # vLLM answers FastAPI's validation error here, with its own error type.
+        return error_response(400, "1 validation error: JSON decode error", "body",
+                              "Bad Request")
     rec["body"] = body
     if (fault := await apply_request_faults(sim.faults)) is not None:
         return error_response(fault, "Simulated failure (vllmsim fault injection)")
     try:
         parsed = parse(sim.cfg, sim.tokens, body, chat)
     except ApiError as exc:
-        return error_response(exc.status, exc.message)
+        return error_response(exc.status, exc.message, exc.param)
     external, internal = shapes.request_ids(base_request_id(request.headers, body), chat)
     rec["internal_id"] = internal
     engine = sim.current.engine
@@ -146,9 +149,7 @@ async def _stream(request: web.Request, req: SimRequest, parsed: ParsedRequest,
             if pending is not None:  # hold one token back: the last one carries finish_reason
                 await resp.write(_chunk(parsed, external, created, pending.text, None))
             elif parsed.chat:
-                role = {"role": "assistant", "content": ""}
-                await resp.write(shapes.sse(shapes.chat_chunk(external, created, model, role,
-                                                              None)))  # fmt: skip
+                await resp.write(shapes.sse(shapes.chat_role_chunk(external, created, model)))
             pending, n = event, n + 1
             continue
         assert isinstance(event, FinishEvent) and pending is not None
@@ -165,10 +166,13 @@ def _chunk(parsed: ParsedRequest, rid: str, created: int, text: str,
            finish: FinishEvent | None) -> bytes:  # fmt: skip
     reason = finish.finish_reason if finish else None
     params = finish.kv_transfer_params if finish else None
+    last = finish is not None and not parsed.include_usage  # no usage chunk follows
     if parsed.chat:
         return shapes.sse(shapes.chat_chunk(rid, created, parsed.model, {"content": text}, reason,
-                                            final=finish is not None, kv_params=params))
-    return shapes.sse(shapes.completion_chunk(rid, created, parsed.model, text, reason, params))
+                                            final=finish is not None, kv_params=params,
+                                            last=last))  # fmt: skip
+    return shapes.sse(shapes.completion_chunk(rid, created, parsed.model, text, reason, params,
+                                              last=last))  # fmt: skip
 
 
 # -- small endpoints ---------------------------------------------------------------------------

@@ -20,10 +20,11 @@ log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param
 
 
 @dataclass
@@ -84,7 +85,8 @@ def _max_tokens(body: dict[str, Any], chat: bool, prompt_tokens: int, max_len: i
     if value is None:
         value = max_len - prompt_tokens if chat else 16  # vLLM's defaults
     if value < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {value}.")
+        raise ApiError(400, f"max_tokens must be at least 1, got {value}. "
+                            f"(parameter=max_tokens, value={value})", "max_tokens")
     if prompt_tokens + value > max_len:
         raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, "
                             f"you requested {prompt_tokens + value} tokens ({prompt_tokens} in the "
@@ -123,7 +125,9 @@ def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> Parsed
         raise ApiError(400, "The request body must be a JSON object")
     model = body.get("model") or cfg.served_model_names[0]
     if model not in cfg.served_model_names:
-        raise ApiError(404, f"The model `{model}` does not exist.")
+        aliases = ", ".join(cfg.served_model_names)
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {aliases}.",
+                       "model")
     count, seed_src = _prompt(body, chat, tokens)
     max_tokens = _max_tokens(body, chat, count, cfg.cost.max_model_len)
     stream = body.get("stream", False)

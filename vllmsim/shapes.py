@@ -1,9 +1,10 @@
 """vLLM-exact JSON and SSE shapes, request-id format and OpenAI error bodies.
 
 vLLM serialises with pydantic `model_dump_json` (compact, declaration order); orjson
-gives the same compact form for dicts built in that order. Completions chunks are
-dumped with exclude_unset=False (so `"usage":null` appears), chat chunks with
-exclude_unset=True (so unset fields are absent).
+gives the same compact form for dicts built in that order. Stream chunks carry only the
+fields vLLM sets (no `"usage":null`, `kv_transfer_params` only when there are some), and
+the last chunk before [DONE] carries `system_fingerprint`. Key sets and order were checked
+against real vLLM 0.32 by tests/real_vllm/test_contract.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import orjson
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 DONE = b"data: [DONE]\n\n"
+# vLLM reports f"vllm-{version}-{8 hex}" (fixed per server process).
+FINGERPRINT = f"vllm-0.33.0-{secrets.token_hex(4)}"
 
 
 def dumps(obj: Any) -> bytes:
@@ -38,19 +41,32 @@ def request_ids(base: str, chat: bool) -> tuple[str, str]:
     return external, f"{external}-0-{random_suffix()}"
 
 
-def error_body(message: str, status: int) -> dict[str, Any]:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-            503: "ServiceUnavailableError"}.get(status, "InternalServerError" if status >= 500
-                                                else "BadRequestError")  # fmt: skip
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def error_body(message: str, status: int, param: str | None = None,
+               kind: str | None = None) -> dict[str, Any]:
+    fallback = "InternalServerError" if status >= 500 else "BadRequestError"
+    kind = kind or {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+                    503: "ServiceUnavailableError"}.get(status, fallback)  # fmt: skip
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def usage(prompt: int, completion: int, with_details: bool = True) -> dict[str, Any]:
+def usage(prompt: int, completion: int, details: bool = True) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                             "completion_tokens": completion}  # fmt: skip
-    if with_details:
+    if details:  # non-streamed answers only; the stream's usage chunk has the three counts
         body["prompt_tokens_details"] = None
+        body["completion_tokens_details"] = None
     return body
+
+
+def _finish(chunk: dict[str, Any], kv_params: dict[str, Any] | None,
+            fingerprint: bool) -> dict[str, Any]:
+    """The last content chunk: kv_transfer_params only when set, and the fingerprint when no
+    usage chunk follows (vLLM puts it on the stream's last chunk)."""
+    if kv_params is not None:
+        chunk["kv_transfer_params"] = kv_params
+    if fingerprint:
+        chunk["system_fingerprint"] = FINGERPRINT
+    return chunk
 
 
 # -- /v1/completions ---------------------------------------------------------------------
@@ -60,29 +76,30 @@ def completion(rid: str, created: int, model: str, text: str, finish: str | None
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                     "stop_reason": None, "prompt_logprobs": None}],
+                     "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
+                     "prompt_token_ids": None, "routed_experts": None}],
+        "service_tier": None, "system_fingerprint": FINGERPRINT,
         "usage": usage(prompt_tokens, completion_tokens),
-        "kv_transfer_params": kv_params,
+        "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None,
     }  # fmt: skip
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None,
-                     kv_params: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+                     kv_params: dict[str, Any] | None = None,
+                     last: bool = False) -> dict[str, Any]:  # fmt: skip
     chunk: dict[str, Any] = {
         "id": rid, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                     "stop_reason": None}],
-        "usage": None,
+                     "stop_reason": None, "prompt_token_ids": None, "token_ids": None}],
     }  # fmt: skip
-    if finish is not None:
-        chunk["kv_transfer_params"] = kv_params
-    return chunk
+    return _finish(chunk, kv_params, last) if finish is not None else chunk
 
 
 def completion_usage_chunk(rid: str, created: int, model: str, prompt: int,
                            completion_tokens: int) -> dict[str, Any]:  # fmt: skip
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [], "usage": usage(prompt, completion_tokens)}  # fmt: skip
+            "choices": [], "usage": usage(prompt, completion_tokens, details=False),
+            "system_fingerprint": FINGERPRINT}  # fmt: skip
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------
@@ -90,34 +107,41 @@ def chat_completion(rid: str, created: int, model: str, text: str, finish: str |
                     prompt_tokens: int, completion_tokens: int,
                     kv_params: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
     message = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-               "audio": None, "function_call": None, "tool_calls": [],
-               "reasoning_content": None}  # fmt: skip
+               "audio": None, "function_call": None, "reasoning": None}  # fmt: skip
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
-                     "stop_reason": None}],
-        "service_tier": None, "system_fingerprint": None,
+                     "stop_reason": None, "token_ids": None, "routed_experts": None}],
+        "service_tier": None, "system_fingerprint": FINGERPRINT,
         "usage": usage(prompt_tokens, completion_tokens),
-        "prompt_logprobs": None,
-        "kv_transfer_params": kv_params,
+        "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+        "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None,
     }  # fmt: skip
 
 
+def chat_role_chunk(rid: str, created: int, model: str) -> dict[str, Any]:
+    """The first chunk of a chat stream: the role, and the (unrequested) prompt fields."""
+    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+              "finish_reason": None}  # fmt: skip
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [choice], "prompt_token_ids": None, "prompt_text": None}  # fmt: skip
+
+
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any], finish: str | None,
-               final: bool = False,
-               kv_params: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+               final: bool = False, kv_params: dict[str, Any] | None = None,
+               last: bool = False) -> dict[str, Any]:  # fmt: skip
     choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
                               "finish_reason": finish}  # fmt: skip
     if final:
         choice["stop_reason"] = None
+    choice["token_ids"] = None
     chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                              "model": model, "choices": [choice]}  # fmt: skip
-    if final:
-        chunk["kv_transfer_params"] = kv_params
-    return chunk
+    return _finish(chunk, kv_params, last) if final else chunk
 
 
 def chat_usage_chunk(rid: str, created: int, model: str, prompt: int,
                      completion_tokens: int) -> dict[str, Any]:  # fmt: skip
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [], "usage": usage(prompt, completion_tokens, with_details=False)}
+            "choices": [], "usage": usage(prompt, completion_tokens, details=False),
+            "system_fingerprint": FINGERPRINT}  # fmt: skip

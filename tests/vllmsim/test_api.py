@@ -54,22 +54,28 @@ async def test_same_x_request_id_gets_a_fresh_suffix(http: aiohttp.ClientSession
 
 async def test_non_stream_shapes(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
     _, body = await post(http, eng, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
-    assert list(body) == ["id", "object", "created", "model", "choices", "usage",
-                          "kv_transfer_params"]  # fmt: skip
+    # Key order as real vLLM 0.32 (tests/real_vllm/test_contract.py checks the key sets).
+    assert list(body) == ["id", "object", "created", "model", "choices", "service_tier",
+                          "system_fingerprint", "usage", "kv_transfer_params",
+                          "ec_transfer_params", "metrics"]  # fmt: skip
     assert list(body["choices"][0]) == ["index", "text", "logprobs", "finish_reason",
-                                        "stop_reason", "prompt_logprobs"]  # fmt: skip
+                                        "stop_reason", "token_ids", "prompt_logprobs",
+                                        "prompt_token_ids", "routed_experts"]  # fmt: skip
     assert body["usage"] == {"prompt_tokens": body["usage"]["prompt_tokens"], "total_tokens":
                              body["usage"]["prompt_tokens"] + 3, "completion_tokens": 3,
-                             "prompt_tokens_details": None}  # fmt: skip
+                             "prompt_tokens_details": None,
+                             "completion_tokens_details": None}  # fmt: skip
     assert body["kv_transfer_params"] is None and body["choices"][0]["finish_reason"] == "length"
     _, chat = await post(http, eng, "/v1/chat/completions",
                          {"messages": [{"role": "user", "content": "hi"}],
                           "max_completion_tokens": 2, "model": "alias"})  # fmt: skip
     assert list(chat) == ["id", "object", "created", "model", "choices", "service_tier",
-                          "system_fingerprint", "usage", "prompt_logprobs",
-                          "kv_transfer_params"]  # fmt: skip
+                          "system_fingerprint", "usage", "prompt_logprobs", "prompt_token_ids",
+                          "prompt_text", "kv_transfer_params", "ec_transfer_params",
+                          "metrics"]  # fmt: skip
     assert chat["object"] == "chat.completion" and chat["model"] == "alias"
-    assert chat["choices"][0]["message"]["tool_calls"] == []
+    assert "tool_calls" not in chat["choices"][0]["message"]
+    assert chat["choices"][0]["message"]["reasoning"] is None
     assert chat["usage"]["completion_tokens"] == 2
 
 
@@ -107,8 +113,9 @@ async def test_completion_stream_bytes(http: aiohttp.ClientSession, eng: EngineH
         assert event == json.dumps(chunk, separators=(",", ":")).encode()
     assert len(chunks) == 4
     assert [c["choices"][0]["finish_reason"] for c in chunks[:3]] == [None, None, "length"]
-    assert "kv_transfer_params" not in chunks[0] and chunks[2]["kv_transfer_params"] is None
-    assert chunks[0]["usage"] is None
+    # vLLM sends kv_transfer_params only when set, and no "usage": null in content chunks.
+    assert all("kv_transfer_params" not in c and "usage" not in c for c in chunks[:3])
+    assert "system_fingerprint" in chunks[3] and "system_fingerprint" not in chunks[2]
     assert chunks[3]["choices"] == [] and chunks[3]["usage"]["completion_tokens"] == 3
     _, whole = await post(http, eng, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
     assert "".join(c["choices"][0]["text"] for c in chunks[:3]) == whole["choices"][0]["text"]
@@ -123,12 +130,14 @@ async def test_chat_stream_bytes(http: aiohttp.ClientSession, eng: EngineHandle)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[0]["object"] == "chat.completion.chunk"
     assert [c["choices"][0]["finish_reason"] for c in chunks[1:3]] == [None, "length"]
-    assert chunks[2]["kv_transfer_params"] is None
+    assert "kv_transfer_params" not in chunks[2]
     assert chunks[3] == {**chunks[3], "choices": [], "usage": chunks[3]["usage"]}
     assert chunks[3]["usage"]["total_tokens"] == chunks[3]["usage"]["prompt_tokens"] + 2
     # Without include_usage: no usage chunk.
     _, raw = await _sse(http, eng, "/v1/chat/completions", {**body, "stream_options": None})
-    assert all(json.loads(e)["choices"] for e in _events(raw))
+    chunks = [json.loads(e) for e in _events(raw)]
+    assert all(c["choices"] for c in chunks)
+    assert "system_fingerprint" in chunks[-1]  # on the last chunk when no usage chunk follows
 
 
 @pytest.mark.parametrize(
@@ -147,18 +156,21 @@ async def test_chat_stream_bytes(http: aiohttp.ClientSession, eng: EngineHandle)
          "too-long"],
 )  # fmt: skip
 async def test_openai_errors(http: aiohttp.ClientSession, eng: EngineHandle, path: str,
-                             body: dict, status: int, kind: str) -> None:  # fmt: skip
+                             body: dict, status: int, kind: str,
+                             request: pytest.FixtureRequest) -> None:  # fmt: skip
     got, err = await post(http, eng, path, body)
     assert got == status
     assert list(err) == ["error"] and list(err["error"]) == ["message", "type", "param", "code"]
     assert err["error"]["type"] == kind and err["error"]["code"] == status
-    assert err["error"]["param"] is None and err["error"]["message"]
+    assert err["error"]["message"]
+    assert err["error"]["param"] == {"unknown-model": "model", "zero-tokens": "max_tokens"}.get(
+        request.node.callspec.id)
 
 
 async def test_invalid_json_is_400(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
     async with http.post(eng.url + "/v1/completions", data=b"{nope") as resp:
         assert resp.status == 400
-        assert (await resp.json())["error"]["type"] == "BadRequestError"
+        assert (await resp.json())["error"]["type"] == "Bad Request"  # as vLLM 0.32 answers
 
 
 async def test_small_endpoints(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
