@@ -82,7 +82,7 @@ SCENARIOS = [
             "round_robin",
             "least_request",
             "prefix",
-            "prefix prefix_load_slack=0.5",
+            "prefix prefix_load_slack=0.25",
             "prefix prefix_load_slack=1.0",
         ),
         "prefill",

@@ -120,9 +120,10 @@ class PoolConfig(_Strict):
     kv_usage_weight: float = Field(default=4.0, ge=0)
     # prefix: how many bytes of the raw prompt/messages JSON are hashed (~4 KV blocks of 16
     # tokens), and how far above the average in-flight count an endpoint may go before a
-    # request spills to the next endpoint of its hash order.
+    # request spills to the next endpoint of its hash order (more slack: more cache hits,
+    # less balance; 0.5 kept ~88% affinity at a 56/44 split in bench/results/policies.md).
     prefix_bytes: int = Field(default=256, ge=1, le=4096)
-    prefix_load_slack: float = Field(default=0.25, ge=0)
+    prefix_load_slack: float = Field(default=0.5, ge=0)
 
     @model_validator(mode="after")
     def _has_a_source(self) -> PoolConfig:

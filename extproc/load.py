@@ -68,9 +68,13 @@ class LoadScraper:
         aware = [c.load_interval_s for c in configs if c.policy in ENGINE_LOAD_POLICIES]
         return min(aware, default=1.0)
 
-    def start(self, session: aiohttp.ClientSession) -> None:
-        # Runs even without a load-aware policy (then each round scrapes nothing): pools,
-        # members and policies are re-read every round, so a reload can switch them.
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """One round now, so the first requests already see the engines' queues, then a task.
+
+        The task runs even without a load-aware policy (its rounds then scrape nothing):
+        pools, members and policies are re-read every round, so a reload can switch them.
+        """
+        await self.scrape_all(session)  # bounded: each scrape has a timeout
         self._task = asyncio.create_task(self._loop(session))
 
     async def stop(self) -> None:
@@ -80,8 +84,8 @@ class LoadScraper:
 
     async def _loop(self, session: aiohttp.ClientSession) -> None:
         while True:
-            await self.scrape_all(session)
             await asyncio.sleep(self._interval_s())
+            await self.scrape_all(session)
 
     async def scrape_all(self, session: aiohttp.ClientSession) -> None:
         states: Sequence[EndpointState] = [s for pool in load_aware_pools(self.rt) for s in pool]

@@ -172,7 +172,7 @@ class PrefixPicker:
     each time. The least loaded endpoint always fits, so the walk always ends.
     """
 
-    def __init__(self, prefix_bytes: int = 256, load_slack: float = 0.25) -> None:
+    def __init__(self, prefix_bytes: int = 256, load_slack: float = 0.5) -> None:
         self._prefix_bytes = prefix_bytes
         self._load_slack = load_slack
         self._fallback = LeastRequestPicker()

@@ -140,7 +140,7 @@ class Runtime:
         self.discovery.start(self._session)
         await self.health.start(self._session)
         self.kv_check.start(self._session)
-        self.load.start(self._session)
+        await self.load.start(self._session)
         await self.health.probes_settled(self.config.timeouts.probe_s)
 
     async def stop(self) -> None:
