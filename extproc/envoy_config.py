@@ -131,9 +131,21 @@ def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
             },
         }
     }
+    # Every other reply Envoy makes itself (upstream connect failure or reset, the KV-wait
+    # idle timeout): its own text, wrapped in the OpenAI error shape.
+    envoys_own = {"extension_filter": {
+        "name": "envoy.access_loggers.extension_filters.cel",
+        "typed_config": {_TYPED: _CEL_FILTER,
+                         "expression": "!response.code_details.startsWith('pd_extproc')"},
+    }}
+    wrapped = {"json_format": {"error": {
+        "message": "%LOCAL_REPLY_BODY%", "type": "UpstreamError", "param": None,
+        "code": "%RESPONSE_CODE%",
+    }}, "content_type": "application/json"}
     return {"mappers": [
         _json_reply(too_large, 413, f"request body exceeds the limit of {limit} bytes"),
         _json_reply(extproc_down, 503, "the pd-extproc ext_proc is unavailable; retry"),
+        {"filter": envoys_own, "body_format_override": wrapped},
     ]}  # fmt: skip
 
 

@@ -196,6 +196,7 @@ async def test_decode_that_never_gets_its_kv_is_bounded_by_the_kv_wait() -> None
         status, body, _ = await topo.post("/v1/completions", COMPLETION)
         elapsed = time.perf_counter() - started
         assert status == 504, body
+        assert orjson.loads(body)["error"]["code"] == 504  # Envoy's own reply, in JSON too
         assert 1.4 < elapsed < 4.0
         [d_record] = await topo.seen(topo.decodes[0])
         await wait_for_outcome(topo, topo.decodes[0], d_record["x_request_id"], "aborted")
