@@ -21,6 +21,7 @@ from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
 from extproc.runtime import Runtime
 from extproc.server import ExtProcServer
+from extproc.workers import WorkerProcesses
 
 __all__ = ["Sidecar", "SidecarAddresses"]
 
@@ -32,8 +33,9 @@ class SidecarAddresses:
     url: str  # the OpenAI endpoint (Envoy's ingress listener)
     envoy_admin: str
     metrics: str
-    extproc: str
+    extproc: str  # comma list when there are several workers
     prefill_listener: str
+    worker_metrics: list[str]  # /metrics base URLs of the extra ext_proc workers
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.__dict__)
@@ -54,15 +56,17 @@ class Sidecar:
             config.envoy.log_level,
             config.envoy.concurrency,
         )
+        self.workers = WorkerProcesses(config, self.run_dir, self.prefill_listener)
         self.addresses: SidecarAddresses | None = None
 
     async def start(self) -> SidecarAddresses:
         cfg = self.config
-        await self.server.start()
-        extproc = self.server.address
-        bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener, eds_dir=self.run_dir)
-        self.envoy.config_path.write_text(render_yaml(bootstrap))
         try:
+            await self.server.start()
+            await self.workers.start(cfg.extproc.workers - 1)
+            extproc = ",".join([self.server.address, *self.workers.addresses])
+            bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener, self.run_dir)
+            self.envoy.config_path.write_text(render_yaml(bootstrap))
             await self.runtime.discover()
             for role in ("prefill", "decode"):  # Envoy's pools follow the ext_proc's
                 self._write_eds(role, self.runtime.pool(role).addresses)
@@ -79,6 +83,7 @@ class Sidecar:
             metrics=f"http://{cfg.metrics.host}:{self.server.metrics_port}",
             extproc=extproc,
             prefill_listener=self.prefill_listener,
+            worker_metrics=self.workers.metrics,
         )
         return self.addresses
 
@@ -114,8 +119,8 @@ class Sidecar:
             )
 
     async def stop(self) -> None:
+        grace = self.config.timeouts.drain_s
         await asyncio.gather(
-            self.envoy.stop(),
-            self.server.stop(self.config.timeouts.drain_s),
+            self.envoy.stop(), self.server.stop(grace), self.workers.stop(grace),
             return_exceptions=True,
-        )
+        )  # fmt: skip

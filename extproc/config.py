@@ -180,6 +180,9 @@ class ListenConfig(_Strict):
 
 class ExtProcListenConfig(ListenConfig):
     tls: TlsConfig | None = None  # plaintext by default: it listens on loopback or a socket
+    # `up`: this many ext_proc processes (one core each), behind Envoy by least open streams.
+    # The extra ones listen on free ports; each keeps its own identity cache and counters.
+    workers: int = Field(default=1, ge=1, le=64)
 
 
 class LogConfig(_Strict):

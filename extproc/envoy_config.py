@@ -287,8 +287,11 @@ def _pool_cluster(
 
 
 def _extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
+    """The ext_proc: one address, or several processes (`extproc.workers`) as a comma list."""
     return {
         "name": EXTPROC_CLUSTER,
+        # each stream is one request for its whole life: spread by open streams, not by turn
+        "lb_policy": "LEAST_REQUEST",
         "type": "STATIC",
         "connect_timeout": _duration(cfg.timeouts.connect_s),
         # every in-flight LLM request holds one ext_proc stream: the default 1024 is too low
@@ -305,7 +308,7 @@ def _extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": EXTPROC_CLUSTER,
-            "endpoints": [{"lb_endpoints": _endpoints([extproc_address])}],
+            "endpoints": [{"lb_endpoints": _endpoints(extproc_address.split(","))}],
         },
         # the gRPC health service of the ext_proc (NOT_SERVING while it drains)
         "health_checks": [{

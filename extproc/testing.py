@@ -35,6 +35,7 @@ class SidecarHandle:
     log_path: Path
     config_path: Path
     process: asyncio.subprocess.Process
+    worker_metrics: list[str]  # /metrics base URLs of extra ext_proc workers (extproc.workers)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -123,6 +124,7 @@ async def running_sidecar(
                 log_path,
                 config_path,
                 process,
+                info.get("worker_metrics", []),
             )
         finally:
             await _stop(process)

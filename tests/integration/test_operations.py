@@ -9,6 +9,7 @@ import signal
 import aiohttp
 import pytest
 
+from extproc.testing import scrape
 from tests.integration.conftest import MODEL, topology
 
 SLOW = ("--step-base-ms", "40")
@@ -30,3 +31,17 @@ async def test_sigterm_drains_open_streams_and_refuses_new_requests() -> None:
         tokens = [e for e in events if e.startswith(b"data: {") and b'"text"' in e]
         assert len(tokens) >= 40
         assert await topo.sidecar.wait_exit(timeout_s=15) == 0
+
+
+async def test_several_extproc_workers_share_the_streams() -> None:
+    async with topology(extproc={"workers": 2}) as topo:
+        body = {"model": MODEL, "prompt": "workers", "max_tokens": 2}
+        results = await asyncio.gather(*(topo.post("/v1/completions", body) for _ in range(12)))
+        assert [status for status, _, _ in results] == [200] * 12
+        await topo.metrics()
+        served = []
+        for base in [topo.sidecar.metrics, *topo.sidecar.worker_metrics]:
+            samples = await scrape(topo.session, base + "/metrics")
+            served.append(sum(v for k, v in samples.items()
+                              if k.startswith("pd_extproc_requests_total")))  # fmt: skip
+        assert len(served) == 2 and all(n >= 1 for n in served) and sum(served) == 12, served

@@ -1,0 +1,89 @@
+"""Extra ext_proc processes for `extproc.workers` > 1: one Python process is one core.
+
+Each worker is a `pd-extproc serve` child with the same configuration but its own free port
+(or socket) and metrics port; Envoy spreads streams over all of them (LEAST_REQUEST). Each
+keeps its own identity cache, health view and in-flight counts: they learn the same facts
+from the same engines, and least-request picking works per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+from extproc.config import Config
+
+__all__ = ["WorkerProcesses"]
+
+
+def _worker_config(config: Config, index: int) -> dict[str, Any]:
+    data = config.model_dump(mode="json", exclude_none=True)
+    extproc = data["extproc"]
+    if extproc["host"].startswith("unix:"):
+        extproc["host"] = f"{extproc['host']}.{index}"
+    else:
+        extproc["port"] = 0
+    extproc["workers"] = 1
+    data["metrics"]["port"] = 0
+    return data
+
+
+async def _ready_info(path: Path) -> dict[str, Any]:
+    """The worker's ready file, once it exists (the caller bounds the wait)."""
+    for _ in itertools.count():
+        if await asyncio.to_thread(path.exists):
+            break
+        await asyncio.sleep(0.05)
+    return orjson.loads(await asyncio.to_thread(path.read_bytes))
+
+
+class WorkerProcesses:
+    def __init__(self, config: Config, run_dir: Path, prefill_listener: str) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.prefill_listener = prefill_listener
+        self.processes: list[asyncio.subprocess.Process] = []
+        self.addresses: list[str] = []
+        self.metrics: list[str] = []
+
+    async def start(self, count: int, timeout_s: float = 30.0) -> None:
+        """Start `count` workers and wait (bounded) until each listens."""
+        ready_files = [await self._spawn(index) for index in range(1, count + 1)]
+        async with asyncio.timeout(timeout_s):
+            for ready in ready_files:
+                info = await _ready_info(ready)
+                self.addresses.append(info["extproc"])
+                self.metrics.append(info["metrics"])
+
+    async def _spawn(self, index: int) -> Path:
+        config_path = self.run_dir / f"worker-{index}.yaml"
+        ready = self.run_dir / f"worker-{index}.ready"
+        config_path.write_text(yaml.safe_dump(_worker_config(self.config, index)))
+        with (self.run_dir / f"worker-{index}.log").open("wb") as log:
+            self.processes.append(await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "extproc", "serve", "--config", str(config_path),
+                "--prefill-listener", self.prefill_listener, "--ready-file", str(ready),
+                stdout=log, stderr=log, start_new_session=True,
+            ))  # fmt: skip
+        return ready
+
+    async def stop(self, grace_s: float) -> None:
+        for process in self.processes:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                await asyncio.wait_for(process.wait(), grace_s + 5)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
