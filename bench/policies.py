@@ -3,8 +3,9 @@
   slow-decode     D2 runs with --step-base-ms 20 (half the speed of D1): every policy that
                   counts load (least_request, power_of_two) should send it less.
   busy-decode     D1 (--max-num-seqs 4) also serves a client that bypasses this sidecar and
-                  keeps it queued: only power_of_two sees that queue (the engine's
-                  vllm:num_requests_waiting); the sidecar's own in-flight counts cannot.
+                  keeps it queued: power_of_two sees that queue in the engine's
+                  vllm:num_requests_waiting; least_request only once this sidecar's own
+                  requests pile up behind it.
   shared-prefix   requests come from 16 system prompts (~1000 tokens each, popularity
                   ~1/rank); prefix should send each prompt to one prefill engine.
 
@@ -29,6 +30,7 @@ import random
 import re
 import statistics
 import sys
+import textwrap
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -280,11 +282,16 @@ def markdown(name: str, rows: dict[str, dict[str, float]], policy_of: str) -> st
 
 async def main(args: argparse.Namespace) -> None:
     chosen: Callable[[Scenario], bool] = lambda s: not args.only or s.name in args.only  # noqa: E731
+    scenarios, notes = (__doc__ or "").split("\n\n")[1:3]
     sections = [
         f"# Picking policies: 2P2D vllmsim (default costs), {args.requests} requests per row, "
         f"concurrency {args.concurrency}, 64 output tokens",
         "",
-        (__doc__ or "").split("\n\n")[1].strip(),
+        "```text",
+        textwrap.dedent(scenarios),
+        "```",
+        "",
+        " ".join(notes.split()),
     ]
     for scenario in filter(chosen, SCENARIOS):
         print(f"{scenario.name}:", flush=True)
