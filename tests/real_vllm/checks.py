@@ -7,7 +7,14 @@ import itertools
 
 from extproc.testing import scrape
 from tests.real_vllm.clients import PROMPTS, ask, log_problems
-from tests.real_vllm.conftest import LEASE_S, Setup, by_source, counter, engine_metrics
+from tests.real_vllm.conftest import (
+    EXPIRED,
+    LEASE_S,
+    Setup,
+    by_source,
+    counter,
+    engine_metrics,
+)
 
 KINDS = ("completions", "chat")
 
@@ -50,7 +57,7 @@ async def check_no_expired_leases(setup: Setup) -> None:
     """P kept no blocks that D never took: wait out the (shortened) lease, then count expiries."""
     await asyncio.sleep(LEASE_S + 3)
     metrics = await engine_metrics(setup.session, setup.prefill)
-    assert counter(metrics, "vllm:nixl_num_kv_expired_reqs_total") == 0
+    assert counter(metrics, EXPIRED) == setup.expired_before
     assert counter(metrics, "vllm:nixl_num_failed_transfers_total") == 0
     assert "Releasing expired KV blocks" not in setup.new_log(setup.prefill)
 

@@ -36,6 +36,7 @@ KV_EXTRA: dict[str, object] = {"kv_lease_duration": 10, "decoder_kv_blocks_ttl":
 LEASE_S = 10
 PAIR_ORDER = ("push", "push_restart", "push_plain_decode", "pull")
 MODEL = "tiny"
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -119,6 +120,7 @@ class Setup:
     sidecar: SidecarHandle
     session: aiohttp.ClientSession
     log_offsets: dict[str, int]
+    expired_before: float = 0.0  # P's expired-lease counter when this setup began
 
     async def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
         async with self.session.post(self.sidecar.url + path, json=body) as response:
@@ -134,8 +136,9 @@ async def sidecar_for(pool: EnginePool, kind: str, session: aiohttp.ClientSessio
     prefill, decode = await pool.get(kind)
     offsets = {str(e.log_path): len(e.log_text()) for e in (prefill, decode)}
     cfg = ephemeral_config([prefill.address], [decode.address], **config)
+    expired = counter(await engine_metrics(session, prefill), EXPIRED)
     async with running_sidecar(cfg, log_level="INFO") as sidecar:
-        yield Setup(prefill, decode, sidecar, session, offsets)
+        yield Setup(prefill, decode, sidecar, session, offsets, expired)
 
 
 async def engine_metrics(session: aiohttp.ClientSession, engine: RealEngine) -> dict[str, float]:
