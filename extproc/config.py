@@ -271,11 +271,20 @@ class EnvoyConfig(_Strict):
         return value
 
 
-class Config(_Strict):
-    """Everything the sidecar needs; see the README's configuration reference."""
+class ModelConfig(_Strict):
+    """The pools of one model (`models:`): requests naming it go only to these engines."""
 
     prefill: PoolConfig
     decode: PoolConfig
+
+
+class Config(_Strict):
+    """Everything the sidecar needs; see the README's configuration reference."""
+
+    # The pools of every model not listed under `models` (or of all, when there is none).
+    prefill: PoolConfig
+    decode: PoolConfig
+    models: dict[str, ModelConfig] = {}
     dispatch: DispatchConfig = DispatchConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     health: HealthConfig = HealthConfig()
@@ -289,17 +298,30 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _pools_disjoint(self) -> Config:
-        shared = {e.address for e in self.prefill.endpoints} & {
-            e.address for e in self.decode.endpoints
-        }
-        if shared:
-            raise ValueError(f"an endpoint cannot be both prefill and decode: {sorted(shared)}")
+        seen: dict[str, str] = {}
+        for model, group in self.groups().items():
+            for role, pool in (("prefill", group.prefill), ("decode", group.decode)):
+                for address in pool.addresses:
+                    where = f"{model or 'default'} {role}"
+                    if seen.setdefault(address, where) != where:
+                        raise ValueError(f"{address} is both {seen[address]} and {where}")
         return self
 
+    def groups(self) -> dict[str, ModelConfig]:
+        """Model name → its pools; "" is the default group (top-level prefill/decode)."""
+        return {"": ModelConfig(prefill=self.prefill, decode=self.decode), **self.models}
+
+    def pool_configs(self, role: str) -> list[PoolConfig]:
+        return [getattr(group, role) for group in self.groups().values()]
+
+    def static_addresses(self, role: str) -> list[str]:
+        return [a for pool in self.pool_configs(role) for a in pool.addresses]
+
     def prefill_mode(self, address: str) -> DispatchMode:
-        for endpoint in self.prefill.endpoints:
-            if endpoint.address == address and endpoint.mode is not None:
-                return endpoint.mode
+        for pool in self.pool_configs("prefill"):
+            for endpoint in pool.endpoints:
+                if endpoint.address == address and endpoint.mode is not None:
+                    return endpoint.mode
         return self.dispatch.mode
 
 

@@ -28,6 +28,8 @@ __all__ = ["Discovery", "kubernetes_members", "resolve_dns"]
 
 log = logging.getLogger("extproc.discovery")
 
+_ROLES = ("prefill", "decode")
+
 
 def _address(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
@@ -81,13 +83,19 @@ class Discovery:
     @property
     def dynamic(self) -> bool:
         cfg = self.rt.config
-        return any(pool.dns or pool.kubernetes for pool in (cfg.prefill, cfg.decode))
+        return any(
+            pool.dns or pool.kubernetes for role in _ROLES for pool in cfg.pool_configs(role)
+        )
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
-        """Resolve every source of both pools once and hand the result to the runtime."""
-        cfg = self.rt.config
-        for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
-            self.rt.set_members(role, await self._members(session, role, pool))
+        """Resolve every source of every pool once and hand the result to the runtime."""
+        for role in _ROLES:
+            union: list[str] = []
+            for model, group in self.rt.config.groups().items():
+                members = await self._members(session, f"{model}/{role}", getattr(group, role))
+                self.rt.set_group_members(model, role, members)
+                union += members
+            self.rt.set_members(role, list(dict.fromkeys(union)))
 
     async def _members(
         self, session: aiohttp.ClientSession, role: str, pool: PoolConfig

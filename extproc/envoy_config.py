@@ -133,15 +133,26 @@ def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
     }
     # Every other reply Envoy makes itself (upstream connect failure or reset, the KV-wait
     # idle timeout): its own text, wrapped in the OpenAI error shape.
-    envoys_own = {"extension_filter": {
-        "name": "envoy.access_loggers.extension_filters.cel",
-        "typed_config": {_TYPED: _CEL_FILTER,
-                         "expression": "!response.code_details.startsWith('pd_extproc')"},
-    }}
-    wrapped = {"json_format": {"error": {
-        "message": "%LOCAL_REPLY_BODY%", "type": "UpstreamError", "param": None,
-        "code": "%RESPONSE_CODE%",
-    }}, "content_type": "application/json"}
+    envoys_own = {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                _TYPED: _CEL_FILTER,
+                "expression": "!response.code_details.startsWith('pd_extproc')",
+            },
+        }
+    }
+    wrapped = {
+        "json_format": {
+            "error": {
+                "message": "%LOCAL_REPLY_BODY%",
+                "type": "UpstreamError",
+                "param": None,
+                "code": "%RESPONSE_CODE%",
+            }
+        },
+        "content_type": "application/json",
+    }
     return {"mappers": [
         _json_reply(too_large, 413, f"request body exceeds the limit of {limit} bytes"),
         _json_reply(extproc_down, 503, "the pd-extproc ext_proc is unavailable; retry"),
@@ -353,8 +364,8 @@ def render_bootstrap(
             "listeners": [_ingress_listener(cfg), _prefill_listener(cfg, prefill_listener)],
             "clusters": [
                 _extproc_cluster(extproc_address, cfg),
-                _pool_cluster("decode_pool", cfg.decode.addresses, cfg, eds_dir),
-                _pool_cluster("prefill_pool", cfg.prefill.addresses, cfg, eds_dir),
+                _pool_cluster("decode_pool", cfg.static_addresses("decode"), cfg, eds_dir),
+                _pool_cluster("prefill_pool", cfg.static_addresses("prefill"), cfg, eds_dir),
             ],
         },
     }
@@ -370,8 +381,8 @@ def render_snippet(cfg: Config, extproc_address: str, prefill_listener: str) -> 
         "http_filters": [_ext_proc_filter(cfg)],
         "clusters": [
             _extproc_cluster(extproc_address, cfg),
-            _pool_cluster("decode_pool", cfg.decode.addresses, cfg),
-            _pool_cluster("prefill_pool", cfg.prefill.addresses, cfg),
+            _pool_cluster("decode_pool", cfg.static_addresses("decode"), cfg),
+            _pool_cluster("prefill_pool", cfg.static_addresses("prefill"), cfg),
         ],
         "listeners": [_prefill_listener(cfg, prefill_listener)],
     }

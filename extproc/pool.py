@@ -6,7 +6,7 @@ are kept here and taken/released in one context manager so that no error path le
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -68,19 +68,31 @@ class Pool:
     def __iter__(self) -> Iterator[EndpointState]:
         return iter(list(self._endpoints.values()))  # a copy: membership may change meanwhile
 
-    def pick(self, request: PickRequest = _ANY) -> EndpointState | None:
-        healthy = [e for e in self._endpoints.values() if e.healthy]
-        return self._policy.pick(healthy, request) if healthy else None
+    def pick(
+        self,
+        request: PickRequest = _ANY,
+        among: Collection[str] | None = None,
+        policy: Picker | None = None,
+    ) -> EndpointState | None:
+        """A healthy endpoint (of `among`, a model's members, if given) chosen by `policy`."""
+        healthy = [e for e in self._endpoints.values()
+                   if e.healthy and (among is None or e.address in among)]  # fmt: skip
+        return (policy or self._policy).pick(healthy, request) if healthy else None
 
-    def pick_with_fallback(self, request: PickRequest = _ANY) -> list[EndpointState]:
+    def pick_with_fallback(
+        self,
+        request: PickRequest = _ANY,
+        among: Collection[str] | None = None,
+        policy: Picker | None = None,
+    ) -> list[EndpointState]:
         """The policy's choice, then the next healthy endpoint for Envoy's connect-failure retry.
 
         The fallback is taken in list order, not from the policy, so it does not advance it.
         """
-        first = self.pick(request)
+        first = self.pick(request, among, policy)
         if first is None:
             return []
-        ordered = list(self._endpoints.values())
+        ordered = [e for e in self._endpoints.values() if among is None or e.address in among]
         start = ordered.index(first)
         for state in ordered[start + 1 :] + ordered[:start]:
             if state.healthy:

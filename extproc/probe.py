@@ -65,7 +65,10 @@ async def probe_prefill(rt: Runtime, session: aiohttp.ClientSession, address: st
     rt.identities.learn(address, identity)
     rt.metrics.probes.labels(address, "learned").inc()
     log.info("prefill %s: engine %s (%s)", address, identity.engine_id, identity.transfer_mode)
-    await _complete_transfer(rt, session, client_body, result.kv_transfer_params, request_id)
+    await _complete_transfer(
+        rt, session, client_body, result.kv_transfer_params, request_id,
+        rt.group_of("prefill", address).members["decode"],
+    )  # fmt: skip
     return True
 
 
@@ -75,9 +78,10 @@ async def _complete_transfer(
     client_body: bytes,
     params: object,
     request_id: str,
+    decodes: set[str],
 ) -> None:
-    """Let a decode engine take the probe's KV, so that P frees its blocks at once."""
-    decode = rt.decode.pick()
+    """Let a decode engine of the same model take the probe's KV, so P frees its blocks."""
+    decode = rt.decode.pick(among=decodes)
     if decode is None:
         return  # P's lease frees the blocks later
     body = orjson.loads(client_body) | {"max_tokens": 1, "kv_transfer_params": params}

@@ -129,11 +129,14 @@ class RequestProcessor:
         await self._watch()
 
     def _pick(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
-        decodes = self.rt.decode.pick_with_fallback(wanted)
+        group = self.rt.group(wanted.model)
+        decodes = self.rt.decode.pick_with_fallback(
+            wanted, group.members["decode"], group.pickers["decode"]
+        )
         if not decodes:
             raise LegError(503, "no healthy decode endpoint; retry later", retry_after_s=1)
         inflight.enter_context(self.rt.decode.track(decodes[0]))
-        prefill = self.rt.prefill.pick(wanted)
+        prefill = self.rt.prefill.pick(wanted, group.members["prefill"], group.pickers["prefill"])
         if prefill is not None:
             inflight.enter_context(self.rt.prefill.track(prefill))
             return [d.address for d in decodes], prefill.address

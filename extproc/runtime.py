@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -19,7 +20,7 @@ from extproc.identity import IdentityCache
 from extproc.kv_check import KvCheck
 from extproc.load import LoadScraper
 from extproc.metrics import Metrics
-from extproc.picking import build_picker
+from extproc.picking import Picker, build_picker
 from extproc.pool import EndpointState, Pool
 from extproc.prefill_leg import PrefillClient
 
@@ -29,6 +30,26 @@ log = logging.getLogger("extproc")
 
 # Timeouts rendered into Envoy's bootstrap: changing them needs an Envoy restart.
 _ENVOY_TIMEOUTS = {"connect_s", "extproc_message_s", "kv_wait_s", "prefill_s"}
+
+
+@dataclass
+class ModelGroup:
+    """One model's view of the shared pools: its members and its policies, per role."""
+
+    name: str
+    members: dict[str, set[str]]
+    pickers: dict[str, Picker]
+
+
+def _model_groups(config: Config) -> dict[str, ModelGroup]:
+    return {
+        name: ModelGroup(
+            name,
+            {"prefill": set(group.prefill.addresses), "decode": set(group.decode.addresses)},
+            {"prefill": build_picker(group.prefill), "decode": build_picker(group.decode)},
+        )
+        for name, group in config.groups().items()
+    }
 
 
 class Runtime:
@@ -42,15 +63,16 @@ class Runtime:
             dispatch.serial_cooldown_s,
             on_event=self._identity_event,
         )
+        self.groups = _model_groups(config)
         self.prefill = Pool(
             "prefill",
-            config.prefill.addresses,
+            config.static_addresses("prefill"),
             build_picker(config.prefill),
             on_change=self._endpoint_changed("prefill"),
         )
         self.decode = Pool(
             "decode",
-            config.decode.addresses,
+            config.static_addresses("decode"),
             build_picker(config.decode),
             on_change=self._endpoint_changed("decode"),
         )
@@ -93,6 +115,17 @@ class Runtime:
 
         return record
 
+    def group(self, model: str) -> ModelGroup:
+        """The pools that serve `model` (the default group for models not configured)."""
+        return self.groups.get(model) or self.groups[""]
+
+    def group_of(self, role: str, address: str) -> ModelGroup:
+        return next((g for g in self.groups.values() if address in g.members[role]),
+                    self.groups[""])  # fmt: skip
+
+    def set_group_members(self, model: str, role: str, members: list[str]) -> None:
+        self.groups[model].members[role] = set(members)
+
     def pool(self, role: str) -> Pool:
         return self.prefill if role == "prefill" else self.decode
 
@@ -129,6 +162,7 @@ class Runtime:
         ):
             needs_restart.append("timeouts (" + ", ".join(sorted(_ENVOY_TIMEOUTS)) + ")")
         self.config = config
+        self.groups = _model_groups(config)
         self.prefill.set_policy(build_picker(config.prefill))
         self.decode.set_policy(build_picker(config.decode))
         return needs_restart

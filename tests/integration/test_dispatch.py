@@ -25,6 +25,11 @@ CHAT = {
 }
 
 
+# One request's skew on a busy 2-core host can exceed the 5 ms target by a scheduling slice;
+# the target itself is asserted on the median below, this bound catches serial dispatch.
+SKEW_BOUND_S = 0.03
+
+
 def by_request_id(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {r["x_request_id"]: r for r in records}
 
@@ -47,10 +52,22 @@ async def test_probe_makes_the_first_request_parallel() -> None:
         assert status == 200, body
         [(p, d)] = await legs(topo)
         assert d["kv"] == "push-parallel"
-        assert abs(p["received_at"] - d["received_at"]) < 0.005
+        assert d["body"]["kv_transfer_params"]["remote_request_id"] == p["x_request_id"]
+        assert abs(p["received_at"] - d["received_at"]) < SKEW_BOUND_S
         metrics = await topo.metrics()
         key = requests_total("ok", "cache_hit", "parallel")
         assert metrics[key] == 1
+
+
+async def test_parallel_legs_reach_the_engines_within_5_ms(push_1p1d: Topology) -> None:
+    topo = push_1p1d
+    await topo.clear()
+    for _ in range(20):
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+    skews = sorted(abs(p["received_at"] - d["received_at"]) for p, d in await legs(topo))
+    assert len(skews) == 20
+    assert skews[len(skews) // 2] < 0.005, skews
 
 
 async def test_without_probe_first_request_per_prefill_is_serial_then_parallel() -> None:
@@ -66,7 +83,7 @@ async def test_without_probe_first_request_per_prefill_is_serial_then_parallel()
             assert d["body"]["kv_transfer_params"]["remote_request_id"].startswith("cmpl-")
         for p, d in pairs[2:]:
             assert d["body"]["kv_transfer_params"]["remote_request_id"] == p["x_request_id"]
-            assert abs(p["received_at"] - d["received_at"]) < 0.005
+            assert abs(p["received_at"] - d["received_at"]) < SKEW_BOUND_S
         metrics = await topo.metrics()
         assert metrics[requests_total("ok", "cache_miss", "serial")] == 2
         assert metrics[requests_total("ok", "cache_hit", "parallel")] == 2
@@ -108,7 +125,7 @@ async def test_both_apis_streaming_and_not(
     assert p["path"] == d["path"] == path
     assert p["x_request_id"] == d["x_request_id"]
     assert d["kv"] == "push-parallel"
-    assert abs(p["received_at"] - d["received_at"]) < 0.005
+    assert abs(p["received_at"] - d["received_at"]) < SKEW_BOUND_S
     # P: one token, whole answer; D: what the client asked for
     assert p["body"]["max_tokens"] == 1 and p["body"]["stream"] is False
     assert "stream_options" not in p["body"]
