@@ -1,0 +1,134 @@
+"""The stream processor against a scripted Envoy (no sockets): phase order and failure races."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from grpc import aio
+
+from extproc.config import parse_config
+from extproc.errors import PrefillFailed
+from extproc.identity import identity_from_params
+from extproc.prefill_leg import PrefillResult
+from extproc.processor import RequestProcessor
+from extproc.runtime import Runtime
+from extproc.stream import EnvoyStream
+
+P, D = "127.0.0.1:8100", "127.0.0.1:8200"
+IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
+            "tp_size": 1, "transfer_mode": "push"}  # fmt: skip
+
+
+class ScriptedEnvoy:
+    """A grpc.aio ServicerContext stand-in: messages in from a queue, answers recorded."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.sent: list[ep.ProcessingResponse] = []
+        self.answered = asyncio.Event()
+
+    async def read(self) -> Any:
+        return await self.inbox.get()
+
+    async def write(self, message: ep.ProcessingResponse) -> None:
+        self.sent.append(message)
+        self.answered.set()
+
+
+class FakePrefill:
+    def __init__(self, outcome: Any) -> None:
+        self.outcome = outcome
+        self.calls = 0
+
+    async def send(self, *args: Any, **kwargs: Any) -> PrefillResult:
+        self.calls += 1
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        await asyncio.sleep(self.outcome)
+        return PrefillResult(200, IDENTITY | {"remote_request_id": "x"}, 0.0, self.outcome)
+
+
+def headers(path: str = "/v1/completions", end: bool = False) -> ep.ProcessingRequest:
+    pairs = [(":method", "POST"), (":path", path), ("content-type", "application/json")]
+    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(
+        headers=core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode())
+                                        for k, v in pairs]),
+        end_of_stream=end))  # fmt: skip
+
+
+def body(doc: dict[str, Any]) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(
+        request_body=ep.HttpBody(body=orjson.dumps(doc), end_of_stream=True)
+    )
+
+
+def runtime(prefill: FakePrefill, cached: bool) -> Runtime:
+    rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]}}),
+                 "unix:/nonexistent")  # fmt: skip
+    rt.prefill_client = prefill  # type: ignore[assignment]
+    if cached:
+        rt.identities.learn(P, identity_from_params(IDENTITY))
+    return rt
+
+
+REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 4}
+
+
+async def run(rt: Runtime, envoy: ScriptedEnvoy) -> asyncio.Task[None]:
+    stream = EnvoyStream(envoy)  # type: ignore[arg-type]
+    return asyncio.create_task(RequestProcessor(rt, stream).run())
+
+
+async def test_prefill_failing_while_the_answer_is_written_still_ends_the_request() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = FakePrefill(PrefillFailed(500, "boom"))  # fails at its first step
+    task = await run(runtime(prefill, cached=True), envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await asyncio.wait_for(task, timeout=2)  # Envoy sends nothing more: no hang
+    kinds = [m.WhichOneof("response") for m in envoy.sent]
+    assert kinds == ["request_headers", "request_body", "immediate_response"]
+    assert envoy.sent[-1].immediate_response.status.code == 500
+
+
+async def test_parallel_answer_carries_identity_routing_and_content_length() -> None:
+    envoy = ScriptedEnvoy()
+    rt = runtime(FakePrefill(0.05), cached=True)
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST | {"kv_transfer_params": {"remote_host": "evil"}}))
+    while len(envoy.sent) < 2:
+        envoy.answered.clear()
+        await asyncio.wait_for(envoy.answered.wait(), 2)
+    answer = envoy.sent[1].request_body.response
+    new_body = answer.body_mutation.body
+    set_headers = {h.header.key: h.header.raw_value.decode()
+                   for h in answer.header_mutation.set_headers}  # fmt: skip
+    assert set_headers["x-gateway-destination-endpoint"] == D
+    assert int(set_headers["content-length"]) == len(new_body)
+    params = orjson.loads(new_body)["kv_transfer_params"]
+    assert params["remote_engine_id"] == "e1" and params["remote_request_id"] == set_headers[
+        "x-request-id"]  # fmt: skip
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
+
+
+@pytest.mark.parametrize(
+    ("message", "status"),
+    [(headers("/v1/embeddings"), 404), (headers(end=True), 400)],
+    ids=["unknown path", "no body"],
+)
+async def test_refusals_at_the_headers_phase(message: ep.ProcessingRequest, status: int) -> None:
+    envoy = ScriptedEnvoy()
+    prefill = FakePrefill(0.0)
+    task = await run(runtime(prefill, cached=True), envoy)
+    await envoy.inbox.put(message)
+    await asyncio.wait_for(task, timeout=2)
+    assert envoy.sent[-1].immediate_response.status.code == status
+    assert prefill.calls == 0
