@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["decode_body", "members", "prefill_body", "splice"]
+__all__ = ["decode_body", "members", "prefill_body", "prefill_kv_params", "splice"]
 
 _WS = re.compile(rb"[ \t\n\r]*")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -120,6 +120,24 @@ def prefill_body(
         add["max_completion_tokens"] = 1
     add["kv_transfer_params"] = kv_params
     return splice(parts, _PREFILL_DROPPED, add)
+
+
+def prefill_kv_params(transfer_id: str | None = None) -> dict[str, Any]:
+    """The P leg's kv_transfer_params: "prefill only, a decode will fetch or receive it".
+
+    P reads only do_remote_decode; the null keys are the convention of vLLM's own proxies.
+    """
+    params: dict[str, Any] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    if transfer_id is not None:
+        params["transfer_id"] = transfer_id  # pairs the legs in vLLM versions after 0.33
+    return params
 
 
 def decode_body(parts: list[tuple[str, bytes]], kv_params: Mapping[str, Any] | None) -> bytes:

@@ -20,6 +20,7 @@ from urllib.parse import quote
 import aiohttp
 
 from extproc.config import KubernetesSource, PoolConfig, parse_host_port
+from extproc.periodic import Periodic
 
 if TYPE_CHECKING:
     from extproc.runtime import Runtime
@@ -78,7 +79,7 @@ class Discovery:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self._last: dict[tuple[str, str], list[str]] = {}  # (role, source) → last good answer
-        self._task: asyncio.Task[None] | None = None
+        self._periodic: Periodic | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -127,18 +128,17 @@ class Discovery:
         return await kubernetes_members(session, cfg.kubernetes_api, pool.kubernetes, token, tls)
 
     def start(self, session: aiohttp.ClientSession) -> None:
+        """Re-read the dynamic sources every interval (the first refresh ran before Envoy)."""
         if self.dynamic:
-            self._task = asyncio.create_task(self._loop(session))
-
-    async def _loop(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            await asyncio.sleep(self.rt.config.discovery.interval_s)
-            await self.refresh(session)
+            self._periodic = Periodic(
+                "discovery", lambda: self.refresh(session),
+                lambda: self.rt.config.discovery.interval_s,
+            )  # fmt: skip
+            self._periodic.start(first_now=False)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._periodic is not None:
+            await self._periodic.stop()
 
 
 def _read_if_exists(path: Path) -> str | None:

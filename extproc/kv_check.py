@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.periodic import Periodic
+
 if TYPE_CHECKING:
     from extproc.runtime import Runtime
 
@@ -57,7 +59,7 @@ class KvCheck:
         self.rt = rt
         self._windows: dict[str, _Window] = {}
         self._dispatched: Counter[str] = Counter()  # disaggregated requests per decode, per window
-        self._task: asyncio.Task[None] | None = None
+        self._periodic: Periodic | None = None
 
     def note_dispatch(self, decode: str) -> None:
         """A request was sent to `decode` with kv_transfer_params (called on the hot path)."""
@@ -65,17 +67,15 @@ class KvCheck:
 
     def start(self, session: aiohttp.ClientSession) -> None:
         if self.rt.config.kv_check.enabled:
-            self._task = asyncio.create_task(self._loop(session))
+            self._periodic = Periodic(
+                "kv-check", lambda: self.check_all(session),
+                lambda: self.rt.config.kv_check.interval_s,
+            )  # fmt: skip
+            self._periodic.start(first_now=True)  # the baseline the first window starts from
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _loop(self, session: aiohttp.ClientSession) -> None:
-        while True:  # the first check is the baseline the first window is measured from
-            await self.check_all(session)
-            await asyncio.sleep(self.rt.config.kv_check.interval_s)
+        if self._periodic is not None:
+            await self._periodic.stop()
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from extproc.periodic import Periodic
 from extproc.picking import ENGINE_LOAD_POLICIES
 
 if TYPE_CHECKING:
@@ -61,7 +62,8 @@ def load_aware_pools(rt: Runtime) -> list[Pool]:
 class LoadScraper:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic("load-scrape", self._scrape_round, self._interval_s)
+        self._session: aiohttp.ClientSession | None = None
 
     def _interval_s(self) -> float:
         configs = (self.rt.config.prefill, self.rt.config.decode)
@@ -74,18 +76,16 @@ class LoadScraper:
         The task runs even without a load-aware policy (its rounds then scrape nothing):
         pools, members and policies are re-read every round, so a reload can switch them.
         """
+        self._session = session
         await self.scrape_all(session)  # bounded: each scrape has a timeout
-        self._task = asyncio.create_task(self._loop(session))
+        self._periodic.start(first_now=False)
+
+    async def _scrape_round(self) -> None:
+        assert self._session is not None
+        await self.scrape_all(self._session)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _loop(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s())
-            await self.scrape_all(session)
+        await self._periodic.stop()
 
     async def scrape_all(self, session: aiohttp.ClientSession) -> None:
         states: Sequence[EndpointState] = [s for pool in load_aware_pools(self.rt) for s in pool]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import orjson
 
-from extproc.bodies import members, prefill_body
+from extproc.bodies import members, prefill_body, prefill_kv_params
 from extproc.errors import LegError
 from extproc.identity import identity_from_params
 
@@ -42,18 +42,7 @@ async def probe_prefill(rt: Runtime, session: aiohttp.ClientSession, address: st
     try:
         model = await _served_model(session, address, timeout_s)
         client_body = orjson.dumps({"model": model, "prompt": "probe", "temperature": 0})
-        p_body = prefill_body(
-            members(client_body),
-            False,
-            {
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
-        )
+        p_body = prefill_body(members(client_body), False, prefill_kv_params())
         result = await rt.prefill_client.send(
             address, "/v1/completions", p_body, request_id, timeout_s
         )

@@ -20,7 +20,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from extproc import envoy_msgs
-from extproc.bodies import decode_body, prefill_body
+from extproc.bodies import decode_body, prefill_body, prefill_kv_params
 from extproc.dispatch import Strategy, choose_strategy
 from extproc.errors import (
     ClientError,
@@ -161,7 +161,7 @@ class RequestProcessor:
         )
         transfer_id = f"xfer-{uuid.uuid4()}"
         p_body = prefill_body(
-            request.parts, request.has_max_completion_tokens, _prefill_params(transfer_id)
+            request.parts, request.has_max_completion_tokens, prefill_kv_params(transfer_id)
         )
         if self.strategy is Strategy.PARALLEL:
             assert identity is not None
@@ -317,15 +317,3 @@ _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to has
 def _pick_request(request: ClientRequest, session: str | None) -> PickRequest:
     prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
     return PickRequest(request.model, session, prompt[:_PREFIX_BYTES])
-
-
-def _prefill_params(transfer_id: str) -> dict[str, Any]:
-    return {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-        "transfer_id": transfer_id,
-    }
