@@ -185,6 +185,14 @@ class ExtProcListenConfig(ListenConfig):
     workers: int = Field(default=1, ge=1, le=64)
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry spans per request, exported over OTLP/HTTP (needs the `otel` extra)."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = "pd-extproc"
+
+
 class LogConfig(_Strict):
     format: Literal["text", "json"] = "text"
     requests: bool = False  # one line per finished request (ids, dispatch, outcome)
@@ -291,6 +299,7 @@ class Config(_Strict):
     kv_check: KvCheckConfig = KvCheckConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     log: LogConfig = LogConfig()
+    tracing: TracingConfig = TracingConfig()
     limits: LimitConfig = LimitConfig()
     extproc: ExtProcListenConfig = ExtProcListenConfig(port=50051)
     metrics: ListenConfig = ListenConfig(port=9464)

@@ -61,6 +61,7 @@ class RequestProcessor:
         self.prefill: str | None = None
         self.given: PrefillIdentity | None = None  # identity D was given (parallel)
         self.leg: asyncio.Task[PrefillResult] | None = None
+        self.trace = runtime.tracing.request()
 
     async def run(self) -> None:
         try:
@@ -75,6 +76,7 @@ class RequestProcessor:
                 self.leg.exception()  # D answered first (its own error): P's is moot
             self.stream.close()
             self.rt.metrics.requests.labels(self.outcome, self.strategy, self.reason).inc()
+            self.trace.finish(self._log_fields())
             if self.rt.config.log.requests and self.request_id:
                 log.info("request %s %s", self.request_id, self.outcome, extra=self._log_fields())
 
@@ -187,6 +189,7 @@ class RequestProcessor:
     def _start_leg(self, request: ClientRequest, body: bytes) -> asyncio.Task[PrefillResult]:
         assert self.prefill is not None
         self._leg_started = time.perf_counter()
+        self.trace.prefill_started()
         return asyncio.create_task(
             self.rt.prefill_client.send(
                 self.prefill,
@@ -199,6 +202,7 @@ class RequestProcessor:
 
     async def _answer(self, body: bytes, decodes: list[str], started: float) -> None:
         await self.stream.write(envoy_msgs.body_answer(body, decodes, self.request_id))
+        self.trace.decode_started()
         if self.prefill is not None:
             self.rt.kv_check.note_dispatch(decodes[0])
         self.rt.metrics.processing_seconds.observe(time.perf_counter() - started)
@@ -228,6 +232,7 @@ class RequestProcessor:
         try:
             result = self.leg.result()
         except LegError as error:
+            self.trace.prefill_finished(error.label)
             self.rt.metrics.prefill_seconds.labels(error.label).observe(
                 time.perf_counter() - self._leg_started
             )
@@ -236,6 +241,7 @@ class RequestProcessor:
                 self.rt.prefill.set_healthy(self.prefill, False)
             raise
         self.rt.metrics.prefill_seconds.labels("ok").observe(result.elapsed_s)
+        self.trace.prefill_finished("ok")
         return result
 
     def _learn(self, result: PrefillResult) -> dict[str, Any]:
@@ -288,6 +294,7 @@ class RequestProcessor:
             return
         status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
         self.outcome = "ok" if status < 400 else f"decode_{status // 100}xx"
+        self.trace.decode_answered(status)
         if status >= 500 and self.prefill is not None:
             await self._on_decode_error()
         await self.stream.write(envoy_msgs.continue_response_headers())

@@ -23,6 +23,7 @@ from extproc.metrics import Metrics
 from extproc.picking import Picker, build_picker
 from extproc.pool import EndpointState, Pool
 from extproc.prefill_leg import PrefillClient
+from extproc.tracing import Tracing
 
 __all__ = ["Runtime"]
 
@@ -84,6 +85,7 @@ class Runtime:
         self.kv_check = KvCheck(self)
         self.load = LoadScraper(self)  # engine load for power_of_two
         self.discovery = Discovery(self)
+        self.tracing = Tracing(config.tracing)
         # Called with (role, members) when a pool's membership changes (up: EDS for Envoy).
         self.on_members: Callable[[str, list[str]], None] = lambda role, members: None
         self._session: aiohttp.ClientSession | None = None
@@ -185,6 +187,7 @@ class Runtime:
         await self.prefill_client.close()
         if self._session is not None:
             await self._session.close()
+        await asyncio.to_thread(self.tracing.shutdown)  # flushes the last spans
 
     def readiness(self) -> dict[str, object]:
         """What /ready shows: endpoint health and load, and the identity cache."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -69,3 +70,41 @@ async def test_json_logs_carry_request_fields() -> None:
         assert done, lines[-5:]
         assert done[0]["strategy"] == "parallel" and done[0]["reason"] == "cache_hit"
         assert len(done[0]["request_id"]) == 36 and done[0]["level"] == "INFO"
+
+
+async def test_otel_spans_split_a_request_into_its_legs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiohttp import web
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    spans: list = []
+
+    async def collect(request: web.Request) -> web.Response:
+        export = trace_service_pb2.ExportTraceServiceRequest.FromString(await request.read())
+        for resource in export.resource_spans:
+            for scope in resource.scope_spans:
+                spans.extend(scope.spans)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", collect)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    endpoint = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/traces"
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s
+    try:
+        async with topology(tracing={"enabled": True, "endpoint": endpoint}) as topo:
+            status, _, _ = await topo.post("/v1/completions", COMPLETION)
+            assert status == 200
+            for _ in range(100):
+                if {"pd.request", "pd.prefill_leg"} <= {s.name for s in spans}:
+                    break
+                await asyncio.sleep(0.05)
+    finally:
+        await runner.cleanup()
+    by_name = {s.name: s for s in spans if s.name.startswith("pd.")}
+    root = by_name["pd.request"]
+    assert by_name["pd.prefill_leg"].parent_span_id == root.span_id
+    assert by_name["pd.decode_first_response"].parent_span_id == root.span_id
+    attributes = {a.key: a.value.string_value for a in root.attributes}
+    assert attributes["pd.strategy"] == "parallel" and attributes["pd.outcome"] == "ok"
