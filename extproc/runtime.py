@@ -53,6 +53,11 @@ def _model_groups(config: Config) -> dict[str, ModelGroup]:
     }
 
 
+def _endpoint_view(state: EndpointState) -> dict[str, object]:
+    return {"healthy": state.healthy, "in_flight": state.in_flight,
+            "waiting": state.waiting, "kv_usage": state.kv_usage}  # fmt: skip
+
+
 class Runtime:
     def __init__(self, config: Config, prefill_listener: str) -> None:
         self.config = config
@@ -194,12 +199,8 @@ class Runtime:
         return {
             "ready": any(s.healthy for s in self.decode),
             "active_streams": self.active_streams,
-            "prefill": {
-                s.address: {"healthy": s.healthy, "in_flight": s.in_flight} for s in self.prefill
-            },
-            "decode": {
-                s.address: {"healthy": s.healthy, "in_flight": s.in_flight} for s in self.decode
-            },
+            "prefill": {s.address: _endpoint_view(s) for s in self.prefill},
+            "decode": {s.address: _endpoint_view(s) for s in self.decode},
             "identities": self.identities.snapshot(),
             "decode_kv": self.kv_check.snapshot(),
         }
