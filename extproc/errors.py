@@ -19,6 +19,7 @@ __all__ = [
     "ClientError",
     "IdentityChanged",
     "LegError",
+    "NoHealthyDecode",
     "NoHealthyPrefill",
     "PrefillFailed",
     "PrefillTimeout",
@@ -88,3 +89,7 @@ class IdentityChanged(LegError):
 
 class NoHealthyPrefill(LegError):
     label = "no_healthy_prefill"
+
+
+class NoHealthyDecode(LegError):
+    label = "no_healthy_decode"

@@ -26,6 +26,7 @@ from extproc.errors import (
     ClientError,
     IdentityChanged,
     LegError,
+    NoHealthyDecode,
     NoHealthyPrefill,
     PrefillFailed,
     PrefillUnreachable,
@@ -136,7 +137,7 @@ class RequestProcessor:
             wanted, group.members["decode"], group.pickers["decode"]
         )
         if not decodes:
-            raise LegError(503, "no healthy decode endpoint; retry later", retry_after_s=1)
+            raise NoHealthyDecode(503, "no healthy decode endpoint; retry later", retry_after_s=1)
         inflight.enter_context(self.rt.decode.track(decodes[0]))
         prefill = self.rt.prefill.pick(wanted, group.members["prefill"], group.pickers["prefill"])
         if prefill is not None:
