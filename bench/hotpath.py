@@ -138,8 +138,8 @@ async def rate_steps(paths: dict[str, Callable[[], Awaitable[float]]], rates: li
         rows.append(RateRow(rate, achieved, p50, p99, cpu, errors))
         print(f"  rate {rate:g}/s: " + ", ".join(f"{n} p99 {p99[n]:.1f} ms" for n in paths),
               flush=True)
-        if all(p99[n] - p99["direct P/D"] > ADDED_P99_LIMIT_MS for n in PROXIES):
-            break  # both proxies are past the limit: higher rates add nothing
+        if all(p99[n] > 1000 for n in paths):
+            break  # everything, the client-sent legs too, is saturated: the rig's limit
     return rows
 
 
@@ -205,11 +205,13 @@ async def main(args: argparse.Namespace) -> None:
             rows = await rate_steps(loaded, args.rates, args.step_s, pids)
             print("profile", flush=True)
             raw = await profile(pids["pd-extproc"]["ext_proc"], paths["pd-extproc"],
-                                args.profile_rate, args.profile_s, args.out / "profile-extproc.txt")
+                                args.profile_rate, args.profile_s,
+                                args.out / f"profile-extproc{args.tag}.txt")
             counters = await envoy_counters(session, targets["pd-extproc"].envoy_admin)
     meta = {"load_before": load_before, "duration_s": time.time() - started,
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "pinning": f"engines and client {engine_cpus}, proxies {proxy_cpus}",
+            "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
+                       f"{sorted(proxy_cpus)}" if engine_cpus and proxy_cpus else "none",
             "versions": versions(), "envoy": counters}  # fmt: skip
     write_report(seq, rows, raw, args, meta)
 
@@ -321,7 +323,7 @@ def write_report(seq: dict[str, PathStats], rows: list[RateRow], raw: Path | Non
         "## Envoy totals of the pd-extproc path at the end (all phases)", "",
         "```", *meta["envoy"], "```", "",
     ]  # fmt: skip
-    (args.out / "hotpath.md").write_text("\n".join(lines))
+    (args.out / f"hotpath{args.tag}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
@@ -334,6 +336,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-rate", type=float, default=50.0)
     parser.add_argument("--profile-s", type=float, default=15.0)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
+    parser.add_argument("--tag", default="", help="suffix of the output files, e.g. -nopin")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
