@@ -49,8 +49,11 @@ def _pair_rank(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Stable sort: tests needing one pair kind run together, so the pool restarts little.
-    items.sort(key=_pair_rank)
+    # Tests needing one pair kind run together, so the pool restarts little; other tests of
+    # the session keep their order and run first.
+    real = [item for item in items if item.get_closest_marker("real_vllm")]
+    others = [item for item in items if not item.get_closest_marker("real_vllm")]
+    items[:] = others + sorted(real, key=_pair_rank)
 
 
 def specs_for(kind: str) -> tuple[EngineSpec, EngineSpec]:
