@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -97,7 +98,8 @@ def write_outputs(records: list[dict], args: argparse.Namespace, meta: dict) -> 
     lines = ["# Median TTFT (ms), vllmsim engines, input 1024 / output 64, prompts = 2 × C",
              "", f"{meta['when']}; {args.runs} run(s) per cell, cell = median TTFT of all the "
              f"cell's requests (runs pooled); {meta['duration_s']:.0f} s; load average before "
-             f"{meta['load_before']}, after {meta['load_after']}; pinning: {meta['pinning']}.",
+             f"{meta['load_before']}, after {meta['load_after']}; pinning: {meta['pinning']}; "
+             f"commit {meta['commits']}.",
              ""]  # fmt: skip
     for topology in args.topologies:
         lines += [f"## {topology}", "", *report.ttft_table(table, topology, args.configs,
@@ -136,13 +138,25 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def commit() -> str:
+    """HEAD, marked dirty when extproc/ has uncommitted changes (the tree is shared)."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], capture_output=True, text=True, timeout=30,
+                              cwd=RESULTS.parents[1], check=False).stdout.strip()  # fmt: skip
+
+    return git("rev-parse", "--short", "HEAD") + (" (extproc/ dirty)" if git(
+        "status", "--porcelain", "--", "extproc") else "")
+
+
 async def main() -> None:
     args = parse_args()
     started, load_before = time.monotonic(), os.getloadavg()
+    commits = [commit()]
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         for topology in args.topologies:
             records += await bench_topology(topology, args, Path(tmp))
+            commits.append(commit())
     engine_cpus, proxy_cpus = cpu_split(args.pin)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "duration_s": time.monotonic() - started,
@@ -151,7 +165,7 @@ async def main() -> None:
             "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
                        f"{sorted(proxy_cpus or ())}"
                        if engine_cpus else "none",
-            "argv": sys.argv[1:]}  # fmt: skip
+            "argv": sys.argv[1:], "commits": " → ".join(dict.fromkeys(commits))}  # fmt: skip
     write_outputs(records, args, meta)
 
 
