@@ -39,11 +39,11 @@ from bench.openloop import open_loop, percentile
 from bench.overhead import BODY, direct_pd, learn_identity
 from bench.procs import child_pids, cpu_seconds, pinned
 from bench.run import cpu_split
-from bench.targets import Target, running_target
+from bench.targets import Target, running_extproc, running_target
 from scripts.cached_envs import vllm_router_venv
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PROXIES = ("pd-extproc", "vllm-router")
+PROXIES = ["pd-extproc", "vllm-router"]  # extended by --workers: "pd-extproc ×N"
 ADDED_P99_LIMIT_MS = 5.0
 
 
@@ -76,12 +76,19 @@ async def leg_skews(session: aiohttp.ClientSession, engines: Engines) -> list[fl
 
 
 def proxy_pids(targets: dict[str, Target]) -> dict[str, dict[str, int]]:
-    """Per path, the processes whose CPU it costs (the ext_proc's Envoy is its child)."""
-    extproc = targets["pd-extproc"].pid
-    assert extproc is not None and targets["vllm-router"].pid is not None
-    envoy = child_pids(extproc)
-    return {"pd-extproc": {"ext_proc": extproc, **({"envoy": envoy[0]} if envoy else {})},
-            "vllm-router": {"vllm-router": targets["vllm-router"].pid}}  # fmt: skip
+    """Per path, the processes whose CPU it costs: `pd-extproc up` is the first ext_proc, and
+    its children are Envoy and the extra ext_proc workers."""
+    pids: dict[str, dict[str, int]] = {}
+    for name, target in targets.items():
+        assert target.pid is not None
+        if name == "vllm-router":
+            pids[name] = {"vllm-router": target.pid}
+            continue
+        pids[name] = {"ext_proc": target.pid}
+        for index, child in enumerate(child_pids(target.pid)):
+            comm = Path(f"/proc/{child}/comm").read_text().strip()
+            pids[name]["envoy" if comm == "envoy" else f"worker{index}"] = child
+    return pids
 
 
 def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
@@ -164,6 +171,10 @@ async def envoy_counters(session: aiohttp.ClientSession, admin: str | None) -> l
     return [line for line in text.splitlines() if line and not line.endswith(": 0")]
 
 
+def _through(session: aiohttp.ClientSession, url: str) -> Callable[[], Awaitable[float]]:
+    return lambda: timed(session, url)
+
+
 def versions() -> str:
     router = vllm_router_venv() / "bin" / "pip"
     shown = subprocess.run([str(router), "show", "vllm-router"], capture_output=True, text=True,
@@ -183,6 +194,10 @@ async def main(args: argparse.Namespace) -> None:
                        running_target("push", engines, router_bin, proxy_cpus)),
                    "vllm-router": await stack.enter_async_context(
                        running_target("vllm-router", engines, router_bin, proxy_cpus))}
+        for n in args.workers:
+            PROXIES.append(f"pd-extproc ×{n}")
+            targets[PROXIES[-1]] = await stack.enter_async_context(running_extproc(
+                "push", engines, proxy_cpus, extproc={"workers": n}))
         session = await stack.enter_async_context(aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)))
         p, d = engines.prefill[0], engines.decode[0]
@@ -190,8 +205,7 @@ async def main(args: argparse.Namespace) -> None:
         paths: dict[str, Callable[[], Awaitable[float]]] = {
             "aggregated (client → D)": lambda: timed(session, d.url),
             "direct P/D": lambda: direct_pd(session, p, d, identity),
-            "pd-extproc": lambda: timed(session, targets["pd-extproc"].url),
-            "vllm-router": lambda: timed(session, targets["vllm-router"].url),
+            **{name: _through(session, targets[name].url) for name in PROXIES},
         }
         pids = proxy_pids(targets)
         with pinned(engine_cpus):  # the client shares the engines' CPU, as in bench/run.py
@@ -244,18 +258,16 @@ def sequential_lines(seq: dict[str, PathStats]) -> list[str]:
 
 
 def rate_lines(rows: list[RateRow]) -> list[str]:
-    lines = ["| rate (req/s) | sent (direct / extproc / router) | direct P/D p99 | pd-extproc p99 "
-             "(added) | vllm-router p99 (added) | CPU/req extproc+envoy | CPU/req router |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    head = ["rate (req/s)", "direct P/D p99", *(f"{n} p99 (added)" for n in PROXIES),
+            *(f"CPU/req {n}" for n in PROXIES), "sent/s (lowest path)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         base = row.p99_ms["direct P/D"]
-        cells = []
-        for name in PROXIES:
-            added = row.p99_ms[name] - base
-            cells.append(f"{row.p99_ms[name]:.2f} ({added:+.2f})")
-        sent = " / ".join(f"{row.achieved[n]:.0f}" for n in ("direct P/D", *PROXIES))
-        lines.append(f"| {row.rate:g} | {sent} | {base:.2f} | {cells[0]} | {cells[1]} | "
-                     f"{row.cpu_ms['pd-extproc']:.2f} | {row.cpu_ms['vllm-router']:.2f} |")
+        cells = [f"{row.p99_ms[n]:.2f} ({row.p99_ms[n] - base:+.2f})" for n in PROXIES]
+        cpu = [f"{row.cpu_ms[n]:.2f}" for n in PROXIES]
+        sent = min(row.achieved.values())
+        lines.append(f"| {row.rate:g} | {base:.2f} | " + " | ".join([*cells, *cpu]) +
+                     f" | {sent:.0f} |")  # fmt: skip
     lines += ["", *(f"- highest rate with p99 added < {ADDED_P99_LIMIT_MS:g} ms, {name}: "
                     f"{_highest(rows, name)}" for name in PROXIES)]  # fmt: skip
     return lines
@@ -315,9 +327,10 @@ def write_report(seq: dict[str, PathStats], rows: list[RateRow], raw: Path | Non
         f"## Open-loop rate steps ({args.step_s:g} s per rate and path, latencies in ms)", "",
         *rate_lines(rows), "",
         "## N ext_proc processes behind Envoy", "",
-        (f"`pd-extproc up --help` offers: {workers}; not measured by this version of the script."
-         if workers else "Not available: `pd-extproc up --help` has no workers option; only "
-         "N = 1 (above) was measured."), "",
+        (f"Measured above as `pd-extproc ×N` (config `extproc.workers: N`, Envoy spreads streams "
+         f"by least requests); N = 1 is `pd-extproc`. With pinning all workers share the proxies' "
+         f"one CPU. `up --help` workers flag: {workers or 'none (config key only)'}."
+         if args.workers else "Not measured (`--workers ''`)."), "",
         f"## py-spy profile of the ext_proc at {args.profile_rate:g} req/s open loop", "",
         *profile_lines(raw), "",
         "## Envoy totals of the pd-extproc path at the end (all phases)", "",
@@ -337,9 +350,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-s", type=float, default=15.0)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--tag", default="", help="suffix of the output files, e.g. -nopin")
+    parser.add_argument("--workers", default="2",
+                        help="also measure pd-extproc with extproc.workers = each N (comma list; "
+                             "'' for none)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
+    args.workers = [int(n) for n in args.workers.split(",") if n]
     args.out.mkdir(parents=True, exist_ok=True)
     return args
 
