@@ -326,12 +326,6 @@ class Config(_Strict):
     def static_addresses(self, role: str) -> list[str]:
         return [a for pool in self.pool_configs(role) for a in pool.addresses]
 
-    def prefill_mode(self, address: str) -> DispatchMode:
-        for pool in self.pool_configs("prefill"):
-            for endpoint in pool.endpoints:
-                if endpoint.address == address and endpoint.mode is not None:
-                    return endpoint.mode
-        return self.dispatch.mode
 
 
 def _format_errors(error: ValidationError) -> str:

@@ -158,7 +158,7 @@ class RequestProcessor:
             return
         cache = self.rt.identities
         identity = cache.get(self.prefill)
-        mode = self.rt.config.prefill_mode(self.prefill)
+        mode = self.rt.prefill_mode(self.prefill)
         self.strategy, self.reason = choose_strategy(
             mode, identity, cache.serial_only(self.prefill)
         )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.config import Config
+from extproc.config import Config, DispatchMode
 from extproc.discovery import Discovery
 from extproc.health import HealthChecker
 from extproc.identity import IdentityCache
@@ -53,6 +53,15 @@ def _model_groups(config: Config) -> dict[str, ModelGroup]:
     }
 
 
+def _endpoint_modes(config: Config) -> dict[str, DispatchMode]:
+    return {
+        endpoint.address: endpoint.mode
+        for pool in config.pool_configs("prefill")
+        for endpoint in pool.endpoints
+        if endpoint.mode is not None
+    }
+
+
 def _endpoint_view(state: EndpointState) -> dict[str, object]:
     return {"healthy": state.healthy, "in_flight": state.in_flight,
             "waiting": state.waiting, "kv_usage": state.kv_usage}  # fmt: skip
@@ -70,6 +79,7 @@ class Runtime:
             on_event=self._identity_event,
         )
         self.groups = _model_groups(config)
+        self._modes = _endpoint_modes(config)
         self.prefill = Pool(
             "prefill",
             config.static_addresses("prefill"),
@@ -122,6 +132,10 @@ class Runtime:
 
         return record
 
+    def prefill_mode(self, address: str) -> DispatchMode:
+        """The endpoint's own `mode:` or dispatch.mode (precomputed: asked per request)."""
+        return self._modes.get(address, self.config.dispatch.mode)
+
     def group(self, model: str) -> ModelGroup:
         """The pools that serve `model` (the default group for models not configured)."""
         return self.groups.get(model) or self.groups[""]
@@ -170,6 +184,7 @@ class Runtime:
             needs_restart.append("timeouts (" + ", ".join(sorted(_ENVOY_TIMEOUTS)) + ")")
         self.config = config
         self.groups = _model_groups(config)
+        self._modes = _endpoint_modes(config)
         self.prefill.set_policy(build_picker(config.prefill))
         self.decode.set_policy(build_picker(config.decode))
         return needs_restart

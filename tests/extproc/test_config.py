@@ -10,6 +10,7 @@ import yaml
 from extproc.config import ConfigError, DispatchMode, parse_config
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import envoy_binary
+from extproc.runtime import Runtime
 
 MINIMAL = {
     "prefill": {"endpoints": ["127.0.0.1:8100"]},
@@ -20,7 +21,7 @@ MINIMAL = {
 def test_minimal_config_gets_defaults() -> None:
     cfg = parse_config(MINIMAL)
     assert cfg.dispatch.mode is DispatchMode.AUTO and cfg.dispatch.probe
-    assert cfg.prefill_mode("127.0.0.1:8100") is DispatchMode.AUTO
+    assert Runtime(cfg, "unix:/x").prefill_mode("127.0.0.1:8100") is DispatchMode.AUTO
 
 
 def test_per_endpoint_mode() -> None:
@@ -32,8 +33,9 @@ def test_per_endpoint_mode() -> None:
             }
         }
     )
-    assert cfg.prefill_mode("127.0.0.1:8100") is DispatchMode.PULL
-    assert cfg.prefill_mode("127.0.0.1:8101") is DispatchMode.AUTO
+    runtime = Runtime(cfg, "unix:/x")
+    assert runtime.prefill_mode("127.0.0.1:8100") is DispatchMode.PULL
+    assert runtime.prefill_mode("127.0.0.1:8101") is DispatchMode.AUTO
 
 
 def test_every_problem_is_one_line() -> None:
