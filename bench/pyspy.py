@@ -53,7 +53,7 @@ def summarize(raw: Path, top: int = 15, only: str = ""
         count, frames = int(count_text), stack.split(";")
         total += count
         self_cost[_short(frames[-1])] += count
-        for frame in {_short(f) for f in frames[1:]}:  # frames[0] is the thread
+        for frame in {_short(f) for f in frames}:
             if only in frame:
                 inclusive[frame] += count
     return total, self_cost.most_common(top), inclusive.most_common(top)
