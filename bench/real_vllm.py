@@ -2,7 +2,9 @@
 sidecar, and vllm-router 0.1.17 in front of the same engines.
 
 One push pair, then one pull pair (P pinned to core 0, D to core 1; see scripts/real_vllm.py).
-For each front end and concurrency C in 1, 2, 4: a few warm-up requests, then `--requests`
+After a warm-up of each fresh pair (24 direct P/D exchanges), every front end is opened and,
+for each concurrency C in 1, 2, 4, measured in 4 interleaved rounds (each: C warm-up requests,
+then a quarter of `--requests`) so that other load on the machine hits all alike. Requests are
 streamed completions (prompts of ~`--prompt-words` words, `--max-tokens` output tokens with
 ignore_eos), C at a time. TTFT = request sent → first SSE chunk with text, at the client.
 
@@ -38,6 +40,7 @@ from scripts.cached_envs import ROUTER_VERSION, VLLM_VERSION, vllm_router_venv  
 from scripts.real_vllm import MODEL_NAME, RealEngine, free_port, running_pair  # noqa: E402
 
 CONCURRENCY = (1, 2, 4)
+ROUNDS = 4  # each cell's requests are split over this many interleaved rounds
 BASELINE = "push-parallel (sidecar)"
 VOCAB = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "prefill", "decode",
          "cache", "block", "engine", "request", "token", "stream", "answer", "push", "pull")
@@ -86,22 +89,20 @@ async def ttft(session: aiohttp.ClientSession, url: str, prompt: str, load: Load
         return first
 
 
-async def measure(ask: Ask, concurrency: int, load: Load, seed: int) -> float:
-    """Median TTFT (s) of load.requests requests, `concurrency` in flight."""
-    todo = prompts(load.requests + concurrency, load.prompt_words, seed)
-    warm, timed = todo[:concurrency], todo[concurrency:]
+async def samples(ask: Ask, concurrency: int, count: int, words: int, seed: int) -> list[float]:
+    """TTFTs (s) of `count` requests, `concurrency` in flight, after `concurrency` warm-ups."""
+    todo = prompts(count + concurrency, words, seed)
+    warm, queue = todo[:concurrency], todo[concurrency:]
     results: list[float] = []
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         await asyncio.gather(*(ask(session, p) for p in warm))
-        queue = list(timed)
 
         async def worker() -> None:
             while queue:
                 results.append(await ask(session, queue.pop()))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return statistics.median(results)
+    return results
 
 
 @contextlib.asynccontextmanager
@@ -189,6 +190,18 @@ async def learn_identity(p: RealEngine) -> dict[str, Any]:
     return {key: params[key] for key in IDENTITY}
 
 
+async def warm_up(p: RealEngine, d: RealEngine, load: Load, identity: dict[str, Any],
+                  mode: str, count: int = 24) -> None:
+    """Fresh engines answer their first ~10 disaggregated requests 2-3x slower (first NIXL
+    transfers, first-use paths): without this, whichever front runs first looks slow."""
+    asks = [direct(p, d, load, False, identity)]
+    if mode == "push":
+        asks.append(direct(p, d, load, True, identity))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for i, prompt in enumerate(prompts(count, load.prompt_words, seed=99)):
+            await asks[i % len(asks)](session, prompt)
+
+
 def over_url(url: str, load: Load) -> Ask:
     async def ask(session: aiohttp.ClientSession, prompt: str) -> float:
         return await ttft(session, url, prompt, load)
@@ -236,17 +249,31 @@ def kv_share(before: dict[str, float], after: dict[str, float]) -> float:
 
 async def bench_pair(mode: str, load: Load, table: dict[str, dict[int, float]],
                      shares: dict[str, float]) -> None:
-    async with running_pair(mode) as (p, d):  # type: ignore[arg-type]
+    """All fronts of one pair open at once and measured in interleaved rounds, so that load
+    from other processes on the machine hits every front alike."""
+    async with running_pair(mode) as (p, d), contextlib.AsyncExitStack() as stack:  # type: ignore[arg-type]
         identity = await learn_identity(p) if mode == "push" else {}
-        for name, dispatch in FRONTS[mode]:
-            async with front(p, d, dispatch, load, identity) as ask:
-                before = await prompt_sources(d)
-                for seed, concurrency in enumerate(CONCURRENCY):
-                    table.setdefault(name, {})[concurrency] = await measure(
-                        ask, concurrency, load, seed)
-                    print(f"{name:26} c={concurrency}: median TTFT "
-                          f"{table[name][concurrency] * 1000:.1f} ms", file=sys.stderr, flush=True)
-                shares[name] = kv_share(before, await prompt_sources(d))
+        await warm_up(p, d, load, identity, mode)
+        asks = {name: await stack.enter_async_context(front(p, d, dispatch, load, identity))
+                for name, dispatch in FRONTS[mode]}
+        moved: dict[str, dict[str, float]] = {name: {} for name in asks}
+        for seed, concurrency in enumerate(CONCURRENCY):
+            got: dict[str, list[float]] = {name: [] for name in asks}
+            for round_ in range(ROUNDS):
+                names = list(asks)[round_ % len(asks):] + list(asks)[:round_ % len(asks)]
+                for name in names:
+                    before = await prompt_sources(d)
+                    got[name] += await samples(asks[name], concurrency, load.requests // ROUNDS,
+                                               load.prompt_words, seed * 100 + round_)
+                    after = await prompt_sources(d)
+                    for source, value in after.items():
+                        moved[name][source] = (moved[name].get(source, 0.0) + value
+                                               - before.get(source, 0.0))
+            for name, values in got.items():
+                table.setdefault(name, {})[concurrency] = statistics.median(values)
+                print(f"{name:40} c={concurrency}: median TTFT "
+                      f"{table[name][concurrency] * 1000:.1f} ms", file=sys.stderr, flush=True)
+        shares.update({name: kv_share({}, totals) for name, totals in moved.items()})
 
 
 def render(table: dict[str, dict[int, float]], shares: dict[str, float], load: Load,
