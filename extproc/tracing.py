@@ -1,5 +1,8 @@
 """Optional OpenTelemetry spans per request (off by default; `pip install 'pd-extproc[otel]'`).
 
+Spans go out as OTLP/HTTP with JSON bodies, which every OTLP collector accepts; the protobuf
+exporter would need `opentelemetry-proto`, an older copy of which ships inside `xds-protos`.
+
 Each client request becomes a `pd.request` span with the dispatch decision and outcome, and
 two children: `pd.prefill_leg` (from the P leg leaving to P's answer: P's queue + prefill) and
 `pd.decode_first_response` (from the decode body answer to D's response headers). For a
@@ -78,7 +81,7 @@ class Tracing:
     def _setup(self, config: TracingConfig) -> None:
         try:
             from opentelemetry import trace
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.json.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
