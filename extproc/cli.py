@@ -33,20 +33,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default=None, help="Python log level (default INFO; WARNING for demo)"
     )
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument("--config", "-c", required=True, type=Path, help="the YAML config file")
+    ready = argparse.ArgumentParser(add_help=False)
+    ready.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON")
     commands = parser.add_subparsers(dest="command", required=True)
-    up = commands.add_parser("up", help="start Envoy and the ext_proc for a config")
-    up.add_argument("--config", "-c", required=True, type=Path)
-    up.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON")
-    serve = commands.add_parser("serve", help="run only the ext_proc, for an existing Envoy")
-    serve.add_argument("--config", "-c", required=True, type=Path)
+    commands.add_parser(
+        "up", parents=[config, ready], help="start Envoy and the ext_proc for a config"
+    )
+    serve = commands.add_parser(
+        "serve", parents=[config, ready], help="run only the ext_proc, for an existing Envoy"
+    )
     serve.add_argument(
         "--prefill-listener",
         required=True,
         help="where your Envoy's prefill listener is: unix:/path or 127.0.0.1:port",
     )
-    serve.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON")
-    render = commands.add_parser("render-envoy", help="print the Envoy bootstrap for a config")
-    render.add_argument("--config", "-c", required=True, type=Path)
+    render = commands.add_parser(
+        "render-envoy", parents=[config], help="print the Envoy bootstrap for a config"
+    )
     render.add_argument(
         "--extproc-address",
         default=None,
