@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ class SidecarAddresses:
 class Sidecar:
     def __init__(self, config: Config, run_dir: Path | None = None) -> None:
         self.config = config
+        self._own_run_dir = run_dir is None  # a temporary one is removed on stop
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="pd-extproc-"))
         self.prefill_listener = (
             config.envoy.prefill_listener or f"unix:{self.run_dir / 'prefill.sock'}"
@@ -99,6 +101,9 @@ class Sidecar:
             return
         for section in self.runtime.reload(config):
             log.warning("reload: %s changed; that takes a restart to apply", section)
+        if config.extproc.workers > 1:
+            log.warning("reload: the %d extra ext_proc workers keep their config until a "
+                        "restart", config.extproc.workers - 1)  # fmt: skip
         self.config = config
         await self.runtime.discover()
         log.info("configuration reloaded from %s", config_path)
@@ -124,3 +129,5 @@ class Sidecar:
             self.envoy.stop(), self.server.stop(grace), self.workers.stop(grace),
             return_exceptions=True,
         )  # fmt: skip
+        if self._own_run_dir:
+            await asyncio.to_thread(shutil.rmtree, self.run_dir, ignore_errors=True)
