@@ -77,6 +77,7 @@ class Sidecar:
             await self.runtime.start()
             ingress = await self.envoy.listener_address("ingress")
         except BaseException:
+            self._own_run_dir = False  # keep Envoy's log for the user to read
             await self.stop()
             raise
         self.addresses = SidecarAddresses(

