@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import aiohttp
+
+from extproc.subprocesses import terminate
 
 ALL_CPUS: frozenset[int] = frozenset(os.sched_getaffinity(0))
 
@@ -75,20 +76,6 @@ async def wait_http_ok(url: str, timeout_s: float, process: asyncio.subprocess.P
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
 
 
-async def stop_group(process: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group we created, then SIGKILL it if it lingers."""
-    if process.returncode is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        await asyncio.wait_for(process.wait(), grace_s)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        await process.wait()
-
-
 @contextlib.asynccontextmanager
 async def running_process(
     argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None
@@ -102,4 +89,4 @@ async def running_process(
     try:
         yield process
     finally:
-        await stop_group(process)
+        await terminate(process, 10.0, whole_group=True)

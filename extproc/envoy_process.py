@@ -7,14 +7,14 @@ from its admin API, whose own address Envoy writes to a file (`--admin-address-p
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import shutil
-import signal
 import sys
 from pathlib import Path
 
 import aiohttp
+
+from extproc.subprocesses import terminate
 
 __all__ = ["EnvoyError", "EnvoyProcess", "envoy_binary"]
 
@@ -155,11 +155,5 @@ class EnvoyProcess:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         process, self._process = self._process, None
-        if process is None or process.returncode is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), timeout_s)
-        except TimeoutError:
-            os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
+        if process is not None:
+            await terminate(process, timeout_s)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -21,6 +19,8 @@ from typing import Any
 import aiohttp
 import orjson
 import yaml
+
+from extproc.subprocesses import terminate
 
 __all__ = ["SidecarHandle", "running_sidecar", "scrape"]
 
@@ -74,18 +74,6 @@ async def _wait_ready(path: Path, process: asyncio.subprocess.Process, timeout_s
     raise TimeoutError(f"pd-extproc was not ready within {timeout_s:g} s")
 
 
-async def _stop(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(process.wait(), 15)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        await process.wait()
-
-
 @contextlib.asynccontextmanager
 async def running_sidecar(
     config: dict[str, Any], start_timeout_s: float = 60.0, log_level: str = "INFO"
@@ -127,7 +115,7 @@ async def running_sidecar(
                 info.get("worker_metrics", []),
             )
         finally:
-            await _stop(process)
+            await terminate(process, 15)
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:

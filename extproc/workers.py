@@ -9,10 +9,7 @@ from the same engines, and least-request picking works per process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,7 @@ import orjson
 import yaml
 
 from extproc.config import Config
+from extproc.subprocesses import terminate
 
 __all__ = ["WorkerProcesses"]
 
@@ -77,13 +75,4 @@ class WorkerProcesses:
         return ready
 
     async def stop(self, grace_s: float) -> None:
-        for process in self.processes:
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                await asyncio.wait_for(process.wait(), grace_s + 5)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
+        await asyncio.gather(*(terminate(p, grace_s + 5) for p in self.processes))
