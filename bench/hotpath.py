@@ -33,13 +33,14 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import pyspy
+from bench import pyspy, wire
 from bench.engines import INSTANT, Engines, clear_sim_requests, running_engines, sim_requests
 from bench.openloop import open_loop, percentile
 from bench.overhead import BODY, direct_pd, learn_identity
 from bench.procs import child_pids, cpu_seconds, pinned
 from bench.run import cpu_split
 from bench.targets import Target, running_extproc, running_target
+from bench.wire import wire_capture
 from scripts.cached_envs import vllm_router_venv
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -50,7 +51,10 @@ ADDED_P99_LIMIT_MS = 5.0
 @dataclass
 class PathStats:
     latencies: list[float] = field(default_factory=list)
-    skews: list[float] = field(default_factory=list)
+    skews: list[float] = field(default_factory=list)  # engines' arrival clocks
+    wire_skews: list[float] = field(default_factory=list)  # D − P, kernel stamps of 1st segments
+    to_prefill: list[float] = field(default_factory=list)  # client at the proxy → P leg out
+    windows: list[tuple[float, float]] = field(default_factory=list)  # wall-clock spans measured
     cpu: dict[str, float] = field(default_factory=dict)  # process name → CPU seconds
 
 
@@ -112,7 +116,9 @@ async def sequential(paths: dict[str, Callable[[], Awaitable[float]]], engines: 
     for _ in range(rounds):
         for name, run in paths.items():
             await clear_sim_requests(session, engines)
+            began = time.time()
             await measured(run, requests // rounds, stats[name], pids.get(name, {}))
+            stats[name].windows.append((began, time.time()))
             if name != "aggregated (client → D)":
                 stats[name].skews += await leg_skews(session, engines)
     return stats
@@ -171,6 +177,10 @@ async def envoy_counters(session: aiohttp.ClientSession, admin: str | None) -> l
     return [line for line in text.splitlines() if line and not line.endswith(": 0")]
 
 
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/", 1)[0])
+
+
 def _through(session: aiohttp.ClientSession, url: str) -> Callable[[], Awaitable[float]]:
     return lambda: timed(session, url)
 
@@ -213,7 +223,15 @@ async def main(args: argparse.Namespace) -> None:
                 for _ in range(30):
                     await run()
             print("sequential rounds", flush=True)
-            seq = await sequential(paths, engines, session, pids, args.requests, args.rounds)
+            ports = {name: _port(targets[name].url) for name in PROXIES}
+            async with wire_capture([p.port, d.port, *ports.values()]) as records:
+                seq = await sequential(paths, engines, session, pids, args.requests, args.rounds)
+            for name, st in seq.items():
+                st.wire_skews = [s for w in st.windows
+                                 for s in wire.leg_skews(records, p.port, d.port, w)]
+                if name in ports:
+                    st.to_prefill = [s for w in st.windows for s in
+                                     wire.dispatch_delays(records, ports[name], p.port, w)]
             print("open-loop rate steps", flush=True)
             loaded = {k: v for k, v in paths.items() if k != "aggregated (client → D)"}
             rows = await rate_steps(loaded, args.rates, args.step_s, pids)
@@ -242,18 +260,25 @@ def sequential_lines(seq: dict[str, PathStats]) -> list[str]:
                      f"{len(st.latencies)} |")  # fmt: skip
     direct = seq["direct P/D"].latencies
     lines += ["", "| proxy | added p50 (ms) | added p99 (ms) | skew p50 (ms) | skew p99 (ms) | "
-              "skew max (ms) | CPU per request (ms) |", "|---|---|---|---|---|---|---|"]
+              "skew max (ms) | wire skew p50 (ms) | wire skew p99 (ms) | wire skew max (ms) | "
+              "wire D − P p50 (ms) | client → P leg p50 (ms) | client → P leg p99 (ms) | "
+              "CPU per request (ms) |", "|" + "---|" * 13]
     for name in ("direct P/D", *PROXIES):
         st = seq[name]
         added = (f"{_ms(st.latencies, 50) - _ms(direct, 50):+.2f} | "
                  f"{_ms(st.latencies, 99) - _ms(direct, 99):+.2f}") if name in PROXIES else "— | —"
         skew = (f"{_ms(st.skews, 50):.3f} | {_ms(st.skews, 99):.3f} | {max(st.skews) * 1e3:.3f}"
                 if st.skews else "— | — | —")  # fmt: skip
+        apart = [abs(s) for s in st.wire_skews]
+        wire_skew = (f"{_ms(apart, 50):.3f} | {_ms(apart, 99):.3f} | {max(apart) * 1e3:.3f} | "
+                     f"{_ms(st.wire_skews, 50):+.3f}" if apart else "— | — | — | —")
         n = max(1, len(st.latencies))
         cpu = " + ".join(f"{k} {v / n * 1e3:.2f}" for k, v in st.cpu.items()) or "—"
         if len(st.cpu) > 1:
             cpu += f" = {sum(st.cpu.values()) / n * 1e3:.2f}"
-        lines.append(f"| {name} | {added} | {skew} | {cpu} |")
+        to_p = (f"{_ms(st.to_prefill, 50):.3f} | {_ms(st.to_prefill, 99):.3f}"
+                if st.to_prefill else "— | —")  # fmt: skip
+        lines.append(f"| {name} | {added} | {skew} | {wire_skew} | {to_p} | {cpu} |")
     return lines
 
 
@@ -321,8 +346,13 @@ def write_report(seq: dict[str, PathStats], rows: list[RateRow], raw: Path | Non
         f"{meta['load_after']}; pinning: {meta['pinning']}. Engines: `{' '.join(INSTANT)}`.",
         "", "## Sequential requests (ms)", "",
         "Added latency = proxy − direct P/D (the client sending both legs itself) at the same "
-        "percentile. Skew = |D arrival − P arrival| on the engines' clocks. CPU = user+system "
-        "of the proxy's processes over the measured requests.", "",
+        "percentile. Skew = |D arrival − P arrival| on the engines' clocks (it includes the "
+        "engines' own scheduling: P and D share a CPU). Wire skew = the same difference between "
+        "the kernel timestamps of each leg's first TCP segment on loopback (`bench/wire.py`): "
+        "where the proxy let the legs go, the dispatch skew proper; D − P > 0 means P left "
+        "first. Client → P leg = from the client's request reaching the proxy's port to the P "
+        "leg leaving for P, on the same kernel clock: the proxy's share of TTFT. CPU = "
+        "user+system of the proxy's processes over the measured requests.", "",
         *sequential_lines(seq), "",
         f"## Open-loop rate steps ({args.step_s:g} s per rate and path, latencies in ms)", "",
         *rate_lines(rows), "",

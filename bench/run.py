@@ -7,7 +7,7 @@ vllm-router 0.1.17 and pd-extproc in pull, serial-push and push modes, all at on
 every configuration, interleaved per (run, concurrency) so drift hits them alike. Output:
 bench/results/ttft.md (table, ratios to vllm-router, targets), ttft.json (every run), ttft.png.
 
-    python bench/run.py                 # full: C = 1..64, 3 runs, 1P1D and 2P2D
+    python bench/run.py                 # full: C = 1..64, 3 runs (more at low C), 1P1D and 2P2D
     python bench/run.py --quick         # a few minutes: C = 1, 4, 16, 1 run, 1P1D
     python bench/run.py --concurrency 1,8,64 --runs 4 --topologies 2P2D
 """
@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -46,13 +47,21 @@ def cpu_split(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     return ALL_CPUS - {max(ALL_CPUS)}, {max(ALL_CPUS)}
 
 
+def runs_at(conc: int, runs: int, min_requests: int) -> int:
+    """At low C a run is only 2 × C requests, and a median of a handful is noise: more runs
+    there (they are short), so that every cell pools at least `min_requests` requests."""
+    return max(runs, math.ceil(min_requests / (2 * conc)))
+
+
 def plan(topology: str, targets: dict[str, Target], concurrencies: list[int], runs: int,
-         work: Path) -> list[Run]:  # fmt: skip
+         min_requests: int, work: Path) -> list[Run]:  # fmt: skip
     """Interleaved: run 0 of every (C, config), then run 1, ...; the config order rotates."""
     names = list(targets)
     out = []
-    for index in range(runs):
+    for index in range(max(runs_at(c, runs, min_requests) for c in concurrencies)):
         for conc in concurrencies:
+            if index >= runs_at(conc, runs, min_requests):
+                continue
             shift = (index + conc) % len(names)
             for name in names[shift:] + names[:shift]:
                 run_id = f"{topology}-{name}-c{conc}-r{index}"
@@ -72,7 +81,7 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path) ->
                 running_engines(kind, n, n, MODEL, tokenizer, cpus=engine_cpus))
         targets = {c: await stack.enter_async_context(
             running_target(c, engines[ENGINE_KIND[c]], router, proxy_cpus)) for c in args.configs}
-        runs = plan(topology, targets, args.concurrency, args.runs, work)
+        runs = plan(topology, targets, args.concurrency, args.runs, args.min_requests, work)
         print(f"{topology}: {len(runs)} runs over {', '.join(targets)}", flush=True)
         results = await run_plan(runs, MODEL, tokenizer, work, engine_cpus)
     return [{"topology": r.topology, "config": r.config, "concurrency": r.concurrency,
@@ -96,7 +105,8 @@ def _slim(result: dict) -> dict:
 def write_outputs(records: list[dict], args: argparse.Namespace, meta: dict) -> None:
     table = report.cells(records)
     lines = ["# Median TTFT (ms), vllmsim engines, input 1024 / output 64, prompts = 2 × C",
-             "", f"{meta['when']}; {args.runs} run(s) per cell, cell = median TTFT of all the "
+             "", f"{meta['when']}; {args.runs} run(s) per cell, more at low C so that a cell "
+             f"has at least {args.min_requests} requests; cell = median TTFT of all the "
              f"cell's requests (runs pooled); {meta['duration_s']:.0f} s; load average before "
              f"{meta['load_before']}, after {meta['load_after']}; pinning: {meta['pinning']}; "
              f"commit {meta['commits']}.",
@@ -120,6 +130,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="C = 1,4,16, 1 run, 1P1D")
     parser.add_argument("--concurrency", help="comma list (default 1,2,4,...,64)")
     parser.add_argument("--runs", type=int, help="runs per cell (default 3)")
+    parser.add_argument("--min-requests", type=int,
+                        help="add runs at low C until a cell pools this many requests "
+                             "(default 48)")  # fmt: skip
     parser.add_argument("--topologies", help="comma list of nPnD (default 1P1D,2P2D)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
@@ -130,6 +143,8 @@ def parse_args() -> argparse.Namespace:
     args.concurrency = [int(c) for c in (args.concurrency or
                         ("1,4,16" if quick else "1,2,4,8,16,32,64")).split(",")]  # fmt: skip
     args.runs = args.runs or (1 if quick else 3)
+    if args.min_requests is None:
+        args.min_requests = 0 if quick else 48
     args.topologies = (args.topologies or ("1P1D" if quick else "1P1D,2P2D")).split(",")
     args.configs = args.configs.split(",")
     unknown = set(args.configs) - set(CONFIGS)
