@@ -3,7 +3,7 @@
 1. request headers: route check (404/405), answer CONTINUE (Envoy holds the headers)
 2. request body (BUFFERED, whole): parse once, pick P and D, choose the strategy,
    build both bodies by splicing, then
-     parallel: start the P leg and answer the body message in the same loop turn
+     parallel: start the P leg, let its bytes leave, then answer the body message (D)
      serial:   extend Envoy's message timer, await P, forward its params to D
 3. until the stream ends: watch the P leg and D's response headers together;
    a failed P ends the request (ImmediateResponse) and Envoy resets D; a failed D
@@ -174,6 +174,7 @@ class RequestProcessor:
             )
             self.leg = self._start_leg(request, p_body)
             await _let_leg_leave()
+            self._check_parallel_leg()  # P refused at once (listener down): D is never sent
             await self._answer(d_body, decodes, started)
             self.rt.metrics.skew_seconds.observe(abs(time.perf_counter() - self._leg_started))
             return
