@@ -3,7 +3,7 @@
 1. request headers: route check (404/405), answer CONTINUE (Envoy holds the headers)
 2. request body (BUFFERED, whole): parse once, pick P and D, choose the strategy,
    build both bodies by splicing, then
-     parallel: start the P leg, let its bytes leave, then answer the body message (D)
+     parallel: start the P leg and answer the body message in the same loop turn
      serial:   extend Envoy's message timer, await P, forward its params to D
 3. until the stream ends: watch the P leg and D's response headers together;
    a failed P ends the request (ImmediateResponse) and Envoy resets D; a failed D
@@ -172,9 +172,8 @@ class RequestProcessor:
             d_body = decode_body(
                 request.parts, identity.decode_params(self.request_id, transfer_id)
             )
+            # Created before the answer is written: both leave in this event-loop turn.
             self.leg = self._start_leg(request, p_body)
-            await _let_leg_leave()
-            self._check_parallel_leg()  # P refused at once (listener down): D is never sent
             await self._answer(d_body, decodes, started)
             self.rt.metrics.skew_seconds.observe(abs(time.perf_counter() - self._leg_started))
             return
@@ -318,15 +317,6 @@ class RequestProcessor:
         self.given = None
         if self.leg is not None and not self.leg.done():
             self.leg.cancel()
-
-
-async def _let_leg_leave() -> None:
-    """Let the P leg's bytes leave before D's answer: P is the critical path (D only has to
-    register its blocks before P finishes). aiohttp writes a request body from a task of its
-    own, so the leg is on the wire two event-loop turns after it starts; D's answer follows
-    within the same millisecond either way."""
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
 
 
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash

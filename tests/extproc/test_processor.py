@@ -87,21 +87,9 @@ async def run(rt: Runtime, envoy: ScriptedEnvoy) -> asyncio.Task[None]:
     return asyncio.create_task(RequestProcessor(rt, stream).run())
 
 
-async def test_prefill_refused_at_once_ends_the_request_before_d_is_sent() -> None:
-    envoy = ScriptedEnvoy()
-    prefill = FakePrefill(PrefillFailed(500, "boom"))  # fails at its first step
-    task = await run(runtime(prefill, cached=True), envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
-    await asyncio.wait_for(task, timeout=2)
-    kinds = [m.WhichOneof("response") for m in envoy.sent]
-    assert kinds == ["request_headers", "immediate_response"]
-    assert envoy.sent[-1].immediate_response.status.code == 500
-
-
 async def test_prefill_failing_while_the_answer_is_written_still_ends_the_request() -> None:
     envoy = ScriptedEnvoy()
-    prefill = FakePrefill(PrefillFailed(500, "boom"), turns=3)  # after P's bytes left
+    prefill = FakePrefill(PrefillFailed(500, "boom"), turns=3)  # after D's answer went out
     task = await run(runtime(prefill, cached=True), envoy)
     await envoy.inbox.put(headers())
     await envoy.inbox.put(body(REQUEST))
