@@ -37,7 +37,7 @@ from bench import pyspy, wire
 from bench.engines import INSTANT, Engines, clear_sim_requests, running_engines, sim_requests
 from bench.openloop import open_loop, percentile
 from bench.overhead import BODY, direct_pd, learn_identity
-from bench.procs import child_pids, cpu_seconds, pinned
+from bench.procs import child_pids, cpu_seconds, pinned, run_bench
 from bench.run import cpu_split
 from bench.targets import Target, running_extproc, running_target
 from bench.wire import wire_capture
@@ -392,4 +392,4 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    run_bench(main(parse_args()))

@@ -29,6 +29,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.procs import run_bench
 from extproc.testing import ephemeral_config, running_sidecar
 from vllmsim.testing import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
 
@@ -178,4 +179,4 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    asyncio.run(main(args.requests, args.rounds, args.out))
+    run_bench(main(args.requests, args.rounds, args.out))

@@ -43,6 +43,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engines import sim_requests
+from bench.procs import run_bench
 from extproc.testing import ephemeral_config, running_sidecar
 from vllmsim.testing import PUSH_D, PUSH_P, EngineHandle, running_engine
 
@@ -313,4 +314,4 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    run_bench(main(parse_args()))

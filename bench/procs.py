@@ -1,7 +1,8 @@
 """Small process helpers shared by the benchmarks: CPU pinning, free ports, bounded waits.
 
-Everything a benchmark starts must stop, also on errors and Ctrl-C, so each helper here is an
-async context manager that stops its process group with SIGTERM and then SIGKILL.
+Everything a benchmark starts must stop, also on errors, Ctrl-C and SIGTERM, so each helper
+here is an async context manager that stops its process group with SIGTERM and then SIGKILL,
+and `run_bench` turns a SIGTERM into the cancellation that unwinds them.
 """
 
 from __future__ import annotations
@@ -9,16 +10,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
+import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from extproc.subprocesses import terminate
 
 ALL_CPUS: frozenset[int] = frozenset(os.sched_getaffinity(0))
+
+
+def run_bench(main: Coroutine[Any, Any, Any]) -> Any:
+    """asyncio.run where SIGTERM cancels `main` like Ctrl-C does: the context managers that
+    started engines and proxies stop them instead of leaving them orphaned."""
+
+    async def guarded() -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await main
+
+    try:
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:
+        sys.exit(128 + signal.SIGTERM)
 
 
 @contextlib.contextmanager

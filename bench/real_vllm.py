@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.procs import run_bench  # noqa: E402
 from extproc.testing import ephemeral_config, running_sidecar, scrape  # noqa: E402
 from scripts.cached_envs import ROUTER_VERSION, VLLM_VERSION, vllm_router_venv  # noqa: E402
 from scripts.real_vllm import MODEL_NAME, RealEngine, free_port, running_pair  # noqa: E402
@@ -318,4 +319,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_bench(main())

@@ -15,7 +15,6 @@ bench/results/ttft.md (table, ratios to vllm-router, targets), ttft.json (every 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import math
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import report
 from bench.client import Run, run_plan
 from bench.engines import Engines, running_engines
-from bench.procs import ALL_CPUS
+from bench.procs import ALL_CPUS, run_bench
 from bench.targets import CONFIGS, ENGINE_KIND, Target, running_target
 from scripts.cached_envs import tiny_model, vllm_router_venv
 
@@ -185,4 +184,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_bench(main())
