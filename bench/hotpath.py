@@ -40,7 +40,6 @@ from bench.overhead import BODY, direct_pd, learn_identity
 from bench.procs import child_pids, cpu_seconds, pinned, run_bench
 from bench.run import cpu_split
 from bench.targets import Target, running_extproc, running_target
-from bench.wire import wire_capture
 from scripts.cached_envs import vllm_router_venv
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -224,7 +223,7 @@ async def main(args: argparse.Namespace) -> None:
                     await run()
             print("sequential rounds", flush=True)
             ports = {name: _port(targets[name].url) for name in PROXIES}
-            async with wire_capture([p.port, d.port, *ports.values()]) as records:
+            async with wire.wire_capture([p.port, d.port, *ports.values()]) as records:
                 seq = await sequential(paths, engines, session, pids, args.requests, args.rounds)
             for name, st in seq.items():
                 st.wire_skews = [s for w in st.windows

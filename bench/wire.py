@@ -65,9 +65,7 @@ def capture(ports: set[int], out: Path) -> None:
         while not stop:
             try:
                 packet, ancillary, _, address = sock.recvmsg(65536, 64)
-            except TimeoutError:
-                continue
-            except InterruptedError:
+            except (TimeoutError, InterruptedError):
                 continue
             if address[2] == _PACKET_OUTGOING:
                 continue
