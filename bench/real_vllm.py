@@ -36,7 +36,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.procs import run_bench  # noqa: E402
-from extproc.testing import ephemeral_config, running_sidecar, scrape  # noqa: E402
+from extproc.kv_check import prompt_tokens_by_source  # noqa: E402
+from extproc.testing import ephemeral_config, running_sidecar  # noqa: E402
 from scripts.cached_envs import ROUTER_VERSION, VLLM_VERSION, vllm_router_venv  # noqa: E402
 from scripts.real_vllm import MODEL_NAME, RealEngine, free_port, running_pair  # noqa: E402
 
@@ -231,14 +232,11 @@ async def front(p: RealEngine, d: RealEngine, dispatch: str | None, load: Load,
 
 async def prompt_sources(d: RealEngine) -> dict[str, float]:
     """D's vllm:prompt_tokens_by_source_total per source (summed over other labels)."""
-    async with aiohttp.ClientSession() as session:
-        metrics = await scrape(session, d.url + "/metrics")
-    totals: dict[str, float] = {}
-    for key, value in metrics.items():
-        if key.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = key.split('source="', 1)[1].split('"', 1)[0]
-            totals[source] = totals.get(source, 0.0) + value
-    return totals
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session, \
+            session.get(d.url + "/metrics") as response:  # fmt: skip
+        text = await response.text()
+    return prompt_tokens_by_source(text) or {}
 
 
 def kv_share(before: dict[str, float], after: dict[str, float]) -> float:

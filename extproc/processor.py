@@ -162,7 +162,7 @@ class RequestProcessor:
         self.strategy, self.reason = choose_strategy(
             mode, identity, cache.serial_only(self.prefill)
         )
-        transfer_id = f"xfer-{uuid.uuid4()}"
+        transfer_id = f"xfer-{self.request_id}"  # unique per request, one uuid4 fewer
         p_body = prefill_body(
             request.parts, request.has_max_completion_tokens, prefill_kv_params(transfer_id)
         )

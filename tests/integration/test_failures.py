@@ -253,12 +253,16 @@ async def test_prefill_down_at_start_up_is_used_once_it_comes_up() -> None:
             assert d_record["kv"] == "push-parallel"
 
 
+async def take_only_prefill_down(topo: Topology) -> None:
+    """P refuses connections until the sidecar's health check has marked it down."""
+    await topo.sim(topo.prefills[0], "POST", "/sim/faults",
+                   {"refuse_connections": True, "refuse_for_s": 30})  # fmt: skip
+    await wait_healthy(topo, "prefill", f"127.0.0.1:{topo.prefills[0].port}", False)
+
+
 async def test_no_healthy_prefill_is_a_retryable_503_by_default() -> None:
     async with topology() as topo:
-        prefill = f"127.0.0.1:{topo.prefills[0].port}"
-        await topo.sim(topo.prefills[0], "POST", "/sim/faults",
-                       {"refuse_connections": True, "refuse_for_s": 30})  # fmt: skip
-        await wait_healthy(topo, "prefill", prefill, False)
+        await take_only_prefill_down(topo)
         status, body, headers = await topo.post("/v1/completions", COMPLETION)
         assert status == 503, body
         assert headers["retry-after"] == "1"
@@ -267,10 +271,7 @@ async def test_no_healthy_prefill_is_a_retryable_503_by_default() -> None:
 
 async def test_no_healthy_prefill_can_fall_back_to_decode_only() -> None:
     async with topology(dispatch={"no_healthy_prefill": "decode_only"}) as topo:
-        prefill = f"127.0.0.1:{topo.prefills[0].port}"
-        await topo.sim(topo.prefills[0], "POST", "/sim/faults",
-                       {"refuse_connections": True, "refuse_for_s": 30})  # fmt: skip
-        await wait_healthy(topo, "prefill", prefill, False)
+        await take_only_prefill_down(topo)
         status, body, _ = await topo.post("/v1/completions", COMPLETION)
         assert status == 200, body
         [d_record] = await topo.seen(topo.decodes[0])
