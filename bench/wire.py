@@ -20,6 +20,8 @@ import sys
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
+from extproc.subprocesses import terminate
+
 _ETH_P_IP = 0x0800
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 _PACKET_OUTGOING = 4  # loopback shows each packet twice: keep the incoming copy
@@ -91,21 +93,22 @@ async def wire_capture(ports: Iterable[int]) -> AsyncIterator[list[Record]]:
     out = Path(f"/tmp/pd-extproc-wire-{os.getpid()}.txt")
     process = await asyncio.create_subprocess_exec(
         sys.executable, __file__, ",".join(map(str, ports)), str(out),
-        stderr=asyncio.subprocess.PIPE)  # fmt: skip
+        stderr=asyncio.subprocess.PIPE, start_new_session=True)  # fmt: skip
     assert process.stderr is not None
-    ready = await asyncio.wait_for(process.stderr.readline(), 10)
-    if ready.strip() != b"ready":
-        raise RuntimeError(f"wire capture did not start: {ready.decode(errors='replace')}")
     try:
+        ready = await asyncio.wait_for(process.stderr.readline(), 10)
+        if ready.strip() != b"ready":
+            raise RuntimeError(f"wire capture did not start: {ready.decode(errors='replace')}")
         yield records
     finally:
-        process.terminate()
-        await asyncio.wait_for(process.wait(), 10)
+        await terminate(process, 10)
         records += await asyncio.to_thread(_read_and_remove, out)
 
 
 def _read_and_remove(path: Path) -> list[Record]:
-    records = []
+    records: list[Record] = []
+    if not path.exists():  # the capture never started
+        return records
     for line in path.read_text().splitlines():
         ts, port, request_id = line.split(" ", 2)
         records.append((float(ts), int(port), request_id))
