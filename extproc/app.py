@@ -16,10 +16,11 @@ from pathlib import Path
 
 import orjson
 
-from extproc.config import Config, ConfigError, load_config
+from extproc.config import Config
 from extproc.eds import write_eds
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
+from extproc.reload import reload_runtime
 from extproc.runtime import Runtime
 from extproc.server import ExtProcServer
 from extproc.workers import WorkerProcesses
@@ -95,19 +96,13 @@ class Sidecar:
 
     async def reload(self, config_path: Path) -> None:
         """SIGHUP: new requests use the new config; requests in flight are untouched."""
-        try:
-            config = await asyncio.to_thread(load_config, config_path)
-        except ConfigError as error:
-            log.error("reload refused, keeping the running config:\n%s", error)
+        config = await reload_runtime(self.runtime, config_path)
+        if config is None:
             return
-        for section in self.runtime.reload(config):
-            log.warning("reload: %s changed; that takes a restart to apply", section)
         if config.extproc.workers > 1:
             log.warning("reload: the %d extra ext_proc workers keep their config until a "
                         "restart", config.extproc.workers - 1)  # fmt: skip
         self.config = config
-        await self.runtime.discover()
-        log.info("configuration reloaded from %s", config_path)
 
     async def wait_envoy_exit(self) -> int:
         return await self.envoy.wait()

@@ -260,23 +260,44 @@ class LimitConfig(_Strict):
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
 
 
+SHARED_PREFILL_LISTENER = "127.0.0.1:10001"
+
+
+def _loopback_listener(value: str) -> str:
+    """The prefill listener has no authentication: loopback or a Unix socket only."""
+    if not value.startswith("unix:"):
+        host, _ = parse_host_port(value)
+        if not ipaddress.ip_address(host).is_loopback:
+            raise ValueError("must be a loopback address or unix:/path (it has no auth)")
+    return value
+
+
 class EnvoyConfig(_Strict):
     listen: ListenConfig = ListenConfig(port=8000)
     admin: ListenConfig = ListenConfig()
     # Where Envoy listens for the ext_proc's prefill requests: "unix:/path" or "127.0.0.1:port".
-    # Empty: a Unix socket in the run directory (`up`), which nothing outside this host reaches.
+    # Empty: `up` uses a Unix socket in its run directory, which nothing outside this host
+    # reaches; `serve` and `render-envoy`, whose Envoy is the user's, use SHARED_PREFILL_LISTENER.
     prefill_listener: str = ""
     concurrency: int = Field(default=1, ge=1)
     log_level: Literal["trace", "debug", "info", "warning", "error", "critical", "off"] = "warning"
 
+    def shared_prefill_listener(self, override: str | None = None) -> str:
+        """The address `serve` sends P legs to and `render-envoy` renders: flag, config, default.
+
+        One rule for both commands, so that the rendered Envoy and the ext_proc agree.
+        """
+        if override:
+            try:
+                return _loopback_listener(override)
+            except ValueError as error:
+                raise ConfigError(f"--prefill-listener {override}: {error}") from None
+        return self.prefill_listener or SHARED_PREFILL_LISTENER
+
     @field_validator("prefill_listener")
     @classmethod
     def _check_prefill_listener(cls, value: str) -> str:
-        if value and not value.startswith("unix:"):
-            host, _ = parse_host_port(value)
-            if not ipaddress.ip_address(host).is_loopback:
-                raise ValueError("must be a loopback address or unix:/path (it has no auth)")
-        return value
+        return _loopback_listener(value) if value else value
 
 
 class ModelConfig(_Strict):
@@ -325,7 +346,6 @@ class Config(_Strict):
 
     def static_addresses(self, role: str) -> list[str]:
         return [a for pool in self.pool_configs(role) for a in pool.addresses]
-
 
 
 def _format_errors(error: ValidationError) -> str:
