@@ -23,6 +23,7 @@ from vllmsim.server import SIM_KEY, SimServer
 
 log = logging.getLogger(__name__)
 
+
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=shapes.dumps(obj), status=status, content_type="application/json")
 

@@ -48,12 +48,12 @@ class BlockPool:
     def write(self, block_ids: list[int], contents: list[BlockContent]) -> None:
         """Store contents by position; ids outside the pool are ignored."""
         for block_id, content in zip(block_ids, contents, strict=False):
-            if isinstance(block_id, int) and 1 <= block_id <= self.total:
+            if 1 <= block_id <= self.total:
                 self._content[block_id] = content
 
     def read(self, block_ids: list[int]) -> list[BlockContent | None]:
-        return [self._content.get(block_id) if isinstance(block_id, int) else None
-                for block_id in block_ids]  # fmt: skip
+        """What the blocks hold; None for a block nothing wrote (or an id outside the pool)."""
+        return [self._content.get(block_id) for block_id in block_ids]
 
     def _forget(self, blocks: list[int]) -> None:
         for block_id in blocks:
