@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--hang-next", type=int, default=0, help="accept N requests, never answer")
     faults.add_argument("--latency-ms", type=float, default=0.0, help="delay before each answer")
     faults.add_argument("--drop-registrations", action="store_true", help="P ignores PUSH_REG")
+    faults.add_argument("--kv-block-offset", type=int, default=0,
+                        help="KV this engine sends goes from/to block ids shifted by N")
+    faults.add_argument("--kv-truncate-blocks", type=int, default=0,
+                        help="KV transfers this engine serves leave out their last N blocks")
     return p
 
 
@@ -105,7 +109,8 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
     if cost.max_num_batched_tokens < 1 or cost.num_gpu_blocks < 1 or cost.kv_bandwidth_gbps <= 0:
         raise ConfigError("cost model values must be positive")
     faults = Faults(args.fail_next, args.fail_status, args.hang_next, args.latency_ms,
-                    args.drop_registrations)  # fmt: skip
+                    args.drop_registrations, kv_block_offset=args.kv_block_offset,
+                    kv_truncate_blocks=args.kv_truncate_blocks)  # fmt: skip
     if args.tokenizer and not Path(args.tokenizer).exists():
         raise ConfigError(f"--tokenizer {args.tokenizer}: no such file or directory")
     return SimConfig(args.host, args.port, names, kv,

@@ -15,15 +15,13 @@ import orjson
 from aiohttp import web
 
 from vllmsim import shapes
-from vllmsim.engine import ErrorEvent, Event, FinishEvent, KVMode, SimRequest, TokenEvent
+from vllmsim.engine import ErrorEvent, Event, FinishEvent, SimRequest, TokenEvent
 from vllmsim.faults import apply_request_faults
 from vllmsim.metrics import FETCH_STAGES
 from vllmsim.requests import ApiError, ParsedRequest, base_request_id, parse
 from vllmsim.server import SIM_KEY, SimServer
 
 log = logging.getLogger(__name__)
-
-_MODE_LABEL = {KVMode.LOCAL: "local", KVMode.PREFILL: "prefill", KVMode.RECOMPUTE: "recompute"}
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -49,8 +47,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         "x_request_id": request.headers.get("X-Request-Id"), "internal_id": None,
         "path": request.path, "received_at": time.time(), "body": None,
         "headers": {k.lower(): v for k, v in request.headers.items()},
-        "status": None, "outcome": "running", "kv": None, "first_token_at": None,
-        "body_bytes": None,
+        "status": None, "outcome": "running", "kv": None, "kv_evidence": None,
+        "first_token_at": None, "body_bytes": None,
     }  # fmt: skip
     sim.records.append(rec)
     try:
@@ -85,8 +83,8 @@ async def _serve(
     external, internal = shapes.request_ids(base_request_id(request.headers, body), chat)
     rec["internal_id"] = internal
     engine = sim.current.engine
-    req = SimRequest(internal, parsed.prompt_tokens, parsed.max_tokens, parsed.seed,
-                     mode=parsed.mode, remote=parsed.kv_params)  # fmt: skip
+    req = SimRequest(internal, parsed.prompt_ids, parsed.max_tokens, mode=parsed.mode,
+                     remote=parsed.kv_params)  # fmt: skip
     engine.submit(req)
     try:
         if parsed.stream:
@@ -94,7 +92,7 @@ async def _serve(
         return await _complete(request, req, parsed, external, rec)
     finally:
         engine.abort(req)  # no-op once finished; frees blocks on disconnect
-        rec["kv"] = req.kv_label or _MODE_LABEL.get(req.mode)
+        rec["kv"], rec["kv_evidence"] = req.kv_label, req.kv_evidence
 
 
 async def _events(req: SimRequest, rec: dict[str, Any]) -> AsyncIterator[Event]:

@@ -14,7 +14,7 @@ from typing import Any
 from vllmsim.config import SimConfig
 from vllmsim.engine import KVMode
 from vllmsim.nixl.params import PULL_REQUIRED, PUSH_REQUIRED, missing_keys
-from vllmsim.tokens import TokenCounter, chat_prompt_text, prompt_seed
+from vllmsim.tokens import TokenCounter, chat_prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +31,16 @@ class ApiError(Exception):
 class ParsedRequest:
     chat: bool
     model: str
-    prompt_tokens: int
+    prompt_ids: list[int]
     max_tokens: int
     stream: bool
     include_usage: bool
-    seed: bytes
     mode: KVMode
     kv_params: dict[str, Any] | None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 def base_request_id(headers: Any, body: dict[str, Any]) -> str:
@@ -59,20 +62,20 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _prompt(body: dict[str, Any], chat: bool, tokens: TokenCounter) -> tuple[int, object]:
-    """(token count, the thing that seeds the output)."""
+def _prompt(body: dict[str, Any], chat: bool, tokens: TokenCounter) -> list[int]:
+    """The prompt's token ids (their count is usage.prompt_tokens; they fill the KV)."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages: Field required")
-        return tokens.count(chat_prompt_text(messages)), messages
+        return tokens.encode(chat_prompt_text(messages))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tokens.count(prompt), prompt
+        return tokens.encode(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt), prompt  # token ids count exactly
+        return prompt  # token ids count exactly
     if prompt is None:
         raise ApiError(400, "prompt: Field required")
     raise ApiError(400, "prompt must be a string, a list of token ids, or a one-element list")
@@ -128,8 +131,8 @@ def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> Parsed
         aliases = ", ".join(cfg.served_model_names)
         raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {aliases}.",
                        "model")
-    count, seed_src = _prompt(body, chat, tokens)
-    max_tokens = _max_tokens(body, chat, count, cfg.cost.max_model_len)
+    prompt_ids = _prompt(body, chat, tokens)
+    max_tokens = _max_tokens(body, chat, len(prompt_ids), cfg.cost.max_model_len)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream: Input should be a valid boolean")
@@ -137,7 +140,7 @@ def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> Parsed
     if opts and not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.")
     params = body.get("kv_transfer_params")
-    return ParsedRequest(chat, str(model), count, max_tokens, stream,
+    return ParsedRequest(chat, str(model), prompt_ids, max_tokens, stream,
                          bool(isinstance(opts, dict) and opts.get("include_usage")),
-                         prompt_seed(seed_src), kv_mode(cfg, params),
+                         kv_mode(cfg, params),
                          params if isinstance(params, dict) else None)  # fmt: skip

@@ -102,7 +102,7 @@ class SimServer:
         engine_id = (kv.engine_id if kv and kv.engine_id else None) or str(uuid.uuid4())
         start = time.time()
         metrics = Metrics(self.model, start)
-        engine = Engine(self.cfg.cost, metrics)
+        engine = Engine(self.cfg.cost, metrics, engine_id)
         connector: ConnectorBase | None = None
         if kv is not None:
             ident = Identity(engine_id, self.cfg.side_channel_host, self.side.port)

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest_asyncio
 from multidict import CIMultiDict
 
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
 from vllmsim.testing import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
-__all__ = ["PULL", "PUSH", "Topology", "topology"]
+__all__ = ["PULL", "PUSH", "Topology", "generated_text", "topology"]
 
 PUSH = (PUSH_P, PUSH_D)
 PULL = (PULL_P, PULL_D)
@@ -75,9 +76,33 @@ class Topology:
         async with self.session.get(self.sidecar.metrics + "/ready") as response:
             return await response.json()
 
+    async def aggregated(self, path: str, body: dict[str, Any]) -> str:
+        """The text a decode engine generates for `body` on its own (no kv_transfer_params:
+        it prefills locally), to compare a disaggregated answer with. vllmsim derives every
+        answer from the KV the engine holds, so only a correct transfer gives the same text."""
+        engine = self.decodes[0]
+        async with self.session.post(engine.url + path, json=body) as response:
+            assert response.status == 200, await response.text()
+            return generated_text(path, await response.read())
+
     async def sim(self, engine: EngineHandle, method: str, path: str, body: Any = None) -> Any:
         async with self.session.request(method, engine.url + path, json=body) as response:
             return await response.json()
+
+
+def generated_text(path: str, payload: bytes) -> str:
+    """The generated text of a completion or chat answer, whole or streamed (SSE)."""
+    chat = path.endswith("/chat/completions")
+    if not payload.startswith(b"data: "):
+        choice = orjson.loads(payload)["choices"][0]
+        return str(choice["message"]["content"] if chat else choice["text"])
+    text = []
+    for event in payload.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue
+        for choice in orjson.loads(event.removeprefix(b"data: "))["choices"]:
+            text.append(choice["delta"].get("content", "") if chat else choice["text"])
+    return "".join(text)
 
 
 def requests_total(outcome: str, reason: str, strategy: str) -> str:

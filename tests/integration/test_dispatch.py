@@ -9,7 +9,15 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.integration.conftest import MODEL, PULL, Topology, address, requests_total, topology
+from tests.integration.conftest import (
+    MODEL,
+    PULL,
+    Topology,
+    address,
+    generated_text,
+    requests_total,
+    topology,
+)
 
 COMPLETION = {
     "model": MODEL,
@@ -46,17 +54,29 @@ async def legs(topo: Topology) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     return sorted(pairs, key=lambda pair: pair[1]["received_at"])
 
 
+def assert_kv_pushed_by(d: dict[str, Any], prefill_engine_id: str) -> None:
+    """D's prompt blocks were all written by a push from that P while P was still computing
+    (vllmsim records where each block's content came from)."""
+    assert d["kv"] == "push-parallel"
+    assert list(d["kv_evidence"]["blocks"]) == ["push-parallel"]
+    assert d["kv_evidence"]["engine_ids"] == [prefill_engine_id]
+
+
 async def test_probe_makes_the_first_request_parallel() -> None:
     async with topology() as topo:
         status, body, _ = await topo.post("/v1/completions", COMPLETION)
         assert status == 200, body
         [(p, d)] = await legs(topo)
-        assert d["kv"] == "push-parallel"
+        assert_kv_pushed_by(d, topo.prefills[0].engine_id)
         assert d["body"]["kv_transfer_params"]["remote_request_id"] == p["x_request_id"]
         assert abs(p["received_at"] - d["received_at"]) < SKEW_BOUND_S
         metrics = await topo.metrics()
         key = requests_total("ok", "cache_hit", "parallel")
         assert metrics[key] == 1
+        # disaggregated == aggregated: the text follows the KV D received
+        assert generated_text("/v1/completions", body) == await topo.aggregated(
+            "/v1/completions", COMPLETION
+        )
 
 
 async def test_parallel_legs_reach_the_engines_within_5_ms(push_1p1d: Topology) -> None:
@@ -91,11 +111,14 @@ async def test_without_probe_first_request_per_prefill_is_serial_then_parallel()
 
 async def test_pull_mode_is_serial_with_params_verbatim() -> None:
     async with topology(connectors=PULL) as topo:
+        answers = []
         for _ in range(3):
             status, body, _ = await topo.post("/v1/completions", COMPLETION)
             assert status == 200, body
+            answers.append(generated_text("/v1/completions", body))
         for p, d in await legs(topo):
             assert d["kv"] == "pull"
+            assert d["kv_evidence"]["engine_ids"] == [topo.prefills[0].engine_id]
             assert d["received_at"] > p["received_at"]
             # P's answer is not visible to the test, but its id and block ids are: they
             # must have reached D untouched.
@@ -105,6 +128,7 @@ async def test_pull_mode_is_serial_with_params_verbatim() -> None:
             assert params["remote_block_ids"] and isinstance(params["remote_block_ids"][0], list)
         metrics = await topo.metrics()
         assert metrics[requests_total("ok", "pull", "serial")] == 3
+        assert answers == [await topo.aggregated("/v1/completions", COMPLETION)] * 3
 
 
 @pytest.mark.parametrize(
@@ -124,7 +148,7 @@ async def test_both_apis_streaming_and_not(
     [(p, d)] = await legs(topo)
     assert p["path"] == d["path"] == path
     assert p["x_request_id"] == d["x_request_id"]
-    assert d["kv"] == "push-parallel"
+    assert_kv_pushed_by(d, topo.prefills[0].engine_id)
     assert abs(p["received_at"] - d["received_at"]) < SKEW_BOUND_S
     # P: one token, whole answer; D: what the client asked for
     assert p["body"]["max_tokens"] == 1 and p["body"]["stream"] is False
@@ -138,6 +162,8 @@ async def test_both_apis_streaming_and_not(
         assert usage["completion_tokens"] == 8
     else:
         assert orjson.loads(payload)["usage"]["completion_tokens"] == 8
+    # disaggregated == aggregated, byte for byte: the text follows the KV D received
+    assert generated_text(path, payload) == await topo.aggregated(path, request)
 
 
 async def test_content_length_matches_the_rewritten_body(push_1p1d: Topology) -> None:

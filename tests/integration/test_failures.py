@@ -9,7 +9,14 @@ import time
 import aiohttp
 import orjson
 
-from tests.integration.conftest import MODEL, Topology, identity_events, requests_total, topology
+from tests.integration.conftest import (
+    MODEL,
+    Topology,
+    generated_text,
+    identity_events,
+    requests_total,
+    topology,
+)
 from vllmsim.testing import PUSH_P, EngineHandle, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "Once upon a time " * 20, "max_tokens": 8}
@@ -141,6 +148,11 @@ async def test_prefill_restart_is_detected_before_any_request() -> None:
         assert status == 200, body
         [(d_record)] = await topo.seen(topo.decodes[0])
         assert d_record["kv"] == "push-parallel"
+        # the KV came from the restarted P, and it is right: the answer is the aggregated one
+        assert d_record["kv_evidence"]["engine_ids"] == [new_state["engine_id"]]
+        assert generated_text("/v1/completions", body) == await topo.aggregated(
+            "/v1/completions", COMPLETION
+        )
         metrics = await topo.metrics()
         assert metrics[identity_events(prefill, "restarted")] == 1
 
@@ -251,6 +263,8 @@ async def test_prefill_down_at_start_up_is_used_once_it_comes_up() -> None:
             assert status == 200, body
             [(d_record)] = await topo.seen(topo.decodes[0])
             assert d_record["kv"] == "push-parallel"
+            state = await topo.sim(prefill_engine, "GET", "/sim/state")
+            assert d_record["kv_evidence"]["engine_ids"] == [state["engine_id"]]
 
 
 async def take_only_prefill_down(topo: Topology) -> None:

@@ -69,6 +69,17 @@ def prefill_params(
     return params
 
 
+def block_group(value: Any) -> list[int] | None:
+    """The block ids of a `[[...]]` field (one list per KV-cache group; the simulator has one
+    group), or None when it is not that shape."""
+    if not isinstance(value, list) or not value or not isinstance(value[0], list):
+        return None
+    ids = value[0]
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
+        return None
+    return list(ids)
+
+
 def missing_keys(params: dict[str, Any], required: tuple[str, ...]) -> list[str]:
     return [key for key in required if params.get(key) is None]
 
