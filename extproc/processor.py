@@ -8,6 +8,12 @@
 3. until the stream ends: watch the P leg and D's response headers together;
    a failed P ends the request (ImmediateResponse) and Envoy resets D; a failed D
    cancels P; the stream ending (done or client gone) cancels a running P.
+   D's successful response headers are held until a parallel P leg is settled, so a P
+   failure or a restart always reaches the client as a clean status (503 + Retry-After
+   for a restart), never as a 200 that is then cut. This holds also when D could recompute
+   the prompt itself (`kv_load_failure_policy: recompute`): the ext_proc sees neither D's
+   policy nor its body, so it cannot tell a complete answer from an in-stream error, and a
+   retry gets real P/D instead of a decode engine prefilling on its own.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from extproc.errors import (
     NoHealthyDecode,
     NoHealthyPrefill,
     PrefillFailed,
+    PrefillTimeout,
     PrefillUnreachable,
     RequestEnded,
 )
@@ -298,7 +305,44 @@ class RequestProcessor:
         self.trace.decode_answered(status)
         if status >= 500 and self.prefill is not None:
             await self._on_decode_error()
+        elif status >= 400:
+            self._stop_parallel_leg()  # D's refusal is the answer; P's cannot change it
+        elif not await self._settle_parallel_leg():
+            return  # the stream ended while P computed
         await self.stream.write(envoy_msgs.continue_response_headers())
+
+    async def _settle_parallel_leg(self) -> bool:
+        """Hold D's response headers until the parallel P leg is settled; raise if it failed.
+
+        Once they pass, the client has its 200 and a P failure can only cut the stream. A
+        streaming D answers its headers at once, usually before P; in push mode its first
+        token needs P's KV, which P has pushed by the time it answers, so the hold costs no
+        time to first token. False when the stream ended while waiting.
+        """
+        if self.given is None or self.leg is None:
+            return True
+        if not self.leg.done():
+            wait_s = self.rt.config.timeouts.prefill_s  # the leg's own timeout ends it sooner
+            await self.stream.write(envoy_msgs.extend_timeout(wait_s + 1))
+            read = self.stream.next_message()
+            await asyncio.wait(
+                {self.leg, read}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not self.leg.done():
+                if read.done():  # Envoy sends nothing while our answer is due: the end
+                    self.stream.take()
+                    return False
+                self.leg.cancel()
+                raise PrefillTimeout(
+                    504, f"prefill endpoint {self.prefill} did not answer within {wait_s:g} s"
+                )
+        self._check_parallel_leg()  # raises P's failure or IdentityChanged
+        return True
+
+    def _stop_parallel_leg(self) -> None:
+        self.given = None
+        if self.leg is not None and not self.leg.done():
+            self.leg.cancel()
 
     async def _on_decode_error(self) -> None:
         """D failed. If P restarted under this request, say so (retryable); else cancel P.
