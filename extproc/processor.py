@@ -26,7 +26,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from extproc import envoy_msgs
-from extproc.bodies import decode_body, prefill_body, prefill_kv_params
+from extproc.bodies import buffer_bytes, decode_body, prefill_body, prefill_kv_params
 from extproc.dispatch import Strategy, choose_strategy
 from extproc.errors import (
     ClientError,
@@ -179,11 +179,13 @@ class RequestProcessor:
             d_body = decode_body(
                 request.parts, identity.decode_params(self.request_id, transfer_id)
             )
+            self._check_fits(p_body, d_body)
             # Created before the answer is written: both leave in this event-loop turn.
             self.leg = self._start_leg(request, p_body)
             await self._answer(d_body, decodes, started)
             self.rt.metrics.skew_seconds.observe(abs(time.perf_counter() - self._leg_started))
             return
+        self._check_fits(p_body)
         await self.stream.write(envoy_msgs.extend_timeout(self.rt.config.timeouts.prefill_s + 1))
         waited = time.perf_counter()
         self.leg = self._start_leg(request, p_body)
@@ -191,8 +193,24 @@ class RequestProcessor:
         if result is None:
             return  # the client went away while P computed
         started += time.perf_counter() - waited
-        params = self._learn(result)
-        await self._answer(decode_body(request.parts, params), decodes, started)
+        d_body = decode_body(request.parts, self._learn(result))
+        self._check_fits(d_body)  # P's params are only known now
+        await self._answer(d_body, decodes, started)
+
+    def _check_fits(self, *bodies: bytes) -> None:
+        """A body longer than Envoy's buffer would be refused there: refuse it before it leaves.
+
+        Envoy's buffer leaves room for the splice (`buffer_bytes`), so only a serial D body
+        with an unusually long list of P's KV blocks can get here.
+        """
+        limit = buffer_bytes(self.rt.config.limits.max_body_bytes)
+        size = max(len(body) for body in bodies)
+        if size > limit:
+            raise ClientError(
+                413,
+                f"with its kv_transfer_params the body for an engine is {size} bytes, "
+                f"over the proxy's buffer of {limit} bytes; send a shorter prompt",
+            )
 
     def _start_leg(self, request: ClientRequest, body: bytes) -> asyncio.Task[PrefillResult]:
         assert self.prefill is not None

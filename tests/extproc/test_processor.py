@@ -208,3 +208,23 @@ async def test_decode_headers_before_prefill_answers_are_held_until_it_settles(
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
     assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
+
+
+async def test_serial_decode_body_over_envoys_buffer_is_refused_before_it_leaves() -> None:
+    envoy = ScriptedEnvoy()
+    blocks = {"remote_block_ids": [list(range(100_000, 120_000))]}  # ~140 kB of block ids
+    prefill = GatedPrefill(SAME | blocks)
+    prefill.gate.set()
+    rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]},
+                               "limits": {"max_body_bytes": 1024}}),
+                 "unix:/nonexistent")  # fmt: skip
+    rt.prefill_client = prefill  # type: ignore[assignment]
+    task = await run(rt, envoy)  # no identity cached: serial, D's body is built after P
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await asyncio.wait_for(task, timeout=2)
+    kinds = [m.WhichOneof("response") for m in envoy.sent]
+    assert kinds == ["request_headers", None, "immediate_response"]  # None: timer extended
+    reply = envoy.sent[-1].immediate_response
+    assert reply.status.code == 413
+    assert "over the proxy's buffer" in orjson.loads(reply.body)["error"]["message"]
