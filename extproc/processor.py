@@ -333,9 +333,10 @@ class RequestProcessor:
         """Hold D's response headers until the parallel P leg is settled; raise if it failed.
 
         Once they pass, the client has its 200 and a P failure can only cut the stream. A
-        streaming D answers its headers at once, usually before P; in push mode its first
-        token needs P's KV, which P has pushed by the time it answers, so the hold costs no
-        time to first token. False when the stream ended while waiting.
+        streaming D answers its headers at once, before P. The hold costs no time to first
+        token: a push P answers when its prefill step ends and writes the KV only after that,
+        and D's first token needs that KV plus a step of its own. False when the stream ended
+        while waiting.
         """
         if self.given is None or self.leg is None:
             return True
