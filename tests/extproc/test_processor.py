@@ -140,9 +140,14 @@ class GatedPrefill:
     def __init__(self, params: dict[str, Any]) -> None:
         self.params = params
         self.gate = asyncio.Event()
+        self.cancelled = asyncio.Event()
 
     async def send(self, *args: Any, **kwargs: Any) -> PrefillResult:
-        await self.gate.wait()
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
         return PrefillResult(200, self.params, 0.0, 0.0)
 
 
@@ -228,3 +233,19 @@ async def test_serial_decode_body_over_envoys_buffer_is_refused_before_it_leaves
     reply = envoy.sent[-1].immediate_response
     assert reply.status.code == 413
     assert "over the proxy's buffer" in orjson.loads(reply.body)["error"]["message"]
+
+
+async def test_decode_refusal_passes_at_once_and_cancels_the_prefill_leg() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)  # P never answers unless cancelled
+    task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await wait_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(400))
+    await wait_sent(envoy, 3)
+    assert envoy.sent[2].WhichOneof("response") == "response_headers"  # not held for P
+    await asyncio.wait_for(prefill.cancelled.wait(), 2)  # nor reset later by P's outcome
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    assert len(envoy.sent) == 3
