@@ -18,7 +18,14 @@ from typing import Any
 
 import orjson
 
-__all__ = ["decode_body", "members", "prefill_body", "prefill_kv_params", "splice"]
+__all__ = [
+    "buffer_bytes",
+    "decode_body",
+    "members",
+    "prefill_body",
+    "prefill_kv_params",
+    "splice",
+]
 
 _WS = re.compile(rb"[ \t\n\r]*")
 # Strings as "runs of plain bytes, then one escape": the regex engine stays in its fast
@@ -146,3 +153,14 @@ def decode_body(parts: list[tuple[str, bytes]], kv_params: Mapping[str, Any] | N
     """The D leg: the client's body, its own kv_transfer_params replaced by the router's."""
     add = {} if kv_params is None else {"kv_transfer_params": kv_params}
     return splice(parts, ROUTER_FIELDS, add)
+
+
+def buffer_bytes(max_body_bytes: int) -> int:
+    """Envoy's request buffer for a client body limit: the limit plus what splicing adds.
+
+    The P body adds under 300 bytes and a parallel D body under 1 KiB (the identity's fields
+    are length-checked). A serial D body carries P's kv_transfer_params verbatim, whose
+    remote_block_ids name one KV block per 16 prompt tokens: a few bytes per ~64 bytes of
+    prompt, so an eighth of the limit covers it with room to spare.
+    """
+    return max_body_bytes + 64 * 1024 + max_body_bytes // 8

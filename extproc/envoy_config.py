@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from extproc.bodies import buffer_bytes
 from extproc.config import Config, parse_host_port
 from extproc.eds import eds_path
 from extproc.envoy_msgs import DESTINATION_HEADER
@@ -112,7 +113,7 @@ def _json_reply(filter_: dict[str, Any], status: int, message: str) -> dict[str,
 
 def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
     limit = cfg.limits.max_body_bytes
-    too_large = {
+    status_413 = {
         "status_code_filter": {
             "comparison": {
                 "op": "EQ",
@@ -142,6 +143,8 @@ def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
             },
         }
     }
+    # Envoy's own 413 (a body over its buffer); the ext_proc's 413 carries its JSON already.
+    too_large = {"and_filter": {"filters": [status_413, envoys_own]}}
     wrapped = {
         "json_format": {
             "error": {
@@ -172,7 +175,7 @@ def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
         {
             "match": {"path": path},
             "route": decode_route,
-            "request_body_buffer_limit": cfg.limits.max_body_bytes,
+            "request_body_buffer_limit": _buffer_limit(cfg),
         }
         for path in sorted(PATHS)
     ]
@@ -192,11 +195,21 @@ def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
     return routes
 
 
+def _buffer_limit(cfg: Config) -> int:
+    """Envoy's buffers hold the bodies the ext_proc builds, which are longer than the client's.
+
+    The client's limit stays exactly limits.max_body_bytes: the ext_proc checks it on the
+    client's body (413) before any leg leaves. Sizing Envoy's buffers to that limit instead
+    would refuse a spliced body after P had already run.
+    """
+    return buffer_bytes(cfg.limits.max_body_bytes)
+
+
 def _listener(name: str, address: dict[str, Any], hcm: dict[str, Any], cfg: Config) -> dict:
     return {
         "name": name,
         "address": address,
-        "per_connection_buffer_limit_bytes": cfg.limits.max_body_bytes,
+        "per_connection_buffer_limit_bytes": _buffer_limit(cfg),
         "filter_chains": [
             {"filters": [{"name": "envoy.filters.network.http_connection_manager",
                           "typed_config": {_TYPED: _HCM, **hcm}}]}
@@ -238,7 +251,7 @@ def _prefill_listener(cfg: Config, prefill_listener: str) -> dict[str, Any]:
     route = {
         "match": {"prefix": "/"},
         "route": {"cluster": "prefill_pool", "timeout": "0s"},  # the ext_proc times P out
-        "request_body_buffer_limit": cfg.limits.max_body_bytes,
+        "request_body_buffer_limit": _buffer_limit(cfg),
     }
     hcm = {
         "stat_prefix": "prefill",
@@ -400,7 +413,7 @@ def snippet_header(cfg: Config) -> str:
         "#   here. It has no authentication: keep it on loopback or a Unix socket.\n"
         f"# routes: send {paths} to cluster decode_pool with timeout: 0s,\n"
         "#   retry_policy {retry_on: connect-failure, num_retries: 1} and\n"
-        f"#   request_body_buffer_limit: {cfg.limits.max_body_bytes}; disable the ext_proc\n"
+        f"#   request_body_buffer_limit: {_buffer_limit(cfg)}; disable the ext_proc\n"
         "#   (ExtProcPerRoute disabled: true) on every other route.\n"
     )
 

@@ -8,6 +8,12 @@
 3. until the stream ends: watch the P leg and D's response headers together;
    a failed P ends the request (ImmediateResponse) and Envoy resets D; a failed D
    cancels P; the stream ending (done or client gone) cancels a running P.
+   D's successful response headers are held until a parallel P leg is settled, so a P
+   failure or a restart always reaches the client as a clean status (503 + Retry-After
+   for a restart), never as a 200 that is then cut. This holds also when D could recompute
+   the prompt itself (`kv_load_failure_policy: recompute`): the ext_proc sees neither D's
+   policy nor its body, so it cannot tell a complete answer from an in-stream error, and a
+   retry gets real P/D instead of a decode engine prefilling on its own.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from extproc import envoy_msgs
-from extproc.bodies import decode_body, prefill_body, prefill_kv_params
+from extproc.bodies import buffer_bytes, decode_body, prefill_body, prefill_kv_params
 from extproc.dispatch import Strategy, choose_strategy
 from extproc.errors import (
     ClientError,
@@ -29,6 +35,7 @@ from extproc.errors import (
     NoHealthyDecode,
     NoHealthyPrefill,
     PrefillFailed,
+    PrefillTimeout,
     PrefillUnreachable,
     RequestEnded,
 )
@@ -172,11 +179,13 @@ class RequestProcessor:
             d_body = decode_body(
                 request.parts, identity.decode_params(self.request_id, transfer_id)
             )
+            self._check_fits(p_body, d_body)
             # Created before the answer is written: both leave in this event-loop turn.
             self.leg = self._start_leg(request, p_body)
             await self._answer(d_body, decodes, started)
             self.rt.metrics.skew_seconds.observe(abs(time.perf_counter() - self._leg_started))
             return
+        self._check_fits(p_body)
         await self.stream.write(envoy_msgs.extend_timeout(self.rt.config.timeouts.prefill_s + 1))
         waited = time.perf_counter()
         self.leg = self._start_leg(request, p_body)
@@ -184,8 +193,24 @@ class RequestProcessor:
         if result is None:
             return  # the client went away while P computed
         started += time.perf_counter() - waited
-        params = self._learn(result)
-        await self._answer(decode_body(request.parts, params), decodes, started)
+        d_body = decode_body(request.parts, self._learn(result))
+        self._check_fits(d_body)  # P's params are only known now
+        await self._answer(d_body, decodes, started)
+
+    def _check_fits(self, *bodies: bytes) -> None:
+        """A body longer than Envoy's buffer would be refused there: refuse it before it leaves.
+
+        Envoy's buffer leaves room for the splice (`buffer_bytes`), so only a serial D body
+        with an unusually long list of P's KV blocks can get here.
+        """
+        limit = buffer_bytes(self.rt.config.limits.max_body_bytes)
+        size = max(len(body) for body in bodies)
+        if size > limit:
+            raise ClientError(
+                413,
+                f"with its kv_transfer_params the body for an engine is {size} bytes, "
+                f"over the proxy's buffer of {limit} bytes; send a shorter prompt",
+            )
 
     def _start_leg(self, request: ClientRequest, body: bytes) -> asyncio.Task[PrefillResult]:
         assert self.prefill is not None
@@ -298,7 +323,45 @@ class RequestProcessor:
         self.trace.decode_answered(status)
         if status >= 500 and self.prefill is not None:
             await self._on_decode_error()
+        elif status >= 400:
+            self._stop_parallel_leg()  # D's refusal is the answer; P's cannot change it
+        elif not await self._settle_parallel_leg():
+            return  # the stream ended while P computed
         await self.stream.write(envoy_msgs.continue_response_headers())
+
+    async def _settle_parallel_leg(self) -> bool:
+        """Hold D's response headers until the parallel P leg is settled; raise if it failed.
+
+        Once they pass, the client has its 200 and a P failure can only cut the stream. A
+        streaming D answers its headers at once, before P. The hold costs no time to first
+        token: a push P answers when its prefill step ends and writes the KV only after that,
+        and D's first token needs that KV plus a step of its own. False when the stream ended
+        while waiting.
+        """
+        if self.given is None or self.leg is None:
+            return True
+        if not self.leg.done():
+            wait_s = self.rt.config.timeouts.prefill_s  # the leg's own timeout ends it sooner
+            await self.stream.write(envoy_msgs.extend_timeout(wait_s + 1))
+            read = self.stream.next_message()
+            await asyncio.wait(
+                {self.leg, read}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not self.leg.done():
+                if read.done():  # Envoy sends nothing while our answer is due: the end
+                    self.stream.take()
+                    return False
+                self.leg.cancel()
+                raise PrefillTimeout(
+                    504, f"prefill endpoint {self.prefill} did not answer within {wait_s:g} s"
+                )
+        self._check_parallel_leg()  # raises P's failure or IdentityChanged
+        return True
+
+    def _stop_parallel_leg(self) -> None:
+        self.given = None
+        if self.leg is not None and not self.leg.done():
+            self.leg.cancel()
 
     async def _on_decode_error(self) -> None:
         """D failed. If P restarted under this request, say so (retryable); else cancel P.

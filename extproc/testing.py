@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,10 @@ async def _wait_ready(path: Path, process: asyncio.subprocess.Process, timeout_s
 
 @contextlib.asynccontextmanager
 async def running_sidecar(
-    config: dict[str, Any], start_timeout_s: float = 60.0, log_level: str = "INFO"
+    config: dict[str, Any],
+    start_timeout_s: float = 60.0,
+    log_level: str = "INFO",
+    env: Mapping[str, str] | None = None,  # over this process's environment
 ) -> AsyncIterator[SidecarHandle]:
     with tempfile.TemporaryDirectory(prefix="pd-extproc-test-") as tmp:
         config_path, ready = Path(tmp) / "config.yaml", Path(tmp) / "ready.json"
@@ -96,6 +100,7 @@ async def running_sidecar(
                 str(ready),
                 stdout=log,
                 stderr=log,
+                env={**os.environ, **(env or {})},
                 start_new_session=True,
             )
         try:

@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from extproc.bodies import buffer_bytes
 from extproc.config import Config, load_config
 from extproc.envoy_msgs import DESTINATION_HEADER
 from tests.deploy.helpers import (
@@ -185,7 +186,7 @@ def test_envoy_gateway_resources_match_the_config() -> None:
     override = _eg("BackendTrafficPolicy")["spec"]["loadBalancer"]["endpointOverride"]
     assert override["extractFrom"] == [{"header": DESTINATION_HEADER}]
     limit = _eg("ClientTrafficPolicy")["spec"]["connection"]["bufferLimit"]
-    assert _bytes(limit) >= cfg.limits.max_body_bytes
+    assert _bytes(limit) >= buffer_bytes(cfg.limits.max_body_bytes)  # room for the splice
     for kind in ("EnvoyExtensionPolicy", "BackendTrafficPolicy"):
         assert _eg(kind)["spec"]["targetRefs"][0]["name"] == _eg("HTTPRoute")["metadata"]["name"]
 

@@ -132,3 +132,120 @@ async def test_refusals_at_the_headers_phase(message: ep.ProcessingRequest, stat
     await asyncio.wait_for(task, timeout=2)
     assert envoy.sent[-1].immediate_response.status.code == status
     assert prefill.calls == 0
+
+
+class GatedPrefill:
+    """P answers `params` only once the test opens the gate."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.params = params
+        self.gate = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def send(self, *args: Any, **kwargs: Any) -> PrefillResult:
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return PrefillResult(200, self.params, 0.0, 0.0)
+
+
+def response_headers(status: int) -> ep.ProcessingRequest:
+    pair = core.HeaderValue(key=":status", raw_value=str(status).encode())
+    return ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=[pair]))
+    )
+
+
+async def wait_sent(envoy: ScriptedEnvoy, count: int) -> None:
+    while len(envoy.sent) < count:
+        envoy.answered.clear()
+        await asyncio.wait_for(envoy.answered.wait(), 2)
+
+
+RESTARTED = IDENTITY | {"remote_engine_id": "e2", "remote_request_id": "x"}
+SAME = IDENTITY | {"remote_request_id": "x"}
+
+
+async def test_restart_seen_in_the_wake_up_of_decode_headers_gives_503_not_200() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(RESTARTED)
+    task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST | {"stream": True}))
+    await wait_sent(envoy, 2)
+    # D's headers and P's answer (a new engine id) complete before the processor wakes up
+    envoy.inbox.put_nowait(response_headers(200))
+    prefill.gate.set()
+    await asyncio.wait_for(task, timeout=2)
+    kinds = [m.WhichOneof("response") for m in envoy.sent]
+    assert kinds == ["request_headers", "request_body", "immediate_response"]
+    reply = envoy.sent[-1].immediate_response
+    assert reply.status.code == 503
+    assert {h.header.key: h.header.raw_value for h in reply.headers.set_headers}[
+        "retry-after"] == b"1"  # fmt: skip
+    assert "restarted" in orjson.loads(reply.body)["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("params", "answer"),
+    [(SAME, "response_headers"), (RESTARTED, "immediate_response")],
+    ids=["same engine", "restarted"],
+)
+async def test_decode_headers_before_prefill_answers_are_held_until_it_settles(
+    params: dict[str, Any], answer: str
+) -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(params)
+    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST | {"stream": True}))
+    await wait_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(200))  # a streaming D answers at once
+    await wait_sent(envoy, 3)
+    held = envoy.sent[2]
+    assert held.WhichOneof("response") is None and held.override_message_timeout.seconds > 1
+    prefill.gate.set()
+    await wait_sent(envoy, 4)
+    assert envoy.sent[3].WhichOneof("response") == answer
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
+
+
+async def test_serial_decode_body_over_envoys_buffer_is_refused_before_it_leaves() -> None:
+    envoy = ScriptedEnvoy()
+    blocks = {"remote_block_ids": [list(range(100_000, 120_000))]}  # ~140 kB of block ids
+    prefill = GatedPrefill(SAME | blocks)
+    prefill.gate.set()
+    rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]},
+                               "limits": {"max_body_bytes": 1024}}),
+                 "unix:/nonexistent")  # fmt: skip
+    rt.prefill_client = prefill  # type: ignore[assignment]
+    task = await run(rt, envoy)  # no identity cached: serial, D's body is built after P
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await asyncio.wait_for(task, timeout=2)
+    kinds = [m.WhichOneof("response") for m in envoy.sent]
+    assert kinds == ["request_headers", None, "immediate_response"]  # None: timer extended
+    reply = envoy.sent[-1].immediate_response
+    assert reply.status.code == 413
+    assert "over the proxy's buffer" in orjson.loads(reply.body)["error"]["message"]
+
+
+async def test_decode_refusal_passes_at_once_and_cancels_the_prefill_leg() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)  # P never answers unless cancelled
+    task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await wait_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(400))
+    await wait_sent(envoy, 3)
+    assert envoy.sent[2].WhichOneof("response") == "response_headers"  # not held for P
+    await asyncio.wait_for(prefill.cancelled.wait(), 2)  # nor reset later by P's outcome
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    assert len(envoy.sent) == 3

@@ -8,6 +8,7 @@ import time
 
 import aiohttp
 import orjson
+import pytest
 
 from tests.integration.conftest import (
     MODEL,
@@ -17,7 +18,7 @@ from tests.integration.conftest import (
     requests_total,
     topology,
 )
-from vllmsim.testing import PUSH_P, EngineHandle, running_engine
+from vllmsim.testing import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "Once upon a time " * 20, "max_tokens": 8}
 
@@ -133,6 +134,35 @@ async def test_prefill_restart_under_a_request_gives_a_retryable_error_at_worst(
         d_records = await topo.seen(topo.decodes[0])
         new_id = new_state["engine_id"]
         assert d_records[-1]["body"]["kv_transfer_params"]["remote_engine_id"] == new_id
+
+
+PUSH_D_RECOMPUTE = PUSH_D[:-1] + ',"kv_load_failure_policy":"recompute"}'
+
+
+@pytest.mark.parametrize("decode", [PUSH_D, PUSH_D_RECOMPUTE], ids=["fail", "recompute"])
+async def test_streaming_request_just_after_a_prefill_restart_gets_503_before_any_200(
+    decode: str,
+) -> None:
+    # A streaming D sends its 200 headers at once; they must not pass before P's answer shows
+    # the restart. Health checks are slowed down so that each restart is first seen by the
+    # request; a high flap threshold keeps the endpoint parallel across the restarts.
+    config = {"dispatch": {"flap_threshold": 1000}, "health": {"interval_s": 30}}
+    async with topology(connectors=(PUSH_P, decode), **config) as topo:
+        stream = COMPLETION | {"stream": True}
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+        for _ in range(3):
+            await topo.sim(topo.prefills[0], "POST", "/sim/restart")
+            status, body, headers = await topo.post("/v1/completions", stream, timeout=10)
+            assert status == 503, body
+            assert headers.get("retry-after") == "1"
+            assert headers.get("content-type") == "application/json"
+            error = orjson.loads(body)["error"]
+            assert error["code"] == 503 and "restarted" in error["message"]
+        status, body, _ = await topo.post("/v1/completions", stream, timeout=10)
+        assert status == 200 and b'"error"' not in body and body.endswith(b"data: [DONE]\n\n")
+        metrics = await topo.metrics()
+        assert metrics[requests_total("identity_changed", "cache_hit", "parallel")] == 3
 
 
 async def test_prefill_restart_is_detected_before_any_request() -> None:
