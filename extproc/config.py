@@ -8,6 +8,7 @@ once and never a traceback.
 from __future__ import annotations
 
 import ipaddress
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -18,10 +19,14 @@ from pydantic import (
     ConfigDict,
     Field,
     PositiveFloat,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
 )
+
+from extproc.envoy_msgs import DESTINATION_HEADER
+from extproc.prefill_leg import LOCAL_REPLY_HEADER
 
 __all__ = [
     "Config",
@@ -198,6 +203,39 @@ class LogConfig(_Strict):
     requests: bool = False  # one line per finished request (ids, dispatch, outcome)
 
 
+# Headers about one connection or hop, not the request (RFC 9110 §7.6.1; Expect asks this hop
+# for a 100 Continue).
+_HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade", "expect"}
+)
+# Headers the sidecar or Envoy sets on the P leg itself, or that steer routing and identity.
+_OWN_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "content-type",
+        "content-encoding",
+        "x-request-id",
+        "forwarded",
+        DESTINATION_HEADER,
+        LOCAL_REPLY_HEADER,
+    }
+)
+_OWN_PREFIXES = (":", "x-envoy-", "x-forwarded-")
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")  # an HTTP field name (RFC 9110 §5.1)
+
+
+def _forwarding_problem(name: str) -> str | None:
+    """Why `name` may not be forwarded to P, or None."""
+    if name in _HOP_BY_HOP or name.startswith("proxy-"):
+        return f"{name!r} is hop-by-hop (it describes one connection): never forwarded"
+    if name in _OWN_HEADERS or name.startswith(_OWN_PREFIXES):
+        return f"{name!r} is set by pd-extproc or Envoy (routing, identity): never forwarded"
+    if not _TOKEN.fullmatch(name):
+        return f"{name!r} is not a valid header name"
+    return None
+
+
 class DispatchConfig(_Strict):
     mode: DispatchMode = DispatchMode.AUTO
     # Learn a prefill's identity with a one-token probe as soon as it appears, so that the
@@ -212,6 +250,19 @@ class DispatchConfig(_Strict):
     no_healthy_prefill: Literal["error", "decode_only"] = "error"
     # The header whose value the `session` policy hashes (sticky routing per conversation).
     session_header: str = "x-session-id"
+    # Client headers copied onto the P leg (D gets every client header from Envoy anyway):
+    # engines started with --api-key need the client's key on both legs, and vLLM continues
+    # the client's OpenTelemetry trace from traceparent/tracestate, on P as on D.
+    forward_headers: list[str] = ["authorization", "traceparent", "tracestate"]
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _check_forward_headers(cls, value: list[str]) -> list[str]:
+        names = list(dict.fromkeys(name.lower() for name in value))
+        problems = [p for p in map(_forwarding_problem, names) if p is not None]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return names
 
 
 class TimeoutConfig(_Strict):
@@ -300,6 +351,36 @@ class EnvoyConfig(_Strict):
         return _loopback_listener(value) if value else value
 
 
+class EnginesConfig(_Strict):
+    """How the sidecar itself talks to the engines (not the client's requests)."""
+
+    # The key the engines were started with (vLLM --api-key), for the sidecar's own /v1
+    # requests: the identity probe. Health checks and metric scrapes use /health and /metrics,
+    # which vLLM serves without a key. Read when the config is loaded (a reload re-reads it).
+    api_key_file: str | None = None
+    _api_key: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _read_api_key(self) -> EnginesConfig:
+        if self.api_key_file is None:
+            return self
+        try:
+            key = Path(self.api_key_file).read_text().strip()
+        except OSError as error:
+            raise ValueError(
+                f"api_key_file {self.api_key_file} cannot be read ({error.strerror})"
+            ) from None
+        if not key:
+            raise ValueError(f"api_key_file {self.api_key_file} is empty")
+        self._api_key = key
+        return self
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The Authorization header of the sidecar's own engine requests (none without a key)."""
+        return {} if self._api_key is None else {"authorization": f"Bearer {self._api_key}"}
+
+
 class ModelConfig(_Strict):
     """The pools of one model (`models:`): requests naming it go only to these engines."""
 
@@ -315,6 +396,7 @@ class Config(_Strict):
     decode: PoolConfig
     models: dict[str, ModelConfig] = {}
     dispatch: DispatchConfig = DispatchConfig()
+    engines: EnginesConfig = EnginesConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     health: HealthConfig = HealthConfig()
     kv_check: KvCheckConfig = KvCheckConfig()

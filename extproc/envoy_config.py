@@ -111,6 +111,12 @@ def _json_reply(filter_: dict[str, Any], status: int, message: str) -> dict[str,
     }
 
 
+_BAD_PATH_MESSAGE = (
+    "the request target is not a plain path: it has a '#fragment' (which HTTP clients must not "
+    "send) or escapes that do not resolve; send e.g. POST /v1/completions"
+)
+
+
 def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
     limit = cfg.limits.max_body_bytes
     status_413 = {
@@ -129,6 +135,17 @@ def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
             "typed_config": {
                 _TYPED: _CEL_FILTER,
                 "expression": "response.code_details.startsWith('ext_proc_error')",
+            },
+        }
+    }
+    # Envoy refuses a target with a '#fragment' (and one its path normalisation cannot
+    # resolve) with 400 and an empty body: name the reason.
+    bad_path = {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                _TYPED: _CEL_FILTER,
+                "expression": "response.code_details == 'path_normalization_failed'",
             },
         }
     }
@@ -159,6 +176,7 @@ def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
     return {"mappers": [
         _json_reply(too_large, 413, f"request body exceeds the limit of {limit} bytes"),
         _json_reply(extproc_down, 503, "the pd-extproc ext_proc is unavailable; retry"),
+        _json_reply(bad_path, 400, _BAD_PATH_MESSAGE),
         {"filter": envoys_own, "body_format_override": wrapped},
     ]}  # fmt: skip
 

@@ -29,6 +29,8 @@ __all__ = [
 
 _TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
     413: "RequestTooLarge",

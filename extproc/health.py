@@ -39,6 +39,7 @@ class HealthChecker:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._probes: dict[str, asyncio.Task[bool]] = {}
+        self._probe_refused: set[str] = set()  # endpoints that refused the probe's API key
         self._failures: dict[str, int] = {}
         self._start_times: dict[str, float] = {}
         self._wake = asyncio.Event()
@@ -124,7 +125,9 @@ class HealthChecker:
         running = self._probes.get(address)
         if running is not None and not running.done():
             return
-        self._probes[address] = asyncio.create_task(probe_prefill(self.rt, self._session, address))
+        self._probes[address] = asyncio.create_task(
+            probe_prefill(self.rt, self._session, address, self._probe_refused)
+        )
 
     async def probes_settled(self, timeout_s: float) -> None:
         """Wait (bounded) for the probes in flight; used at start-up."""

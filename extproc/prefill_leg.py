@@ -40,8 +40,9 @@ def _prefill_error(status: int, flags: str | None, body: bytes, endpoint: str) -
         )
     message = f"prefill endpoint {endpoint} answered {status}"
     try:
-        detail = orjson.loads(body)["error"]["message"]
-        message += f": {detail}"
+        detail = orjson.loads(body)["error"]
+        # OpenAI-style {"error": {"message": ...}}, or vLLM's 401 {"error": "Unauthorized"}
+        message += f": {detail if isinstance(detail, str) else detail['message']}"
     except (orjson.JSONDecodeError, KeyError, TypeError):
         pass
     # 4xx from P means the request is bad for the engine: pass it on; 5xx becomes 502.

@@ -69,6 +69,7 @@ class RequestProcessor:
         self.prefill: str | None = None
         self.given: PrefillIdentity | None = None  # identity D was given (parallel)
         self.leg: asyncio.Task[PrefillResult] | None = None
+        self.forwarded: dict[str, str] = {}  # client headers the P leg carries too
         self.trace = runtime.tracing.request()
 
     async def run(self) -> None:
@@ -117,6 +118,8 @@ class RequestProcessor:
             return
         headers = envoy_msgs.header_map(message.request_headers)
         self.client_request_id = headers.get("x-request-id", "")
+        forward = self.rt.config.dispatch.forward_headers
+        self.forwarded = {name: headers[name] for name in forward if name in headers}
         api = check_route(headers.get(":method", ""), headers.get(":path", ""))
         if message.request_headers.end_of_stream:
             raise ClientError(400, "the request has no body; send a JSON object")
@@ -223,6 +226,7 @@ class RequestProcessor:
                 body,
                 self.request_id,
                 self.rt.config.timeouts.prefill_s,
+                self.forwarded,
             )
         )
 
@@ -262,7 +266,8 @@ class RequestProcessor:
             self.rt.metrics.prefill_seconds.labels(error.label).observe(
                 time.perf_counter() - self._leg_started
             )
-            self.rt.identities.drop(self.prefill)
+            if not _refused_request(error):
+                self.rt.identities.drop(self.prefill)
             if isinstance(error, PrefillUnreachable):
                 self.rt.prefill.set_healthy(self.prefill, False)
             raise
@@ -380,6 +385,11 @@ class RequestProcessor:
         self.given = None
         if self.leg is not None and not self.leg.done():
             self.leg.cancel()
+
+
+def _refused_request(error: LegError) -> bool:
+    """P answered 4xx: it refused this request (bad key, bad field), so P itself is fine."""
+    return isinstance(error, PrefillFailed) and 400 <= error.status < 500
 
 
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash

@@ -91,3 +91,4 @@ class SimConfig:
     port_file: str | None = None
     cost: CostModel = field(default_factory=CostModel)
     faults: Faults = field(default_factory=Faults)
+    api_keys: tuple[str, ...] = ()  # --api-key / VLLM_API_KEY: bearer tokens the API requires

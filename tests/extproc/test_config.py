@@ -87,3 +87,54 @@ def test_rendered_bootstrap_passes_envoy_validate(tmp_path: Path, listener: str)
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
+
+
+def test_forward_headers_default_to_the_key_and_trace_context() -> None:
+    assert parse_config(MINIMAL).dispatch.forward_headers == [
+        "authorization",
+        "traceparent",
+        "tracestate",
+    ]
+    cfg = parse_config(MINIMAL | {"dispatch": {"forward_headers": ["Authorization", "X-Tenant"]}})
+    assert cfg.dispatch.forward_headers == ["authorization", "x-tenant"]
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("Connection", "'connection' is hop-by-hop"),
+        ("keep-alive", "hop-by-hop"),
+        ("TE", "hop-by-hop"),
+        ("trailer", "hop-by-hop"),
+        ("transfer-encoding", "hop-by-hop"),
+        ("upgrade", "hop-by-hop"),
+        ("proxy-authorization", "hop-by-hop"),
+        ("host", "set by pd-extproc or Envoy"),
+        (":authority", "set by pd-extproc or Envoy"),
+        ("content-length", "set by pd-extproc or Envoy"),
+        ("x-request-id", "set by pd-extproc or Envoy"),
+        ("x-gateway-destination-endpoint", "set by pd-extproc or Envoy"),
+        ("x-envoy-max-retries", "set by pd-extproc or Envoy"),
+        ("x-forwarded-for", "set by pd-extproc or Envoy"),
+        ("bad header", "not a valid header name"),
+    ],
+)
+def test_forward_headers_refuse_hop_by_hop_and_routing_headers(name: str, why: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(MINIMAL | {"dispatch": {"forward_headers": ["authorization", name]}})
+    [line] = str(caught.value).splitlines()
+    assert line.startswith("dispatch.forward_headers: ") and why in line, line
+
+
+def test_engine_api_key_is_read_at_load_and_never_shown(tmp_path: Path) -> None:
+    assert parse_config(MINIMAL).engines.auth_headers == {}
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-secret\n")
+    cfg = parse_config(MINIMAL | {"engines": {"api_key_file": str(key_file)}})
+    assert cfg.engines.auth_headers == {"authorization": "Bearer sk-secret"}
+    assert "sk-secret" not in repr(cfg) and "sk-secret" not in str(cfg.model_dump())
+    key_file.write_text(" \n")
+    with pytest.raises(ConfigError, match=r"^engines: api_key_file .* is empty$"):
+        parse_config(MINIMAL | {"engines": {"api_key_file": str(key_file)}})
+    with pytest.raises(ConfigError, match=r"^engines: api_key_file .* cannot be read \(No such"):
+        parse_config(MINIMAL | {"engines": {"api_key_file": str(tmp_path / "absent")}})

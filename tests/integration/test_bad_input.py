@@ -4,6 +4,7 @@ forwarded to an engine, and no 5xx or hang for thousands of random bodies."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import random
 from collections.abc import AsyncIterator
 
@@ -43,9 +44,16 @@ CASES = [
      b'{"model":"m","prompt":"p","max_tokens":"8"}', 400, "max_tokens"),
     ("missing model", "POST", "/v1/completions", b'{"prompt":"p"}', 400, "model"),
     ("n > 1", "POST", "/v1/completions", b'{"model":"m","prompt":"p","n":3}', 400, "'n'"),
+    ("n = 0", "POST", "/v1/completions", b'{"model":"m","prompt":"p","n":0}', 400, "'n' is 0"),
     ("list of prompts", "POST", "/v1/completions",
-     b'{"model":"m","prompt":["a","b"]}', 400, "list of prompts"),
+     b'{"model":"m","prompt":["a","b"]}', 400, "list of 2 prompts"),
+    ("empty prompt list", "POST", "/v1/completions",
+     b'{"model":"m","prompt":[]}', 400, "empty list"),
     ("non-UTF-8", "POST", "/v1/completions", b'{"model":"m","prompt":"\xc3\x28"}', 400, "UTF-8"),
+    ("gzip body", "POST", "/v1/completions",
+     gzip.compress(b'{"model":"m","prompt":"p"}'), 400, "gzip-compressed"),
+    ("max_tokens beyond 64 bits", "POST", "/v1/completions",
+     b'{"model":"m","prompt":"p","max_tokens":%d}' % 2**70, 400, "too large"),
     ("stream_options without stream", "POST", "/v1/chat/completions",
      b'{"model":"m","messages":[{"role":"user","content":"x"}],'
      b'"stream_options":{"include_usage":true}}', 400, "stream_options"),
@@ -135,6 +143,34 @@ async def test_body_one_byte_over_the_limit_gets_413_before_any_leg(
     assert content_type == "application/json"
     error = orjson.loads(body)["error"]
     assert error["code"] == 413 and f"{LIMIT} bytes" in error["message"]
+    for engine in topo.engines:
+        assert await topo.seen(engine) == []
+
+
+async def raw_request(topo: Topology, target: bytes, body: bytes) -> tuple[int, bytes]:
+    """One HTTP/1.1 request written by hand: HTTP clients strip a '#fragment' themselves."""
+    host, port = topo.sidecar.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST " + target + b" HTTP/1.1\r\nhost: pd\r\nconnection: close\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+        )
+        response = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, payload = response.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), payload
+
+
+@pytest.mark.parametrize("target", [b"/v1/completions#frag", b"/v1/completions?x=1#frag"])
+async def test_fragment_target_gets_a_message(topo: Topology, target: bytes) -> None:
+    await topo.clear()
+    body = orjson.dumps({"model": MODEL, "prompt": "p", "max_tokens": 1})
+    status, payload = await raw_request(topo, target, body)
+    assert status == 400, payload
+    error = orjson.loads(payload)["error"]
+    assert error["code"] == 400 and "'#fragment'" in error["message"], error
     for engine in topo.engines:
         assert await topo.seen(engine) == []
 
