@@ -25,7 +25,6 @@ from vllmsim.server import SIM_KEY, SimServer
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _MODE_LABEL = {KVMode.LOCAL: "local", KVMode.PREFILL: "prefill", KVMode.RECOMPUTE: "recompute"}
 
 
@@ -178,6 +177,9 @@ def _chunk(parsed: ParsedRequest, rid: str, created: int, text: str,
                                               last=last))  # fmt: skip
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
 @web.middleware
 async def record_unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Record a request no route matched (404/405) with its raw path and body, then refuse it."""
@@ -193,8 +195,8 @@ async def record_unrouted(request: web.Request, handler: Handler) -> web.StreamR
         "x_request_id": request.headers.get("X-Request-Id"), "internal_id": None,
         "method": request.method, "path": request.raw_path, "received_at": time.time(),
         "body": body, "headers": {k.lower(): v for k, v in request.headers.items()},
-        "status": refusal.status, "outcome": "unrouted", "kv": None, "first_token_at": None,
-        "body_bytes": len(raw),
+        "status": refusal.status, "outcome": "unrouted", "kv": None, "kv_evidence": None,
+        "first_token_at": None, "body_bytes": len(raw),
     })  # fmt: skip
     raise refusal
 
