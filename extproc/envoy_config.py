@@ -64,6 +64,7 @@ PASSTHROUGH = {
     "/v1/models": "GET", "/health": "GET", "/metrics": "GET", "/version": "GET",
     "/tokenize": "POST", "/detokenize": "POST",
 }  # fmt: skip
+_EXTPROC_MAX_OUTBOUND_FRAMES = 1_000_000
 _UNLIMITED = {
     "max_connections": 100000,
     "max_pending_requests": 100000,
@@ -368,6 +369,12 @@ def _extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
                 "explicit_http_config": {
                     "http2_protocol_options": {
                         "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                        # Envoy's flood guard (10000 queued frames by default) is for untrusted
+                        # peers. A burst of 600 x 0.5 MB bodies queues ~20000 DATA frames while
+                        # the ext_proc reads slower than Envoy writes, and tripping it closes the
+                        # connection: every in-flight request fails at once. The bodies queued
+                        # are bounded by the requests' own buffer limits anyway.
+                        "max_outbound_frames": _EXTPROC_MAX_OUTBOUND_FRAMES,
                     }
                 },
             }

@@ -68,11 +68,20 @@ def _error(status: int, payload: bytes) -> str:
         return f"{status} {payload[:70]!r}"
 
 
-async def burst(url: str, n: int, megabytes: float) -> None:
+async def floods(session: aiohttp.ClientSession, admin: str) -> int:
+    """Envoy's count of ext_proc connections it closed for queueing too many HTTP/2 frames."""
+    async with session.get(admin + "/stats?filter=pd_extproc.http2.outbound_flood") as response:
+        text = await response.text()
+    return sum(int(line.rpartition(" ")[2]) for line in text.splitlines() if line)
+
+
+async def burst(url: str, n: int, megabytes: float, admin: str | None = None) -> None:
     data = body(megabytes)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
+        flooded = await floods(session, admin) if admin else 0
         results = await asyncio.gather(*(one(session, url, data) for _ in range(n)))
+        flooded = await floods(session, admin) - flooded if admin else 0
     outcomes = Counter(outcome for outcome, _ in results)
     times = sorted(elapsed for _, elapsed in results)
     failed = n - outcomes["200"]
@@ -82,6 +91,8 @@ async def burst(url: str, n: int, megabytes: float) -> None:
     for outcome, count in outcomes.items():
         if outcome != "200":
             print(f"    {count} x {outcome}")
+    if flooded:
+        print(f"    Envoy closed the ext_proc connection {flooded} x (HTTP/2 outbound flood)")
 
 
 def parse_burst(text: str) -> tuple[int, float]:
@@ -111,7 +122,7 @@ async def main() -> None:
         print(f"Envoy's ext_proc message timeout: {timeout:g} s "
               f"(limits.max_body_bytes {args.max_body_mb:g} MiB)")  # fmt: skip
         for n, megabytes in args.bursts:
-            await burst(sidecar.url, n, megabytes)
+            await burst(sidecar.url, n, megabytes, sidecar.envoy_admin)
 
 
 if __name__ == "__main__":

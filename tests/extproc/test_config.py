@@ -103,3 +103,13 @@ def test_extproc_message_timeout_is_sized_for_a_burst_of_large_bodies() -> None:
     assert _message_timeout(MINIMAL | {"limits": {"max_body_bytes": 64 * 2**20}}) == "36.8s"
     assert _message_timeout(MINIMAL | {"limits": {"max_body_bytes": 2**20}}) == "1.6s"
     assert _message_timeout(MINIMAL | {"timeouts": {"extproc_message_s": 2}}) == "2s"
+
+
+def test_extproc_connection_survives_a_burst_of_queued_frames() -> None:
+    # 600 concurrent 0.5 MB bodies queued ~20000 HTTP/2 frames to the ext_proc; at Envoy's
+    # default flood limit (10000) Envoy closed the connection and 599 of them got 503
+    bootstrap = render_bootstrap(parse_config(MINIMAL), "127.0.0.1:50051", "unix:/x")
+    [cluster] = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "pd_extproc"]
+    [options] = cluster["typed_extension_protocol_options"].values()
+    http2 = options["explicit_http_config"]["http2_protocol_options"]
+    assert http2["max_outbound_frames"] >= 600 * (512 * 1024 // 16384) * 10
