@@ -6,9 +6,11 @@ parts as tokens, so the engines stay cheap and the time goes to Envoy and the ex
 a real multimodal body). All N requests are sent at once; the script prints, per burst, how many
 got 200 and what the others got.
 
-    python scripts/burst.py 12x10 200x0.5 [--message-timeout 1] [--max-body-mb 32]
+    python scripts/burst.py 12x10 200x0.5 [--message-timeout 1] [--connect-timeout 1]
+                            [--max-body-mb 16]
 
-`--message-timeout` sets `timeouts.extproc_message_s` (default: the config's own default).
+`--message-timeout` and `--connect-timeout` set `timeouts.extproc_message_s` and
+`timeouts.connect_s` (default: the config's own defaults).
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bursts", nargs="+", type=parse_burst, help="NxMB, e.g. 12x10")
     parser.add_argument("--message-timeout", type=float, help="timeouts.extproc_message_s")
+    parser.add_argument("--connect-timeout", type=float, help="timeouts.connect_s")
     parser.add_argument("--max-body-mb", type=float, default=16.0, help="limits.max_body_bytes")
     args = parser.parse_args()
     flags = ("--kv-transfer-config",)
@@ -114,8 +117,8 @@ async def main() -> None:
             "limits": {"max_body_bytes": int(args.max_body_mb * 2**20)},
             "health": {"interval_s": 2.0, "timeout_s": 1.0},  # the defaults, not the tests' 0.5
         }
-        if args.message_timeout is not None:
-            extra["timeouts"] = {"extproc_message_s": args.message_timeout}
+        timeouts = {"extproc_message_s": args.message_timeout, "connect_s": args.connect_timeout}
+        extra["timeouts"] = {key: value for key, value in timeouts.items() if value is not None}
         config = ephemeral_config([f"127.0.0.1:{p.port}"], [f"127.0.0.1:{d.port}"], **extra)
         sidecar = await stack.enter_async_context(running_sidecar(config, log_level="WARNING"))
         timeout = extproc_message_timeout_s(parse_config(config))
