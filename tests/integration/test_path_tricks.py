@@ -144,3 +144,14 @@ def _lines(found: dict[str, list[str]]) -> str:
 
 def _text(body: object) -> str:
     return body if isinstance(body, str) else orjson.dumps(body).decode()
+
+
+async def test_pass_through_routes_still_reach_the_engines(topo: Topology) -> None:
+    url = topo.sidecar.url
+    for path in ("/v1/models", "/health", "/version", "/metrics"):
+        async with topo.session.get(url + path) as response:
+            assert response.status == 200, path
+    async with topo.session.post(url + "/tokenize", json={"model": MODEL, "prompt": "hi"}) as r:
+        assert r.status == 200 and (await r.json())["count"] > 0
+    async with topo.session.get(url + "/v1/models?x=1") as response:  # the query is no trick
+        assert (await response.json())["data"][0]["id"] == MODEL
