@@ -459,7 +459,7 @@ def snippet_header(cfg: Config) -> str:
         "# http_filters: add to the http_filters of your ingress http_connection_manager,\n"
         "#   before envoy.filters.http.router.\n"
         "# http_connection_manager: merge these keys into that http_connection_manager\n"
-        "#   (normalised paths; an odd path must not dodge the ext_proc's route).\n"
+        "#   (normalised paths: no spelling of a path may dodge the ext_proc's route).\n"
         "# clusters: add to static_resources.clusters (pd_extproc is the ext_proc's gRPC).\n"
         "# listeners: add to static_resources.listeners; the ext_proc sends the prefill leg\n"
         "#   here. It has no authentication: keep it on loopback or a Unix socket.\n"
