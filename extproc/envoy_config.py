@@ -137,8 +137,9 @@ def _ext_proc_filter(cfg: Config) -> dict[str, Any]:
 # Envoy refuses a path it cannot normalise (normalize_path) or one with an escaped slash
 # (path_with_escaped_slashes_action) with this single detail.
 _BAD_PATH = (
-    "the request path cannot be used: it has an encoded slash or backslash (%2F, %5C), a "
-    "#fragment or an encoded control character; send the plain path, e.g. /v1/completions"
+    "the request target is not a plain path: it has an encoded slash or backslash (%2F, %5C), "
+    "a '#fragment' (which HTTP clients must not send) or an escape that does not resolve; "
+    "send e.g. POST /v1/completions"
 )
 
 
@@ -170,7 +171,8 @@ def _json_reply(status: int, message: str, when: str | None = None) -> dict[str,
 
 def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
     limit = cfg.limits.max_body_bytes
-    # The ext_proc's own ImmediateResponses carry their JSON already (details pd_extproc_*).
+    # The ext_proc's own ImmediateResponses (its 413 too) carry their JSON already (details
+    # pd_extproc_*).
     envoys_own = "!response.code_details.startsWith('pd_extproc')"
     # No answer from the ext_proc (details ext_proc_error_*): a stream that cannot open or
     # breaks gets `status_on_error` (503); a message left unanswered for the message timeout
@@ -190,7 +192,7 @@ def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
         "content_type": "application/json",
     }
     return {"mappers": [
-        _json_reply(413, f"request body exceeds the limit of {limit} bytes"),
+        _json_reply(413, f"request body exceeds the limit of {limit} bytes", envoys_own),
         _json_reply(400, _BAD_PATH, "response.code_details == 'path_normalization_failed'"),
         _json_reply(504, "the pd-extproc ext_proc did not answer within its message timeout "
                     "(timeouts.extproc_message_s); retry", extproc_failed),
