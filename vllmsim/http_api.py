@@ -184,7 +184,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 async def record_unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Record a request no route matched (404/405) with its raw path and body, then refuse it."""
     refusal = request.match_info.http_exception
-    if refusal is None:
+    if refusal is None or request.method == "OPTIONS":  # vLLM's CORS layer answers preflights
         return await handler(request)
     raw = await request.read()
     try:
