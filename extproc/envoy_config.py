@@ -4,7 +4,8 @@ The settings follow the measurements in DESIGN.md / envoy-extproc.md:
 - ext_proc: request headers SEND + body BUFFERED (routing can depend on the body and
   content-length is kept), response headers SEND (the sidecar sees D's status; one cheap
   round trip that overlaps decoding), response body NONE (SSE streams through untouched),
-  fail closed with 503, message timeout ~1 s, extendable to the prefill timeout.
+  fail closed with 503, a message timeout sized for a burst of large bodies, extendable to the
+  prefill timeout.
 - decode_pool / prefill_pool: real clusters with the override_host LB policy reading
   x-gateway-destination-endpoint, so only pool members can ever be chosen.
 - the prefill leg enters through a listener bound to loopback or a Unix socket.
@@ -25,7 +26,16 @@ from extproc.errors import error_body
 from extproc.prefill_leg import LOCAL_REPLY_HEADER
 from extproc.request import PATHS
 
-__all__ = ["EXTPROC_CLUSTER", "render_bootstrap", "render_snippet", "render_yaml", "snippet_header"]
+__all__ = [
+    "EXTPROC_CLUSTER",
+    "PASSTHROUGH",
+    "PATH_HANDLING",
+    "extproc_message_timeout_s",
+    "render_bootstrap",
+    "render_snippet",
+    "render_yaml",
+    "snippet_header",
+]
 
 EXTPROC_CLUSTER = "pd_extproc"
 _TYPED = "@type"
@@ -48,8 +58,14 @@ _CEL_FILTER = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v
 _TLS_CONTEXT = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # its gRPC health service name
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-# Paths of the engines that need no P/D routing: any decode engine answers them.
-PASSTHROUGH_PATHS = ("/v1/models", "/health", "/metrics", "/version", "/tokenize", "/detokenize")
+# Engine endpoints that need no P/D routing (any decode engine answers them), each with the one
+# method it serves. Matched exactly, on the normalised path and that method, so that no other
+# target and no client body meant for a completion reaches an engine past the ext_proc.
+PASSTHROUGH = {
+    "/v1/models": "GET", "/health": "GET", "/metrics": "GET", "/version": "GET",
+    "/tokenize": "POST", "/detokenize": "POST",
+}  # fmt: skip
+_EXTPROC_MAX_OUTBOUND_FRAMES = 1_000_000
 _UNLIMITED = {
     "max_connections": 100000,
     "max_pending_requests": 100000,
@@ -74,6 +90,28 @@ def _router() -> dict[str, Any]:
     return {"name": "envoy.filters.http.router", "typed_config": {_TYPED: _ROUTER}}
 
 
+# Sizing of Envoy's ext_proc message timer. It runs from sending a message to its answer, and
+# Envoy sends the bodies of concurrent requests interleaved on one HTTP/2 connection: a body
+# in a burst is complete at the ext_proc only when about the whole burst is, so its timer
+# covers every byte in flight, not just its own (with 1 s, 11 of 12 concurrent 10 MB bodies
+# failed). On a busy 2-vCPU machine Envoy, the ext_proc and the engines together took in
+# bursts at 20-30 MB/s (12 x 10 MB in 4-6.5 s, 200 x 0.5 MB in 2-3.5 s). The default leaves
+# 1 s for a stalled Python process plus room for 16 bodies of the maximum size in flight at
+# 30 MB/s: 9.9 s for 16 MiB. A longer timer costs little: an ext_proc that is down fails at
+# once (503), and one that is merely slow has done the work a 504 would throw away.
+_STALL_S = 1.0
+_BURST_BODIES = 16
+_BURST_BYTES_PER_S = 30e6
+
+
+def extproc_message_timeout_s(cfg: Config) -> float:
+    """timeouts.extproc_message_s, or by default sized from limits.max_body_bytes."""
+    if cfg.timeouts.extproc_message_s is not None:
+        return cfg.timeouts.extproc_message_s
+    burst = _BURST_BODIES * cfg.limits.max_body_bytes / _BURST_BYTES_PER_S
+    return round(_STALL_S + burst, 1)
+
+
 def _ext_proc_filter(cfg: Config) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.ext_proc",
@@ -82,7 +120,7 @@ def _ext_proc_filter(cfg: Config) -> dict[str, Any]:
             "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
             "failure_mode_allow": False,  # without the ext_proc there is no decode target
             "status_on_error": {"code": 503},
-            "message_timeout": _duration(cfg.timeouts.extproc_message_s),
+            "message_timeout": _duration(extproc_message_timeout_s(cfg)),
             # serial dispatch extends the timer while P computes (override_message_timeout)
             "max_message_timeout": _duration(cfg.timeouts.prefill_s + 5),
             "processing_mode": {
@@ -97,10 +135,31 @@ def _ext_proc_filter(cfg: Config) -> dict[str, Any]:
     }
 
 
-def _json_reply(filter_: dict[str, Any], status: int, message: str) -> dict[str, Any]:
-    """A local-reply mapper that gives Envoy's own errors an OpenAI-style JSON body."""
+# Envoy refuses a path it cannot normalise (normalize_path) or one with an escaped slash
+# (path_with_escaped_slashes_action) with this single detail.
+_BAD_PATH = (
+    "the request target is not a plain path: it has an encoded slash or backslash (%2F, %5C), "
+    "a '#fragment' (which HTTP clients must not send) or an escape that does not resolve; "
+    "send e.g. POST /v1/completions"
+)
+
+
+def _cel(expression: str) -> dict[str, Any]:
     return {
-        "filter": filter_,
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {_TYPED: _CEL_FILTER, "expression": expression},
+        }
+    }
+
+
+def _json_reply(status: int, message: str, when: str | None = None) -> dict[str, Any]:
+    """A local-reply mapper that gives Envoy's own `status` replies (those for which the CEL
+    `when` holds) an OpenAI-style JSON body. It matches that one status, so the HTTP status and
+    the body's `code` always agree."""
+    expression = f"response.code == {status}" + (f" && ({when})" if when else "")
+    return {
+        "filter": _cel(expression),
         "body": {"inline_string": error_body(status, message).decode()},
         "headers_to_add": [
             {
@@ -111,57 +170,17 @@ def _json_reply(filter_: dict[str, Any], status: int, message: str) -> dict[str,
     }
 
 
-_BAD_PATH_MESSAGE = (
-    "the request target is not a plain path: it has a '#fragment' (which HTTP clients must not "
-    "send) or escapes that do not resolve; send e.g. POST /v1/completions"
-)
-
-
 def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
     limit = cfg.limits.max_body_bytes
-    status_413 = {
-        "status_code_filter": {
-            "comparison": {
-                "op": "EQ",
-                "value": {"default_value": 413, "runtime_key": "pd_extproc.413"},
-            }
-        }
-    }
-    # The ext_proc's own ImmediateResponses carry their JSON already (details pd_extproc_*);
-    # only failures to reach it (details ext_proc_error_*) get this body.
-    extproc_down = {
-        "extension_filter": {
-            "name": "envoy.access_loggers.extension_filters.cel",
-            "typed_config": {
-                _TYPED: _CEL_FILTER,
-                "expression": "response.code_details.startsWith('ext_proc_error')",
-            },
-        }
-    }
-    # Envoy refuses a target with a '#fragment' (and one its path normalisation cannot
-    # resolve) with 400 and an empty body: name the reason.
-    bad_path = {
-        "extension_filter": {
-            "name": "envoy.access_loggers.extension_filters.cel",
-            "typed_config": {
-                _TYPED: _CEL_FILTER,
-                "expression": "response.code_details == 'path_normalization_failed'",
-            },
-        }
-    }
+    # The ext_proc's own ImmediateResponses (its 413 too) carry their JSON already (details
+    # pd_extproc_*).
+    envoys_own = "!response.code_details.startsWith('pd_extproc')"
+    # No answer from the ext_proc (details ext_proc_error_*): a stream that cannot open or
+    # breaks gets `status_on_error` (503); a message left unanswered for the message timeout
+    # gets 504 (status_on_error does not apply to it).
+    extproc_failed = "response.code_details.startsWith('ext_proc_error')"
     # Every other reply Envoy makes itself (upstream connect failure or reset, the KV-wait
-    # idle timeout): its own text, wrapped in the OpenAI error shape.
-    envoys_own = {
-        "extension_filter": {
-            "name": "envoy.access_loggers.extension_filters.cel",
-            "typed_config": {
-                _TYPED: _CEL_FILTER,
-                "expression": "!response.code_details.startsWith('pd_extproc')",
-            },
-        }
-    }
-    # Envoy's own 413 (a body over its buffer); the ext_proc's 413 carries its JSON already.
-    too_large = {"and_filter": {"filters": [status_413, envoys_own]}}
+    # idle timeout): its own text, wrapped in the OpenAI error shape; the code is the status.
     wrapped = {
         "json_format": {
             "error": {
@@ -174,11 +193,29 @@ def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
         "content_type": "application/json",
     }
     return {"mappers": [
-        _json_reply(too_large, 413, f"request body exceeds the limit of {limit} bytes"),
-        _json_reply(extproc_down, 503, "the pd-extproc ext_proc is unavailable; retry"),
-        _json_reply(bad_path, 400, _BAD_PATH_MESSAGE),
-        {"filter": envoys_own, "body_format_override": wrapped},
+        _json_reply(413, f"request body exceeds the limit of {limit} bytes", envoys_own),
+        _json_reply(400, _BAD_PATH, "response.code_details == 'path_normalization_failed'"),
+        _json_reply(504, "the pd-extproc ext_proc did not answer within its message timeout "
+                    "(timeouts.extproc_message_s); retry", extproc_failed),
+        _json_reply(503, "the pd-extproc ext_proc is unavailable; retry", extproc_failed),
+        {"filter": _cel(envoys_own), "body_format_override": wrapped},
     ]}  # fmt: skip
+
+
+# Envoy does not normalise paths by default, and routes match the path as sent: without these a
+# target such as /health/../v1/completions or /v1/models%2F..%2Fcompletions would take a route
+# without the ext_proc. Escaped slashes (%2F, %5C) are refused rather than redirected: no API
+# path has one, and a redirect would have clients re-send a POST body to a path they never
+# wrote. Envoy answers 400 (path_normalization_failed), which the local-reply mapper words.
+PATH_HANDLING = {
+    "normalize_path": True,
+    "merge_slashes": True,
+    "path_with_escaped_slashes_action": "REJECT_REQUEST",
+}
+
+
+def _method(method: str) -> dict[str, Any]:
+    return {"name": ":method", "string_match": {"exact": method}}
 
 
 def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
@@ -199,14 +236,14 @@ def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
     ]
     routes += [
         {
-            "match": {"prefix": prefix},
+            "match": {"path": path, "headers": [_method(method)]},
             "route": {"cluster": "decode_pool", "timeout": "60s"},
             "request_headers_to_remove": [DESTINATION_HEADER],
             "typed_per_filter_config": {
                 "envoy.filters.http.ext_proc": {_TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
             },
         }
-        for prefix in PASSTHROUGH_PATHS
+        for path, method in PASSTHROUGH.items()
     ]
     # Everything else goes through the ext_proc too, which answers 404/405 in JSON.
     routes.append({"match": {"prefix": "/"}, "route": decode_route})
@@ -240,6 +277,7 @@ def _ingress_listener(cfg: Config) -> dict[str, Any]:
     hcm = {
         "stat_prefix": "ingress",
         "delayed_close_timeout": "0s",  # resets reach HTTP/1.1 clients at once
+        **PATH_HANDLING,
         "local_reply_config": _ingress_local_replies(cfg),
         "route_config": {
             "name": "ingress",
@@ -344,6 +382,12 @@ def _extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
                 "explicit_http_config": {
                     "http2_protocol_options": {
                         "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                        # Envoy's flood guard (10000 queued frames by default) is for untrusted
+                        # peers. A burst of 600 x 0.5 MB bodies queues ~20000 DATA frames while
+                        # the ext_proc reads slower than Envoy writes, and tripping it closes the
+                        # connection: every in-flight request fails at once. The bodies queued
+                        # are bounded by the requests' own buffer limits anyway.
+                        "max_outbound_frames": _EXTPROC_MAX_OUTBOUND_FRAMES,
                     }
                 },
             }
@@ -409,6 +453,7 @@ def render_snippet(cfg: Config, extproc_address: str, prefill_listener: str) -> 
     the ingress listener and its routes stay the user's own (see `snippet_header`).
     """
     return {
+        "http_connection_manager": dict(PATH_HANDLING),
         "http_filters": [_ext_proc_filter(cfg)],
         "clusters": [
             _extproc_cluster(extproc_address, cfg),
@@ -426,13 +471,17 @@ def snippet_header(cfg: Config) -> str:
         "# pd-extproc drop-in for an existing Envoy (verified on Envoy 1.40).\n"
         "# http_filters: add to the http_filters of your ingress http_connection_manager,\n"
         "#   before envoy.filters.http.router.\n"
+        "# http_connection_manager: merge these keys into that http_connection_manager\n"
+        "#   (normalised paths: no spelling of a path may dodge the ext_proc's route).\n"
         "# clusters: add to static_resources.clusters (pd_extproc is the ext_proc's gRPC).\n"
         "# listeners: add to static_resources.listeners; the ext_proc sends the prefill leg\n"
         "#   here. It has no authentication: keep it on loopback or a Unix socket.\n"
         f"# routes: send {paths} to cluster decode_pool with timeout: 0s,\n"
         "#   retry_policy {retry_on: connect-failure, num_retries: 1} and\n"
         f"#   request_body_buffer_limit: {_buffer_limit(cfg)}; disable the ext_proc\n"
-        "#   (ExtProcPerRoute disabled: true) on every other route.\n"
+        "#   (ExtProcPerRoute disabled: true) on every other route. A route without the\n"
+        "#   ext_proc that reaches the engines must match an exact path and method (match.path\n"
+        "#   and a :method header), never a prefix.\n"
     )
 
 

@@ -5,6 +5,8 @@ LegError                 a leg failed; status says what the client gets
   PrefillFailed          P answered 4xx/5xx (P's status, or 502)
   PrefillUnreachable     P refused the connection or reset it (503, retryable)
   PrefillTimeout         P did not answer within timeouts.prefill_s (504)
+  ListenerUnreachable    the P leg could not connect to Envoy's prefill listener (503,
+                         retryable; P itself is not to blame)
   IdentityChanged        P restarted under a request already dispatched (503, retryable)
   NoHealthyPrefill       every prefill endpoint is down (503, retryable)
 """
@@ -19,6 +21,7 @@ __all__ = [
     "ClientError",
     "IdentityChanged",
     "LegError",
+    "ListenerUnreachable",
     "NoHealthyDecode",
     "NoHealthyPrefill",
     "PrefillFailed",
@@ -83,6 +86,10 @@ class PrefillUnreachable(LegError):
 
 class PrefillTimeout(LegError):
     label = "prefill_timeout"
+
+
+class ListenerUnreachable(LegError):
+    label = "prefill_listener_unreachable"
 
 
 class IdentityChanged(LegError):

@@ -1,6 +1,8 @@
 """aiohttp routes of the OpenAI-compatible API, driving the engine of the current generation.
 
-Every completion request leaves one record in `SimServer.records` (see GET /sim/requests).
+Every completion request leaves one record in `SimServer.records` (see GET /sim/requests), and
+so does every request no route matched (outcome "unrouted"): a proxy in front must never let a
+request through to a path it did not mean to, and tests see such a request here.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -171,6 +173,30 @@ def _chunk(parsed: ParsedRequest, rid: str, created: int, text: str,
                                             last=last))  # fmt: skip
     return shapes.sse(shapes.completion_chunk(rid, created, parsed.model, text, reason, params,
                                               last=last))  # fmt: skip
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def record_unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Record a request no route matched (404/405) with its raw path and body, then refuse it."""
+    refusal = request.match_info.http_exception
+    if refusal is None or request.method == "OPTIONS":  # vLLM's CORS layer answers preflights
+        return await handler(request)
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = raw.decode(errors="replace")
+    request.app[SIM_KEY].records.append({
+        "x_request_id": request.headers.get("X-Request-Id"), "internal_id": None,
+        "method": request.method, "path": request.raw_path, "received_at": time.time(),
+        "body": body, "headers": {k.lower(): v for k, v in request.headers.items()},
+        "status": refusal.status, "outcome": "unrouted", "kv": None, "kv_evidence": None,
+        "first_token_at": None, "body_bytes": len(raw),
+    })  # fmt: skip
+    raise refusal
 
 
 # -- small endpoints ---------------------------------------------------------------------------

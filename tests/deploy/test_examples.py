@@ -59,8 +59,10 @@ def test_envoy_bootstraps_validate(path: str) -> None:
     envoy_validate(EXAMPLES / path)
 
 
-def _hcm_listener(name: str, port: int, filters: list[Any], vhosts: list[Any]) -> dict:
+def _hcm_listener(name: str, port: int, filters: list[Any], vhosts: list[Any],
+                  **merged: Any) -> dict:  # fmt: skip
     hcm = {
+        **merged,
         "@type": "type.googleapis.com/envoy.extensions.filters.network."
         "http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": name,
@@ -82,14 +84,15 @@ def _bootstrap(listeners: list[Any], clusters: list[Any]) -> dict[str, Any]:
 
 def test_snippet_pasted_into_an_existing_envoy_validates(tmp_path: Path) -> None:
     snippet = yaml.safe_load((EXAMPLES / "plain-envoy" / "snippet.yaml").read_text())
-    assert set(snippet) == {"http_filters", "clusters", "listeners"}
+    assert set(snippet) == {"http_connection_manager", "http_filters", "clusters", "listeners"}
     assert [c["name"] for c in snippet["clusters"]] == ["pd_extproc", "decode_pool", "prefill_pool"]
     assert [f["name"] for f in snippet["http_filters"]] == ["envoy.filters.http.ext_proc"]
     # the user's own listener and routes, with the LLM routes sent to decode_pool
     llm = {"prefix": "/v1/", "route": {"cluster": "decode_pool", "timeout": "0s"}}
     vhost = {"name": "mine", "domains": ["*"], "routes": [{"match": {"prefix": "/v1/"},
                                                            "route": llm["route"]}]}  # fmt: skip
-    listener = _hcm_listener("my_ingress", 8080, snippet["http_filters"], [vhost])
+    listener = _hcm_listener("my_ingress", 8080, snippet["http_filters"], [vhost],
+                             **snippet["http_connection_manager"])  # fmt: skip
     bootstrap = _bootstrap([listener, *snippet["listeners"]], snippet["clusters"])
     envoy_validate_dict(bootstrap, tmp_path, "existing-envoy")
 
@@ -98,7 +101,8 @@ def test_snippet_header_says_where_each_piece_goes() -> None:
     header = [line for line in (EXAMPLES / "plain-envoy" / "snippet.yaml").read_text()
               .splitlines() if line.startswith("#")]  # fmt: skip
     text = "\n".join(header)
-    for where in ("http_filters:", "clusters:", "listeners:", "routes:", "loopback"):
+    for where in ("http_filters:", "http_connection_manager:", "clusters:", "listeners:",
+                  "routes:", "loopback", "exact path"):  # fmt: skip
         assert where in text
 
 
@@ -119,7 +123,9 @@ def test_istio_envoyfilter_patches_assemble_into_a_valid_envoy(tmp_path: Path) -
     [vhost] = [p["patch"]["value"] for p in _patches("VIRTUAL_HOST")]
     clusters = [p["patch"]["value"] for p in _patches("CLUSTER")]
     listeners = [p["patch"]["value"] for p in _patches("LISTENER")]
-    gateway = _hcm_listener("gateway_8080", 8080, [ext_proc], [vhost])
+    [hcm] = [p["patch"]["value"]["typed_config"] for p in _patches("NETWORK_FILTER")]
+    gateway = _hcm_listener("gateway_8080", 8080, [ext_proc], [vhost],
+                            **{k: v for k, v in hcm.items() if k != "@type"})  # fmt: skip
     envoy_validate_dict(_bootstrap([gateway, *listeners], clusters), tmp_path, "istio")
 
 
@@ -128,9 +134,14 @@ def test_istio_envoyfilter_structure() -> None:
     assert envoyfilter["apiVersion"] == "networking.istio.io/v1alpha3"
     for patch in envoyfilter["spec"]["configPatches"]:
         assert patch["match"]["context"] == "GATEWAY"
-        assert patch["patch"]["operation"] in {"ADD", "INSERT_BEFORE"}
+        assert patch["patch"]["operation"] in {"ADD", "INSERT_BEFORE", "MERGE"}
     [http_filter] = _patches("HTTP_FILTER")
     assert http_filter["patch"]["operation"] == "INSERT_BEFORE"
+    [hcm] = _patches("NETWORK_FILTER")
+    assert hcm["patch"]["operation"] == "MERGE"
+    assert hcm["match"]["listener"] == http_filter["match"]["listener"] | {
+        "filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}}
+    assert hcm["patch"]["value"]["typed_config"]["normalize_path"] is True
     sub = http_filter["match"]["listener"]["filterChain"]["filter"]["subFilter"]
     assert sub["name"] == "envoy.filters.http.router"
     [listener] = [p["patch"]["value"] for p in _patches("LISTENER")]
@@ -186,6 +197,7 @@ def test_envoy_gateway_resources_match_the_config() -> None:
     override = _eg("BackendTrafficPolicy")["spec"]["loadBalancer"]["endpointOverride"]
     assert override["extractFrom"] == [{"header": DESTINATION_HEADER}]
     limit = _eg("ClientTrafficPolicy")["spec"]["connection"]["bufferLimit"]
+    assert _eg("ClientTrafficPolicy")["spec"]["path"]["escapedSlashesAction"] == "RejectRequest"
     assert _bytes(limit) >= buffer_bytes(cfg.limits.max_body_bytes)  # room for the splice
     for kind in ("EnvoyExtensionPolicy", "BackendTrafficPolicy"):
         assert _eg(kind)["spec"]["targetRefs"][0]["name"] == _eg("HTTPRoute")["metadata"]["name"]

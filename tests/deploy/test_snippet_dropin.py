@@ -83,6 +83,7 @@ def users_envoy(pieces: dict[str, Any]) -> dict[str, Any]:
     ]  # fmt: skip
     hcm = {
         "@type": _HCM,
+        **pieces["http_connection_manager"],
         "stat_prefix": "my_ingress",
         "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": [*pieces["http_filters"],
