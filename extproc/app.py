@@ -109,6 +109,7 @@ class Sidecar:
 
     async def drain(self) -> None:
         """Take no new requests; let those in flight finish, for at most timeouts.drain_s."""
+        self.runtime.draining = True
         await self.envoy.drain_inbound()
         try:
             await asyncio.wait_for(self.runtime.idle.wait(), self.config.timeouts.drain_s)

@@ -81,7 +81,12 @@ class EndpointConfig(_Strict):
     @field_validator("address")
     @classmethod
     def _check_address(cls, value: str) -> str:
-        parse_host_port(value)
+        host, _ = parse_host_port(value)
+        try:  # Envoy's pools take IP addresses only, and override_host matches by address
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"an IP address, not a name (got {value!r}); "
+                             "give names with dns: (or kubernetes:)") from None  # fmt: skip
         return value
 
     @property

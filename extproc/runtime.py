@@ -107,6 +107,8 @@ class Runtime:
         self.active_streams = 0  # Envoy streams being processed (= requests in flight)
         self.idle = asyncio.Event()  # set while no stream is open (drain waits on it)
         self.idle.set()
+        self.serving = False  # set once start() has run: health known, probes settled
+        self.draining = False  # set when shutdown begins: no new requests from here on
 
     @contextlib.contextmanager
     def stream(self) -> Iterator[None]:
@@ -198,6 +200,7 @@ class Runtime:
         self.kv_check.start(self._session)
         await self.load.start(self._session)
         await self.health.probes_settled(self.config.timeouts.probe_s)
+        self.serving = True
 
     async def stop(self) -> None:
         await self.discovery.stop()
@@ -209,10 +212,21 @@ class Runtime:
             await self._session.close()
         await asyncio.to_thread(self.tracing.shutdown)  # flushes the last spans
 
+    def engines_ready(self) -> bool:
+        """A request can be dispatched now: a healthy decode engine, and a healthy prefill
+        one unless dispatch.no_healthy_prefill lets the decode prefill itself."""
+        decode = any(s.healthy for s in self.decode)
+        prefill = any(s.healthy for s in self.prefill)
+        return decode and (prefill or self.config.dispatch.no_healthy_prefill == "decode_only")
+
     def readiness(self) -> dict[str, object]:
-        """What /ready shows: endpoint health and load, and the identity cache."""
+        """What /ready shows. `ready` is "this process answers Envoy", not "an engine is up":
+        with no healthy engine the ext_proc still answers every request (a JSON 503), which
+        a pod taken out of its Service could not do. Engine health is in `engines_ready`."""
         return {
-            "ready": any(s.healthy for s in self.decode),
+            "ready": self.serving and not self.draining,
+            "draining": self.draining,
+            "engines_ready": self.engines_ready(),
             "active_streams": self.active_streams,
             "prefill": {s.address: _endpoint_view(s) for s in self.prefill},
             "decode": {s.address: _endpoint_view(s) for s in self.decode},

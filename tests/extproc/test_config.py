@@ -55,6 +55,18 @@ def test_every_problem_is_one_line() -> None:
     assert any(line.startswith("typo:") for line in lines)
 
 
+def test_endpoints_are_ip_addresses_and_names_go_under_dns() -> None:
+    """Envoy's pools refuse a name ("malformed IP address"): say so at the config check."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config(MINIMAL | {"decode": {"endpoints": ["vllm-d0:8200"]}})
+    assert str(caught.value) == (
+        "decode.endpoints.0.address: an IP address, not a name (got 'vllm-d0:8200'); "
+        "give names with dns: (or kubernetes:)"
+    )
+    assert parse_config(MINIMAL | {"decode": {"dns": "vllm-d0:8200"}}).decode.dns
+    assert parse_config(MINIMAL | {"decode": {"endpoints": ["[::1]:8200"]}})
+
+
 def test_prefill_listener_must_be_local() -> None:
     with pytest.raises(ConfigError, match="loopback"):
         parse_config(MINIMAL | {"envoy": {"prefill_listener": "0.0.0.0:9000"}})

@@ -29,6 +29,8 @@ async def test_sigterm_drains_open_streams_and_refuses_new_requests() -> None:
             await asyncio.sleep(0.3)  # Envoy has stopped its ingress listener by now
             with pytest.raises(aiohttp.ClientConnectionError):
                 await topo.post("/v1/completions", {"model": MODEL, "prompt": "late"}, timeout=5)
+            async with topo.session.get(topo.sidecar.metrics + "/ready") as ready:
+                assert ready.status == 503 and (await ready.json())["draining"] is True
             async for line in response.content:
                 events.append(line)
         assert b"data: [DONE]\n" in events  # the open stream finished whole

@@ -80,11 +80,14 @@ class Split:
         return (self.tmp / "extproc.log").read_text(errors="replace")
 
     async def ready_state(self) -> dict:
+        return (await self.ready())[1]
+
+    async def ready(self) -> tuple[int, dict]:
         async with (
             aiohttp.ClientSession() as session,
             session.get(self.metrics + "/ready", timeout=aiohttp.ClientTimeout(total=5)) as got,
         ):
-            return orjson.loads(await got.read())
+            return got.status, orjson.loads(await got.read())
 
 
 @contextlib.asynccontextmanager
@@ -197,9 +200,10 @@ async def test_serve_knows_discovered_members_before_it_answers() -> None:
             assert f"127.0.0.1:{extra.port}" in decodes, decodes
 
 
-async def test_serve_drains_open_streams_on_sigterm() -> None:
+async def test_serve_drains_open_streams_on_sigterm_and_is_not_ready_meanwhile() -> None:
     async with split_topology(timeouts={"drain_s": 10}) as split:
-        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 30, "stream": True}
+        assert (await split.ready())[0] == 200
+        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 50, "stream": True}
         events: list[bytes] = []
         async with (
             aiohttp.ClientSession() as session,
@@ -207,6 +211,12 @@ async def test_serve_drains_open_streams_on_sigterm() -> None:
         ):
             events.append(await response.content.readline())
             split.extproc.send_signal(signal.SIGTERM)
+
+            async def not_ready() -> bool:
+                status, state = await split.ready()
+                return status == 503 and state["draining"] is True
+
+            await poll(not_ready, "/ready answering 503 while the stream drains", within_s=5)
             async for line in response.content:
                 events.append(line)
         assert response.status == 200
