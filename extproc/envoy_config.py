@@ -179,8 +179,10 @@ def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
     # breaks gets `status_on_error` (503); a message left unanswered for the message timeout
     # gets 504 (status_on_error does not apply to it).
     extproc_failed = "response.code_details.startsWith('ext_proc_error')"
-    # Every other reply Envoy makes itself (upstream connect failure or reset, the KV-wait
+    # Every other error Envoy makes itself (upstream connect failure or reset, the KV-wait
     # idle timeout): its own text, wrapped in the OpenAI error shape; the code is the status.
+    # A route's own direct_response (a user's Envoy, with the snippet) is left as it is.
+    not_a_route_reply = "response.code_details != 'direct_response'"
     wrapped = {
         "json_format": {
             "error": {
@@ -198,7 +200,8 @@ def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
         _json_reply(504, "the pd-extproc ext_proc did not answer within its message timeout "
                     "(timeouts.extproc_message_s); retry", extproc_failed),
         _json_reply(503, "the pd-extproc ext_proc is unavailable; retry", extproc_failed),
-        {"filter": _cel(envoys_own), "body_format_override": wrapped},
+        {"filter": _cel(f"response.code >= 400 && {envoys_own} && {not_a_route_reply}"),
+         "body_format_override": wrapped},
     ]}  # fmt: skip
 
 
@@ -218,36 +221,56 @@ def _method(method: str) -> dict[str, Any]:
     return {"name": ":method", "string_match": {"exact": method}}
 
 
-def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
-    decode_route = {
+def _llm_routes(cfg: Config) -> list[dict[str, Any]]:
+    """The OpenAI paths: through the ext_proc to decode_pool."""
+    return [
+        {"match": {"path": path}, "route": _decode_route(cfg),
+         "request_body_buffer_limit": _buffer_limit(cfg)}
+        for path in sorted(PATHS)
+    ]  # fmt: skip
+
+
+def _decode_route(cfg: Config) -> dict[str, Any]:
+    return {
         "cluster": "decode_pool",
         "timeout": "0s",  # generations stream for minutes; the ext_proc bounds the P leg
         "idle_timeout": _duration(cfg.timeouts.kv_wait_s),  # a D waiting for KV forever
         # a refused connection is retried on the next host of the ext_proc's list
         "retry_policy": {"retry_on": "connect-failure", "num_retries": 1},
     }
-    routes: list[dict[str, Any]] = [
-        {
-            "match": {"path": path},
-            "route": decode_route,
-            "request_body_buffer_limit": _buffer_limit(cfg),
-        }
-        for path in sorted(PATHS)
-    ]
-    routes += [
-        {
-            "match": {"path": path, "headers": [_method(method)]},
-            "route": {"cluster": "decode_pool", "timeout": "60s"},
-            "request_headers_to_remove": [DESTINATION_HEADER],
-            "typed_per_filter_config": {
-                "envoy.filters.http.ext_proc": {_TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
-            },
-        }
+
+
+# Every route that skips the ext_proc: a client's destination header must not steer it.
+WITHOUT_EXTPROC = {
+    "request_headers_to_remove": [DESTINATION_HEADER],
+    "typed_per_filter_config": {
+        "envoy.filters.http.ext_proc": {_TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
+    },
+}
+
+
+def _passthrough_routes() -> list[dict[str, Any]]:
+    """The engines' read-only endpoints, by exact path and method, without the ext_proc."""
+    return [
+        {"match": {"path": path, "headers": [_method(method)]},
+         "route": {"cluster": "decode_pool", "timeout": "60s"}, **WITHOUT_EXTPROC}
         for path, method in PASSTHROUGH.items()
-    ]
+    ]  # fmt: skip
+
+
+def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
     # Everything else goes through the ext_proc too, which answers 404/405 in JSON.
-    routes.append({"match": {"prefix": "/"}, "route": decode_route})
-    return routes
+    catch_all = {"match": {"prefix": "/"}, "route": _decode_route(cfg)}
+    return [*_llm_routes(cfg), *_passthrough_routes(), catch_all]
+
+
+def _ingress_hcm_settings(cfg: Config) -> dict[str, Any]:
+    """What the ingress connection manager needs besides its routes and filters."""
+    return {
+        "delayed_close_timeout": "0s",  # resets reach HTTP/1.1 clients at once
+        **PATH_HANDLING,
+        "local_reply_config": _ingress_local_replies(cfg),
+    }
 
 
 def _buffer_limit(cfg: Config) -> int:
@@ -276,9 +299,7 @@ def _ingress_listener(cfg: Config) -> dict[str, Any]:
     listen = cfg.envoy.listen
     hcm = {
         "stat_prefix": "ingress",
-        "delayed_close_timeout": "0s",  # resets reach HTTP/1.1 clients at once
-        **PATH_HANDLING,
-        "local_reply_config": _ingress_local_replies(cfg),
+        **_ingress_hcm_settings(cfg),
         "route_config": {
             "name": "ingress",
             "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _ingress_routes(cfg)}],
@@ -453,8 +474,10 @@ def render_snippet(cfg: Config, extproc_address: str, prefill_listener: str) -> 
     the ingress listener and its routes stay the user's own (see `snippet_header`).
     """
     return {
-        "http_connection_manager": dict(PATH_HANDLING),
+        "http_connection_manager": _ingress_hcm_settings(cfg),
         "http_filters": [_ext_proc_filter(cfg)],
+        "routes": [*_llm_routes(cfg), *_passthrough_routes()],
+        "every_other_route": WITHOUT_EXTPROC,
         "clusters": [
             _extproc_cluster(extproc_address, cfg),
             _pool_cluster("decode_pool", cfg.static_addresses("decode"), cfg),
@@ -466,24 +489,30 @@ def render_snippet(cfg: Config, extproc_address: str, prefill_listener: str) -> 
 
 def snippet_header(cfg: Config) -> str:
     """YAML comments telling where each piece of `render_snippet` goes."""
-    paths = ", ".join(sorted(PATHS))
     return (
         "# pd-extproc drop-in for an existing Envoy (verified on Envoy 1.40).\n"
-        "# http_filters: add to the http_filters of your ingress http_connection_manager,\n"
-        "#   before envoy.filters.http.router.\n"
-        "# http_connection_manager: merge these keys into that http_connection_manager\n"
-        "#   (normalised paths: no spelling of a path may dodge the ext_proc's route).\n"
+        "# http_connection_manager: merge these keys into your ingress http_connection_manager:\n"
+        "#   normalised paths (no spelling of a path may dodge the ext_proc's routes) and JSON\n"
+        "#   error bodies for Envoy's own replies (a KV-wait timeout, an upstream reset).\n"
+        "# http_filters: add to its http_filters, before envoy.filters.http.router.\n"
+        "# routes: put first in the routes of its virtual host: the OpenAI paths through the\n"
+        f"#   ext_proc (buffer {_buffer_limit(cfg)} bytes, the KV-wait idle_timeout), and the\n"
+        "#   engines' read-only endpoints by exact path and method.\n"
+        "# every_other_route: merge into each of your other routes: no ext_proc there, and a\n"
+        "#   client's x-gateway-destination-endpoint removed. A route without the ext_proc that\n"
+        "#   reaches the engines must match an exact path and method, never a prefix.\n"
         "# clusters: add to static_resources.clusters (pd_extproc is the ext_proc's gRPC).\n"
         "# listeners: add to static_resources.listeners; the ext_proc sends the prefill leg\n"
         "#   here. It has no authentication: keep it on loopback or a Unix socket.\n"
-        f"# routes: send {paths} to cluster decode_pool with timeout: 0s,\n"
-        "#   retry_policy {retry_on: connect-failure, num_retries: 1} and\n"
-        f"#   request_body_buffer_limit: {_buffer_limit(cfg)}; disable the ext_proc\n"
-        "#   (ExtProcPerRoute disabled: true) on every other route. A route without the\n"
-        "#   ext_proc that reaches the engines must match an exact path and method (match.path\n"
-        "#   and a :method header), never a prefix.\n"
     )
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """No &anchors/*aliases: a user reads and copies these files piece by piece."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def render_yaml(bootstrap: dict[str, Any]) -> str:
-    return yaml.safe_dump(bootstrap, sort_keys=False, width=120)
+    return yaml.dump(bootstrap, Dumper=_PlainDumper, sort_keys=False, width=120)

@@ -84,13 +84,14 @@ def _bootstrap(listeners: list[Any], clusters: list[Any]) -> dict[str, Any]:
 
 def test_snippet_pasted_into_an_existing_envoy_validates(tmp_path: Path) -> None:
     snippet = yaml.safe_load((EXAMPLES / "plain-envoy" / "snippet.yaml").read_text())
-    assert set(snippet) == {"http_connection_manager", "http_filters", "clusters", "listeners"}
+    assert set(snippet) == {"http_connection_manager", "http_filters", "routes",
+                            "every_other_route", "clusters", "listeners"}  # fmt: skip
     assert [c["name"] for c in snippet["clusters"]] == ["pd_extproc", "decode_pool", "prefill_pool"]
     assert [f["name"] for f in snippet["http_filters"]] == ["envoy.filters.http.ext_proc"]
-    # the user's own listener and routes, with the LLM routes sent to decode_pool
-    llm = {"prefix": "/v1/", "route": {"cluster": "decode_pool", "timeout": "0s"}}
-    vhost = {"name": "mine", "domains": ["*"], "routes": [{"match": {"prefix": "/v1/"},
-                                                           "route": llm["route"]}]}  # fmt: skip
+    # the user's own listener with the snippet's routes first, then one of their own
+    mine = {"match": {"prefix": "/"}, "direct_response": {"status": 200},
+            **snippet["every_other_route"]}  # fmt: skip
+    vhost = {"name": "mine", "domains": ["*"], "routes": [*snippet["routes"], mine]}
     listener = _hcm_listener("my_ingress", 8080, snippet["http_filters"], [vhost],
                              **snippet["http_connection_manager"])  # fmt: skip
     bootstrap = _bootstrap([listener, *snippet["listeners"]], snippet["clusters"])
@@ -102,7 +103,7 @@ def test_snippet_header_says_where_each_piece_goes() -> None:
               .splitlines() if line.startswith("#")]  # fmt: skip
     text = "\n".join(header)
     for where in ("http_filters:", "http_connection_manager:", "clusters:", "listeners:",
-                  "routes:", "loopback", "exact path"):  # fmt: skip
+                  "routes:", "every_other_route:", "loopback", "exact path"):  # fmt: skip
         assert where in text
 
 
