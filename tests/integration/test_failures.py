@@ -9,7 +9,14 @@ import time
 import aiohttp
 import orjson
 
-from tests.integration.conftest import MODEL, Topology, identity_events, requests_total, topology
+from tests.integration.conftest import (
+    MODEL,
+    Topology,
+    address,
+    identity_events,
+    requests_total,
+    topology,
+)
 from vllmsim.testing import PUSH_P, EngineHandle, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "Once upon a time " * 20, "max_tokens": 8}
@@ -61,13 +68,10 @@ async def test_failed_prefill_in_parallel_mode_fails_fast_and_aborts_decode() ->
         assert elapsed < 2.0
         [d_record] = await topo.seen(topo.decodes[0])
         await wait_for_outcome(topo, topo.decodes[0], d_record["x_request_id"], "aborted")
-        ready = await topo.ready()
-        assert ready["identities"][f"127.0.0.1:{topo.prefills[0].port}"]["engine_id"] in (
-            None,
-            topo.prefills[0].engine_id,
-        )  # dropped, or already re-probed
         metrics = await topo.metrics()
         assert metrics[requests_total("prefill_error", "cache_hit", "parallel")] == 1
+        # dropped, whether or not a probe has learned it again since
+        assert metrics.get(identity_events(address(topo.prefills[0]), "dropped")) == 1
 
 
 async def test_prefill_4xx_is_passed_on_with_its_status() -> None:
@@ -170,6 +174,26 @@ async def test_decode_failure_cancels_prefill_and_reaches_the_client() -> None:
         assert status == 503, body
         [p_record] = await topo.seen(topo.prefills[0])
         await wait_for_outcome(topo, topo.prefills[0], p_record["x_request_id"], "aborted")
+        # the identity D was given is dropped: the next request learns it again
+        metrics = await topo.metrics()
+        assert metrics.get(identity_events(address(topo.prefills[0]), "dropped")) == 1
+
+
+async def test_decode_refusing_connections_is_replaced_by_envoys_retry_on_the_fallback() -> None:
+    # Health checks are slowed down so that the sidecar still picks the refusing engine first.
+    async with topology(n_decode=2, health={"interval_s": 30}) as topo:
+        down, up = topo.decodes
+        await topo.sim(
+            down, "POST", "/sim/faults", {"refuse_connections": True, "refuse_for_s": 30}
+        )
+        for _ in range(4):  # round robin: two of them pick the refusing engine first
+            status, body, _ = await topo.post("/v1/completions", COMPLETION)
+            assert status == 200, body
+        assert (await topo.ready())["decode"][address(down)]["healthy"] is True
+        # every request reached `up`, half of them as the fallback of the refusing engine
+        lists = sorted(r["headers"]["x-gateway-destination-endpoint"] for r in await topo.seen(up))
+        first_down, first_up = f"{address(down)},{address(up)}", f"{address(up)},{address(down)}"
+        assert lists == sorted([first_down, first_down, first_up, first_up]), lists
 
 
 async def test_unreachable_prefill_is_marked_down_and_skipped() -> None:
