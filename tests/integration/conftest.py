@@ -36,11 +36,16 @@ class Topology:
         return [*self.prefills, *self.decodes]
 
     async def post(
-        self, path: str, body: dict[str, Any], **kwargs: Any
+        self, path: str, body: dict[str, Any] | bytes, **kwargs: Any
     ) -> tuple[int, bytes, CIMultiDict[str]]:
+        """POST a dict as JSON (aiohttp escapes non-ASCII), or bytes exactly as they are."""
+        if isinstance(body, bytes):
+            kwargs["data"] = body
+            kwargs["headers"] = {"content-type": "application/json", **kwargs.get("headers", {})}
+        else:
+            kwargs["json"] = body
         async with self.session.post(
             self.sidecar.url + path,
-            json=body,
             timeout=aiohttp.ClientTimeout(total=kwargs.pop("timeout", 30)),
             **kwargs,
         ) as response:

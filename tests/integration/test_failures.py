@@ -296,9 +296,17 @@ async def test_no_healthy_prefill_is_a_retryable_503_by_default() -> None:
 async def test_no_healthy_prefill_can_fall_back_to_decode_only() -> None:
     async with topology(dispatch={"no_healthy_prefill": "decode_only"}) as topo:
         await take_only_prefill_down(topo)
-        status, body, _ = await topo.post("/v1/completions", COMPLETION)
-        assert status == 200, body
-        [d_record] = await topo.seen(topo.decodes[0])
-        assert "kv_transfer_params" not in d_record["body"]
+        # The client's own params, with nothing of the router's to overwrite them here (keys
+        # an engine serves anyway, so a leak shows in D's body), then under an escaped name.
+        params = {"do_remote_prefill": False, "client_only": {"nested": [1, {"deeper": "x"}]}}
+        plain = orjson.dumps(COMPLETION | {"kv_transfer_params": params})
+        escaped = plain.replace(b'"kv_transfer_params"', b'"kv\\u005ftransfer_params"')
+        for raw in (plain, escaped):
+            status, body, _ = await topo.post("/v1/completions", raw)
+            assert status == 200, body
+        records = await topo.seen(topo.decodes[0])
+        assert len(records) == 2
+        for record in records:
+            assert "kv_transfer_params" not in record["body"], record["body"]
         metrics = await topo.metrics()
-        assert metrics[requests_total("ok", "no_prefill", "decode_only")] == 1
+        assert metrics[requests_total("ok", "no_prefill", "decode_only")] == 2
