@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ from multidict import CIMultiDict
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
 from vllmsim.testing import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
-__all__ = ["PULL", "PUSH", "Topology", "topology"]
+__all__ = ["PULL", "PUSH", "Topology", "topology", "until"]
 
 PUSH = (PUSH_P, PUSH_D)
 PULL = (PULL_P, PULL_D)
@@ -76,6 +76,20 @@ class Topology:
             await asyncio.sleep(0.02)
         return await scrape(self.session, self.sidecar.metrics + "/metrics")
 
+    async def released(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """/ready once no endpoint has a request in flight (bounded).
+
+        The sidecar releases a request's counts when Envoy closes its stream, which can come
+        just after an engine has seen the request end.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            ready = await self.ready()
+            counts = [e["in_flight"] for r in ("prefill", "decode") for e in ready[r].values()]
+            if not any(counts) or asyncio.get_running_loop().time() > deadline:
+                return ready
+            await asyncio.sleep(0.02)
+
     async def ready(self) -> dict[str, Any]:
         async with self.session.get(self.sidecar.metrics + "/ready") as response:
             return await response.json()
@@ -83,6 +97,18 @@ class Topology:
     async def sim(self, engine: EngineHandle, method: str, path: str, body: Any = None) -> Any:
         async with self.session.request(method, engine.url + path, json=body) as response:
             return await response.json()
+
+
+async def until(
+    predicate: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 10.0
+) -> None:
+    """Poll `predicate` until it holds; fail after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def requests_total(outcome: str, reason: str, strategy: str) -> str:

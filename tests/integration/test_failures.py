@@ -104,7 +104,7 @@ async def test_client_disconnect_cancels_both_legs_and_keeps_the_identity() -> N
         [p_record] = await topo.seen(topo.prefills[0])
         await wait_for_outcome(topo, topo.prefills[0], p_record["x_request_id"], "aborted")
         await wait_for_outcome(topo, topo.decodes[0], p_record["x_request_id"], "aborted")
-        ready = await topo.ready()
+        ready = await topo.released()
         identity = ready["identities"][f"127.0.0.1:{topo.prefills[0].port}"]
         assert identity["engine_id"] == topo.prefills[0].engine_id
         for role in ("prefill", "decode"):
@@ -239,7 +239,7 @@ async def test_client_disconnect_mid_stream_cancels_decode_and_keeps_identity() 
             await response.content.readline()  # the first event: the stream is running
         [(d_record)] = await topo.seen(topo.decodes[0])
         await wait_for_outcome(topo, topo.decodes[0], d_record["x_request_id"], "aborted")
-        ready = await topo.ready()
+        ready = await topo.released()
         prefill = f"127.0.0.1:{topo.prefills[0].port}"
         assert ready["identities"][prefill]["engine_id"] == topo.prefills[0].engine_id
         assert all(e["in_flight"] == 0 for e in ready["decode"].values())
