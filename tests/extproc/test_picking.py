@@ -87,6 +87,16 @@ def test_no_healthy_endpoint_is_none(name: str) -> None:
     assert pool.pick(PickRequest(session="s")) is None
 
 
+def test_fallback_is_the_next_healthy_member_after_the_choice() -> None:
+    addresses = [f"10.0.0.{i}:8000" for i in range(1, 5)]
+    pool = Pool("decode", addresses, RoundRobinPicker())
+    pool.set_healthy(addresses[1], False)
+    picked = [[e.address for e in pool.pick_with_fallback()] for _ in range(3)]
+    # healthy: 1, 3, 4; the fallback skips 2 and wraps around after 4
+    assert picked == [addresses[::2], addresses[2:], [addresses[3], addresses[0]]]
+    assert [e.address for e in pool.pick_with_fallback(among=addresses[:1])] == addresses[:1]
+
+
 state_lists = st.integers(min_value=1, max_value=8).flatmap(
     lambda n: st.lists(
         st.builds(

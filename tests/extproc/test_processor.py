@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any
 
 import orjson
@@ -19,37 +20,50 @@ from extproc.processor import RequestProcessor
 from extproc.runtime import Runtime
 from extproc.stream import EnvoyStream
 
-P, D = "127.0.0.1:8100", "127.0.0.1:8200"
+P, D, D2 = "127.0.0.1:8100", "127.0.0.1:8200", "127.0.0.1:8201"
 IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
             "tp_size": 1, "transfer_mode": "push"}  # fmt: skip
 
 
 class ScriptedEnvoy:
-    """A grpc.aio ServicerContext stand-in: messages in from a queue, answers recorded."""
+    """A grpc.aio ServicerContext stand-in: messages in from a queue, answers recorded.
 
-    def __init__(self) -> None:
+    `timeline` records each answer's kind once written; a FakePrefill sharing it adds its leg.
+    """
+
+    def __init__(self, timeline: list[str] | None = None) -> None:
         self.inbox: asyncio.Queue[Any] = asyncio.Queue()
         self.sent: list[ep.ProcessingResponse] = []
         self.answered = asyncio.Event()
+        self.timeline = [] if timeline is None else timeline
 
     async def read(self) -> Any:
         return await self.inbox.get()
 
     async def write(self, message: ep.ProcessingResponse) -> None:
+        await asyncio.sleep(0)  # like grpc.aio's write: other tasks run while it flushes
         self.sent.append(message)
+        self.timeline.append(message.WhichOneof("response"))
         self.answered.set()
 
 
 class FakePrefill:
-    def __init__(self, outcome: Any) -> None:
+    def __init__(self, outcome: Any, timeline: list[str] | None = None) -> None:
         self.outcome = outcome
         self.calls = 0
+        self.timeline = [] if timeline is None else timeline
 
-    async def send(self, *args: Any, **kwargs: Any) -> PrefillResult:
+    def send(self, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, PrefillResult]:
+        """Called when the processor creates the leg; the returned coroutine is the request."""
         self.calls += 1
+        self.timeline.append("P leg created")
+        return self._answer()
+
+    async def _answer(self) -> PrefillResult:
+        self.timeline.append("P leg sent")
         if isinstance(self.outcome, Exception):
             raise self.outcome
-        await asyncio.sleep(self.outcome)
+        await asyncio.sleep(self.outcome)  # P's compute time
         return PrefillResult(200, IDENTITY | {"remote_request_id": "x"}, 0.0, self.outcome)
 
 
@@ -67,9 +81,9 @@ def body(doc: dict[str, Any]) -> ep.ProcessingRequest:
     )
 
 
-def runtime(prefill: FakePrefill, cached: bool) -> Runtime:
-    rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]}}),
-                 "unix:/nonexistent")  # fmt: skip
+def runtime(prefill: FakePrefill, cached: bool, decodes: tuple[str, ...] = (D,)) -> Runtime:
+    pools = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": list(decodes)}}
+    rt = Runtime(parse_config(pools), "unix:/nonexistent")
     rt.prefill_client = prefill  # type: ignore[assignment]
     if cached:
         rt.identities.learn(P, identity_from_params(IDENTITY))
@@ -84,16 +98,39 @@ async def run(rt: Runtime, envoy: ScriptedEnvoy) -> asyncio.Task[None]:
     return asyncio.create_task(RequestProcessor(rt, stream).run())
 
 
+async def until_sent(envoy: ScriptedEnvoy, count: int) -> None:
+    """Wait (bounded) until the processor has written `count` answers."""
+    while len(envoy.sent) < count:
+        envoy.answered.clear()
+        await asyncio.wait_for(envoy.answered.wait(), 2)
+
+
+async def until_kind(envoy: ScriptedEnvoy, kind: str) -> None:
+    """Wait (bounded) until the processor has written an answer of this kind."""
+    while kind not in envoy.timeline:
+        envoy.answered.clear()
+        await asyncio.wait_for(envoy.answered.wait(), 2)
+
+
+def response_headers(status: int) -> ep.ProcessingRequest:
+    header = core.HeaderValue(key=":status", raw_value=str(status).encode())
+    return ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=[header]))
+    )
+
+
 async def test_prefill_failing_while_the_answer_is_written_still_ends_the_request() -> None:
     envoy = ScriptedEnvoy()
     prefill = FakePrefill(PrefillFailed(500, "boom"))  # fails at its first step
-    task = await run(runtime(prefill, cached=True), envoy)
+    rt = runtime(prefill, cached=True)
+    task = await run(rt, envoy)
     await envoy.inbox.put(headers())
     await envoy.inbox.put(body(REQUEST))
     await asyncio.wait_for(task, timeout=2)  # Envoy sends nothing more: no hang
     kinds = [m.WhichOneof("response") for m in envoy.sent]
     assert kinds == ["request_headers", "request_body", "immediate_response"]
     assert envoy.sent[-1].immediate_response.status.code == 500
+    assert rt.identities.get(P) is None  # the next request learns P's identity again
 
 
 async def test_parallel_answer_carries_identity_routing_and_content_length() -> None:
@@ -102,9 +139,7 @@ async def test_parallel_answer_carries_identity_routing_and_content_length() -> 
     task = await run(rt, envoy)
     await envoy.inbox.put(headers())
     await envoy.inbox.put(body(REQUEST | {"kv_transfer_params": {"remote_host": "evil"}}))
-    while len(envoy.sent) < 2:
-        envoy.answered.clear()
-        await asyncio.wait_for(envoy.answered.wait(), 2)
+    await until_sent(envoy, 2)
     answer = envoy.sent[1].request_body.response
     new_body = answer.body_mutation.body
     set_headers = {h.header.key: h.header.raw_value.decode()
@@ -151,19 +186,6 @@ class GatedPrefill:
         return PrefillResult(200, self.params, 0.0, 0.0)
 
 
-def response_headers(status: int) -> ep.ProcessingRequest:
-    pair = core.HeaderValue(key=":status", raw_value=str(status).encode())
-    return ep.ProcessingRequest(
-        response_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=[pair]))
-    )
-
-
-async def wait_sent(envoy: ScriptedEnvoy, count: int) -> None:
-    while len(envoy.sent) < count:
-        envoy.answered.clear()
-        await asyncio.wait_for(envoy.answered.wait(), 2)
-
-
 RESTARTED = IDENTITY | {"remote_engine_id": "e2", "remote_request_id": "x"}
 SAME = IDENTITY | {"remote_request_id": "x"}
 
@@ -174,7 +196,7 @@ async def test_restart_seen_in_the_wake_up_of_decode_headers_gives_503_not_200()
     task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
     await envoy.inbox.put(headers())
     await envoy.inbox.put(body(REQUEST | {"stream": True}))
-    await wait_sent(envoy, 2)
+    await until_sent(envoy, 2)
     # D's headers and P's answer (a new engine id) complete before the processor wakes up
     envoy.inbox.put_nowait(response_headers(200))
     prefill.gate.set()
@@ -202,13 +224,13 @@ async def test_decode_headers_before_prefill_answers_are_held_until_it_settles(
     task = await run(rt, envoy)
     await envoy.inbox.put(headers())
     await envoy.inbox.put(body(REQUEST | {"stream": True}))
-    await wait_sent(envoy, 2)
+    await until_sent(envoy, 2)
     await envoy.inbox.put(response_headers(200))  # a streaming D answers at once
-    await wait_sent(envoy, 3)
+    await until_sent(envoy, 3)
     held = envoy.sent[2]
     assert held.WhichOneof("response") is None and held.override_message_timeout.seconds > 1
     prefill.gate.set()
-    await wait_sent(envoy, 4)
+    await until_sent(envoy, 4)
     assert envoy.sent[3].WhichOneof("response") == answer
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
@@ -241,11 +263,53 @@ async def test_decode_refusal_passes_at_once_and_cancels_the_prefill_leg() -> No
     task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
     await envoy.inbox.put(headers())
     await envoy.inbox.put(body(REQUEST))
-    await wait_sent(envoy, 2)
+    await until_sent(envoy, 2)
     await envoy.inbox.put(response_headers(400))
-    await wait_sent(envoy, 3)
+    await until_sent(envoy, 3)
     assert envoy.sent[2].WhichOneof("response") == "response_headers"  # not held for P
     await asyncio.wait_for(prefill.cancelled.wait(), 2)  # nor reset later by P's outcome
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
     assert len(envoy.sent) == 3
+
+
+async def test_parallel_prefill_leaves_before_the_decode_answer_is_written() -> None:
+    timeline: list[str] = []
+    envoy = ScriptedEnvoy(timeline)
+    task = await run(runtime(FakePrefill(0.05, timeline), cached=True), envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    # P's request is on its way while Envoy is still receiving D's body: never after it
+    assert timeline == ["request_headers", "P leg created", "P leg sent", "request_body"]
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+
+
+async def test_answer_names_a_fallback_decode_for_envoys_connect_retry() -> None:
+    envoy = ScriptedEnvoy()
+    rt = runtime(FakePrefill(0.05), cached=True, decodes=(D, D2))
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    answer = envoy.sent[1].request_body.response
+    set_headers = {h.header.key: h.header.raw_value.decode()
+                   for h in answer.header_mutation.set_headers}  # fmt: skip
+    assert set_headers["x-gateway-destination-endpoint"] == f"{D},{D2}"
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+
+
+async def test_decode_5xx_drops_the_identity_it_was_given() -> None:
+    envoy = ScriptedEnvoy()
+    rt = runtime(FakePrefill(0.05), cached=True)
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(503))
+    await until_kind(envoy, "response_headers")  # D's 503 goes on to the client
+    assert rt.identities.get(P) is None  # P answered as usual, yet D failed: learn it again
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
