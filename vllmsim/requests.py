@@ -19,12 +19,23 @@ from vllmsim.tokens import TokenCounter, chat_prompt_text, prompt_seed
 log = logging.getLogger(__name__)
 
 
+# vLLM's message when its EngineCore process has died (EngineDeadError).
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    """An error answer. `kind` overrides the type derived from the status; `in_stream` marks an
+    error vLLM meets while generating, which a streamed request gets after its 200 as an error
+    event (validation errors come before the stream and keep their status)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str | None = None, in_stream: bool = False) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.kind = kind
+        self.in_stream = in_stream
 
 
 @dataclass
@@ -109,10 +120,10 @@ def kv_mode(cfg: SimConfig, params: Any) -> KVMode:
         return KVMode.LOCAL
     if cfg.kv.transfer_mode == "push":
         if missing := missing_keys(params, PUSH_REQUIRED):
-            # vLLM 0.33 raises KeyError in the scheduler and its EngineCore dies; the
-            # simulator stays up and fails only this request.
+            # vLLM raises KeyError in the scheduler and its EngineCore dies (the request gets
+            # vLLM's engine-dead error); the simulator stays up and fails only this request.
             log.error("push kv_transfer_params missing %s: real vLLM would crash here", missing)
-            raise ApiError(500, "Internal server error")
+            raise ApiError(500, ENGINE_DEAD, in_stream=True)
         return KVMode.PUSH
     if missing := missing_keys(params, PULL_REQUIRED):
         log.warning("Got invalid KVTransferParams (missing %s); recomputing locally", missing)
@@ -120,9 +131,20 @@ def kv_mode(cfg: SimConfig, params: Any) -> KVMode:
     return KVMode.PULL
 
 
+def _check_kv_params_type(params: Any) -> None:
+    """vLLM's request model types kv_transfer_params as an object: anything else is a 400
+    validation error, worded as pydantic words it."""
+    if params is not None and not isinstance(params, dict):
+        detail = {"type": "dict_type", "loc": "body.kv_transfer_params",
+                  "msg": "Input should be a valid dictionary", "input": params}  # fmt: skip
+        raise ApiError(400, f"1 validation error:\n  {detail!r}", "body.kv_transfer_params",
+                       "Bad Request")  # fmt: skip
+
+
 def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object")
+    _check_kv_params_type(body.get("kv_transfer_params"))
     model = body.get("model") or cfg.served_model_names[0]
     if model not in cfg.served_model_names:
         aliases = ", ".join(cfg.served_model_names)
