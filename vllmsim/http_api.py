@@ -18,7 +18,7 @@ from vllmsim import shapes
 from vllmsim.engine import ErrorEvent, Event, FinishEvent, KVMode, SimRequest, TokenEvent
 from vllmsim.faults import apply_request_faults
 from vllmsim.metrics import FETCH_STAGES
-from vllmsim.requests import ApiError, ParsedRequest, base_request_id, parse
+from vllmsim.requests import ApiError, ParsedRequest, base_request_id, invalid_json, parse
 from vllmsim.server import SIM_KEY, SimServer
 
 log = logging.getLogger(__name__)
@@ -72,9 +72,8 @@ async def _serve(
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        # vLLM answers FastAPI's validation error here, with its own error type.
-        return error_response(400, "1 validation error: JSON decode error", "body",
-                              "Bad Request")
+        error = invalid_json(raw)
+        return error_response(error.status, error.message, error.param, error.kind)
     rec["body"] = body
     if (fault := await apply_request_faults(sim.faults)) is not None:
         return error_response(fault, "Simulated failure (vllmsim fault injection)")

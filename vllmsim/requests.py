@@ -6,6 +6,7 @@ from `kv_transfer_params` and this engine's connector exactly as vLLM 0.33 does.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -131,14 +132,39 @@ def kv_mode(cfg: SimConfig, params: Any) -> KVMode:
     return KVMode.PULL
 
 
+def _summarised(value: Any) -> str:
+    """How vLLM shows the offending input in a validation error: containers by their size."""
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return value if isinstance(value, str) else str(value)
+
+
+def validation_error(kind: str, loc: str, msg: str, value: Any,
+                     ctx: dict[str, Any] | None = None) -> ApiError:  # fmt: skip
+    """A request-model validation error worded as vLLM words pydantic's (400, "Bad Request")."""
+    detail: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": _summarised(value)}
+    if ctx is not None:
+        detail["ctx"] = ctx
+    return ApiError(400, f"1 validation error:\n  {detail!r}", loc, "Bad Request")
+
+
+def invalid_json(raw: bytes) -> ApiError:
+    """FastAPI's JSON decode error: where and why Python's json parser stopped."""
+    try:
+        json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return validation_error("json_invalid", f"body.{exc.pos}", "JSON decode error", {},
+                                {"error": exc.msg})  # fmt: skip
+    except ValueError:  # not UTF-8/16/32 at all
+        pass
+    return validation_error("json_invalid", "body", "JSON decode error", {})
+
+
 def _check_kv_params_type(params: Any) -> None:
-    """vLLM's request model types kv_transfer_params as an object: anything else is a 400
-    validation error, worded as pydantic words it."""
+    """vLLM's request model types kv_transfer_params as an object."""
     if params is not None and not isinstance(params, dict):
-        detail = {"type": "dict_type", "loc": "body.kv_transfer_params",
-                  "msg": "Input should be a valid dictionary", "input": params}  # fmt: skip
-        raise ApiError(400, f"1 validation error:\n  {detail!r}", "body.kv_transfer_params",
-                       "Bad Request")  # fmt: skip
+        raise validation_error("dict_type", "body.kv_transfer_params",
+                               "Input should be a valid dictionary", params)
 
 
 def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> ParsedRequest:

@@ -24,8 +24,8 @@ from vllmsim.testing import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, 
 PUSH_KEYS = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
              "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
              "remote_num_tokens", "transfer_mode", "remote_prefill_cached_tokens"]  # fmt: skip
-PULL_KEYS = [*PUSH_KEYS[:-1], "remote_blocks_expiry_time", "remote_registration_generation",
-             "remote_prefill_cached_tokens"]  # fmt: skip
+PULL_KEYS = [*PUSH_KEYS[:-2], "remote_blocks_expiry_time", "transfer_mode",
+             "remote_registration_generation", "remote_prefill_cached_tokens"]  # fmt: skip
 INTERNAL_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError",
                             "param": None, "code": 500}}  # fmt: skip
 ENGINE_DEAD = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for "
