@@ -239,13 +239,18 @@ async def running_pair(mode: Mode, decode_connector: bool = True, log_dir: Path 
         await asyncio.to_thread(manager.__exit__, None, None, None)
 
 
-def restart_engine(engine: RealEngine) -> float:
-    """Stop the engine and start it again on the same ports (a new NIXL engine id); seconds."""
-    stop_engine(engine)
+def start_again(engine: RealEngine) -> float:
+    """Start a stopped engine on its old ports (a new NIXL engine id); seconds until healthy."""
     fresh = start_engine(engine.spec, engine.log_path.parent, engine.port,
                          engine.side_channel_port)
     engine.process, engine.log_path = fresh.process, fresh.log_path
     return wait_healthy(engine)
+
+
+def restart_engine(engine: RealEngine) -> float:
+    """Stop the engine and start it again on the same ports; seconds until healthy again."""
+    stop_engine(engine)
+    return start_again(engine)
 
 
 def main(argv: list[str]) -> int:
