@@ -20,7 +20,7 @@ from vllmsim import shapes
 from vllmsim.engine import ErrorEvent, Event, FinishEvent, SimRequest, TokenEvent
 from vllmsim.faults import apply_request_faults
 from vllmsim.metrics import FETCH_STAGES
-from vllmsim.requests import ApiError, ParsedRequest, base_request_id, parse
+from vllmsim.requests import ApiError, ParsedRequest, base_request_id, invalid_json, parse
 from vllmsim.server import SIM_KEY, SimServer
 
 log = logging.getLogger(__name__)
@@ -72,16 +72,17 @@ async def _serve(
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        # vLLM answers FastAPI's validation error here, with its own error type.
-        return error_response(400, "1 validation error: JSON decode error", "body",
-                              "Bad Request")
+        error = invalid_json(raw)
+        return error_response(error.status, error.message, error.param, error.kind)
     rec["body"] = body
     if (fault := await apply_request_faults(sim.faults)) is not None:
         return error_response(fault, "Simulated failure (vllmsim fault injection)")
     try:
         parsed = parse(sim.cfg, sim.tokens, body, chat)
     except ApiError as exc:
-        return error_response(exc.status, exc.message, exc.param)
+        if exc.in_stream and isinstance(body, dict) and body.get("stream") is True:
+            return await _stream_error(request, exc, rec)
+        return error_response(exc.status, exc.message, exc.param, exc.kind)
     external, internal = shapes.request_ids(base_request_id(request.headers, body), chat)
     rec["internal_id"] = internal
     engine = sim.current.engine
@@ -143,7 +144,7 @@ async def _stream(request: web.Request, req: SimRequest, parsed: ParsedRequest,
             if event.reset:
                 _reset(request, rec)
             rec["outcome"] = "error"
-            await resp.write(shapes.sse(shapes.error_body(event.message, event.status)))
+            await resp.write(shapes.sse_error(event.message, event.status))
             break
         if isinstance(event, TokenEvent):
             if pending is not None:  # hold one token back: the last one carries finish_reason
@@ -157,6 +158,18 @@ async def _stream(request: web.Request, req: SimRequest, parsed: ParsedRequest,
         if parsed.include_usage:
             make = shapes.chat_usage_chunk if parsed.chat else shapes.completion_usage_chunk
             await resp.write(shapes.sse(make(external, created, model, parsed.prompt_tokens, n)))
+    await resp.write(shapes.DONE)
+    await resp.write_eof()
+    return resp
+
+
+async def _stream_error(request: web.Request, exc: ApiError,
+                        rec: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+    """A stream that fails before its first token: 200, the error event, [DONE]."""
+    rec["outcome"] = "error"
+    resp = web.StreamResponse(headers={"Content-Type": shapes.SSE_CONTENT_TYPE})
+    await resp.prepare(request)
+    await resp.write(shapes.sse_error(exc.message, exc.status))
     await resp.write(shapes.DONE)
     await resp.write_eof()
     return resp

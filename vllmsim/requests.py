@@ -6,6 +6,7 @@ from `kv_transfer_params` and this engine's connector exactly as vLLM 0.33 does.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -19,12 +20,23 @@ from vllmsim.tokens import TokenCounter, chat_prompt_text
 log = logging.getLogger(__name__)
 
 
+# vLLM's message when its EngineCore process has died (EngineDeadError).
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    """An error answer. `kind` overrides the type derived from the status; `in_stream` marks an
+    error vLLM meets while generating, which a streamed request gets after its 200 as an error
+    event (validation errors come before the stream and keep their status)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str | None = None, in_stream: bool = False) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.kind = kind
+        self.in_stream = in_stream
 
 
 @dataclass
@@ -112,10 +124,10 @@ def kv_mode(cfg: SimConfig, params: Any) -> KVMode:
         return KVMode.LOCAL
     if cfg.kv.transfer_mode == "push":
         if missing := missing_keys(params, PUSH_REQUIRED):
-            # vLLM 0.33 raises KeyError in the scheduler and its EngineCore dies; the
-            # simulator stays up and fails only this request.
+            # vLLM raises KeyError in the scheduler and its EngineCore dies (the request gets
+            # vLLM's engine-dead error); the simulator stays up and fails only this request.
             log.error("push kv_transfer_params missing %s: real vLLM would crash here", missing)
-            raise ApiError(500, "Internal server error")
+            raise ApiError(500, ENGINE_DEAD, in_stream=True)
         return KVMode.PUSH
     if missing := missing_keys(params, PULL_REQUIRED):
         log.warning("Got invalid KVTransferParams (missing %s); recomputing locally", missing)
@@ -123,9 +135,45 @@ def kv_mode(cfg: SimConfig, params: Any) -> KVMode:
     return KVMode.PULL
 
 
+def _summarised(value: Any) -> str:
+    """How vLLM shows the offending input in a validation error: containers by their size."""
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return value if isinstance(value, str) else str(value)
+
+
+def validation_error(kind: str, loc: str, msg: str, value: Any,
+                     ctx: dict[str, Any] | None = None) -> ApiError:  # fmt: skip
+    """A request-model validation error worded as vLLM words pydantic's (400, "Bad Request")."""
+    detail: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": _summarised(value)}
+    if ctx is not None:
+        detail["ctx"] = ctx
+    return ApiError(400, f"1 validation error:\n  {detail!r}", loc, "Bad Request")
+
+
+def invalid_json(raw: bytes) -> ApiError:
+    """FastAPI's JSON decode error: where and why Python's json parser stopped."""
+    try:
+        json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return validation_error("json_invalid", f"body.{exc.pos}", "JSON decode error", {},
+                                {"error": exc.msg})  # fmt: skip
+    except ValueError:  # not UTF-8/16/32 at all
+        pass
+    return validation_error("json_invalid", "body", "JSON decode error", {})
+
+
+def _check_kv_params_type(params: Any) -> None:
+    """vLLM's request model types kv_transfer_params as an object."""
+    if params is not None and not isinstance(params, dict):
+        raise validation_error("dict_type", "body.kv_transfer_params",
+                               "Input should be a valid dictionary", params)
+
+
 def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object")
+    _check_kv_params_type(body.get("kv_transfer_params"))
     model = body.get("model") or cfg.served_model_names[0]
     if model not in cfg.served_model_names:
         aliases = ", ".join(cfg.served_model_names)

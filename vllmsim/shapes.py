@@ -9,6 +9,7 @@ against real vLLM 0.32 by tests/real_vllm/test_contract.py.
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
@@ -26,6 +27,12 @@ def dumps(obj: Any) -> bytes:
 
 def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def sse_error(message: str, status: int) -> bytes:
+    """An in-stream error event. vLLM writes it with json.dumps, spaces after separators
+    (its other events are compact)."""
+    return b"data: " + json.dumps(error_body(message, status)).encode() + b"\n\n"
 
 
 def random_suffix() -> str:

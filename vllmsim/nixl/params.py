@@ -60,10 +60,11 @@ def prefill_params(
         "dcp_size": ident.dcp_size,
         "pp_size": ident.pp_size,
         "remote_num_tokens": num_tokens,
-        "transfer_mode": mode,
     }
-    if mode == "pull":
+    if mode == "pull":  # before transfer_mode, as in vLLM 0.32's pull scheduler
         params["remote_blocks_expiry_time"] = None
+    params["transfer_mode"] = mode
+    if mode == "pull":
         params["remote_registration_generation"] = registration_generation
     params["remote_prefill_cached_tokens"] = 0
     return params
