@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.vllmsim.vsim_helpers import (
     IDENTITY_KEYS,
@@ -257,3 +258,15 @@ async def test_chat_push_parallel_and_path_mismatch(http: aiohttp.ClientSession)
         done, _ = await asyncio.wait({d_task}, timeout=0.5)
         assert not done, "a chat D leg must not pair with a completions P leg"
         d_task.cancel()
+
+
+@pytest.mark.parametrize("port", ["not-a-port", 1.5, True])
+async def test_push_port_that_is_no_number_fails_the_request(
+    http: aiohttp.ClientSession, port: object
+) -> None:
+    """The transfer fails as a stale engine id does; D never waits for ever."""
+    async with (running_engine(*FAST, "--kv-transfer-config", PUSH_P) as p,
+                running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d):  # fmt: skip
+        params = {**identity(p, "x"), "remote_port": port}
+        status, body = await asyncio.wait_for(post(http, d, "/v1/completions", d_body(params)), 10)
+        assert status == 500 and body == INTERNAL_ERROR

@@ -22,6 +22,15 @@ PUSH_REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "tp_size",
 _RANDOM_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$")
 
 
+def side_channel_address(params: dict[str, Any]) -> tuple[str, int]:
+    """P's side channel from D's params; a port that is no integer fails the transfer (the
+    transfer's own error path), rather than an exception nobody awaits leaving D hanging."""
+    port = params["remote_port"]
+    if isinstance(port, bool) or not isinstance(port, int | str) or not str(port).isdigit():
+        raise ValueError(f"remote_port {port!r} is not a port number")
+    return str(params["remote_host"]), int(port)
+
+
 def base_request_id(request_id: str) -> str:
     """Strip one trailing `-<8 hex>` engine suffix, like vLLM's get_base_request_id."""
     return _RANDOM_SUFFIX_RE.sub("", request_id)

@@ -21,7 +21,7 @@ from vllmsim.kv_cache import Lease
 from vllmsim.kv_content import from_wire, to_wire
 from vllmsim.nixl import side_channel
 from vllmsim.nixl.base import ConnectorBase
-from vllmsim.nixl.params import block_group, prefill_params
+from vllmsim.nixl.params import block_group, prefill_params, side_channel_address
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,9 @@ class PullConnector(ConnectorBase):
         }
         started = time.monotonic()
         try:
-            reply = await side_channel.request(p["remote_host"], int(p["remote_port"]), msg,
-                                               self.latency_s, timeout=None)  # fmt: skip
-        except side_channel.SideChannelError as exc:
+            host, port = side_channel_address(p)
+            reply = await side_channel.request(host, port, msg, self.latency_s, timeout=None)
+        except (side_channel.SideChannelError, ValueError) as exc:
             reply = {"ok": False, "error": str(exc)}
         if reply.get("ok"):
             log.debug("pulled %s in %.1f ms", req.internal_id, 1e3 * (time.monotonic() - started))

@@ -28,7 +28,13 @@ from vllmsim.kv_cache import Lease
 from vllmsim.kv_content import from_wire, to_wire
 from vllmsim.nixl import side_channel
 from vllmsim.nixl.base import ConnectorBase
-from vllmsim.nixl.params import base_request_id, block_group, prefill_params, transfer_id
+from vllmsim.nixl.params import (
+    base_request_id,
+    block_group,
+    prefill_params,
+    side_channel_address,
+    transfer_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,15 +182,15 @@ class PushConnector(ConnectorBase):
 
     async def _recv(self, req: SimRequest) -> None:
         p = req.remote or {}
-        host, port, eid = str(p["remote_host"]), int(p["remote_port"]), str(p["remote_engine_id"])
         try:
-            await self._handshake(host, port, eid)
+            host, port = side_channel_address(p)
+            await self._handshake(host, port, str(p["remote_engine_id"]))
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters[req.internal_id] = fut
             reply = await side_channel.request(host, port, self._registration(req), self.latency_s)
             if not reply.get("ok"):
                 raise side_channel.SideChannelError(str(reply.get("error")))
-        except side_channel.SideChannelError as exc:
+        except (side_channel.SideChannelError, ValueError) as exc:
             self._waiters.pop(req.internal_id, None)
             self.engine.kv_failed(req, f"push_reg failed: {exc}", self.recompute_on_failure)
             return
