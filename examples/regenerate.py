@@ -17,7 +17,9 @@ import yaml
 
 from extproc.cli import main as cli_main
 from extproc.config import Config, load_config
-from extproc.envoy_config import render_bootstrap, render_snippet, render_yaml
+from extproc.envoy_config import render_yaml
+from extproc.envoy_render.common import HCM_FILTER, HCM_TYPE
+from extproc.envoy_render.pieces import EnvoyPieces, envoy_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -55,13 +57,20 @@ def prefill_only_envoy(config: Path) -> dict[str, Any]:
     """Envoy Gateway runs the ext_proc in its own pod: a small Envoy there keeps the prefill
     listener on loopback, with only the prefill listener and prefill_pool."""
     cfg = load_config(config)
-    pieces = render_snippet(cfg, f"127.0.0.1:{cfg.extproc.port}", PREFILL_LISTENER)
-    pool = [c for c in pieces["clusters"] if c["name"] == "prefill_pool"]
+    pieces = _pieces(cfg)
     admin = cfg.envoy.admin
     return {
         "admin": {"address": {"socket_address": {"address": admin.host, "port_value": admin.port}}},
-        "static_resources": {"listeners": pieces["listeners"], "clusters": pool},
+        "static_resources": {
+            "listeners": [pieces.prefill_listener],
+            "clusters": [pieces.prefill_pool],
+        },
     }
+
+
+def _pieces(cfg: Config) -> EnvoyPieces:
+    """The pieces for an ext_proc beside Envoy in one pod (loopback gRPC)."""
+    return envoy_pieces(cfg, f"127.0.0.1:{cfg.extproc.port}", PREFILL_LISTENER)
 
 
 def _istio_patch(apply_to: str, match: dict[str, Any], operation: str, value: Any) -> dict:
@@ -69,37 +78,24 @@ def _istio_patch(apply_to: str, match: dict[str, Any], operation: str, value: An
             "patch": {"operation": operation, "value": value}}  # fmt: skip
 
 
-def _llm_routes(cfg: Config, address: str) -> list[dict[str, Any]]:
-    """The ingress routes `pd-extproc up` would run (LLM paths, passthrough, 404)."""
-    listener = render_bootstrap(cfg, address, PREFILL_LISTENER)["static_resources"]["listeners"][0]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm["route_config"]["virtual_hosts"][0]["routes"]
-
-
-_HCM_NAME = "envoy.filters.network.http_connection_manager"
-_HCM_TYPE = (
-    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-    ".HttpConnectionManager"
-)
-_GATEWAY_HCM = {"filter": {"name": _HCM_NAME, "subFilter": {"name": "envoy.filters.http.router"}}}
+_GATEWAY_HCM = {"filter": {"name": HCM_FILTER, "subFilter": {"name": "envoy.filters.http.router"}}}
 
 
 def istio_envoyfilter(config: Path) -> dict[str, Any]:
     cfg = load_config(config)
-    address = f"127.0.0.1:{cfg.extproc.port}"  # the pd-extproc container in the gateway pod
-    pieces = render_snippet(cfg, address, PREFILL_LISTENER)
+    pieces = _pieces(cfg)  # the pd-extproc container is in the gateway pod
     on_gateway_http = {"listener": {"portNumber": ISTIO_GATEWAY_POD_PORT,
                                     "filterChain": _GATEWAY_HCM}}  # fmt: skip
-    vhost = {"name": "pd-extproc-llm", "domains": ISTIO_HOSTS, "routes": _llm_routes(cfg, address)}
+    vhost = {"name": "pd-extproc-llm", "domains": ISTIO_HOSTS, "routes": pieces.ingress_routes}
     on_gateway_routes = {"routeConfiguration": {"portNumber": ISTIO_GATEWAY_SERVER_PORT}}
     on_gateway_hcm = {"listener": {"portNumber": ISTIO_GATEWAY_POD_PORT,
-                                   "filterChain": {"filter": {"name": _HCM_NAME}}}}  # fmt: skip
-    path_handling = {"typed_config": {"@type": _HCM_TYPE, **pieces["http_connection_manager"]}}
+                                   "filterChain": {"filter": {"name": HCM_FILTER}}}}  # fmt: skip
+    path_handling = {"typed_config": {"@type": HCM_TYPE, **pieces.ingress_hcm_settings}}
     patches = [
         _istio_patch("NETWORK_FILTER", on_gateway_hcm, "MERGE", path_handling),
-        _istio_patch("HTTP_FILTER", on_gateway_http, "INSERT_BEFORE", pieces["http_filters"][0]),
-        *(_istio_patch("CLUSTER", {}, "ADD", c) for c in pieces["clusters"]),
-        _istio_patch("LISTENER", {}, "ADD", pieces["listeners"][0]),
+        _istio_patch("HTTP_FILTER", on_gateway_http, "INSERT_BEFORE", pieces.ext_proc_filter),
+        *(_istio_patch("CLUSTER", {}, "ADD", c) for c in pieces.clusters),
+        _istio_patch("LISTENER", {}, "ADD", pieces.prefill_listener),
         _istio_patch("VIRTUAL_HOST", on_gateway_routes, "ADD", vhost),
     ]
     return {

@@ -276,7 +276,7 @@ class TimeoutConfig(_Strict):
     connect_s: PositiveFloat = 1.0
     # Envoy's per-message ext_proc timer; the body answer is extended to `prefill_s` in serial
     # dispatch (override_message_timeout). None: sized from limits.max_body_bytes, so that a
-    # burst of large bodies fits (see envoy_config.extproc_message_timeout_s).
+    # burst of large bodies fits (see envoy_render.ext_proc_filter.extproc_message_timeout_s).
     extproc_message_s: PositiveFloat | None = None
     drain_s: PositiveFloat = 10.0
     # D failed in parallel dispatch: wait this long for P's answer to tell a P restart
