@@ -7,14 +7,14 @@ processor catches it at one place and answers with an ImmediateResponse carrying
 
 RequestEnded
   ClientError            the request itself is wrong; nothing reaches an engine:
-                         400 bad JSON, missing or ill-typed fields, a field the sidecar owns
+                         400 bad JSON, missing or ill-typed fields, `n` other than 1
                          (`request`); 404 unknown path, 405 method other than POST; 413 body
                          over limits.max_body_bytes, or a D body that would outgrow Envoy's
                          buffer once P's KV block list is spliced in (`processor`)
   LegError               a leg could not be run or failed; label "leg_error"
     PrefillFailed        P answered 4xx (passed on as is: P refused this request, its identity
-                         and health are kept) or 5xx (502); or P's answer is not JSON, or its
-                         kv_transfer_params are unusable (502, identity dropped)
+                         is kept); P answered 5xx, or with a body that is not JSON or
+                         kv_transfer_params that are unusable (502; its identity is dropped)
     PrefillUnreachable   Envoy could not connect to P, or P reset the connection (503,
                          retryable; P is marked unhealthy)
     PrefillTimeout       P did not answer within timeouts.prefill_s (504)
@@ -22,7 +22,8 @@ RequestEnded
                          retryable; P's health is left alone: P is not to blame)
     IdentityChanged      P's answer shows a new engine id: it restarted under a request
                          already dispatched to D with the old one (503, retryable)
-    NoHealthyPrefill     no prefill endpoint is healthy for this request (503, retryable)
+    NoHealthyPrefill     no prefill endpoint is healthy for this request's model, and
+                         dispatch.no_healthy_prefill is not decode_only (503, retryable)
     NoHealthyDecode      no decode endpoint is healthy for this request (503, retryable)
 
 Errors that never reach a client live beside the code that raises them: `ConfigError`
