@@ -18,7 +18,7 @@ import aiohttp
 
 from extproc.app import Sidecar
 from extproc.config import parse_config
-from vllmsim.testing import PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 __all__ = ["INSTALL_SIM", "missing_sim_modules", "run_demo"]
 

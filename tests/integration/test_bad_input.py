@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from extproc.bodies import buffer_bytes
 from tests.integration.conftest import MODEL, Topology, topology
-from vllmsim.testing import FAST
+from vllmsim.launcher import FAST
 
 LIMIT = 64 * 1024
 # a short max-model-len keeps requests without max_tokens (the engine's default: the rest

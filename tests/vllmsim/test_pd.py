@@ -19,7 +19,7 @@ from tests.vllmsim.vsim_helpers import (
     p_body,
     post,
 )
-from vllmsim.testing import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
 # Key order of vLLM 0.33's prefill kv_transfer_params (push) and the pull additions.
 PUSH_KEYS = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
