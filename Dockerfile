@@ -3,7 +3,7 @@
 #   docker build -t pd-extproc:local .
 # Without access to a package index (an air-gapped build host): build the wheels next to the
 # Dockerfile first and point the build at them, and at a base image that has python3 + venv:
-#   pip wheel . -w wheelhouse && docker build --build-arg BASE=my/python3.11 \
+#   pip wheel '.[sim]' -w wheelhouse && docker build --build-arg BASE=my/python3.11 \
 #       --build-arg WHEELS=wheelhouse -t pd-extproc:local .
 ARG BASE=python:3.11-slim
 FROM ${BASE}
@@ -21,10 +21,11 @@ WORKDIR /build
 COPY pyproject.toml README.md wheelhous[e] ./
 COPY extproc ./extproc
 COPY vllmsim ./vllmsim
+# [sim]: docker-compose.yml runs the vllmsim engines from this image too.
 # One layer for the install and the user: every layer is a full copy on some storage drivers.
 # The sidecar needs no root (its ports are above 1024).
 RUN python3 -m venv /opt/pd-extproc \
-    && /opt/pd-extproc/bin/pip install ${WHEELS:+--no-index --find-links /build} . \
+    && /opt/pd-extproc/bin/pip install ${WHEELS:+--no-index --find-links /build} ".[sim]" \
     && rm -rf /build \
     && useradd --system --uid 10001 --user-group --home-dir /home/pd --create-home pd
 USER 10001:10001

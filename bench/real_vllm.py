@@ -212,7 +212,7 @@ def over_url(url: str, load: Load) -> Ask:
 
 
 FRONTS = {
-    "push": [("push-parallel (sidecar)", "push"), ("serial-push (sidecar)", "serial-push"),
+    "push": [("push-parallel (sidecar)", "push"), ("serial-push (sidecar)", "serial_push"),
              ("vllm-router, push", None), ("direct parallel push (client, no proxy)", "direct"),
              ("direct serial push (client, no proxy)", "direct-serial")],
     "pull": [("pull (sidecar)", "pull"), ("vllm-router, pull", None)],

@@ -23,7 +23,7 @@ CONFIGS = ("direct", "vllm-router", "pull", "serial-push", "push")
 # The engine kind each configuration runs on.
 ENGINE_KIND = {"direct": "push", "vllm-router": "push", "pull": "pull",
                "serial-push": "push", "push": "push"}  # fmt: skip
-EXTPROC_MODES = {"pull": "pull", "serial-push": "serial-push", "push": "push"}
+EXTPROC_MODES = {"pull": "pull", "serial-push": "serial_push", "push": "push"}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ once and never a traceback.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 from enum import StrEnum
 from pathlib import Path
@@ -27,6 +28,8 @@ from pydantic import (
 
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.prefill_leg import LOCAL_REPLY_HEADER
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Config",
@@ -48,7 +51,15 @@ class DispatchMode(StrEnum):
     AUTO = "auto"  # learn transfer_mode from P: push → parallel, pull → serial
     PUSH = "push"  # parallel whenever P's identity is known
     PULL = "pull"  # always serial, P's params forwarded verbatim
-    SERIAL_PUSH = "serial-push"  # push engines, serial dispatch (the PR #187 baseline)
+    SERIAL_PUSH = "serial_push"  # push engines, serial dispatch (the PR #187 baseline)
+
+    @classmethod
+    def _missing_(cls, value: object) -> DispatchMode | None:
+        # Config values are snake_case; "serial-push" was the one spelt with a hyphen.
+        if value == "serial-push":
+            log.warning("dispatch mode 'serial-push' is deprecated: write 'serial_push'")
+            return cls.SERIAL_PUSH
+        return None
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
@@ -276,7 +287,7 @@ class TimeoutConfig(_Strict):
     connect_s: PositiveFloat = 1.0
     # Envoy's per-message ext_proc timer; the body answer is extended to `prefill_s` in serial
     # dispatch (override_message_timeout). None: sized from limits.max_body_bytes, so that a
-    # burst of large bodies fits (see envoy_config.extproc_message_timeout_s).
+    # burst of large bodies fits (see envoy_render.ext_proc_filter.extproc_message_timeout_s).
     extproc_message_s: PositiveFloat | None = None
     drain_s: PositiveFloat = 10.0
     # D failed in parallel dispatch: wait this long for P's answer to tell a P restart

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import time
 from typing import Any
 
@@ -17,9 +18,14 @@ import aiohttp
 
 from extproc.app import Sidecar
 from extproc.config import parse_config
-from vllmsim.testing import PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
-__all__ = ["run_demo"]
+__all__ = ["INSTALL_SIM", "missing_sim_modules", "run_demo"]
+
+# The simulated engines are `vllmsim` processes; their NIXL side channel speaks msgpack, which
+# only the [sim] extra installs (a sidecar alone does not need it).
+_SIM_MODULES = ("msgpack",)
+INSTALL_SIM = "pip install 'pd-extproc[sim]'"
 
 PROMPT = "Explain prefill/decode disaggregation in one paragraph. " * 40  # ~400 tokens
 
@@ -61,6 +67,17 @@ def _timeline(records: dict, ttfts: list[float], prefills: int) -> list[str]:
             f"      {d_kind:<16} {ttfts[n] * 1e3:>6.1f} ms"
         )
     return lines
+
+
+def missing_sim_modules() -> list[str]:
+    """The simulator's modules that cannot be imported here."""
+    missing = []
+    for name in _SIM_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
 
 
 async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) -> int:

@@ -3,7 +3,7 @@
 | mode        | identity cached          | strategy | reason       |
 |-------------|--------------------------|----------|--------------|
 | pull        | any                      | serial   | pull         |
-| serial-push | any                      | serial   | serial_only  |
+| serial_push | any                      | serial   | serial_only  |
 | any         | endpoint is flapping     | serial   | serial_only  |
 | auto, push  | no                       | serial   | cache_miss   |
 | auto        | yes, transfer_mode≠push  | serial   | pull         |

@@ -25,7 +25,7 @@ import aiohttp
 import orjson
 
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar
-from vllmsim.testing import PUSH_D, PUSH_P, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 
 async def streamed(http: aiohttp.ClientSession, url: str, body: bytes) -> tuple[float, float]:

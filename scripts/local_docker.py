@@ -124,7 +124,7 @@ def product_image() -> float:
     try:
         # setuptools and wheel too: the image builds the project offline (--no-index).
         _run("wheels", [sys.executable, "-m", "pip", "wheel", "--quiet", "-w", str(wheelhouse),
-                        str(ROOT), "setuptools>=68", "wheel"])  # fmt: skip
+                        f"{ROOT}[sim]", "setuptools>=68", "wheel"])  # fmt: skip
         build = [DOCKER, "build", "--quiet", "--build-arg", f"BASE={BASE_IMAGE}",
                  "--build-arg", "WHEELS=1", "-t", PRODUCT_IMAGE, str(ROOT)]  # fmt: skip
         _run("docker build", build)

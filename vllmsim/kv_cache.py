@@ -27,10 +27,6 @@ class BlockPool:
     def used(self) -> int:
         return self.total - len(self._free)
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def usage(self) -> float:
         return self.used / self.total if self.total else 0.0
 

@@ -115,7 +115,7 @@ def _max_tokens(body: dict[str, Any], chat: bool, prompt_tokens: int, max_len: i
 
 
 def kv_mode(cfg: SimConfig, params: Any) -> KVMode:
-    """How this request meets the KV connector (spec §3)."""
+    """How this request meets the KV connector (which `KVMode`)."""
     if cfg.kv is None or not isinstance(params, dict):
         return KVMode.LOCAL  # no connector: kv_transfer_params are ignored
     if params.get("do_remote_decode"):

@@ -40,7 +40,7 @@ def random_suffix() -> str:
 
 
 def request_ids(base: str, chat: bool) -> tuple[str, str]:
-    """(external id, engine-internal id) for one request, per vLLM 0.33 (spec §2)."""
+    """(external id, engine-internal id) for one request, as vLLM 0.33 forms them."""
     if chat:
         external = f"chatcmpl-{base}"
         return external, f"{external}-{random_suffix()}"

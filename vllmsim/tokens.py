@@ -40,10 +40,6 @@ class TokenCounter:
             path = Path(tokenizer_dir)
             self._tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
 
-    @property
-    def exact(self) -> bool:
-        return self._tok is not None
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._tok is not None:
             return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -27,7 +27,7 @@ from tests.deploy.helpers import ROOT, envoy_validate
 COMPOSE = ROOT / "docker-compose.yml"
 DEPLOY = ROOT / "deploy"
 CONFIG = DEPLOY / "pd-extproc.yaml"
-ENVOY = DEPLOY / "envoy.yaml"
+ENVOY = ROOT / "envoy" / "compose-bootstrap.yaml"
 PREFILL_LISTENER = "127.0.0.1:10001"
 RENDER = ["render-envoy", "--config", str(CONFIG), "--prefill-listener", PREFILL_LISTENER]
 ENGINE_PORT = 8000
@@ -47,8 +47,7 @@ def rendered(argv: list[str]) -> str:
 def test_envoy_bootstrap_is_rendered_from_the_config() -> None:
     expected = rendered(RENDER)
     assert ENVOY.read_text() == expected, (
-        "deploy/envoy.yaml is stale; regenerate it with:\n"
-        f"  pd-extproc {' '.join(RENDER).replace(str(ROOT) + '/', '')} > deploy/envoy.yaml"
+        "envoy/compose-bootstrap.yaml is stale; regenerate it with: python envoy/regenerate.py"
     )
 
 

@@ -27,12 +27,13 @@ from tests.deploy.helpers import (
 )
 
 EXAMPLES = ROOT / "examples"
+GOLDEN = ROOT / "envoy"
 K8S_VERSION = "1.30.0"
 CORE_KINDS = {"ConfigMap", "Deployment", "NetworkPolicy", "Service"}
 
 
 def regenerate() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("regenerate", EXAMPLES / "regenerate.py")
+    spec = importlib.util.spec_from_file_location("regenerate", GOLDEN / "regenerate.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -49,14 +50,16 @@ def test_generated_files_are_current() -> None:
         for path, text in regenerate().expected().items()
         if not path.exists() or path.read_text() != text
     ]
-    assert not stale, f"stale (run: python examples/regenerate.py): {stale}"
+    assert not stale, f"stale (run: python envoy/regenerate.py): {stale}"
 
 
 @pytest.mark.parametrize(
-    "path", ["plain-envoy/envoy.yaml", "kubernetes/envoy.yaml", "envoy-gateway/prefill-envoy.yaml"]
-)
+    "path",
+    ["envoy/bootstrap.yaml", "examples/kubernetes/envoy.yaml",
+     "examples/envoy-gateway/prefill-envoy.yaml"],
+)  # fmt: skip
 def test_envoy_bootstraps_validate(path: str) -> None:
-    envoy_validate(EXAMPLES / path)
+    envoy_validate(ROOT / path)
 
 
 def _hcm_listener(name: str, port: int, filters: list[Any], vhosts: list[Any],
@@ -83,7 +86,7 @@ def _bootstrap(listeners: list[Any], clusters: list[Any]) -> dict[str, Any]:
 
 
 def test_snippet_pasted_into_an_existing_envoy_validates(tmp_path: Path) -> None:
-    snippet = yaml.safe_load((EXAMPLES / "plain-envoy" / "snippet.yaml").read_text())
+    snippet = yaml.safe_load((GOLDEN / "snippet.yaml").read_text())
     assert set(snippet) == {"http_connection_manager", "http_filters", "routes",
                             "every_other_route", "clusters", "listeners"}  # fmt: skip
     assert [c["name"] for c in snippet["clusters"]] == ["pd_extproc", "decode_pool", "prefill_pool"]
@@ -99,7 +102,7 @@ def test_snippet_pasted_into_an_existing_envoy_validates(tmp_path: Path) -> None
 
 
 def test_snippet_header_says_where_each_piece_goes() -> None:
-    header = [line for line in (EXAMPLES / "plain-envoy" / "snippet.yaml").read_text()
+    header = [line for line in (GOLDEN / "snippet.yaml").read_text()
               .splitlines() if line.startswith("#")]  # fmt: skip
     text = "\n".join(header)
     for where in ("http_filters:", "http_connection_manager:", "clusters:", "listeners:",

@@ -30,7 +30,7 @@ from extproc.cli import main as cli_main
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.envoy_process import EnvoyProcess
 from extproc.testing import scrape
-from vllmsim.testing import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
 
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _HCM = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"

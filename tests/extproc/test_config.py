@@ -176,3 +176,13 @@ def test_extproc_connection_survives_a_burst_of_queued_frames() -> None:
     [options] = cluster["typed_extension_protocol_options"].values()
     http2 = options["explicit_http_config"]["http2_protocol_options"]
     assert http2["max_outbound_frames"] >= 600 * (512 * 1024 // 16384) * 10
+
+
+def test_the_old_hyphenated_mode_is_accepted_with_a_deprecation_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = parse_config(MINIMAL | {"dispatch": {"mode": "serial-push"}})
+    assert cfg.dispatch.mode is DispatchMode.SERIAL_PUSH
+    assert "'serial-push' is deprecated: write 'serial_push'" in caplog.text
+    with pytest.raises(ConfigError, match="serial_push"):
+        parse_config(MINIMAL | {"dispatch": {"mode": "serial+push"}})

@@ -15,7 +15,7 @@ import pytest_asyncio
 from multidict import CIMultiDict
 
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
-from vllmsim.testing import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
 __all__ = ["PULL", "PUSH", "Topology", "generated_text", "topology", "until"]
 

@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from extproc.bodies import buffer_bytes
 from tests.integration.conftest import MODEL, Topology, topology
-from vllmsim.testing import FAST
+from vllmsim.launcher import FAST
 
 LIMIT = 64 * 1024
 # a short max-model-len keeps requests without max_tokens (the engine's default: the rest
@@ -128,7 +128,7 @@ async def test_body_of_exactly_the_limit_is_served_in_parallel(topo: Topology, p
 
 
 async def test_body_of_exactly_the_limit_is_served_in_serial() -> None:
-    config = {"limits": {"max_body_bytes": LIMIT}, "dispatch": {"mode": "serial-push"}}
+    config = {"limits": {"max_body_bytes": LIMIT}, "dispatch": {"mode": "serial_push"}}
     async with topology(engine_flags=FLAGS, **config) as serial:
         await assert_served_at_the_limit(serial, "/v1/completions", serial=True)
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from extproc.testing import ephemeral_config, running_sidecar
 from tests.integration.conftest import MODEL, Topology, address, topology, until
-from vllmsim.testing import PUSH_D, PUSH_P, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "discovered " * 10, "max_tokens": 2}
 

@@ -15,7 +15,7 @@ from extproc.config import parse_config
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
 from tests.integration.conftest import MODEL, topology
-from vllmsim.testing import FAST
+from vllmsim.launcher import FAST
 
 COMPLETION = {"model": MODEL, "prompt": "a reply from Envoy itself " * 20, "max_tokens": 2}
 

@@ -21,7 +21,7 @@ import orjson
 import pytest_asyncio
 
 from tests.integration.conftest import MODEL, Topology, topology
-from vllmsim.testing import FAST
+from vllmsim.launcher import FAST
 
 # kind → request targets. Each one aims, one way or another, at a completion path through a
 # route that has no ext_proc (the pass-through routes /health, /v1/models, ...).

@@ -23,7 +23,7 @@ from extproc.pool import EndpointState
 from extproc.processor import _pick_request
 from extproc.request import Api, parse_request
 from tests.integration.conftest import MODEL, Topology, address, topology, until
-from vllmsim.testing import FAST, EngineHandle
+from vllmsim.launcher import FAST, EngineHandle
 
 FILLER = "The history of the lighthouse keepers on the northern coast is long. " * 6
 MARKER = re.compile(r"(session|group) (\d+)")

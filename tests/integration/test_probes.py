@@ -14,7 +14,7 @@ import orjson
 
 from extproc.testing import ephemeral_config, running_sidecar
 from tests.integration.conftest import MODEL, address
-from vllmsim.testing import PUSH_P, running_engine
+from vllmsim.launcher import PUSH_P, running_engine
 
 TIMEOUT = aiohttp.ClientTimeout(total=5)
 

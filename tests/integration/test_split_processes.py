@@ -21,7 +21,7 @@ from extproc.config import parse_config
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
 from tests.integration.conftest import MODEL
-from vllmsim.testing import PUSH_D, PUSH_P, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "split processes " * 10, "max_tokens": 4}
 

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from tests.vllmsim.vsim_helpers import PROMPT, get_json, metric, post
-from vllmsim.testing import FAST, EngineHandle, running_engine, running_engine_sync
+from vllmsim.launcher import FAST, EngineHandle, running_engine, running_engine_sync
 
 
 @pytest.fixture(scope="module")

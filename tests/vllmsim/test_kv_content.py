@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from tests.vllmsim.vsim_helpers import PROMPT, get_json, post
-from vllmsim.testing import (
+from vllmsim.launcher import (
     FAST,
     PULL_D,
     PULL_P,

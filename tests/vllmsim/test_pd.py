@@ -19,9 +19,9 @@ from tests.vllmsim.vsim_helpers import (
     p_body,
     post,
 )
-from vllmsim.testing import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
-# Key order of the spec's §3.2 example (push) and the pull additions.
+# Key order of vLLM 0.33's prefill kv_transfer_params (push) and the pull additions.
 PUSH_KEYS = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
              "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
              "remote_num_tokens", "transfer_mode", "remote_prefill_cached_tokens"]  # fmt: skip
