@@ -15,11 +15,9 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from extproc.cli import main as cli_main
 from extproc.config import Config, load_config
-from extproc.envoy_config import render_yaml
+from extproc.envoy_config import render_yaml, render_yaml_documents
 from extproc.envoy_render.common import HCM_FILTER, HCM_TYPE
 from extproc.envoy_render.pieces import EnvoyPieces, envoy_pieces
 
@@ -52,8 +50,7 @@ def _snippet(config: Path) -> str:
 
 
 def _dump(header: str, documents: list[dict[str, Any]]) -> str:
-    body = yaml.safe_dump_all(documents, sort_keys=False, width=100)
-    return header + body
+    return header + render_yaml_documents(documents)
 
 
 def prefill_only_envoy(config: Path) -> dict[str, Any]:

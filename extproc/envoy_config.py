@@ -99,3 +99,8 @@ class _PlainDumper(yaml.SafeDumper):
 
 def render_yaml(bootstrap: dict[str, Any]) -> str:
     return yaml.dump(bootstrap, Dumper=_PlainDumper, sort_keys=False, width=120)
+
+
+def render_yaml_documents(documents: list[dict[str, Any]], width: int = 100) -> str:
+    """Several YAML documents (Kubernetes resources), without anchors either."""
+    return yaml.dump_all(documents, Dumper=_PlainDumper, sort_keys=False, width=width)

@@ -11,10 +11,10 @@ from extproc.envoy_render.clusters import extproc_cluster, pool_cluster
 from extproc.envoy_render.ext_proc_filter import ext_proc_filter
 from extproc.envoy_render.listeners import ingress_hcm_settings, prefill_listener
 from extproc.envoy_render.routes import (
-    WITHOUT_EXTPROC,
     catch_all_route,
     llm_routes,
     passthrough_routes,
+    without_extproc,
 )
 
 Json = dict[str, Any]
@@ -57,7 +57,7 @@ def envoy_pieces(
         llm_routes=llm_routes(cfg),
         passthrough_routes=passthrough_routes(),
         catch_all_route=catch_all_route(cfg),
-        every_other_route=WITHOUT_EXTPROC,
+        every_other_route=without_extproc(),
         extproc_cluster=extproc_cluster(extproc_address, cfg),
         decode_pool=pool_cluster("decode_pool", cfg.static_addresses("decode"), cfg, eds_dir),
         prefill_pool=pool_cluster("prefill_pool", cfg.static_addresses("prefill"), cfg, eds_dir),

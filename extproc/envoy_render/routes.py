@@ -21,13 +21,15 @@ PASSTHROUGH = {
     "/tokenize": "POST", "/detokenize": "POST",
 }  # fmt: skip
 
-# Every route that skips the ext_proc: a client's destination header must not steer it.
-WITHOUT_EXTPROC = {
-    "request_headers_to_remove": [DESTINATION_HEADER],
-    "typed_per_filter_config": {
-        "envoy.filters.http.ext_proc": {TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
-    },
-}
+def without_extproc() -> dict[str, Any]:
+    """What every route that skips the ext_proc needs: a client's destination header must not
+    steer it. A new dict per call: rendered pieces never share (and so never co-mutate) state."""
+    return {
+        "request_headers_to_remove": [DESTINATION_HEADER],
+        "typed_per_filter_config": {
+            "envoy.filters.http.ext_proc": {TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
+        },
+    }
 
 
 def _decode_route(cfg: Config) -> dict[str, Any]:
@@ -57,7 +59,7 @@ def passthrough_routes() -> list[dict[str, Any]]:
     """The engines' read-only endpoints, by exact path and method, without the ext_proc."""
     return [
         {"match": {"path": path, "headers": [_method(method)]},
-         "route": {"cluster": "decode_pool", "timeout": "60s"}, **WITHOUT_EXTPROC}
+         "route": {"cluster": "decode_pool", "timeout": "60s"}, **without_extproc()}
         for path, method in PASSTHROUGH.items()
     ]  # fmt: skip
 
