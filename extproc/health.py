@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -40,7 +40,7 @@ class HealthChecker:
         decode: Pool,
         identities: Identities,
         scrape_metrics: Callable[[str], Awaitable[bool]],
-        probe: Callable[[aiohttp.ClientSession, str], Awaitable[bool]],
+        probe: Callable[[aiohttp.ClientSession, str], Coroutine[Any, Any, bool]],
         probing: Callable[[], bool],
     ) -> None:
         self._settings = settings  # re-read: a reload may change them

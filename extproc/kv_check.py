@@ -56,6 +56,8 @@ class KvCheck:
     the window still closes once per interval, so `min_share` keeps its meaning.
     """
 
+    families = (_FAMILY,)
+
     def __init__(
         self,
         settings: Callable[[], KvCheckConfig],

@@ -43,6 +43,8 @@ def parse_load(families: Families) -> tuple[float, float]:
 class EngineLoad:
     """A scraper consumer: the engine's load onto its endpoint state."""
 
+    families = ("vllm:num_requests_waiting", *_KV_USAGE_NAMES)
+
     def __init__(self, endpoint: Callable[[str], LoadState | None]) -> None:
         self._endpoint = endpoint  # address → its state in a pool (None: not a member)
 

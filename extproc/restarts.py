@@ -17,6 +17,8 @@ log = logging.getLogger("extproc.health")
 
 
 class RestartDetector:
+    families = ("process_start_time_seconds",)
+
     def __init__(self, watched: Callable[[str], bool], on_restart: Callable[[str], None]) -> None:
         self._watched = watched  # which engines matter (the prefill ones)
         self._on_restart = on_restart

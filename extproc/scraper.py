@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 import aiohttp
@@ -30,16 +30,35 @@ Families = Mapping[str, Metric]  # family name (a counter's without _total) → 
 
 
 class MetricsConsumer(Protocol):
+    @property
+    def families(self) -> Collection[str]: ...  # the family names it reads
+
     def consume(self, address: str, families: Families) -> None: ...
 
 
-def parse_families(text: str) -> dict[str, Metric]:
-    """The metric families of a Prometheus text page; {} if it does not parse."""
+def parse_families(text: str, only: tuple[str, ...] | None = None) -> dict[str, Metric]:
+    """The metric families of a Prometheus text page; {} if it does not parse.
+
+    `only`: parse just the families whose names start with one of these. A vLLM page is
+    ~100 kB of histograms; parsing all of it takes ~20 ms of the event loop, the few lines
+    the consumers read well under 1 ms.
+    """
+    if only is not None:
+        text = _select(text, only)
     try:
         return {family.name: family for family in text_string_to_metric_families(text)}
     except ValueError as error:
         log.debug("unparsable /metrics: %s", error)
         return {}
+
+
+def _select(text: str, names: tuple[str, ...]) -> str:
+    kept = []
+    for line in text.splitlines():
+        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if name.startswith(names):
+            kept.append(line)
+    return "\n".join(kept) + "\n"
 
 
 class EngineScraper:
@@ -54,6 +73,7 @@ class EngineScraper:
         self._plan = plan
         self._timeout_s = timeout_s
         self._consumers = consumers
+        self._wanted = tuple(sorted({name for c in consumers for name in c.families}))
         self._last: dict[str, float] = {}  # address → monotonic time of its last fetch
         self._periodic = Periodic("engine-scrape", self.scrape_due, self._tick_s)
 
@@ -93,7 +113,7 @@ class EngineScraper:
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError):
             return False
-        families = parse_families(text)
+        families = parse_families(text, self._wanted)
         for consumer in self._consumers:
             consumer.consume(address, families)
         return True

@@ -91,6 +91,7 @@ async def engines() -> AsyncIterator[Engines]:
 
 @dataclass
 class Recorder:
+    families = ("vllm:",)
     seen: list[tuple[str, Families]] = field(default_factory=list)
 
     def consume(self, address: str, families: Families) -> None:
@@ -213,3 +214,20 @@ async def test_power_of_two_in_a_models_group_sees_engine_load(engines: Engines)
     ]
     # The served engine reports 5 waiting requests: two random choices always avoid it.
     assert {p.address for p in picked if p is not None} == {engines.missing}
+
+
+def test_kv_check_closes_one_window_per_interval_however_often_scraped() -> None:
+    kv_check = KvCheck(lambda: KvCheckConfig(interval_s=10), Metrics(), lambda a: a == "d")
+    for moved in (90, 95):  # scraped again at once (its pool's policy reads engine load)
+        page = VLLM_METRICS.replace("} 90.0", f"}} {moved}.0")
+        kv_check.consume("d", parse_families(page))
+        kv_check.consume("p", parse_families(page))  # not a decode engine
+    [window] = kv_check.snapshot().values()  # "p" is not a decode engine: no window
+    assert window["external_kv_transfer"] == 90.0 and window["share"] is None
+
+
+def test_only_the_families_consumers_read_are_parsed() -> None:
+    only = ("process_start_time_seconds", "vllm:num_requests_waiting")
+    families = parse_families(VLLM_METRICS, only)
+    assert set(families) == {*only, "vllm:num_requests_waiting_by_reason"}  # a prefix match
+    assert families["process_start_time_seconds"].samples[0].value == 1.7e9
