@@ -3,9 +3,9 @@
 A decode engine started without `--kv-transfer-config`, with the other connector, or whose
 transfers fail silently still answers every request, just slower; users only see TTFT creep
 up. vLLM counts where each prompt token came from (`vllm:prompt_tokens_by_source_total`,
-source = external_kv_transfer | local_compute | local_cache_hit); this module scrapes it from
-every decode engine, exports the share that arrived by KV transfer, and warns when requests
-that this sidecar disaggregated were recomputed locally.
+source = external_kv_transfer | local_compute | local_cache_hit); this module reads it from
+every decode engine's page (fetched by the engine scraper), exports the share that arrived by
+KV transfer, and warns when requests that this sidecar disaggregated were recomputed locally.
 """
 
 from __future__ import annotations
