@@ -16,17 +16,20 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     PositiveFloat,
     PrivateAttr,
+    SerializeAsAny,
     ValidationError,
     field_validator,
     model_validator,
 )
 
 from extproc.envoy_msgs import DESTINATION_HEADER
+from extproc.policies import POLICIES, NoOptions, option_keys, parse_options
 from extproc.prefill_leg import LOCAL_REPLY_HEADER
 
 log = logging.getLogger(__name__)
@@ -114,9 +117,15 @@ def _endpoint(value: Any) -> Any:
 
 
 Endpoint = Annotated[EndpointConfig, Field()]
-PolicyName = Literal[
-    "round_robin", "least_request", "random", "power_of_two", "session", "prefix"
-]  # see extproc.picking
+
+
+def _known_policy(name: str) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; one of: {', '.join(POLICIES)}")
+    return name
+
+
+PolicyName = Annotated[str, AfterValidator(_known_policy)]  # a name in extproc.policies
 
 
 class KubernetesSource(_Strict):
@@ -127,6 +136,13 @@ class KubernetesSource(_Strict):
     port: int = Field(gt=0, lt=65536)
 
 
+def _options(policy: str, keys: dict[str, Any]) -> BaseModel:
+    try:
+        return parse_options(policy, keys)
+    except ValidationError as error:  # one line per key, named as the user wrote it
+        raise ValueError(_format_errors(error).replace("\n", "; ")) from None
+
+
 class PoolConfig(_Strict):
     # Members: a static list, and/or a DNS name (a headless service) re-resolved every
     # discovery.interval_s, and/or Kubernetes pods by label. At least one source.
@@ -134,17 +150,43 @@ class PoolConfig(_Strict):
     dns: str | None = None  # "name:port"; every A/AAAA record is one endpoint
     kubernetes: KubernetesSource | None = None
     policy: PolicyName = "round_robin"
-    # power_of_two: how often the engines' /metrics are scraped for num_requests_waiting and
-    # kv_cache_usage_perc (the smallest interval of the pools that need it is used).
-    load_interval_s: PositiveFloat = 1.0
-    # power_of_two: a full KV cache counts as this many waiting requests in the load score.
-    kv_usage_weight: float = Field(default=4.0, ge=0)
-    # prefix: how many bytes of the raw prompt/messages JSON are hashed (~4 KV blocks of 16
-    # tokens), and how far above the average in-flight count an endpoint may go before a
-    # request spills to the next endpoint of its hash order (more slack: more cache hits,
-    # less balance; 0.5 kept ~88% affinity at a 56/44 split in bench/results/policies.md).
-    prefix_bytes: int = Field(default=256, ge=1, le=4096)
-    prefix_load_slack: float = Field(default=0.5, ge=0)
+    # The policy's options (extproc.policies: each policy's options model). Written flat in
+    # the pool (`kv_usage_weight: 2`), or nested under `options:`; both forms are accepted.
+    options: SerializeAsAny[BaseModel] = NoOptions()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_options(cls, data: Any) -> Any:
+        """Gather the flat option keys into the chosen policy's options model.
+
+        A key of another policy is still checked against its own model (a typo or a bad value
+        fails at load, as before), then ignored.
+        """
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        nested = data.pop("options", None) or {}
+        if not isinstance(nested, dict):
+            raise ValueError("options: expected a mapping")
+        owners = option_keys()
+        keys = {k: data.pop(k) for k in list(data) if k in owners} | nested
+        policy = data.get("policy", "round_robin")
+        for owner in {owners.get(k, policy) for k in keys} | {policy}:
+            if owner in POLICIES:
+                mine = {k: v for k, v in keys.items() if owners.get(k, policy) == owner}
+                options = _options(owner, mine)
+                if owner == policy:
+                    data["options"] = options
+        return data
+
+    @property
+    def needs_load(self) -> bool:
+        """Its policy reads engine load (the scraper keeps the members' load fresh)."""
+        return POLICIES[self.policy].needs_load
+
+    @property
+    def load_interval_s(self) -> float:
+        return float(getattr(self.options, "load_interval_s", 1.0))
 
     @model_validator(mode="after")
     def _has_a_source(self) -> PoolConfig:

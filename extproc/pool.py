@@ -1,6 +1,6 @@
 """Endpoint pools: who is healthy, how busy each endpoint is, and which one to pick.
 
-The choice itself is a policy (`extproc.picking`) over the healthy endpoints; in-flight counts
+The choice itself is a policy (`extproc.policies`) over the healthy endpoints; in-flight counts
 are kept here and taken/released in one context manager so that no error path leaks a count.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from extproc.picking import Picker, PickRequest
+from extproc.policies.base import Picker, PickRequest
 
 __all__ = ["EndpointState", "Pool"]
 

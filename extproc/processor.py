@@ -40,7 +40,7 @@ from extproc.errors import (
     RequestEnded,
 )
 from extproc.identity import PrefillIdentity, identity_from_params
-from extproc.picking import PickRequest
+from extproc.policies import PickRequest
 from extproc.prefill_leg import PrefillResult
 from extproc.request import ClientRequest, check_route, parse_request
 from extproc.stream import EnvoyStream

@@ -13,16 +13,20 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.config import Config, DispatchMode
+from extproc.config import Config, DispatchMode, PoolConfig
 from extproc.discovery import Discovery
 from extproc.health import HealthChecker
 from extproc.identity import IdentityCache
 from extproc.kv_check import KvCheck
-from extproc.load import LoadScraper
+from extproc.load import EngineLoad
 from extproc.metrics import Metrics
-from extproc.picking import Picker, build_picker
+from extproc.policies import Picker, build_picker
 from extproc.pool import EndpointState, Pool
 from extproc.prefill_leg import PrefillClient
+from extproc.probe import probe_prefill
+from extproc.restarts import RestartDetector
+from extproc.scrape_plan import scrape_plan
+from extproc.scraper import EngineScraper
 from extproc.tracing import Tracing
 
 __all__ = ["Runtime"]
@@ -42,12 +46,16 @@ class ModelGroup:
     pickers: dict[str, Picker]
 
 
+def _picker(pool: PoolConfig) -> Picker:
+    return build_picker(pool.policy, pool.options)
+
+
 def _model_groups(config: Config) -> dict[str, ModelGroup]:
     return {
         name: ModelGroup(
             name,
             {"prefill": set(group.prefill.addresses), "decode": set(group.decode.addresses)},
-            {"prefill": build_picker(group.prefill), "decode": build_picker(group.decode)},
+            {"prefill": _picker(group.prefill), "decode": _picker(group.decode)},
         )
         for name, group in config.groups().items()
     }
@@ -83,22 +91,43 @@ class Runtime:
         self.prefill = Pool(
             "prefill",
             config.static_addresses("prefill"),
-            build_picker(config.prefill),
+            _picker(config.prefill),
             on_change=self._endpoint_changed("prefill"),
         )
         self.decode = Pool(
             "decode",
             config.static_addresses("decode"),
-            build_picker(config.decode),
+            _picker(config.decode),
             on_change=self._endpoint_changed("decode"),
         )
         for pool in (self.prefill, self.decode):
             for state in pool:
                 self._endpoint_changed(pool.role)(state)
         self.prefill_client = PrefillClient(prefill_listener, config.timeouts.connect_s)
-        self.health = HealthChecker(self)
-        self.kv_check = KvCheck(self)
-        self.load = LoadScraper(self)  # engine load for power_of_two
+        self.kv_check = KvCheck(
+            lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses
+        )
+        self.restarts = RestartDetector(lambda a: a in self.prefill.addresses, self._restarted)
+        self.scraper = EngineScraper(
+            lambda: self._session,
+            lambda: scrape_plan(
+                self.config,
+                {name: g.members for name, g in self.groups.items()},
+                self.decode.addresses,
+            ),
+            lambda: self.config.health.timeout_s,
+            [self.restarts, EngineLoad(self._endpoint_state), self.kv_check],
+        )
+        probe_refused: set[str] = set()  # endpoints that refused the probe's API key
+        self.health = HealthChecker(
+            lambda: self.config.health,
+            self.prefill,
+            self.decode,
+            self.identities,
+            self.scraper.scrape,
+            lambda session, a: probe_prefill(self, session, a, probe_refused),
+            lambda: self.config.dispatch.probe,
+        )
         self.discovery = Discovery(self)
         self.tracing = Tracing(config.tracing)
         # Called with (role, members) when a pool's membership changes (up: EDS for Envoy).
@@ -126,6 +155,15 @@ class Runtime:
         self.metrics.identity_events.labels(endpoint, event).inc()
         if event in ("changed", "flapping", "dropped"):
             log.info("prefill %s: identity %s", endpoint, event)
+
+    def _restarted(self, address: str) -> None:
+        """A new process start time: the prefill identity is stale before any request."""
+        self.metrics.identity_events.labels(address, "restarted").inc()
+        self.identities.drop(address)
+
+    def _endpoint_state(self, address: str) -> EndpointState | None:
+        return next((s for pool in (self.prefill, self.decode) for s in pool
+                     if s.address == address), None)  # fmt: skip
 
     def _endpoint_changed(self, role: str) -> Callable[[EndpointState], None]:
         def record(state: EndpointState) -> None:
@@ -160,6 +198,7 @@ class Runtime:
             log.info("%s %s left the pool", role, address)
             self.identities.forget(address)
             self.kv_check.forget(address)
+            self.restarts.forget(address)
             self.metrics.forget_endpoint(role, address)
         for address in added:
             log.info("%s %s joined the pool", role, address)
@@ -187,8 +226,8 @@ class Runtime:
         self.config = config
         self.groups = _model_groups(config)
         self._modes = _endpoint_modes(config)
-        self.prefill.set_policy(build_picker(config.prefill))
-        self.decode.set_policy(build_picker(config.decode))
+        self.prefill.set_policy(_picker(config.prefill))
+        self.decode.set_policy(_picker(config.decode))
         return needs_restart
 
     async def start(self) -> None:
@@ -197,15 +236,13 @@ class Runtime:
             self._session = aiohttp.ClientSession()
         self.discovery.start(self._session)
         await self.health.start(self._session)
-        self.kv_check.start(self._session)
-        await self.load.start(self._session)
+        await self.scraper.start()
         await self.health.probes_settled(self.config.timeouts.probe_s)
         self.serving = True
 
     async def stop(self) -> None:
         await self.discovery.stop()
-        await self.kv_check.stop()
-        await self.load.stop()
+        await self.scraper.stop()
         await self.health.stop()
         await self.prefill_client.close()
         if self._session is not None:

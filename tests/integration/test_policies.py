@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from extproc.picking import Picker, PickRequest, PrefixPicker, SessionPicker
+from extproc.policies import Picker, PickRequest, PrefixPicker, SessionPicker
 from extproc.pool import EndpointState
 from extproc.processor import _pick_request
 from extproc.request import Api, parse_request
