@@ -86,12 +86,18 @@ def _key_text(raw_key: bytes) -> str:
     return orjson.loads(raw_key) if b"\\" in inner else inner.decode()
 
 
+def _after_ws(raw: bytes, pos: int) -> int:
+    match = _WS.match(raw, pos)
+    assert match is not None  # "[ \t\n\r]*" matches the empty string too
+    return match.end()
+
+
 def members(raw: bytes) -> list[tuple[str, bytes]]:
     """The top-level (key, raw 'key: value' bytes) pairs of a JSON object, in order."""
-    pos = _WS.match(raw, 0).end()
+    pos = _after_ws(raw, 0)
     if raw[pos : pos + 1] != b"{":
         raise BodyError("not a JSON object")
-    pos = _WS.match(raw, pos + 1).end()
+    pos = _after_ws(raw, pos + 1)
     found: list[tuple[str, bytes]] = []
     if raw[pos : pos + 1] == b"}":
         return found
@@ -99,16 +105,16 @@ def members(raw: bytes) -> list[tuple[str, bytes]]:
         key_match = _STRING.match(raw, pos)
         if key_match is None:
             raise BodyError(f"expected a key at byte {pos}")
-        colon = _WS.match(raw, key_match.end()).end()
-        value_start = _WS.match(raw, colon + 1).end()
+        colon = _after_ws(raw, key_match.end())
+        value_start = _after_ws(raw, colon + 1)
         value_end = _skip_value(raw, value_start)
         found.append((_key_text(key_match.group()), raw[key_match.start() : value_end]))
-        pos = _WS.match(raw, value_end).end()
+        pos = _after_ws(raw, value_end)
         if raw[pos : pos + 1] == b"}":
             return found
         if raw[pos : pos + 1] != b",":
             raise BodyError(f"expected ',' or '}}' at byte {pos}")
-        pos = _WS.match(raw, pos + 1).end()
+        pos = _after_ws(raw, pos + 1)
 
 
 def splice(

@@ -44,8 +44,11 @@ async def _first_token_time(session: aiohttp.ClientSession, url: str, i: int) ->
     return first if first is not None else float("nan")
 
 
-async def _records(session: aiohttp.ClientSession, engines: list[EngineHandle]) -> dict:
-    seen: dict[str, dict[str, Any]] = {}
+Records = dict[str, dict[str, tuple[int, dict[str, Any]]]]  # request id -> leg kind -> record
+
+
+async def _records(session: aiohttp.ClientSession, engines: list[EngineHandle]) -> Records:
+    seen: Records = {}
     for index, engine in enumerate(engines):
         async with session.get(engine.url + "/sim/requests") as response:
             for record in await response.json():
@@ -55,7 +58,7 @@ async def _records(session: aiohttp.ClientSession, engines: list[EngineHandle]) 
     return seen
 
 
-def _timeline(records: dict, ttfts: list[float], prefills: int) -> list[str]:
+def _timeline(records: Records, ttfts: list[float], prefills: int) -> list[str]:
     lines = ["req  prefill  decode  D arrival - P arrival  how D got its KV   TTFT"]
     rows = sorted(records.values(), key=lambda legs: legs["prefill"][1]["received_at"])
     for n, legs in enumerate(rows):

@@ -64,13 +64,16 @@ def ephemeral_config(prefill: list[Any], decode: list[Any], **extra: Any) -> dic
     return config
 
 
-async def _wait_ready(path: Path, process: asyncio.subprocess.Process, timeout_s: float) -> dict:
+async def _wait_ready(
+    path: Path, process: asyncio.subprocess.Process, timeout_s: float
+) -> dict[str, Any]:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while asyncio.get_running_loop().time() < deadline:
         if process.returncode is not None:
             raise RuntimeError(f"pd-extproc exited with {process.returncode}")
         if await asyncio.to_thread(path.exists):
-            return orjson.loads(await asyncio.to_thread(path.read_bytes))
+            ready: dict[str, Any] = orjson.loads(await asyncio.to_thread(path.read_bytes))
+            return ready
         await asyncio.sleep(0.05)
     raise TimeoutError(f"pd-extproc was not ready within {timeout_s:g} s")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from vllmsim.auth import auth_middleware
 from vllmsim.faults import add_admin_routes
@@ -11,7 +12,7 @@ from vllmsim.server import SIM_KEY, SimServer
 
 
 def build_app(sim: SimServer) -> web.Application:
-    middlewares = [record_unrouted]
+    middlewares: list[Middleware] = [record_unrouted]
     if sim.cfg.api_keys:
         middlewares.append(auth_middleware(sim.cfg.api_keys))
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)

@@ -14,6 +14,7 @@ import hmac
 from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 __all__ = ["auth_middleware"]
 
@@ -34,7 +35,7 @@ def _digest(key: str) -> bytes:
 
 def auth_middleware(
     keys: Sequence[str],
-) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+) -> Middleware:
     """An aiohttp middleware that lets through requests carrying one of `keys`."""
     digests = [_digest(k) for k in keys]
 

@@ -62,7 +62,8 @@ def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
 
 def _read_port_file(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())
+        ports: dict[str, Any] = json.loads(path.read_text())
+        return ports
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 

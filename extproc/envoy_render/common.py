@@ -49,7 +49,9 @@ def buffer_limit(cfg: Config) -> int:
     return buffer_bytes(cfg.limits.max_body_bytes)
 
 
-def listener(name: str, address: dict[str, Any], hcm: dict[str, Any], cfg: Config) -> dict:
+def listener(
+    name: str, address: dict[str, Any], hcm: dict[str, Any], cfg: Config
+) -> dict[str, Any]:
     """A listener with one HTTP connection manager (`hcm`: its fields besides @type)."""
     return {
         "name": name,
