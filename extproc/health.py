@@ -14,15 +14,15 @@ import asyncio
 import contextlib
 import logging
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
-from extproc.probe import probe_prefill
-
 if TYPE_CHECKING:
+    from extproc.config import Config
+    from extproc.metrics import Metrics
     from extproc.pool import EndpointState, Pool
-    from extproc.runtime import Runtime
 
 __all__ = ["HealthChecker"]
 
@@ -33,9 +33,32 @@ log = logging.getLogger("extproc.health")
 _START_TIME = re.compile(rb"^process_start_time_seconds\S* (\S+)$", re.MULTILINE)
 
 
+class Identities(Protocol):
+    """What the checker needs of the identity cache."""
+
+    def get(self, endpoint: str) -> object | None: ...
+    def drop(self, endpoint: str) -> bool: ...
+
+
+# (session, prefill address, endpoints that refused the key) → learned
+Probe = Callable[[aiohttp.ClientSession, str, set[str]], Awaitable[bool]]
+
+
 class HealthChecker:
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(
+        self,
+        prefill: Pool,
+        decode: Pool,
+        identities: Identities,
+        metrics: Metrics,
+        config: Callable[[], Config],  # the current config: a reload swaps it
+        probe: Probe,
+    ) -> None:
+        self._prefill, self._decode = prefill, decode
+        self._identities = identities
+        self._metrics = metrics
+        self._config = config
+        self._probe = probe
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._probes: dict[str, asyncio.Task[bool]] = {}
@@ -59,7 +82,7 @@ class HealthChecker:
     async def _loop(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):  # an early round when members change
-                await asyncio.wait_for(self._wake.wait(), self.rt.config.health.interval_s)
+                await asyncio.wait_for(self._wake.wait(), self._config().health.interval_s)
             self._wake.clear()
             await self.check_all()
 
@@ -68,16 +91,16 @@ class HealthChecker:
         self._wake.set()
 
     async def check_all(self, unhealthy_after: int | None = None) -> None:
-        threshold = unhealthy_after or self.rt.config.health.unhealthy_after
-        pools = (self.rt.decode, self.rt.prefill)  # decodes first: a probe needs one
+        threshold = unhealthy_after or self._config().health.unhealthy_after
+        pools = (self._decode, self._prefill)  # decodes first: a probe needs one
         for pool in pools:
             await asyncio.gather(*(self._check(pool, state, threshold) for state in pool))
-        for state in self.rt.prefill:
-            if state.healthy and self.rt.identities.get(state.address) is None:
+        for state in self._prefill:
+            if state.healthy and self._identities.get(state.address) is None:
                 self._maybe_probe(state.address)
 
     async def _check(self, pool: Pool, state: EndpointState, unhealthy_after: int) -> None:
-        prefill = pool is self.rt.prefill
+        prefill = pool is self._prefill
         healthy, started = await self._fetch(state.address, "/metrics" if prefill else "/health")
         # One slow answer on a busy host is not an outage: require consecutive failures.
         failures = 0 if healthy else self._failures.get(state.address, 0) + 1
@@ -90,7 +113,7 @@ class HealthChecker:
             )
         pool.set_healthy(state.address, healthy)
         if prefill and not healthy:
-            self.rt.identities.drop(state.address)
+            self._identities.drop(state.address)
         if prefill and started is not None:
             self._note_start_time(state.address, started)
 
@@ -100,7 +123,7 @@ class HealthChecker:
         try:
             async with self._session.get(
                 f"http://{address}{path}",
-                timeout=aiohttp.ClientTimeout(total=self.rt.config.health.timeout_s),
+                timeout=aiohttp.ClientTimeout(total=self._config().health.timeout_s),
             ) as response:
                 if response.status != 200:
                     return False, None
@@ -115,18 +138,18 @@ class HealthChecker:
         self._start_times[address] = started
         if previous is not None and previous != started:
             log.warning("prefill %s restarted; its identity is dropped and re-learned", address)
-            self.rt.metrics.identity_events.labels(address, "restarted").inc()
-            self.rt.identities.drop(address)
+            self._metrics.identity_events.labels(address, "restarted").inc()
+            self._identities.drop(address)
 
     def _maybe_probe(self, address: str) -> None:
         """Probe once at a time per endpoint, when enabled and useful."""
-        if not self.rt.config.dispatch.probe or self._session is None:
+        if not self._config().dispatch.probe or self._session is None:
             return
         running = self._probes.get(address)
         if running is not None and not running.done():
             return
         self._probes[address] = asyncio.create_task(
-            probe_prefill(self.rt, self._session, address, self._probe_refused)
+            self._probe(self._session, address, self._probe_refused)
         )
 
     async def probes_settled(self, timeout_s: float) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.periodic import Periodic
 
 if TYPE_CHECKING:
-    from extproc.runtime import Runtime
+    from extproc.config import Config
+    from extproc.metrics import Metrics
 
 __all__ = ["KvCheck", "prompt_tokens_by_source"]
 
@@ -55,8 +57,15 @@ class _Window:
 
 
 class KvCheck:
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(
+        self,
+        decodes: Callable[[], list[str]],  # the decode pool's current members
+        metrics: Metrics,
+        config: Callable[[], Config],  # the current config: a reload swaps it
+    ) -> None:
+        self._decodes = decodes
+        self._metrics = metrics
+        self._config = config
         self._windows: dict[str, _Window] = {}
         self._dispatched: Counter[str] = Counter()  # disaggregated requests per decode, per window
         self._periodic: Periodic | None = None
@@ -66,20 +75,23 @@ class KvCheck:
         self._dispatched[decode] += 1
 
     def start(self, session: aiohttp.ClientSession) -> None:
-        if self.rt.config.kv_check.enabled:
-            self._periodic = Periodic(
-                "kv-check", lambda: self.check_all(session),
-                lambda: self.rt.config.kv_check.interval_s,
-            )  # fmt: skip
-            self._periodic.start(first_now=True)  # the baseline the first window starts from
+        """The loop runs even while disabled (its rounds then do nothing): a reload can switch
+        `kv_check.enabled` either way."""
+        self._periodic = Periodic(
+            "kv-check", lambda: self.check_all(session),
+            lambda: self._config().kv_check.interval_s,
+        )  # fmt: skip
+        self._periodic.start(first_now=True)  # the baseline the first window starts from
 
     async def stop(self) -> None:
         if self._periodic is not None:
             await self._periodic.stop()
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
+        if not self._config().kv_check.enabled:
+            return
         await asyncio.gather(
-            *(self._check(session, address) for address in self.rt.decode.addresses)
+            *(self._check(session, address) for address in self._decodes())
         )
 
     def forget(self, address: str) -> None:
@@ -91,7 +103,7 @@ class KvCheck:
         try:
             async with session.get(
                 f"http://{address}/metrics",
-                timeout=aiohttp.ClientTimeout(total=self.rt.config.health.timeout_s * 2),
+                timeout=aiohttp.ClientTimeout(total=self._config().health.timeout_s * 2),
             ) as response:
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError):
@@ -104,7 +116,7 @@ class KvCheck:
         window = self._windows.setdefault(address, _Window())
         previous, window.last, window.totals = window.last, totals, totals
         for source in SOURCES:
-            self.rt.metrics.decode_prompt_tokens.labels(address, source).set(totals.get(source, 0))
+            self._metrics.decode_prompt_tokens.labels(address, source).set(totals.get(source, 0))
         dispatched = self._dispatched.pop(address, 0)
         if previous is None:
             return
@@ -113,10 +125,10 @@ class KvCheck:
         if moved + local <= 0:
             return
         window.share = moved / (moved + local)
-        self.rt.metrics.kv_transfer_share.labels(address).set(window.share)
-        if dispatched and window.share < self.rt.config.kv_check.min_share:
+        self._metrics.kv_transfer_share.labels(address).set(window.share)
+        if dispatched and window.share < self._config().kv_check.min_share:
             window.alerts += 1
-            self.rt.metrics.recompute_alerts.labels(address).inc()
+            self._metrics.recompute_alerts.labels(address).inc()
             log.warning(
                 "decode %s computed %d of %d prompt tokens itself although %d requests were "
                 "disaggregated: is it started with --kv-transfer-config and the same KV "

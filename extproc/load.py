@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -22,8 +22,8 @@ from extproc.periodic import Periodic
 from extproc.picking import ENGINE_LOAD_POLICIES
 
 if TYPE_CHECKING:
+    from extproc.config import Config
     from extproc.pool import EndpointState, Pool
-    from extproc.runtime import Runtime
 
 __all__ = ["LoadScraper", "parse_load"]
 
@@ -54,19 +54,26 @@ def parse_load(text: bytes) -> tuple[float, float]:
     return waiting, (sum(usage) / len(usage) if usage else 0.0)
 
 
-def load_aware_pools(rt: Runtime) -> list[Pool]:
-    pools = ((rt.prefill, rt.config.prefill), (rt.decode, rt.config.decode))
+def load_aware_pools(prefill: Pool, decode: Pool, config: Config) -> list[Pool]:
+    pools = ((prefill, config.prefill), (decode, config.decode))
     return [pool for pool, cfg in pools if cfg.policy in ENGINE_LOAD_POLICIES]
 
 
 class LoadScraper:
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(
+        self,
+        prefill: Pool,
+        decode: Pool,
+        config: Callable[[], Config],  # the current config: a reload swaps it
+    ) -> None:
+        self._prefill, self._decode = prefill, decode
+        self._config = config
         self._periodic = Periodic("load-scrape", self._scrape_round, self._interval_s)
         self._session: aiohttp.ClientSession | None = None
 
     def _interval_s(self) -> float:
-        configs = (self.rt.config.prefill, self.rt.config.decode)
+        config = self._config()
+        configs = (config.prefill, config.decode)
         aware = [c.load_interval_s for c in configs if c.policy in ENGINE_LOAD_POLICIES]
         return min(aware, default=1.0)
 
@@ -88,12 +95,13 @@ class LoadScraper:
         await self._periodic.stop()
 
     async def scrape_all(self, session: aiohttp.ClientSession) -> None:
-        states: Sequence[EndpointState] = [s for pool in load_aware_pools(self.rt) for s in pool]
+        pools = load_aware_pools(self._prefill, self._decode, self._config())
+        states: Sequence[EndpointState] = [s for pool in pools for s in pool]
         await asyncio.gather(*(self._scrape(session, state) for state in states))
 
     async def _scrape(self, session: aiohttp.ClientSession, state: EndpointState) -> None:
         # A scrape slower than the interval is stale by the time it lands: bound it by both.
-        timeout = min(self._interval_s(), self.rt.config.health.timeout_s)
+        timeout = min(self._interval_s(), self._config().health.timeout_s)
         try:
             async with session.get(
                 f"http://{state.address}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)

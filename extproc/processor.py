@@ -46,7 +46,7 @@ from extproc.request import ClientRequest, check_route, parse_request
 from extproc.stream import EnvoyStream
 
 if TYPE_CHECKING:
-    from extproc.runtime import Runtime
+    from extproc.wiring import Runtime
 
 __all__ = ["RequestProcessor"]
 

@@ -32,7 +32,7 @@ from extproc.picking import (
     load_score,
 )
 from extproc.pool import EndpointState, Pool
-from extproc.runtime import Runtime
+from extproc.wiring import Runtime
 
 
 def endpoints(n: int, **loads: Sequence[float]) -> list[EndpointState]:
@@ -408,7 +408,7 @@ async def test_scraper_fills_load_of_power_of_two_pools_only(fake_engines: list[
         }
     )
     rt = Runtime(config, "unix:/nonexistent")
-    scraper = LoadScraper(rt)
+    scraper = LoadScraper(rt.prefill, rt.decode, lambda: config)
     async with aiohttp.ClientSession() as session:
         await scraper.scrape_all(session)
     decode = {s.address: s for s in rt.decode}
@@ -424,5 +424,5 @@ async def test_scraper_skips_pools_without_a_load_aware_policy(fake_engines: lis
     )
     rt = Runtime(config, "unix:/nonexistent")
     async with aiohttp.ClientSession() as session:
-        await LoadScraper(rt).scrape_all(session)
+        await LoadScraper(rt.prefill, rt.decode, lambda: config).scrape_all(session)
     assert [s.waiting for s in rt.decode] == [0.0, 0.0]

@@ -17,8 +17,8 @@ from extproc.errors import PrefillFailed
 from extproc.identity import identity_from_params
 from extproc.prefill_leg import PrefillResult
 from extproc.processor import RequestProcessor
-from extproc.runtime import Runtime
 from extproc.stream import EnvoyStream
+from extproc.wiring import Runtime
 
 P, D, D2 = "127.0.0.1:8100", "127.0.0.1:8200", "127.0.0.1:8201"
 IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
