@@ -54,7 +54,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: Any, context: aio.ServicerContext) -> None:
         with self.runtime.stream():
-            await RequestProcessor(self.runtime, EnvoyStream(context)).run()
+            await RequestProcessor(self.runtime.request_deps, EnvoyStream(context)).run()
 
 
 def _credentials(tls: TlsConfig) -> grpc.ServerCredentials:

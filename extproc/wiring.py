@@ -12,21 +12,25 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import aiohttp
 
 from extproc.config import Config, DispatchMode
 from extproc.discovery import Discovery
+from extproc.errors import NoHealthyDecode, NoHealthyPrefill
 from extproc.health import HealthChecker
 from extproc.identity import IdentityCache
 from extproc.kv_check import KvCheck
 from extproc.load import LoadScraper
 from extproc.metrics import Metrics
-from extproc.picking import Picker, build_picker
+from extproc.picking import Picker, PickRequest, build_picker
 from extproc.pool import EndpointState, Pool
 from extproc.prefill_leg import PrefillClient
 from extproc.probe import Prober
+from extproc.processor import RequestDeps
+from extproc.strategies import LegServices
 from extproc.tracing import Tracing
 
 __all__ = ["RELOAD", "Runtime"]
@@ -159,6 +163,21 @@ class Runtime:
         self.load = LoadScraper(self.prefill, self.decode, settings)  # for power_of_two
         self.discovery = Discovery(self, settings)
         self.tracing = Tracing(config.tracing)
+        self.request_deps = RequestDeps(
+            LegServices(
+                self.prefill_client,
+                self.identities,
+                lambda prefill: self.prefill.set_healthy(prefill, False),
+                self.kv_check.note_dispatch,
+                self.metrics,
+                settings,
+            ),
+            self.pick,
+            self.prefill_mode,
+            self.tracing.request,
+            self.metrics,
+            settings,
+        )
         # Called with (role, members) when a pool's membership changes (up: EDS for Envoy).
         self.on_members: Callable[[str, list[str]], None] = lambda role, members: None
         self._session: aiohttp.ClientSession | None = None
@@ -202,6 +221,24 @@ class Runtime:
     def group(self, model: str) -> ModelGroup:
         """The pools that serve `model` (the default group for models not configured)."""
         return self.groups.get(model) or self.groups[""]
+
+    def pick(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
+        """D (then its fallbacks) and P for a request, each counted in flight until
+        `inflight` closes; no P (decode-only) when none is healthy and that is allowed."""
+        group = self.group(wanted.model)
+        decodes = self.decode.pick_with_fallback(
+            wanted, group.members["decode"], group.pickers["decode"]
+        )
+        if not decodes:
+            raise NoHealthyDecode(503, "no healthy decode endpoint; retry later", retry_after_s=1)
+        inflight.enter_context(self.decode.track(decodes[0]))
+        prefill = self.prefill.pick(wanted, group.members["prefill"], group.pickers["prefill"])
+        if prefill is not None:
+            inflight.enter_context(self.prefill.track(prefill))
+            return [d.address for d in decodes], prefill.address
+        if self.config.dispatch.no_healthy_prefill == "decode_only":
+            return [d.address for d in decodes], None
+        raise NoHealthyPrefill(503, "no healthy prefill endpoint; retry later", retry_after_s=1)
 
     def group_of(self, role: str, address: str) -> ModelGroup:
         return next((g for g in self.groups.values() if address in g.members[role]),
