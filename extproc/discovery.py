@@ -2,8 +2,9 @@
 
 Each pool's members are the union of its sources. DNS names (a headless service) and
 Kubernetes label selectors are re-read every `discovery.interval_s`. A source that fails to
-answer keeps its last members: a DNS hiccup must not empty a pool. Changes go to the runtime,
-which updates the pool, forgets identities of endpoints that left, and tells Envoy (EDS).
+answer keeps its last members: a DNS hiccup must not empty a pool. Changes go to a `Members`
+sink (the wiring's runtime), which updates the pool, forgets identities of endpoints that
+left, and tells Envoy (EDS).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ __all__ = [
     "SerialPlan",
     "Strategy",
     "check_fits",
+    "check_plan_fits",
     "choose_strategy",
     "plan_dispatch",
 ]
@@ -103,12 +104,9 @@ def plan_dispatch(
     prefill: str | None,
     choice: tuple[Strategy, str],
     identity: PrefillIdentity | None,
-    max_body_bytes: int,
 ) -> Plan:
-    """The legs' bodies and destinations; ClientError if a body would not fit Envoy's buffer.
-
-    `choice` is `choose_strategy`'s answer for `prefill` (ignored without one).
-    """
+    """The legs' bodies and destinations. `choice` is `choose_strategy`'s answer for
+    `prefill` (ignored without one). `check_plan_fits` checks the bodies' sizes."""
     if prefill is None:
         return DecodeOnlyPlan(request_id, decodes, decode_body(request.parts, None))
     strategy, reason = choice
@@ -118,10 +116,20 @@ def plan_dispatch(
     )
     if strategy is Strategy.PARALLEL and identity is not None:
         d_body = decode_body(request.parts, identity.decode_params(request_id, transfer_id))
-        check_fits(max_body_bytes, p_body, d_body)
         return ParallelPlan(request_id, decodes, prefill, p_body, d_body, identity, reason)
-    check_fits(max_body_bytes, p_body)
     return SerialPlan(request_id, decodes, prefill, p_body, request.parts, reason)
+
+
+def check_plan_fits(plan: Plan, max_body_bytes: int) -> None:
+    """ClientError (413) if a body the plan sends would not fit Envoy's buffer; called before
+    any leg leaves. A decode-only body is the client's own, minus fields: it always fits."""
+    match plan:
+        case ParallelPlan():
+            check_fits(max_body_bytes, plan.p_body, plan.d_body)
+        case SerialPlan():
+            check_fits(max_body_bytes, plan.p_body)  # D's body is checked once P answered
+        case DecodeOnlyPlan():
+            pass
 
 
 def check_fits(max_body_bytes: int, *bodies: bytes) -> None:

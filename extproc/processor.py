@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from extproc import envoy_msgs
-from extproc.dispatch import Plan, Strategy, choose_strategy, plan_dispatch
+from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
 from extproc.errors import ClientError, LegError, RequestEnded
 from extproc.picking import PickRequest
 from extproc.request import ClientRequest, check_route, parse_request
@@ -45,7 +45,7 @@ log = logging.getLogger("extproc.request")
 _BODY_WAIT_S = 300.0  # a slow client upload; Envoy's own idle timeout usually ends it first
 
 
-class Picker(Protocol):
+class PickEndpoints(Protocol):
     def __call__(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
         """(decodes: the choice then fallbacks, prefill or None for decode-only); each
         chosen endpoint counted in flight until `inflight` closes; raises NoHealthy*."""
@@ -57,7 +57,7 @@ class RequestDeps:
     """What a request needs from the process; built once by the wiring."""
 
     legs: LegServices
-    pick: Picker
+    pick: PickEndpoints
     prefill_mode: Callable[[str], DispatchMode]  # the endpoint's own mode or dispatch.mode
     new_trace: Callable[[], RequestTrace]
     metrics: Metrics
@@ -166,15 +166,14 @@ class RequestProcessor:
         started = time.perf_counter()
         request = parse_request(api, message.request_body.body, config.limits.max_body_bytes)
         wanted = _pick_request(request, headers.get(config.dispatch.session_header))
-        self.plan = plan = self._plan(request, wanted, inflight, config)
+        self.plan = plan = self._plan(request, wanted, inflight)
+        check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
         exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id)
         self.dispatch = start_dispatch(plan, self.deps.legs, exchange)
         if await self.dispatch.send(started):
             await self._watch()
 
-    def _plan(
-        self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack, config: Config
-    ) -> Plan:
+    def _plan(self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack) -> Plan:
         decodes, prefill = self.deps.pick(wanted, inflight)
         request_id = str(uuid.uuid4())
         if prefill is None:
@@ -185,9 +184,7 @@ class RequestProcessor:
             choice = choose_strategy(
                 self.deps.prefill_mode(prefill), identity, identities.serial_only(prefill)
             )
-        return plan_dispatch(
-            request, request_id, decodes, prefill, choice, identity, config.limits.max_body_bytes
-        )
+        return plan_dispatch(request, request_id, decodes, prefill, choice, identity)
 
     async def _watch(self) -> None:
         """Until the stream ends: P leg outcome and D's response headers, whichever first."""

@@ -10,6 +10,7 @@ from extproc.dispatch import (
     ParallelPlan,
     SerialPlan,
     Strategy,
+    check_plan_fits,
     plan_dispatch,
 )
 from extproc.errors import ClientError
@@ -34,13 +35,13 @@ def test_plan_per_strategy(
     prefill: str | None, choice: tuple[Strategy, str], identity: PrefillIdentity | None,
     kind: type,
 ) -> None:  # fmt: skip
-    plan = plan_dispatch(REQUEST, "r1", [D], prefill, choice, identity, 1 << 20)
+    plan = plan_dispatch(REQUEST, "r1", [D], prefill, choice, identity)
     assert type(plan) is kind and plan.strategy is choice[0] and plan.reason == choice[1]
     assert (plan.request_id, plan.decodes, plan.prefill) == ("r1", [D], prefill)
 
 
 def test_parallel_plan_gives_d_the_cached_identity_and_p_the_same_transfer() -> None:
-    plan = plan_dispatch(REQUEST, "r1", [D], P, (Strategy.PARALLEL, "cache_hit"), ENGINE, 1 << 20)
+    plan = plan_dispatch(REQUEST, "r1", [D], P, (Strategy.PARALLEL, "cache_hit"), ENGINE)
     assert isinstance(plan, ParallelPlan) and plan.given is ENGINE
     d_params = orjson.loads(plan.d_body)["kv_transfer_params"]
     p_params = orjson.loads(plan.p_body)["kv_transfer_params"]
@@ -51,6 +52,8 @@ def test_parallel_plan_gives_d_the_cached_identity_and_p_the_same_transfer() -> 
 def test_a_body_over_envoys_buffer_is_refused_before_any_leg_exists() -> None:
     raw = orjson.dumps({"model": "m", "prompt": "x" * 70_000})
     big = parse_request(Api("/v1/completions"), raw, 1 << 20)
+    plan = plan_dispatch(big, "r1", [D], P, (Strategy.PARALLEL, "cache_hit"), ENGINE)
+    check_plan_fits(plan, 1 << 20)
     with pytest.raises(ClientError) as caught:
-        plan_dispatch(big, "r1", [D], P, (Strategy.PARALLEL, "cache_hit"), ENGINE, 1024)
+        check_plan_fits(plan, 1024)
     assert caught.value.status == 413
