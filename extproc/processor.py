@@ -115,17 +115,18 @@ class RequestProcessor:
             self.stream.close()
             plan, outcome = self.plan, self.outcome
             self.deps.metrics.requests.labels(outcome, plan.strategy, plan.reason).inc()
-            self.trace.finish(self._log_fields())
+            fields = self._log_fields(outcome)
+            self.trace.finish(fields)
             if self.deps.config().log.requests and plan.request_id:
-                log.info("request %s %s", plan.request_id, outcome, extra=self._log_fields())
+                log.info("request %s %s", plan.request_id, outcome, extra=fields)
 
-    def _log_fields(self) -> dict[str, object]:
+    def _log_fields(self, outcome: str) -> dict[str, object]:
         return {
             "request_id": self.plan.request_id,
             "client_request_id": self.client_request_id,
             "strategy": str(self.plan.strategy),
             "reason": self.plan.reason,
-            "outcome": self.outcome,
+            "outcome": outcome,
             "prefill": self.plan.prefill,
         }
 
@@ -136,7 +137,7 @@ class RequestProcessor:
                 self.plan.request_id,
                 self.client_request_id,
                 error,
-                extra=self._log_fields(),
+                extra=self._log_fields(self.outcome),
             )
         if not self.stream.ended:
             await self.stream.write(envoy_msgs.immediate(error))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -71,7 +71,7 @@ class PrefillSender(Protocol):
         request_id: str,
         timeout_s: float,
         extra_headers: dict[str, str] | None = None,
-    ) -> Awaitable[PrefillResult]: ...
+    ) -> Coroutine[Any, Any, PrefillResult]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +86,7 @@ class LegServices:
     config: Callable[[], Config]  # the current config: a reload swaps it
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, and a frozen init costs ~4x
 class Exchange:
     """The request's side of the stream: where answers go and what the P leg carries."""
 
@@ -144,7 +144,7 @@ class _PrefillLeg:
         self._trace = exchange.trace
         self.started = time.perf_counter()
         exchange.trace.prefill_started()
-        self.task: asyncio.Task[PrefillResult] = asyncio.ensure_future(
+        self.task: asyncio.Task[PrefillResult] = asyncio.create_task(
             services.prefill_client.send(
                 prefill,
                 exchange.path,
