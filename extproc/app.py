@@ -21,8 +21,8 @@ from extproc.eds import write_eds
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
 from extproc.reload import reload_runtime
-from extproc.runtime import Runtime
 from extproc.server import ExtProcServer
+from extproc.wiring import Runtime
 from extproc.workers import WorkerProcesses
 
 __all__ = ["Sidecar", "SidecarAddresses"]

@@ -145,8 +145,8 @@ async def _serve(
     stop: asyncio.Event,
 ) -> int:
     from extproc.reload import HangupReloads, reload_runtime
-    from extproc.runtime import Runtime
     from extproc.server import ExtProcServer
+    from extproc.wiring import Runtime
 
     runtime = Runtime(config, prefill_listener)
     await runtime.discover()  # the first answer already knows every pool member

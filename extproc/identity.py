@@ -125,6 +125,14 @@ class IdentityCache:
         self._on_event = on_event
         self._clock = clock
 
+    def set_flap_limits(
+        self, flap_threshold: int, flap_window_s: float, serial_cooldown_s: float
+    ) -> None:
+        """A reload's new flap settings; cool-downs already running keep their end time."""
+        self._flap_threshold = flap_threshold
+        self._flap_window_s = flap_window_s
+        self._serial_cooldown_s = serial_cooldown_s
+
     def get(self, endpoint: str) -> PrefillIdentity | None:
         entry = self._entries.get(endpoint)
         return None if entry is None else entry.identity

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from extproc.config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
-    from extproc.runtime import Runtime
+    from extproc.wiring import Runtime
 
 __all__ = ["HangupReloads", "reload_runtime"]
 

@@ -26,8 +26,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from extproc.config import TlsConfig
 from extproc.envoy_config import EXTPROC_SERVICE
 from extproc.processor import RequestProcessor
-from extproc.runtime import Runtime
 from extproc.stream import EnvoyStream
+from extproc.wiring import Runtime
 
 __all__ = ["LIVE_PATH", "READY_PATH", "ExtProcServer"]
 
@@ -54,7 +54,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: Any, context: aio.ServicerContext) -> None:
         with self.runtime.stream():
-            await RequestProcessor(self.runtime, EnvoyStream(context)).run()
+            await RequestProcessor(self.runtime.request_deps, EnvoyStream(context)).run()
 
 
 def _credentials(tls: TlsConfig) -> grpc.ServerCredentials:

@@ -10,7 +10,7 @@ import yaml
 from extproc.config import ConfigError, DispatchMode, parse_config
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import envoy_binary
-from extproc.runtime import Runtime
+from extproc.wiring import Runtime
 
 MINIMAL = {
     "prefill": {"endpoints": ["127.0.0.1:8100"]},

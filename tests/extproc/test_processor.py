@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Coroutine
 from typing import Any
 
@@ -17,8 +18,8 @@ from extproc.errors import PrefillFailed
 from extproc.identity import identity_from_params
 from extproc.prefill_leg import PrefillResult
 from extproc.processor import RequestProcessor
-from extproc.runtime import Runtime
 from extproc.stream import EnvoyStream
+from extproc.wiring import Runtime
 
 P, D, D2 = "127.0.0.1:8100", "127.0.0.1:8200", "127.0.0.1:8201"
 IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
@@ -83,10 +84,16 @@ def body(doc: dict[str, Any]) -> ep.ProcessingRequest:
 
 def runtime(prefill: FakePrefill, cached: bool, decodes: tuple[str, ...] = (D,)) -> Runtime:
     pools = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": list(decodes)}}
-    rt = Runtime(parse_config(pools), "unix:/nonexistent")
-    rt.prefill_client = prefill  # type: ignore[assignment]
+    rt = use_prefill(Runtime(parse_config(pools), "unix:/nonexistent"), prefill)
     if cached:
         rt.identities.learn(P, identity_from_params(IDENTITY))
+    return rt
+
+
+def use_prefill(rt: Runtime, prefill: Any) -> Runtime:
+    """The runtime with its P legs sent to a fake instead of Envoy's prefill listener."""
+    legs = dataclasses.replace(rt.request_deps.legs, prefill_client=prefill)
+    rt.request_deps = dataclasses.replace(rt.request_deps, legs=legs)
     return rt
 
 
@@ -95,7 +102,7 @@ REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 4}
 
 async def run(rt: Runtime, envoy: ScriptedEnvoy) -> asyncio.Task[None]:
     stream = EnvoyStream(envoy)  # type: ignore[arg-type]
-    return asyncio.create_task(RequestProcessor(rt, stream).run())
+    return asyncio.create_task(RequestProcessor(rt.request_deps, stream).run())
 
 
 async def until_sent(envoy: ScriptedEnvoy, count: int) -> None:
@@ -245,7 +252,7 @@ async def test_serial_decode_body_over_envoys_buffer_is_refused_before_it_leaves
     rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]},
                                "limits": {"max_body_bytes": 1024}}),
                  "unix:/nonexistent")  # fmt: skip
-    rt.prefill_client = prefill  # type: ignore[assignment]
+    use_prefill(rt, prefill)
     task = await run(rt, envoy)  # no identity cached: serial, D's body is built after P
     await envoy.inbox.put(headers())
     await envoy.inbox.put(body(REQUEST))
@@ -313,3 +320,83 @@ async def test_decode_5xx_drops_the_identity_it_was_given() -> None:
     assert rt.identities.get(P) is None  # P answered as usual, yet D failed: learn it again
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
+
+
+def outcomes(rt: Runtime) -> dict[tuple[str, str, str], float]:
+    """pd_extproc_requests as {(outcome, strategy, reason): count}."""
+    return {
+        (s.labels["outcome"], s.labels["strategy"], s.labels["reason"]): s.value
+        for metric in rt.metrics.registry.collect() if metric.name == "pd_extproc_requests"
+        for s in metric.samples if s.name.endswith("_total")
+    }  # fmt: skip
+
+
+async def test_decode_failing_before_a_restarted_prefill_answers_gives_503() -> None:
+    """D fails its handshake at once; P, answered within the grace, reveals a new engine."""
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(RESTARTED)
+    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(500))
+    await until_sent(envoy, 3)  # the message timer extended for the grace
+    assert envoy.sent[2].override_message_timeout.seconds >= 1
+    prefill.gate.set()
+    await asyncio.wait_for(task, timeout=2)
+    reply = envoy.sent[-1].immediate_response
+    assert reply.status.code == 503 and "restarted" in orjson.loads(reply.body)["error"]["message"]
+    assert outcomes(rt) == {("identity_changed", "parallel", "cache_hit"): 1.0}
+    assert rt.identities.get(P) is not None  # the new engine, learnt from P's answer
+
+
+async def test_decode_failing_with_prefill_silent_past_the_grace_cancels_it() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)  # P never answers unless cancelled
+    rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]},
+                               "timeouts": {"decode_error_grace_s": 0.05}}),
+                 "unix:/nonexistent")  # fmt: skip
+    use_prefill(rt, prefill)
+    rt.identities.learn(P, identity_from_params(IDENTITY))
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(502))
+    await until_kind(envoy, "response_headers")  # D's own error goes on to the client
+    await asyncio.wait_for(prefill.cancelled.wait(), 2)
+    assert rt.identities.get(P) is None  # the identity D was given failed it: learn again
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    assert outcomes(rt) == {("decode_5xx", "parallel", "cache_hit"): 1.0}
+
+
+async def test_stream_ending_while_prefill_computes_cancels_the_leg() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)
+    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(aio.EOF)  # the client went away before D answered
+    await asyncio.wait_for(task, timeout=2)
+    await asyncio.wait_for(prefill.cancelled.wait(), 2)
+    assert outcomes(rt) == {("cancelled", "parallel", "cache_hit"): 1.0}
+    assert all(e.in_flight == 0 for e in [*rt.decode, *rt.prefill])
+
+
+async def test_serial_client_gone_while_prefill_computes_cancels_it_and_sends_no_decode() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)
+    rt = runtime(prefill, cached=False)  # type: ignore[arg-type]
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)  # the timer extended while P computes
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    await asyncio.wait_for(prefill.cancelled.wait(), 2)
+    assert [m.WhichOneof("response") for m in envoy.sent] == ["request_headers", None]
+    assert outcomes(rt) == {("cancelled", "serial", "cache_miss"): 1.0}

@@ -17,9 +17,9 @@ from extproc.metrics import Metrics
 from extproc.policies import PickRequest
 from extproc.pool import EndpointState
 from extproc.restarts import RestartDetector
-from extproc.runtime import Runtime
 from extproc.scrape_plan import scrape_plan
 from extproc.scraper import EngineScraper, Families, parse_families
+from extproc.wiring import Runtime
 
 VLLM_METRICS = """\
 # HELP process_start_time_seconds Start time of the process since unix epoch in seconds.

@@ -1,6 +1,9 @@
 """Config → the live objects one ext_proc process shares between its streams.
 
-This is the only module that names concrete classes; everything else receives them.
+This is the only module that names concrete classes; everything else receives what it needs
+through its constructor (often a small Protocol the consumer declares) and imports nothing
+from here. A reload builds the config-derived state anew and swaps it in; `RELOAD` says how
+each setting is taken, and a setting that needs a restart is reported, never skipped.
 """
 
 from __future__ import annotations
@@ -9,32 +12,82 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import aiohttp
 
 from extproc.config import Config, DispatchMode, PoolConfig
 from extproc.discovery import Discovery
+from extproc.errors import NoHealthyDecode, NoHealthyPrefill
 from extproc.health import HealthChecker
 from extproc.identity import IdentityCache
 from extproc.kv_check import KvCheck
 from extproc.load import EngineLoad
 from extproc.metrics import Metrics
-from extproc.policies import Picker, build_picker
+from extproc.policies import Picker, PickRequest, build_picker
 from extproc.pool import EndpointState, Pool
 from extproc.prefill_leg import PrefillClient
-from extproc.probe import probe_prefill
+from extproc.probe import Prober
+from extproc.processor import RequestDeps
 from extproc.restarts import RestartDetector
 from extproc.scrape_plan import scrape_plan
 from extproc.scraper import EngineScraper
+from extproc.strategies import LegServices
 from extproc.tracing import Tracing
 
-__all__ = ["Runtime"]
+__all__ = ["RELOAD", "Runtime"]
 
 log = logging.getLogger("extproc")
 
-# Timeouts rendered into Envoy's bootstrap: changing them needs an Envoy restart.
-_ENVOY_TIMEOUTS = {"connect_s", "extproc_message_s", "kv_wait_s", "prefill_s"}
+LIVE = "live"  # read from the current config where it is used
+REBUILT = "rebuilt"  # config-derived state, built anew by a reload and swapped in
+RESTART = "restart"  # fixed at start (Envoy's bootstrap, listeners, logging, the tracer)
+
+# How a reload takes each setting: a section, or "section.field" where the fields differ.
+# tests/extproc/test_wiring.py checks that every field of Config is covered.
+RELOAD: dict[str, str] = {
+    "prefill": REBUILT,  # policies, per-endpoint modes; members through discovery
+    "decode": REBUILT,
+    "models": REBUILT,
+    "dispatch": LIVE,
+    "dispatch.mode": REBUILT,
+    "dispatch.flap_threshold": REBUILT,  # the identity cache's flap settings
+    "dispatch.flap_window_s": REBUILT,
+    "dispatch.serial_cooldown_s": REBUILT,
+    "engines": LIVE,
+    "timeouts": LIVE,
+    # rendered into Envoy's bootstrap
+    "timeouts.connect_s": RESTART,
+    "timeouts.extproc_message_s": RESTART,
+    "timeouts.kv_wait_s": RESTART,
+    "timeouts.prefill_s": RESTART,
+    "health": LIVE,
+    "kv_check": LIVE,  # its loop runs always; a round does nothing while disabled
+    "discovery": LIVE,  # likewise: a round re-reads the sources the config names now
+    "log": LIVE,
+    "log.format": RESTART,  # the log handlers are set up once
+    "tracing": RESTART,  # the exporter is set up once; spans in flight belong to it
+    "limits": RESTART,  # Envoy's buffer sizes
+    "extproc": RESTART,
+    "metrics": RESTART,
+    "envoy": RESTART,
+}
+
+
+def needs_restart(old: Config, new: Config) -> list[str]:
+    """The settings that differ between `old` and `new` and take a restart to apply."""
+    changed = []
+    for key, rule in RELOAD.items():
+        if rule != RESTART:
+            continue
+        section, _, field = key.partition(".")
+        before, after = getattr(old, section), getattr(new, section)
+        if field:
+            before, after = getattr(before, field), getattr(after, field)
+        if before != after:
+            changed.append(key)
+    return changed
 
 
 @dataclass
@@ -86,6 +139,7 @@ class Runtime:
             dispatch.serial_cooldown_s,
             on_event=self._identity_event,
         )
+        settings = self._current_config
         self.groups = _model_groups(config)
         self._modes = _endpoint_modes(config)
         self.prefill = Pool(
@@ -104,6 +158,11 @@ class Runtime:
             for state in pool:
                 self._endpoint_changed(pool.role)(state)
         self.prefill_client = PrefillClient(prefill_listener, config.timeouts.connect_s)
+        prober = Prober(
+            self.prefill_client, self.identities, self.decode,
+            lambda prefill: self.group_of("prefill", prefill).members["decode"],
+            self.metrics, settings,
+        )  # fmt: skip
         self.kv_check = KvCheck(
             lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses
         )
@@ -125,11 +184,26 @@ class Runtime:
             self.decode,
             self.identities,
             self.scraper.scrape,
-            lambda session, a: probe_prefill(self, session, a, probe_refused),
+            lambda session, a: prober.probe(session, a, probe_refused),
             lambda: self.config.dispatch.probe,
         )
-        self.discovery = Discovery(self)
+        self.discovery = Discovery(self, settings)
         self.tracing = Tracing(config.tracing)
+        self.request_deps = RequestDeps(
+            LegServices(
+                self.prefill_client,
+                self.identities,
+                lambda prefill: self.prefill.set_healthy(prefill, False),
+                self.kv_check.note_dispatch,
+                self.metrics,
+                settings,
+            ),
+            self.pick,
+            self.prefill_mode,
+            self.tracing.request,
+            self.metrics,
+            settings,
+        )
         # Called with (role, members) when a pool's membership changes (up: EDS for Envoy).
         self.on_members: Callable[[str, list[str]], None] = lambda role, members: None
         self._session: aiohttp.ClientSession | None = None
@@ -150,6 +224,9 @@ class Runtime:
             self.active_streams -= 1
             if not self.active_streams:
                 self.idle.set()
+
+    def _current_config(self) -> Config:
+        return self.config
 
     def _identity_event(self, endpoint: str, event: str) -> None:
         self.metrics.identity_events.labels(endpoint, event).inc()
@@ -179,6 +256,24 @@ class Runtime:
     def group(self, model: str) -> ModelGroup:
         """The pools that serve `model` (the default group for models not configured)."""
         return self.groups.get(model) or self.groups[""]
+
+    def pick(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
+        """D (then its fallbacks) and P for a request, each counted in flight until
+        `inflight` closes; no P (decode-only) when none is healthy and that is allowed."""
+        group = self.group(wanted.model)
+        decodes = self.decode.pick_with_fallback(
+            wanted, group.members["decode"], group.pickers["decode"]
+        )
+        if not decodes:
+            raise NoHealthyDecode(503, "no healthy decode endpoint; retry later", retry_after_s=1)
+        inflight.enter_context(self.decode.track(decodes[0]))
+        prefill = self.prefill.pick(wanted, group.members["prefill"], group.pickers["prefill"])
+        if prefill is not None:
+            inflight.enter_context(self.prefill.track(prefill))
+            return [d.address for d in decodes], prefill.address
+        if self.config.dispatch.no_healthy_prefill == "decode_only":
+            return [d.address for d in decodes], None
+        raise NoHealthyPrefill(503, "no healthy prefill endpoint; retry later", retry_after_s=1)
 
     def group_of(self, role: str, address: str) -> ModelGroup:
         return next((g for g in self.groups.values() if address in g.members[role]),
@@ -214,21 +309,21 @@ class Runtime:
         await self.discovery.refresh(self._session)
 
     def reload(self, config: Config) -> list[str]:
-        """Take a new config for new requests; returns the changes that need a restart."""
-        needs_restart = [
-            section for section in ("envoy", "extproc", "metrics", "limits")
-            if getattr(config, section) != getattr(self.config, section)
-        ]  # fmt: skip
-        if config.timeouts.model_dump(include=_ENVOY_TIMEOUTS) != self.config.timeouts.model_dump(
-            include=_ENVOY_TIMEOUTS
-        ):
-            needs_restart.append("timeouts (" + ", ".join(sorted(_ENVOY_TIMEOUTS)) + ")")
-        self.config = config
-        self.groups = _model_groups(config)
-        self._modes = _endpoint_modes(config)
-        self.prefill.set_policy(_picker(config.prefill))
-        self.decode.set_policy(_picker(config.decode))
-        return needs_restart
+        """Take a new config for new requests; returns the settings that need a restart.
+
+        Everything is built before anything is swapped, so a failure leaves the old state.
+        """
+        restart = needs_restart(self.config, config)
+        groups, modes = _model_groups(config), _endpoint_modes(config)
+        prefill_policy, decode_policy = _picker(config.prefill), _picker(config.decode)
+        dispatch = config.dispatch
+        self.config, self.groups, self._modes = config, groups, modes
+        self.prefill.set_policy(prefill_policy)
+        self.decode.set_policy(decode_policy)
+        self.identities.set_flap_limits(
+            dispatch.flap_threshold, dispatch.flap_window_s, dispatch.serial_cooldown_s
+        )
+        return restart
 
     async def start(self) -> None:
         """Health checks, identity probes, KV checks, discovery; once Envoy is serving."""
