@@ -21,6 +21,7 @@ from extproc.eds import write_eds
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
 from extproc.reload import reload_runtime
+from extproc.roles import Role
 from extproc.server import ExtProcServer
 from extproc.wiring import Runtime
 from extproc.workers import WorkerProcesses
@@ -71,7 +72,7 @@ class Sidecar:
             bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener, self.run_dir)
             self.envoy.config_path.write_text(render_yaml(bootstrap))
             await self.runtime.discover()
-            for role in ("prefill", "decode"):  # Envoy's pools follow the ext_proc's
+            for role in Role:  # Envoy's pools follow the ext_proc's
                 self._write_eds(role, self.runtime.pool(role).addresses)
             self.runtime.on_members = self._write_eds
             await self.envoy.start()
@@ -91,7 +92,7 @@ class Sidecar:
         )
         return self.addresses
 
-    def _write_eds(self, role: str, members: list[str]) -> None:
+    def _write_eds(self, role: Role, members: list[str]) -> None:
         write_eds(self.run_dir, f"{role}_pool", members)
 
     async def reload(self, config_path: Path) -> None:

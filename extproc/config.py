@@ -31,6 +31,7 @@ from pydantic import (
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.policies import POLICIES, NoOptions, option_keys, parse_options
 from extproc.prefill_leg import LOCAL_REPLY_HEADER
+from extproc.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ __all__ = [
     "ConfigError",
     "DispatchMode",
     "EndpointConfig",
+    "Role",
     "load_config",
     "parse_config",
 ]
@@ -471,7 +473,7 @@ class Config(_Strict):
     def _pools_disjoint(self) -> Config:
         seen: dict[str, str] = {}
         for model, group in self.groups().items():
-            for role, pool in (("prefill", group.prefill), ("decode", group.decode)):
+            for role, pool in ((Role.PREFILL, group.prefill), (Role.DECODE, group.decode)):
                 for address in pool.addresses:
                     where = f"{model or 'default'} {role}"
                     if seen.setdefault(address, where) != where:
@@ -482,10 +484,10 @@ class Config(_Strict):
         """Model name → its pools; "" is the default group (top-level prefill/decode)."""
         return {"": ModelConfig(prefill=self.prefill, decode=self.decode), **self.models}
 
-    def pool_configs(self, role: str) -> list[PoolConfig]:
+    def pool_configs(self, role: Role) -> list[PoolConfig]:
         return [getattr(group, role) for group in self.groups().values()]
 
-    def static_addresses(self, role: str) -> list[str]:
+    def static_addresses(self, role: Role) -> list[str]:
         return [a for pool in self.pool_configs(role) for a in pool.addresses]
 
 

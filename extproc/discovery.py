@@ -23,12 +23,13 @@ import aiohttp
 
 from extproc.config import Config, KubernetesSource, PoolConfig, parse_host_port
 from extproc.periodic import Periodic
+from extproc.roles import Role
 
 __all__ = ["Discovery", "kubernetes_members", "resolve_dns"]
 
 log = logging.getLogger("extproc.discovery")
 
-_ROLES = ("prefill", "decode")
+_ROLES = tuple(Role)
 
 
 def _address(ip: str, port: int) -> str:
@@ -77,8 +78,8 @@ async def kubernetes_members(
 class Members(Protocol):
     """Where discovery hands the members it found."""
 
-    def set_group_members(self, model: str, role: str, members: list[str]) -> None: ...
-    def set_members(self, role: str, members: list[str]) -> None: ...
+    def set_group_members(self, model: str, role: Role, members: list[str]) -> None: ...
+    def set_members(self, role: Role, members: list[str]) -> None: ...
 
 
 class Discovery:

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from extproc.policies.base import Picker, PickRequest
+from extproc.roles import Role
 
 __all__ = ["EndpointState", "Pool"]
 
@@ -32,7 +33,7 @@ class Pool:
 
     def __init__(
         self,
-        role: str,
+        role: Role,
         addresses: Sequence[str],
         policy: Picker,
         on_change: Callable[[EndpointState], None] = lambda state: None,

@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from extproc.config import Config
+from extproc.roles import Role
 
 __all__ = ["scrape_plan"]
 
 
 def scrape_plan(
     config: Config,
-    members: Mapping[str, Mapping[str, Collection[str]]],
+    members: Mapping[str, Mapping[Role, Collection[str]]],
     decodes: Collection[str],
 ) -> dict[str, float]:
     """`members`: model ("" for the top-level pools) → role → its current members."""
@@ -29,7 +30,7 @@ def scrape_plan(
             plan[address] = min(plan.get(address, interval_s), interval_s)
 
     for model, group in config.groups().items():
-        for role in ("prefill", "decode"):
+        for role in Role:
             pool = getattr(group, role)
             if pool.needs_load and model in members:
                 want(members[model].get(role, ()), pool.load_interval_s)

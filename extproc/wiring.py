@@ -31,6 +31,7 @@ from extproc.prefill_leg import PrefillClient
 from extproc.probe import Prober
 from extproc.processor import RequestDeps
 from extproc.restarts import RestartDetector
+from extproc.roles import Role
 from extproc.scrape_plan import scrape_plan
 from extproc.scraper import EngineScraper
 from extproc.strategies import LegServices
@@ -95,8 +96,8 @@ class ModelGroup:
     """One model's view of the shared pools: its members and its policies, per role."""
 
     name: str
-    members: dict[str, set[str]]
-    pickers: dict[str, Picker]
+    members: dict[Role, set[str]]
+    pickers: dict[Role, Picker]
 
 
 def _picker(pool: PoolConfig) -> Picker:
@@ -107,8 +108,8 @@ def _model_groups(config: Config) -> dict[str, ModelGroup]:
     return {
         name: ModelGroup(
             name,
-            {"prefill": set(group.prefill.addresses), "decode": set(group.decode.addresses)},
-            {"prefill": _picker(group.prefill), "decode": _picker(group.decode)},
+            {Role.PREFILL: set(group.prefill.addresses), Role.DECODE: set(group.decode.addresses)},
+            {Role.PREFILL: _picker(group.prefill), Role.DECODE: _picker(group.decode)},
         )
         for name, group in config.groups().items()
     }
@@ -117,7 +118,7 @@ def _model_groups(config: Config) -> dict[str, ModelGroup]:
 def _endpoint_modes(config: Config) -> dict[str, DispatchMode]:
     return {
         endpoint.address: endpoint.mode
-        for pool in config.pool_configs("prefill")
+        for pool in config.pool_configs(Role.PREFILL)
         for endpoint in pool.endpoints
         if endpoint.mode is not None
     }
@@ -143,16 +144,16 @@ class Runtime:
         self.groups = _model_groups(config)
         self._modes = _endpoint_modes(config)
         self.prefill = Pool(
-            "prefill",
-            config.static_addresses("prefill"),
+            Role.PREFILL,
+            config.static_addresses(Role.PREFILL),
             _picker(config.prefill),
-            on_change=self._endpoint_changed("prefill"),
+            on_change=self._endpoint_changed(Role.PREFILL),
         )
         self.decode = Pool(
-            "decode",
-            config.static_addresses("decode"),
+            Role.DECODE,
+            config.static_addresses(Role.DECODE),
             _picker(config.decode),
-            on_change=self._endpoint_changed("decode"),
+            on_change=self._endpoint_changed(Role.DECODE),
         )
         for pool in (self.prefill, self.decode):
             for state in pool:
@@ -160,7 +161,7 @@ class Runtime:
         self.prefill_client = PrefillClient(prefill_listener, config.timeouts.connect_s)
         prober = Prober(
             self.prefill_client, self.identities, self.decode,
-            lambda prefill: self.group_of("prefill", prefill).members["decode"],
+            lambda prefill: self.group_of(Role.PREFILL, prefill).members[Role.DECODE],
             self.metrics, settings,
         )  # fmt: skip
         self.kv_check = KvCheck(
@@ -205,7 +206,7 @@ class Runtime:
             settings,
         )
         # Called with (role, members) when a pool's membership changes (up: EDS for Envoy).
-        self.on_members: Callable[[str, list[str]], None] = lambda role, members: None
+        self.on_members: Callable[[Role, list[str]], None] = lambda role, members: None
         self._session: aiohttp.ClientSession | None = None
         self.active_streams = 0  # Envoy streams being processed (= requests in flight)
         self.idle = asyncio.Event()  # set while no stream is open (drain waits on it)
@@ -242,7 +243,7 @@ class Runtime:
         return next((s for pool in (self.prefill, self.decode) for s in pool
                      if s.address == address), None)  # fmt: skip
 
-    def _endpoint_changed(self, role: str) -> Callable[[EndpointState], None]:
+    def _endpoint_changed(self, role: Role) -> Callable[[EndpointState], None]:
         def record(state: EndpointState) -> None:
             self.metrics.inflight.labels(role, state.address).set(state.in_flight)
             self.metrics.healthy.labels(role, state.address).set(1 if state.healthy else 0)
@@ -262,12 +263,14 @@ class Runtime:
         `inflight` closes; no P (decode-only) when none is healthy and that is allowed."""
         group = self.group(wanted.model)
         decodes = self.decode.pick_with_fallback(
-            wanted, group.members["decode"], group.pickers["decode"]
+            wanted, group.members[Role.DECODE], group.pickers[Role.DECODE]
         )
         if not decodes:
             raise NoHealthyDecode(503, "no healthy decode endpoint; retry later", retry_after_s=1)
         inflight.enter_context(self.decode.track(decodes[0]))
-        prefill = self.prefill.pick(wanted, group.members["prefill"], group.pickers["prefill"])
+        prefill = self.prefill.pick(
+            wanted, group.members[Role.PREFILL], group.pickers[Role.PREFILL]
+        )
         if prefill is not None:
             inflight.enter_context(self.prefill.track(prefill))
             return [d.address for d in decodes], prefill.address
@@ -275,17 +278,17 @@ class Runtime:
             return [d.address for d in decodes], None
         raise NoHealthyPrefill(503, "no healthy prefill endpoint; retry later", retry_after_s=1)
 
-    def group_of(self, role: str, address: str) -> ModelGroup:
+    def group_of(self, role: Role, address: str) -> ModelGroup:
         return next((g for g in self.groups.values() if address in g.members[role]),
                     self.groups[""])  # fmt: skip
 
-    def set_group_members(self, model: str, role: str, members: list[str]) -> None:
+    def set_group_members(self, model: str, role: Role, members: list[str]) -> None:
         self.groups[model].members[role] = set(members)
 
-    def pool(self, role: str) -> Pool:
-        return self.prefill if role == "prefill" else self.decode
+    def pool(self, role: Role) -> Pool:
+        return self.prefill if role == Role.PREFILL else self.decode
 
-    def set_members(self, role: str, members: list[str]) -> None:
+    def set_members(self, role: Role, members: list[str]) -> None:
         """Apply a pool's membership from discovery or a reload."""
         pool = self.pool(role)
         added, removed = pool.update(members)

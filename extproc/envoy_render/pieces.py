@@ -16,6 +16,7 @@ from extproc.envoy_render.routes import (
     passthrough_routes,
     without_extproc,
 )
+from extproc.roles import Role
 
 Json = dict[str, Any]
 
@@ -59,7 +60,7 @@ def envoy_pieces(
         catch_all_route=catch_all_route(cfg),
         every_other_route=without_extproc(),
         extproc_cluster=extproc_cluster(extproc_address, cfg),
-        decode_pool=pool_cluster("decode_pool", cfg.static_addresses("decode"), cfg, eds_dir),
-        prefill_pool=pool_cluster("prefill_pool", cfg.static_addresses("prefill"), cfg, eds_dir),
+        decode_pool=pool_cluster("decode_pool", cfg.static_addresses(Role.DECODE), cfg, eds_dir),
+        prefill_pool=pool_cluster("prefill_pool", cfg.static_addresses(Role.PREFILL), cfg, eds_dir),
         prefill_listener=prefill_listener(cfg, prefill_listen),
     )
