@@ -28,7 +28,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `scripts` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.cached_envs import CACHE_DIR, _ensure, _log, _run
+from scripts.cached_envs import CACHE_DIR, ensure_cached, log_step, run_step
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_IMAGE = "pd-extproc-base:bookworm"
@@ -67,7 +67,7 @@ def start_daemon() -> None:
         if daemon.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"dockerd did not start; see {log}")
         time.sleep(0.5)
-    _log(f"dockerd {daemon.pid} answers")
+    log_step(f"dockerd {daemon.pid} answers")
 
 
 def stop_daemon() -> None:
@@ -99,20 +99,20 @@ def _build_rootfs(target: Path) -> None:
     target.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="pd-rootfs-") as tmp:
         rootfs = Path(tmp) / "rootfs"
-        _run("debootstrap", ["debootstrap", "--variant=minbase",
+        run_step("debootstrap", ["debootstrap", "--variant=minbase",
                              f"--include={','.join(BASE_PACKAGES)}", "bookworm", str(rootfs),
                              DEBIAN_MIRROR])  # fmt: skip
         for path in _TRIM:
             shutil.rmtree(rootfs / path, ignore_errors=True)
-        _run("pack", ["tar", "-C", str(rootfs), "-cf", str(target / "rootfs.tar"), "."])
+        run_step("pack", ["tar", "-C", str(rootfs), "-cf", str(target / "rootfs.tar"), "."])
 
 
 def base_image() -> float:
     """Import the cached Debian root file system as BASE_IMAGE; seconds spent."""
     started = time.monotonic()
     if not _has_image(BASE_IMAGE):
-        cached = _ensure("docker-base", BASE_RECIPE, _build_rootfs)
-        _run("docker import", [DOCKER, "import", str(cached / "rootfs.tar"), BASE_IMAGE])
+        cached = ensure_cached("docker-base", BASE_RECIPE, _build_rootfs)
+        run_step("docker import", [DOCKER, "import", str(cached / "rootfs.tar"), BASE_IMAGE])
     return time.monotonic() - started
 
 
@@ -123,11 +123,11 @@ def product_image() -> float:
     shutil.rmtree(wheelhouse, ignore_errors=True)
     try:
         # setuptools and wheel too: the image builds the project offline (--no-index).
-        _run("wheels", [sys.executable, "-m", "pip", "wheel", "--quiet", "-w", str(wheelhouse),
+        run_step("wheels", [sys.executable, "-m", "pip", "wheel", "--quiet", "-w", str(wheelhouse),
                         f"{ROOT}[sim]", "setuptools>=68", "wheel"])  # fmt: skip
         build = [DOCKER, "build", "--quiet", "--build-arg", f"BASE={BASE_IMAGE}",
                  "--build-arg", "WHEELS=1", "-t", PRODUCT_IMAGE, str(ROOT)]  # fmt: skip
-        _run("docker build", build)
+        run_step("docker build", build)
     finally:
         shutil.rmtree(wheelhouse, ignore_errors=True)
     return time.monotonic() - started
