@@ -89,7 +89,7 @@ def detail_table(table: dict[Key, dict[str, float]], topology: str, configs: lis
 
 def target_checks(table: dict[Key, dict[str, float]], topology: str,
                   concurrencies: list[int]) -> list[str]:  # fmt: skip
-    """The issue's targets, one line each, with the concurrencies that miss."""
+    """The benchmark's targets against vllm-router, one line each, with the misses."""
     def ttft(config: str, conc: int) -> float | None:
         return table.get((topology, config, conc), {}).get("median_ttft_ms")
 

@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument(
         "--snippet",
         action="store_true",
-        help="print only the ext_proc filter, the clusters and the prefill listener",
+        help="print only the pieces to paste into an Envoy you run (its header says where)",
     )
     demo = commands.add_parser(
         "demo", parents=[common], help="2P2D simulated push engines + Envoy + ext_proc"

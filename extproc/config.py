@@ -1,8 +1,8 @@
 """The sidecar's one input: a YAML file validated by pydantic.
 
 `load_config` turns a file into a `Config` or raises `ConfigError`, whose message has one line
-per problem ("prefill.endpoints.0: not a host:port (got 'x')"), so a user sees every mistake at
-once and never a traceback.
+per problem ("prefill.endpoints.0.address: not a host:port (got 'x')"), so a user sees every
+mistake at once and never a traceback.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ endpoint through the engine scraper (the same 200 as /health, and the page carri
 process start time that reveals a restart before any request does).
 A prefill endpoint that becomes healthy (at start-up, or after an outage) is probed for its
 identity; one that goes down loses it.
-Passive marking (a refused P leg) happens in the processor and is undone here when the
+Passive marking (a refused P leg) happens in the strategies and is undone here when the
 endpoint answers again.
 """
 

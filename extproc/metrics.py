@@ -70,7 +70,7 @@ class Metrics:
         self.identity_events = Counter(
             "pd_extproc_identity_events",
             "Prefill identity cache transitions: learned, refreshed, changed, mismatched, "
-            "dropped, flapping.",
+            "dropped, flapping, restarted.",
             ["endpoint", "event"],
             registry=r,
         )

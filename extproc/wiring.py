@@ -1,9 +1,10 @@
 """Config → the live objects one ext_proc process shares between its streams.
 
-This is the only module that names concrete classes; everything else receives what it needs
-through its constructor (often a small Protocol the consumer declares) and imports nothing
-from here. A reload builds the config-derived state anew and swaps it in; `RELOAD` says how
-each setting is taken, and a setting that needs a restart is reported, never skipped.
+This is the one module that builds the request path's and the background loops' objects;
+everything else receives what it needs through its constructor (often a small Protocol the
+consumer declares) and imports nothing from here. A reload builds the config-derived state
+anew and swaps it in; `RELOAD` says how each setting is taken, and a setting that needs a
+restart is reported, never skipped.
 """
 
 from __future__ import annotations

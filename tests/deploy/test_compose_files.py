@@ -1,8 +1,8 @@
 """docker-compose.yml, the Dockerfile and deploy/: consistent with each other and valid.
 
-No Docker engine runs in CI, so `docker build` / `docker compose up` are not tested; what is
-checked is everything that can be without one: `docker-compose config`, the rendered Envoy
-bootstrap (golden file + `envoy --mode validate`) and the addresses shared between files.
+What can be checked without a Docker engine, in the fast suite: `docker-compose config`, the
+rendered Envoy bootstrap (golden file + `envoy --mode validate`) and the addresses shared
+between files. tests/compose/ brings the topology up in real containers.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def problems(query: Query, metrics: dict[str, set[str]], added: set[str]) -> lis
 def test_dashboard_queries_were_found() -> None:
     queries = dashboard_queries(DASHBOARD)
     names = set().union(*(q.metrics for q in queries))
-    # the panels the issue asks for; guards the reader above against reading nothing
+    # the panels the dashboard must have; guards the reader above against reading nothing
     for wanted in (
         "vllm:time_to_first_token_seconds_bucket",
         "pd_extproc_requests_total",

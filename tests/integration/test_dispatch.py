@@ -1,4 +1,5 @@
-"""Issue 3 through a real Envoy, the real ext_proc and vllmsim engines."""
+"""Dispatch through a real Envoy, the real ext_proc and vllmsim engines: parallel and serial
+legs, the bodies and headers each engine gets, streaming."""
 
 from __future__ import annotations
 

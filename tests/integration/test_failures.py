@@ -1,4 +1,4 @@
-"""Failure coupling through Envoy: no request hangs when one leg fails (issues 3 and 5)."""
+"""Failure coupling through Envoy: no request hangs when one leg fails."""
 
 from __future__ import annotations
 
