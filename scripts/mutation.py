@@ -89,25 +89,29 @@ def _readable(mangled: str) -> str:
     return mangled.removeprefix("x_")
 
 
+def _mutant_blocks(path: Path) -> dict[str, list[str]]:
+    """mutmut's copies of each function in a mutated file, by name (x_f__mutmut_3, ...)."""
+    lines = path.read_text().splitlines()
+    return {
+        node.name: lines[node.lineno - 1 : node.end_lineno]
+        for node in ast.walk(ast.parse("\n".join(lines)))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and "__mutmut_" in node.name
+    }
+
+
 def load_module(module: str) -> list[Mutant]:
     """Every mutant of one module with its status and the line it changes."""
     meta_path = MUTANTS / "extproc" / f"{module}.py.meta"
-    spans_path = MUTANTS / "extproc" / f"{module}.py.spans"
-    if not meta_path.exists() or not spans_path.exists():
+    if not meta_path.exists():
         return []
     exit_codes = json.loads(meta_path.read_text())["exit_code_by_key"]
-    spans = json.loads(spans_path.read_text())["spans"]
-    mutated = (MUTANTS / "extproc" / f"{module}.py").read_text().splitlines()
+    blocks = _mutant_blocks(MUTANTS / "extproc" / f"{module}.py")
     def_lines = _function_lines((ROOT / "extproc" / f"{module}.py").read_text())
     result = []
     for name, code in sorted(exit_codes.items(), key=lambda kv: _natural(kv[0])):
         key = name.removeprefix(f"extproc.{module}.")
         mangled = key.rsplit("__mutmut_", 1)[0]
-        start, end = spans[f"{mangled}__mutmut_orig"]
-        m_start, m_end = spans[key]
-        orig = mutated[start:end]  # spans are 0-based, end excluded
-        variant = mutated[m_start:m_end]
-        offset, before, after = _first_change(orig, variant)
+        offset, before, after = _first_change(blocks[f"{mangled}__mutmut_orig"], blocks[key])
         function = _readable(mangled)
         line = def_lines.get(function, 0) + offset
         status = _STATUS.get(code, "other")
