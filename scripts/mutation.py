@@ -126,13 +126,22 @@ def _natural(name: str) -> tuple[str, int]:
 
 def _first_change(orig: list[str], variant: list[str]) -> tuple[int, str, str]:
     """(offset from the def line, original text, mutated text) of the first changed lines."""
-    matcher = difflib.SequenceMatcher(a=orig[1:], b=variant[1:], autojunk=False)
+    name = variant[0].split("def ", 1)[1].split("(", 1)[0]
+    original_name = name.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"
+    variant = [variant[0].replace(name + "(", original_name + "(", 1), *variant[1:]]
+    matcher = difflib.SequenceMatcher(a=orig, b=variant, autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag != "equal":
-            before = " ".join(line.strip() for line in orig[1 + i1 : 1 + i2])
-            after = " ".join(line.strip() for line in variant[1 + j1 : 1 + j2])
-            return i1 + 1, before, after
+            before = " ".join(line.strip() for line in orig[i1:i2])
+            after = " ".join(line.strip() for line in variant[j1:j2])
+            return i1, _plain(before, original_name), _plain(after, original_name)
     return 0, "", ""
+
+
+def _plain(text: str, mangled: str) -> str:
+    """A def line as written in the source (mutmut's copy has a mangled name)."""
+    readable = _readable(mangled.removesuffix("__mutmut_orig")).rsplit(".", 1)[-1]
+    return text.replace(mangled + "(", readable + "(")
 
 
 def load_equivalent() -> list[dict[str, str]]:
