@@ -4,7 +4,8 @@ mutmut copies `extproc/` to `mutants/`, plants one small change ("mutant") at a 
 modules of `[tool.mutmut] only_mutate` and runs the unit tests (`tests/extproc`) that reach the
 mutated function. A mutant the tests do not notice "survived": either the tests miss a
 behaviour, or the change makes no observable difference (an "equivalent" mutant, listed with
-its reason in `scripts/mutation_equivalent.toml`). The integration tests start Envoy and are
+its reason in `scripts/mutation_equivalent.toml`, as are survivors left on purpose, with
+kind = "left"; those still count against the kill rate). The integration tests start Envoy and are
 too slow to run once per mutant, so they are not used here.
 
     python scripts/mutation.py                    # run every core module, then report
@@ -150,13 +151,13 @@ def load_equivalent() -> list[dict[str, str]]:
     return tomllib.loads(EQUIVALENT_FILE.read_text())["equivalent"]
 
 
-def equivalent_reason(mutant: Mutant, known: list[dict[str, str]]) -> str | None:
-    """The recorded reason if this survivor is a known equivalent mutant (matched by text)."""
+def explanation(mutant: Mutant, known: list[dict[str, str]]) -> dict[str, str] | None:
+    """The recorded entry for this survivor (matched by module, function and text), if any."""
     for entry in known:
         if (entry["module"], entry["function"], entry["before"], entry["after"]) == (
             mutant.module, mutant.function, mutant.before, mutant.after
         ):  # fmt: skip
-            return entry["reason"]
+            return entry
     return None
 
 
@@ -183,16 +184,16 @@ def run_mutmut(names: list[str], time_box: float | None) -> None:
 def report(modules: list[str]) -> int:
     known = load_equivalent()
     rows: dict[str, Counter[str]] = {}
-    survivors: list[tuple[Mutant, str | None]] = []
+    survivors: list[tuple[Mutant, dict[str, str] | None]] = []
     for module in modules:
         counts: Counter[str] = Counter()
         for mutant in load_module(module):
             counts["mutants"] += 1
             status = mutant.status
             if status in ("survived", "no_tests"):
-                reason = equivalent_reason(mutant, known)
-                survivors.append((mutant, reason))
-                if reason is not None:
+                entry = explanation(mutant, known)
+                survivors.append((mutant, entry))
+                if entry is not None and entry.get("kind", "equivalent") == "equivalent":
                     status = "equivalent"
             counts[status] += 1
         rows[module] = counts
@@ -202,9 +203,12 @@ def report(modules: list[str]) -> int:
     for module, counts in rows.items():
         print(f"{module:<12}" + "".join(f"{counts[c]:>12}" for c in COLUMNS) + _rate(counts))
     print("\nkill rate = (killed + timeout) / (mutants - equivalent)")
-    print("\nSurvivors (file:line  function  original -> mutated):")
-    for mutant, reason in survivors:
-        tag = "equivalent: " + reason if reason else mutant.status.replace("_", " ")
+    unexplained = sum(entry is None for _, entry in survivors)
+    print(f"\nSurvivors (file:line  function  original -> mutated), {unexplained} unexplained:")
+    for mutant, entry in survivors:
+        tag = mutant.status.replace("_", " ")
+        if entry is not None:
+            tag = f"{entry.get('kind', 'equivalent')}: {entry['reason']}"
         print(f"  {mutant.where:<28} {mutant.function:<26} [{tag}]")
         print(f"      - {mutant.before}\n      + {mutant.after}")
     return 0

@@ -150,6 +150,16 @@ def test_events_name_the_endpoint_and_endpoints_are_separate() -> None:
     assert events == [("p1", "learned"), ("p2", "learned"), ("p1", "refreshed")]
 
 
+def test_changes_and_flapping_name_the_endpoint() -> None:
+    cache, events, _ = make_cache(threshold=2)
+    cache.learn("p0", E2)
+    cache.learn("p1", E1)
+    cache.learn("p1", E2)
+    cache.learn("p1", E1)
+    assert events[2:] == [("p1", "changed"), ("p1", "changed"), ("p1", "flapping")]
+    assert cache.serial_only("p1") and not cache.serial_only("p0")
+
+
 def test_drop_only_if_the_identity_is_still_the_one_given() -> None:
     cache, events, _ = make_cache()
     cache.learn("p", E1)

@@ -6,8 +6,10 @@ from collections.abc import Sequence
 
 import pytest
 
+from extproc.config import parse_config
 from extproc.picking import PickRequest, RoundRobinPicker
 from extproc.pool import EndpointState, Pool
+from extproc.runtime import Runtime
 
 A, B, C, D = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
 
@@ -155,3 +157,14 @@ def test_track_counts_in_flight_even_when_the_request_fails() -> None:
         raise RuntimeError("leg failed")
     assert state.in_flight == 0
     assert counts == [1, 2, 1, 0, 1, 0]
+
+
+def test_each_configured_endpoint_is_in_the_metrics_under_its_role_from_the_start() -> None:
+    config = parse_config(
+        {"prefill": {"endpoints": ["127.0.0.1:8100"]}, "decode": {"endpoints": ["127.0.0.1:8200"]}}
+    )
+    registry = Runtime(config, "unix:/nonexistent").metrics.registry
+    for role, address in (("prefill", "127.0.0.1:8100"), ("decode", "127.0.0.1:8200")):
+        labels = {"role": role, "endpoint": address}
+        assert registry.get_sample_value("pd_extproc_endpoint_healthy", labels) == 1
+        assert registry.get_sample_value("pd_extproc_inflight_requests", labels) == 0

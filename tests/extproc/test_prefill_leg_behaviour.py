@@ -7,6 +7,8 @@ answer (or silence) becomes a PrefillResult or the LegError with the status the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -263,3 +265,27 @@ async def test_close_then_send_opens_a_new_session(
     await client.close()  # twice is harmless
     result = await client.send("p", "/v1/completions", b"{}", "r2", 5)
     assert result.status == 200 and client.session is not first
+
+
+async def test_connect_is_bounded_by_the_connect_timeout_not_the_leg_timeout() -> None:
+    """A listener that never completes the handshake fails the leg after connect_timeout_s."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)  # never accepted: once the queue is full, further SYNs are dropped
+        port = server.getsockname()[1]
+        fillers = [socket.socket() for _ in range(3)]
+        for filler in fillers:
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+        prefill = PrefillClient(f"127.0.0.1:{port}", connect_timeout_s=0.3)
+        started = time.perf_counter()
+        try:
+            with pytest.raises((PrefillTimeout, PrefillUnreachable)) as caught:
+                await prefill.send("p", "/v1/completions", b"{}", "r", 10)
+        finally:
+            await prefill.close()
+            for filler in fillers:
+                filler.close()
+    assert time.perf_counter() - started < 3  # not the leg's 10 s
+    assert caught.value.status in (503, 504)
