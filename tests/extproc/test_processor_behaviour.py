@@ -606,3 +606,184 @@ async def test_no_request_log_line_unless_asked(caplog: pytest.LogCaptureFixture
     assert not [rec for rec in caplog.records if hasattr(rec, "outcome")]
     [line] = [rec.getMessage() for rec in caplog.records]
     assert line.endswith(": stream ended before P answered")  # the parallel P was cut short
+
+
+# ---- bounds, timings and what an operator reads ------------------------------------------------
+
+
+async def test_serial_processing_time_leaves_out_the_wait_for_p() -> None:
+    r = Request()
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    asyncio.get_running_loop().call_later(0.6, r.prefill.answer, P_ANSWER)  # P takes 0.6 s
+    await r.envoy.until_sent(3)
+    await r.end()
+    assert 0 <= r.sample("pd_extproc_processing_seconds_sum") < 0.3
+
+
+async def test_parallel_skew_and_processing_time_are_small_and_positive() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.end()
+    assert 0 <= r.sample("pd_extproc_dispatch_skew_seconds_sum") < 0.3
+    assert 0 <= r.sample("pd_extproc_processing_seconds_sum") < 0.3
+
+
+async def test_failed_p_leg_time_is_measured_from_its_start() -> None:
+    r = Request()
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.fail(PrefillFailed(502, "boom"))
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert 0 <= r.sample("pd_extproc_prefill_leg_seconds_sum", outcome="prefill_error") < 1
+
+
+async def test_every_request_gets_its_own_id() -> None:
+    ids = []
+    for _ in range(2):
+        r = Request(cached=True)
+        await r.start()
+        ids.append(routed((await r.envoy.until_sent(2))[1])[1]["x-request-id"])
+        await r.end()
+    assert ids[0] != ids[1]
+
+
+async def test_an_endpoints_own_mode_overrides_the_dispatch_mode() -> None:
+    r = Request(cached=True, prefill={"endpoints": [{"address": P, "mode": "pull"}]})
+    await r.start()
+    await r.envoy.until_sent(2)
+    assert r.envoy.kinds()[1] is None  # serial although a push identity is cached
+    await r.end()
+    assert r.outcome("cancelled", "serial", "pull") == 1
+
+
+async def test_a_flapping_prefill_is_served_serially() -> None:
+    r = Request(cached=True, dispatch={"flap_threshold": 1})
+    r.rt.identities.learn(P, identity_from_params(IDENTITY | {"remote_engine_id": "e2"}))
+    await r.start()
+    await r.envoy.until_sent(2)
+    assert r.envoy.kinds()[1] is None
+    await r.end()
+    assert r.outcome("cancelled", "serial", "serial_only") == 1
+
+
+async def test_requests_go_only_to_their_models_engines() -> None:
+    other_p, other_d = "127.0.0.1:9100", "127.0.0.1:9200"
+    models = {"b": {"prefill": {"endpoints": [other_p]}, "decode": {"endpoints": [other_d]}}}
+    r = Request(models=models)
+    await r.start(REQUEST | {"model": "b"})
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    assert r.prefill.calls[0][0] == other_p
+    r.prefill.answer(P_ANSWER)
+    _, set_headers = routed((await r.envoy.until_sent(3))[2])
+    assert set_headers["x-gateway-destination-endpoint"] == other_d
+    await r.end()
+
+
+async def test_a_stale_d_failure_does_not_evict_a_newer_identity() -> None:
+    r = Request(cached=True, timeouts={"decode_error_grace_s": 0.05})
+    await r.start()
+    await r.envoy.until_sent(2)
+    newer = identity_from_params(IDENTITY | {"remote_engine_id": "e2"})
+    r.rt.identities.learn(P, newer)  # another request learned P's new engine meanwhile
+    await r.send(response(503))
+    await r.envoy.until_sent(4)
+    assert r.rt.identities.get(P) == newer
+    await r.end()
+
+
+async def test_a_response_without_status_is_let_through() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(ep.ProcessingRequest(response_headers=ep.HttpHeaders()))
+    await r.envoy.until_sent(3)
+    await r.end()
+    assert r.envoy.kinds()[2] == "response_headers"
+    assert r.outcome("ok", "parallel", "cache_hit") == 1
+
+
+async def test_headers_without_a_body_are_refused() -> None:
+    r = Request()
+    await r.send(headers(end=True))
+    sent = await r.envoy.until_sent(1)
+    assert error(sent[0]) == (400, "the request has no body; send a JSON object", None)
+    await asyncio.wait_for(r.task, WAIT_S)
+
+
+@pytest.mark.parametrize("messages", [0, 1], ids=["no headers", "no body"])
+async def test_a_silent_envoy_does_not_hold_the_request(
+    monkeypatch: pytest.MonkeyPatch, messages: int
+) -> None:
+    monkeypatch.setattr("extproc.processor._BODY_WAIT_S", 0.05)
+    r = Request()
+    await r.send(*[headers()][:messages])
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert len(r.envoy.sent) == messages and r.prefill.calls == []
+
+
+async def test_watching_stops_after_request_s() -> None:
+    r = Request(cached=True, timeouts={"request_s": 0.1})
+    await r.start()
+    await r.envoy.until_sent(2)
+    await asyncio.wait_for(r.task, WAIT_S)  # neither P nor D ever answers
+    assert r.prefill.cancelled and r.idle()
+
+
+async def test_what_is_reported_for_a_stream_that_never_started() -> None:
+    r = Request()
+    await r.send(aio.EOF)
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.trace.events == [("finish", {
+        "request_id": "", "client_request_id": "", "strategy": "serial", "reason": "none",
+        "outcome": "cancelled", "prefill": None})]  # fmt: skip
+
+
+async def test_refused_requests_have_no_request_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = Request(log={"requests": True})
+    with caplog.at_level(logging.INFO, logger="extproc.request"):
+        await r.start({"model": "m"})
+        await asyncio.wait_for(r.task, WAIT_S)
+    assert caplog.records == []  # no id was given to it: nothing to name
+    assert r.trace.events[-1][1]["request_id"] == ""
+    assert r.trace.events[-1][1]["client_request_id"] == ""
+
+
+async def test_leg_failures_are_logged_with_both_ids(caplog: pytest.LogCaptureFixture) -> None:
+    r = Request()
+    with caplog.at_level(logging.WARNING, logger="extproc.request"):
+        await r.start(x_request_id="c-2")
+        await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+        r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
+        await asyncio.wait_for(r.task, WAIT_S)
+    request_id = r.prefill.calls[0][3]
+    [line] = caplog.records
+    assert line.getMessage() == (
+        f"request {request_id} (client id 'c-2') failed: 502 prefill endpoint p answered 500"
+    )
+    assert (line.outcome, line.request_id, line.prefill) == ("prefill_error", request_id, P)
+
+
+async def test_dispatch_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    r = Request(cached=True)
+    with caplog.at_level(logging.DEBUG, logger="extproc.request"):
+        await r.start(x_request_id="c-3")
+        sent = await r.envoy.until_sent(2)
+        await r.end()
+    request_id = routed(sent[1])[1]["x-request-id"]
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert f"request {request_id} (client id 'c-3'): parallel/cache_hit P={P} D={D1}" in messages
+    assert f"request {request_id}: stream ended before P answered" in messages
+
+
+async def test_no_stream_ended_line_when_there_was_no_p_leg(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = Request()
+    with caplog.at_level(logging.INFO, logger="extproc.request"):
+        await r.send(headers(), aio.EOF)
+        await asyncio.wait_for(r.task, WAIT_S)
+    assert caplog.records == []
