@@ -787,3 +787,24 @@ async def test_no_stream_ended_line_when_there_was_no_p_leg(
         await r.send(headers(), aio.EOF)
         await asyncio.wait_for(r.task, WAIT_S)
     assert caplog.records == []
+
+
+async def test_no_stream_ended_line_once_d_has_answered(caplog: pytest.LogCaptureFixture) -> None:
+    r = Request(cached=True)
+    with caplog.at_level(logging.INFO, logger="extproc.request"):
+        await r.start()
+        await r.envoy.until_sent(2)
+        await r.send(response(200))  # D answered; P is still running
+        await r.envoy.until_sent(3)
+        await r.end()
+    assert caplog.records == [] and r.prefill.cancelled
+
+
+async def test_no_stream_ended_line_for_decode_only(caplog: pytest.LogCaptureFixture) -> None:
+    r = Request(dispatch={"no_healthy_prefill": "decode_only"})
+    r.rt.prefill.set_healthy(P, False)
+    with caplog.at_level(logging.INFO, logger="extproc.request"):
+        await r.start()
+        await r.envoy.until_sent(2)
+        await r.end()
+    assert caplog.records == []
