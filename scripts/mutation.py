@@ -48,9 +48,15 @@ COLUMNS = ("mutants", "killed", "timeout", "survived", "no_tests", "equivalent",
 
 
 def core_modules() -> list[str]:
-    """The module names listed in pyproject's [tool.mutmut] only_mutate."""
+    """The modules of pyproject's [tool.mutmut] only_mutate (globs allowed), relative to
+    extproc/ and dotted: "bodies", "policies.prefix"."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
-    return [Path(path).stem for path in config["only_mutate"]]
+    found = [path for pattern in config["only_mutate"] for path in sorted(ROOT.glob(pattern))]
+    return [".".join(path.relative_to(ROOT / "extproc").with_suffix("").parts) for path in found]
+
+
+def _source(module: str, root: Path = ROOT) -> Path:
+    return root.joinpath("extproc", *module.split(".")).with_suffix(".py")
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class Mutant:
 
     @property
     def where(self) -> str:
-        return f"extproc/{self.module}.py:{self.line}"
+        return f"{_source(self.module).relative_to(ROOT)}:{self.line}"
 
 
 def _function_lines(source: str) -> dict[str, int]:
@@ -102,12 +108,12 @@ def _mutant_blocks(path: Path) -> dict[str, list[str]]:
 
 def load_module(module: str) -> list[Mutant]:
     """Every mutant of one module with its status and the line it changes."""
-    meta_path = MUTANTS / "extproc" / f"{module}.py.meta"
+    meta_path = _source(module, MUTANTS).with_suffix(".py.meta")
     if not meta_path.exists():
         return []
     exit_codes = json.loads(meta_path.read_text())["exit_code_by_key"]
-    blocks = _mutant_blocks(MUTANTS / "extproc" / f"{module}.py")
-    def_lines = _function_lines((ROOT / "extproc" / f"{module}.py").read_text())
+    blocks = _mutant_blocks(_source(module, MUTANTS))
+    def_lines = _function_lines(_source(module).read_text())
     result = []
     for name, code in sorted(exit_codes.items(), key=lambda kv: _natural(kv[0])):
         key = name.removeprefix(f"extproc.{module}.")
@@ -199,9 +205,10 @@ def report(modules: list[str]) -> int:
         rows[module] = counts
     rows["TOTAL"] = sum(rows.values(), Counter())
     print()
-    print(f"{'module':<12}" + "".join(f"{c:>12}" for c in COLUMNS) + f"{'kill rate':>12}")
+    width = max(len(module) for module in rows) + 2
+    print(f"{'module':<{width}}" + "".join(f"{c:>12}" for c in COLUMNS) + f"{'kill rate':>12}")
     for module, counts in rows.items():
-        print(f"{module:<12}" + "".join(f"{counts[c]:>12}" for c in COLUMNS) + _rate(counts))
+        print(f"{module:<{width}}" + "".join(f"{counts[c]:>12}" for c in COLUMNS) + _rate(counts))
     print("\nkill rate = (killed + timeout) / (mutants - equivalent)")
     unexplained = sum(entry is None for _, entry in survivors)
     print(f"\nSurvivors (file:line  function  original -> mutated), {unexplained} unexplained:")
