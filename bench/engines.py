@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.procs import pinned
-from vllmsim.testing import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
 CONNECTORS = {"push": (PUSH_P, PUSH_D), "pull": (PULL_P, PULL_D)}
 # Near-instant steps: what is measured is the proxy, not the model.

@@ -203,6 +203,10 @@ async def main(args: argparse.Namespace) -> None:
                        running_target("push", engines, router_bin, proxy_cpus)),
                    "vllm-router": await stack.enter_async_context(
                        running_target("vllm-router", engines, router_bin, proxy_cpus))}
+        if args.baseline is not None:  # the A side of an A/B: another version, same run
+            PROXIES.insert(1, "pd-extproc (baseline)")
+            targets[PROXIES[1]] = await stack.enter_async_context(running_extproc(
+                "push", engines, proxy_cpus, baseline=args.baseline))
         for n in args.workers:
             PROXIES.append(f"pd-extproc ×{n}")
             targets[PROXIES[-1]] = await stack.enter_async_context(running_extproc(
@@ -379,6 +383,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-s", type=float, default=15.0)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--tag", default="", help="suffix of the output files, e.g. -nopin")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="also measure the extproc package found in this directory (e.g. "
+                             "`git archive BASE extproc | tar -x -C DIR`): before/after in one run")
     parser.add_argument("--workers", default="2",
                         help="also measure pd-extproc with extproc.workers = each N (comma list; "
                              "'' for none)")  # fmt: skip
@@ -386,6 +393,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     args.workers = [int(n) for n in args.workers.split(",") if n]
+    args.baseline = args.baseline.resolve() if args.baseline is not None else None
     args.out.mkdir(parents=True, exist_ok=True)
     return args
 

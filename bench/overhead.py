@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.procs import run_bench
 from extproc.testing import ephemeral_config, running_sidecar
-from vllmsim.testing import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
 
 BODY = {"model": "sim-model", "prompt": "benchmark prompt " * 64, "max_tokens": 4}
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.engines import sim_requests
 from bench.procs import run_bench
 from extproc.testing import ephemeral_config, running_sidecar
-from vllmsim.testing import PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 MODEL = "sim-model"
 TEXT = "the keeper climbed the stairs to light the lamp before the storm came in " * 70

@@ -12,6 +12,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def pyspy_binary() -> str | None:
     here = Path(sys.executable).with_name("py-spy")
@@ -62,7 +64,7 @@ def summarize(raw: Path, top: int = 15, only: str = ""
 def _short(frame: str) -> str:
     """'fn (/long/path/site-packages/pkg/mod.py:12)' → 'fn (pkg/mod.py:12)'."""
     name, _, where = frame.partition(" (")
-    for marker in ("site-packages/", "/work/main/", "lib/python3.11/"):
+    for marker in ("site-packages/", f"{ROOT}/", "lib/python3.11/"):
         if marker in where:
             where = where.split(marker, 1)[1]
     return f"{name} ({where}" if where else name

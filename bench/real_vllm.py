@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 from bench.procs import run_bench  # noqa: E402
 from extproc.kv_check import prompt_tokens_by_source  # noqa: E402
+from extproc.scraper import parse_families  # noqa: E402
 from extproc.testing import ephemeral_config, running_sidecar  # noqa: E402
 from scripts.cached_envs import ROUTER_VERSION, VLLM_VERSION, vllm_router_venv  # noqa: E402
 from scripts.real_vllm import MODEL_NAME, RealEngine, free_port, running_pair  # noqa: E402
@@ -212,7 +213,7 @@ def over_url(url: str, load: Load) -> Ask:
 
 
 FRONTS = {
-    "push": [("push-parallel (sidecar)", "push"), ("serial-push (sidecar)", "serial-push"),
+    "push": [("push-parallel (sidecar)", "push"), ("serial-push (sidecar)", "serial_push"),
              ("vllm-router, push", None), ("direct parallel push (client, no proxy)", "direct"),
              ("direct serial push (client, no proxy)", "direct-serial")],
     "pull": [("pull (sidecar)", "pull"), ("vllm-router, pull", None)],
@@ -236,7 +237,7 @@ async def prompt_sources(d: RealEngine) -> dict[str, float]:
     async with aiohttp.ClientSession(timeout=timeout) as session, \
             session.get(d.url + "/metrics") as response:  # fmt: skip
         text = await response.text()
-    return prompt_tokens_by_source(text) or {}
+    return prompt_tokens_by_source(parse_families(text)) or {}
 
 
 def kv_share(before: dict[str, float], after: dict[str, float]) -> float:

@@ -23,7 +23,7 @@ CONFIGS = ("direct", "vllm-router", "pull", "serial-push", "push")
 # The engine kind each configuration runs on.
 ENGINE_KIND = {"direct": "push", "vllm-router": "push", "pull": "pull",
                "serial-push": "push", "push": "push"}  # fmt: skip
-EXTPROC_MODES = {"pull": "pull", "serial-push": "serial-push", "push": "push"}
+EXTPROC_MODES = {"pull": "pull", "serial-push": "serial_push", "push": "push"}
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,17 @@ async def running_router(
 
 @contextlib.asynccontextmanager
 async def running_extproc(
-    name: str, engines: Engines, cpus: set[int] | None = None, **extra: dict
+    name: str, engines: Engines, cpus: set[int] | None = None, baseline: Path | None = None,
+    **extra: dict,
 ) -> AsyncIterator[Target]:
+    """pd-extproc in a dispatch mode; `baseline`: an absolute directory holding another version's
+    `extproc` package, run instead of this checkout's (A/B in one run)."""
     config = ephemeral_config(engines.addresses("prefill"), engines.addresses("decode"),
                               dispatch={"mode": EXTPROC_MODES[name]}, **extra)  # fmt: skip
+    env = None if baseline is None else {"PYTHONPATH": str(baseline),
+                                         "PYTHONSAFEPATH": "1"}  # fmt: skip
     with pinned(cpus):
-        runner = running_sidecar(config, log_level="WARNING")
+        runner = running_sidecar(config, log_level="WARNING", env=env)
         sidecar = await runner.__aenter__()
     try:
         yield Target(name, sidecar.url, sidecar.pid, sidecar.metrics, sidecar.envoy_admin)

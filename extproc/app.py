@@ -16,12 +16,14 @@ from pathlib import Path
 
 import orjson
 
-from extproc.config import Config, ConfigError, load_config
+from extproc.config import Config
 from extproc.eds import write_eds
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
-from extproc.runtime import Runtime
+from extproc.reload import reload_runtime
+from extproc.roles import Role
 from extproc.server import ExtProcServer
+from extproc.wiring import Runtime
 from extproc.workers import WorkerProcesses
 
 __all__ = ["Sidecar", "SidecarAddresses"]
@@ -70,7 +72,7 @@ class Sidecar:
             bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener, self.run_dir)
             self.envoy.config_path.write_text(render_yaml(bootstrap))
             await self.runtime.discover()
-            for role in ("prefill", "decode"):  # Envoy's pools follow the ext_proc's
+            for role in Role:  # Envoy's pools follow the ext_proc's
                 self._write_eds(role, self.runtime.pool(role).addresses)
             self.runtime.on_members = self._write_eds
             await self.envoy.start()
@@ -90,30 +92,25 @@ class Sidecar:
         )
         return self.addresses
 
-    def _write_eds(self, role: str, members: list[str]) -> None:
+    def _write_eds(self, role: Role, members: list[str]) -> None:
         write_eds(self.run_dir, f"{role}_pool", members)
 
     async def reload(self, config_path: Path) -> None:
         """SIGHUP: new requests use the new config; requests in flight are untouched."""
-        try:
-            config = await asyncio.to_thread(load_config, config_path)
-        except ConfigError as error:
-            log.error("reload refused, keeping the running config:\n%s", error)
+        config = await reload_runtime(self.runtime, config_path)
+        if config is None:
             return
-        for section in self.runtime.reload(config):
-            log.warning("reload: %s changed; that takes a restart to apply", section)
         if config.extproc.workers > 1:
             log.warning("reload: the %d extra ext_proc workers keep their config until a "
                         "restart", config.extproc.workers - 1)  # fmt: skip
         self.config = config
-        await self.runtime.discover()
-        log.info("configuration reloaded from %s", config_path)
 
     async def wait_envoy_exit(self) -> int:
         return await self.envoy.wait()
 
     async def drain(self) -> None:
         """Take no new requests; let those in flight finish, for at most timeouts.drain_s."""
+        self.runtime.draining = True
         await self.envoy.drain_inbound()
         try:
             await asyncio.wait_for(self.runtime.idle.wait(), self.config.timeouts.drain_s)

@@ -1,6 +1,6 @@
 """Build the P and D bodies from the client's raw JSON without re-serialising the prompt.
 
-A 1 MB prompt costs ~22 ms to json.loads+dumps and ~0.5 ms to splice (DESIGN.md). So the
+A 1 MB prompt costs ~22 ms to json.loads+dumps and ~0.5 ms to splice (measured). So the
 top-level members of the client's object are located once (`members`), each member's raw
 bytes are kept as they are, members the sidecar owns are dropped, and the injected members
 are appended. Values are skipped with C-speed regexes, so the prompt itself is never walked
@@ -18,7 +18,14 @@ from typing import Any
 
 import orjson
 
-__all__ = ["decode_body", "members", "prefill_body", "prefill_kv_params", "splice"]
+__all__ = [
+    "buffer_bytes",
+    "decode_body",
+    "members",
+    "prefill_body",
+    "prefill_kv_params",
+    "splice",
+]
 
 _WS = re.compile(rb"[ \t\n\r]*")
 # Strings as "runs of plain bytes, then one escape": the regex engine stays in its fast
@@ -79,12 +86,18 @@ def _key_text(raw_key: bytes) -> str:
     return orjson.loads(raw_key) if b"\\" in inner else inner.decode()
 
 
+def _after_ws(raw: bytes, pos: int) -> int:
+    match = _WS.match(raw, pos)
+    assert match is not None  # "[ \t\n\r]*" matches the empty string too
+    return match.end()
+
+
 def members(raw: bytes) -> list[tuple[str, bytes]]:
     """The top-level (key, raw 'key: value' bytes) pairs of a JSON object, in order."""
-    pos = _WS.match(raw, 0).end()
+    pos = _after_ws(raw, 0)
     if raw[pos : pos + 1] != b"{":
         raise BodyError("not a JSON object")
-    pos = _WS.match(raw, pos + 1).end()
+    pos = _after_ws(raw, pos + 1)
     found: list[tuple[str, bytes]] = []
     if raw[pos : pos + 1] == b"}":
         return found
@@ -92,16 +105,16 @@ def members(raw: bytes) -> list[tuple[str, bytes]]:
         key_match = _STRING.match(raw, pos)
         if key_match is None:
             raise BodyError(f"expected a key at byte {pos}")
-        colon = _WS.match(raw, key_match.end()).end()
-        value_start = _WS.match(raw, colon + 1).end()
+        colon = _after_ws(raw, key_match.end())
+        value_start = _after_ws(raw, colon + 1)
         value_end = _skip_value(raw, value_start)
         found.append((_key_text(key_match.group()), raw[key_match.start() : value_end]))
-        pos = _WS.match(raw, value_end).end()
+        pos = _after_ws(raw, value_end)
         if raw[pos : pos + 1] == b"}":
             return found
         if raw[pos : pos + 1] != b",":
             raise BodyError(f"expected ',' or '}}' at byte {pos}")
-        pos = _WS.match(raw, pos + 1).end()
+        pos = _after_ws(raw, pos + 1)
 
 
 def splice(
@@ -146,3 +159,14 @@ def decode_body(parts: list[tuple[str, bytes]], kv_params: Mapping[str, Any] | N
     """The D leg: the client's body, its own kv_transfer_params replaced by the router's."""
     add = {} if kv_params is None else {"kv_transfer_params": kv_params}
     return splice(parts, ROUTER_FIELDS, add)
+
+
+def buffer_bytes(max_body_bytes: int) -> int:
+    """Envoy's request buffer for a client body limit: the limit plus what splicing adds.
+
+    The P body adds under 300 bytes and a parallel D body under 1 KiB (the identity's fields
+    are length-checked). A serial D body carries P's kv_transfer_params verbatim, whose
+    remote_block_ids name one KV block per 16 prompt tokens: a few bytes per ~64 bytes of
+    prompt, so an eighth of the limit covers it with room to spare.
+    """
+    return max_body_bytes + 64 * 1024 + max_body_bytes // 8

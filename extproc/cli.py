@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import signal
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from extproc.config import Config, ConfigError, load_config
+from extproc.config import SHARED_PREFILL_LISTENER, Config, ConfigError, load_config
 from extproc.envoy_process import EnvoyError
 from extproc.logs import configure_logging
 
@@ -26,48 +27,67 @@ log = logging.getLogger("extproc")
 
 
 def _parser() -> argparse.ArgumentParser:
+    # --log-level is accepted before or after the command; SUPPRESS keeps a subcommand's
+    # absent flag from overwriting one given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level",
+        default=argparse.SUPPRESS,
+        help="Python log level (default INFO; WARNING for demo)",
+    )
     parser = argparse.ArgumentParser(
         prog="pd-extproc",
+        parents=[common],
         description="Envoy ext_proc for vLLM prefill/decode disaggregation (parallel NIXL push).",
     )
-    parser.add_argument(
-        "--log-level", default=None, help="Python log level (default INFO; WARNING for demo)"
-    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     config = argparse.ArgumentParser(add_help=False)
     config.add_argument("--config", "-c", required=True, type=Path, help="the YAML config file")
     ready = argparse.ArgumentParser(add_help=False)
     ready.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON")
+    listener = argparse.ArgumentParser(add_help=False)
+    listener.add_argument(
+        "--prefill-listener",
+        default=None,
+        help="your Envoy's prefill listener, unix:/path or 127.0.0.1:port (default: "
+        f"envoy.prefill_listener from the config, else {SHARED_PREFILL_LISTENER})",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
-        "up", parents=[config, ready], help="start Envoy and the ext_proc for a config"
+        "up", parents=[common, config, ready], help="start Envoy and the ext_proc for a config"
     )
-    serve = commands.add_parser(
-        "serve", parents=[config, ready], help="run only the ext_proc, for an existing Envoy"
-    )
-    serve.add_argument(
-        "--prefill-listener",
-        required=True,
-        help="where your Envoy's prefill listener is: unix:/path or 127.0.0.1:port",
+    commands.add_parser(
+        "serve",
+        parents=[common, config, ready, listener],
+        help="run only the ext_proc, for an existing Envoy",
     )
     render = commands.add_parser(
-        "render-envoy", parents=[config], help="print the Envoy bootstrap for a config"
+        "render-envoy", parents=[common, config, listener], help="print the Envoy bootstrap"
     )
     render.add_argument(
         "--extproc-address",
         default=None,
         help="host:port of the ext_proc (default: from the config)",
     )
-    render.add_argument("--prefill-listener", default="127.0.0.1:10001")
     render.add_argument(
         "--snippet",
         action="store_true",
         help="print only the ext_proc filter, the clusters and the prefill listener",
     )
-    demo = commands.add_parser("demo", help="2P2D simulated push engines + Envoy + ext_proc")
+    demo = commands.add_parser(
+        "demo", parents=[common], help="2P2D simulated push engines + Envoy + ext_proc"
+    )
     demo.add_argument("--once", action="store_true", help="send the demo requests, then exit")
     demo.add_argument("--requests", type=int, default=6)
     demo.add_argument("--port", type=int, default=8000, help="Envoy's port for clients")
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pd-extproc")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
 
 
 async def _until_signal(body: Callable[[asyncio.Event], Awaitable[int]]) -> int:
@@ -82,17 +102,11 @@ async def _up(
     config: Config, config_path: Path, ready_file: Path | None, stop: asyncio.Event
 ) -> int:
     from extproc.app import Sidecar
+    from extproc.reload import HangupReloads
 
     sidecar = Sidecar(config)
     addresses = await sidecar.start()
-    reloads: set[asyncio.Task[None]] = set()
-
-    def on_hangup() -> None:
-        task = asyncio.create_task(sidecar.reload(config_path))
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
-
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_hangup)
+    reloads = HangupReloads(lambda: sidecar.reload(config_path))
     _write_ready(ready_file, addresses.to_json())
     print(
         f"pd-extproc is up: {addresses.url}/v1/completions "
@@ -108,8 +122,7 @@ async def _up(
         code = 1
         log.error("Envoy exited (%s); see %s", envoy_exit.result(), sidecar.envoy.log_path)
     envoy_exit.cancel()
-    for task in reloads:
-        task.cancel()
+    reloads.close()
     if code == 0:
         await sidecar.drain()
     await sidecar.stop()
@@ -125,20 +138,33 @@ def _write_ready(path: Path | None, payload: bytes) -> None:
 
 
 async def _serve(
-    config: Config, prefill_listener: str, ready_file: Path | None, stop: asyncio.Event
+    config: Config,
+    config_path: Path,
+    prefill_listener: str,
+    ready_file: Path | None,
+    stop: asyncio.Event,
 ) -> int:
-    from extproc.runtime import Runtime
+    from extproc.reload import HangupReloads, reload_runtime
     from extproc.server import ExtProcServer
+    from extproc.wiring import Runtime
 
     runtime = Runtime(config, prefill_listener)
+    await runtime.discover()  # the first answer already knows every pool member
     server = ExtProcServer(runtime)
     await server.start()
-    await runtime.start()
-    metrics = f"http://{config.metrics.host}:{server.metrics_port}"
-    _write_ready(ready_file, orjson.dumps({"extproc": server.address, "metrics": metrics}))
-    print(f"pd-extproc ext_proc on {server.address}, metrics {metrics}/metrics", flush=True)
-    await stop.wait()
-    await server.stop(config.timeouts.drain_s)
+    reloads = HangupReloads(lambda: reload_runtime(runtime, config_path))
+    try:
+        await runtime.start()
+        metrics = f"http://{config.metrics.host}:{server.metrics_port}"
+        _write_ready(ready_file, orjson.dumps({"extproc": server.address, "metrics": metrics}))
+        print(f"pd-extproc ext_proc on {server.address}, metrics {metrics}/metrics", flush=True)
+        await stop.wait()
+    finally:
+        reloads.close()
+        # Drain: health turns NOT_SERVING, new streams are refused (Envoy answers them with
+        # its JSON 503), streams in flight finish for up to timeouts.drain_s.
+        log.info("draining %d open requests", runtime.active_streams)
+        await server.stop(runtime.config.timeouts.drain_s)
     return 0
 
 
@@ -160,8 +186,12 @@ def _render(
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-        from extproc.demo import run_demo
+        from extproc.demo import INSTALL_SIM, missing_sim_modules, run_demo
 
+        if missing := missing_sim_modules():
+            print(f"pd-extproc demo: the simulated engines need {', '.join(missing)}, "
+                  f"from the simulator's extra: {INSTALL_SIM}", file=sys.stderr)  # fmt: skip
+            return 1
         return asyncio.run(
             _until_signal(
                 lambda stop: run_demo(stop, once=args.once, requests=args.requests, port=args.port)
@@ -170,16 +200,19 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     configure_logging(args.log_level or "INFO", config.log.format)
     if args.command == "render-envoy":
-        return _render(config, args.extproc_address, args.prefill_listener, args.snippet)
+        listener = config.envoy.shared_prefill_listener(args.prefill_listener)
+        return _render(config, args.extproc_address, listener, args.snippet)
     if args.command == "serve":
+        listener = config.envoy.shared_prefill_listener(args.prefill_listener)
         return asyncio.run(
-            _until_signal(lambda stop: _serve(config, args.prefill_listener, args.ready_file, stop))
+            _until_signal(lambda stop: _serve(config, args.config, listener, args.ready_file, stop))
         )
     return asyncio.run(_until_signal(lambda stop: _up(config, args.config, args.ready_file, stop)))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.log_level = getattr(args, "log_level", None)
     level = args.log_level or ("WARNING" if args.command == "demo" else "INFO")
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

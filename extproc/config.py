@@ -8,26 +8,39 @@ once and never a traceback.
 from __future__ import annotations
 
 import ipaddress
+import logging
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     PositiveFloat,
+    PrivateAttr,
+    SerializeAsAny,
     ValidationError,
     field_validator,
     model_validator,
 )
+
+from extproc.envoy_msgs import DESTINATION_HEADER
+from extproc.policies import POLICIES, NoOptions, option_keys, parse_options
+from extproc.prefill_leg import LOCAL_REPLY_HEADER
+from extproc.roles import Role
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Config",
     "ConfigError",
     "DispatchMode",
     "EndpointConfig",
+    "Role",
     "load_config",
     "parse_config",
 ]
@@ -43,7 +56,15 @@ class DispatchMode(StrEnum):
     AUTO = "auto"  # learn transfer_mode from P: push → parallel, pull → serial
     PUSH = "push"  # parallel whenever P's identity is known
     PULL = "pull"  # always serial, P's params forwarded verbatim
-    SERIAL_PUSH = "serial-push"  # push engines, serial dispatch (the PR #187 baseline)
+    SERIAL_PUSH = "serial_push"  # push engines, serial dispatch (the PR #187 baseline)
+
+    @classmethod
+    def _missing_(cls, value: object) -> DispatchMode | None:
+        # Config values are snake_case; "serial-push" was the one spelt with a hyphen.
+        if value == "serial-push":
+            log.warning("dispatch mode 'serial-push' is deprecated: write 'serial_push'")
+            return cls.SERIAL_PUSH
+        return None
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
@@ -76,7 +97,12 @@ class EndpointConfig(_Strict):
     @field_validator("address")
     @classmethod
     def _check_address(cls, value: str) -> str:
-        parse_host_port(value)
+        host, _ = parse_host_port(value)
+        try:  # Envoy's pools take IP addresses only, and override_host matches by address
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"an IP address, not a name (got {value!r}); "
+                             "give names with dns: (or kubernetes:)") from None  # fmt: skip
         return value
 
     @property
@@ -93,9 +119,15 @@ def _endpoint(value: Any) -> Any:
 
 
 Endpoint = Annotated[EndpointConfig, Field()]
-PolicyName = Literal[
-    "round_robin", "least_request", "random", "power_of_two", "session", "prefix"
-]  # see extproc.picking
+
+
+def _known_policy(name: str) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; one of: {', '.join(POLICIES)}")
+    return name
+
+
+PolicyName = Annotated[str, AfterValidator(_known_policy)]  # a name in extproc.policies
 
 
 class KubernetesSource(_Strict):
@@ -106,6 +138,13 @@ class KubernetesSource(_Strict):
     port: int = Field(gt=0, lt=65536)
 
 
+def _options(policy: str, keys: dict[str, Any]) -> BaseModel:
+    try:
+        return parse_options(policy, keys)
+    except ValidationError as error:  # one line per key, named as the user wrote it
+        raise ValueError(_format_errors(error).replace("\n", "; ")) from None
+
+
 class PoolConfig(_Strict):
     # Members: a static list, and/or a DNS name (a headless service) re-resolved every
     # discovery.interval_s, and/or Kubernetes pods by label. At least one source.
@@ -113,17 +152,43 @@ class PoolConfig(_Strict):
     dns: str | None = None  # "name:port"; every A/AAAA record is one endpoint
     kubernetes: KubernetesSource | None = None
     policy: PolicyName = "round_robin"
-    # power_of_two: how often the engines' /metrics are scraped for num_requests_waiting and
-    # kv_cache_usage_perc (the smallest interval of the pools that need it is used).
-    load_interval_s: PositiveFloat = 1.0
-    # power_of_two: a full KV cache counts as this many waiting requests in the load score.
-    kv_usage_weight: float = Field(default=4.0, ge=0)
-    # prefix: how many bytes of the raw prompt/messages JSON are hashed (~4 KV blocks of 16
-    # tokens), and how far above the average in-flight count an endpoint may go before a
-    # request spills to the next endpoint of its hash order (more slack: more cache hits,
-    # less balance; 0.5 kept ~88% affinity at a 56/44 split in bench/results/policies.md).
-    prefix_bytes: int = Field(default=256, ge=1, le=4096)
-    prefix_load_slack: float = Field(default=0.5, ge=0)
+    # The policy's options (extproc.policies: each policy's options model). Written flat in
+    # the pool (`kv_usage_weight: 2`), or nested under `options:`; both forms are accepted.
+    options: SerializeAsAny[BaseModel] = NoOptions()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_options(cls, data: Any) -> Any:
+        """Gather the flat option keys into the chosen policy's options model.
+
+        A key of another policy is still checked against its own model (a typo or a bad value
+        fails at load, as before), then ignored.
+        """
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        nested = data.pop("options", None) or {}
+        if not isinstance(nested, dict):
+            raise ValueError("options: expected a mapping")
+        owners = option_keys()
+        keys = {k: data.pop(k) for k in list(data) if k in owners} | nested
+        policy = data.get("policy", "round_robin")
+        for owner in {owners.get(k, policy) for k in keys} | {policy}:
+            if owner in POLICIES:
+                mine = {k: v for k, v in keys.items() if owners.get(k, policy) == owner}
+                options = _options(owner, mine)
+                if owner == policy:
+                    data["options"] = options
+        return data
+
+    @property
+    def needs_load(self) -> bool:
+        """Its policy reads engine load (the scraper keeps the members' load fresh)."""
+        return POLICIES[self.policy].needs_load
+
+    @property
+    def load_interval_s(self) -> float:
+        return float(getattr(self.options, "load_interval_s", 1.0))
 
     @model_validator(mode="after")
     def _has_a_source(self) -> PoolConfig:
@@ -198,6 +263,39 @@ class LogConfig(_Strict):
     requests: bool = False  # one line per finished request (ids, dispatch, outcome)
 
 
+# Headers about one connection or hop, not the request (RFC 9110 §7.6.1; Expect asks this hop
+# for a 100 Continue).
+_HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade", "expect"}
+)
+# Headers the sidecar or Envoy sets on the P leg itself, or that steer routing and identity.
+_OWN_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "content-type",
+        "content-encoding",
+        "x-request-id",
+        "forwarded",
+        DESTINATION_HEADER,
+        LOCAL_REPLY_HEADER,
+    }
+)
+_OWN_PREFIXES = (":", "x-envoy-", "x-forwarded-")
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")  # an HTTP field name (RFC 9110 §5.1)
+
+
+def _forwarding_problem(name: str) -> str | None:
+    """Why `name` may not be forwarded to P, or None."""
+    if name in _HOP_BY_HOP or name.startswith("proxy-"):
+        return f"{name!r} is hop-by-hop (it describes one connection): never forwarded"
+    if name in _OWN_HEADERS or name.startswith(_OWN_PREFIXES):
+        return f"{name!r} is set by pd-extproc or Envoy (routing, identity): never forwarded"
+    if not _TOKEN.fullmatch(name):
+        return f"{name!r} is not a valid header name"
+    return None
+
+
 class DispatchConfig(_Strict):
     mode: DispatchMode = DispatchMode.AUTO
     # Learn a prefill's identity with a one-token probe as soon as it appears, so that the
@@ -212,6 +310,19 @@ class DispatchConfig(_Strict):
     no_healthy_prefill: Literal["error", "decode_only"] = "error"
     # The header whose value the `session` policy hashes (sticky routing per conversation).
     session_header: str = "x-session-id"
+    # Client headers copied onto the P leg (D gets every client header from Envoy anyway):
+    # engines started with --api-key need the client's key on both legs, and vLLM continues
+    # the client's OpenTelemetry trace from traceparent/tracestate, on P as on D.
+    forward_headers: list[str] = ["authorization", "traceparent", "tracestate"]
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _check_forward_headers(cls, value: list[str]) -> list[str]:
+        names = list(dict.fromkeys(name.lower() for name in value))
+        problems = [p for p in map(_forwarding_problem, names) if p is not None]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return names
 
 
 class TimeoutConfig(_Strict):
@@ -219,8 +330,9 @@ class TimeoutConfig(_Strict):
     probe_s: PositiveFloat = 10.0
     connect_s: PositiveFloat = 1.0
     # Envoy's per-message ext_proc timer; the body answer is extended to `prefill_s` in serial
-    # dispatch (override_message_timeout).
-    extproc_message_s: PositiveFloat = 1.0
+    # dispatch (override_message_timeout). None: sized from limits.max_body_bytes, so that a
+    # burst of large bodies fits (see envoy_render.ext_proc_filter.extproc_message_timeout_s).
+    extproc_message_s: PositiveFloat | None = None
     drain_s: PositiveFloat = 10.0
     # D failed in parallel dispatch: wait this long for P's answer to tell a P restart
     # (answer 503 + Retry-After) from a D fault (pass D's error on, cancel P).
@@ -260,23 +372,74 @@ class LimitConfig(_Strict):
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
 
 
+SHARED_PREFILL_LISTENER = "127.0.0.1:10001"
+
+
+def _loopback_listener(value: str) -> str:
+    """The prefill listener has no authentication: loopback or a Unix socket only."""
+    if not value.startswith("unix:"):
+        host, _ = parse_host_port(value)
+        if not ipaddress.ip_address(host).is_loopback:
+            raise ValueError("must be a loopback address or unix:/path (it has no auth)")
+    return value
+
+
 class EnvoyConfig(_Strict):
     listen: ListenConfig = ListenConfig(port=8000)
     admin: ListenConfig = ListenConfig()
     # Where Envoy listens for the ext_proc's prefill requests: "unix:/path" or "127.0.0.1:port".
-    # Empty: a Unix socket in the run directory (`up`), which nothing outside this host reaches.
+    # Empty: `up` uses a Unix socket in its run directory, which nothing outside this host
+    # reaches; `serve` and `render-envoy`, whose Envoy is the user's, use SHARED_PREFILL_LISTENER.
     prefill_listener: str = ""
     concurrency: int = Field(default=1, ge=1)
     log_level: Literal["trace", "debug", "info", "warning", "error", "critical", "off"] = "warning"
 
+    def shared_prefill_listener(self, override: str | None = None) -> str:
+        """The address `serve` sends P legs to and `render-envoy` renders: flag, config, default.
+
+        One rule for both commands, so that the rendered Envoy and the ext_proc agree.
+        """
+        if override:
+            try:
+                return _loopback_listener(override)
+            except ValueError as error:
+                raise ConfigError(f"--prefill-listener {override}: {error}") from None
+        return self.prefill_listener or SHARED_PREFILL_LISTENER
+
     @field_validator("prefill_listener")
     @classmethod
     def _check_prefill_listener(cls, value: str) -> str:
-        if value and not value.startswith("unix:"):
-            host, _ = parse_host_port(value)
-            if not ipaddress.ip_address(host).is_loopback:
-                raise ValueError("must be a loopback address or unix:/path (it has no auth)")
-        return value
+        return _loopback_listener(value) if value else value
+
+
+class EnginesConfig(_Strict):
+    """How the sidecar itself talks to the engines (not the client's requests)."""
+
+    # The key the engines were started with (vLLM --api-key), for the sidecar's own /v1
+    # requests: the identity probe. Health checks and metric scrapes use /health and /metrics,
+    # which vLLM serves without a key. Read when the config is loaded (a reload re-reads it).
+    api_key_file: str | None = None
+    _api_key: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _read_api_key(self) -> EnginesConfig:
+        if self.api_key_file is None:
+            return self
+        try:
+            key = Path(self.api_key_file).read_text().strip()
+        except OSError as error:
+            raise ValueError(
+                f"api_key_file {self.api_key_file} cannot be read ({error.strerror})"
+            ) from None
+        if not key:
+            raise ValueError(f"api_key_file {self.api_key_file} is empty")
+        self._api_key = key
+        return self
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The Authorization header of the sidecar's own engine requests (none without a key)."""
+        return {} if self._api_key is None else {"authorization": f"Bearer {self._api_key}"}
 
 
 class ModelConfig(_Strict):
@@ -294,6 +457,7 @@ class Config(_Strict):
     decode: PoolConfig
     models: dict[str, ModelConfig] = {}
     dispatch: DispatchConfig = DispatchConfig()
+    engines: EnginesConfig = EnginesConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     health: HealthConfig = HealthConfig()
     kv_check: KvCheckConfig = KvCheckConfig()
@@ -309,7 +473,7 @@ class Config(_Strict):
     def _pools_disjoint(self) -> Config:
         seen: dict[str, str] = {}
         for model, group in self.groups().items():
-            for role, pool in (("prefill", group.prefill), ("decode", group.decode)):
+            for role, pool in ((Role.PREFILL, group.prefill), (Role.DECODE, group.decode)):
                 for address in pool.addresses:
                     where = f"{model or 'default'} {role}"
                     if seen.setdefault(address, where) != where:
@@ -320,12 +484,11 @@ class Config(_Strict):
         """Model name → its pools; "" is the default group (top-level prefill/decode)."""
         return {"": ModelConfig(prefill=self.prefill, decode=self.decode), **self.models}
 
-    def pool_configs(self, role: str) -> list[PoolConfig]:
+    def pool_configs(self, role: Role) -> list[PoolConfig]:
         return [getattr(group, role) for group in self.groups().values()]
 
-    def static_addresses(self, role: str) -> list[str]:
+    def static_addresses(self, role: Role) -> list[str]:
         return [a for pool in self.pool_configs(role) for a in pool.addresses]
-
 
 
 def _format_errors(error: ValidationError) -> str:

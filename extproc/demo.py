@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import time
 from typing import Any
 
@@ -17,9 +18,14 @@ import aiohttp
 
 from extproc.app import Sidecar
 from extproc.config import parse_config
-from vllmsim.testing import PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
-__all__ = ["run_demo"]
+__all__ = ["INSTALL_SIM", "missing_sim_modules", "run_demo"]
+
+# The simulated engines are `vllmsim` processes; their NIXL side channel speaks msgpack, which
+# only the [sim] extra installs (a sidecar alone does not need it).
+_SIM_MODULES = ("msgpack",)
+INSTALL_SIM = "pip install 'pd-extproc[sim]'"
 
 PROMPT = "Explain prefill/decode disaggregation in one paragraph. " * 40  # ~400 tokens
 
@@ -38,8 +44,11 @@ async def _first_token_time(session: aiohttp.ClientSession, url: str, i: int) ->
     return first if first is not None else float("nan")
 
 
-async def _records(session: aiohttp.ClientSession, engines: list[EngineHandle]) -> dict:
-    seen: dict[str, dict[str, Any]] = {}
+Records = dict[str, dict[str, tuple[int, dict[str, Any]]]]  # request id -> leg kind -> record
+
+
+async def _records(session: aiohttp.ClientSession, engines: list[EngineHandle]) -> Records:
+    seen: Records = {}
     for index, engine in enumerate(engines):
         async with session.get(engine.url + "/sim/requests") as response:
             for record in await response.json():
@@ -49,7 +58,7 @@ async def _records(session: aiohttp.ClientSession, engines: list[EngineHandle]) 
     return seen
 
 
-def _timeline(records: dict, ttfts: list[float], prefills: int) -> list[str]:
+def _timeline(records: Records, ttfts: list[float], prefills: int) -> list[str]:
     lines = ["req  prefill  decode  D arrival - P arrival  how D got its KV   TTFT"]
     rows = sorted(records.values(), key=lambda legs: legs["prefill"][1]["received_at"])
     for n, legs in enumerate(rows):
@@ -61,6 +70,17 @@ def _timeline(records: dict, ttfts: list[float], prefills: int) -> list[str]:
             f"      {d_kind:<16} {ttfts[n] * 1e3:>6.1f} ms"
         )
     return lines
+
+
+def missing_sim_modules() -> list[str]:
+    """The simulator's modules that cannot be imported here."""
+    missing = []
+    for name in _SIM_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
 
 
 async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) -> int:

@@ -2,8 +2,9 @@
 
 Each pool's members are the union of its sources. DNS names (a headless service) and
 Kubernetes label selectors are re-read every `discovery.interval_s`. A source that fails to
-answer keeps its last members: a DNS hiccup must not empty a pool. Changes go to the runtime,
-which updates the pool, forgets identities of endpoints that left, and tells Envoy (EDS).
+answer keeps its last members: a DNS hiccup must not empty a pool. Changes go to a `Members`
+sink (the wiring's runtime), which updates the pool, forgets identities of endpoints that
+left, and tells Envoy (EDS).
 """
 
 from __future__ import annotations
@@ -13,23 +14,22 @@ import ipaddress
 import logging
 import socket
 import ssl
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import aiohttp
 
-from extproc.config import KubernetesSource, PoolConfig, parse_host_port
+from extproc.config import Config, KubernetesSource, PoolConfig, parse_host_port
 from extproc.periodic import Periodic
-
-if TYPE_CHECKING:
-    from extproc.runtime import Runtime
+from extproc.roles import Role
 
 __all__ = ["Discovery", "kubernetes_members", "resolve_dns"]
 
 log = logging.getLogger("extproc.discovery")
 
-_ROLES = ("prefill", "decode")
+_ROLES = tuple(Role)
 
 
 def _address(ip: str, port: int) -> str:
@@ -75,15 +75,27 @@ async def kubernetes_members(
     return sorted(_address(ip, source.port) for ip in _ready_pod_ips(pods))
 
 
+class Members(Protocol):
+    """Where discovery hands the members it found."""
+
+    def set_group_members(self, model: str, role: Role, members: list[str]) -> None: ...
+    def set_members(self, role: Role, members: list[str]) -> None: ...
+
+
 class Discovery:
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(
+        self,
+        members: Members,
+        config: Callable[[], Config],  # the current config: a reload swaps it
+    ) -> None:
+        self._sink = members
+        self._config = config
         self._last: dict[tuple[str, str], list[str]] = {}  # (role, source) → last good answer
         self._periodic: Periodic | None = None
 
     @property
     def dynamic(self) -> bool:
-        cfg = self.rt.config
+        cfg = self._config()
         return any(
             pool.dns or pool.kubernetes for role in _ROLES for pool in cfg.pool_configs(role)
         )
@@ -92,11 +104,11 @@ class Discovery:
         """Resolve every source of every pool once and hand the result to the runtime."""
         for role in _ROLES:
             union: list[str] = []
-            for model, group in self.rt.config.groups().items():
+            for model, group in self._config().groups().items():
                 members = await self._members(session, f"{model}/{role}", getattr(group, role))
-                self.rt.set_group_members(model, role, members)
+                self._sink.set_group_members(model, role, members)
                 union += members
-            self.rt.set_members(role, list(dict.fromkeys(union)))
+            self._sink.set_members(role, list(dict.fromkeys(union)))
 
     async def _members(
         self, session: aiohttp.ClientSession, role: str, pool: PoolConfig
@@ -108,7 +120,7 @@ class Discovery:
             members += await self._source(role, "kubernetes", self._kubernetes(session, pool))
         return list(dict.fromkeys(members))
 
-    async def _source(self, role: str, name: str, lookup: Any) -> list[str]:
+    async def _source(self, role: str, name: str, lookup: Awaitable[list[str]]) -> list[str]:
         try:
             found = await asyncio.wait_for(lookup, timeout=15)
         except (OSError, aiohttp.ClientError, TimeoutError, ValueError) as error:
@@ -119,7 +131,7 @@ class Discovery:
 
     async def _kubernetes(self, session: aiohttp.ClientSession, pool: PoolConfig) -> list[str]:
         assert pool.kubernetes is not None
-        cfg = self.rt.config.discovery
+        cfg = self._config().discovery
         token_path, ca_path = Path(cfg.token_file), Path(cfg.ca_file)
         token = await asyncio.to_thread(_read_if_exists, token_path)
         tls = None
@@ -128,13 +140,20 @@ class Discovery:
         return await kubernetes_members(session, cfg.kubernetes_api, pool.kubernetes, token, tls)
 
     def start(self, session: aiohttp.ClientSession) -> None:
-        """Re-read the dynamic sources every interval (the first refresh ran before Envoy)."""
+        """Re-read the dynamic sources every interval (the first refresh ran before Envoy).
+
+        The loop runs even with static pools only (its rounds then do nothing): a reload can
+        add or remove DNS names and selectors.
+        """
+        self._periodic = Periodic(
+            "discovery", lambda: self._refresh_dynamic(session),
+            lambda: self._config().discovery.interval_s,
+        )  # fmt: skip
+        self._periodic.start(first_now=False)
+
+    async def _refresh_dynamic(self, session: aiohttp.ClientSession) -> None:
         if self.dynamic:
-            self._periodic = Periodic(
-                "discovery", lambda: self.refresh(session),
-                lambda: self.rt.config.discovery.interval_s,
-            )  # fmt: skip
-            self._periodic.start(first_now=False)
+            await self.refresh(session)
 
     async def stop(self) -> None:
         if self._periodic is not None:

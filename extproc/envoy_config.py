@@ -1,13 +1,6 @@
-"""Config → Envoy bootstrap (a plain dict, rendered as YAML). Pure: no I/O.
-
-The settings follow the measurements in DESIGN.md / envoy-extproc.md:
-- ext_proc: request headers SEND + body BUFFERED (routing can depend on the body and
-  content-length is kept), response headers SEND (the sidecar sees D's status; one cheap
-  round trip that overlaps decoding), response body NONE (SSE streams through untouched),
-  fail closed with 503, message timeout ~1 s, extendable to the prefill timeout.
-- decode_pool / prefill_pool: real clusters with the override_host LB policy reading
-  x-gateway-destination-endpoint, so only pool members can ever be chosen.
-- the prefill leg enters through a listener bound to loopback or a Unix socket.
+"""Config → the Envoy documents pd-extproc ships: the whole bootstrap (`pd-extproc up`,
+`render-envoy`) and the drop-in snippet (`render-envoy --snippet`), as plain dicts rendered as
+YAML. Pure: no I/O. The pieces themselves, by name, are in `extproc.envoy_render`.
 """
 
 from __future__ import annotations
@@ -17,335 +10,21 @@ from typing import Any
 
 import yaml
 
-from extproc.config import Config, parse_host_port
-from extproc.eds import eds_path
-from extproc.envoy_msgs import DESTINATION_HEADER
-from extproc.errors import error_body
-from extproc.prefill_leg import LOCAL_REPLY_HEADER
-from extproc.request import PATHS
+from extproc.config import Config
+from extproc.envoy_render.clusters import EXTPROC_SERVICE
+from extproc.envoy_render.common import buffer_limit, router_filter
+from extproc.envoy_render.ext_proc_filter import extproc_message_timeout_s
+from extproc.envoy_render.listeners import ingress_listener
+from extproc.envoy_render.pieces import envoy_pieces
 
-__all__ = ["EXTPROC_CLUSTER", "render_bootstrap", "render_snippet", "render_yaml", "snippet_header"]
-
-EXTPROC_CLUSTER = "pd_extproc"
-_TYPED = "@type"
-_HCM = (
-    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-    ".HttpConnectionManager"
-)
-_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
-_EXT_PROC_PER_ROUTE = (
-    "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
-)
-_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-_OVERRIDE_HOST = (
-    "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
-)
-_ROUND_ROBIN = (
-    "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
-)
-_CEL_FILTER = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
-_TLS_CONTEXT = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
-EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # its gRPC health service name
-_HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-# Paths of the engines that need no P/D routing: any decode engine answers them.
-PASSTHROUGH_PATHS = ("/v1/models", "/health", "/metrics", "/version", "/tokenize", "/detokenize")
-_UNLIMITED = {
-    "max_connections": 100000,
-    "max_pending_requests": 100000,
-    "max_requests": 100000,
-    "max_retries": 1000,
-}
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:g}s"
-
-
-def socket_address(listen: str) -> dict[str, Any]:
-    """'unix:/path' → a pipe address; 'host:port' → a socket address."""
-    if listen.startswith("unix:"):
-        return {"pipe": {"path": listen.removeprefix("unix:"), "mode": 0o600}}
-    host, port = parse_host_port(listen)
-    return {"socket_address": {"address": host, "port_value": port}}
-
-
-def _router() -> dict[str, Any]:
-    return {"name": "envoy.filters.http.router", "typed_config": {_TYPED: _ROUTER}}
-
-
-def _ext_proc_filter(cfg: Config) -> dict[str, Any]:
-    return {
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            _TYPED: _EXT_PROC,
-            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
-            "failure_mode_allow": False,  # without the ext_proc there is no decode target
-            "status_on_error": {"code": 503},
-            "message_timeout": _duration(cfg.timeouts.extproc_message_s),
-            # serial dispatch extends the timer while P computes (override_message_timeout)
-            "max_message_timeout": _duration(cfg.timeouts.prefill_s + 5),
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "request_body_mode": "BUFFERED",
-                "request_trailer_mode": "SKIP",
-                "response_header_mode": "SEND",
-                "response_body_mode": "NONE",
-                "response_trailer_mode": "SKIP",
-            },
-        },
-    }
-
-
-def _json_reply(filter_: dict[str, Any], status: int, message: str) -> dict[str, Any]:
-    """A local-reply mapper that gives Envoy's own errors an OpenAI-style JSON body."""
-    return {
-        "filter": filter_,
-        "body": {"inline_string": error_body(status, message).decode()},
-        "headers_to_add": [
-            {
-                "header": {"key": "content-type", "value": "application/json"},
-                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-            }
-        ],
-    }
-
-
-def _ingress_local_replies(cfg: Config) -> dict[str, Any]:
-    limit = cfg.limits.max_body_bytes
-    too_large = {
-        "status_code_filter": {
-            "comparison": {
-                "op": "EQ",
-                "value": {"default_value": 413, "runtime_key": "pd_extproc.413"},
-            }
-        }
-    }
-    # The ext_proc's own ImmediateResponses carry their JSON already (details pd_extproc_*);
-    # only failures to reach it (details ext_proc_error_*) get this body.
-    extproc_down = {
-        "extension_filter": {
-            "name": "envoy.access_loggers.extension_filters.cel",
-            "typed_config": {
-                _TYPED: _CEL_FILTER,
-                "expression": "response.code_details.startsWith('ext_proc_error')",
-            },
-        }
-    }
-    # Every other reply Envoy makes itself (upstream connect failure or reset, the KV-wait
-    # idle timeout): its own text, wrapped in the OpenAI error shape.
-    envoys_own = {
-        "extension_filter": {
-            "name": "envoy.access_loggers.extension_filters.cel",
-            "typed_config": {
-                _TYPED: _CEL_FILTER,
-                "expression": "!response.code_details.startsWith('pd_extproc')",
-            },
-        }
-    }
-    wrapped = {
-        "json_format": {
-            "error": {
-                "message": "%LOCAL_REPLY_BODY%",
-                "type": "UpstreamError",
-                "param": None,
-                "code": "%RESPONSE_CODE%",
-            }
-        },
-        "content_type": "application/json",
-    }
-    return {"mappers": [
-        _json_reply(too_large, 413, f"request body exceeds the limit of {limit} bytes"),
-        _json_reply(extproc_down, 503, "the pd-extproc ext_proc is unavailable; retry"),
-        {"filter": envoys_own, "body_format_override": wrapped},
-    ]}  # fmt: skip
-
-
-def _ingress_routes(cfg: Config) -> list[dict[str, Any]]:
-    decode_route = {
-        "cluster": "decode_pool",
-        "timeout": "0s",  # generations stream for minutes; the ext_proc bounds the P leg
-        "idle_timeout": _duration(cfg.timeouts.kv_wait_s),  # a D waiting for KV forever
-        # a refused connection is retried on the next host of the ext_proc's list
-        "retry_policy": {"retry_on": "connect-failure", "num_retries": 1},
-    }
-    routes: list[dict[str, Any]] = [
-        {
-            "match": {"path": path},
-            "route": decode_route,
-            "request_body_buffer_limit": cfg.limits.max_body_bytes,
-        }
-        for path in sorted(PATHS)
-    ]
-    routes += [
-        {
-            "match": {"prefix": prefix},
-            "route": {"cluster": "decode_pool", "timeout": "60s"},
-            "request_headers_to_remove": [DESTINATION_HEADER],
-            "typed_per_filter_config": {
-                "envoy.filters.http.ext_proc": {_TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
-            },
-        }
-        for prefix in PASSTHROUGH_PATHS
-    ]
-    # Everything else goes through the ext_proc too, which answers 404/405 in JSON.
-    routes.append({"match": {"prefix": "/"}, "route": decode_route})
-    return routes
-
-
-def _listener(name: str, address: dict[str, Any], hcm: dict[str, Any], cfg: Config) -> dict:
-    return {
-        "name": name,
-        "address": address,
-        "per_connection_buffer_limit_bytes": cfg.limits.max_body_bytes,
-        "filter_chains": [
-            {"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                          "typed_config": {_TYPED: _HCM, **hcm}}]}
-        ],
-    }  # fmt: skip
-
-
-def _ingress_listener(cfg: Config) -> dict[str, Any]:
-    listen = cfg.envoy.listen
-    hcm = {
-        "stat_prefix": "ingress",
-        "delayed_close_timeout": "0s",  # resets reach HTTP/1.1 clients at once
-        "local_reply_config": _ingress_local_replies(cfg),
-        "route_config": {
-            "name": "ingress",
-            "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _ingress_routes(cfg)}],
-        },
-        "http_filters": [_ext_proc_filter(cfg), _router()],
-    }
-    address = {"socket_address": {"address": listen.host, "port_value": listen.port}}
-    return {**_listener("ingress", address, hcm, cfg), "traffic_direction": "INBOUND"}
-
-
-# Envoy's own replies (connect failure, reset) carry their response flags, so the ext_proc
-# can tell "P unreachable" from "P answered 503".
-_FLAG_LOCAL_REPLIES = {
-    "mappers": [
-        {
-            "filter": {"not_health_check_filter": {}},
-            "headers_to_add": [
-                {"header": {"key": LOCAL_REPLY_HEADER, "value": "%RESPONSE_FLAGS%"}}
-            ],
-        }
-    ]
-}
-
-
-def _prefill_listener(cfg: Config, prefill_listener: str) -> dict[str, Any]:
-    route = {
-        "match": {"prefix": "/"},
-        "route": {"cluster": "prefill_pool", "timeout": "0s"},  # the ext_proc times P out
-        "request_body_buffer_limit": cfg.limits.max_body_bytes,
-    }
-    hcm = {
-        "stat_prefix": "prefill",
-        "delayed_close_timeout": "0s",
-        "local_reply_config": _FLAG_LOCAL_REPLIES,
-        "route_config": {
-            "name": "prefill",
-            "virtual_hosts": [{"name": "prefill", "domains": ["*"], "routes": [route]}],
-        },
-        "http_filters": [_router()],
-    }
-    # OUTBOUND: a graceful drain of the ingress (inboundonly) leaves it serving P legs
-    prefill = _listener("prefill", socket_address(prefill_listener), hcm, cfg)
-    return {**prefill, "traffic_direction": "OUTBOUND"}
-
-
-def _endpoints(addresses: list[str]) -> list[dict[str, Any]]:
-    return [{"endpoint": {"address": socket_address(a)}} for a in addresses]
-
-
-def _lb_policy(name: str, typed_config: dict[str, Any]) -> dict[str, Any]:
-    """Envoy's LoadBalancingPolicy with one typed extension."""
-    return {"policies": [{"typed_extension_config": {"name": name, "typed_config": typed_config}}]}
-
-
-def _pool_cluster(
-    name: str, addresses: list[str], cfg: Config, eds_dir: Path | None = None
-) -> dict[str, Any]:
-    """A pool cluster: static members, or (eds_dir) members the ext_proc writes to a file."""
-    round_robin = _lb_policy("envoy.load_balancing_policies.round_robin", {_TYPED: _ROUND_ROBIN})
-    override_host = {
-        _TYPED: _OVERRIDE_HOST,
-        "override_host_sources": [{"header": DESTINATION_HEADER}],
-        "fallback_policy": round_robin,  # only for routes without the ext_proc (/v1/models)
-    }
-    cluster: dict[str, Any] = {
-        "name": name,
-        "connect_timeout": _duration(cfg.timeouts.connect_s),
-        "circuit_breakers": {"thresholds": [_UNLIMITED]},
-        "load_balancing_policy": _lb_policy(
-            "envoy.load_balancing_policies.override_host", override_host
-        ),
-    }
-    if eds_dir is None:
-        endpoints = [{"lb_endpoints": _endpoints(addresses)}]
-        return {**cluster, "type": "STATIC",
-                "load_assignment": {"cluster_name": name, "endpoints": endpoints}}  # fmt: skip
-    source = {
-        "path_config_source": {
-            "path": str(eds_path(eds_dir, name)),
-            "watched_directory": {"path": str(eds_dir)},
-        },
-        "resource_api_version": "V3",
-    }
-    return {**cluster, "type": "EDS",
-            "eds_cluster_config": {"service_name": name, "eds_config": source}}  # fmt: skip
-
-
-def _extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
-    """The ext_proc: one address, or several processes (`extproc.workers`) as a comma list."""
-    return {
-        "name": EXTPROC_CLUSTER,
-        # each stream is one request for its whole life: spread by open streams, not by turn
-        "lb_policy": "LEAST_REQUEST",
-        "type": "STATIC",
-        "connect_timeout": _duration(cfg.timeouts.connect_s),
-        # every in-flight LLM request holds one ext_proc stream: the default 1024 is too low
-        "circuit_breakers": {"thresholds": [_UNLIMITED]},
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                _TYPED: _HTTP_OPTIONS,
-                "explicit_http_config": {
-                    "http2_protocol_options": {
-                        "connection_keepalive": {"interval": "30s", "timeout": "5s"},
-                    }
-                },
-            }
-        },
-        "load_assignment": {
-            "cluster_name": EXTPROC_CLUSTER,
-            "endpoints": [{"lb_endpoints": _endpoints(extproc_address.split(","))}],
-        },
-        # the gRPC health service of the ext_proc (NOT_SERVING while it drains)
-        "health_checks": [{
-            "timeout": "1s", "interval": "5s", "unhealthy_threshold": 2, "healthy_threshold": 1,
-            "grpc_health_check": {"service_name": EXTPROC_SERVICE},
-        }],
-        **_extproc_tls(cfg),
-    }  # fmt: skip
-
-
-def _extproc_tls(cfg: Config) -> dict[str, Any]:
-    """Envoy's side of TLS to the ext_proc: trust its CA, check its name, maybe mTLS."""
-    tls = cfg.extproc.tls
-    if tls is None:
-        return {}
-    name = {"san_type": "DNS", "matcher": {"exact": tls.server_name}}
-    common: dict[str, Any] = {"validation_context": {
-        "trusted_ca": {"filename": tls.ca_file}, "match_typed_subject_alt_names": [name],
-    }}  # fmt: skip
-    if tls.client_cert_file and tls.client_key_file:
-        common["tls_certificates"] = [{
-            "certificate_chain": {"filename": tls.client_cert_file},
-            "private_key": {"filename": tls.client_key_file},
-        }]  # fmt: skip
-    context = {_TYPED: _TLS_CONTEXT, "sni": tls.server_name, "common_tls_context": common}
-    return {"transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": context}}
+__all__ = [
+    "EXTPROC_SERVICE",
+    "extproc_message_timeout_s",
+    "render_bootstrap",
+    "render_snippet",
+    "render_yaml",
+    "snippet_header",
+]
 
 
 def render_bootstrap(
@@ -356,17 +35,20 @@ def render_bootstrap(
     With `eds_dir`, pool membership comes from the EDS files the ext_proc keeps there
     (`extproc.eds`); without it, from the static endpoint lists of the config.
     """
+    pieces = envoy_pieces(cfg, extproc_address, prefill_listener, eds_dir)
+    ingress = ingress_listener(
+        cfg,
+        pieces.ingress_hcm_settings,
+        pieces.ingress_routes,
+        [pieces.ext_proc_filter, router_filter()],
+    )
     admin = cfg.envoy.admin
     return {
         "node": {"id": "pd-extproc", "cluster": "pd-extproc"},  # file-based EDS needs both
         "admin": {"address": {"socket_address": {"address": admin.host, "port_value": admin.port}}},
         "static_resources": {
-            "listeners": [_ingress_listener(cfg), _prefill_listener(cfg, prefill_listener)],
-            "clusters": [
-                _extproc_cluster(extproc_address, cfg),
-                _pool_cluster("decode_pool", cfg.static_addresses("decode"), cfg, eds_dir),
-                _pool_cluster("prefill_pool", cfg.static_addresses("prefill"), cfg, eds_dir),
-            ],
+            "listeners": [ingress, pieces.prefill_listener],
+            "clusters": pieces.clusters,
         },
     }
 
@@ -377,33 +59,48 @@ def render_snippet(cfg: Config, extproc_address: str, prefill_listener: str) -> 
     The same objects as in `render_bootstrap`, so a drop-in behaves like `pd-extproc up`;
     the ingress listener and its routes stay the user's own (see `snippet_header`).
     """
+    pieces = envoy_pieces(cfg, extproc_address, prefill_listener)
     return {
-        "http_filters": [_ext_proc_filter(cfg)],
-        "clusters": [
-            _extproc_cluster(extproc_address, cfg),
-            _pool_cluster("decode_pool", cfg.static_addresses("decode"), cfg),
-            _pool_cluster("prefill_pool", cfg.static_addresses("prefill"), cfg),
-        ],
-        "listeners": [_prefill_listener(cfg, prefill_listener)],
+        "http_connection_manager": pieces.ingress_hcm_settings,
+        "http_filters": [pieces.ext_proc_filter],
+        "routes": [*pieces.llm_routes, *pieces.passthrough_routes],
+        "every_other_route": pieces.every_other_route,
+        "clusters": pieces.clusters,
+        "listeners": [pieces.prefill_listener],
     }
 
 
 def snippet_header(cfg: Config) -> str:
     """YAML comments telling where each piece of `render_snippet` goes."""
-    paths = ", ".join(sorted(PATHS))
     return (
         "# pd-extproc drop-in for an existing Envoy (verified on Envoy 1.40).\n"
-        "# http_filters: add to the http_filters of your ingress http_connection_manager,\n"
-        "#   before envoy.filters.http.router.\n"
+        "# http_connection_manager: merge these keys into your ingress http_connection_manager:\n"
+        "#   normalised paths (no spelling of a path may dodge the ext_proc's routes) and JSON\n"
+        "#   error bodies for Envoy's own replies (a KV-wait timeout, an upstream reset).\n"
+        "# http_filters: add to its http_filters, before envoy.filters.http.router.\n"
+        "# routes: put first in the routes of its virtual host: the OpenAI paths through the\n"
+        f"#   ext_proc (buffer {buffer_limit(cfg)} bytes, the KV-wait idle_timeout), and the\n"
+        "#   engines' read-only endpoints by exact path and method.\n"
+        "# every_other_route: merge into each of your other routes: no ext_proc there, and a\n"
+        "#   client's x-gateway-destination-endpoint removed. A route without the ext_proc that\n"
+        "#   reaches the engines must match an exact path and method, never a prefix.\n"
         "# clusters: add to static_resources.clusters (pd_extproc is the ext_proc's gRPC).\n"
         "# listeners: add to static_resources.listeners; the ext_proc sends the prefill leg\n"
         "#   here. It has no authentication: keep it on loopback or a Unix socket.\n"
-        f"# routes: send {paths} to cluster decode_pool with timeout: 0s,\n"
-        "#   retry_policy {retry_on: connect-failure, num_retries: 1} and\n"
-        f"#   request_body_buffer_limit: {cfg.limits.max_body_bytes}; disable the ext_proc\n"
-        "#   (ExtProcPerRoute disabled: true) on every other route.\n"
     )
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """No &anchors/*aliases: a user reads and copies these files piece by piece."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def render_yaml(bootstrap: dict[str, Any]) -> str:
-    return yaml.safe_dump(bootstrap, sort_keys=False, width=120)
+    return yaml.dump(bootstrap, Dumper=_PlainDumper, sort_keys=False, width=120)
+
+
+def render_yaml_documents(documents: list[dict[str, Any]], width: int = 100) -> str:
+    """Several YAML documents (Kubernetes resources), without anchors either."""
+    return yaml.dump_all(documents, Dumper=_PlainDumper, sort_keys=False, width=width)

@@ -85,8 +85,8 @@ def extend_timeout(seconds: float) -> ep.ProcessingResponse:
 def immediate(error: RequestEnded) -> ep.ProcessingResponse:
     """End the client request with an OpenAI-style JSON error.
 
-    Before the response started the client gets it as is; after, Envoy resets the client
-    and the decode upstream (envoy-extproc.md §5).
+    Before the response started the client gets it as is; after, Envoy can no longer change
+    the status it sent, so it resets the client and the decode upstream instead.
     """
     headers = [_header("content-type", "application/json")]
     if error.retry_after_s is not None:

@@ -20,7 +20,7 @@ __all__ = ["EnvoyError", "EnvoyProcess", "envoy_binary"]
 
 
 class EnvoyError(RuntimeError):
-    """Envoy could not be found, validated or started; the message says what to do."""
+    """Envoy could not be found or started; the message says what to do."""
 
 
 def envoy_binary() -> str:
@@ -54,22 +54,6 @@ class EnvoyProcess:
         self.log_path = run_dir / "envoy.log"
         self.admin_url = ""
         self._process: asyncio.subprocess.Process | None = None
-
-    async def validate(self) -> None:
-        process = await asyncio.create_subprocess_exec(
-            envoy_binary(),
-            "--mode",
-            "validate",
-            "-c",
-            str(self.config_path),
-            "--log-level",
-            "error",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
-        if process.returncode != 0:
-            raise EnvoyError(f"Envoy rejected {self.config_path}: {output.decode()[-2000:]}")
 
     async def start(self, timeout_s: float = 30.0) -> None:
         admin_path = self.run_dir / "envoy-admin-address"
@@ -144,10 +128,6 @@ class EnvoyProcess:
             ) as response,
         ):
             response.raise_for_status()
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self._process is None else self._process.returncode
 
     async def wait(self) -> int:
         assert self._process is not None

@@ -1,12 +1,35 @@
 """Errors that end a client request, and their one mapping to OpenAI-style JSON.
 
-ClientError              4xx: the request itself is wrong; nothing reaches an engine
-LegError                 a leg failed; status says what the client gets
-  PrefillFailed          P answered 4xx/5xx (P's status, or 502)
-  PrefillUnreachable     P refused the connection or reset it (503, retryable)
-  PrefillTimeout         P did not answer within timeouts.prefill_s (504)
-  IdentityChanged        P restarted under a request already dispatched (503, retryable)
-  NoHealthyPrefill       every prefill endpoint is down (503, retryable)
+Every request-ending error is a `RequestEnded`: an HTTP status, a message for the client, and
+optionally `retry_after_s` (sent as Retry-After) and `param` (the offending field). The
+processor catches it at one place and answers with an ImmediateResponse carrying `body`
+(`error_body`); `LegError`s also count in metrics and logs under their `label`.
+
+RequestEnded
+  ClientError            the request itself is wrong; nothing reaches an engine:
+                         400 bad JSON, missing or ill-typed fields, `n` other than 1
+                         (`request`); 404 unknown path, 405 method other than POST; 413 body
+                         over limits.max_body_bytes, or a D body that would outgrow Envoy's
+                         buffer once P's KV block list is spliced in (`processor`)
+  LegError               a leg could not be run or failed; label "leg_error"
+    PrefillFailed        P answered 4xx (passed on as is: P refused this request, its identity
+                         is kept); P answered 5xx, or with a body that is not JSON or
+                         kv_transfer_params that are unusable (502; its identity is dropped)
+    PrefillUnreachable   Envoy could not connect to P, or P reset the connection (503,
+                         retryable; P is marked unhealthy)
+    PrefillTimeout       P did not answer within timeouts.prefill_s (504)
+    ListenerUnreachable  the P leg could not connect to Envoy's own prefill listener (503,
+                         retryable; P's health is left alone: P is not to blame)
+    IdentityChanged      P's answer shows a new engine id: it restarted under a request
+                         already dispatched to D with the old one (503, retryable)
+    NoHealthyPrefill     no prefill endpoint is healthy for this request's model, and
+                         dispatch.no_healthy_prefill is not decode_only (503, retryable)
+    NoHealthyDecode      no decode endpoint is healthy for this request (503, retryable)
+
+Errors that never reach a client live beside the code that raises them: `ConfigError`
+(`extproc.config`; the CLI prints it and exits 2), `EnvoyError` (`extproc.envoy_process`: no
+binary, Envoy failed to start or lacks a listener; exit 1) and `BodyError` (`extproc.bodies`: a
+JSON layout the body scanner does not handle, turned into a ClientError 400).
 """
 
 from __future__ import annotations
@@ -19,6 +42,7 @@ __all__ = [
     "ClientError",
     "IdentityChanged",
     "LegError",
+    "ListenerUnreachable",
     "NoHealthyDecode",
     "NoHealthyPrefill",
     "PrefillFailed",
@@ -29,6 +53,8 @@ __all__ = [
 
 _TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
     413: "RequestTooLarge",
@@ -81,6 +107,10 @@ class PrefillUnreachable(LegError):
 
 class PrefillTimeout(LegError):
     label = "prefill_timeout"
+
+
+class ListenerUnreachable(LegError):
+    label = "prefill_listener_unreachable"
 
 
 class IdentityChanged(LegError):

@@ -1,7 +1,8 @@
 """Active health checks of every engine, and the identity work that follows a transition.
 
-Each round GETs `/health` of every decode endpoint and `/metrics` of every prefill endpoint
-directly (a changed `process_start_time_seconds` reveals a restart before any request does).
+Each round GETs `/health` of every decode endpoint and scrapes `/metrics` of every prefill
+endpoint through the engine scraper (the same 200 as /health, and the page carries the
+process start time that reveals a restart before any request does).
 A prefill endpoint that becomes healthy (at start-up, or after an outage) is probed for its
 identity; one that goes down loses it.
 Passive marking (a refused P leg) happens in the processor and is undone here when the
@@ -13,34 +14,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 import aiohttp
 
-from extproc.probe import probe_prefill
+from extproc.config import HealthConfig
+from extproc.pool import EndpointState, Pool
 
-if TYPE_CHECKING:
-    from extproc.pool import EndpointState, Pool
-    from extproc.runtime import Runtime
-
-__all__ = ["HealthChecker"]
+__all__ = ["HealthChecker", "Identities"]
 
 log = logging.getLogger("extproc.health")
 
-# Prefill engines are checked through /metrics: the same 200 as /health, plus the process
-# start time that reveals a restart (vLLM and vllmsim both export it).
-_START_TIME = re.compile(rb"^process_start_time_seconds\S* (\S+)$", re.MULTILINE)
+
+class Identities(Protocol):
+    def get(self, address: str) -> object | None: ...
+    def drop(self, endpoint: str) -> object: ...
 
 
 class HealthChecker:
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(
+        self,
+        settings: Callable[[], HealthConfig],
+        prefill: Pool,
+        decode: Pool,
+        identities: Identities,
+        scrape_metrics: Callable[[str], Awaitable[bool]],
+        probe: Callable[[aiohttp.ClientSession, str], Coroutine[Any, Any, bool]],
+        probing: Callable[[], bool],
+    ) -> None:
+        self._settings = settings  # re-read: a reload may change them
+        self._prefill = prefill
+        self._decode = decode
+        self._identities = identities
+        self._scrape_metrics = scrape_metrics  # a prefill engine's /metrics answered 200
+        self._probe = probe  # learns a prefill engine's identity
+        self._probing = probing  # dispatch.probe, re-read: a reload may change it
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._probes: dict[str, asyncio.Task[bool]] = {}
         self._failures: dict[str, int] = {}
-        self._start_times: dict[str, float] = {}
         self._wake = asyncio.Event()
 
     async def start(self, session: aiohttp.ClientSession) -> None:
@@ -58,7 +71,7 @@ class HealthChecker:
     async def _loop(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):  # an early round when members change
-                await asyncio.wait_for(self._wake.wait(), self.rt.config.health.interval_s)
+                await asyncio.wait_for(self._wake.wait(), self._settings().interval_s)
             self._wake.clear()
             await self.check_all()
 
@@ -67,17 +80,17 @@ class HealthChecker:
         self._wake.set()
 
     async def check_all(self, unhealthy_after: int | None = None) -> None:
-        threshold = unhealthy_after or self.rt.config.health.unhealthy_after
-        pools = (self.rt.decode, self.rt.prefill)  # decodes first: a probe needs one
-        for pool in pools:
+        threshold = unhealthy_after or self._settings().unhealthy_after
+        for pool in (self._decode, self._prefill):  # decodes first: a probe needs one
             await asyncio.gather(*(self._check(pool, state, threshold) for state in pool))
-        for state in self.rt.prefill:
-            if state.healthy and self.rt.identities.get(state.address) is None:
+        for state in self._prefill:
+            if state.healthy and self._identities.get(state.address) is None:
                 self._maybe_probe(state.address)
 
     async def _check(self, pool: Pool, state: EndpointState, unhealthy_after: int) -> None:
-        prefill = pool is self.rt.prefill
-        healthy, started = await self._fetch(state.address, "/metrics" if prefill else "/health")
+        prefill = pool is self._prefill
+        healthy = await (self._scrape_metrics(state.address) if prefill
+                         else self._get_health(state.address))  # fmt: skip
         # One slow answer on a busy host is not an outage: require consecutive failures.
         failures = 0 if healthy else self._failures.get(state.address, 0) + 1
         self._failures[state.address] = failures
@@ -89,42 +102,27 @@ class HealthChecker:
             )
         pool.set_healthy(state.address, healthy)
         if prefill and not healthy:
-            self.rt.identities.drop(state.address)
-        if prefill and started is not None:
-            self._note_start_time(state.address, started)
+            self._identities.drop(state.address)
 
-    async def _fetch(self, address: str, path: str) -> tuple[bool, float | None]:
-        """(answered 200, the engine's process_start_time_seconds if the body has it)."""
+    async def _get_health(self, address: str) -> bool:
         assert self._session is not None
         try:
             async with self._session.get(
-                f"http://{address}{path}",
-                timeout=aiohttp.ClientTimeout(total=self.rt.config.health.timeout_s),
+                f"http://{address}/health",
+                timeout=aiohttp.ClientTimeout(total=self._settings().timeout_s),
             ) as response:
-                if response.status != 200:
-                    return False, None
-                match = _START_TIME.search(await response.read())
+                return response.status == 200
         except (aiohttp.ClientError, TimeoutError):
-            return False, None
-        return True, None if match is None else float(match.group(1))
-
-    def _note_start_time(self, address: str, started: float) -> None:
-        """A new process start time is a restart: its identity is stale before any request."""
-        previous = self._start_times.get(address)
-        self._start_times[address] = started
-        if previous is not None and previous != started:
-            log.warning("prefill %s restarted; its identity is dropped and re-learned", address)
-            self.rt.metrics.identity_events.labels(address, "restarted").inc()
-            self.rt.identities.drop(address)
+            return False
 
     def _maybe_probe(self, address: str) -> None:
         """Probe once at a time per endpoint, when enabled and useful."""
-        if not self.rt.config.dispatch.probe or self._session is None:
+        if not self._probing() or self._session is None:
             return
         running = self._probes.get(address)
         if running is not None and not running.done():
             return
-        self._probes[address] = asyncio.create_task(probe_prefill(self.rt, self._session, address))
+        self._probes[address] = asyncio.create_task(self._probe(self._session, address))
 
     async def probes_settled(self, timeout_s: float) -> None:
         """Wait (bounded) for the probes in flight; used at start-up."""

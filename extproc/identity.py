@@ -1,10 +1,10 @@
 """What the sidecar knows of each prefill engine's NIXL identity.
 
-vLLM has no endpoint that advertises a P's identity; it is learned from P's own
-`kv_transfer_params` (spec §7). The cache is keyed by prefill endpoint and is refreshed from
-every P response. An identity is dropped on a P error, a P timeout, a D error or a mismatch,
-so the next request learns it again. An endpoint whose identity keeps changing (data-parallel
-ranks behind one port) is served serially for a cool-down.
+vLLM has no endpoint that advertises a P's identity; it is learned from the
+`kv_transfer_params` of P's own prefill responses. The cache is keyed by prefill endpoint and is
+refreshed from every P response. An identity is dropped on a P error, a P timeout, a D error or
+a mismatch, so the next request learns it again. An endpoint whose identity keeps changing
+(data-parallel ranks behind one port) is served serially for a cool-down.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ Clock = Callable[[], float]
 
 @dataclass(frozen=True, slots=True)
 class PrefillIdentity:
-    """The fields a decode engine needs to register a push with this P (spec §3.4)."""
+    """The fields a decode engine's NIXL connector needs to register a push with this P."""
 
     engine_id: str
     host: str
@@ -44,7 +44,7 @@ class PrefillIdentity:
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
             "dcp_size": self.dcp_size,
-            # Only P's lease heartbeat reads it; any string works in push mode (spec §3.4).
+            # Only P's lease heartbeat reads it; any string works in push mode.
             "remote_request_id": request_id,
             "transfer_id": transfer_id,
         }
@@ -124,6 +124,14 @@ class IdentityCache:
         self._serial_cooldown_s = serial_cooldown_s
         self._on_event = on_event
         self._clock = clock
+
+    def set_flap_limits(
+        self, flap_threshold: int, flap_window_s: float, serial_cooldown_s: float
+    ) -> None:
+        """A reload's new flap settings; cool-downs already running keep their end time."""
+        self._flap_threshold = flap_threshold
+        self._flap_window_s = flap_window_s
+        self._serial_cooldown_s = serial_cooldown_s
 
     def get(self, endpoint: str) -> PrefillIdentity | None:
         entry = self._entries.get(endpoint)

@@ -3,27 +3,23 @@
 A decode engine started without `--kv-transfer-config`, with the other connector, or whose
 transfers fail silently still answers every request, just slower; users only see TTFT creep
 up. vLLM counts where each prompt token came from (`vllm:prompt_tokens_by_source_total`,
-source = external_kv_transfer | local_compute | local_cache_hit); this module scrapes it from
-every decode engine, exports the share that arrived by KV transfer, and warns when requests
-that this sidecar disaggregated were recomputed locally.
+source = external_kv_transfer | local_compute | local_cache_hit); this module reads it from
+every decode engine's page (fetched by the engine scraper), exports the share that arrived by
+KV transfer, and warns when requests that this sidecar disaggregated were recomputed locally.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
-from extproc.periodic import Periodic
-
-if TYPE_CHECKING:
-    from extproc.runtime import Runtime
+from extproc.config import KvCheckConfig
+from extproc.metrics import Metrics
+from extproc.scraper import Families
 
 __all__ = ["KvCheck", "prompt_tokens_by_source"]
 
@@ -33,16 +29,14 @@ SOURCES = ("external_kv_transfer", "local_compute", "local_cache_hit")
 _FAMILY = "vllm:prompt_tokens_by_source"  # the parser drops the counter's _total suffix
 
 
-def prompt_tokens_by_source(metrics_text: str) -> dict[str, float] | None:
+def prompt_tokens_by_source(families: Families) -> dict[str, float] | None:
     """Totals per source, summed over the engine's other labels; None if not exported."""
+    family = families.get(_FAMILY)
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != _FAMILY:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_total"):
-                source = sample.labels.get("source", "")
-                totals[source] = totals.get(source, 0.0) + sample.value
+    for sample in family.samples if family is not None else ():
+        if sample.name.endswith("_total"):
+            source = sample.labels.get("source", "")
+            totals[source] = totals.get(source, 0.0) + sample.value
     return totals or None
 
 
@@ -52,59 +46,57 @@ class _Window:
     share: float = math.nan
     alerts: int = 0
     totals: dict[str, float] = field(default_factory=dict)
+    closed_at: float = -math.inf  # monotonic time the window last closed
 
 
 class KvCheck:
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    """A scraper consumer: one window per decode engine per `kv_check.interval_s`.
+
+    The scraper may fetch a decode engine more often (its pool's policy reads engine load);
+    the window still closes once per interval, so `min_share` keeps its meaning.
+    """
+
+    families = (_FAMILY,)
+
+    def __init__(
+        self,
+        settings: Callable[[], KvCheckConfig],
+        metrics: Metrics,
+        is_decode: Callable[[str], bool],
+    ) -> None:
+        self._settings = settings  # re-read: a reload may change them
+        self._metrics = metrics
+        self._is_decode = is_decode
         self._windows: dict[str, _Window] = {}
         self._dispatched: Counter[str] = Counter()  # disaggregated requests per decode, per window
-        self._periodic: Periodic | None = None
 
     def note_dispatch(self, decode: str) -> None:
         """A request was sent to `decode` with kv_transfer_params (called on the hot path)."""
         self._dispatched[decode] += 1
-
-    def start(self, session: aiohttp.ClientSession) -> None:
-        if self.rt.config.kv_check.enabled:
-            self._periodic = Periodic(
-                "kv-check", lambda: self.check_all(session),
-                lambda: self.rt.config.kv_check.interval_s,
-            )  # fmt: skip
-            self._periodic.start(first_now=True)  # the baseline the first window starts from
-
-    async def stop(self) -> None:
-        if self._periodic is not None:
-            await self._periodic.stop()
-
-    async def check_all(self, session: aiohttp.ClientSession) -> None:
-        await asyncio.gather(
-            *(self._check(session, address) for address in self.rt.decode.addresses)
-        )
 
     def forget(self, address: str) -> None:
         """The decode endpoint left the pool."""
         self._windows.pop(address, None)
         self._dispatched.pop(address, None)
 
-    async def _check(self, session: aiohttp.ClientSession, address: str) -> None:
-        try:
-            async with session.get(
-                f"http://{address}/metrics",
-                timeout=aiohttp.ClientTimeout(total=self.rt.config.health.timeout_s * 2),
-            ) as response:
-                text = await response.text()
-        except (aiohttp.ClientError, TimeoutError):
-            return  # the health checker reports unreachable engines
-        totals = prompt_tokens_by_source(text)
-        if totals is not None:
-            self._update(address, totals)
+    def consume(self, address: str, families: Families) -> None:
+        settings = self._settings()
+        if not settings.enabled or not self._is_decode(address):
+            return
+        totals = prompt_tokens_by_source(families)
+        window = self._windows.get(address)
+        now = time.monotonic()
+        # Half a tick of slack: the scraper's rounds do not land exactly on the interval.
+        if totals is None or (window and now - window.closed_at < settings.interval_s * 0.75):
+            return
+        self._windows.setdefault(address, _Window()).closed_at = now
+        self._update(address, totals)
 
     def _update(self, address: str, totals: dict[str, float]) -> None:
         window = self._windows.setdefault(address, _Window())
         previous, window.last, window.totals = window.last, totals, totals
         for source in SOURCES:
-            self.rt.metrics.decode_prompt_tokens.labels(address, source).set(totals.get(source, 0))
+            self._metrics.decode_prompt_tokens.labels(address, source).set(totals.get(source, 0))
         dispatched = self._dispatched.pop(address, 0)
         if previous is None:
             return
@@ -113,10 +105,10 @@ class KvCheck:
         if moved + local <= 0:
             return
         window.share = moved / (moved + local)
-        self.rt.metrics.kv_transfer_share.labels(address).set(window.share)
-        if dispatched and window.share < self.rt.config.kv_check.min_share:
+        self._metrics.kv_transfer_share.labels(address).set(window.share)
+        if dispatched and window.share < self._settings().min_share:
             window.alerts += 1
-            self.rt.metrics.recompute_alerts.labels(address).inc()
+            self._metrics.recompute_alerts.labels(address).inc()
             log.warning(
                 "decode %s computed %d of %d prompt tokens itself although %d requests were "
                 "disaggregated: is it started with --kv-transfer-config and the same KV "

@@ -1,106 +1,54 @@
-"""Engine load for load-aware policies: scrape `/metrics` and keep `EndpointState` fresh.
+"""Engine load for load-aware policies, read from the engines' scraped metrics.
 
 `power_of_two` weighs each endpoint by the engine's own queue (`vllm:num_requests_waiting`)
-and KV cache fill (`vllm:kv_cache_usage_perc`), which see load this sidecar did not send.
-One task per runtime scrapes every endpoint of the pools whose policy needs it, all at once,
-every `load_interval_s` (the smallest of those pools'); pools, members and policies are
-re-read each round, so discovery and reloads need nothing from it. Engines that do not
-export a metric count as 0 for it; an engine that does not answer keeps its last values (the
-health checker decides whether it is used).
+and KV cache fill (`vllm:kv_cache_usage_perc`), which see load this sidecar did not send. The
+engine scraper (`extproc.scraper`) hands every fetched page here; the values land on the
+endpoint's state in the pool. Engines that do not export a metric count as 0 for it; an engine
+that does not answer keeps its last values (the health checker decides whether it is used).
 """
 
 from __future__ import annotations
 
-import asyncio
-import re
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
-import aiohttp
+from extproc.scraper import Families
 
-from extproc.periodic import Periodic
-from extproc.picking import ENGINE_LOAD_POLICIES
+__all__ = ["EngineLoad", "LoadState", "parse_load"]
 
-if TYPE_CHECKING:
-    from extproc.pool import EndpointState, Pool
-    from extproc.runtime import Runtime
-
-__all__ = ["LoadScraper", "parse_load"]
+_KV_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 2nd: vLLM < 0.10
 
 
-def _sample(name: str) -> re.Pattern[bytes]:
-    # One sample line of `name` with any labels; the trailing space keeps
-    # vllm:num_requests_waiting from matching vllm:num_requests_waiting_by_reason.
-    return re.compile(rb"^" + re.escape(name.encode()) + rb"(?:\{[^}]*\})? (\S+)", re.MULTILINE)
+class LoadState(Protocol):
+    waiting: float
+    kv_usage: float
 
 
-_WAITING = _sample("vllm:num_requests_waiting")
-_KV_USAGE = _sample("vllm:kv_cache_usage_perc")
-_GPU_CACHE_USAGE = _sample("vllm:gpu_cache_usage_perc")  # its name before vLLM 0.10
+def _values(families: Families, name: str) -> list[float]:
+    family = families.get(name)
+    return [] if family is None else [s.value for s in family.samples if s.name == name]
 
 
-def _values(pattern: re.Pattern[bytes], text: bytes) -> list[float]:
-    return [float(m.group(1)) for m in pattern.finditer(text)]
-
-
-def parse_load(text: bytes) -> tuple[float, float]:
-    """(waiting, kv_usage) from Prometheus text; 0 for a metric the engine does not export.
+def parse_load(families: Families) -> tuple[float, float]:
+    """(waiting, kv_usage); 0 for a metric the engine does not export.
 
     A server with several data-parallel engines exports one sample per engine: their queues
     add up, their caches are averaged (each request lands in one of them).
     """
-    waiting = sum(_values(_WAITING, text))
-    usage = _values(_KV_USAGE, text) or _values(_GPU_CACHE_USAGE, text)
+    waiting = sum(_values(families, "vllm:num_requests_waiting"))
+    usage = next((v for name in _KV_USAGE_NAMES if (v := _values(families, name))), [])
     return waiting, (sum(usage) / len(usage) if usage else 0.0)
 
 
-def load_aware_pools(rt: Runtime) -> list[Pool]:
-    pools = ((rt.prefill, rt.config.prefill), (rt.decode, rt.config.decode))
-    return [pool for pool, cfg in pools if cfg.policy in ENGINE_LOAD_POLICIES]
+class EngineLoad:
+    """A scraper consumer: the engine's load onto its endpoint state."""
 
+    families = ("vllm:num_requests_waiting", *_KV_USAGE_NAMES)
 
-class LoadScraper:
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
-        self._periodic = Periodic("load-scrape", self._scrape_round, self._interval_s)
-        self._session: aiohttp.ClientSession | None = None
+    def __init__(self, endpoint: Callable[[str], LoadState | None]) -> None:
+        self._endpoint = endpoint  # address → its state in a pool (None: not a member)
 
-    def _interval_s(self) -> float:
-        configs = (self.rt.config.prefill, self.rt.config.decode)
-        aware = [c.load_interval_s for c in configs if c.policy in ENGINE_LOAD_POLICIES]
-        return min(aware, default=1.0)
-
-    async def start(self, session: aiohttp.ClientSession) -> None:
-        """One round now, so the first requests already see the engines' queues, then a task.
-
-        The task runs even without a load-aware policy (its rounds then scrape nothing):
-        pools, members and policies are re-read every round, so a reload can switch them.
-        """
-        self._session = session
-        await self.scrape_all(session)  # bounded: each scrape has a timeout
-        self._periodic.start(first_now=False)
-
-    async def _scrape_round(self) -> None:
-        assert self._session is not None
-        await self.scrape_all(self._session)
-
-    async def stop(self) -> None:
-        await self._periodic.stop()
-
-    async def scrape_all(self, session: aiohttp.ClientSession) -> None:
-        states: Sequence[EndpointState] = [s for pool in load_aware_pools(self.rt) for s in pool]
-        await asyncio.gather(*(self._scrape(session, state) for state in states))
-
-    async def _scrape(self, session: aiohttp.ClientSession, state: EndpointState) -> None:
-        # A scrape slower than the interval is stale by the time it lands: bound it by both.
-        timeout = min(self._interval_s(), self.rt.config.health.timeout_s)
-        try:
-            async with session.get(
-                f"http://{state.address}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as response:
-                if response.status != 200:
-                    return
-                text = await response.read()
-        except (aiohttp.ClientError, TimeoutError):
-            return
-        state.waiting, state.kv_usage = parse_load(text)
+    def consume(self, address: str, families: Families) -> None:
+        state = self._endpoint(address)
+        if state is not None:
+            state.waiting, state.kv_usage = parse_load(families)

@@ -10,6 +10,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from extproc.roles import Role
+
 __all__ = ["Metrics"]
 
 # Latency buckets from 0.1 ms (ext_proc work, skew) to 60 s (a queued prefill).
@@ -112,12 +114,12 @@ class Metrics:
             registry=r,
         )
 
-    def forget_endpoint(self, role: str, address: str) -> None:
+    def forget_endpoint(self, role: Role, address: str) -> None:
         """Drop the per-endpoint series of an endpoint that left its pool."""
         for gauge in (self.inflight, self.healthy):
             with contextlib.suppress(KeyError):
                 gauge.remove(role, address)
-        if role == "decode":
+        if role == Role.DECODE:
             with contextlib.suppress(KeyError):
                 self.kv_transfer_share.remove(address)
 

@@ -1,6 +1,6 @@
 """A round of background work repeated every interval by one owned task.
 
-The health checker's siblings (KV check, load scrape, discovery) all need the same thing: run a
+The health checker's siblings (engine scraper, discovery) all need the same thing: run a
 round, sleep, repeat; survive a round that fails unexpectedly (a bug must not silently stop the
 loop); stop by cancellation.
 """

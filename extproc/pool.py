@@ -1,6 +1,6 @@
 """Endpoint pools: who is healthy, how busy each endpoint is, and which one to pick.
 
-The choice itself is a policy (`extproc.picking`) over the healthy endpoints; in-flight counts
+The choice itself is a policy (`extproc.policies`) over the healthy endpoints; in-flight counts
 are kept here and taken/released in one context manager so that no error path leaks a count.
 """
 
@@ -10,7 +10,8 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from extproc.picking import Picker, PickRequest
+from extproc.policies.base import Picker, PickRequest
+from extproc.roles import Role
 
 __all__ = ["EndpointState", "Pool"]
 
@@ -32,7 +33,7 @@ class Pool:
 
     def __init__(
         self,
-        role: str,
+        role: Role,
         addresses: Sequence[str],
         policy: Picker,
         on_change: Callable[[EndpointState], None] = lambda state: None,

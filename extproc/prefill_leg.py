@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 
 from extproc.envoy_msgs import DESTINATION_HEADER
-from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
+from extproc.errors import ListenerUnreachable, PrefillFailed, PrefillTimeout, PrefillUnreachable
 
 __all__ = ["LOCAL_REPLY_HEADER", "PrefillClient", "PrefillResult"]
 
@@ -40,8 +40,9 @@ def _prefill_error(status: int, flags: str | None, body: bytes, endpoint: str) -
         )
     message = f"prefill endpoint {endpoint} answered {status}"
     try:
-        detail = orjson.loads(body)["error"]["message"]
-        message += f": {detail}"
+        detail = orjson.loads(body)["error"]
+        # OpenAI-style {"error": {"message": ...}}, or vLLM's 401 {"error": "Unauthorized"}
+        message += f": {detail if isinstance(detail, str) else detail['message']}"
     except (orjson.JSONDecodeError, KeyError, TypeError):
         pass
     # 4xx from P means the request is bad for the engine: pass it on; 5xx becomes 502.
@@ -102,13 +103,27 @@ class PrefillClient:
             ) as response:
                 payload = await response.read()
                 status, flags = response.status, response.headers.get(LOCAL_REPLY_HEADER)
+        # Not getting a connection to Envoy's own listener is not P's fault: ListenerUnreachable
+        # leaves P's health alone. ConnectionTimeoutError is a TimeoutError too: it comes first.
+        except aiohttp.ConnectionTimeoutError:
+            raise ListenerUnreachable(
+                503,
+                f"the prefill listener did not accept a connection within "
+                f"{self._connect_timeout_s:g} s; retry",
+                retry_after_s=1,
+            ) from None
+        except aiohttp.ClientConnectorError as error:
+            raise ListenerUnreachable(
+                503, f"the prefill listener is unreachable ({error.strerror}); retry",
+                retry_after_s=1,
+            ) from None
         except TimeoutError:
             raise PrefillTimeout(
                 504, f"prefill endpoint {endpoint} did not answer within {timeout_s:g} s"
             ) from None
         except aiohttp.ClientError as error:
             raise PrefillUnreachable(
-                503, f"prefill listener unreachable: {error}", retry_after_s=1
+                503, f"the prefill leg's connection broke ({error}); retry", retry_after_s=1
             ) from None
         elapsed = time.perf_counter() - started
         if status >= 300:

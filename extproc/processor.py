@@ -1,13 +1,17 @@
 """One client request through its phases: headers → body (dispatch) → response → end.
 
 1. request headers: route check (404/405), answer CONTINUE (Envoy holds the headers)
-2. request body (BUFFERED, whole): parse once, pick P and D, choose the strategy,
-   build both bodies by splicing, then
+2. request body (BUFFERED, whole): parse once, pick P and D, choose the strategy, and turn
+   them into a plan (`extproc.dispatch`); its runner (`extproc.strategies`) sends the legs:
      parallel: start the P leg and answer the body message in the same loop turn
      serial:   extend Envoy's message timer, await P, forward its params to D
 3. until the stream ends: watch the P leg and D's response headers together;
    a failed P ends the request (ImmediateResponse) and Envoy resets D; a failed D
    cancels P; the stream ending (done or client gone) cancels a running P.
+   D's successful response headers are held until a parallel P leg is settled.
+
+The request's outcome (the `requests` metric label and the log line) is decided once, at
+the end, from what happened: the error that ended it, Envoy's own reply, D's status.
 """
 
 from __future__ import annotations
@@ -16,90 +20,124 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from extproc import envoy_msgs
-from extproc.bodies import decode_body, prefill_body, prefill_kv_params
-from extproc.dispatch import Strategy, choose_strategy
-from extproc.errors import (
-    ClientError,
-    IdentityChanged,
-    LegError,
-    NoHealthyDecode,
-    NoHealthyPrefill,
-    PrefillFailed,
-    PrefillUnreachable,
-    RequestEnded,
-)
-from extproc.identity import PrefillIdentity, identity_from_params
-from extproc.picking import PickRequest
-from extproc.prefill_leg import PrefillResult
+from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
+from extproc.errors import ClientError, LegError, RequestEnded
+from extproc.policies import PickRequest
 from extproc.request import ClientRequest, check_route, parse_request
+from extproc.strategies import NOT_DISPATCHED, Dispatch, Exchange, LegServices, start_dispatch
 from extproc.stream import EnvoyStream
 
 if TYPE_CHECKING:
-    from extproc.runtime import Runtime
+    from extproc.config import Config, DispatchMode
+    from extproc.metrics import Metrics
+    from extproc.tracing import RequestTrace
 
-__all__ = ["RequestProcessor"]
+__all__ = ["RequestDeps", "RequestProcessor"]
 
 log = logging.getLogger("extproc.request")
 
 _BODY_WAIT_S = 300.0  # a slow client upload; Envoy's own idle timeout usually ends it first
 
 
-class RequestProcessor:
-    """Per-stream state and phase handling; `run` owns the P leg task and cancels it."""
+class PickEndpoints(Protocol):
+    def __call__(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
+        """(decodes: the choice then fallbacks, prefill or None for decode-only); each
+        chosen endpoint counted in flight until `inflight` closes; raises NoHealthy*."""
+        ...
 
-    def __init__(self, runtime: Runtime, stream: EnvoyStream) -> None:
-        self.rt = runtime
+
+@dataclass(frozen=True, slots=True)
+class RequestDeps:
+    """What a request needs from the process; built once by the wiring."""
+
+    legs: LegServices
+    pick: PickEndpoints
+    prefill_mode: Callable[[str], DispatchMode]  # the endpoint's own mode or dispatch.mode
+    new_trace: Callable[[], RequestTrace]
+    metrics: Metrics
+    config: Callable[[], Config]  # the current config: a reload swaps it
+
+
+@dataclass(frozen=True, slots=True)
+class _Unplanned:
+    """The log fields of a request that ended before it was planned."""
+
+    request_id: str = ""
+    strategy: Strategy = Strategy.SERIAL
+    reason: str = "none"
+    prefill: None = None
+
+
+_UNPLANNED = _Unplanned()
+
+
+class RequestProcessor:
+    """Per-stream phase handling; the dispatch it starts is closed (P cancelled) at the end."""
+
+    def __init__(self, deps: RequestDeps, stream: EnvoyStream) -> None:
+        self.deps = deps
         self.stream = stream
+        self.trace = deps.new_trace()
         self.client_request_id = ""
-        self.request_id = ""
-        self.strategy = Strategy.SERIAL
-        self.reason = "none"
-        self.outcome = "cancelled"
-        self.prefill: str | None = None
-        self.given: PrefillIdentity | None = None  # identity D was given (parallel)
-        self.leg: asyncio.Task[PrefillResult] | None = None
-        self.trace = runtime.tracing.request()
+        self.plan: Plan | _Unplanned = _UNPLANNED
+        self.dispatch: Dispatch = NOT_DISPATCHED
+        # What happened, from which the outcome is decided once (`outcome`):
+        self.error: RequestEnded | None = None
+        self.envoy_replied = False  # Envoy answered the client itself (e.g. its 413)
+        self.decode_status = 0  # D's response status, 0 until it arrives
+
+    @property
+    def outcome(self) -> str:
+        if self.error is not None:
+            return self.error.label if isinstance(self.error, LegError) else "client_error"
+        if self.envoy_replied:
+            return "client_error"
+        if self.decode_status:
+            return "ok" if self.decode_status < 400 else f"decode_{self.decode_status // 100}xx"
+        return "cancelled"
 
     async def run(self) -> None:
         try:
             with ExitStack() as inflight:
                 await self._run(inflight)
         except RequestEnded as error:
+            self.error = error
             await self._end(error)
         finally:
-            if self.leg is not None and not self.leg.done():
-                self.leg.cancel()  # client gone or D finished/failed: P's work is useless
-            elif self.leg is not None and not self.leg.cancelled():
-                self.leg.exception()  # D answered first (its own error): P's is moot
+            client_gone = self.stream.ended and self.error is None and not self.decode_status
+            self.dispatch.close(client_gone)
             self.stream.close()
-            self.rt.metrics.requests.labels(self.outcome, self.strategy, self.reason).inc()
-            self.trace.finish(self._log_fields())
-            if self.rt.config.log.requests and self.request_id:
-                log.info("request %s %s", self.request_id, self.outcome, extra=self._log_fields())
+            plan, outcome = self.plan, self.outcome
+            self.deps.metrics.requests.labels(outcome, plan.strategy, plan.reason).inc()
+            fields = self._log_fields(outcome)
+            self.trace.finish(fields)
+            if self.deps.config().log.requests and plan.request_id:
+                log.info("request %s %s", plan.request_id, outcome, extra=fields)
 
-    def _log_fields(self) -> dict[str, object]:
+    def _log_fields(self, outcome: str) -> dict[str, object]:
         return {
-            "request_id": self.request_id,
+            "request_id": self.plan.request_id,
             "client_request_id": self.client_request_id,
-            "strategy": str(self.strategy),
-            "reason": self.reason,
-            "outcome": self.outcome,
-            "prefill": self.prefill,
+            "strategy": str(self.plan.strategy),
+            "reason": self.plan.reason,
+            "outcome": outcome,
+            "prefill": self.plan.prefill,
         }
 
     async def _end(self, error: RequestEnded) -> None:
-        self.outcome = error.label if isinstance(error, LegError) else "client_error"
         if isinstance(error, LegError):
             log.warning(
                 "request %s (client id %r) failed: %s",
-                self.request_id,
+                self.plan.request_id,
                 self.client_request_id,
                 error,
-                extra=self._log_fields(),
+                extra=self._log_fields(self.outcome),
             )
         if not self.stream.ended:
             await self.stream.write(envoy_msgs.immediate(error))
@@ -110,6 +148,9 @@ class RequestProcessor:
             return
         headers = envoy_msgs.header_map(message.request_headers)
         self.client_request_id = headers.get("x-request-id", "")
+        config = self.deps.config()
+        forwarded = {name: headers[name] for name in config.dispatch.forward_headers
+                     if name in headers}  # fmt: skip
         api = check_route(headers.get(":method", ""), headers.get(":path", ""))
         if message.request_headers.end_of_stream:
             raise ClientError(400, "the request has no body; send a JSON object")
@@ -121,157 +162,39 @@ class RequestProcessor:
             # Envoy answered the client itself (413 for a body over its buffer limit): the
             # local reply passes through our response phase and is let through.
             await self._on_message(message)
-            self.outcome = "client_error"
+            self.envoy_replied = True
             return
         started = time.perf_counter()
-        request = parse_request(
-            api, message.request_body.body, self.rt.config.limits.max_body_bytes
-        )
-        session = headers.get(self.rt.config.dispatch.session_header)
-        await self._dispatch(request, _pick_request(request, session), inflight, started)
-        await self._watch()
+        request = parse_request(api, message.request_body.body, config.limits.max_body_bytes)
+        wanted = _pick_request(request, headers.get(config.dispatch.session_header))
+        self.plan = plan = self._plan(request, wanted, inflight)
+        check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
+        exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id)
+        self.dispatch = start_dispatch(plan, self.deps.legs, exchange)
+        if await self.dispatch.send(started):
+            await self._watch()
 
-    def _pick(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
-        group = self.rt.group(wanted.model)
-        decodes = self.rt.decode.pick_with_fallback(
-            wanted, group.members["decode"], group.pickers["decode"]
-        )
-        if not decodes:
-            raise NoHealthyDecode(503, "no healthy decode endpoint; retry later", retry_after_s=1)
-        inflight.enter_context(self.rt.decode.track(decodes[0]))
-        prefill = self.rt.prefill.pick(wanted, group.members["prefill"], group.pickers["prefill"])
-        if prefill is not None:
-            inflight.enter_context(self.rt.prefill.track(prefill))
-            return [d.address for d in decodes], prefill.address
-        if self.rt.config.dispatch.no_healthy_prefill == "decode_only":
-            return [d.address for d in decodes], None
-        raise NoHealthyPrefill(503, "no healthy prefill endpoint; retry later", retry_after_s=1)
-
-    async def _dispatch(
-        self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack, started: float
-    ) -> None:
-        decodes, self.prefill = self._pick(wanted, inflight)
-        self.request_id = str(uuid.uuid4())
-        if self.prefill is None:
-            self.strategy, self.reason = Strategy.DECODE_ONLY, "no_prefill"
-            await self._answer(decode_body(request.parts, None), decodes, started)
-            return
-        cache = self.rt.identities
-        identity = cache.get(self.prefill)
-        mode = self.rt.prefill_mode(self.prefill)
-        self.strategy, self.reason = choose_strategy(
-            mode, identity, cache.serial_only(self.prefill)
-        )
-        transfer_id = f"xfer-{self.request_id}"  # unique per request, one uuid4 fewer
-        p_body = prefill_body(
-            request.parts, request.has_max_completion_tokens, prefill_kv_params(transfer_id)
-        )
-        if self.strategy is Strategy.PARALLEL:
-            assert identity is not None
-            self.given = identity
-            d_body = decode_body(
-                request.parts, identity.decode_params(self.request_id, transfer_id)
+    def _plan(self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack) -> Plan:
+        decodes, prefill = self.deps.pick(wanted, inflight)
+        request_id = str(uuid.uuid4())
+        if prefill is None:
+            choice, identity = (Strategy.DECODE_ONLY, "no_prefill"), None
+        else:
+            identities = self.deps.legs.identities
+            identity = identities.get(prefill)
+            choice = choose_strategy(
+                self.deps.prefill_mode(prefill), identity, identities.serial_only(prefill)
             )
-            # Created before the answer is written: both leave in this event-loop turn.
-            self.leg = self._start_leg(request, p_body)
-            await self._answer(d_body, decodes, started)
-            self.rt.metrics.skew_seconds.observe(abs(time.perf_counter() - self._leg_started))
-            return
-        await self.stream.write(envoy_msgs.extend_timeout(self.rt.config.timeouts.prefill_s + 1))
-        waited = time.perf_counter()
-        self.leg = self._start_leg(request, p_body)
-        result = await self._await_serial_leg()
-        if result is None:
-            return  # the client went away while P computed
-        started += time.perf_counter() - waited
-        params = self._learn(result)
-        await self._answer(decode_body(request.parts, params), decodes, started)
-
-    def _start_leg(self, request: ClientRequest, body: bytes) -> asyncio.Task[PrefillResult]:
-        assert self.prefill is not None
-        self._leg_started = time.perf_counter()
-        self.trace.prefill_started()
-        return asyncio.create_task(
-            self.rt.prefill_client.send(
-                self.prefill,
-                request.api.value,
-                body,
-                self.request_id,
-                self.rt.config.timeouts.prefill_s,
-            )
-        )
-
-    async def _answer(self, body: bytes, decodes: list[str], started: float) -> None:
-        await self.stream.write(envoy_msgs.body_answer(body, decodes, self.request_id))
-        self.trace.decode_started()
-        if self.prefill is not None:
-            self.rt.kv_check.note_dispatch(decodes[0])
-        self.rt.metrics.processing_seconds.observe(time.perf_counter() - started)
-        log.debug(
-            "request %s (client id %r): %s/%s P=%s D=%s",
-            self.request_id,
-            self.client_request_id,
-            self.strategy,
-            self.reason,
-            self.prefill,
-            decodes[0],
-        )
-
-    async def _await_serial_leg(self) -> PrefillResult | None:
-        assert self.leg is not None
-        read = self.stream.next_message()
-        await asyncio.wait({self.leg, read}, return_when=asyncio.FIRST_COMPLETED)
-        if self.leg.done():
-            return self._leg_result()
-        # Envoy sends nothing while it waits for our body answer, so this is the stream's end.
-        self.stream.take()
-        return None
-
-    def _leg_result(self) -> PrefillResult:
-        """The finished P leg's result; on failure drop the identity and raise for the client."""
-        assert self.leg is not None and self.prefill is not None
-        try:
-            result = self.leg.result()
-        except LegError as error:
-            self.trace.prefill_finished(error.label)
-            self.rt.metrics.prefill_seconds.labels(error.label).observe(
-                time.perf_counter() - self._leg_started
-            )
-            self.rt.identities.drop(self.prefill)
-            if isinstance(error, PrefillUnreachable):
-                self.rt.prefill.set_healthy(self.prefill, False)
-            raise
-        self.rt.metrics.prefill_seconds.labels("ok").observe(result.elapsed_s)
-        self.trace.prefill_finished("ok")
-        return result
-
-    def _learn(self, result: PrefillResult) -> dict[str, Any]:
-        """Validate P's params (never forward unchecked values) and refresh the cache."""
-        assert self.prefill is not None
-        try:
-            identity = identity_from_params(result.kv_transfer_params)
-        except ValueError as error:
-            self.rt.identities.drop(self.prefill)
-            raise PrefillFailed(
-                502, f"prefill {self.prefill} sent unusable params: {error}"
-            ) from None
-        self.rt.identities.learn(self.prefill, identity)
-        if self.given is not None and identity != self.given:
-            self.rt.metrics.identity_events.labels(self.prefill, "mismatched").inc()
-            raise IdentityChanged(
-                503, f"prefill {self.prefill} restarted (new engine id); retry", retry_after_s=1
-            )
-        return result.kv_transfer_params  # type: ignore[no-any-return]
+        return plan_dispatch(request, request_id, decodes, prefill, choice, identity)
 
     async def _watch(self) -> None:
         """Until the stream ends: P leg outcome and D's response headers, whichever first."""
         while not self.stream.ended:
-            self._check_parallel_leg()  # P may have finished while the answer was written
+            leg = self.dispatch.watch()  # raises P's failure once known
             read = self.stream.next_message()
-            waiting = {read} if self.given is None else {read, self.leg}
             done, _ = await asyncio.wait(
-                waiting,
-                timeout=self.rt.config.timeouts.request_s,
+                {read} if leg is None else {read, leg},
+                timeout=self.deps.config().timeouts.request_s,
                 return_when=asyncio.FIRST_COMPLETED,
             )
             if not done:
@@ -279,44 +202,14 @@ class RequestProcessor:
             if read.done():
                 await self._on_message(self.stream.take())
 
-    def _check_parallel_leg(self) -> None:
-        """Once the parallel P leg is done: raise its failure or a restart, else learn."""
-        if self.given is None or self.leg is None or not self.leg.done():
-            return
-        self._learn(self._leg_result())  # compares with the identity D was given
-        self.given = None
-
     async def _on_message(self, message: Any) -> None:
-        if message is None:
-            if self.outcome == "cancelled" and self.leg is not None and not self.leg.done():
-                log.info("request %s: stream ended before P answered", self.request_id)
-            return
-        if message.WhichOneof("request") != "response_headers":
+        if message is None or message.WhichOneof("request") != "response_headers":
             return
         status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
-        self.outcome = "ok" if status < 400 else f"decode_{status // 100}xx"
+        self.decode_status = status
         self.trace.decode_answered(status)
-        if status >= 500 and self.prefill is not None:
-            await self._on_decode_error()
-        await self.stream.write(envoy_msgs.continue_response_headers())
-
-    async def _on_decode_error(self) -> None:
-        """D failed. If P restarted under this request, say so (retryable); else cancel P.
-
-        A D given a stale identity fails its NIXL handshake at once, usually before P has
-        answered; P's answer (with its new identity) tells the two cases apart, so it is
-        awaited for a short grace.
-        """
-        assert self.prefill is not None
-        grace = self.rt.config.timeouts.decode_error_grace_s
-        if self.given is not None and self.leg is not None and not self.leg.done():
-            await self.stream.write(envoy_msgs.extend_timeout(grace + 1))
-            await asyncio.wait({self.leg}, timeout=grace)
-        self._check_parallel_leg()  # raises IdentityChanged on a restart
-        self.rt.identities.drop(self.prefill, only_if=self.given)
-        self.given = None
-        if self.leg is not None and not self.leg.done():
-            self.leg.cancel()
+        if await self.dispatch.on_decode_headers(status):
+            await self.stream.write(envoy_msgs.continue_response_headers())
 
 
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash

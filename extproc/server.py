@@ -1,8 +1,11 @@
-"""The ext_proc process: gRPC server (ExternalProcessor), and the metrics/readiness HTTP port.
+"""The ext_proc process: gRPC server (ExternalProcessor), and the metrics/probes HTTP port.
 
 `ExtProcServer.start()` binds both (port 0 picks a free port; the bound ports are attributes
 afterwards); the caller starts the runtime's health checks and probes once Envoy's prefill
 listener exists. `stop(grace)` lets in-flight streams finish for up to `grace` seconds.
+
+HTTP: `/metrics` (Prometheus), `/ready` (200 once serving, 503 while starting or draining;
+engine health in its JSON) and `/live` (200 while the process answers at all).
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from extproc.config import TlsConfig
 from extproc.envoy_config import EXTPROC_SERVICE
 from extproc.processor import RequestProcessor
-from extproc.runtime import Runtime
 from extproc.stream import EnvoyStream
+from extproc.wiring import Runtime
 
-__all__ = ["ExtProcServer"]
+__all__ = ["LIVE_PATH", "READY_PATH", "ExtProcServer"]
 
 log = logging.getLogger("extproc.server")
+
+READY_PATH = "/ready"  # Kubernetes readinessProbe: this process can answer Envoy
+LIVE_PATH = "/live"  # livenessProbe: this process answers at all
 
 # Whole bodies travel in one gRPC message; Python's default 4 MiB would cap prompts.
 _GRPC_OPTIONS = [
@@ -48,7 +54,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: Any, context: aio.ServicerContext) -> None:
         with self.runtime.stream():
-            await RequestProcessor(self.runtime, EnvoyStream(context)).run()
+            await RequestProcessor(self.runtime.request_deps, EnvoyStream(context)).run()
 
 
 def _credentials(tls: TlsConfig) -> grpc.ServerCredentials:
@@ -109,7 +115,8 @@ class ExtProcServer:
     def _http_app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/ready", self._ready)
+        app.router.add_get(READY_PATH, self._ready)
+        app.router.add_get(LIVE_PATH, self._live)
         return app
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -125,7 +132,11 @@ class ExtProcServer:
             content_type="application/json",
         )
 
+    async def _live(self, request: web.Request) -> web.Response:
+        return web.Response(body=b'{"live":true}', content_type="application/json")
+
     async def stop(self, grace_s: float) -> None:
+        self.runtime.draining = True  # /ready turns 503 before anything is refused
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._grpc is not None:  # Envoy's health check sees it first

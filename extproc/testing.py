@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,20 +64,26 @@ def ephemeral_config(prefill: list[Any], decode: list[Any], **extra: Any) -> dic
     return config
 
 
-async def _wait_ready(path: Path, process: asyncio.subprocess.Process, timeout_s: float) -> dict:
+async def _wait_ready(
+    path: Path, process: asyncio.subprocess.Process, timeout_s: float
+) -> dict[str, Any]:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while asyncio.get_running_loop().time() < deadline:
         if process.returncode is not None:
             raise RuntimeError(f"pd-extproc exited with {process.returncode}")
         if await asyncio.to_thread(path.exists):
-            return orjson.loads(await asyncio.to_thread(path.read_bytes))
+            ready: dict[str, Any] = orjson.loads(await asyncio.to_thread(path.read_bytes))
+            return ready
         await asyncio.sleep(0.05)
     raise TimeoutError(f"pd-extproc was not ready within {timeout_s:g} s")
 
 
 @contextlib.asynccontextmanager
 async def running_sidecar(
-    config: dict[str, Any], start_timeout_s: float = 60.0, log_level: str = "INFO"
+    config: dict[str, Any],
+    start_timeout_s: float = 60.0,
+    log_level: str = "INFO",
+    env: Mapping[str, str] | None = None,  # over this process's environment
 ) -> AsyncIterator[SidecarHandle]:
     with tempfile.TemporaryDirectory(prefix="pd-extproc-test-") as tmp:
         config_path, ready = Path(tmp) / "config.yaml", Path(tmp) / "ready.json"
@@ -96,6 +103,7 @@ async def running_sidecar(
                 str(ready),
                 stdout=log,
                 stderr=log,
+                env={**os.environ, **(env or {})},
                 start_new_session=True,
             )
         try:

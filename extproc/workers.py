@@ -41,7 +41,8 @@ async def _ready_info(path: Path) -> dict[str, Any]:
         if await asyncio.to_thread(path.exists):
             break
         await asyncio.sleep(0.05)
-    return orjson.loads(await asyncio.to_thread(path.read_bytes))
+    ready: dict[str, Any] = orjson.loads(await asyncio.to_thread(path.read_bytes))
+    return ready
 
 
 class WorkerProcesses:

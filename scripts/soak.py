@@ -29,7 +29,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar
-from vllmsim.testing import EngineHandle, running_engine
+from vllmsim.launcher import EngineHandle, running_engine
 
 LEASE_S = 5
 PREFILL = f'{{"kv_connector":"NixlPushConnector","kv_role":"kv_producer",' \

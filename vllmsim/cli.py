@@ -1,8 +1,9 @@
 """`vllmsim`: start one simulated vLLM 0.33 engine.
 
 Flags follow `vllm serve` where they mean the same thing (--host, --port, --model,
---served-model-name, --kv-transfer-config, --tokenizer; VLLM_NIXL_SIDE_CHANNEL_HOST /
-VLLM_NIXL_SIDE_CHANNEL_PORT). Cost-model and fault flags are the simulator's own.
+--served-model-name, --kv-transfer-config, --tokenizer, --api-key; VLLM_API_KEY,
+VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT). Cost-model and fault flags are the
+simulator's own.
 
 Deviation from vLLM, by design: a push decode request missing a required
 kv_transfer_params key (remote_engine_id, remote_host, remote_port, tp_size,
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 = ephemeral")
     p.add_argument("--kv-transfer-config", help="JSON, as for vllm serve")
     p.add_argument("--tokenizer", help="local HF tokenizer folder, for exact token counts")
+    p.add_argument("--api-key", nargs="+", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (one of these keys) on the API; "
+                        "default: $VLLM_API_KEY")  # fmt: skip
     p.add_argument("--port-file", help="write {port, side_channel_port, engine_id, pid} here")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     cost = p.add_argument_group("cost model (defaults: 8B model on one H100)")
@@ -91,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--hang-next", type=int, default=0, help="accept N requests, never answer")
     faults.add_argument("--latency-ms", type=float, default=0.0, help="delay before each answer")
     faults.add_argument("--drop-registrations", action="store_true", help="P ignores PUSH_REG")
+    faults.add_argument("--kv-block-offset", type=int, default=0,
+                        help="KV this engine sends goes from/to block ids shifted by N")
+    faults.add_argument("--kv-truncate-blocks", type=int, default=0,
+                        help="KV transfers this engine serves leave out their last N blocks")
     return p
 
 
@@ -105,12 +113,14 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
     if cost.max_num_batched_tokens < 1 or cost.num_gpu_blocks < 1 or cost.kv_bandwidth_gbps <= 0:
         raise ConfigError("cost model values must be positive")
     faults = Faults(args.fail_next, args.fail_status, args.hang_next, args.latency_ms,
-                    args.drop_registrations)  # fmt: skip
+                    args.drop_registrations, kv_block_offset=args.kv_block_offset,
+                    kv_truncate_blocks=args.kv_truncate_blocks)  # fmt: skip
     if args.tokenizer and not Path(args.tokenizer).exists():
         raise ConfigError(f"--tokenizer {args.tokenizer}: no such file or directory")
+    keys = tuple(k for k in (args.api_key or [env.get("VLLM_API_KEY", "")]) if k)
     return SimConfig(args.host, args.port, names, kv,
                      env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"), side_port,
-                     args.tokenizer, args.port_file, cost, faults)  # fmt: skip
+                     args.tokenizer, args.port_file, cost, faults, keys)  # fmt: skip
 
 
 def write_port_file(path: str, info: dict[str, Any]) -> None:

@@ -46,6 +46,10 @@ class Faults:
     latency_ms: float = 0.0
     drop_registrations: bool = False
     refuse_connections: bool = False
+    # Deliberately broken KV transfers served by this engine (P): the block ids are shifted
+    # by `kv_block_offset`, and the last `kv_truncate_blocks` blocks are not sent.
+    kv_block_offset: int = 0
+    kv_truncate_blocks: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -55,6 +59,8 @@ class Faults:
             "latency_ms": self.latency_ms,
             "drop_registrations": self.drop_registrations,
             "refuse_connections": self.refuse_connections,
+            "kv_block_offset": self.kv_block_offset,
+            "kv_truncate_blocks": self.kv_truncate_blocks,
         }
 
 
@@ -85,3 +91,4 @@ class SimConfig:
     port_file: str | None = None
     cost: CostModel = field(default_factory=CostModel)
     faults: Faults = field(default_factory=Faults)
+    api_keys: tuple[str, ...] = ()  # --api-key / VLLM_API_KEY: bearer tokens the API requires

@@ -7,6 +7,11 @@ Request life cycle (vLLM v1 names):
   WAITING --(blocks allocated)--> RUNNING --(last token)--> FINISHED
   WAITING --(blocks allocated, remote KV)--> WAITING_FOR_REMOTE_KVS --(KV in)--> RUNNING
 A remote-prefilled request decodes its first token in the step after its KV arrives.
+
+KV content (kv_content.py): a local prefill fills the prompt blocks; a connector writes
+what a transfer brings into the pool before calling `kv_ready`. The first token reads the
+prompt blocks: every output token derives from what they hold, and the request's KV label
+from where it came from.
 """
 
 from __future__ import annotations
@@ -23,6 +28,14 @@ from typing import Any, Protocol
 from vllmsim.config import CostModel
 from vllmsim.cost_model import blocks_for, step_seconds
 from vllmsim.kv_cache import BlockPool
+from vllmsim.kv_content import (
+    LOCAL,
+    BlockContent,
+    Evidence,
+    context_seed,
+    fingerprints,
+    num_prompt_blocks,
+)
 from vllmsim.metrics import Metrics
 from vllmsim.tokens import output_token
 
@@ -66,12 +79,15 @@ class ErrorEvent:
 Event = TokenEvent | FinishEvent | ErrorEvent
 
 
+# How a request names KV its own engine computed, by how it met the connector.
+_COMPUTED_HERE = {KVMode.LOCAL: "local", KVMode.PREFILL: "prefill"}
+
+
 @dataclass(eq=False)
 class SimRequest:
     internal_id: str
-    prompt_tokens: int
+    prompt_ids: list[int]
     max_tokens: int
-    seed: bytes
     mode: KVMode = KVMode.LOCAL
     remote: dict[str, Any] | None = None  # kv_transfer_params as received
     state: State = State.WAITING
@@ -79,9 +95,19 @@ class SimRequest:
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_output: int = 0
-    kv_label: str | None = None  # push-parallel | push-serial | pull | ...
+    context: bytes = b""  # what the prompt blocks held when decoding started
+    kv_label: str | None = None  # local | prefill | recompute | pull | push-parallel | ...
+    kv_evidence: dict[str, Any] | None = None  # Evidence.as_dict() of the prompt blocks
     fetch_stage: str | None = None  # waiting_to_start | in_progress | completed_waiting
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_prompt_blocks(self) -> int:
+        return num_prompt_blocks(self.prompt_tokens)
 
     @property
     def prefill_left(self) -> int:
@@ -108,8 +134,9 @@ class _Batch:
 
 
 class Engine:
-    def __init__(self, cost: CostModel, metrics: Metrics) -> None:
+    def __init__(self, cost: CostModel, metrics: Metrics, engine_id: str) -> None:
         self.cost = cost
+        self.engine_id = engine_id
         self.metrics = metrics
         self.pool = BlockPool(cost.num_gpu_blocks)
         self.connector: KVConnector | None = None
@@ -149,12 +176,11 @@ class Engine:
         return len(self.waiting) + len(self.remote_wait)
 
     # -- API used by connectors ------------------------------------------------------
-    def kv_ready(self, req: SimRequest, label: str) -> None:
-        """Remote KV has landed; decode from the next step."""
+    def kv_ready(self, req: SimRequest) -> None:
+        """The transfer for `req` is done; decode from the next step."""
         if req not in self.remote_wait:
             return
         self.remote_wait.discard(req)
-        req.kv_label = label
         req.fetch_stage = "completed_waiting"
         req.num_computed = req.prompt_tokens
         req.state = State.RUNNING
@@ -171,7 +197,7 @@ class Engine:
         self.remote_wait.discard(req)
         self.metrics.lbl(self.metrics.nixl_failed_transfers).inc()
         if recompute:
-            req.mode, req.kv_label, req.fetch_stage = KVMode.RECOMPUTE, "recompute", None
+            req.mode, req.fetch_stage = KVMode.RECOMPUTE, None
             req.state = State.RUNNING
             self.running.append(req)
         else:
@@ -237,6 +263,7 @@ class Engine:
             req.num_computed += chunk
             self.metrics.lbl(self.metrics.prompt_tokens).inc(chunk)
             if req.prefill_left == 0:
+                self._compute_kv(req)
                 self.metrics.lbl(self.metrics.prompt_by_source, source="local_compute").inc(
                     req.prompt_tokens
                 )
@@ -245,11 +272,27 @@ class Engine:
         for req in done:
             self._emit_token(req)
 
+    def _compute_kv(self, req: SimRequest) -> None:
+        """A local prefill: the prompt blocks get the prompt's fingerprint chain."""
+        chain = fingerprints(req.prompt_ids)
+        self.pool.write(req.blocks, [BlockContent(fp, LOCAL, self.engine_id) for fp in chain])
+
+    def _read_kv(self, req: SimRequest) -> None:
+        """Decoding starts: read the prompt blocks, whatever they hold and wherever it came
+        from. The output follows the content; the label follows the evidence."""
+        held = self.pool.read(req.blocks[: req.num_prompt_blocks])
+        req.context = context_seed(held)
+        evidence = Evidence.of(held)
+        req.kv_label = evidence.label(_COMPUTED_HERE.get(req.mode, "recompute"))
+        req.kv_evidence = evidence.as_dict()
+
     def _emit_token(self, req: SimRequest) -> None:
         if req.num_output == 0:
             self.metrics.lbl(self.metrics.ttft).observe(time.monotonic() - req.arrival)
             req.fetch_stage = None
-        req.events.put_nowait(TokenEvent(req.num_output, output_token(req.seed, req.num_output)))
+            self._read_kv(req)
+        token = output_token(req.context, req.num_output)
+        req.events.put_nowait(TokenEvent(req.num_output, token))
         req.num_output += 1
         self.metrics.lbl(self.metrics.generation_tokens).inc()
         if req.num_output >= req.max_tokens:

@@ -1,5 +1,5 @@
 """Fault injection (fail N, hang N, latency, drop registrations, refuse connections,
-restart) and the /sim/* admin routes that flip it at run time."""
+broken KV transfers, restart) and the /sim/* admin routes that flip it at run time."""
 
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ async def post_faults(request: web.Request) -> web.Response:
         faults.latency_ms = float(body["latency_ms"])
     if "drop_registrations" in body:
         faults.drop_registrations = bool(body["drop_registrations"])
+    for key in ("kv_block_offset", "kv_truncate_blocks"):
+        if key in body:
+            setattr(faults, key, int(body[key]))
     if "refuse_connections" in body:
         await sim.set_refuse(bool(body["refuse_connections"]), body.get("refuse_for_s"))
     return _json(faults.as_dict())

@@ -1,6 +1,8 @@
 """aiohttp routes of the OpenAI-compatible API, driving the engine of the current generation.
 
-Every completion request leaves one record in `SimServer.records` (see GET /sim/requests).
+Every completion request leaves one record in `SimServer.records` (see GET /sim/requests), and
+so does every request no route matched (outcome "unrouted"): a proxy in front must never let a
+request through to a path it did not mean to, and tests see such a request here.
 """
 
 from __future__ import annotations
@@ -8,22 +10,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from vllmsim import shapes
-from vllmsim.engine import ErrorEvent, Event, FinishEvent, KVMode, SimRequest, TokenEvent
+from vllmsim.engine import ErrorEvent, Event, FinishEvent, SimRequest, TokenEvent
 from vllmsim.faults import apply_request_faults
 from vllmsim.metrics import FETCH_STAGES
-from vllmsim.requests import ApiError, ParsedRequest, base_request_id, parse
+from vllmsim.requests import ApiError, ParsedRequest, base_request_id, invalid_json, parse
 from vllmsim.server import SIM_KEY, SimServer
 
 log = logging.getLogger(__name__)
-
-_MODE_LABEL = {KVMode.LOCAL: "local", KVMode.PREFILL: "prefill", KVMode.RECOMPUTE: "recompute"}
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -49,8 +49,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         "x_request_id": request.headers.get("X-Request-Id"), "internal_id": None,
         "path": request.path, "received_at": time.time(), "body": None,
         "headers": {k.lower(): v for k, v in request.headers.items()},
-        "status": None, "outcome": "running", "kv": None, "first_token_at": None,
-        "body_bytes": None,
+        "status": None, "outcome": "running", "kv": None, "kv_evidence": None,
+        "first_token_at": None, "body_bytes": None,
     }  # fmt: skip
     sim.records.append(rec)
     try:
@@ -72,21 +72,22 @@ async def _serve(
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        # vLLM answers FastAPI's validation error here, with its own error type.
-        return error_response(400, "1 validation error: JSON decode error", "body",
-                              "Bad Request")
+        error = invalid_json(raw)
+        return error_response(error.status, error.message, error.param, error.kind)
     rec["body"] = body
     if (fault := await apply_request_faults(sim.faults)) is not None:
         return error_response(fault, "Simulated failure (vllmsim fault injection)")
     try:
         parsed = parse(sim.cfg, sim.tokens, body, chat)
     except ApiError as exc:
-        return error_response(exc.status, exc.message, exc.param)
+        if exc.in_stream and isinstance(body, dict) and body.get("stream") is True:
+            return await _stream_error(request, exc, rec)
+        return error_response(exc.status, exc.message, exc.param, exc.kind)
     external, internal = shapes.request_ids(base_request_id(request.headers, body), chat)
     rec["internal_id"] = internal
     engine = sim.current.engine
-    req = SimRequest(internal, parsed.prompt_tokens, parsed.max_tokens, parsed.seed,
-                     mode=parsed.mode, remote=parsed.kv_params)  # fmt: skip
+    req = SimRequest(internal, parsed.prompt_ids, parsed.max_tokens, mode=parsed.mode,
+                     remote=parsed.kv_params)  # fmt: skip
     engine.submit(req)
     try:
         if parsed.stream:
@@ -94,7 +95,7 @@ async def _serve(
         return await _complete(request, req, parsed, external, rec)
     finally:
         engine.abort(req)  # no-op once finished; frees blocks on disconnect
-        rec["kv"] = req.kv_label or _MODE_LABEL.get(req.mode)
+        rec["kv"], rec["kv_evidence"] = req.kv_label, req.kv_evidence
 
 
 async def _events(req: SimRequest, rec: dict[str, Any]) -> AsyncIterator[Event]:
@@ -143,7 +144,7 @@ async def _stream(request: web.Request, req: SimRequest, parsed: ParsedRequest,
             if event.reset:
                 _reset(request, rec)
             rec["outcome"] = "error"
-            await resp.write(shapes.sse(shapes.error_body(event.message, event.status)))
+            await resp.write(shapes.sse_error(event.message, event.status))
             break
         if isinstance(event, TokenEvent):
             if pending is not None:  # hold one token back: the last one carries finish_reason
@@ -162,6 +163,18 @@ async def _stream(request: web.Request, req: SimRequest, parsed: ParsedRequest,
     return resp
 
 
+async def _stream_error(request: web.Request, exc: ApiError,
+                        rec: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+    """A stream that fails before its first token: 200, the error event, [DONE]."""
+    rec["outcome"] = "error"
+    resp = web.StreamResponse(headers={"Content-Type": shapes.SSE_CONTENT_TYPE})
+    await resp.prepare(request)
+    await resp.write(shapes.sse_error(exc.message, exc.status))
+    await resp.write(shapes.DONE)
+    await resp.write_eof()
+    return resp
+
+
 def _chunk(parsed: ParsedRequest, rid: str, created: int, text: str,
            finish: FinishEvent | None) -> bytes:  # fmt: skip
     reason = finish.finish_reason if finish else None
@@ -173,6 +186,30 @@ def _chunk(parsed: ParsedRequest, rid: str, created: int, text: str,
                                             last=last))  # fmt: skip
     return shapes.sse(shapes.completion_chunk(rid, created, parsed.model, text, reason, params,
                                               last=last))  # fmt: skip
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def record_unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Record a request no route matched (404/405) with its raw path and body, then refuse it."""
+    refusal = request.match_info.http_exception
+    if refusal is None or request.method == "OPTIONS":  # vLLM's CORS layer answers preflights
+        return await handler(request)
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = raw.decode(errors="replace")
+    request.app[SIM_KEY].records.append({
+        "x_request_id": request.headers.get("X-Request-Id"), "internal_id": None,
+        "method": request.method, "path": request.raw_path, "received_at": time.time(),
+        "body": body, "headers": {k.lower(): v for k, v in request.headers.items()},
+        "status": refusal.status, "outcome": "unrouted", "kv": None, "kv_evidence": None,
+        "first_token_at": None, "body_bytes": len(raw),
+    })  # fmt: skip
+    raise refusal
 
 
 # -- small endpoints ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""KV block pool (16-token blocks) and the P-side lease table.
+"""KV block pool (16-token blocks, each with its content) and the P-side lease table.
 
-The pool hands out block ids; a lease keeps a finished prefill's blocks alive for the
+The pool hands out block ids and keeps what each allocated block holds (kv_content.py); a
+freed block forgets its content. A lease keeps a finished prefill's blocks alive for the
 decode side until the transfer finishes or `kv_lease_duration` passes.
 """
 
@@ -12,20 +13,19 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vllmsim.kv_content import BlockContent
+
 
 class BlockPool:
     def __init__(self, total: int) -> None:
         self.total = total
         # Block 0 is vLLM's null block, so real ids start at 1.
         self._free: deque[int] = deque(range(1, total + 1))
+        self._content: dict[int, BlockContent] = {}
 
     @property
     def used(self) -> int:
         return self.total - len(self._free)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
 
     def usage(self) -> float:
         return self.used / self.total if self.total else 0.0
@@ -33,10 +33,27 @@ class BlockPool:
     def allocate(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        return [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.popleft() for _ in range(n)]
+        self._forget(blocks)  # a transfer may have written into a block nobody held
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(blocks)
+        self._forget(blocks)
+
+    def write(self, block_ids: list[int], contents: list[BlockContent]) -> None:
+        """Store contents by position; ids outside the pool are ignored."""
+        for block_id, content in zip(block_ids, contents, strict=False):
+            if 1 <= block_id <= self.total:
+                self._content[block_id] = content
+
+    def read(self, block_ids: list[int]) -> list[BlockContent | None]:
+        """What the blocks hold; None for a block nothing wrote (or an id outside the pool)."""
+        return [self._content.get(block_id) for block_id in block_ids]
+
+    def _forget(self, blocks: list[int]) -> None:
+        for block_id in blocks:
+            self._content.pop(block_id, None)
 
 
 @dataclass(eq=False)

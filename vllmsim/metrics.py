@@ -7,6 +7,7 @@ A simulated restart builds a fresh `Metrics`, which resets every counter and mov
 from __future__ import annotations
 
 import time
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,7 +18,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-disable_created_metrics()  # vLLM does the same: no *_created series
+disable_created_metrics()  # type: ignore[no-untyped-call]  # vLLM has no *_created series either
+
+_Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
 
 # vLLM's TTFT buckets (v1/metrics/loggers.py).
 _TTFT_BUCKETS = (
@@ -93,7 +96,7 @@ class Metrics:
         for stage in FETCH_STAGES:
             self.fetch_by_stage.labels(**self._labels, stage=stage)
 
-    def lbl(self, metric: Counter | Gauge | Histogram, **extra: str) -> Counter | Gauge | Histogram:
+    def lbl(self, metric: _Metric, **extra: str) -> _Metric:
         return metric.labels(**self._labels, **extra)
 
     def render(self) -> bytes:

@@ -6,6 +6,7 @@ from `kv_transfer_params` and this engine's connector exactly as vLLM 0.33 does.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -14,30 +15,44 @@ from typing import Any
 from vllmsim.config import SimConfig
 from vllmsim.engine import KVMode
 from vllmsim.nixl.params import PULL_REQUIRED, PUSH_REQUIRED, missing_keys
-from vllmsim.tokens import TokenCounter, chat_prompt_text, prompt_seed
+from vllmsim.tokens import TokenCounter, chat_prompt_text
 
 log = logging.getLogger(__name__)
 
 
+# vLLM's message when its EngineCore process has died (EngineDeadError).
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    """An error answer. `kind` overrides the type derived from the status; `in_stream` marks an
+    error vLLM meets while generating, which a streamed request gets after its 200 as an error
+    event (validation errors come before the stream and keep their status)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str | None = None, in_stream: bool = False) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.kind = kind
+        self.in_stream = in_stream
 
 
 @dataclass
 class ParsedRequest:
     chat: bool
     model: str
-    prompt_tokens: int
+    prompt_ids: list[int]
     max_tokens: int
     stream: bool
     include_usage: bool
-    seed: bytes
     mode: KVMode
     kv_params: dict[str, Any] | None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 def base_request_id(headers: Any, body: dict[str, Any]) -> str:
@@ -59,20 +74,20 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _prompt(body: dict[str, Any], chat: bool, tokens: TokenCounter) -> tuple[int, object]:
-    """(token count, the thing that seeds the output)."""
+def _prompt(body: dict[str, Any], chat: bool, tokens: TokenCounter) -> list[int]:
+    """The prompt's token ids (their count is usage.prompt_tokens; they fill the KV)."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages: Field required")
-        return tokens.count(chat_prompt_text(messages)), messages
+        return tokens.encode(chat_prompt_text(messages))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tokens.count(prompt), prompt
+        return tokens.encode(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt), prompt  # token ids count exactly
+        return prompt  # token ids count exactly
     if prompt is None:
         raise ApiError(400, "prompt: Field required")
     raise ApiError(400, "prompt must be a string, a list of token ids, or a one-element list")
@@ -100,7 +115,7 @@ def _max_tokens(body: dict[str, Any], chat: bool, prompt_tokens: int, max_len: i
 
 
 def kv_mode(cfg: SimConfig, params: Any) -> KVMode:
-    """How this request meets the KV connector (spec §3)."""
+    """How this request meets the KV connector (which `KVMode`)."""
     if cfg.kv is None or not isinstance(params, dict):
         return KVMode.LOCAL  # no connector: kv_transfer_params are ignored
     if params.get("do_remote_decode"):
@@ -109,10 +124,10 @@ def kv_mode(cfg: SimConfig, params: Any) -> KVMode:
         return KVMode.LOCAL
     if cfg.kv.transfer_mode == "push":
         if missing := missing_keys(params, PUSH_REQUIRED):
-            # vLLM 0.33 raises KeyError in the scheduler and its EngineCore dies; the
-            # simulator stays up and fails only this request.
+            # vLLM raises KeyError in the scheduler and its EngineCore dies (the request gets
+            # vLLM's engine-dead error); the simulator stays up and fails only this request.
             log.error("push kv_transfer_params missing %s: real vLLM would crash here", missing)
-            raise ApiError(500, "Internal server error")
+            raise ApiError(500, ENGINE_DEAD, in_stream=True)
         return KVMode.PUSH
     if missing := missing_keys(params, PULL_REQUIRED):
         log.warning("Got invalid KVTransferParams (missing %s); recomputing locally", missing)
@@ -120,16 +135,52 @@ def kv_mode(cfg: SimConfig, params: Any) -> KVMode:
     return KVMode.PULL
 
 
+def _summarised(value: Any) -> str:
+    """How vLLM shows the offending input in a validation error: containers by their size."""
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return value if isinstance(value, str) else str(value)
+
+
+def validation_error(kind: str, loc: str, msg: str, value: Any,
+                     ctx: dict[str, Any] | None = None) -> ApiError:  # fmt: skip
+    """A request-model validation error worded as vLLM words pydantic's (400, "Bad Request")."""
+    detail: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": _summarised(value)}
+    if ctx is not None:
+        detail["ctx"] = ctx
+    return ApiError(400, f"1 validation error:\n  {detail!r}", loc, "Bad Request")
+
+
+def invalid_json(raw: bytes) -> ApiError:
+    """FastAPI's JSON decode error: where and why Python's json parser stopped."""
+    try:
+        json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return validation_error("json_invalid", f"body.{exc.pos}", "JSON decode error", {},
+                                {"error": exc.msg})  # fmt: skip
+    except ValueError:  # not UTF-8/16/32 at all
+        pass
+    return validation_error("json_invalid", "body", "JSON decode error", {})
+
+
+def _check_kv_params_type(params: Any) -> None:
+    """vLLM's request model types kv_transfer_params as an object."""
+    if params is not None and not isinstance(params, dict):
+        raise validation_error("dict_type", "body.kv_transfer_params",
+                               "Input should be a valid dictionary", params)
+
+
 def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object")
+    _check_kv_params_type(body.get("kv_transfer_params"))
     model = body.get("model") or cfg.served_model_names[0]
     if model not in cfg.served_model_names:
         aliases = ", ".join(cfg.served_model_names)
         raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {aliases}.",
                        "model")
-    count, seed_src = _prompt(body, chat, tokens)
-    max_tokens = _max_tokens(body, chat, count, cfg.cost.max_model_len)
+    prompt_ids = _prompt(body, chat, tokens)
+    max_tokens = _max_tokens(body, chat, len(prompt_ids), cfg.cost.max_model_len)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream: Input should be a valid boolean")
@@ -137,7 +188,7 @@ def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> Parsed
     if opts and not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.")
     params = body.get("kv_transfer_params")
-    return ParsedRequest(chat, str(model), count, max_tokens, stream,
+    return ParsedRequest(chat, str(model), prompt_ids, max_tokens, stream,
                          bool(isinstance(opts, dict) and opts.get("include_usage")),
-                         prompt_seed(seed_src), kv_mode(cfg, params),
+                         kv_mode(cfg, params),
                          params if isinstance(params, dict) else None)  # fmt: skip

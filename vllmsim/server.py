@@ -102,7 +102,7 @@ class SimServer:
         engine_id = (kv.engine_id if kv and kv.engine_id else None) or str(uuid.uuid4())
         start = time.time()
         metrics = Metrics(self.model, start)
-        engine = Engine(self.cfg.cost, metrics)
+        engine = Engine(self.cfg.cost, metrics, engine_id)
         connector: ConnectorBase | None = None
         if kv is not None:
             ident = Identity(engine_id, self.cfg.side_channel_host, self.side.port)
@@ -126,7 +126,7 @@ class SimServer:
         self._site = web.TCPSite(self._runner, self.cfg.host, port, reuse_address=True)
         await self._site.start()
         server = self._site._server  # aiohttp exposes no public accessor for the socket
-        assert server is not None and server.sockets
+        assert isinstance(server, asyncio.Server) and server.sockets
         self.http_port = int(server.sockets[0].getsockname()[1])
 
     async def set_refuse(self, refuse: bool, for_s: float | None = None) -> None:

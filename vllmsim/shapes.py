@@ -9,6 +9,7 @@ against real vLLM 0.32 by tests/real_vllm/test_contract.py.
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
@@ -28,12 +29,18 @@ def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def sse_error(message: str, status: int) -> bytes:
+    """An in-stream error event. vLLM writes it with json.dumps, spaces after separators
+    (its other events are compact)."""
+    return b"data: " + json.dumps(error_body(message, status)).encode() + b"\n\n"
+
+
 def random_suffix() -> str:
     return secrets.token_hex(4)  # 8 hex chars, like f"{random_uuid():.8}"
 
 
 def request_ids(base: str, chat: bool) -> tuple[str, str]:
-    """(external id, engine-internal id) for one request, per vLLM 0.33 (spec §2)."""
+    """(external id, engine-internal id) for one request, as vLLM 0.33 forms them."""
     if chat:
         external = f"chatcmpl-{base}"
         return external, f"{external}-{random_suffix()}"

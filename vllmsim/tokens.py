@@ -6,8 +6,9 @@ serve`` generated. Without it the count is an approximation: one BOS token plus 
 token per word or punctuation mark, with words longer than 6 characters counted as
 one token per started 6 characters. Token-id prompts are always counted exactly.
 
-Output tokens are drawn from a fixed word list by hashing (prompt, token index), so a
-disaggregated answer is byte-identical to an aggregated one for the same prompt.
+Output tokens are drawn from a fixed word list by hashing (what the prompt's KV blocks
+hold, token index): see kv_content.py. A disaggregated answer is byte-identical to an
+aggregated one only when the KV that reached the decode engine is right.
 """
 
 from __future__ import annotations
@@ -39,10 +40,6 @@ class TokenCounter:
             path = Path(tokenizer_dir)
             self._tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
 
-    @property
-    def exact(self) -> bool:
-        return self._tok is not None
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._tok is not None:
             return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -62,14 +59,9 @@ class TokenCounter:
         return len(self.encode(text))
 
 
-def prompt_seed(prompt: object) -> bytes:
-    """A stable fingerprint of the prompt that drives the output text."""
-    return hashlib.sha256(repr(prompt).encode()).digest()
-
-
-def output_token(seed: bytes, index: int) -> str:
-    """The text of output token `index` for a prompt with this seed."""
-    digest = hashlib.blake2b(seed + index.to_bytes(4, "big"), digest_size=4).digest()
+def output_token(context: bytes, index: int) -> str:
+    """The text of output token `index` after a prompt whose KV reads as `context`."""
+    digest = hashlib.blake2b(context + index.to_bytes(4, "big"), digest_size=4).digest()
     return " " + _WORDS[int.from_bytes(digest, "big") % len(_WORDS)]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import ipaddress
+import json
 import re
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ from tests.deploy.helpers import ROOT, envoy_validate
 COMPOSE = ROOT / "docker-compose.yml"
 DEPLOY = ROOT / "deploy"
 CONFIG = DEPLOY / "pd-extproc.yaml"
-ENVOY = DEPLOY / "envoy.yaml"
+ENVOY = ROOT / "envoy" / "compose-bootstrap.yaml"
 PREFILL_LISTENER = "127.0.0.1:10001"
 RENDER = ["render-envoy", "--config", str(CONFIG), "--prefill-listener", PREFILL_LISTENER]
 ENGINE_PORT = 8000
@@ -46,8 +47,7 @@ def rendered(argv: list[str]) -> str:
 def test_envoy_bootstrap_is_rendered_from_the_config() -> None:
     expected = rendered(RENDER)
     assert ENVOY.read_text() == expected, (
-        "deploy/envoy.yaml is stale; regenerate it with:\n"
-        f"  pd-extproc {' '.join(RENDER).replace(str(ROOT) + '/', '')} > deploy/envoy.yaml"
+        "envoy/compose-bootstrap.yaml is stale; regenerate it with: python envoy/regenerate.py"
     )
 
 
@@ -99,8 +99,9 @@ def test_sidecar_shares_envoys_network_namespace() -> None:
     sidecar = compose()["services"]["pd-extproc"]
     assert sidecar["network_mode"] == "service:envoy"
     assert sidecar["command"][:2] == ["pd-extproc", "serve"]
-    assert sidecar["command"][-2:] == ["--prefill-listener", PREFILL_LISTENER]
     cfg = load_config(CONFIG)
+    assert "--prefill-listener" not in sidecar["command"]  # the config's, as render-envoy's
+    assert cfg.envoy.shared_prefill_listener() == PREFILL_LISTENER
     assert cfg.extproc.host == "127.0.0.1"  # only Envoy, in the same namespace, reaches it
 
 
@@ -111,8 +112,8 @@ def test_envoy_image_matches_the_tested_envoy() -> None:
     ).stdout  # fmt: skip
     major_minor = re.search(r"/(\d+\.\d+)\.\d+/", version)
     assert major_minor, version
-    image = compose()["services"]["envoy"]["image"]
-    assert image == f"envoyproxy/envoy:v{major_minor.group(1)}-latest"
+    image = compose()["services"]["envoy"]["image"]  # ${ENVOY_IMAGE:-default}
+    assert image == f"${{ENVOY_IMAGE:-envoyproxy/envoy:v{major_minor.group(1)}-latest}}"
 
 
 def test_mounted_files_exist() -> None:
@@ -153,12 +154,15 @@ def test_grafana_provisioning_points_at_the_dashboard() -> None:
 
 def test_dockerfile_runs_as_non_root_from_python_slim() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\s*$", text, re.M)
+    assert re.search(r"^ARG BASE=python:3\.11-slim\s*$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE\}\s*$", text, re.M)
     user = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert user and user[-1].split(":")[0] not in {"root", "0"}
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     for source in re.findall(r"^COPY\s+(.+?)\s+\S+\s*$", text, re.M):
         for item in source.split():
+            if item == "wheelhous[e]":  # optional: pre-built wheels for an offline build
+                continue
             assert (ROOT / item).exists() and item not in ignored, item
 
 
@@ -184,3 +188,15 @@ def test_docker_compose_config_accepts_the_file() -> None:
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_decode_ttft_panel_says_it_is_not_the_clients_ttft() -> None:
+    """The engines' TTFT metric starts when D gets its request: in serial dispatch that is
+    after the prefill, so a panel of it must not pass for the client's TTFT."""
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pd-extproc.json").read_text())
+    metric = "vllm:time_to_first_token_seconds"
+    panels = [p for p in dashboard["panels"] if any(metric in t["expr"] for t in p["targets"])]
+    assert panels
+    for panel in panels:
+        assert panel["title"].startswith("Decode engine TTFT"), panel["title"]
+        assert "not the client's" in panel["title"] and "serial" in panel["description"]

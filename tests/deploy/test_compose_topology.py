@@ -17,7 +17,7 @@ import yaml
 
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar
 from tests.deploy.promql import Query, dashboard_queries
-from vllmsim.testing import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pd-extproc.json"

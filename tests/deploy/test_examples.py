@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from extproc.bodies import buffer_bytes
 from extproc.config import Config, load_config
 from extproc.envoy_msgs import DESTINATION_HEADER
 from tests.deploy.helpers import (
@@ -26,12 +27,13 @@ from tests.deploy.helpers import (
 )
 
 EXAMPLES = ROOT / "examples"
+GOLDEN = ROOT / "envoy"
 K8S_VERSION = "1.30.0"
-CORE_KINDS = {"ConfigMap", "Deployment", "Service"}
+CORE_KINDS = {"ConfigMap", "Deployment", "NetworkPolicy", "Service"}
 
 
 def regenerate() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("regenerate", EXAMPLES / "regenerate.py")
+    spec = importlib.util.spec_from_file_location("regenerate", GOLDEN / "regenerate.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -48,18 +50,22 @@ def test_generated_files_are_current() -> None:
         for path, text in regenerate().expected().items()
         if not path.exists() or path.read_text() != text
     ]
-    assert not stale, f"stale (run: python examples/regenerate.py): {stale}"
+    assert not stale, f"stale (run: python envoy/regenerate.py): {stale}"
 
 
 @pytest.mark.parametrize(
-    "path", ["plain-envoy/envoy.yaml", "kubernetes/envoy.yaml", "envoy-gateway/prefill-envoy.yaml"]
-)
+    "path",
+    ["envoy/bootstrap.yaml", "examples/kubernetes/envoy.yaml",
+     "examples/envoy-gateway/prefill-envoy.yaml"],
+)  # fmt: skip
 def test_envoy_bootstraps_validate(path: str) -> None:
-    envoy_validate(EXAMPLES / path)
+    envoy_validate(ROOT / path)
 
 
-def _hcm_listener(name: str, port: int, filters: list[Any], vhosts: list[Any]) -> dict:
+def _hcm_listener(name: str, port: int, filters: list[Any], vhosts: list[Any],
+                  **merged: Any) -> dict:  # fmt: skip
     hcm = {
+        **merged,
         "@type": "type.googleapis.com/envoy.extensions.filters.network."
         "http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": name,
@@ -80,24 +86,27 @@ def _bootstrap(listeners: list[Any], clusters: list[Any]) -> dict[str, Any]:
 
 
 def test_snippet_pasted_into_an_existing_envoy_validates(tmp_path: Path) -> None:
-    snippet = yaml.safe_load((EXAMPLES / "plain-envoy" / "snippet.yaml").read_text())
-    assert set(snippet) == {"http_filters", "clusters", "listeners"}
+    snippet = yaml.safe_load((GOLDEN / "snippet.yaml").read_text())
+    assert set(snippet) == {"http_connection_manager", "http_filters", "routes",
+                            "every_other_route", "clusters", "listeners"}  # fmt: skip
     assert [c["name"] for c in snippet["clusters"]] == ["pd_extproc", "decode_pool", "prefill_pool"]
     assert [f["name"] for f in snippet["http_filters"]] == ["envoy.filters.http.ext_proc"]
-    # the user's own listener and routes, with the LLM routes sent to decode_pool
-    llm = {"prefix": "/v1/", "route": {"cluster": "decode_pool", "timeout": "0s"}}
-    vhost = {"name": "mine", "domains": ["*"], "routes": [{"match": {"prefix": "/v1/"},
-                                                           "route": llm["route"]}]}  # fmt: skip
-    listener = _hcm_listener("my_ingress", 8080, snippet["http_filters"], [vhost])
+    # the user's own listener with the snippet's routes first, then one of their own
+    mine = {"match": {"prefix": "/"}, "direct_response": {"status": 200},
+            **snippet["every_other_route"]}  # fmt: skip
+    vhost = {"name": "mine", "domains": ["*"], "routes": [*snippet["routes"], mine]}
+    listener = _hcm_listener("my_ingress", 8080, snippet["http_filters"], [vhost],
+                             **snippet["http_connection_manager"])  # fmt: skip
     bootstrap = _bootstrap([listener, *snippet["listeners"]], snippet["clusters"])
     envoy_validate_dict(bootstrap, tmp_path, "existing-envoy")
 
 
 def test_snippet_header_says_where_each_piece_goes() -> None:
-    header = [line for line in (EXAMPLES / "plain-envoy" / "snippet.yaml").read_text()
+    header = [line for line in (GOLDEN / "snippet.yaml").read_text()
               .splitlines() if line.startswith("#")]  # fmt: skip
     text = "\n".join(header)
-    for where in ("http_filters:", "clusters:", "listeners:", "routes:", "loopback"):
+    for where in ("http_filters:", "http_connection_manager:", "clusters:", "listeners:",
+                  "routes:", "every_other_route:", "loopback", "exact path"):  # fmt: skip
         assert where in text
 
 
@@ -118,7 +127,9 @@ def test_istio_envoyfilter_patches_assemble_into_a_valid_envoy(tmp_path: Path) -
     [vhost] = [p["patch"]["value"] for p in _patches("VIRTUAL_HOST")]
     clusters = [p["patch"]["value"] for p in _patches("CLUSTER")]
     listeners = [p["patch"]["value"] for p in _patches("LISTENER")]
-    gateway = _hcm_listener("gateway_8080", 8080, [ext_proc], [vhost])
+    [hcm] = [p["patch"]["value"]["typed_config"] for p in _patches("NETWORK_FILTER")]
+    gateway = _hcm_listener("gateway_8080", 8080, [ext_proc], [vhost],
+                            **{k: v for k, v in hcm.items() if k != "@type"})  # fmt: skip
     envoy_validate_dict(_bootstrap([gateway, *listeners], clusters), tmp_path, "istio")
 
 
@@ -127,9 +138,14 @@ def test_istio_envoyfilter_structure() -> None:
     assert envoyfilter["apiVersion"] == "networking.istio.io/v1alpha3"
     for patch in envoyfilter["spec"]["configPatches"]:
         assert patch["match"]["context"] == "GATEWAY"
-        assert patch["patch"]["operation"] in {"ADD", "INSERT_BEFORE"}
+        assert patch["patch"]["operation"] in {"ADD", "INSERT_BEFORE", "MERGE"}
     [http_filter] = _patches("HTTP_FILTER")
     assert http_filter["patch"]["operation"] == "INSERT_BEFORE"
+    [hcm] = _patches("NETWORK_FILTER")
+    assert hcm["patch"]["operation"] == "MERGE"
+    assert hcm["match"]["listener"] == http_filter["match"]["listener"] | {
+        "filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}}
+    assert hcm["patch"]["value"]["typed_config"]["normalize_path"] is True
     sub = http_filter["match"]["listener"]["filterChain"]["filter"]["subFilter"]
     assert sub["name"] == "envoy.filters.http.router"
     [listener] = [p["patch"]["value"] for p in _patches("LISTENER")]
@@ -185,7 +201,8 @@ def test_envoy_gateway_resources_match_the_config() -> None:
     override = _eg("BackendTrafficPolicy")["spec"]["loadBalancer"]["endpointOverride"]
     assert override["extractFrom"] == [{"header": DESTINATION_HEADER}]
     limit = _eg("ClientTrafficPolicy")["spec"]["connection"]["bufferLimit"]
-    assert _bytes(limit) >= cfg.limits.max_body_bytes
+    assert _eg("ClientTrafficPolicy")["spec"]["path"]["escapedSlashesAction"] == "RejectRequest"
+    assert _bytes(limit) >= buffer_bytes(cfg.limits.max_body_bytes)  # room for the splice
     for kind in ("EnvoyExtensionPolicy", "BackendTrafficPolicy"):
         assert _eg(kind)["spec"]["targetRefs"][0]["name"] == _eg("HTTPRoute")["metadata"]["name"]
 
@@ -195,7 +212,6 @@ def test_envoy_gateway_extproc_service_serves_grpc() -> None:
                         "Service")  # fmt: skip
     [grpc] = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
     assert grpc["port"] == config("envoy-gateway").extproc.port
-    assert grpc["appProtocol"] == "kubernetes.io/h2c"  # ext_proc is gRPC: HTTP/2 cleartext
 
 
 def _seconds(duration: str) -> float:
@@ -223,6 +239,9 @@ CUSTOM_KINDS = {
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"): ["targetRefs", "extProc"],
     ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"): ["targetRefs"],
     ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"): ["targetRefs"],
+    ("gateway.envoyproxy.io/v1alpha1", "EnvoyProxy"): ["shutdown"],
+    ("gateway.networking.k8s.io/v1", "BackendTLSPolicy"): ["targetRefs", "validation"],
+    ("cert-manager.io/v1", "Certificate"): ["secretName", "dnsNames", "issuerRef"],
 }
 
 
@@ -266,9 +285,11 @@ def test_pods_mount_their_configs_where_the_commands_read_them(example: str) -> 
     config_maps = {d["metadata"]["name"]: d for d in by_kind(docs, "ConfigMap")}
     for deployment in by_kind(docs, "Deployment"):
         pod = deployment["spec"]["template"]["spec"]
-        volumes = {v["name"]: v["configMap"]["name"] for v in pod.get("volumes", [])}
+        volumes = {v["name"]: v["configMap"]["name"]
+                   for v in pod.get("volumes", []) if "configMap" in v}  # fmt: skip
         for container in pod["containers"]:
-            mounts = {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts", [])}
+            mounts = {m["mountPath"]: volumes.get(m["name"])
+                      for m in container.get("volumeMounts", [])}  # fmt: skip
             command = container.get("command", [])
             for flag in ("--config", "-c"):
                 if flag in command:

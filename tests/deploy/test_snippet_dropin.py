@@ -1,7 +1,10 @@
 """The drop-in path end to end: `pd-extproc serve` plus an Envoy that is *not* rendered by
-pd-extproc (its own listener, routes and a non-LLM route), into which only the output of
-`render-envoy --snippet` is pasted. A completion must reach the engines as a parallel P/D pair.
-Everything binds 127.0.0.1 with ephemeral ports; the prefill listener is a Unix socket."""
+pd-extproc (its own listener and a route of its own), into which only the output of
+`render-envoy --snippet` is pasted, checked exactly like the complete rendered bootstrap:
+routing (a parallel P/D pair; the user's own route untouched), a client's destination header and
+path tricks (never steer anything past the ext_proc) and the KV-wait bound (a decode waiting for
+KV that never comes gets 504). Everything binds 127.0.0.1 with ephemeral ports; the prefill
+listener is a Unix socket."""
 
 from __future__ import annotations
 
@@ -12,24 +15,26 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import yaml
 
 from extproc.cli import main as cli_main
+from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.envoy_process import EnvoyProcess
 from extproc.testing import scrape
-from vllmsim.testing import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
 
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _HCM = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
         ".HttpConnectionManager")  # fmt: skip
-_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 COMPLETION = {"model": "sim-model", "prompt": "hello " * 50, "max_tokens": 4}
 
 
@@ -60,10 +65,10 @@ async def serving(config: Path, prefill_listener: str, log: Path) -> AsyncIterat
                 await process.wait()
 
 
-def snippet(config: Path, extproc: str, prefill_listener: str) -> dict[str, Any]:
+def render(config: Path, extproc: str, prefill_listener: str, *flags: str) -> dict[str, Any]:
     out = io.StringIO()
     with redirect_stdout(out):
-        assert cli_main(["render-envoy", "--config", str(config), "--snippet",
+        assert cli_main(["render-envoy", "--config", str(config), *flags,
                          "--extproc-address", extproc,
                          "--prefill-listener", prefill_listener]) == 0  # fmt: skip
     return yaml.safe_load(out.getvalue())
@@ -71,25 +76,20 @@ def snippet(config: Path, extproc: str, prefill_listener: str) -> dict[str, Any]
 
 def users_envoy(pieces: dict[str, Any]) -> dict[str, Any]:
     """Somebody's existing Envoy, with the snippet pasted where its header says."""
-    routes = [
-        {"match": {"path": "/v1/completions"},
-         "route": {"cluster": "decode_pool", "timeout": "0s",
-                   "retry_policy": {"retry_on": "connect-failure", "num_retries": 1}},
-         "request_body_buffer_limit": 1 << 20},
-        {"match": {"prefix": "/"},
-         "direct_response": {"status": 200, "body": {"inline_string": "my other service"}},
-         "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
-             "@type": _PER_ROUTE, "disabled": True}}},
-    ]  # fmt: skip
+    mine = {"match": {"prefix": "/"},
+            "direct_response": {"status": 200, "body": {"inline_string": "my other service"}},
+            **pieces["every_other_route"]}  # fmt: skip
     hcm = {
         "@type": _HCM,
+        **pieces["http_connection_manager"],
         "stat_prefix": "my_ingress",
-        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
+        "route_config": {"virtual_hosts": [
+            {"name": "all", "domains": ["*"], "routes": [*pieces["routes"], mine]}]},
         "http_filters": [*pieces["http_filters"],
                          {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
     }  # fmt: skip
     ingress = {
-        "name": "my_ingress",
+        "name": "ingress",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
         "filter_chains": [{"filters": [
             {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
@@ -101,6 +101,14 @@ def users_envoy(pieces: dict[str, Any]) -> dict[str, Any]:
             "clusters": pieces["clusters"],
         },
     }
+
+
+def rendered_envoy(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    """The complete bootstrap, its ingress on an ephemeral port."""
+    for listener in bootstrap["static_resources"]["listeners"]:
+        if listener["name"] == "ingress":
+            listener["address"]["socket_address"]["port_value"] = 0
+    return bootstrap
 
 
 def address(engine: EngineHandle) -> str:
@@ -120,8 +128,23 @@ async def sidecar_metrics(session: aiohttp.ClientSession, log: Path) -> dict[str
     return await scrape(session, f"http://{match.group(1)}/metrics")
 
 
+async def raw_post(url: str, target: bytes, body: bytes) -> int:
+    """One request written byte for byte (clients normalise targets themselves)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST " + target + b" HTTP/1.1\r\nhost: pd\r\nconnection: close\r\n"
+                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                     % len(body) + body)  # fmt: skip
+        response = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    return int(response.split(b" ", 2)[1])
+
+
 @pytest.mark.timeout(120)
-async def test_snippet_in_an_existing_envoy_dispatches_in_parallel(tmp_path: Path) -> None:
+@pytest.mark.parametrize("envoy_kind", ["snippet", "bootstrap"])
+async def test_drop_in_behaves_like_the_rendered_bootstrap(tmp_path: Path, envoy_kind: str) -> None:
     sock = f"unix:{tmp_path}/prefill.sock"
     async with contextlib.AsyncExitStack() as stack:
         p = await stack.enter_async_context(running_engine("--kv-transfer-config", PUSH_P, *FAST))
@@ -130,29 +153,60 @@ async def test_snippet_in_an_existing_envoy_dispatches_in_parallel(tmp_path: Pat
         config.write_text(yaml.safe_dump({
             "prefill": {"endpoints": [address(p)]}, "decode": {"endpoints": [address(d)]},
             "extproc": {"host": "127.0.0.1", "port": 0}, "metrics": {"port": 0},
-            "health": {"interval_s": 0.5, "timeout_s": 0.5},
+            "health": {"interval_s": 0.5, "timeout_s": 0.5}, "timeouts": {"kv_wait_s": 1.5},
         }))  # fmt: skip
         extproc = await stack.enter_async_context(serving(config, sock, tmp_path / "serve.log"))
+        if envoy_kind == "snippet":
+            envoy_config = users_envoy(render(config, extproc, sock, "--snippet"))
+        else:
+            envoy_config = rendered_envoy(render(config, extproc, sock))
         bootstrap = tmp_path / "envoy.yaml"
-        bootstrap.write_text(yaml.safe_dump(users_envoy(snippet(config, extproc, sock))))
+        bootstrap.write_text(yaml.safe_dump(envoy_config))
         envoy = EnvoyProcess(bootstrap, tmp_path, "warning", 1)
         await envoy.start()
         stack.push_async_callback(envoy.stop)
-        url = "http://" + await envoy.listener_address("my_ingress")
+        url = "http://" + await envoy.listener_address("ingress")
         session = await stack.enter_async_context(aiohttp.ClientSession())
         timeout = aiohttp.ClientTimeout(total=20)
+
+        # routing: the OpenAI paths as parallel P/D pairs; anything else as the Envoy says
         async with session.get(url + "/other", timeout=timeout) as response:
-            assert await response.text() == "my other service"  # untouched by the ext_proc
+            if envoy_kind == "snippet":  # the user's own route, untouched by the ext_proc
+                assert await response.text() == "my other service"
+            else:  # the bootstrap's catch-all goes through the ext_proc: JSON 404
+                assert response.status == 404
         statuses = []
         for _ in range(3):
             async with session.post(url + "/v1/completions", json=COMPLETION,
+                                    headers={DESTINATION_HEADER: "203.0.113.9:80"},
                                     timeout=timeout) as response:  # fmt: skip
                 statuses.append((response.status, await response.text()))
         assert all(status == 200 for status, _ in statuses), statuses
         prefill_ids = {r["x_request_id"] for r in await requests_seen(session, p)}
         decoded = await requests_seen(session, d)
         assert len(decoded) == 3 and {r["x_request_id"] for r in decoded} == prefill_ids
-        # the sidecar's own count: whether D's KV *arrived* in parallel depends on timing
+        for record in decoded:  # the client's destination header never reaches an engine
+            assert "203.0.113.9" not in record["headers"].get(DESTINATION_HEADER, "")
         metrics = await sidecar_metrics(session, tmp_path / "serve.log")
         parallel = 'pd_extproc_requests_total{outcome="ok",reason="cache_hit",strategy="parallel"}'
         assert metrics.get(parallel, 0) >= 1, metrics
+
+        # path tricks: no spelling of an OpenAI path dodges the ext_proc
+        evil = orjson.dumps(COMPLETION | {"kv_transfer_params": {"remote_engine_id": "evil"}})
+        for target in (b"/health/../v1/completions", b"/v1/models%2F..%2Fcompletions",
+                       b"//v1//completions", b"/v1/models/%2e%2e/completions"):  # fmt: skip
+            await raw_post(url, target, evil)
+        for engine in (p, d):
+            seen = orjson.dumps(await requests_seen(session, engine))
+            assert b"evil" not in seen, envoy_kind
+
+        # the KV-wait bound: a decode whose KV never comes gets Envoy's JSON 504
+        async with session.post(p.url + "/sim/faults", json={"drop_registrations": True}):
+            pass
+        started = time.perf_counter()
+        async with session.post(url + "/v1/completions", json=COMPLETION,
+                                timeout=timeout) as response:  # fmt: skip
+            status, body = response.status, await response.read()
+        assert status == 504, body
+        assert orjson.loads(body)["error"]["code"] == 504
+        assert 1.4 < time.perf_counter() - started < 6.0

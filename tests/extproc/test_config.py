@@ -10,7 +10,7 @@ import yaml
 from extproc.config import ConfigError, DispatchMode, parse_config
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import envoy_binary
-from extproc.runtime import Runtime
+from extproc.wiring import Runtime
 
 MINIMAL = {
     "prefill": {"endpoints": ["127.0.0.1:8100"]},
@@ -55,6 +55,18 @@ def test_every_problem_is_one_line() -> None:
     assert any(line.startswith("typo:") for line in lines)
 
 
+def test_endpoints_are_ip_addresses_and_names_go_under_dns() -> None:
+    """Envoy's pools refuse a name ("malformed IP address"): say so at the config check."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config(MINIMAL | {"decode": {"endpoints": ["vllm-d0:8200"]}})
+    assert str(caught.value) == (
+        "decode.endpoints.0.address: an IP address, not a name (got 'vllm-d0:8200'); "
+        "give names with dns: (or kubernetes:)"
+    )
+    assert parse_config(MINIMAL | {"decode": {"dns": "vllm-d0:8200"}}).decode.dns
+    assert parse_config(MINIMAL | {"decode": {"endpoints": ["[::1]:8200"]}})
+
+
 def test_prefill_listener_must_be_local() -> None:
     with pytest.raises(ConfigError, match="loopback"):
         parse_config(MINIMAL | {"envoy": {"prefill_listener": "0.0.0.0:9000"}})
@@ -87,3 +99,90 @@ def test_rendered_bootstrap_passes_envoy_validate(tmp_path: Path, listener: str)
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
+
+
+def test_forward_headers_default_to_the_key_and_trace_context() -> None:
+    assert parse_config(MINIMAL).dispatch.forward_headers == [
+        "authorization",
+        "traceparent",
+        "tracestate",
+    ]
+    cfg = parse_config(MINIMAL | {"dispatch": {"forward_headers": ["Authorization", "X-Tenant"]}})
+    assert cfg.dispatch.forward_headers == ["authorization", "x-tenant"]
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("Connection", "'connection' is hop-by-hop"),
+        ("keep-alive", "hop-by-hop"),
+        ("TE", "hop-by-hop"),
+        ("trailer", "hop-by-hop"),
+        ("transfer-encoding", "hop-by-hop"),
+        ("upgrade", "hop-by-hop"),
+        ("proxy-authorization", "hop-by-hop"),
+        ("host", "set by pd-extproc or Envoy"),
+        (":authority", "set by pd-extproc or Envoy"),
+        ("content-length", "set by pd-extproc or Envoy"),
+        ("x-request-id", "set by pd-extproc or Envoy"),
+        ("x-gateway-destination-endpoint", "set by pd-extproc or Envoy"),
+        ("x-envoy-max-retries", "set by pd-extproc or Envoy"),
+        ("x-forwarded-for", "set by pd-extproc or Envoy"),
+        ("bad header", "not a valid header name"),
+    ],
+)
+def test_forward_headers_refuse_hop_by_hop_and_routing_headers(name: str, why: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(MINIMAL | {"dispatch": {"forward_headers": ["authorization", name]}})
+    [line] = str(caught.value).splitlines()
+    assert line.startswith("dispatch.forward_headers: ") and why in line, line
+
+
+def test_engine_api_key_is_read_at_load_and_never_shown(tmp_path: Path) -> None:
+    assert parse_config(MINIMAL).engines.auth_headers == {}
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-secret\n")
+    cfg = parse_config(MINIMAL | {"engines": {"api_key_file": str(key_file)}})
+    assert cfg.engines.auth_headers == {"authorization": "Bearer sk-secret"}
+    assert "sk-secret" not in repr(cfg) and "sk-secret" not in str(cfg.model_dump())
+    key_file.write_text(" \n")
+    with pytest.raises(ConfigError, match=r"^engines: api_key_file .* is empty$"):
+        parse_config(MINIMAL | {"engines": {"api_key_file": str(key_file)}})
+    with pytest.raises(ConfigError, match=r"^engines: api_key_file .* cannot be read \(No such"):
+        parse_config(MINIMAL | {"engines": {"api_key_file": str(tmp_path / "absent")}})
+
+
+def _message_timeout(cfg_dict: dict) -> str:
+    bootstrap = render_bootstrap(parse_config(cfg_dict), "127.0.0.1:50051", "unix:/x")
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    [ext_proc] = [f for f in hcm["typed_config"]["http_filters"] if f["name"].endswith("ext_proc")]
+    return str(ext_proc["typed_config"]["message_timeout"])
+
+
+def test_extproc_message_timeout_is_sized_for_a_burst_of_large_bodies() -> None:
+    # 12 concurrent 10 MB bodies took up to 6.5 s on a busy 2-vCPU machine; each body's timer
+    # runs for about the whole burst (they travel interleaved on one HTTP/2 connection)
+    assert _message_timeout(MINIMAL) == "9.9s"
+    assert _message_timeout(MINIMAL | {"limits": {"max_body_bytes": 64 * 2**20}}) == "36.8s"
+    assert _message_timeout(MINIMAL | {"limits": {"max_body_bytes": 2**20}}) == "1.6s"
+    assert _message_timeout(MINIMAL | {"timeouts": {"extproc_message_s": 2}}) == "2s"
+
+
+def test_extproc_connection_survives_a_burst_of_queued_frames() -> None:
+    # 600 concurrent 0.5 MB bodies queued ~20000 HTTP/2 frames to the ext_proc; at Envoy's
+    # default flood limit (10000) Envoy closed the connection and 599 of them got 503
+    bootstrap = render_bootstrap(parse_config(MINIMAL), "127.0.0.1:50051", "unix:/x")
+    [cluster] = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "pd_extproc"]
+    [options] = cluster["typed_extension_protocol_options"].values()
+    http2 = options["explicit_http_config"]["http2_protocol_options"]
+    assert http2["max_outbound_frames"] >= 600 * (512 * 1024 // 16384) * 10
+
+
+def test_the_old_hyphenated_mode_is_accepted_with_a_deprecation_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = parse_config(MINIMAL | {"dispatch": {"mode": "serial-push"}})
+    assert cfg.dispatch.mode is DispatchMode.SERIAL_PUSH
+    assert "'serial-push' is deprecated: write 'serial_push'" in caplog.text
+    with pytest.raises(ConfigError, match="serial_push"):
+        parse_config(MINIMAL | {"dispatch": {"mode": "serial+push"}})

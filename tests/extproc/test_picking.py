@@ -7,22 +7,21 @@ exact reruns, not flaky; their bounds are still the statistical ones, with margi
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
-from typing import get_args
+from collections.abc import Sequence
 
-import aiohttp
 import pytest
-from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.config import PolicyName, parse_config
-from extproc.load import LoadScraper, parse_load
-from extproc.picking import (
+from extproc.config import ConfigError, parse_config
+from extproc.policies import (
     POLICIES,
     PickRequest,
+    PowerOfTwoOptions,
     PowerOfTwoPicker,
+    PrefixOptions,
     PrefixPicker,
     RandomPicker,
     RoundRobinPicker,
@@ -32,7 +31,6 @@ from extproc.picking import (
     load_score,
 )
 from extproc.pool import EndpointState, Pool
-from extproc.runtime import Runtime
 
 
 def endpoints(n: int, **loads: Sequence[float]) -> list[EndpointState]:
@@ -62,7 +60,7 @@ REQUESTS = [
 @pytest.mark.parametrize("request_", REQUESTS, ids=["empty", "session", "prefix", "both"])
 @pytest.mark.parametrize("n", [1, 2, 3, 7])
 def test_returns_one_of_the_candidates(name: str, request_: PickRequest, n: int) -> None:
-    picker = POLICIES[name]()
+    picker = build_picker(name)
     candidates = endpoints(n, in_flight=[i % 3 for i in range(n)])
     for _ in range(20):
         assert picker.pick(candidates, request_) in candidates
@@ -71,7 +69,7 @@ def test_returns_one_of_the_candidates(name: str, request_: PickRequest, n: int)
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_never_an_unhealthy_endpoint_through_the_pool(name: str) -> None:
     addresses = [f"10.0.0.{i}:8000" for i in range(1, 6)]
-    pool = Pool("decode", addresses, POLICIES[name]())
+    pool = Pool("decode", addresses, build_picker(name))
     for address in addresses[:3]:
         pool.set_healthy(address, False)
     for i in range(50):
@@ -82,9 +80,19 @@ def test_never_an_unhealthy_endpoint_through_the_pool(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_no_healthy_endpoint_is_none(name: str) -> None:
-    pool = Pool("decode", ["10.0.0.1:8000"], POLICIES[name]())
+    pool = Pool("decode", ["10.0.0.1:8000"], build_picker(name))
     pool.set_healthy("10.0.0.1:8000", False)
     assert pool.pick(PickRequest(session="s")) is None
+
+
+def test_fallback_is_the_next_healthy_member_after_the_choice() -> None:
+    addresses = [f"10.0.0.{i}:8000" for i in range(1, 5)]
+    pool = Pool("decode", addresses, RoundRobinPicker())
+    pool.set_healthy(addresses[1], False)
+    picked = [[e.address for e in pool.pick_with_fallback()] for _ in range(3)]
+    # healthy: 1, 3, 4; the fallback skips 2 and wraps around after 4
+    assert picked == [addresses[::2], addresses[2:], [addresses[3], addresses[0]]]
+    assert [e.address for e in pool.pick_with_fallback(among=addresses[:1])] == addresses[:1]
 
 
 state_lists = st.integers(min_value=1, max_value=8).flatmap(
@@ -115,11 +123,23 @@ def test_any_load_any_request_picks_a_candidate(
 ) -> None:
     for i, state in enumerate(states):
         state.address = f"10.0.0.{i}:8000"
-    assert POLICIES[name]().pick(states, request_) in states
+    assert build_picker(name).pick(states, request_) in states
 
 
-def test_config_names_exactly_the_registered_policies() -> None:
-    assert set(get_args(PolicyName)) == set(POLICIES)
+PREFILL, DECODE = {"endpoints": ["127.0.0.1:8100"]}, {"endpoints": ["127.0.0.1:8200"]}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_config_accepts_every_registered_policy(name: str) -> None:
+    assert re.fullmatch(r"[a-z]+(_[a-z]+)*", name)  # one naming convention: snake_case
+    pool = {"policy": name}
+    assert parse_config({"prefill": pool | PREFILL, "decode": pool | DECODE}).prefill.policy == name
+
+
+def test_config_rejects_an_unknown_policy_in_one_line() -> None:
+    with pytest.raises(ConfigError) as error:
+        parse_config({"prefill": PREFILL | {"policy": "power-of-two"}, "decode": DECODE})
+    assert str(error.value).startswith("prefill.policy: unknown policy 'power-of-two'; one of:")
 
 
 def test_build_picker_passes_the_pool_options() -> None:
@@ -138,10 +158,36 @@ def test_build_picker_passes_the_pool_options() -> None:
             },
         }
     )
-    prefill, decode = build_picker(config.prefill), build_picker(config.decode)
+    prefill = build_picker(config.prefill.policy, config.prefill.options)
+    decode = build_picker(config.decode.policy, config.decode.options)
     assert isinstance(prefill, PrefixPicker) and prefill._prefix_bytes == 64
     assert prefill._load_slack == 0.5
     assert isinstance(decode, PowerOfTwoPicker) and decode._kv_usage_weight == 0
+
+
+def test_options_may_be_written_flat_or_nested() -> None:
+    pool = PREFILL | {"policy": "power_of_two"}
+    flat = parse_config({"prefill": pool | {"kv_usage_weight": 2}, "decode": DECODE})
+    nested = parse_config({"prefill": pool | {"options": {"kv_usage_weight": 2}}, "decode": DECODE})
+    assert flat.prefill.options == nested.prefill.options == PowerOfTwoOptions(kv_usage_weight=2)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"kv_usage_weight": -1}, "prefill: kv_usage_weight: Input should be greater than"),
+        ({"policy": "prefix", "kv_usage_weight": -1}, "prefill: kv_usage_weight: Input"),
+        ({"options": {"weight": 1}}, "prefill: weight: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_policy_options_fail_at_load(keys: dict[str, object], message: str) -> None:
+    pool = PREFILL | {"policy": "power_of_two"}
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        parse_config({"prefill": pool | keys, "decode": DECODE})
+
+
+def test_only_power_of_two_needs_engine_load() -> None:
+    assert {name for name, policy in POLICIES.items() if policy.needs_load} == {"power_of_two"}
 
 
 # ---- round_robin and random -------------------------------------------------------------
@@ -155,7 +201,7 @@ def test_round_robin_cycles() -> None:
 
 def test_random_is_roughly_uniform() -> None:
     candidates = endpoints(4)
-    picker = RandomPicker(random.Random(7))
+    picker = RandomPicker(rng=random.Random(7))
     counts = Counter(picker.pick(candidates, PickRequest()).address for _ in range(4000))
     # 1000 expected each; 5 standard deviations (sqrt(4000 × 1/4 × 3/4) ≈ 27) is ±137
     assert all(abs(count - 1000) < 140 for count in counts.values()), counts
@@ -197,9 +243,10 @@ def test_power_of_two_with_two_always_takes_the_lighter() -> None:
 
 def test_power_of_two_kv_weight_zero_ignores_kv_usage() -> None:
     candidates = endpoints(2, in_flight=[1, 2], kv_usage=[1.0, 0.0])
-    picker = PowerOfTwoPicker(kv_usage_weight=0, rng=random.Random(3))
+    picker = PowerOfTwoPicker(PowerOfTwoOptions(kv_usage_weight=0), rng=random.Random(3))
     assert picker.pick(candidates, PickRequest()) is candidates[0]
-    assert PowerOfTwoPicker(kv_usage_weight=4).pick(candidates, PickRequest()) is candidates[1]
+    picker = PowerOfTwoPicker(PowerOfTwoOptions(kv_usage_weight=4))
+    assert picker.pick(candidates, PickRequest()) is candidates[1]
 
 
 def test_power_of_two_spreads_equal_endpoints() -> None:
@@ -278,7 +325,7 @@ SYSTEM = b'[{"role":"system","content":"' + b"You are a careful assistant. " * 1
 
 def test_prefix_same_start_same_endpoint() -> None:
     candidates = endpoints(4)
-    picker = PrefixPicker(prefix_bytes=256)
+    picker = PrefixPicker(PrefixOptions(prefix_bytes=256))
     picks = {
         picker.pick(candidates, PickRequest(prefix=SYSTEM + f"question {i}".encode())).address
         for i in range(50)
@@ -288,7 +335,7 @@ def test_prefix_same_start_same_endpoint() -> None:
 
 def test_prefix_different_starts_spread() -> None:
     candidates = endpoints(4)
-    picker = PrefixPicker(prefix_bytes=256)
+    picker = PrefixPicker(PrefixOptions(prefix_bytes=256))
     counts = Counter(
         picker.pick(candidates, PickRequest(prefix=f"doc {i}: ".encode() + SYSTEM)).address
         for i in range(2000)
@@ -298,7 +345,7 @@ def test_prefix_different_starts_spread() -> None:
 
 def test_prefix_only_the_first_bytes_count() -> None:
     candidates = endpoints(8)
-    picker = PrefixPicker(prefix_bytes=16)
+    picker = PrefixPicker(PrefixOptions(prefix_bytes=16))
     same = {
         picker.pick(candidates, PickRequest(prefix=b"0123456789abcdef" + bytes([i]) * 40))
         for i in range(40)
@@ -310,7 +357,7 @@ def test_prefix_spills_to_the_same_second_choice_when_overloaded() -> None:
     candidates = endpoints(4)
     request = PickRequest(prefix=SYSTEM)
     first, second = hrw_order(SYSTEM[:256], candidates)[:2]
-    picker = PrefixPicker(prefix_bytes=256, load_slack=0.25)
+    picker = PrefixPicker(PrefixOptions(prefix_bytes=256, prefix_load_slack=0.25))
     assert picker.pick(candidates, request) is first
     first.in_flight = 3  # others idle: bound ceil(1.25 × 4 / 4) = 2, 3 + 1 > 2
     for _ in range(5):
@@ -321,7 +368,8 @@ def test_prefix_keeps_affinity_under_even_load() -> None:
     candidates = endpoints(4, in_flight=[5, 5, 5, 5])
     first = hrw_order(SYSTEM[:256], candidates)[0]
     first.in_flight = 6  # bound ceil(1.25 × 22 / 4) = 7, 6 + 1 fits
-    assert PrefixPicker(load_slack=0.25).pick(candidates, PickRequest(prefix=SYSTEM)) is first
+    picker = PrefixPicker(PrefixOptions(prefix_load_slack=0.25))
+    assert picker.pick(candidates, PickRequest(prefix=SYSTEM)) is first
 
 
 @given(
@@ -331,7 +379,8 @@ def test_prefix_keeps_affinity_under_even_load() -> None:
 )
 def test_prefix_respects_the_load_bound(in_flight: list[int], prefix: bytes, slack: float) -> None:
     candidates = endpoints(len(in_flight), in_flight=in_flight)
-    picked = PrefixPicker(load_slack=slack).pick(candidates, PickRequest(prefix=prefix))
+    picker = PrefixPicker(PrefixOptions(prefix_load_slack=slack))
+    picked = picker.pick(candidates, PickRequest(prefix=prefix))
     total = sum(in_flight)
     assert picked.in_flight + 1 <= -(-(1 + slack) * (total + 1) // len(candidates))
 
@@ -339,80 +388,3 @@ def test_prefix_respects_the_load_bound(in_flight: list[int], prefix: bytes, sla
 def test_prefix_without_prompt_is_least_request() -> None:
     candidates = endpoints(3, in_flight=[4, 1, 2])
     assert PrefixPicker().pick(candidates, PickRequest()) is candidates[1]
-
-
-# ---- engine load: parsing /metrics and the scraper --------------------------------------
-
-VLLM_METRICS = b"""\
-# HELP vllm:num_requests_waiting Requests waiting
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
-vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
-vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 50.0
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
-vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
-"""
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        (VLLM_METRICS, (5.0, 0.375)),  # data-parallel engines: queues add, caches average
-        (b"vllm:num_requests_waiting 7\n", (7.0, 0.0)),
-        (b'vllm:gpu_cache_usage_perc{model_name="m"} 0.8\n', (0.0, 0.8)),  # vLLM < 0.10
-        (b"process_start_time_seconds 1.7e9\n", (0.0, 0.0)),  # not exported: neutral
-        (b"", (0.0, 0.0)),
-    ],
-)
-def test_parse_load(text: bytes, expected: tuple[float, float]) -> None:
-    assert parse_load(text) == pytest.approx(expected)
-
-
-@pytest.fixture
-async def fake_engines() -> AsyncIterator[list[str]]:
-    """Two /metrics servers on 127.0.0.1: one vLLM-like, one without the metrics (404)."""
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=VLLM_METRICS, content_type="text/plain")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runners = [web.AppRunner(app), web.AppRunner(web.Application())]
-    addresses = []
-    for runner in runners:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        addresses.append(f"127.0.0.1:{runner.addresses[0][1]}")
-    yield addresses
-    for runner in runners:
-        await runner.cleanup()
-
-
-async def test_scraper_fills_load_of_power_of_two_pools_only(fake_engines: list[str]) -> None:
-    config = parse_config(
-        {
-            "prefill": {"endpoints": ["127.0.0.1:1"], "policy": "prefix"},
-            "decode": {"endpoints": fake_engines, "policy": "power_of_two"},
-            "health": {"timeout_s": 1},
-        }
-    )
-    rt = Runtime(config, "unix:/nonexistent")
-    scraper = LoadScraper(rt)
-    async with aiohttp.ClientSession() as session:
-        await scraper.scrape_all(session)
-    decode = {s.address: s for s in rt.decode}
-    served, missing = (decode[a] for a in fake_engines)
-    assert (served.waiting, served.kv_usage) == (5.0, 0.375)
-    assert (missing.waiting, missing.kv_usage) == (0.0, 0.0)
-    assert [s.waiting for s in rt.prefill] == [0.0]  # the prefix pool is not scraped
-
-
-async def test_scraper_skips_pools_without_a_load_aware_policy(fake_engines: list[str]) -> None:
-    config = parse_config(
-        {"prefill": {"endpoints": ["127.0.0.1:1"]}, "decode": {"endpoints": fake_engines}}
-    )
-    rt = Runtime(config, "unix:/nonexistent")
-    async with aiohttp.ClientSession() as session:
-        await LoadScraper(rt).scrape_all(session)
-    assert [s.waiting for s in rt.decode] == [0.0, 0.0]

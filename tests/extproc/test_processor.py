@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Coroutine
 from typing import Any
 
 import orjson
@@ -16,40 +18,53 @@ from extproc.errors import PrefillFailed
 from extproc.identity import identity_from_params
 from extproc.prefill_leg import PrefillResult
 from extproc.processor import RequestProcessor
-from extproc.runtime import Runtime
 from extproc.stream import EnvoyStream
+from extproc.wiring import Runtime
 
-P, D = "127.0.0.1:8100", "127.0.0.1:8200"
+P, D, D2 = "127.0.0.1:8100", "127.0.0.1:8200", "127.0.0.1:8201"
 IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
             "tp_size": 1, "transfer_mode": "push"}  # fmt: skip
 
 
 class ScriptedEnvoy:
-    """A grpc.aio ServicerContext stand-in: messages in from a queue, answers recorded."""
+    """A grpc.aio ServicerContext stand-in: messages in from a queue, answers recorded.
 
-    def __init__(self) -> None:
+    `timeline` records each answer's kind once written; a FakePrefill sharing it adds its leg.
+    """
+
+    def __init__(self, timeline: list[str] | None = None) -> None:
         self.inbox: asyncio.Queue[Any] = asyncio.Queue()
         self.sent: list[ep.ProcessingResponse] = []
         self.answered = asyncio.Event()
+        self.timeline = [] if timeline is None else timeline
 
     async def read(self) -> Any:
         return await self.inbox.get()
 
     async def write(self, message: ep.ProcessingResponse) -> None:
+        await asyncio.sleep(0)  # like grpc.aio's write: other tasks run while it flushes
         self.sent.append(message)
+        self.timeline.append(message.WhichOneof("response"))
         self.answered.set()
 
 
 class FakePrefill:
-    def __init__(self, outcome: Any) -> None:
+    def __init__(self, outcome: Any, timeline: list[str] | None = None) -> None:
         self.outcome = outcome
         self.calls = 0
+        self.timeline = [] if timeline is None else timeline
 
-    async def send(self, *args: Any, **kwargs: Any) -> PrefillResult:
+    def send(self, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, PrefillResult]:
+        """Called when the processor creates the leg; the returned coroutine is the request."""
         self.calls += 1
+        self.timeline.append("P leg created")
+        return self._answer()
+
+    async def _answer(self) -> PrefillResult:
+        self.timeline.append("P leg sent")
         if isinstance(self.outcome, Exception):
             raise self.outcome
-        await asyncio.sleep(self.outcome)
+        await asyncio.sleep(self.outcome)  # P's compute time
         return PrefillResult(200, IDENTITY | {"remote_request_id": "x"}, 0.0, self.outcome)
 
 
@@ -67,12 +82,18 @@ def body(doc: dict[str, Any]) -> ep.ProcessingRequest:
     )
 
 
-def runtime(prefill: FakePrefill, cached: bool) -> Runtime:
-    rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]}}),
-                 "unix:/nonexistent")  # fmt: skip
-    rt.prefill_client = prefill  # type: ignore[assignment]
+def runtime(prefill: FakePrefill, cached: bool, decodes: tuple[str, ...] = (D,)) -> Runtime:
+    pools = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": list(decodes)}}
+    rt = use_prefill(Runtime(parse_config(pools), "unix:/nonexistent"), prefill)
     if cached:
         rt.identities.learn(P, identity_from_params(IDENTITY))
+    return rt
+
+
+def use_prefill(rt: Runtime, prefill: Any) -> Runtime:
+    """The runtime with its P legs sent to a fake instead of Envoy's prefill listener."""
+    legs = dataclasses.replace(rt.request_deps.legs, prefill_client=prefill)
+    rt.request_deps = dataclasses.replace(rt.request_deps, legs=legs)
     return rt
 
 
@@ -81,19 +102,42 @@ REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 4}
 
 async def run(rt: Runtime, envoy: ScriptedEnvoy) -> asyncio.Task[None]:
     stream = EnvoyStream(envoy)  # type: ignore[arg-type]
-    return asyncio.create_task(RequestProcessor(rt, stream).run())
+    return asyncio.create_task(RequestProcessor(rt.request_deps, stream).run())
+
+
+async def until_sent(envoy: ScriptedEnvoy, count: int) -> None:
+    """Wait (bounded) until the processor has written `count` answers."""
+    while len(envoy.sent) < count:
+        envoy.answered.clear()
+        await asyncio.wait_for(envoy.answered.wait(), 2)
+
+
+async def until_kind(envoy: ScriptedEnvoy, kind: str) -> None:
+    """Wait (bounded) until the processor has written an answer of this kind."""
+    while kind not in envoy.timeline:
+        envoy.answered.clear()
+        await asyncio.wait_for(envoy.answered.wait(), 2)
+
+
+def response_headers(status: int) -> ep.ProcessingRequest:
+    header = core.HeaderValue(key=":status", raw_value=str(status).encode())
+    return ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=[header]))
+    )
 
 
 async def test_prefill_failing_while_the_answer_is_written_still_ends_the_request() -> None:
     envoy = ScriptedEnvoy()
     prefill = FakePrefill(PrefillFailed(500, "boom"))  # fails at its first step
-    task = await run(runtime(prefill, cached=True), envoy)
+    rt = runtime(prefill, cached=True)
+    task = await run(rt, envoy)
     await envoy.inbox.put(headers())
     await envoy.inbox.put(body(REQUEST))
     await asyncio.wait_for(task, timeout=2)  # Envoy sends nothing more: no hang
     kinds = [m.WhichOneof("response") for m in envoy.sent]
     assert kinds == ["request_headers", "request_body", "immediate_response"]
     assert envoy.sent[-1].immediate_response.status.code == 500
+    assert rt.identities.get(P) is None  # the next request learns P's identity again
 
 
 async def test_parallel_answer_carries_identity_routing_and_content_length() -> None:
@@ -102,9 +146,7 @@ async def test_parallel_answer_carries_identity_routing_and_content_length() -> 
     task = await run(rt, envoy)
     await envoy.inbox.put(headers())
     await envoy.inbox.put(body(REQUEST | {"kv_transfer_params": {"remote_host": "evil"}}))
-    while len(envoy.sent) < 2:
-        envoy.answered.clear()
-        await asyncio.wait_for(envoy.answered.wait(), 2)
+    await until_sent(envoy, 2)
     answer = envoy.sent[1].request_body.response
     new_body = answer.body_mutation.body
     set_headers = {h.header.key: h.header.raw_value.decode()
@@ -132,3 +174,229 @@ async def test_refusals_at_the_headers_phase(message: ep.ProcessingRequest, stat
     await asyncio.wait_for(task, timeout=2)
     assert envoy.sent[-1].immediate_response.status.code == status
     assert prefill.calls == 0
+
+
+class GatedPrefill:
+    """P answers `params` only once the test opens the gate."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.params = params
+        self.gate = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def send(self, *args: Any, **kwargs: Any) -> PrefillResult:
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return PrefillResult(200, self.params, 0.0, 0.0)
+
+
+RESTARTED = IDENTITY | {"remote_engine_id": "e2", "remote_request_id": "x"}
+SAME = IDENTITY | {"remote_request_id": "x"}
+
+
+async def test_restart_seen_in_the_wake_up_of_decode_headers_gives_503_not_200() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(RESTARTED)
+    task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST | {"stream": True}))
+    await until_sent(envoy, 2)
+    # D's headers and P's answer (a new engine id) complete before the processor wakes up
+    envoy.inbox.put_nowait(response_headers(200))
+    prefill.gate.set()
+    await asyncio.wait_for(task, timeout=2)
+    kinds = [m.WhichOneof("response") for m in envoy.sent]
+    assert kinds == ["request_headers", "request_body", "immediate_response"]
+    reply = envoy.sent[-1].immediate_response
+    assert reply.status.code == 503
+    assert {h.header.key: h.header.raw_value for h in reply.headers.set_headers}[
+        "retry-after"] == b"1"  # fmt: skip
+    assert "restarted" in orjson.loads(reply.body)["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("params", "answer"),
+    [(SAME, "response_headers"), (RESTARTED, "immediate_response")],
+    ids=["same engine", "restarted"],
+)
+async def test_decode_headers_before_prefill_answers_are_held_until_it_settles(
+    params: dict[str, Any], answer: str
+) -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(params)
+    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST | {"stream": True}))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(200))  # a streaming D answers at once
+    await until_sent(envoy, 3)
+    held = envoy.sent[2]
+    assert held.WhichOneof("response") is None and held.override_message_timeout.seconds > 1
+    prefill.gate.set()
+    await until_sent(envoy, 4)
+    assert envoy.sent[3].WhichOneof("response") == answer
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
+
+
+async def test_serial_decode_body_over_envoys_buffer_is_refused_before_it_leaves() -> None:
+    envoy = ScriptedEnvoy()
+    blocks = {"remote_block_ids": [list(range(100_000, 120_000))]}  # ~140 kB of block ids
+    prefill = GatedPrefill(SAME | blocks)
+    prefill.gate.set()
+    rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]},
+                               "limits": {"max_body_bytes": 1024}}),
+                 "unix:/nonexistent")  # fmt: skip
+    use_prefill(rt, prefill)
+    task = await run(rt, envoy)  # no identity cached: serial, D's body is built after P
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await asyncio.wait_for(task, timeout=2)
+    kinds = [m.WhichOneof("response") for m in envoy.sent]
+    assert kinds == ["request_headers", None, "immediate_response"]  # None: timer extended
+    reply = envoy.sent[-1].immediate_response
+    assert reply.status.code == 413
+    assert "over the proxy's buffer" in orjson.loads(reply.body)["error"]["message"]
+
+
+async def test_decode_refusal_passes_at_once_and_cancels_the_prefill_leg() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)  # P never answers unless cancelled
+    task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(400))
+    await until_sent(envoy, 3)
+    assert envoy.sent[2].WhichOneof("response") == "response_headers"  # not held for P
+    await asyncio.wait_for(prefill.cancelled.wait(), 2)  # nor reset later by P's outcome
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    assert len(envoy.sent) == 3
+
+
+async def test_parallel_prefill_leaves_before_the_decode_answer_is_written() -> None:
+    timeline: list[str] = []
+    envoy = ScriptedEnvoy(timeline)
+    task = await run(runtime(FakePrefill(0.05, timeline), cached=True), envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    # P's request is on its way while Envoy is still receiving D's body: never after it
+    assert timeline == ["request_headers", "P leg created", "P leg sent", "request_body"]
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+
+
+async def test_answer_names_a_fallback_decode_for_envoys_connect_retry() -> None:
+    envoy = ScriptedEnvoy()
+    rt = runtime(FakePrefill(0.05), cached=True, decodes=(D, D2))
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    answer = envoy.sent[1].request_body.response
+    set_headers = {h.header.key: h.header.raw_value.decode()
+                   for h in answer.header_mutation.set_headers}  # fmt: skip
+    assert set_headers["x-gateway-destination-endpoint"] == f"{D},{D2}"
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+
+
+async def test_decode_5xx_drops_the_identity_it_was_given() -> None:
+    envoy = ScriptedEnvoy()
+    rt = runtime(FakePrefill(0.05), cached=True)
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(503))
+    await until_kind(envoy, "response_headers")  # D's 503 goes on to the client
+    assert rt.identities.get(P) is None  # P answered as usual, yet D failed: learn it again
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+
+
+def outcomes(rt: Runtime) -> dict[tuple[str, str, str], float]:
+    """pd_extproc_requests as {(outcome, strategy, reason): count}."""
+    return {
+        (s.labels["outcome"], s.labels["strategy"], s.labels["reason"]): s.value
+        for metric in rt.metrics.registry.collect() if metric.name == "pd_extproc_requests"
+        for s in metric.samples if s.name.endswith("_total")
+    }  # fmt: skip
+
+
+async def test_decode_failing_before_a_restarted_prefill_answers_gives_503() -> None:
+    """D fails its handshake at once; P, answered within the grace, reveals a new engine."""
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(RESTARTED)
+    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(500))
+    await until_sent(envoy, 3)  # the message timer extended for the grace
+    assert envoy.sent[2].override_message_timeout.seconds >= 1
+    prefill.gate.set()
+    await asyncio.wait_for(task, timeout=2)
+    reply = envoy.sent[-1].immediate_response
+    assert reply.status.code == 503 and "restarted" in orjson.loads(reply.body)["error"]["message"]
+    assert outcomes(rt) == {("identity_changed", "parallel", "cache_hit"): 1.0}
+    assert rt.identities.get(P) is not None  # the new engine, learnt from P's answer
+
+
+async def test_decode_failing_with_prefill_silent_past_the_grace_cancels_it() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)  # P never answers unless cancelled
+    rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]},
+                               "timeouts": {"decode_error_grace_s": 0.05}}),
+                 "unix:/nonexistent")  # fmt: skip
+    use_prefill(rt, prefill)
+    rt.identities.learn(P, identity_from_params(IDENTITY))
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(502))
+    await until_kind(envoy, "response_headers")  # D's own error goes on to the client
+    await asyncio.wait_for(prefill.cancelled.wait(), 2)
+    assert rt.identities.get(P) is None  # the identity D was given failed it: learn again
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    assert outcomes(rt) == {("decode_5xx", "parallel", "cache_hit"): 1.0}
+
+
+async def test_stream_ending_while_prefill_computes_cancels_the_leg() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)
+    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(aio.EOF)  # the client went away before D answered
+    await asyncio.wait_for(task, timeout=2)
+    await asyncio.wait_for(prefill.cancelled.wait(), 2)
+    assert outcomes(rt) == {("cancelled", "parallel", "cache_hit"): 1.0}
+    assert all(e.in_flight == 0 for e in [*rt.decode, *rt.prefill])
+
+
+async def test_serial_client_gone_while_prefill_computes_cancels_it_and_sends_no_decode() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)
+    rt = runtime(prefill, cached=False)  # type: ignore[arg-type]
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST))
+    await until_sent(envoy, 2)  # the timer extended while P computes
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    await asyncio.wait_for(prefill.cancelled.wait(), 2)
+    assert [m.WhichOneof("response") for m in envoy.sent] == ["request_headers", None]
+    assert outcomes(rt) == {("cancelled", "serial", "cache_miss"): 1.0}

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest_asyncio
 from multidict import CIMultiDict
 
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
-from vllmsim.testing import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
-__all__ = ["PULL", "PUSH", "Topology", "topology"]
+__all__ = ["PULL", "PUSH", "Topology", "generated_text", "topology", "until"]
 
 PUSH = (PUSH_P, PUSH_D)
 PULL = (PULL_P, PULL_D)
@@ -36,11 +37,16 @@ class Topology:
         return [*self.prefills, *self.decodes]
 
     async def post(
-        self, path: str, body: dict[str, Any], **kwargs: Any
+        self, path: str, body: dict[str, Any] | bytes, **kwargs: Any
     ) -> tuple[int, bytes, CIMultiDict[str]]:
+        """POST a dict as JSON (aiohttp escapes non-ASCII), or bytes exactly as they are."""
+        if isinstance(body, bytes):
+            kwargs["data"] = body
+            kwargs["headers"] = {"content-type": "application/json", **kwargs.get("headers", {})}
+        else:
+            kwargs["json"] = body
         async with self.session.post(
             self.sidecar.url + path,
-            json=body,
             timeout=aiohttp.ClientTimeout(total=kwargs.pop("timeout", 30)),
             **kwargs,
         ) as response:
@@ -71,13 +77,63 @@ class Topology:
             await asyncio.sleep(0.02)
         return await scrape(self.session, self.sidecar.metrics + "/metrics")
 
+    async def released(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """/ready once no endpoint has a request in flight (bounded).
+
+        The sidecar releases a request's counts when Envoy closes its stream, which can come
+        just after an engine has seen the request end.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            ready = await self.ready()
+            counts = [e["in_flight"] for r in ("prefill", "decode") for e in ready[r].values()]
+            if not any(counts) or asyncio.get_running_loop().time() > deadline:
+                return ready
+            await asyncio.sleep(0.02)
+
     async def ready(self) -> dict[str, Any]:
         async with self.session.get(self.sidecar.metrics + "/ready") as response:
             return await response.json()
 
+    async def aggregated(self, path: str, body: dict[str, Any]) -> str:
+        """The text a decode engine generates for `body` on its own (no kv_transfer_params:
+        it prefills locally), to compare a disaggregated answer with. vllmsim derives every
+        answer from the KV the engine holds, so only a correct transfer gives the same text."""
+        engine = self.decodes[0]
+        async with self.session.post(engine.url + path, json=body) as response:
+            assert response.status == 200, await response.text()
+            return generated_text(path, await response.read())
+
     async def sim(self, engine: EngineHandle, method: str, path: str, body: Any = None) -> Any:
         async with self.session.request(method, engine.url + path, json=body) as response:
             return await response.json()
+
+
+def generated_text(path: str, payload: bytes) -> str:
+    """The generated text of a completion or chat answer, whole or streamed (SSE)."""
+    chat = path.endswith("/chat/completions")
+    if not payload.startswith(b"data: "):
+        choice = orjson.loads(payload)["choices"][0]
+        return str(choice["message"]["content"] if chat else choice["text"])
+    text = []
+    for event in payload.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue
+        for choice in orjson.loads(event.removeprefix(b"data: "))["choices"]:
+            text.append(choice["delta"].get("content", "") if chat else choice["text"])
+    return "".join(text)
+
+
+async def until(
+    predicate: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 10.0
+) -> None:
+    """Poll `predicate` until it holds; fail after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def requests_total(outcome: str, reason: str, strategy: str) -> str:

@@ -7,7 +7,6 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest_asyncio
@@ -15,19 +14,10 @@ import yaml
 from aiohttp import web
 
 from extproc.testing import ephemeral_config, running_sidecar
-from tests.integration.conftest import MODEL, Topology, address, topology
-from vllmsim.testing import PUSH_D, PUSH_P, running_engine
+from tests.integration.conftest import MODEL, Topology, address, topology, until
+from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "discovered " * 10, "max_tokens": 2}
-
-
-async def until(predicate: Any, what: str, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class FakeKubernetes:
@@ -130,7 +120,11 @@ async def test_sighup_reload_adds_an_endpoint_without_dropping_requests() -> Non
         slow = asyncio.create_task(
             topo.post("/v1/completions", COMPLETION | {"max_tokens": 30, "stream": True})
         )
-        await asyncio.sleep(0.2)
+
+        async def slow_in_flight() -> bool:
+            return len(await topo.seen(topo.decodes[0])) == 1
+
+        await until(slow_in_flight, "the slow request to reach its decode")
         os.kill(topo.sidecar.pid, signal.SIGHUP)
 
         async def both_healthy() -> bool:

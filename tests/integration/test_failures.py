@@ -8,9 +8,18 @@ import time
 
 import aiohttp
 import orjson
+import pytest
 
-from tests.integration.conftest import MODEL, Topology, identity_events, requests_total, topology
-from vllmsim.testing import PUSH_P, EngineHandle, running_engine
+from tests.integration.conftest import (
+    MODEL,
+    Topology,
+    address,
+    generated_text,
+    identity_events,
+    requests_total,
+    topology,
+)
+from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "Once upon a time " * 20, "max_tokens": 8}
 
@@ -61,13 +70,10 @@ async def test_failed_prefill_in_parallel_mode_fails_fast_and_aborts_decode() ->
         assert elapsed < 2.0
         [d_record] = await topo.seen(topo.decodes[0])
         await wait_for_outcome(topo, topo.decodes[0], d_record["x_request_id"], "aborted")
-        ready = await topo.ready()
-        assert ready["identities"][f"127.0.0.1:{topo.prefills[0].port}"]["engine_id"] in (
-            None,
-            topo.prefills[0].engine_id,
-        )  # dropped, or already re-probed
         metrics = await topo.metrics()
         assert metrics[requests_total("prefill_error", "cache_hit", "parallel")] == 1
+        # dropped, whether or not a probe has learned it again since
+        assert metrics.get(identity_events(address(topo.prefills[0]), "dropped")) == 1
 
 
 async def test_prefill_4xx_is_passed_on_with_its_status() -> None:
@@ -100,7 +106,7 @@ async def test_client_disconnect_cancels_both_legs_and_keeps_the_identity() -> N
         [p_record] = await topo.seen(topo.prefills[0])
         await wait_for_outcome(topo, topo.prefills[0], p_record["x_request_id"], "aborted")
         await wait_for_outcome(topo, topo.decodes[0], p_record["x_request_id"], "aborted")
-        ready = await topo.ready()
+        ready = await topo.released()
         identity = ready["identities"][f"127.0.0.1:{topo.prefills[0].port}"]
         assert identity["engine_id"] == topo.prefills[0].engine_id
         for role in ("prefill", "decode"):
@@ -128,6 +134,35 @@ async def test_prefill_restart_under_a_request_gives_a_retryable_error_at_worst(
         assert d_records[-1]["body"]["kv_transfer_params"]["remote_engine_id"] == new_id
 
 
+PUSH_D_RECOMPUTE = PUSH_D[:-1] + ',"kv_load_failure_policy":"recompute"}'
+
+
+@pytest.mark.parametrize("decode", [PUSH_D, PUSH_D_RECOMPUTE], ids=["fail", "recompute"])
+async def test_streaming_request_just_after_a_prefill_restart_gets_503_before_any_200(
+    decode: str,
+) -> None:
+    # A streaming D sends its 200 headers at once; they must not pass before P's answer shows
+    # the restart. Health checks are slowed down so that each restart is first seen by the
+    # request; a high flap threshold keeps the endpoint parallel across the restarts.
+    config = {"dispatch": {"flap_threshold": 1000}, "health": {"interval_s": 30}}
+    async with topology(connectors=(PUSH_P, decode), **config) as topo:
+        stream = COMPLETION | {"stream": True}
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+        for _ in range(3):
+            await topo.sim(topo.prefills[0], "POST", "/sim/restart")
+            status, body, headers = await topo.post("/v1/completions", stream, timeout=10)
+            assert status == 503, body
+            assert headers.get("retry-after") == "1"
+            assert headers.get("content-type") == "application/json"
+            error = orjson.loads(body)["error"]
+            assert error["code"] == 503 and "restarted" in error["message"]
+        status, body, _ = await topo.post("/v1/completions", stream, timeout=10)
+        assert status == 200 and b'"error"' not in body and body.endswith(b"data: [DONE]\n\n")
+        metrics = await topo.metrics()
+        assert metrics[requests_total("identity_changed", "cache_hit", "parallel")] == 3
+
+
 async def test_prefill_restart_is_detected_before_any_request() -> None:
     async with topology() as topo:  # health checks every 0.5 s, probes on
         prefill = f"127.0.0.1:{topo.prefills[0].port}"
@@ -141,6 +176,11 @@ async def test_prefill_restart_is_detected_before_any_request() -> None:
         assert status == 200, body
         [(d_record)] = await topo.seen(topo.decodes[0])
         assert d_record["kv"] == "push-parallel"
+        # the KV came from the restarted P, and it is right: the answer is the aggregated one
+        assert d_record["kv_evidence"]["engine_ids"] == [new_state["engine_id"]]
+        assert generated_text("/v1/completions", body) == await topo.aggregated(
+            "/v1/completions", COMPLETION
+        )
         metrics = await topo.metrics()
         assert metrics[identity_events(prefill, "restarted")] == 1
 
@@ -170,6 +210,26 @@ async def test_decode_failure_cancels_prefill_and_reaches_the_client() -> None:
         assert status == 503, body
         [p_record] = await topo.seen(topo.prefills[0])
         await wait_for_outcome(topo, topo.prefills[0], p_record["x_request_id"], "aborted")
+        # the identity D was given is dropped: the next request learns it again
+        metrics = await topo.metrics()
+        assert metrics.get(identity_events(address(topo.prefills[0]), "dropped")) == 1
+
+
+async def test_decode_refusing_connections_is_replaced_by_envoys_retry_on_the_fallback() -> None:
+    # Health checks are slowed down so that the sidecar still picks the refusing engine first.
+    async with topology(n_decode=2, health={"interval_s": 30}) as topo:
+        down, up = topo.decodes
+        await topo.sim(
+            down, "POST", "/sim/faults", {"refuse_connections": True, "refuse_for_s": 30}
+        )
+        for _ in range(4):  # round robin: two of them pick the refusing engine first
+            status, body, _ = await topo.post("/v1/completions", COMPLETION)
+            assert status == 200, body
+        assert (await topo.ready())["decode"][address(down)]["healthy"] is True
+        # every request reached `up`, half of them as the fallback of the refusing engine
+        lists = sorted(r["headers"]["x-gateway-destination-endpoint"] for r in await topo.seen(up))
+        first_down, first_up = f"{address(down)},{address(up)}", f"{address(up)},{address(down)}"
+        assert lists == sorted([first_down, first_down, first_up, first_up]), lists
 
 
 async def test_unreachable_prefill_is_marked_down_and_skipped() -> None:
@@ -215,7 +275,7 @@ async def test_client_disconnect_mid_stream_cancels_decode_and_keeps_identity() 
             await response.content.readline()  # the first event: the stream is running
         [(d_record)] = await topo.seen(topo.decodes[0])
         await wait_for_outcome(topo, topo.decodes[0], d_record["x_request_id"], "aborted")
-        ready = await topo.ready()
+        ready = await topo.released()
         prefill = f"127.0.0.1:{topo.prefills[0].port}"
         assert ready["identities"][prefill]["engine_id"] == topo.prefills[0].engine_id
         assert all(e["in_flight"] == 0 for e in ready["decode"].values())
@@ -251,6 +311,8 @@ async def test_prefill_down_at_start_up_is_used_once_it_comes_up() -> None:
             assert status == 200, body
             [(d_record)] = await topo.seen(topo.decodes[0])
             assert d_record["kv"] == "push-parallel"
+            state = await topo.sim(prefill_engine, "GET", "/sim/state")
+            assert d_record["kv_evidence"]["engine_ids"] == [state["engine_id"]]
 
 
 async def take_only_prefill_down(topo: Topology) -> None:
@@ -272,9 +334,17 @@ async def test_no_healthy_prefill_is_a_retryable_503_by_default() -> None:
 async def test_no_healthy_prefill_can_fall_back_to_decode_only() -> None:
     async with topology(dispatch={"no_healthy_prefill": "decode_only"}) as topo:
         await take_only_prefill_down(topo)
-        status, body, _ = await topo.post("/v1/completions", COMPLETION)
-        assert status == 200, body
-        [d_record] = await topo.seen(topo.decodes[0])
-        assert "kv_transfer_params" not in d_record["body"]
+        # The client's own params, with nothing of the router's to overwrite them here (keys
+        # an engine serves anyway, so a leak shows in D's body), then under an escaped name.
+        params = {"do_remote_prefill": False, "client_only": {"nested": [1, {"deeper": "x"}]}}
+        plain = orjson.dumps(COMPLETION | {"kv_transfer_params": params})
+        escaped = plain.replace(b'"kv_transfer_params"', b'"kv\\u005ftransfer_params"')
+        for raw in (plain, escaped):
+            status, body, _ = await topo.post("/v1/completions", raw)
+            assert status == 200, body
+        records = await topo.seen(topo.decodes[0])
+        assert len(records) == 2
+        for record in records:
+            assert "kv_transfer_params" not in record["body"], record["body"]
         metrics = await topo.metrics()
-        assert metrics[requests_total("ok", "no_prefill", "decode_only")] == 1
+        assert metrics[requests_total("ok", "no_prefill", "decode_only")] == 2

@@ -10,7 +10,7 @@ import aiohttp
 
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
 from tests.integration.conftest import MODEL
-from vllmsim.testing import PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "A prompt that should travel by KV " * 10, "max_tokens": 2}
 KV_CHECK = {"interval_s": 0.3}

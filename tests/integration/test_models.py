@@ -8,7 +8,7 @@ import aiohttp
 
 from extproc.testing import ephemeral_config, running_sidecar
 from tests.integration.conftest import Topology, address
-from vllmsim.testing import PUSH_D, PUSH_P, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 
 async def test_each_model_uses_its_own_pools() -> None:

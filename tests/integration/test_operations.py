@@ -8,15 +8,27 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 import yaml
 
 from extproc.testing import scrape
-from tests.integration.conftest import MODEL, topology
+from tests.integration.conftest import MODEL, topology, until
 
 SLOW = ("--step-base-ms", "40")
+
+
+async def refuses_connections(url: str) -> bool:
+    parts = urlsplit(url)
+    try:
+        _, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    except ConnectionRefusedError:
+        return True
+    writer.close()
+    await writer.wait_closed()
+    return False
 
 
 async def test_sigterm_drains_open_streams_and_refuses_new_requests() -> None:
@@ -26,9 +38,11 @@ async def test_sigterm_drains_open_streams_and_refuses_new_requests() -> None:
         async with topo.session.post(topo.sidecar.url + "/v1/completions", json=body) as response:
             events.append(await response.content.readline())
             os.kill(topo.sidecar.pid, signal.SIGTERM)
-            await asyncio.sleep(0.3)  # Envoy has stopped its ingress listener by now
+            await until(lambda: refuses_connections(topo.sidecar.url), "the ingress to close")
             with pytest.raises(aiohttp.ClientConnectionError):
                 await topo.post("/v1/completions", {"model": MODEL, "prompt": "late"}, timeout=5)
+            async with topo.session.get(topo.sidecar.metrics + "/ready") as ready:
+                assert ready.status == 503 and (await ready.json())["draining"] is True
             async for line in response.content:
                 events.append(line)
         assert b"data: [DONE]\n" in events  # the open stream finished whole

@@ -2,6 +2,9 @@
 
 Which engine served a request is read from the engines' own request logs (GET /sim/requests);
 each test's prompts carry a marker ("session 3", "group 7") that names what it belongs to.
+The engines' ports are new on every run and the hashing policies hash them, so the sessions and
+prompt groups are chosen for this run's ports with the policy itself: the spread the tests
+assert is then certain, not a 1-in-1000 chance.
 """
 
 from __future__ import annotations
@@ -13,8 +16,14 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from tests.integration.conftest import MODEL, Topology, address, topology
-from vllmsim.testing import FAST, EngineHandle
+import orjson
+
+from extproc.policies import Picker, PickRequest, PrefixPicker, SessionPicker
+from extproc.pool import EndpointState
+from extproc.processor import _pick_request
+from extproc.request import Api, parse_request
+from tests.integration.conftest import MODEL, Topology, address, topology, until
+from vllmsim.launcher import FAST, EngineHandle
 
 FILLER = "The history of the lighthouse keepers on the northern coast is long. " * 6
 MARKER = re.compile(r"(session|group) (\d+)")
@@ -37,31 +46,48 @@ async def served_by(topo: Topology, engines: Iterable[EngineHandle]) -> dict[str
     return where
 
 
-async def completion(topo: Topology, prompt: str, **headers: str) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    status, text, _ = await topo.post("/v1/completions", body, headers=headers)
-    assert status == 200, text
+def completion_body(prompt: str) -> bytes:
+    return orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0})
 
 
-async def chat(topo: Topology, system: str, question: str) -> None:
+def chat_body(system: str, question: str) -> bytes:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
-    status, text, _ = await topo.post("/v1/chat/completions", body)
+    return orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0})
+
+
+async def completion(topo: Topology, prompt: str, **headers: str) -> None:
+    status, text, _ = await topo.post("/v1/completions", completion_body(prompt), headers=headers)
     assert status == 200, text
+
+
+def choice(picker: Picker, engines: list[EngineHandle], request: PickRequest) -> str:
+    """The engine `picker` gives `request` when all are idle (as for one request at a time)."""
+    return picker.pick([EndpointState(address(e)) for e in engines], request).address
+
+
+def first_spread(count: int, places: dict[int, tuple[str, ...]]) -> range:
+    """The first `count` consecutive keys whose places (one per pool) use every engine."""
+    for start in range(len(places) - count + 1):
+        keys = range(start, start + count)
+        if all(len({places[k][pool] for k in keys}) == 2 for pool in range(len(places[0]))):
+            return keys
+    raise AssertionError("no run of keys spreads over both engines")
 
 
 async def test_session_sticks_to_one_prefill_and_one_decode() -> None:
     policy = {"policy": "session"}
     async with topology(2, 2, engine_flags=FAST, prefill=policy, decode=policy) as topo:
+        places = {k: tuple(choice(SessionPicker(), engines, PickRequest(session=f"c-{k}"))
+                           for engines in (topo.prefills, topo.decodes))
+                  for k in range(100)}  # fmt: skip
+        sessions = first_spread(12, places)
         for turn in range(3):  # interleaved turns, as concurrent conversations arrive
-            for k in range(12):
+            for k in sessions:
                 prompt = f"session {k} turn {turn}: {FILLER}"
-                await completion(topo, prompt, **{"x-session-id": f"conversation-{k}"})
-        for engines in (topo.prefills, topo.decodes):
+                await completion(topo, prompt, **{"x-session-id": f"c-{k}"})
+        for pool, engines in enumerate((topo.prefills, topo.decodes)):
             where = await served_by(topo, engines)
-            assert len(where) == 12
-            assert all(len(addresses) == 1 for addresses in where.values()), where
-            # 12 conversations on one engine of two: probability 2/4096
+            assert where == {f"session {k}": {places[k][pool]} for k in sessions}, where
             assert len(set().union(*where.values())) == 2, where
 
 
@@ -74,19 +100,29 @@ async def test_requests_without_session_header_are_spread() -> None:
         assert len(set().union(*where.values())) == 2  # least_request fallback, not one hash
 
 
+def group_request(g: int, i: int) -> tuple[Api, bytes]:
+    """Group g's i-th request: > 256 bytes shared within the group; the question differs."""
+    shared = f"group {g}. {FILLER}"
+    if g % 2:
+        return Api.CHAT, chat_body(shared, f"question {i}")
+    return Api.COMPLETIONS, completion_body(f"{shared} question {i}")
+
+
 async def test_prefix_affinity_on_prefill() -> None:
     async with topology(2, 2, engine_flags=FAST, prefill={"policy": "prefix"}) as topo:
+        places: dict[int, tuple[str, ...]] = {}
+        for g in range(100):  # where the sidecar's own key for the body sends each group
+            wanted = _pick_request(parse_request(*group_request(g, 0), 1 << 20), None)
+            places[g] = (choice(PrefixPicker(), topo.prefills, wanted),)
+        groups = first_spread(11, places)  # odd: round robin would move a group's next request
         for i in range(3):
-            for g in range(11):  # odd: round robin sends a group's next request elsewhere
-                shared = f"group {g}. {FILLER}"  # > 256 bytes shared; the question differs
-                if g % 2:
-                    await chat(topo, shared, f"question {i}")
-                else:
-                    await completion(topo, f"{shared} question {i}")
+            for g in groups:
+                api, raw = group_request(g, i)
+                status, text, _ = await topo.post(api.value, raw)
+                assert status == 200, text
         prefill = await served_by(topo, topo.prefills)
-        assert len(prefill) == 11
-        assert all(len(addresses) == 1 for addresses in prefill.values()), prefill
-        assert len(set().union(*prefill.values())) == 2, prefill  # all on one: p = 2/2048
+        assert prefill == {f"group {g}": {places[g][0]} for g in groups}, prefill
+        assert len(set().union(*prefill.values())) == 2, prefill
         decode = await served_by(topo, topo.decodes)  # round robin there: no affinity
         assert all(len(addresses) == 2 for addresses in decode.values()), decode
 
@@ -105,7 +141,11 @@ async def test_power_of_two_avoids_the_engine_with_a_queue() -> None:
         loaded, idle = topo.decodes
         others = [asyncio.create_task(busy(topo, loaded)) for _ in range(4)]
         try:
-            await asyncio.sleep(1.0)  # several scrapes of the engines' num_requests_waiting
+
+            async def queue_seen() -> bool:  # the sidecar scraped num_requests_waiting
+                return (await topo.ready())["decode"][address(loaded)]["waiting"] >= 1
+
+            await until(queue_seen, "the loaded engine's queue in the sidecar's view")
             for k in range(10):
                 await completion(topo, f"session {k}: {FILLER}")
             where = await served_by(topo, topo.decodes)

@@ -44,6 +44,19 @@ async def test_envoy_talks_to_the_extproc_over_tls(tmp_path: Path, mutual: bool)
             stub = health_pb2_grpc.HealthStub(channel)
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+        # a TLS client that trusts the server but has no certificate: refused under mTLS only
+        ca = await asyncio.to_thread(Path(tls["ca_file"]).read_bytes)
+        server_ca = grpc.ssl_channel_credentials(ca)
+        name = [("grpc.ssl_target_name_override", "localhost")]
+        async with grpc.aio.secure_channel(topo.sidecar.extproc, server_ca, name) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2
+            )
+            if mutual:
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await check
+            else:
+                assert (await check).status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_extproc_serves_grpc_health_and_envoy_checks_it() -> None:

@@ -21,7 +21,7 @@ from extproc.config import parse_config
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
 from tests.integration.conftest import MODEL
-from vllmsim.testing import PUSH_D, PUSH_P, running_engine
+from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "split processes " * 10, "max_tokens": 4}
 
@@ -35,6 +35,7 @@ class Split:
         self.extproc: asyncio.subprocess.Process | None = None
         self.envoy: EnvoyProcess | None = None
         self.url = ""
+        self.metrics = ""  # the ext_proc's /metrics and /ready base URL
 
     async def start_extproc(self) -> None:
         ready = self.tmp / "ready.json"
@@ -47,6 +48,7 @@ class Split:
         )  # fmt: skip
         for _ in range(200):
             if ready.exists():
+                self.metrics = orjson.loads(ready.read_bytes())["metrics"]
                 return
             await asyncio.sleep(0.05)
         raise TimeoutError((self.tmp / "extproc.log").read_text())
@@ -74,20 +76,34 @@ class Split:
             except TimeoutError:
                 self.kill_extproc()
 
+    def log_text(self) -> str:
+        return (self.tmp / "extproc.log").read_text(errors="replace")
+
+    async def ready_state(self) -> dict:
+        return (await self.ready())[1]
+
+    async def ready(self) -> tuple[int, dict]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(self.metrics + "/ready", timeout=aiohttp.ClientTimeout(total=5)) as got,
+        ):
+            return got.status, orjson.loads(await got.read())
+
 
 @contextlib.asynccontextmanager
-async def split_topology() -> AsyncIterator[Split]:
+async def split_topology(decode_dns: str | None = None, **overrides: dict) -> AsyncIterator[Split]:
     async with (
         running_engine("--kv-transfer-config", PUSH_P) as p,
-        running_engine("--kv-transfer-config", PUSH_D) as d,
+        running_engine("--kv-transfer-config", PUSH_D, "--step-base-ms", "20") as d,
     ):
         with tempfile.TemporaryDirectory(prefix="pd-split-") as tmp:
             split = Split(Path(tmp), {
                 "prefill": {"endpoints": [f"127.0.0.1:{p.port}"]},
-                "decode": {"endpoints": [f"127.0.0.1:{d.port}"]},
+                "decode": {"endpoints": [f"127.0.0.1:{d.port}"], "dns": decode_dns},
                 "extproc": {"host": f"unix:{tmp}/extproc.sock"},
                 "metrics": {"port": 0},
                 "envoy": {"listen": {"port": 0}},
+                **overrides,
             })  # fmt: skip
             try:
                 await split.start_extproc()
@@ -141,3 +157,68 @@ async def test_envoy_restart_is_served_by_the_running_extproc() -> None:
         await split.start_envoy()
         await eventually_ok(split.url, within_s=10)
         assert split.extproc.returncode is None and split.extproc.pid == extproc_pid
+
+
+async def poll(check, what: str, within_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.perf_counter() + within_s
+    while not await check():
+        if time.perf_counter() > deadline:
+            raise AssertionError(f"not seen within {within_s} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_serve_reloads_its_config_on_sighup_and_keeps_serving() -> None:
+    async with split_topology() as split:
+        config = yaml.safe_load(split.config_path.read_text())
+        config["decode"]["policy"] = "least_request"
+        config["dispatch"] = {"probe": False}
+        split.config_path.write_text(yaml.safe_dump(config))
+        split.extproc.send_signal(signal.SIGHUP)
+
+        async def reloaded() -> bool:
+            return "configuration reloaded" in split.log_text()
+
+        await poll(reloaded, "the reload log line")
+        assert split.extproc.returncode is None
+        assert (await post(split.url))[0] == 200
+        split.config_path.write_text("decode: [not, a, pool]\n")
+        split.extproc.send_signal(signal.SIGHUP)
+
+        async def refused() -> bool:
+            return "reload refused" in split.log_text()
+
+        await poll(refused, "the refused reload")
+        assert (await post(split.url))[0] == 200  # the running config was kept
+
+
+async def test_serve_knows_discovered_members_before_it_answers() -> None:
+    """DNS members are resolved before the ready file exists, not one interval later."""
+    async with running_engine("--kv-transfer-config", PUSH_D) as extra:
+        overrides = {"discovery": {"interval_s": 600}}  # no second round during the test
+        async with split_topology(decode_dns=f"localhost:{extra.port}", **overrides) as split:
+            decodes = (await split.ready_state())["decode"]
+            assert f"127.0.0.1:{extra.port}" in decodes, decodes
+
+
+async def test_serve_drains_open_streams_on_sigterm_and_is_not_ready_meanwhile() -> None:
+    async with split_topology(timeouts={"drain_s": 10}) as split:
+        assert (await split.ready())[0] == 200
+        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 50, "stream": True}
+        events: list[bytes] = []
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(split.url + "/v1/completions", json=body) as response,
+        ):
+            events.append(await response.content.readline())
+            split.extproc.send_signal(signal.SIGTERM)
+
+            async def not_ready() -> bool:
+                status, state = await split.ready()
+                return status == 503 and state["draining"] is True
+
+            await poll(not_ready, "/ready answering 503 while the stream drains", within_s=5)
+            async for line in response.content:
+                events.append(line)
+        assert response.status == 200
+        assert b"data: [DONE]\n" in events  # the open stream finished whole
+        assert await asyncio.wait_for(split.extproc.wait(), 15) == 0

@@ -3,7 +3,8 @@
 At most one P/D pair runs at a time (each engine is ~3.25 GB): the session-wide `EnginePool`
 keeps the current pair and only restarts an engine whose spec changes. Tests are reordered so
 that those needing the same pair run together (push, then push with a plain decode, then pull),
-which keeps the whole suite to a handful of engine starts.
+which keeps the whole suite to a handful of engine starts. The contract tests end by killing D
+(vLLM's EngineCore dies on incomplete kv_transfer_params), so each runs last with its pair.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from scripts.real_vllm import (
 # waits for a push registration that never comes gives up in a minute, not eight.
 KV_EXTRA: dict[str, object] = {"kv_lease_duration": 10, "decoder_kv_blocks_ttl": 60}
 LEASE_S = 10
-PAIR_ORDER = ("push", "push_restart", "push_plain_decode", "pull")
+PAIR_ORDER = ("push", "push_restart", "push_contract", "push_plain_decode", "pull",
+              "pull_contract")
 MODEL = "tiny"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 
@@ -57,7 +59,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def specs_for(kind: str) -> tuple[EngineSpec, EngineSpec]:
-    if kind == "pull":
+    if kind.startswith("pull"):
         return pair_specs("pull", extra_kv_config=KV_EXTRA)
     return pair_specs("push", decode_connector=kind != "push_plain_decode",
                       extra_kv_config=KV_EXTRA)
@@ -90,6 +92,11 @@ class EnginePool:
             await asyncio.to_thread(wait_healthy, engine)
         roles = "+".join(s.role for s in specs)
         self.start_times.append((f"{kind} {roles}", time.monotonic() - started))
+
+    async def drop(self, role: str) -> None:
+        """Stop one engine (e.g. one a test killed); the next `get` starts it afresh."""
+        if (engine := self.engines.pop(role, None)) is not None:
+            await asyncio.to_thread(stop_engine, engine)
 
     async def close(self) -> None:
         for engine in self.engines.values():

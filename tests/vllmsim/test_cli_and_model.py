@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
-from vllmsim.testing import running_engine, running_engine_sync, vllmsim_command
+from vllmsim.launcher import running_engine, running_engine_sync, vllmsim_command
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from tests.vllmsim.vsim_helpers import PROMPT, eventually, get_json, metric, post
-from vllmsim.testing import FAST, PUSH_D, PUSH_P, running_engine
+from vllmsim.launcher import FAST, PUSH_D, PUSH_P, running_engine
 
 BODY = {"prompt": PROMPT, "max_tokens": 2}
 

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.vllmsim.vsim_helpers import (
     IDENTITY_KEYS,
@@ -18,16 +19,19 @@ from tests.vllmsim.vsim_helpers import (
     p_body,
     post,
 )
-from vllmsim.testing import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.launcher import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
-# Key order of the spec's §3.2 example (push) and the pull additions.
+# Key order of vLLM 0.33's prefill kv_transfer_params (push) and the pull additions.
 PUSH_KEYS = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
              "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
              "remote_num_tokens", "transfer_mode", "remote_prefill_cached_tokens"]  # fmt: skip
-PULL_KEYS = [*PUSH_KEYS[:-1], "remote_blocks_expiry_time", "remote_registration_generation",
-             "remote_prefill_cached_tokens"]  # fmt: skip
+PULL_KEYS = [*PUSH_KEYS[:-2], "remote_blocks_expiry_time", "transfer_mode",
+             "remote_registration_generation", "remote_prefill_cached_tokens"]  # fmt: skip
 INTERNAL_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError",
                             "param": None, "code": 500}}  # fmt: skip
+ENGINE_DEAD = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for "
+                                    "the root cause.", "type": "InternalServerError",
+                         "param": None, "code": 500}}  # fmt: skip
 
 
 def identity(p: EngineHandle, placeholder: str) -> dict[str, Any]:
@@ -37,7 +41,8 @@ def identity(p: EngineHandle, placeholder: str) -> dict[str, Any]:
             "pp_size": 1, "dcp_size": 1, "remote_request_id": placeholder}  # fmt: skip
 
 
-def d_body(params: dict[str, Any] | None, stream: bool = False, **extra: Any) -> dict[str, Any]:
+def d_body(params: dict[str, Any] | str | None, stream: bool = False,
+           **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 8,
                             "stream": stream, "kv_transfer_params": params, **extra}  # fmt: skip
     if stream:
@@ -157,12 +162,13 @@ async def test_push_wrong_engine_id(http: aiohttp.ClientSession) -> None:
         async with http.post(d.url + "/v1/completions", json=d_body(stale, stream=True)) as resp:
             assert resp.status == 200
             raw = await resp.read()
-        assert raw == b"data: " + json.dumps(INTERNAL_ERROR, separators=(",", ":")).encode() + \
-            b"\n\ndata: [DONE]\n\n"  # fmt: skip
+        # vLLM writes this one event with json.dumps' default separators
+        assert raw == b"data: " + json.dumps(INTERNAL_ERROR).encode() + b"\n\ndata: [DONE]\n\n"
         assert (await get_json(http, d, "/sim/state"))["blocks_used"] == 0
 
 
-async def test_push_missing_key_is_500(http: aiohttp.ClientSession) -> None:
+async def test_push_missing_key_is_engine_dead_error(http: aiohttp.ClientSession) -> None:
+    """vLLM's EngineCore dies on it: 500, or 200 then an error event when streamed."""
     async with (running_engine(*FAST, "--kv-transfer-config", PUSH_P) as p,
                 running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d):  # fmt: skip
         for key in ("remote_engine_id", "remote_host", "remote_port", "tp_size",
@@ -170,8 +176,22 @@ async def test_push_missing_key_is_500(http: aiohttp.ClientSession) -> None:
             params = identity(p, "x")
             del params[key]
             status, body = await post(http, d, "/v1/completions", d_body(params))
-            assert status == 500 and body == INTERNAL_ERROR, key
+            assert status == 500 and body == ENGINE_DEAD, key
+        async with http.post(d.url + "/v1/completions", json=d_body(params, stream=True)) as resp:
+            assert resp.status == 200
+            raw = await resp.read()
+        assert raw == b"data: " + json.dumps(ENGINE_DEAD).encode() + b"\n\ndata: [DONE]\n\n"
         assert "would crash" in d.log_text()
+
+
+async def test_kv_transfer_params_not_an_object_is_400(http: aiohttp.ClientSession) -> None:
+    async with running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d:
+        status, body = await post(http, d, "/v1/completions", d_body("nope"))
+    assert status == 400
+    assert body["error"] == {
+        "message": "1 validation error:\n  {'type': 'dict_type', 'loc': 'body.kv_transfer_params',"
+                   " 'msg': 'Input should be a valid dictionary', 'input': 'nope'}",
+        "type": "Bad Request", "param": "body.kv_transfer_params", "code": 400}
 
 
 async def test_lease_expiry_frees_blocks(http: aiohttp.ClientSession) -> None:
@@ -238,3 +258,15 @@ async def test_chat_push_parallel_and_path_mismatch(http: aiohttp.ClientSession)
         done, _ = await asyncio.wait({d_task}, timeout=0.5)
         assert not done, "a chat D leg must not pair with a completions P leg"
         d_task.cancel()
+
+
+@pytest.mark.parametrize("port", ["not-a-port", 1.5, True])
+async def test_push_port_that_is_no_number_fails_the_request(
+    http: aiohttp.ClientSession, port: object
+) -> None:
+    """The transfer fails as a stale engine id does; D never waits for ever."""
+    async with (running_engine(*FAST, "--kv-transfer-config", PUSH_P) as p,
+                running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d):  # fmt: skip
+        params = {**identity(p, "x"), "remote_port": port}
+        status, body = await asyncio.wait_for(post(http, d, "/v1/completions", d_body(params)), 10)
+        assert status == 500 and body == INTERNAL_ERROR

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from vllmsim.testing import EngineHandle
+from vllmsim.launcher import EngineHandle
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
 

@@ -66,6 +66,12 @@ class ConnectorBase:
             return {"ok": True, "engine_id": self.ident.engine_id, "transfer_mode": self.mode}
         return {"ok": False, "error": f"unknown message type {kind!r}"}
 
+    def transfer_block_ids(self, block_ids: list[int]) -> list[int]:
+        """The block ids a transfer served by this engine really touches: as asked, unless a
+        fault shifts them or leaves out the last ones."""
+        shifted = [b + self.faults.kv_block_offset for b in block_ids]
+        return shifted[: max(0, len(shifted) - self.faults.kv_truncate_blocks)]
+
     def engine_id_error(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         if msg.get("remote_engine_id") != self.ident.engine_id:
             return {"ok": False, "error": "Remote NIXL agent engine ID mismatch",

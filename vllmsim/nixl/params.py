@@ -22,6 +22,15 @@ PUSH_REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "tp_size",
 _RANDOM_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$")
 
 
+def side_channel_address(params: dict[str, Any]) -> tuple[str, int]:
+    """P's side channel from D's params; a port that is no integer fails the transfer (the
+    transfer's own error path), rather than an exception nobody awaits leaving D hanging."""
+    port = params["remote_port"]
+    if isinstance(port, bool) or not isinstance(port, int | str) or not str(port).isdigit():
+        raise ValueError(f"remote_port {port!r} is not a port number")
+    return str(params["remote_host"]), int(port)
+
+
 def base_request_id(request_id: str) -> str:
     """Strip one trailing `-<8 hex>` engine suffix, like vLLM's get_base_request_id."""
     return _RANDOM_SUFFIX_RE.sub("", request_id)
@@ -60,13 +69,25 @@ def prefill_params(
         "dcp_size": ident.dcp_size,
         "pp_size": ident.pp_size,
         "remote_num_tokens": num_tokens,
-        "transfer_mode": mode,
     }
-    if mode == "pull":
+    if mode == "pull":  # before transfer_mode, as in vLLM 0.32's pull scheduler
         params["remote_blocks_expiry_time"] = None
+    params["transfer_mode"] = mode
+    if mode == "pull":
         params["remote_registration_generation"] = registration_generation
     params["remote_prefill_cached_tokens"] = 0
     return params
+
+
+def block_group(value: Any) -> list[int] | None:
+    """The block ids of a `[[...]]` field (one list per KV-cache group; the simulator has one
+    group), or None when it is not that shape."""
+    if not isinstance(value, list) or not value or not isinstance(value[0], list):
+        return None
+    ids = value[0]
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
+        return None
+    return list(ids)
 
 
 def missing_keys(params: dict[str, Any], required: tuple[str, ...]) -> list[str]:

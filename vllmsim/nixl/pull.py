@@ -1,8 +1,11 @@
-"""Pull (READ) mode: D reads P's leased blocks, P answers when the READ would be done.
+"""Pull (READ) mode: D reads P's blocks, P answers when the READ would be done.
 
 P: `request_finished` leases the blocks and returns pull-shaped params.
-D: one `pull_read` message to P's side channel; P sleeps the bandwidth-modelled
-transfer time, releases the lease and replies; D decodes from its next step.
+D: one `pull_read` message to P's side channel naming the blocks to read (the
+`remote_block_ids` D was given); P sleeps the bandwidth-modelled transfer time, replies
+with what those blocks hold and releases the lease; D copies the content into its own
+blocks, in order, and decodes from its next step. Like a one-sided READ, P does not check
+that the blocks asked for belong to the request.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from typing import Any
 from vllmsim.cost_model import transfer_seconds
 from vllmsim.engine import SimRequest
 from vllmsim.kv_cache import Lease
+from vllmsim.kv_content import from_wire, to_wire
 from vllmsim.nixl import side_channel
 from vllmsim.nixl.base import ConnectorBase
-from vllmsim.nixl.params import prefill_params
+from vllmsim.nixl.params import block_group, prefill_params, side_channel_address
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +43,16 @@ class PullConnector(ConnectorBase):
         lease = self.leases.get(str(msg.get("remote_request_id")))
         if lease is None:
             return {"ok": False, "error": "unknown or expired request"}
+        block_ids = block_group(msg.get("remote_block_ids"))
+        if block_ids is None:
+            return {"ok": False, "error": "remote_block_ids is not a list of block id lists"}
         seconds = transfer_seconds(self.engine.cost, len(lease.blocks))
         await asyncio.sleep(seconds)
         self.record_transfer(len(lease.blocks), seconds)
+        blocks = to_wire(self.engine.pool.read(self.transfer_block_ids(block_ids)))
         self.leases.release(lease.request_id)
-        return {"ok": True, "num_blocks": len(lease.blocks)}
+        return {"ok": True, "num_blocks": len(blocks), "engine_id": self.ident.engine_id,
+                "blocks": blocks}  # fmt: skip
 
     async def _recv(self, req: SimRequest) -> None:
         p = req.remote or {}
@@ -57,12 +66,14 @@ class PullConnector(ConnectorBase):
         }
         started = time.monotonic()
         try:
-            reply = await side_channel.request(p["remote_host"], int(p["remote_port"]), msg,
-                                               self.latency_s, timeout=None)  # fmt: skip
-        except side_channel.SideChannelError as exc:
+            host, port = side_channel_address(p)
+            reply = await side_channel.request(host, port, msg, self.latency_s, timeout=None)
+        except (side_channel.SideChannelError, ValueError) as exc:
             reply = {"ok": False, "error": str(exc)}
         if reply.get("ok"):
             log.debug("pulled %s in %.1f ms", req.internal_id, 1e3 * (time.monotonic() - started))
-            self.engine.kv_ready(req, "pull")
+            received = from_wire(reply.get("blocks"), "pull", str(reply.get("engine_id")))
+            self.engine.pool.write(req.blocks, received)
+            self.engine.kv_ready(req)
         else:
             self.engine.kv_failed(req, str(reply.get("error")), self.recompute_on_failure)

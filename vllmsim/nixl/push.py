@@ -9,6 +9,9 @@ P: after its 1-token step the blocks are leased; on P's *next* step they reach t
    else by base id (one `-<8hex>` suffix stripped). Whichever arrives second triggers
    the WRITE: scenario 1 ("parallel": D registered while P was still prefilling) or
    scenario 2 ("serial": P finished first).
+The WRITE: P copies what its blocks hold into the block ids D registered, in order; the
+write_done message stands in for the RDMA write and its completion notif at once, so it
+carries the ids and the content. D stores it wherever those ids point, then decodes.
 """
 
 from __future__ import annotations
@@ -22,9 +25,16 @@ from typing import Any
 from vllmsim.cost_model import transfer_seconds
 from vllmsim.engine import SimRequest
 from vllmsim.kv_cache import Lease
+from vllmsim.kv_content import from_wire, to_wire
 from vllmsim.nixl import side_channel
 from vllmsim.nixl.base import ConnectorBase
-from vllmsim.nixl.params import base_request_id, prefill_params, transfer_id
+from vllmsim.nixl.params import (
+    base_request_id,
+    block_group,
+    prefill_params,
+    side_channel_address,
+    transfer_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +74,7 @@ class PushConnector(ConnectorBase):
         self._writer_wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._handshaken: set[tuple[str, int, str]] = set()
-        self._waiters: dict[str, asyncio.Future[str]] = {}
+        self._waiters: dict[str, asyncio.Future[None]] = {}
 
     # -- P side --------------------------------------------------------------------------
     def request_finished(self, req: SimRequest) -> dict[str, Any] | None:
@@ -137,9 +147,13 @@ class PushConnector(ConnectorBase):
         seconds = transfer_seconds(self.engine.cost, len(lease.blocks))
         await asyncio.sleep(seconds)  # the NIXL WRITE into D's blocks
         self.record_transfer(len(lease.blocks), seconds)
+        blocks = to_wire(self.engine.pool.read(lease.blocks))
         self.leases.release(lease.request_id)
+        d_blocks = block_group(reg.msg.get("local_block_ids")) or []
+        targets = self.transfer_block_ids(d_blocks[: len(blocks)])
         notif = {"type": "write_done", "request_id": reg.request_id, "scenario": scenario,
-                 "engine_id": self.ident.engine_id}  # fmt: skip
+                 "engine_id": self.ident.engine_id, "local_block_ids": [targets],
+                 "blocks": blocks[: len(targets)]}  # fmt: skip
         try:
             await side_channel.request(str(reg.msg["decode_host"]), int(reg.msg["decode_port"]),
                                        notif, self.latency_s)  # fmt: skip
@@ -151,8 +165,13 @@ class PushConnector(ConnectorBase):
     def _on_write_done(self, msg: dict[str, Any]) -> dict[str, Any]:
         fut = self._waiters.pop(str(msg.get("request_id")), None)
         if fut is None or fut.done():
+            # The request is gone and its blocks may already serve another one: the
+            # simulator drops the write (it frees an aborted request's blocks at once).
             return {"ok": False, "error": "unknown request"}
-        fut.set_result(str(msg.get("scenario", "serial")))
+        origin = f"push-{msg.get('scenario', 'serial')}"
+        received = from_wire(msg.get("blocks"), origin, str(msg.get("engine_id")))
+        self.engine.pool.write(block_group(msg.get("local_block_ids")) or [], received)
+        fut.set_result(None)
         return {"ok": True}
 
     def abort(self, req: SimRequest) -> None:
@@ -163,20 +182,20 @@ class PushConnector(ConnectorBase):
 
     async def _recv(self, req: SimRequest) -> None:
         p = req.remote or {}
-        host, port, eid = str(p["remote_host"]), int(p["remote_port"]), str(p["remote_engine_id"])
         try:
-            await self._handshake(host, port, eid)
-            fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            host, port = side_channel_address(p)
+            await self._handshake(host, port, str(p["remote_engine_id"]))
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters[req.internal_id] = fut
             reply = await side_channel.request(host, port, self._registration(req), self.latency_s)
             if not reply.get("ok"):
                 raise side_channel.SideChannelError(str(reply.get("error")))
-        except side_channel.SideChannelError as exc:
+        except (side_channel.SideChannelError, ValueError) as exc:
             self._waiters.pop(req.internal_id, None)
             self.engine.kv_failed(req, f"push_reg failed: {exc}", self.recompute_on_failure)
             return
-        scenario = await fut  # no server-side timeout, as in vLLM 0.33
-        self.engine.kv_ready(req, f"push-{scenario}")
+        await fut  # no server-side timeout, as in vLLM 0.33
+        self.engine.kv_ready(req)
 
     async def _handshake(self, host: str, port: int, engine_id: str) -> None:
         """One-time D->P handshake per P engine; a different id is a failed recv."""

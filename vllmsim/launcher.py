@@ -1,4 +1,5 @@
-"""Start real `vllmsim` processes for tests: ``async with running_engine(*flags) as eng``.
+"""Start real `vllmsim` processes (tests, scripts, benchmarks, `pd-extproc demo`): ``async with
+running_engine(*flags) as eng``.
 
 Each engine gets ``--port 0 --port-file`` and, unless `env` says otherwise, an
 ephemeral side-channel port on 127.0.0.1. The helper waits for the port file (with a
@@ -61,7 +62,8 @@ def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
 
 def _read_port_file(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())
+        ports: dict[str, Any] = json.loads(path.read_text())
+        return ports
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 

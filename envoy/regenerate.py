@@ -1,8 +1,10 @@
-"""Write every Envoy configuration in deploy/ and examples/ that is rendered from a pd-extproc
-config, so they never drift from what `pd-extproc render-envoy` produces.
+"""Write every Envoy configuration rendered from a pd-extproc config: the golden files in
+envoy/, and the copies the Kubernetes examples need beside their kustomization.yaml (kustomize
+reads files from its own folder only). They never drift from what `pd-extproc render-envoy`
+produces: tests/deploy runs the check.
 
-    python examples/regenerate.py          # rewrite the files
-    python examples/regenerate.py --check  # exit 1 and name the stale files (tests do this)
+    python envoy/regenerate.py          # rewrite the files
+    python envoy/regenerate.py --check  # exit 1 and name the stale files (tests do this)
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from extproc.cli import main as cli_main
 from extproc.config import Config, load_config
-from extproc.envoy_config import render_bootstrap, render_snippet, render_yaml
+from extproc.envoy_config import render_yaml, render_yaml_documents
+from extproc.envoy_render.common import HCM_FILTER, HCM_TYPE
+from extproc.envoy_render.pieces import EnvoyPieces, envoy_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+GOLDEN = ROOT / "envoy"
 PREFILL_LISTENER = "127.0.0.1:10001"
 # The Istio gateway serves the LLM API on this host (Gateway server port 80 → pod port 8080).
 ISTIO_HOSTS = ["llm.example.com", "llm.example.com:*"]
@@ -47,21 +50,27 @@ def _snippet(config: Path) -> str:
 
 
 def _dump(header: str, documents: list[dict[str, Any]]) -> str:
-    body = yaml.safe_dump_all(documents, sort_keys=False, width=100)
-    return header + body
+    return header + render_yaml_documents(documents)
 
 
 def prefill_only_envoy(config: Path) -> dict[str, Any]:
     """Envoy Gateway runs the ext_proc in its own pod: a small Envoy there keeps the prefill
     listener on loopback, with only the prefill listener and prefill_pool."""
     cfg = load_config(config)
-    pieces = render_snippet(cfg, f"127.0.0.1:{cfg.extproc.port}", PREFILL_LISTENER)
-    pool = [c for c in pieces["clusters"] if c["name"] == "prefill_pool"]
+    pieces = _pieces(cfg)
     admin = cfg.envoy.admin
     return {
         "admin": {"address": {"socket_address": {"address": admin.host, "port_value": admin.port}}},
-        "static_resources": {"listeners": pieces["listeners"], "clusters": pool},
+        "static_resources": {
+            "listeners": [pieces.prefill_listener],
+            "clusters": [pieces.prefill_pool],
+        },
     }
+
+
+def _pieces(cfg: Config) -> EnvoyPieces:
+    """The pieces for an ext_proc beside Envoy in one pod (loopback gRPC)."""
+    return envoy_pieces(cfg, f"127.0.0.1:{cfg.extproc.port}", PREFILL_LISTENER)
 
 
 def _istio_patch(apply_to: str, match: dict[str, Any], operation: str, value: Any) -> dict:
@@ -69,33 +78,24 @@ def _istio_patch(apply_to: str, match: dict[str, Any], operation: str, value: An
             "patch": {"operation": operation, "value": value}}  # fmt: skip
 
 
-def _llm_routes(cfg: Config, address: str) -> list[dict[str, Any]]:
-    """The ingress routes `pd-extproc up` would run (LLM paths, passthrough, 404)."""
-    listener = render_bootstrap(cfg, address, PREFILL_LISTENER)["static_resources"]["listeners"][0]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm["route_config"]["virtual_hosts"][0]["routes"]
-
-
-_GATEWAY_HCM = {
-    "filter": {
-        "name": "envoy.filters.network.http_connection_manager",
-        "subFilter": {"name": "envoy.filters.http.router"},
-    }
-}
+_GATEWAY_HCM = {"filter": {"name": HCM_FILTER, "subFilter": {"name": "envoy.filters.http.router"}}}
 
 
 def istio_envoyfilter(config: Path) -> dict[str, Any]:
     cfg = load_config(config)
-    address = f"127.0.0.1:{cfg.extproc.port}"  # the pd-extproc container in the gateway pod
-    pieces = render_snippet(cfg, address, PREFILL_LISTENER)
+    pieces = _pieces(cfg)  # the pd-extproc container is in the gateway pod
     on_gateway_http = {"listener": {"portNumber": ISTIO_GATEWAY_POD_PORT,
                                     "filterChain": _GATEWAY_HCM}}  # fmt: skip
-    vhost = {"name": "pd-extproc-llm", "domains": ISTIO_HOSTS, "routes": _llm_routes(cfg, address)}
+    vhost = {"name": "pd-extproc-llm", "domains": ISTIO_HOSTS, "routes": pieces.ingress_routes}
     on_gateway_routes = {"routeConfiguration": {"portNumber": ISTIO_GATEWAY_SERVER_PORT}}
+    on_gateway_hcm = {"listener": {"portNumber": ISTIO_GATEWAY_POD_PORT,
+                                   "filterChain": {"filter": {"name": HCM_FILTER}}}}  # fmt: skip
+    path_handling = {"typed_config": {"@type": HCM_TYPE, **pieces.ingress_hcm_settings}}
     patches = [
-        _istio_patch("HTTP_FILTER", on_gateway_http, "INSERT_BEFORE", pieces["http_filters"][0]),
-        *(_istio_patch("CLUSTER", {}, "ADD", c) for c in pieces["clusters"]),
-        _istio_patch("LISTENER", {}, "ADD", pieces["listeners"][0]),
+        _istio_patch("NETWORK_FILTER", on_gateway_hcm, "MERGE", path_handling),
+        _istio_patch("HTTP_FILTER", on_gateway_http, "INSERT_BEFORE", pieces.ext_proc_filter),
+        *(_istio_patch("CLUSTER", {}, "ADD", c) for c in pieces.clusters),
+        _istio_patch("LISTENER", {}, "ADD", pieces.prefill_listener),
         _istio_patch("VIRTUAL_HOST", on_gateway_routes, "ADD", vhost),
     ]
     return {
@@ -107,23 +107,20 @@ def istio_envoyfilter(config: Path) -> dict[str, Any]:
 
 
 _ISTIO_HEADER = """\
-# Generated by examples/regenerate.py from examples/istio/pd-extproc.yaml: do not edit by hand.
+# Generated by envoy/regenerate.py from examples/istio/pd-extproc.yaml: do not edit by hand.
 # Inserts pd-extproc into the Istio ingress gateway labelled app=llm-gateway (examples/istio/
-# gateway.yaml): the ext_proc filter before the router, the pd_extproc / decode_pool /
-# prefill_pool clusters, the loopback prefill listener and a virtual host for the LLM API.
+# gateway.yaml): path normalisation on its HTTP connection manager, the ext_proc filter before
+# the router, the pd_extproc / decode_pool / prefill_pool clusters, the loopback prefill listener
+# and a virtual host for the LLM API.
 """
 
 
 def expected() -> dict[Path, str]:
     """Every generated file → its content."""
     return {
-        ROOT / "deploy" / "envoy.yaml": _bootstrap(ROOT / "deploy" / "pd-extproc.yaml"),
-        EXAMPLES / "plain-envoy" / "envoy.yaml": _bootstrap(
-            EXAMPLES / "plain-envoy" / "pd-extproc.yaml"
-        ),
-        EXAMPLES / "plain-envoy" / "snippet.yaml": _snippet(
-            EXAMPLES / "plain-envoy" / "pd-extproc.yaml"
-        ),
+        GOLDEN / "compose-bootstrap.yaml": _bootstrap(ROOT / "deploy" / "pd-extproc.yaml"),
+        GOLDEN / "bootstrap.yaml": _bootstrap(EXAMPLES / "plain-envoy" / "pd-extproc.yaml"),
+        GOLDEN / "snippet.yaml": _snippet(EXAMPLES / "plain-envoy" / "pd-extproc.yaml"),
         EXAMPLES / "kubernetes" / "envoy.yaml": _bootstrap(
             EXAMPLES / "kubernetes" / "pd-extproc.yaml"
         ),
@@ -141,7 +138,7 @@ def main(argv: list[str]) -> int:
     stale = [path for path, text in files.items() if _read(path) != text]
     if "--check" in argv:
         for path in stale:
-            print(f"stale: {path.relative_to(ROOT)} (run: python examples/regenerate.py)")
+            print(f"stale: {path.relative_to(ROOT)} (run: python envoy/regenerate.py)")
         return 1 if stale else 0
     for path in stale:
         path.write_text(files[path])

@@ -1,0 +1,71 @@
+"""What every policy shares: the request it may look at, the endpoint state it reads, its shape.
+
+Policies read endpoint state through the small `Endpoint` protocol, not the pool's class, so the
+pool depends on the policies and never the other way round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["Endpoint", "NoOptions", "PickRequest", "Picker", "hrw_order"]
+
+
+@dataclass(frozen=True, slots=True)
+class PickRequest:
+    """What a policy may look at; built once per request by the processor."""
+
+    model: str = ""
+    session: str | None = None  # the value of the configured session header, if sent
+    prefix: bytes = field(default=b"", repr=False)  # the start of the raw prompt/messages JSON
+
+
+class Endpoint(Protocol):
+    """The state of one endpoint that policies read (the pool owns and updates it)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def in_flight(self) -> int: ...  # requests this ext_proc has in flight there
+    @property
+    def waiting(self) -> float: ...  # the engine's queue at the last scrape
+    @property
+    def kv_usage(self) -> float: ...  # the engine's KV cache fill (0-1) at the last scrape
+
+
+E = TypeVar("E", bound=Endpoint)
+
+
+class Picker(Protocol):
+    """One healthy endpoint of `candidates` (never empty: the pool filters unhealthy ones)."""
+
+    def pick(self, candidates: Sequence[E], request: PickRequest) -> E: ...
+
+
+class NoOptions(BaseModel):
+    """The options of a policy that has none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def hrw_order(key: bytes, candidates: Sequence[E]) -> list[E]:
+    """Rendezvous (highest random weight) order of the candidates for `key`.
+
+    Each (key, endpoint) pair gets an independent pseudo-random weight; the key belongs to
+    the endpoint with the highest. Removing an endpoint moves only the keys it had (each to
+    its own second choice, so they spread evenly); adding one takes ~1/n of every other's.
+    The hash is blake2b, never Python's `hash()`: that one is salted per process, and
+    stickiness must survive a restart of the sidecar and agree between replicas of it.
+    """
+    digest = hashlib.blake2b(key, digest_size=16).digest()
+    return sorted(candidates, key=lambda c: _hrw_weight(digest, c.address), reverse=True)
+
+
+def _hrw_weight(key: bytes, address: str) -> int:
+    mixed = hashlib.blake2b(key + address.encode(), digest_size=8).digest()
+    return int.from_bytes(mixed, "big")

@@ -1,0 +1,39 @@
+"""Which engines the scraper fetches, and how often: address → interval in seconds.
+
+- every member of every pool whose policy needs engine load (the top-level pools and each
+  `models:` group alike), at that pool's `load_interval_s`;
+- every decode engine at `kv_check.interval_s`, when the KV check is on.
+An engine wanted by several gets the smallest interval. Prefill engines are also scraped by
+the health checker every `health.interval_s` (restart detection rides on that fetch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from extproc.config import Config
+from extproc.roles import Role
+
+__all__ = ["scrape_plan"]
+
+
+def scrape_plan(
+    config: Config,
+    members: Mapping[str, Mapping[Role, Collection[str]]],
+    decodes: Collection[str],
+) -> dict[str, float]:
+    """`members`: model ("" for the top-level pools) → role → its current members."""
+    plan: dict[str, float] = {}
+
+    def want(addresses: Collection[str], interval_s: float) -> None:
+        for address in addresses:
+            plan[address] = min(plan.get(address, interval_s), interval_s)
+
+    for model, group in config.groups().items():
+        for role in Role:
+            pool = getattr(group, role)
+            if pool.needs_load and model in members:
+                want(members[model].get(role, ()), pool.load_interval_s)
+    if config.kv_check.enabled:
+        want(decodes, config.kv_check.interval_s)
+    return plan

@@ -1,0 +1,370 @@
+"""Config → the live objects one ext_proc process shares between its streams.
+
+This is the only module that names concrete classes; everything else receives what it needs
+through its constructor (often a small Protocol the consumer declares) and imports nothing
+from here. A reload builds the config-derived state anew and swaps it in; `RELOAD` says how
+each setting is taken, and a setting that needs a restart is reported, never skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import aiohttp
+
+from extproc.config import Config, DispatchMode, PoolConfig
+from extproc.discovery import Discovery
+from extproc.errors import NoHealthyDecode, NoHealthyPrefill
+from extproc.health import HealthChecker
+from extproc.identity import IdentityCache
+from extproc.kv_check import KvCheck
+from extproc.load import EngineLoad
+from extproc.metrics import Metrics
+from extproc.policies import Picker, PickRequest, build_picker
+from extproc.pool import EndpointState, Pool
+from extproc.prefill_leg import PrefillClient
+from extproc.probe import Prober
+from extproc.processor import RequestDeps
+from extproc.restarts import RestartDetector
+from extproc.roles import Role
+from extproc.scrape_plan import scrape_plan
+from extproc.scraper import EngineScraper
+from extproc.strategies import LegServices
+from extproc.tracing import Tracing
+
+__all__ = ["RELOAD", "Runtime"]
+
+log = logging.getLogger("extproc")
+
+LIVE = "live"  # read from the current config where it is used
+REBUILT = "rebuilt"  # config-derived state, built anew by a reload and swapped in
+RESTART = "restart"  # fixed at start (Envoy's bootstrap, listeners, logging, the tracer)
+
+# How a reload takes each setting: a section, or "section.field" where the fields differ.
+# tests/extproc/test_wiring.py checks that every field of Config is covered.
+RELOAD: dict[str, str] = {
+    "prefill": REBUILT,  # policies, per-endpoint modes; members through discovery
+    "decode": REBUILT,
+    "models": REBUILT,
+    "dispatch": LIVE,
+    "dispatch.mode": REBUILT,
+    "dispatch.flap_threshold": REBUILT,  # the identity cache's flap settings
+    "dispatch.flap_window_s": REBUILT,
+    "dispatch.serial_cooldown_s": REBUILT,
+    "engines": LIVE,
+    "timeouts": LIVE,
+    # rendered into Envoy's bootstrap
+    "timeouts.connect_s": RESTART,
+    "timeouts.extproc_message_s": RESTART,
+    "timeouts.kv_wait_s": RESTART,
+    "timeouts.prefill_s": RESTART,
+    "health": LIVE,
+    "kv_check": LIVE,  # its loop runs always; a round does nothing while disabled
+    "discovery": LIVE,  # likewise: a round re-reads the sources the config names now
+    "log": LIVE,
+    "log.format": RESTART,  # the log handlers are set up once
+    "tracing": RESTART,  # the exporter is set up once; spans in flight belong to it
+    "limits": RESTART,  # Envoy's buffer sizes
+    "extproc": RESTART,
+    "metrics": RESTART,
+    "envoy": RESTART,
+}
+
+
+def needs_restart(old: Config, new: Config) -> list[str]:
+    """The settings that differ between `old` and `new` and take a restart to apply."""
+    changed = []
+    for key, rule in RELOAD.items():
+        if rule != RESTART:
+            continue
+        section, _, field = key.partition(".")
+        before, after = getattr(old, section), getattr(new, section)
+        if field:
+            before, after = getattr(before, field), getattr(after, field)
+        if before != after:
+            changed.append(key)
+    return changed
+
+
+@dataclass
+class ModelGroup:
+    """One model's view of the shared pools: its members and its policies, per role."""
+
+    name: str
+    members: dict[Role, set[str]]
+    pickers: dict[Role, Picker]
+
+
+def _picker(pool: PoolConfig) -> Picker:
+    return build_picker(pool.policy, pool.options)
+
+
+def _model_groups(config: Config) -> dict[str, ModelGroup]:
+    return {
+        name: ModelGroup(
+            name,
+            {Role.PREFILL: set(group.prefill.addresses), Role.DECODE: set(group.decode.addresses)},
+            {Role.PREFILL: _picker(group.prefill), Role.DECODE: _picker(group.decode)},
+        )
+        for name, group in config.groups().items()
+    }
+
+
+def _endpoint_modes(config: Config) -> dict[str, DispatchMode]:
+    return {
+        endpoint.address: endpoint.mode
+        for pool in config.pool_configs(Role.PREFILL)
+        for endpoint in pool.endpoints
+        if endpoint.mode is not None
+    }
+
+
+def _endpoint_view(state: EndpointState) -> dict[str, object]:
+    return {"healthy": state.healthy, "in_flight": state.in_flight,
+            "waiting": state.waiting, "kv_usage": state.kv_usage}  # fmt: skip
+
+
+class Runtime:
+    def __init__(self, config: Config, prefill_listener: str) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        dispatch = config.dispatch
+        self.identities = IdentityCache(
+            dispatch.flap_threshold,
+            dispatch.flap_window_s,
+            dispatch.serial_cooldown_s,
+            on_event=self._identity_event,
+        )
+        settings = self._current_config
+        self.groups = _model_groups(config)
+        self._modes = _endpoint_modes(config)
+        self.prefill = Pool(
+            Role.PREFILL,
+            config.static_addresses(Role.PREFILL),
+            _picker(config.prefill),
+            on_change=self._endpoint_changed(Role.PREFILL),
+        )
+        self.decode = Pool(
+            Role.DECODE,
+            config.static_addresses(Role.DECODE),
+            _picker(config.decode),
+            on_change=self._endpoint_changed(Role.DECODE),
+        )
+        for pool in (self.prefill, self.decode):
+            for state in pool:
+                self._endpoint_changed(pool.role)(state)
+        self.prefill_client = PrefillClient(prefill_listener, config.timeouts.connect_s)
+        prober = Prober(
+            self.prefill_client, self.identities, self.decode,
+            lambda prefill: self.group_of(Role.PREFILL, prefill).members[Role.DECODE],
+            self.metrics, settings,
+        )  # fmt: skip
+        self.kv_check = KvCheck(
+            lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses
+        )
+        self.restarts = RestartDetector(lambda a: a in self.prefill.addresses, self._restarted)
+        self.scraper = EngineScraper(
+            lambda: self._session,
+            lambda: scrape_plan(
+                self.config,
+                {name: g.members for name, g in self.groups.items()},
+                self.decode.addresses,
+            ),
+            lambda: self.config.health.timeout_s,
+            [self.restarts, EngineLoad(self._endpoint_state), self.kv_check],
+        )
+        probe_refused: set[str] = set()  # endpoints that refused the probe's API key
+        self.health = HealthChecker(
+            lambda: self.config.health,
+            self.prefill,
+            self.decode,
+            self.identities,
+            self.scraper.scrape,
+            lambda session, a: prober.probe(session, a, probe_refused),
+            lambda: self.config.dispatch.probe,
+        )
+        self.discovery = Discovery(self, settings)
+        self.tracing = Tracing(config.tracing)
+        self.request_deps = RequestDeps(
+            LegServices(
+                self.prefill_client,
+                self.identities,
+                lambda prefill: self.prefill.set_healthy(prefill, False),
+                self.kv_check.note_dispatch,
+                self.metrics,
+                settings,
+            ),
+            self.pick,
+            self.prefill_mode,
+            self.tracing.request,
+            self.metrics,
+            settings,
+        )
+        # Called with (role, members) when a pool's membership changes (up: EDS for Envoy).
+        self.on_members: Callable[[Role, list[str]], None] = lambda role, members: None
+        self._session: aiohttp.ClientSession | None = None
+        self.active_streams = 0  # Envoy streams being processed (= requests in flight)
+        self.idle = asyncio.Event()  # set while no stream is open (drain waits on it)
+        self.idle.set()
+        self.serving = False  # set once start() has run: health known, probes settled
+        self.draining = False  # set when shutdown begins: no new requests from here on
+
+    @contextlib.contextmanager
+    def stream(self) -> Iterator[None]:
+        """Count one open Envoy stream for the whole of its processing."""
+        self.active_streams += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.active_streams -= 1
+            if not self.active_streams:
+                self.idle.set()
+
+    def _current_config(self) -> Config:
+        return self.config
+
+    def _identity_event(self, endpoint: str, event: str) -> None:
+        self.metrics.identity_events.labels(endpoint, event).inc()
+        if event in ("changed", "flapping", "dropped"):
+            log.info("prefill %s: identity %s", endpoint, event)
+
+    def _restarted(self, address: str) -> None:
+        """A new process start time: the prefill identity is stale before any request."""
+        self.metrics.identity_events.labels(address, "restarted").inc()
+        self.identities.drop(address)
+
+    def _endpoint_state(self, address: str) -> EndpointState | None:
+        return next((s for pool in (self.prefill, self.decode) for s in pool
+                     if s.address == address), None)  # fmt: skip
+
+    def _endpoint_changed(self, role: Role) -> Callable[[EndpointState], None]:
+        def record(state: EndpointState) -> None:
+            self.metrics.inflight.labels(role, state.address).set(state.in_flight)
+            self.metrics.healthy.labels(role, state.address).set(1 if state.healthy else 0)
+
+        return record
+
+    def prefill_mode(self, address: str) -> DispatchMode:
+        """The endpoint's own `mode:` or dispatch.mode (precomputed: asked per request)."""
+        return self._modes.get(address, self.config.dispatch.mode)
+
+    def group(self, model: str) -> ModelGroup:
+        """The pools that serve `model` (the default group for models not configured)."""
+        return self.groups.get(model) or self.groups[""]
+
+    def pick(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
+        """D (then its fallbacks) and P for a request, each counted in flight until
+        `inflight` closes; no P (decode-only) when none is healthy and that is allowed."""
+        group = self.group(wanted.model)
+        decodes = self.decode.pick_with_fallback(
+            wanted, group.members[Role.DECODE], group.pickers[Role.DECODE]
+        )
+        if not decodes:
+            raise NoHealthyDecode(503, "no healthy decode endpoint; retry later", retry_after_s=1)
+        inflight.enter_context(self.decode.track(decodes[0]))
+        prefill = self.prefill.pick(
+            wanted, group.members[Role.PREFILL], group.pickers[Role.PREFILL]
+        )
+        if prefill is not None:
+            inflight.enter_context(self.prefill.track(prefill))
+            return [d.address for d in decodes], prefill.address
+        if self.config.dispatch.no_healthy_prefill == "decode_only":
+            return [d.address for d in decodes], None
+        raise NoHealthyPrefill(503, "no healthy prefill endpoint; retry later", retry_after_s=1)
+
+    def group_of(self, role: Role, address: str) -> ModelGroup:
+        return next((g for g in self.groups.values() if address in g.members[role]),
+                    self.groups[""])  # fmt: skip
+
+    def set_group_members(self, model: str, role: Role, members: list[str]) -> None:
+        self.groups[model].members[role] = set(members)
+
+    def pool(self, role: Role) -> Pool:
+        return self.prefill if role == Role.PREFILL else self.decode
+
+    def set_members(self, role: Role, members: list[str]) -> None:
+        """Apply a pool's membership from discovery or a reload."""
+        pool = self.pool(role)
+        added, removed = pool.update(members)
+        for address in removed:
+            log.info("%s %s left the pool", role, address)
+            self.identities.forget(address)
+            self.kv_check.forget(address)
+            self.restarts.forget(address)
+            self.metrics.forget_endpoint(role, address)
+        for address in added:
+            log.info("%s %s joined the pool", role, address)
+        if added or removed:
+            self.on_members(role, pool.addresses)
+            if self._session is not None:
+                self.health.check_soon()  # new members are unhealthy until checked
+
+    async def discover(self) -> None:
+        """The first membership, before Envoy starts (it reads the EDS files written here)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        await self.discovery.refresh(self._session)
+
+    def reload(self, config: Config) -> list[str]:
+        """Take a new config for new requests; returns the settings that need a restart.
+
+        Everything is built before anything is swapped, so a failure leaves the old state.
+        """
+        restart = needs_restart(self.config, config)
+        groups, modes = _model_groups(config), _endpoint_modes(config)
+        prefill_policy, decode_policy = _picker(config.prefill), _picker(config.decode)
+        dispatch = config.dispatch
+        self.config, self.groups, self._modes = config, groups, modes
+        self.prefill.set_policy(prefill_policy)
+        self.decode.set_policy(decode_policy)
+        self.identities.set_flap_limits(
+            dispatch.flap_threshold, dispatch.flap_window_s, dispatch.serial_cooldown_s
+        )
+        return restart
+
+    async def start(self) -> None:
+        """Health checks, identity probes, KV checks, discovery; once Envoy is serving."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        self.discovery.start(self._session)
+        await self.health.start(self._session)
+        await self.scraper.start()
+        await self.health.probes_settled(self.config.timeouts.probe_s)
+        self.serving = True
+
+    async def stop(self) -> None:
+        await self.discovery.stop()
+        await self.scraper.stop()
+        await self.health.stop()
+        await self.prefill_client.close()
+        if self._session is not None:
+            await self._session.close()
+        await asyncio.to_thread(self.tracing.shutdown)  # flushes the last spans
+
+    def engines_ready(self) -> bool:
+        """A request can be dispatched now: a healthy decode engine, and a healthy prefill
+        one unless dispatch.no_healthy_prefill lets the decode prefill itself."""
+        decode = any(s.healthy for s in self.decode)
+        prefill = any(s.healthy for s in self.prefill)
+        return decode and (prefill or self.config.dispatch.no_healthy_prefill == "decode_only")
+
+    def readiness(self) -> dict[str, object]:
+        """What /ready shows. `ready` is "this process answers Envoy", not "an engine is up":
+        with no healthy engine the ext_proc still answers every request (a JSON 503), which
+        a pod taken out of its Service could not do. Engine health is in `engines_ready`."""
+        return {
+            "ready": self.serving and not self.draining,
+            "draining": self.draining,
+            "engines_ready": self.engines_ready(),
+            "active_streams": self.active_streams,
+            "prefill": {s.address: _endpoint_view(s) for s in self.prefill},
+            "decode": {s.address: _endpoint_view(s) for s in self.decode},
+            "identities": self.identities.snapshot(),
+            "decode_kv": self.kv_check.snapshot(),
+        }

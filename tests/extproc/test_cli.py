@@ -1,0 +1,82 @@
+"""The command line: flags in either place, --version, one rule for the prefill listener."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.cli import main
+
+
+def write_config(tmp_path: Path, **envoy: object) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({
+        "prefill": {"endpoints": ["127.0.0.1:8100"]}, "decode": {"endpoints": ["127.0.0.1:8200"]},
+        "envoy": envoy,
+    }))  # fmt: skip
+    return path
+
+
+def prefill_listener_port(rendered: str) -> int:
+    bootstrap = yaml.safe_load(rendered)
+    listener = next(x for x in bootstrap["static_resources"]["listeners"] if x["name"] == "prefill")
+    return int(listener["address"]["socket_address"]["port_value"])
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("pd-extproc 0.")
+
+
+@pytest.mark.parametrize("position", ["before", "after"])
+def test_log_level_is_accepted_before_or_after_the_command(
+    tmp_path: Path, position: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    command = ["render-envoy", "--config", str(write_config(tmp_path))]
+    flag = ["--log-level", "debug"]
+    assert main(flag + command if position == "before" else command + flag) == 0
+    assert "static_resources" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("in_config", "flag", "port"),
+    [
+        ("", None, 10001),
+        ("127.0.0.1:10555", None, 10555),
+        ("127.0.0.1:10555", "127.0.0.1:10777", 10777),
+    ],
+)
+def test_render_envoy_takes_the_prefill_listener_from_flag_then_config_then_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], in_config: str, flag: str | None, port: int
+) -> None:
+    argv = ["render-envoy", "--config", str(write_config(tmp_path, prefill_listener=in_config))]
+    assert main(argv + (["--prefill-listener", flag] if flag else [])) == 0
+    assert prefill_listener_port(capsys.readouterr().out) == port
+
+
+def test_a_prefill_listener_off_loopback_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["render-envoy", "--config", str(write_config(tmp_path))]
+    assert main([*argv, "--prefill-listener", "10.1.2.3:10001"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "--prefill-listener 10.1.2.3:10001: must be a loopback address or " \
+        "unix:/path (it has no auth)"  # fmt: skip
+
+
+def test_demo_without_the_simulators_dependencies_says_how_to_get_them() -> None:
+    # msgpack made unimportable, as in an install without the [sim] extra
+    code = ("import sys; sys.modules['msgpack'] = None; from extproc.cli import main; "
+            "sys.exit(main(['demo', '--once', '--port', '0']))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "pd-extproc demo: the simulated engines need msgpack, from the simulator's extra: "
+        "pip install 'pd-extproc[sim]'"
+    ]

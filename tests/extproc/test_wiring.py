@@ -1,0 +1,54 @@
+"""The wiring: how a reload takes each setting (applied, or reported as needing a restart)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel
+
+from extproc.config import Config, parse_config
+from extproc.identity import PrefillIdentity
+from extproc.wiring import RELOAD, Runtime
+
+P = "127.0.0.1:8100"
+MINIMAL = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": ["127.0.0.1:8200"]}}
+
+
+def _engine(engine_id: str) -> PrefillIdentity:
+    return PrefillIdentity(engine_id, "127.0.0.1", 5600, 1, 1, 1, "push")
+
+
+def test_every_setting_has_a_reload_rule() -> None:
+    """A new setting must say how a reload takes it: none is skipped silently."""
+    for section, field in Config.model_fields.items():
+        assert section in RELOAD, f"{section} has no reload rule"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            for key in (k for k in RELOAD if k.startswith(section + ".")):
+                assert key.partition(".")[2] in annotation.model_fields, f"{key} is stale"
+
+
+@pytest.mark.parametrize(
+    ("change", "reported"),
+    [
+        ({"tracing": {"enabled": True}}, ["tracing"]),
+        ({"log": {"format": "json"}}, ["log.format"]),
+        ({"limits": {"max_body_bytes": 1024}}, ["limits"]),
+        ({"timeouts": {"prefill_s": 5, "request_s": 10}}, ["timeouts.prefill_s"]),
+        ({"log": {"requests": True}, "kv_check": {"enabled": False}}, []),
+        ({"discovery": {"interval_s": 1}, "dispatch": {"flap_threshold": 5}}, []),
+    ],
+    ids=["tracing", "log-format", "limits", "envoy-timeout", "log-requests", "dispatch"],
+)
+def test_reload_reports_what_needs_a_restart(
+    change: dict[str, object], reported: list[str]
+) -> None:
+    runtime = Runtime(parse_config(MINIMAL), "unix:/x")
+    assert runtime.reload(parse_config(MINIMAL | change)) == reported
+
+
+def test_reload_applies_the_identity_flap_settings() -> None:
+    runtime = Runtime(parse_config(MINIMAL | {"dispatch": {"flap_threshold": 2}}), "unix:/x")
+    runtime.reload(parse_config(MINIMAL | {"dispatch": {"flap_threshold": 5}}))
+    for engine_id in ("a", "b", "a"):  # two changes: flapping under 2, not under 5
+        runtime.identities.learn(P, _engine(engine_id))
+    assert not runtime.identities.serial_only(P)
