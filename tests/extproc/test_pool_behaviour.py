@@ -7,9 +7,10 @@ from collections.abc import Sequence
 import pytest
 
 from extproc.config import parse_config
-from extproc.picking import PickRequest, RoundRobinPicker
+from extproc.policies import PickRequest, RoundRobinPicker
 from extproc.pool import EndpointState, Pool
-from extproc.runtime import Runtime
+from extproc.roles import Role
+from extproc.wiring import Runtime
 
 A, B, C, D = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
 
@@ -32,14 +33,14 @@ def addresses(states: Sequence[EndpointState]) -> list[str]:
 
 
 def test_configured_endpoints_start_healthy_and_idle() -> None:
-    pool = Pool("decode", [A, B], Last())
+    pool = Pool(Role.DECODE, [A, B], Last())
     assert [(s.address, s.healthy, s.in_flight) for s in pool] == [(A, True, 0), (B, True, 0)]
     assert pool.addresses == [A, B]
 
 
 def test_update_reports_added_and_removed_and_keeps_known_state() -> None:
     changes: list[tuple[str, bool]] = []
-    pool = Pool("decode", [A, B], Last(), lambda s: changes.append((s.address, s.healthy)))
+    pool = Pool(Role.DECODE, [A, B], Last(), lambda s: changes.append((s.address, s.healthy)))
     pool.set_healthy(B, False)
     states = {s.address: s for s in pool}
     states[A].in_flight = 2
@@ -59,7 +60,7 @@ def test_update_reports_added_and_removed_and_keeps_known_state() -> None:
 
 
 def test_new_endpoints_are_not_picked_until_healthy() -> None:
-    pool = Pool("decode", [A], Last())
+    pool = Pool(Role.DECODE, [A], Last())
     pool.update([A, B])
     assert pool.pick() is not None and pool.pick().address == A
     pool.set_healthy(B, True)
@@ -67,7 +68,7 @@ def test_new_endpoints_are_not_picked_until_healthy() -> None:
 
 
 def test_iterating_is_safe_while_membership_changes() -> None:
-    pool = Pool("decode", [A, B, C], Last())
+    pool = Pool(Role.DECODE, [A, B, C], Last())
     seen = []
     for state in pool:
         seen.append(state.address)
@@ -77,7 +78,7 @@ def test_iterating_is_safe_while_membership_changes() -> None:
 
 def test_set_healthy_announces_only_real_changes() -> None:
     changes: list[tuple[str, bool]] = []
-    pool = Pool("decode", [A], Last(), lambda s: changes.append((s.address, s.healthy)))
+    pool = Pool(Role.DECODE, [A], Last(), lambda s: changes.append((s.address, s.healthy)))
     pool.set_healthy(A, True)
     pool.set_healthy("10.9.9.9:1", False)  # not a member: ignored
     pool.set_healthy(A, False)
@@ -89,7 +90,7 @@ def test_set_healthy_announces_only_real_changes() -> None:
 
 def test_pick_offers_the_policy_only_healthy_members_of_the_group() -> None:
     policy = Last()
-    pool = Pool("decode", [A, B, C, D], policy)
+    pool = Pool(Role.DECODE, [A, B, C, D], policy)
     pool.set_healthy(C, False)
     request = PickRequest(model="m", session="s")
     assert pool.pick(request, among={A, C, D}).address == D
@@ -100,7 +101,7 @@ def test_pick_offers_the_policy_only_healthy_members_of_the_group() -> None:
 
 def test_a_policy_given_to_pick_overrides_the_pools() -> None:
     own, given = Last(), Last()
-    pool = Pool("decode", [A, B], own)
+    pool = Pool(Role.DECODE, [A, B], own)
     pool.pick(policy=given)
     assert (own.offered, given.offered) == ([], [[A, B]])
     replacement = Last()
@@ -122,14 +123,14 @@ def test_a_policy_given_to_pick_overrides_the_pools() -> None:
 def test_fallback_is_the_next_healthy_endpoint_after_the_choice(
     unhealthy: tuple[str, ...], among: set[str] | None, expected: list[str]
 ) -> None:
-    pool = Pool("decode", [A, B, C, D], Last())
+    pool = Pool(Role.DECODE, [A, B, C, D], Last())
     for address in unhealthy:
         pool.set_healthy(address, False)
     assert addresses(pool.pick_with_fallback(among=among)) == expected
 
 
 def test_fallback_follows_the_choice_not_the_list_start() -> None:
-    pool = Pool("decode", [A, B, C, D], RoundRobinPicker())
+    pool = Pool(Role.DECODE, [A, B, C, D], RoundRobinPicker())
     pool.set_healthy(D, False)
     picks = [addresses(pool.pick_with_fallback()) for _ in range(4)]
     # one policy call per request: round robin over A, B, C, fallback = next healthy
@@ -138,7 +139,7 @@ def test_fallback_follows_the_choice_not_the_list_start() -> None:
 
 def test_fallback_uses_the_request_group_and_policy_given() -> None:
     own, given = Last(), Last()
-    pool = Pool("decode", [A, B, C], own)
+    pool = Pool(Role.DECODE, [A, B, C], own)
     request = PickRequest(model="m")
     assert addresses(pool.pick_with_fallback(request, among={A, B}, policy=given)) == [B, A]
     assert own.offered == [] and given.offered == [[A, B]] and given.requests == [request]
@@ -146,7 +147,7 @@ def test_fallback_uses_the_request_group_and_policy_given() -> None:
 
 def test_track_counts_in_flight_even_when_the_request_fails() -> None:
     counts: list[int] = []
-    pool = Pool("decode", [A], Last(), on_change=lambda s: counts.append(s.in_flight))
+    pool = Pool(Role.DECODE, [A], Last(), on_change=lambda s: counts.append(s.in_flight))
     [state] = pool
     with pool.track(state):
         assert state.in_flight == 1

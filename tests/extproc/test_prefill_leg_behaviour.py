@@ -17,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
+from extproc.errors import ListenerUnreachable, PrefillFailed, PrefillTimeout, PrefillUnreachable
 from extproc.prefill_leg import LOCAL_REPLY_HEADER, PrefillClient
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -151,7 +151,21 @@ async def test_ps_own_error_message_is_passed_on(
     )
 
 
-@pytest.mark.parametrize("body", [b'{"error": "flat"}', b'{"detail": "x"}', b'["x"]'])
+async def test_a_flat_error_string_is_passed_on(
+    listener: FakeListener, client: PrefillClient
+) -> None:
+    """vLLM's own 401 answers {"error": "Unauthorized"}: the string is the message."""
+    listener.handler = answer(401, b'{"error": "Unauthorized"}')
+    with pytest.raises(PrefillFailed) as caught:
+        await client.send("p1", "/v1/completions", b"{}", "r", 5)
+    assert (caught.value.status, caught.value.message) == (
+        401, "prefill endpoint p1 answered 401: Unauthorized"
+    )
+
+
+@pytest.mark.parametrize(
+    "body", [b'{"error": {"type": "x"}}', b'{"error": 3}', b'{"detail": "x"}', b'["x"]']
+)
 async def test_error_bodies_of_other_shapes_are_not_quoted(
     listener: FakeListener, client: PrefillClient, body: bytes
 ) -> None:
@@ -222,14 +236,16 @@ async def test_legs_in_flight_are_not_queued_behind_each_other(
 
 
 async def test_unreachable_listener_is_a_retryable_503() -> None:
+    """Not P's fault: ListenerUnreachable, which leaves P's health alone."""
     prefill = PrefillClient("127.0.0.1:1", connect_timeout_s=2)
     try:
-        with pytest.raises(PrefillUnreachable) as caught:
+        with pytest.raises(ListenerUnreachable) as caught:
             await prefill.send("p", "/v1/completions", b"{}", "r", 5)
     finally:
         await prefill.close()
     assert (caught.value.status, caught.value.retry_after_s) == (503, 1)
-    assert caught.value.message.startswith("prefill listener unreachable: ")
+    assert caught.value.message.startswith("the prefill listener is unreachable (")
+    assert caught.value.message.endswith("); retry")
 
 
 async def test_unix_socket_listener(tmp_path: Path) -> None:
@@ -281,11 +297,14 @@ async def test_connect_is_bounded_by_the_connect_timeout_not_the_leg_timeout() -
         prefill = PrefillClient(f"127.0.0.1:{port}", connect_timeout_s=0.3)
         started = time.perf_counter()
         try:
-            with pytest.raises((PrefillTimeout, PrefillUnreachable)) as caught:
+            with pytest.raises(ListenerUnreachable) as caught:
                 await prefill.send("p", "/v1/completions", b"{}", "r", 10)
         finally:
             await prefill.close()
             for filler in fillers:
                 filler.close()
     assert time.perf_counter() - started < 3  # not the leg's 10 s
-    assert caught.value.status in (503, 504)
+    assert (caught.value.status, caught.value.retry_after_s) == (503, 1)
+    assert caught.value.message == (
+        "the prefill listener did not accept a connection within 0.3 s; retry"
+    )

@@ -29,10 +29,17 @@ def bad_request(message: str, param: str | None) -> tuple[int, dict[str, Any]]:
     return 400, {"message": message, "type": "BadRequestError", "param": param, "code": 400}
 
 
-PROMPT_TYPE = bad_request("'prompt' must be a string or a list of token ids", "prompt")
-PROMPT_LIST = bad_request(
-    "a list of prompts is not supported; send one prompt per request", "prompt"
-)
+def prompt_type(it_is: str) -> tuple[int, dict[str, Any]]:
+    return bad_request(f"'prompt' must be a string or a list of token ids (it is {it_is})", "prompt")
+
+
+def one_choice(n: str) -> tuple[int, dict[str, Any]]:
+    return bad_request(
+        f"'n' is {n}; prefill/decode serves one choice per request, so 'n' must be 1 (or left out)",
+        "n",
+    )
+
+
 MODEL = bad_request("'model' is required and must be a string", "model")
 MESSAGES_LIST = bad_request("'messages' must be a non-empty list", "messages")
 
@@ -40,30 +47,33 @@ MESSAGES_LIST = bad_request("'messages' must be a non-empty list", "messages")
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ({"model": "m"}, PROMPT_TYPE),
-        ({"model": "m", "prompt": 7}, PROMPT_TYPE),
-        ({"model": "m", "prompt": []}, PROMPT_LIST),
-        ({"model": "m", "prompt": [1, True]}, PROMPT_LIST),
-        ({"model": "m", "prompt": [[1, 2], [3]]}, PROMPT_LIST),
+        ({"model": "m"}, prompt_type("missing")),
+        ({"model": "m", "prompt": 7}, prompt_type("a number")),
+        ({"model": "m", "prompt": []}, bad_request(
+            "'prompt' is an empty list; send a string or a list of token ids", "prompt")),
+        ({"model": "m", "prompt": [1, True]}, bad_request(
+            "'prompt' as a list must hold token ids (integers) only", "prompt")),
+        ({"model": "m", "prompt": [[1, 2], [3]]}, bad_request(
+            "'prompt' is a list of 2 prompts; prefill/decode serves one prompt per request: "
+            "send each in its own request", "prompt")),
         ({"model": "", "prompt": "p"}, MODEL),
         ({"model": 3, "prompt": "p"}, MODEL),
-        ({"model": "m", "prompt": "p", "n": 2}, bad_request(
-            "'n' greater than 1 is not supported with prefill/decode", "n")),
-        ({"model": "m", "prompt": "p", "n": 0}, bad_request(
-            "'n' greater than 1 is not supported with prefill/decode", "n")),
-        ({"model": "m", "prompt": "p", "n": 1.5}, bad_request("'n' must be an integer", "n")),
+        ({"model": "m", "prompt": "p", "n": 2}, one_choice("2")),
+        ({"model": "m", "prompt": "p", "n": 0}, one_choice("0")),
+        ({"model": "m", "prompt": "p", "n": 1.5}, one_choice("1.5")),
         ({"model": "m", "prompt": "p", "min_tokens": True}, bad_request(
-            "'min_tokens' must be an integer", "min_tokens")),
+            "'min_tokens' must be an integer (it is a boolean)", "min_tokens")),
         ({"model": "m", "prompt": "p", "max_completion_tokens": "8"}, bad_request(
-            "'max_completion_tokens' must be an integer", "max_completion_tokens")),
+            "'max_completion_tokens' must be an integer (it is a string)",
+            "max_completion_tokens")),
         ({"model": "m", "prompt": "p", "max_tokens": 0}, bad_request(
-            "'max_tokens' must be at least 1", "max_tokens")),
+            "'max_tokens' must be at least 1 (it is 0)", "max_tokens")),
         ({"model": "m", "prompt": "p", "max_completion_tokens": -3}, bad_request(
-            "'max_completion_tokens' must be at least 1", "max_completion_tokens")),
+            "'max_completion_tokens' must be at least 1 (it is -3)", "max_completion_tokens")),
         ({"model": "m", "prompt": "p", "stream": "yes"}, bad_request(
-            "'stream' must be a boolean", "stream")),
+            "'stream' must be true or false (it is a string)", "stream")),
         ({"model": "m", "prompt": "p", "stream": 1}, bad_request(
-            "'stream' must be a boolean", "stream")),
+            "'stream' must be true or false (it is a number)", "stream")),
         ({"model": "m", "prompt": "p", "stream": True, "stream_options": [1]}, bad_request(
             "'stream_options' must be an object", "stream_options")),
         ({"model": "m", "prompt": "p", "stream_options": {}}, bad_request(
@@ -87,7 +97,7 @@ def test_completion_refusals(body: Any, expected: tuple[int, dict[str, Any]]) ->
         ({"model": "m", "messages": [*MESSAGES, "hi"]}, bad_request(
             "each message must be an object", "messages")),
         ({"model": "m", "messages": MESSAGES, "max_tokens": 0}, bad_request(
-            "'max_tokens' must be at least 1", "max_tokens")),
+            "'max_tokens' must be at least 1 (it is 0)", "max_tokens")),
     ],
 )  # fmt: skip
 def test_chat_refusals(body: Any, expected: tuple[int, dict[str, Any]]) -> None:
@@ -97,7 +107,12 @@ def test_chat_refusals(body: Any, expected: tuple[int, dict[str, Any]]) -> None:
 def test_body_that_is_not_json_names_the_problem() -> None:
     status, error = refusal(Api.COMPLETIONS, b'{"model": "m", "prompt": "\xff"}')
     assert (status, error["param"]) == (400, None)
-    assert error["message"].startswith("the body is not valid UTF-8 JSON: ")
+    assert error["message"] == (
+        "the body is not UTF-8 text (byte 0xff at offset 26); send JSON encoded as UTF-8"
+    )
+    status, error = refusal(Api.COMPLETIONS, b'{"model": "m",')
+    assert (status, error["param"]) == (400, None)
+    assert error["message"].startswith("the body is not valid JSON: ")
 
 
 def test_body_over_the_limit_is_413_before_parsing() -> None:

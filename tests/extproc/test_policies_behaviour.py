@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from extproc.config import parse_config
-from extproc.picking import PickRequest, build_picker, hrw_order
+from extproc.policies import PickRequest, build_picker, hrw_order
 from extproc.pool import EndpointState
 
 PROMPT = b'[{"role":"system","content":"You are a careful assistant."}]'
@@ -20,7 +20,7 @@ def prefix_picker(**options: object):
             "decode": {"endpoints": ["127.0.0.1:8200"]},
         }
     )
-    return build_picker(config.prefill)
+    return build_picker(config.prefill.policy, config.prefill.options)
 
 
 def test_configured_load_slack_decides_when_a_prefix_spills() -> None:
@@ -52,7 +52,7 @@ def test_configured_kv_usage_weight_reaches_power_of_two() -> None:
                            "kv_usage_weight": weight},
             }
         )  # fmt: skip
-        return build_picker(config.decode)
+        return build_picker(config.decode.policy, config.decode.options)
 
     candidates = endpoints(1, 2)
     candidates[0].kv_usage = 1.0  # scores: weight 0 → 1 vs 2; weight 4 → 5 vs 2
