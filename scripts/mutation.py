@@ -1,0 +1,257 @@
+"""Mutation testing of the ext_proc's core modules with mutmut, and a report of what survived.
+
+mutmut copies `extproc/` to `mutants/`, plants one small change ("mutant") at a time in the
+modules of `[tool.mutmut] only_mutate` and runs the unit tests (`tests/extproc`) that reach the
+mutated function. A mutant the tests do not notice "survived": either the tests miss a
+behaviour, or the change makes no observable difference (an "equivalent" mutant, listed with
+its reason in `scripts/mutation_equivalent.toml`, as are survivors left on purpose, with
+kind = "left"; those still count against the kill rate). The integration tests start Envoy and are
+too slow to run once per mutant, so they are not used here.
+
+    python scripts/mutation.py                    # run every core module, then report
+    python scripts/mutation.py bodies pool        # only these modules (each fully re-run)
+    python scripts/mutation.py --resume           # only mutants without a result yet
+    python scripts/mutation.py --survivors        # re-run only what survived last time
+    python scripts/mutation.py --report           # no run: report the stored results
+    python scripts/mutation.py --time-box 1800    # stop after 30 min; --resume goes on
+
+Results are kept in `mutants/` (git-ignored) between runs. Needs the `mutation` extra
+(`pip install -e '.[mutation]'`). One worker process: the run is ~30 min on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTANTS = ROOT / "mutants"
+EQUIVALENT_FILE = ROOT / "scripts" / "mutation_equivalent.toml"
+
+# mutmut's exit codes per mutant (mutmut.stats.status_by_exit_code), grouped for the report.
+_STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests",
+           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
+           37: "killed", None: "not_checked"}  # fmt: skip
+COLUMNS = ("mutants", "killed", "timeout", "survived", "no_tests", "equivalent", "other",
+           "not_checked")  # fmt: skip
+
+
+def core_modules() -> list[str]:
+    """The modules of pyproject's [tool.mutmut] only_mutate (globs allowed), relative to
+    extproc/ and dotted: "bodies", "policies.prefix"."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    found = [path for pattern in config["only_mutate"] for path in sorted(ROOT.glob(pattern))]
+    return [".".join(path.relative_to(ROOT / "extproc").with_suffix("").parts) for path in found]
+
+
+def _source(module: str, root: Path = ROOT) -> Path:
+    return root.joinpath("extproc", *module.split(".")).with_suffix(".py")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str  # mutmut's, e.g. extproc.pool.xǁPoolǁpick__mutmut_3
+    module: str
+    status: str
+    function: str  # Class.method or function, as in the source
+    line: int  # in the original file
+    before: str
+    after: str
+
+    @property
+    def where(self) -> str:
+        return f"{_source(self.module).relative_to(ROOT)}:{self.line}"
+
+
+def _function_lines(source: str) -> dict[str, int]:
+    """'Class.method' or 'function' -> line of its `def` in the original source."""
+    found: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                found[prefix + child.name] = child.lineno
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def _readable(mangled: str) -> str:
+    """mutmut's mangled name (x_f, xǁClassǁmethod) as Class.method / f."""
+    if mangled.startswith("xǁ"):
+        return ".".join(mangled[2:].split("ǁ"))
+    return mangled.removeprefix("x_")
+
+
+def _mutant_blocks(path: Path) -> dict[str, list[str]]:
+    """mutmut's copies of each function in a mutated file, by name (x_f__mutmut_3, ...)."""
+    lines = path.read_text().splitlines()
+    return {
+        node.name: lines[node.lineno - 1 : node.end_lineno]
+        for node in ast.walk(ast.parse("\n".join(lines)))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and "__mutmut_" in node.name
+    }
+
+
+def load_module(module: str) -> list[Mutant]:
+    """Every mutant of one module with its status and the line it changes."""
+    meta_path = _source(module, MUTANTS).with_suffix(".py.meta")
+    if not meta_path.exists():
+        return []
+    exit_codes = json.loads(meta_path.read_text())["exit_code_by_key"]
+    blocks = _mutant_blocks(_source(module, MUTANTS))
+    def_lines = _function_lines(_source(module).read_text())
+    result = []
+    for name, code in sorted(exit_codes.items(), key=lambda kv: _natural(kv[0])):
+        key = name.removeprefix(f"extproc.{module}.")
+        mangled = key.rsplit("__mutmut_", 1)[0]
+        offset, before, after = _first_change(blocks[f"{mangled}__mutmut_orig"], blocks[key])
+        function = _readable(mangled)
+        line = def_lines.get(function, 0) + offset
+        status = _STATUS.get(code, "other")
+        result.append(Mutant(name, module, status, function, line, before, after))
+    return result
+
+
+def _natural(name: str) -> tuple[str, int]:
+    head, _, number = name.rpartition("__mutmut_")
+    return head, int(number) if number.isdigit() else 0
+
+
+def _first_change(orig: list[str], variant: list[str]) -> tuple[int, str, str]:
+    """(offset from the def line, original text, mutated text) of the first changed lines."""
+    name = variant[0].split("def ", 1)[1].split("(", 1)[0]
+    original_name = name.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"
+    variant = [variant[0].replace(name + "(", original_name + "(", 1), *variant[1:]]
+    matcher = difflib.SequenceMatcher(a=orig, b=variant, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag != "equal":
+            before = " ".join(line.strip() for line in orig[i1:i2])
+            after = " ".join(line.strip() for line in variant[j1:j2])
+            return i1, _plain(before, original_name), _plain(after, original_name)
+    return 0, "", ""
+
+
+def _plain(text: str, mangled: str) -> str:
+    """A def line as written in the source (mutmut's copy has a mangled name)."""
+    readable = _readable(mangled.removesuffix("__mutmut_orig")).rsplit(".", 1)[-1]
+    return text.replace(mangled + "(", readable + "(")
+
+
+def load_equivalent() -> list[dict[str, str]]:
+    if not EQUIVALENT_FILE.exists():
+        return []
+    return tomllib.loads(EQUIVALENT_FILE.read_text())["equivalent"]
+
+
+def explanation(mutant: Mutant, known: list[dict[str, str]]) -> dict[str, str] | None:
+    """The recorded entry for this survivor (matched by module, function and text), if any."""
+    for entry in known:
+        if (entry["module"], entry["function"], entry["before"], entry["after"]) == (
+            mutant.module, mutant.function, mutant.before, mutant.after
+        ):  # fmt: skip
+            return entry
+    return None
+
+
+def run_mutmut(names: list[str], time_box: float | None) -> None:
+    """`mutmut run` with one worker; named mutants (globs) are re-run even if they have results."""
+    command = [sys.executable, "-m", "mutmut", "run", "--max-children", "1", *names]
+    print("$", " ".join(command), flush=True)
+    started = time.monotonic()
+    with subprocess.Popen(command, cwd=ROOT, start_new_session=True,
+                          stdout=subprocess.DEVNULL) as process:  # fmt: skip
+        try:
+            process.wait(timeout=time_box)
+        except subprocess.TimeoutExpired:
+            print(f"time box of {time_box:g} s reached: stopping (--resume goes on)", flush=True)
+            os.killpg(process.pid, signal.SIGINT)  # mutmut saves what it has and stops
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    print(f"mutmut finished in {time.monotonic() - started:.0f} s (exit {process.returncode})")
+
+
+def report(modules: list[str]) -> int:
+    known = load_equivalent()
+    rows: dict[str, Counter[str]] = {}
+    survivors: list[tuple[Mutant, dict[str, str] | None]] = []
+    for module in modules:
+        counts: Counter[str] = Counter()
+        for mutant in load_module(module):
+            counts["mutants"] += 1
+            status = mutant.status
+            if status in ("survived", "no_tests"):
+                entry = explanation(mutant, known)
+                survivors.append((mutant, entry))
+                if entry is not None and entry.get("kind", "equivalent") == "equivalent":
+                    status = "equivalent"
+            counts[status] += 1
+        rows[module] = counts
+    rows["TOTAL"] = sum(rows.values(), Counter())
+    print()
+    width = max(len(module) for module in rows) + 2
+    print(f"{'module':<{width}}" + "".join(f"{c:>12}" for c in COLUMNS) + f"{'kill rate':>12}")
+    for module, counts in rows.items():
+        print(f"{module:<{width}}" + "".join(f"{counts[c]:>12}" for c in COLUMNS) + _rate(counts))
+    print("\nkill rate = (killed + timeout) / (mutants - equivalent)")
+    unexplained = sum(entry is None for _, entry in survivors)
+    print(f"\nSurvivors (file:line  function  original -> mutated), {unexplained} unexplained:")
+    for mutant, entry in survivors:
+        tag = mutant.status.replace("_", " ")
+        if entry is not None:
+            tag = f"{entry.get('kind', 'equivalent')}: {entry['reason']}"
+        print(f"  {mutant.where:<28} {mutant.function:<26} [{tag}]")
+        print(f"      - {mutant.before}\n      + {mutant.after}")
+    return 0
+
+
+def _rate(counts: Counter[str]) -> str:
+    relevant = counts["mutants"] - counts["equivalent"]
+    if relevant == 0:
+        return f"{'-':>12}"
+    return f"{100 * (counts['killed'] + counts['timeout']) / relevant:>11.1f}%"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", help="core modules to run (default: all)")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--report", action="store_true", help="no run, report stored results")
+    group.add_argument("--resume", action="store_true", help="only mutants without a result")
+    group.add_argument("--survivors", action="store_true", help="re-run only the survivors")
+    parser.add_argument("--time-box", type=float, help="stop mutmut after this many seconds")
+    args = parser.parse_args()
+    modules = args.modules or core_modules()
+    unknown = set(modules) - set(core_modules())
+    if unknown:
+        parser.error(f"not a core module: {', '.join(sorted(unknown))}")
+    if args.resume:
+        run_mutmut([], args.time_box)
+    elif args.survivors:
+        names = [m.name for module in modules for m in load_module(module)
+                 if m.status in ("survived", "no_tests", "not_checked")]  # fmt: skip
+        if names:
+            run_mutmut(names, args.time_box)
+    elif not args.report:
+        run_mutmut([f"extproc.{module}.*" for module in modules], args.time_box)
+    return report(modules)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The ext_proc messages the sidecar sends, read back the way Envoy reads them."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from extproc import envoy_msgs
+from extproc.errors import ClientError, PrefillUnreachable
+
+OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def set_headers(mutation: ep.HeaderMutation) -> dict[str, str]:
+    """The headers a mutation sets; each must replace the client's, never add a second one."""
+    assert all(h.append_action == OVERWRITE for h in mutation.set_headers)
+    assert not mutation.remove_headers
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def test_header_map_prefers_raw_value_and_survives_bad_bytes() -> None:
+    headers = ep.HttpHeaders(
+        headers=core.HeaderMap(
+            headers=[
+                core.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+                core.HeaderValue(key="x-old", value="from value"),
+                core.HeaderValue(key="x-both", value="ignored", raw_value=b"raw"),
+                core.HeaderValue(key="x-bin", raw_value=b"caf\xe9"),
+            ]
+        )
+    )
+    assert envoy_msgs.header_map(headers) == {
+        ":path": "/v1/completions",
+        "x-old": "from value",
+        "x-both": "raw",
+        "x-bin": "caf\N{REPLACEMENT CHARACTER}",
+    }
+
+
+def test_continue_answers_the_phase_it_is_for() -> None:
+    request = envoy_msgs.continue_request_headers()
+    response = envoy_msgs.continue_response_headers()
+    assert request.WhichOneof("response") == "request_headers"
+    assert response.WhichOneof("response") == "response_headers"
+    for message in (request.request_headers, response.response_headers):
+        assert message == ep.HeadersResponse()  # no mutation: Envoy goes on unchanged
+
+
+def test_body_answer_replaces_the_body_and_routes_with_fallbacks() -> None:
+    body = '{"prompt":"café ☕"}'.encode()
+    answer = envoy_msgs.body_answer(body, ["10.0.0.1:8200", "10.0.0.2:8200"], "rid-1")
+    assert answer.WhichOneof("response") == "request_body"
+    common = answer.request_body.response
+    assert common.body_mutation.body == body
+    assert set_headers(common.header_mutation) == {
+        "x-gateway-destination-endpoint": "10.0.0.1:8200,10.0.0.2:8200",
+        "x-request-id": "rid-1",
+        "content-length": str(len(body)),  # bytes, not characters: 22, not 18
+    }
+    assert len(body) == 22
+
+
+def test_body_answer_with_one_destination_has_no_separator() -> None:
+    answer = envoy_msgs.body_answer(b"{}", ["10.0.0.1:8200"], "r")
+    headers = set_headers(answer.request_body.response.header_mutation)
+    assert headers["x-gateway-destination-endpoint"] == "10.0.0.1:8200"
+    assert headers["content-length"] == "2"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "whole", "nanos"), [(31, 31, 0), (2.5, 2, 500_000_000), (0.25, 0, 250_000_000)]
+)
+def test_extend_timeout(seconds: float, whole: int, nanos: int) -> None:
+    message = envoy_msgs.extend_timeout(seconds)
+    assert message.WhichOneof("response") is None  # only the timer override, no phase answer
+    timeout = message.override_message_timeout
+    assert (timeout.seconds, timeout.nanos) == (whole, nanos)
+
+
+def test_immediate_error_is_openai_json_with_retry_after() -> None:
+    error = PrefillUnreachable(503, "prefill endpoint p is unreachable (UF)", retry_after_s=1)
+    message = envoy_msgs.immediate(error)
+    reply = message.immediate_response
+    assert message.WhichOneof("response") == "immediate_response"
+    assert reply.status.code == 503
+    assert set_headers(reply.headers) == {"content-type": "application/json", "retry-after": "1"}
+    assert orjson.loads(reply.body)["error"]["message"] == error.message
+    assert reply.body == error.body
+    assert reply.details == "pd_extproc_503"
+
+
+def test_immediate_client_error_has_no_retry_after() -> None:
+    reply = envoy_msgs.immediate(ClientError(400, "bad", param="prompt")).immediate_response
+    assert reply.status.code == 400
+    assert set_headers(reply.headers) == {"content-type": "application/json"}
+    assert orjson.loads(reply.body)["error"]["param"] == "prompt"
+    assert reply.details == "pd_extproc_400"

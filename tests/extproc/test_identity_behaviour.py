@@ -1,0 +1,242 @@
+"""P's identity: what is accepted from P's kv_transfer_params, and the cache's life cycle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extproc.identity import IdentityCache, PrefillIdentity, identity_from_params
+
+PARAMS: dict[str, Any] = {
+    "remote_engine_id": "e1",
+    "remote_host": "10.0.0.11",
+    "remote_port": 5600,
+    "tp_size": 2,
+    "pp_size": 3,
+    "dcp_size": 4,
+    "transfer_mode": "push",
+}
+
+
+def refused(change: dict[str, Any], drop: tuple[str, ...] = ()) -> str:
+    params = {k: v for k, v in (PARAMS | change).items() if k not in drop}
+    with pytest.raises(ValueError) as caught:
+        identity_from_params(params)
+    return str(caught.value)
+
+
+def test_every_field_is_taken_from_p() -> None:
+    assert identity_from_params(PARAMS) == PrefillIdentity(
+        engine_id="e1", host="10.0.0.11", port=5600, tp_size=2, pp_size=3, dcp_size=4,
+        transfer_mode="push",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["10.0.0.11", "::1", "fe80::1", "prefill-0.pd.svc.cluster.local", "p", "a" * 63 + ".b",
+     ".".join(["abcdefghi"] * 25) + ".abc"],  # 253 characters: the longest DNS name
+)  # fmt: skip
+def test_hosts_accepted(host: str) -> None:
+    assert identity_from_params(PARAMS | {"remote_host": host}).host == host
+
+
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        (None, "remote_host must be a host name or IP (got None)"),
+        ("", "remote_host must be a host name or IP (got '')"),
+        (7, "remote_host must be a host name or IP (got 7)"),
+        ("a" * 254, f"remote_host must be a host name or IP (got {'a' * 254!r})"),
+        ("evil host", "remote_host is not a valid host name (got 'evil host')"),
+        ("a..b", "remote_host is not a valid host name (got 'a..b')"),
+        ("p.", "remote_host is not a valid host name (got 'p.')"),
+        ("p_1", "remote_host is not a valid host name (got 'p_1')"),
+        ("10.0.0.1/8", "remote_host is not a valid host name (got '10.0.0.1/8')"),
+    ],
+)
+def test_hosts_refused(host: Any, message: str) -> None:
+    assert refused({"remote_host": host}) == message
+
+
+@pytest.mark.parametrize("port", [1, 5600, 65535])
+def test_ports_accepted(port: int) -> None:
+    assert identity_from_params(PARAMS | {"remote_port": port}).port == port
+
+
+@pytest.mark.parametrize("port", [0, 65536, -1, True, "5600", None])
+def test_ports_refused(port: Any) -> None:
+    assert refused({"remote_port": port}) == f"remote_port must be 1-65535 (got {port!r})"
+
+
+def test_engine_id_bounds() -> None:
+    assert identity_from_params(PARAMS | {"remote_engine_id": "e" * 256}).engine_id == "e" * 256
+    for bad in ["", "e" * 257, 7, None]:
+        message = f"remote_engine_id must be a non-empty string (got {bad!r})"
+        assert refused({"remote_engine_id": bad}) == message
+
+
+@pytest.mark.parametrize("key", ["tp_size", "pp_size", "dcp_size"])
+@pytest.mark.parametrize("value", [0, -1, True, 1.0, "2"])
+def test_parallel_sizes_must_be_positive_integers(key: str, value: Any) -> None:
+    assert refused({key: value}) == f"{key} must be a positive integer (got {value!r})"
+
+
+def test_tp_size_is_required_pp_and_dcp_default_to_one() -> None:
+    assert refused({}, drop=("tp_size",)) == "tp_size must be a positive integer (got None)"
+    assert refused({"tp_size": None}) == "tp_size must be a positive integer (got None)"
+    older = {k: v for k, v in PARAMS.items() if k not in ("pp_size", "dcp_size")}
+    for params in (older, PARAMS | {"pp_size": None, "dcp_size": None}):
+        identity = identity_from_params(params)
+        assert (identity.pp_size, identity.dcp_size) == (1, 1)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull", None])
+def test_transfer_modes(mode: str | None) -> None:
+    assert identity_from_params(PARAMS | {"transfer_mode": mode}).transfer_mode == mode
+
+
+def test_unknown_transfer_mode_is_refused() -> None:
+    message = "transfer_mode must be 'push' or 'pull' (got 'PUSH')"
+    assert refused({"transfer_mode": "PUSH"}) == message
+
+
+@pytest.mark.parametrize("params", [None, [("remote_engine_id", "e1")], "e1"])
+def test_no_mapping_is_refused(params: Any) -> None:
+    with pytest.raises(ValueError) as caught:
+        identity_from_params(params)
+    assert str(caught.value) == (
+        "P returned no kv_transfer_params (is it started with a KV connector?)"
+    )
+
+
+# ---- the cache ----------------------------------------------------------------------------
+
+E1 = identity_from_params(PARAMS)
+E2 = identity_from_params(PARAMS | {"remote_engine_id": "e2"})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_cache(threshold: int = 3, window: float = 60, cooldown: float = 300):
+    events: list[tuple[str, str]] = []
+    clock = Clock()
+    cache = IdentityCache(threshold, window, cooldown, lambda e, ev: events.append((e, ev)), clock)
+    return cache, events, clock
+
+
+def test_unknown_endpoint() -> None:
+    cache, events, _ = make_cache()
+    assert cache.get("p") is None
+    assert not cache.serial_only("p")
+    assert not cache.drop("p")
+    assert cache.snapshot() == {}
+    assert events == []
+
+
+def test_events_name_the_endpoint_and_endpoints_are_separate() -> None:
+    cache, events, _ = make_cache()
+    cache.learn("p1", E1)
+    cache.learn("p2", E2)
+    cache.learn("p1", E1)
+    assert (cache.get("p1"), cache.get("p2")) == (E1, E2)
+    assert events == [("p1", "learned"), ("p2", "learned"), ("p1", "refreshed")]
+
+
+def test_changes_and_flapping_name_the_endpoint() -> None:
+    cache, events, _ = make_cache(threshold=2)
+    cache.learn("p0", E2)
+    cache.learn("p1", E1)
+    cache.learn("p1", E2)
+    cache.learn("p1", E1)
+    assert events[2:] == [("p1", "changed"), ("p1", "changed"), ("p1", "flapping")]
+    assert cache.serial_only("p1") and not cache.serial_only("p0")
+
+
+def test_drop_only_if_the_identity_is_still_the_one_given() -> None:
+    cache, events, _ = make_cache()
+    cache.learn("p", E1)
+    assert not cache.drop("p", only_if=E2)
+    assert cache.get("p") == E1
+    assert cache.drop("p", only_if=E1)
+    assert not cache.drop("p")  # already dropped: nothing to report
+    assert events == [("p", "learned"), ("p", "dropped")]
+
+
+def test_forget_also_forgets_the_last_engine_seen() -> None:
+    cache, events, _ = make_cache()
+    cache.learn("p", E1)
+    cache.forget("p")
+    cache.forget("p")  # twice is harmless
+    assert cache.get("p") is None and cache.snapshot() == {}
+    cache.learn("p", E2)  # a new member: learned, not a change
+    assert events == [("p", "learned"), ("p", "learned")]
+
+
+def test_changes_flap_only_within_the_window() -> None:
+    cache, events, clock = make_cache(threshold=3, window=60)
+    start = clock.now
+    cache.learn("p", E1)
+    cache.learn("p", E2)  # first change
+    clock.now = start + 30
+    cache.learn("p", E1)  # second
+    clock.now = start + 60.5
+    cache.learn("p", E2)  # third, but the first has left the window: two within 60 s
+    assert not cache.serial_only("p")
+    clock.now = start + 89
+    cache.learn("p", E1)  # three within 60 s
+    assert cache.serial_only("p")
+    assert [ev for _, ev in events].count("flapping") == 1
+
+
+def test_a_change_at_the_window_edge_still_counts() -> None:
+    cache, _, clock = make_cache(threshold=2, window=60)
+    cache.learn("p", E1)
+    cache.learn("p", E2)
+    clock.now += 60  # exactly the window: still inside it
+    cache.learn("p", E1)
+    assert cache.serial_only("p")
+
+
+def test_cooldown_ends_exactly_after_its_length_and_counting_restarts() -> None:
+    cache, events, clock = make_cache(threshold=2, window=60, cooldown=300)
+    cache.learn("p", E1)
+    cache.learn("p", E2)
+    cache.learn("p", E1)
+    assert [ev for _, ev in events] == ["learned", "changed", "changed", "flapping"]
+    start = clock.now
+    clock.now = start + 299.9
+    assert cache.serial_only("p") and cache.snapshot()["p"]["serial_only"]
+    clock.now = start + 300
+    assert not cache.serial_only("p") and not cache.snapshot()["p"]["serial_only"]
+    cache.learn("p", E2)  # the count started again after flapping: one change is not two
+    assert not cache.serial_only("p")
+
+
+def test_threshold_of_one_flaps_on_the_first_change() -> None:
+    cache, _, _ = make_cache(threshold=1)
+    cache.learn("p", E1)
+    assert not cache.serial_only("p")
+    cache.learn("p", E2)
+    assert cache.serial_only("p")
+
+
+def test_snapshot_shows_what_is_known() -> None:
+    cache, _, _ = make_cache()
+    pull = identity_from_params(PARAMS | {"remote_engine_id": "e9", "transfer_mode": "pull"})
+    cache.learn("p1", E1)
+    cache.learn("p2", pull)
+    cache.learn("p3", E2)
+    cache.drop("p3")
+    assert cache.snapshot() == {
+        "p1": {"engine_id": "e1", "transfer_mode": "push", "serial_only": False},
+        "p2": {"engine_id": "e9", "transfer_mode": "pull", "serial_only": False},
+        "p3": {"engine_id": None, "transfer_mode": None, "serial_only": False},
+    }

@@ -1,0 +1,171 @@
+"""Pool membership, health, in-flight counts and the decode fallback handed to Envoy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from extproc.config import parse_config
+from extproc.policies import PickRequest, RoundRobinPicker
+from extproc.pool import EndpointState, Pool
+from extproc.roles import Role
+from extproc.wiring import Runtime
+
+A, B, C, D = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
+
+
+class Last:
+    """A policy that takes the last candidate and remembers what it was offered."""
+
+    def __init__(self) -> None:
+        self.offered: list[list[str]] = []
+        self.requests: list[PickRequest] = []
+
+    def pick(self, candidates: Sequence[EndpointState], request: PickRequest) -> EndpointState:
+        self.offered.append([c.address for c in candidates])
+        self.requests.append(request)
+        return candidates[-1]
+
+
+def addresses(states: Sequence[EndpointState]) -> list[str]:
+    return [s.address for s in states]
+
+
+def test_configured_endpoints_start_healthy_and_idle() -> None:
+    pool = Pool(Role.DECODE, [A, B], Last())
+    assert [(s.address, s.healthy, s.in_flight) for s in pool] == [(A, True, 0), (B, True, 0)]
+    assert pool.addresses == [A, B]
+
+
+def test_update_reports_added_and_removed_and_keeps_known_state() -> None:
+    changes: list[tuple[str, bool]] = []
+    pool = Pool(Role.DECODE, [A, B], Last(), lambda s: changes.append((s.address, s.healthy)))
+    pool.set_healthy(B, False)
+    states = {s.address: s for s in pool}
+    states[A].in_flight = 2
+    changes.clear()
+    added, removed = pool.update([A, C, B, C, D])
+    assert (added, removed) == ([C, D], [])
+    assert pool.addresses == [A, B, C, D]
+    after = {s.address: s for s in pool}
+    assert after[A] is states[A] and after[A].in_flight == 2
+    assert not after[B].healthy  # known state kept
+    assert not after[C].healthy and not after[D].healthy  # new: unhealthy until checked
+    assert changes == [(C, False), (D, False)]  # each new endpoint is announced
+
+    added, removed = pool.update([D, A])
+    assert (added, removed) == ([], [B, C])
+    assert pool.addresses == [A, D]
+
+
+def test_new_endpoints_are_not_picked_until_healthy() -> None:
+    pool = Pool(Role.DECODE, [A], Last())
+    pool.update([A, B])
+    assert pool.pick() is not None and pool.pick().address == A
+    pool.set_healthy(B, True)
+    assert pool.pick().address == B
+
+
+def test_iterating_is_safe_while_membership_changes() -> None:
+    pool = Pool(Role.DECODE, [A, B, C], Last())
+    seen = []
+    for state in pool:
+        seen.append(state.address)
+        pool.update([C])
+    assert seen == [A, B, C]
+
+
+def test_set_healthy_announces_only_real_changes() -> None:
+    changes: list[tuple[str, bool]] = []
+    pool = Pool(Role.DECODE, [A], Last(), lambda s: changes.append((s.address, s.healthy)))
+    pool.set_healthy(A, True)
+    pool.set_healthy("10.9.9.9:1", False)  # not a member: ignored
+    pool.set_healthy(A, False)
+    pool.set_healthy(A, False)
+    pool.set_healthy(A, True)
+    assert changes == [(A, False), (A, True)]
+    assert "10.9.9.9:1" not in pool.addresses
+
+
+def test_pick_offers_the_policy_only_healthy_members_of_the_group() -> None:
+    policy = Last()
+    pool = Pool(Role.DECODE, [A, B, C, D], policy)
+    pool.set_healthy(C, False)
+    request = PickRequest(model="m", session="s")
+    assert pool.pick(request, among={A, C, D}).address == D
+    assert policy.offered == [[A, D]] and policy.requests == [request]
+    assert pool.pick(among={C}) is None
+    assert pool.pick(among=set()) is None
+
+
+def test_a_policy_given_to_pick_overrides_the_pools() -> None:
+    own, given = Last(), Last()
+    pool = Pool(Role.DECODE, [A, B], own)
+    pool.pick(policy=given)
+    assert (own.offered, given.offered) == ([], [[A, B]])
+    replacement = Last()
+    pool.set_policy(replacement)
+    pool.pick()
+    assert own.offered == [] and replacement.offered == [[A, B]]
+
+
+@pytest.mark.parametrize(
+    ("unhealthy", "among", "expected"),
+    [
+        ((), None, [D, A]),  # the fallback wraps round to the list's start
+        ((A,), None, [D, B]),
+        ((A, B, C), None, [D]),  # nothing else healthy: no fallback
+        ((), {B, D}, [D, B]),  # only the model's members
+        ((A, B, C, D), None, []),
+    ],
+)
+def test_fallback_is_the_next_healthy_endpoint_after_the_choice(
+    unhealthy: tuple[str, ...], among: set[str] | None, expected: list[str]
+) -> None:
+    pool = Pool(Role.DECODE, [A, B, C, D], Last())
+    for address in unhealthy:
+        pool.set_healthy(address, False)
+    assert addresses(pool.pick_with_fallback(among=among)) == expected
+
+
+def test_fallback_follows_the_choice_not_the_list_start() -> None:
+    pool = Pool(Role.DECODE, [A, B, C, D], RoundRobinPicker())
+    pool.set_healthy(D, False)
+    picks = [addresses(pool.pick_with_fallback()) for _ in range(4)]
+    # one policy call per request: round robin over A, B, C, fallback = next healthy
+    assert picks == [[A, B], [B, C], [C, A], [A, B]]
+
+
+def test_fallback_uses_the_request_group_and_policy_given() -> None:
+    own, given = Last(), Last()
+    pool = Pool(Role.DECODE, [A, B, C], own)
+    request = PickRequest(model="m")
+    assert addresses(pool.pick_with_fallback(request, among={A, B}, policy=given)) == [B, A]
+    assert own.offered == [] and given.offered == [[A, B]] and given.requests == [request]
+
+
+def test_track_counts_in_flight_even_when_the_request_fails() -> None:
+    counts: list[int] = []
+    pool = Pool(Role.DECODE, [A], Last(), on_change=lambda s: counts.append(s.in_flight))
+    [state] = pool
+    with pool.track(state):
+        assert state.in_flight == 1
+        with pool.track(state):
+            assert state.in_flight == 2
+    assert state.in_flight == 0
+    with pytest.raises(RuntimeError), pool.track(state):
+        raise RuntimeError("leg failed")
+    assert state.in_flight == 0
+    assert counts == [1, 2, 1, 0, 1, 0]
+
+
+def test_each_configured_endpoint_is_in_the_metrics_under_its_role_from_the_start() -> None:
+    config = parse_config(
+        {"prefill": {"endpoints": ["127.0.0.1:8100"]}, "decode": {"endpoints": ["127.0.0.1:8200"]}}
+    )
+    registry = Runtime(config, "unix:/nonexistent").metrics.registry
+    for role, address in (("prefill", "127.0.0.1:8100"), ("decode", "127.0.0.1:8200")):
+        labels = {"role": role, "endpoint": address}
+        assert registry.get_sample_value("pd_extproc_endpoint_healthy", labels) == 1
+        assert registry.get_sample_value("pd_extproc_inflight_requests", labels) == 0

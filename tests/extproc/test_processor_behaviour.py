@@ -1,0 +1,833 @@
+"""One request through the processor, against a scripted Envoy and a P leg the test controls.
+
+Every message the sidecar writes to Envoy is checked, with what P was sent, what the cache
+and the pools hold afterwards, and what the metrics and the trace report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from grpc import aio
+
+from extproc.config import parse_config
+from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
+from extproc.identity import identity_from_params
+from extproc.policies import PickRequest
+from extproc.pool import EndpointState
+from extproc.prefill_leg import PrefillResult
+from extproc.processor import RequestProcessor
+from extproc.stream import EnvoyStream
+from extproc.tracing import RequestTrace
+from extproc.wiring import Runtime
+
+P, D1, D2 = "127.0.0.1:8100", "127.0.0.1:8200", "127.0.0.1:8201"
+IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
+            "tp_size": 1, "transfer_mode": "push"}  # fmt: skip
+P_ANSWER = IDENTITY | {"do_remote_prefill": True, "remote_block_ids": [[1, 2]],
+                       "remote_request_id": "cmpl-x"}  # fmt: skip
+REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 4, "stream": True}
+WAIT_S = 5
+
+
+class Envoy:
+    """A grpc.aio ServicerContext stand-in: the test feeds messages, answers are recorded."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.sent: list[ep.ProcessingResponse] = []
+        self._wrote = asyncio.Event()
+
+    async def read(self) -> Any:
+        return await self.inbox.get()
+
+    async def write(self, message: ep.ProcessingResponse) -> None:
+        self.sent.append(message)
+        self._wrote.set()
+
+    async def until_sent(self, count: int) -> list[ep.ProcessingResponse]:
+        while len(self.sent) < count:
+            self._wrote.clear()
+            await asyncio.wait_for(self._wrote.wait(), WAIT_S)
+        return self.sent
+
+    def kinds(self) -> list[str | None]:
+        return [m.WhichOneof("response") for m in self.sent]
+
+
+class Prefill:
+    """The P leg: each call waits for the test's `answer` or `fail`; cancellation is seen."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.called = asyncio.Event()
+        self.cancelled = False
+
+    async def send(self, *args: Any) -> PrefillResult:
+        self.calls.append(args)
+        self.called.set()
+        try:
+            outcome = await self.outcome
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        if isinstance(outcome, Exception):
+            raise outcome
+        return PrefillResult(200, outcome, 0.0, 0.125)
+
+    def answer(self, params: Any) -> None:
+        self.outcome.set_result(params)
+
+    def fail(self, error: Exception) -> None:
+        self.outcome.set_exception(error)
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return orjson.loads(self.calls[0][2])
+
+
+class Trace(RequestTrace):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+
+    def prefill_started(self) -> None:
+        self.events.append(("prefill_started", None))
+
+    def prefill_finished(self, outcome: str) -> None:
+        self.events.append(("prefill_finished", outcome))
+
+    def decode_started(self) -> None:
+        self.events.append(("decode_started", None))
+
+    def decode_answered(self, status: int) -> None:
+        self.events.append(("decode_answered", status))
+
+    def finish(self, fields: dict[str, Any]) -> None:
+        self.events.append(("finish", fields))
+
+
+class Request:
+    """One request's run: the runtime, the scripted Envoy, the P leg and the trace."""
+
+    def __init__(self, cached: bool = False, **config: Any) -> None:
+        config.setdefault("prefill", {"endpoints": [P]})
+        config.setdefault("decode", {"endpoints": [D1, D2]})
+        self.rt = Runtime(parse_config(config), "unix:/nonexistent")
+        self.prefill = Prefill()
+        self.trace = Trace()
+        deps = self.rt.request_deps
+        legs = dataclasses.replace(deps.legs, prefill_client=self.prefill)
+        self.rt.request_deps = dataclasses.replace(deps, legs=legs, new_trace=lambda: self.trace)
+        if cached:
+            self.rt.identities.learn(P, identity_from_params(IDENTITY))
+        self.envoy = Envoy()
+        stream = EnvoyStream(self.envoy)  # type: ignore[arg-type]
+        self.processor = RequestProcessor(self.rt.request_deps, stream)
+        self.task = asyncio.create_task(self.processor.run())
+
+    async def send(self, *messages: Any) -> None:
+        for message in messages:
+            await self.envoy.inbox.put(message)
+
+    async def start(self, doc: dict[str, Any] = REQUEST, **header_values: str) -> None:
+        await self.send(headers(**header_values), body(doc))
+
+    async def end(self) -> None:
+        await self.send(aio.EOF)
+        await asyncio.wait_for(self.task, WAIT_S)
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.rt.metrics.registry.get_sample_value(name, labels)
+
+    def outcome(self, outcome: str, strategy: str, reason: str) -> float | None:
+        labels = {"outcome": outcome, "strategy": strategy, "reason": reason}
+        return self.sample("pd_extproc_requests_total", **labels)
+
+    def idle(self) -> bool:
+        return all(s.in_flight == 0 for s in [*self.rt.prefill, *self.rt.decode])
+
+
+def headers(path: str = "/v1/completions", end: bool = False, **extra: str) -> Any:
+    pairs = [(":method", "POST"), (":path", path), ("content-type", "application/json"),
+             *((k.replace("_", "-"), v) for k, v in extra.items())]  # fmt: skip
+    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(
+        headers=core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode())
+                                        for k, v in pairs]),
+        end_of_stream=end))  # fmt: skip
+
+
+def body(doc: dict[str, Any]) -> Any:
+    return ep.ProcessingRequest(
+        request_body=ep.HttpBody(body=orjson.dumps(doc), end_of_stream=True)
+    )
+
+
+def response(status: int) -> Any:
+    return ep.ProcessingRequest(response_headers=ep.HttpHeaders(
+        headers=core.HeaderMap(headers=[core.HeaderValue(key=":status", raw_value=str(status)
+                                                         .encode())])))  # fmt: skip
+
+
+def routed(message: ep.ProcessingResponse) -> tuple[dict[str, Any], dict[str, str]]:
+    """The body answer's new body and the headers it sets."""
+    answer = message.request_body.response
+    set_headers = {h.header.key: h.header.raw_value.decode()
+                   for h in answer.header_mutation.set_headers}  # fmt: skip
+    return orjson.loads(answer.body_mutation.body), set_headers
+
+
+def error(message: ep.ProcessingResponse) -> tuple[int, str, str | None]:
+    reply = message.immediate_response
+    retry = {h.header.key: h.header.raw_value.decode() for h in reply.headers.set_headers}
+    return reply.status.code, orjson.loads(reply.body)["error"]["message"], retry.get("retry-after")
+
+
+# ---- serial -------------------------------------------------------------------------------
+
+
+async def test_serial_dispatch_waits_for_p_and_forwards_its_params() -> None:
+    r = Request(timeouts={"prefill_s": 12.5})
+    await r.start(REQUEST | {"kv_transfer_params": {"remote_host": "evil"}}, x_request_id="c-1",
+                  authorization="Bearer k", x_other="no")  # fmt: skip
+    sent = await r.envoy.until_sent(2)
+    assert r.envoy.kinds() == ["request_headers", None]  # continue, then "wait longer"
+    timer = sent[1].override_message_timeout
+    assert (timer.seconds, timer.nanos) == (13, 500_000_000)  # prefill_s + 1
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    endpoint, path, _, request_id, timeout_s, forwarded = r.prefill.calls[0]
+    assert (endpoint, path, timeout_s) == (P, "/v1/completions", 12.5)
+    assert forwarded == {"authorization": "Bearer k"}  # only dispatch.forward_headers
+    p_body = r.prefill.body
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert p_body["kv_transfer_params"]["do_remote_decode"] is True
+    assert p_body["kv_transfer_params"]["transfer_id"] == f"xfer-{request_id}"
+    assert len(r.envoy.sent) == 2  # D is not answered before P
+
+    r.prefill.answer(P_ANSWER)
+    sent = await r.envoy.until_sent(3)
+    d_body, set_headers = routed(sent[2])
+    assert d_body == REQUEST | {"kv_transfer_params": P_ANSWER}  # P's params, verbatim
+    assert set_headers["x-gateway-destination-endpoint"] == f"{D1},{D2}"  # with a fallback
+    assert set_headers["x-request-id"] == request_id != "c-1"
+    assert r.rt.identities.get(P) == identity_from_params(P_ANSWER)
+    assert r.processor.client_request_id == "c-1"
+
+    await r.send(response(200))
+    await r.envoy.until_sent(4)
+    assert r.envoy.kinds()[3] == "response_headers"
+    await r.end()
+    assert r.outcome("ok", "serial", "cache_miss") == 1
+    assert r.sample("pd_extproc_prefill_leg_seconds_sum", outcome="ok") == 0.125
+    assert r.sample("pd_extproc_processing_seconds_count") == 1
+    assert r.sample("pd_extproc_dispatch_skew_seconds_count") == 0
+    assert [name for name, _ in r.trace.events] == [
+        "prefill_started",
+        "prefill_finished",
+        "decode_started",
+        "decode_answered",
+        "finish",
+    ]
+    assert r.trace.events[1][1] == "ok" and r.trace.events[3][1] == 200
+    assert r.trace.events[-1][1] == {
+        "request_id": request_id, "client_request_id": "c-1", "strategy": "serial",
+        "reason": "cache_miss", "outcome": "ok", "prefill": P}  # fmt: skip
+    assert r.idle() and r.rt.active_streams == 0
+
+
+async def test_chat_and_max_completion_tokens_reach_p() -> None:
+    r = Request()
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 9, "min_tokens": 2}  # fmt: skip
+    await r.start(chat, path="/v1/chat/completions")
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    assert r.prefill.calls[0][1] == "/v1/chat/completions"
+    p_body = r.prefill.body
+    assert (p_body["max_tokens"], p_body["max_completion_tokens"]) == (1, 1)
+    assert "min_tokens" not in p_body
+    r.prefill.answer(P_ANSWER)
+    d_body, _ = routed((await r.envoy.until_sent(3))[2])
+    assert d_body["max_completion_tokens"] == 9 and d_body["min_tokens"] == 2
+    await r.end()
+
+
+@pytest.mark.parametrize(
+    ("failure", "status", "label"),
+    [
+        (PrefillFailed(502, "prefill endpoint p answered 500"), 502, "prefill_error"),
+        (PrefillTimeout(504, "prefill endpoint p did not answer"), 504, "prefill_timeout"),
+    ],
+)
+async def test_serial_p_failure_ends_the_request_and_drops_the_identity(
+    failure: Exception, status: int, label: str
+) -> None:
+    r = Request(cached=True, dispatch={"mode": "serial-push"})
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.fail(failure)
+    sent = await r.envoy.until_sent(3)
+    assert error(sent[2]) == (status, str(failure).split(" ", 1)[1], None)
+    await asyncio.wait_for(r.task, WAIT_S)  # the request ends without Envoy's help
+    assert r.rt.identities.get(P) is None
+    assert next(iter(r.rt.prefill)).healthy  # P answered: it is not unreachable
+    assert r.outcome(label, "serial", "serial_only") == 1
+    assert r.sample("pd_extproc_prefill_leg_seconds_count", outcome=label) == 1
+    assert ("prefill_finished", label) in r.trace.events
+    assert r.idle()
+
+
+async def test_unreachable_p_is_marked_unhealthy_and_the_client_may_retry() -> None:
+    r = Request()
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.fail(PrefillUnreachable(503, "prefill endpoint p is unreachable", retry_after_s=1))
+    sent = await r.envoy.until_sent(3)
+    assert error(sent[2]) == (503, "prefill endpoint p is unreachable", "1")
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert not next(iter(r.rt.prefill)).healthy
+    assert r.outcome("prefill_unreachable", "serial", "cache_miss") == 1
+
+
+@pytest.mark.parametrize("params", [None, IDENTITY | {"remote_port": 0}])
+async def test_unusable_p_params_are_never_forwarded(params: Any) -> None:
+    r = Request(cached=True, dispatch={"mode": "serial-push"})
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(params)
+    sent = await r.envoy.until_sent(3)
+    status, message, _ = error(sent[2])
+    assert status == 502
+    assert message.startswith(f"prefill {P} sent unusable params: ")
+    assert r.rt.identities.get(P) is None
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.outcome("prefill_error", "serial", "serial_only") == 1
+
+
+async def test_client_gone_while_p_computes_cancels_p() -> None:
+    r = Request()
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    await r.end()  # Envoy closes the stream
+    assert r.prefill.cancelled
+    assert r.envoy.kinds() == ["request_headers", None]  # nothing written for D
+    assert r.outcome("cancelled", "serial", "cache_miss") == 1
+    assert r.idle()
+
+
+# ---- parallel ------------------------------------------------------------------------------
+
+
+async def test_parallel_dispatch_sends_both_legs_at_once() -> None:
+    r = Request(cached=True)
+    await r.start()
+    sent = await r.envoy.until_sent(2)
+    assert r.envoy.kinds() == ["request_headers", "request_body"]  # no wait for P
+    assert r.prefill.called.is_set()
+    d_body, set_headers = routed(sent[1])
+    request_id = set_headers["x-request-id"]
+    transfer_id = r.prefill.body["kv_transfer_params"]["transfer_id"]
+    assert transfer_id == f"xfer-{request_id}" and r.prefill.calls[0][3] == request_id
+    identity = identity_from_params(IDENTITY)
+    d_params = identity.decode_params(request_id, transfer_id)
+    assert d_body == REQUEST | {"kv_transfer_params": d_params}
+    assert r.sample("pd_extproc_dispatch_skew_seconds_count") == 1
+    r.prefill.answer(P_ANSWER)  # the same engine: nothing to say
+    await r.send(response(200))
+    await r.envoy.until_sent(3)
+    await r.end()
+    assert r.envoy.kinds()[2:] == ["response_headers"]
+    assert r.rt.identities.get(P) == identity
+    assert r.outcome("ok", "parallel", "cache_hit") == 1
+    assert r.idle()
+
+
+async def test_p_restarted_under_a_parallel_request_is_a_retryable_503() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER | {"remote_engine_id": "e2"})
+    sent = await r.envoy.until_sent(3)
+    assert error(sent[2]) == (503, f"prefill {P} restarted (new engine id); retry", "1")
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.rt.identities.get(P).engine_id == "e2"  # learned for the next request
+    assert r.sample("pd_extproc_identity_events_total", endpoint=P, event="mismatched") == 1
+    assert r.outcome("identity_changed", "parallel", "cache_hit") == 1
+
+
+async def test_parallel_p_failure_after_d_answered_still_ends_the_request() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
+    sent = await r.envoy.until_sent(3)
+    assert error(sent[2])[0] == 502
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.rt.identities.get(P) is None
+
+
+async def test_pull_engines_and_flapping_endpoints_are_served_serially() -> None:
+    pull = Request(cached=False)
+    pull.rt.identities.learn(P, identity_from_params(IDENTITY | {"transfer_mode": "pull"}))
+    await pull.start()
+    await pull.envoy.until_sent(2)
+    assert pull.envoy.kinds()[1] is None  # the serial "wait longer"
+    await pull.end()
+    assert pull.outcome("cancelled", "serial", "pull") == 1
+
+
+# ---- D's answer ----------------------------------------------------------------------------
+
+
+async def test_d_5xx_drops_the_identity_it_was_given_and_cancels_p() -> None:
+    r = Request(cached=True, timeouts={"decode_error_grace_s": 0.1})
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(response(503))  # P has not answered within the grace
+    sent = await r.envoy.until_sent(4)
+    timer = sent[2].override_message_timeout
+    assert (timer.seconds, timer.nanos) == (1, 100_000_000)  # grace + 1
+    assert r.envoy.kinds()[3] == "response_headers"  # D's error goes to the client as it is
+    assert r.prefill.cancelled
+    assert r.rt.identities.get(P) is None
+    await r.end()
+    assert r.outcome("decode_5xx", "parallel", "cache_hit") == 1
+    assert ("decode_answered", 503) in r.trace.events
+
+
+async def test_d_5xx_then_p_answers_the_same_engine_in_the_grace() -> None:
+    r = Request(cached=True, timeouts={"decode_error_grace_s": 30})
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(response(500))
+    await r.envoy.until_sent(3)  # the grace has begun
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(4)
+    assert r.envoy.kinds()[3] == "response_headers"
+    assert r.rt.identities.get(P) is None  # D failed with it: learn it again
+    assert not r.prefill.cancelled
+    await r.end()
+
+
+async def test_d_5xx_then_p_answers_a_new_engine_in_the_grace() -> None:
+    r = Request(cached=True, timeouts={"decode_error_grace_s": 30})
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(response(500))
+    await r.envoy.until_sent(3)
+    r.prefill.answer(P_ANSWER | {"remote_engine_id": "e2"})
+    sent = await r.envoy.until_sent(4)
+    assert error(sent[3])[0] == 503
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.rt.identities.get(P).engine_id == "e2"
+
+
+async def test_d_5xx_in_serial_drops_the_identity_p_gave() -> None:
+    r = Request()
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(3)
+    await r.send(response(502))
+    await r.envoy.until_sent(4)
+    assert r.envoy.kinds()[3] == "response_headers"
+    assert r.rt.identities.get(P) is None
+    await r.end()
+    assert r.outcome("decode_5xx", "serial", "cache_miss") == 1
+
+
+async def test_d_4xx_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(response(400))
+    await r.envoy.until_sent(3)
+    assert r.envoy.kinds()[2] == "response_headers"  # D's refusal is the answer: not held
+    assert r.rt.identities.get(P) is not None
+    await r.end()
+    assert r.prefill.cancelled  # P's answer cannot change D's refusal
+    assert r.outcome("decode_4xx", "parallel", "cache_hit") == 1
+
+
+async def test_d_below_400_is_held_until_p_answers_and_keeps_the_identity() -> None:
+    r = Request(cached=True, timeouts={"prefill_s": 7})
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(response(399))
+    sent = await r.envoy.until_sent(3)
+    assert r.envoy.kinds()[2] is None  # held: Envoy's timer extended for P's answer
+    assert sent[2].override_message_timeout.seconds == 8  # prefill_s + 1
+    assert r.rt.identities.get(P) is not None and not r.prefill.cancelled
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(4)
+    assert r.envoy.kinds()[3] == "response_headers"
+    await r.end()
+    assert r.rt.identities.get(P) == identity_from_params(P_ANSWER)
+    assert r.outcome("ok", "parallel", "cache_hit") == 1
+
+
+# ---- picking -------------------------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.requests: list[PickRequest] = []
+
+    def pick(self, candidates: Sequence[EndpointState], request: PickRequest) -> EndpointState:
+        self.requests.append(request)
+        return candidates[-1]
+
+
+async def test_policies_see_the_model_session_and_prompt_start() -> None:
+    r = Request(cached=True, dispatch={"session_header": "x-conversation"})
+    decode, prefill = Recorder(), Recorder()
+    r.rt.groups[""].pickers.update(decode=decode, prefill=prefill)
+    long_prompt = "x" * 5000
+    await r.start(REQUEST | {"prompt": long_prompt}, x_conversation="conv-7")
+    sent = await r.envoy.until_sent(2)
+    raw_member = b'"prompt":"' + long_prompt.encode()
+    expected = PickRequest("m", "conv-7", raw_member[:4096])
+    assert decode.requests == [expected] and prefill.requests == [expected]
+    assert routed(sent[1])[1]["x-gateway-destination-endpoint"] == f"{D2},{D1}"
+    await r.end()
+
+
+async def test_chat_messages_are_the_prompt_start_and_no_session_is_none() -> None:
+    r = Request()
+    decode = Recorder()
+    r.rt.groups[""].pickers["decode"] = decode
+    await r.start({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                  path="/v1/chat/completions")  # fmt: skip
+    await r.envoy.until_sent(2)
+    assert decode.requests == [
+        PickRequest("m", None, b'"messages":[{"role":"user","content":"hi"}]')
+    ]
+    await r.end()
+
+
+async def test_in_flight_is_counted_on_the_chosen_endpoints_while_the_request_runs() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    counts = {s.address: s.in_flight for s in [*r.rt.prefill, *r.rt.decode]}
+    assert counts == {P: 1, D1: 1, D2: 0}  # the fallback is not counted
+    await r.end()
+    assert r.idle()
+
+
+async def test_no_healthy_decode_is_a_retryable_503_and_p_is_not_asked() -> None:
+    r = Request()
+    for address in (D1, D2):
+        r.rt.decode.set_healthy(address, False)
+    await r.start()
+    sent = await r.envoy.until_sent(2)
+    assert error(sent[1]) == (503, "no healthy decode endpoint; retry later", "1")
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.prefill.calls == [] and r.idle()
+    assert r.outcome("no_healthy_decode", "serial", "none") == 1
+
+
+async def test_no_healthy_prefill_is_a_retryable_503_by_default() -> None:
+    r = Request()
+    r.rt.prefill.set_healthy(P, False)
+    await r.start()
+    sent = await r.envoy.until_sent(2)
+    assert error(sent[1]) == (503, "no healthy prefill endpoint; retry later", "1")
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.idle()
+
+
+async def test_no_healthy_prefill_can_fall_back_to_decode_only() -> None:
+    r = Request(dispatch={"no_healthy_prefill": "decode_only"})
+    r.rt.prefill.set_healthy(P, False)
+    await r.start(REQUEST | {"kv_transfer_params": {"remote_host": "evil"}})
+    sent = await r.envoy.until_sent(2)
+    d_body, set_headers = routed(sent[1])
+    assert d_body == REQUEST  # the client's own kv_transfer_params never reach D
+    assert set_headers["x-gateway-destination-endpoint"] == f"{D1},{D2}"
+    await r.send(response(500))
+    await r.envoy.until_sent(3)
+    await r.end()
+    assert r.prefill.calls == []
+    assert r.outcome("decode_5xx", "decode_only", "no_prefill") == 1
+    assert r.trace.events[-1][1]["prefill"] is None
+
+
+# ---- the headers and body phases ------------------------------------------------------------
+
+
+async def test_bad_body_is_refused_with_400_before_any_leg() -> None:
+    r = Request()
+    await r.start({"model": "m"})
+    sent = await r.envoy.until_sent(2)
+    assert error(sent[1]) == (
+        400, "'prompt' must be a string or a list of token ids (it is missing)", None
+    )
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.prefill.calls == [] and r.idle()
+    assert r.outcome("client_error", "serial", "none") == 1
+
+
+async def test_envoys_own_reply_in_the_body_phase_is_let_through() -> None:
+    r = Request()
+    await r.send(headers(), response(413))  # Envoy refused an oversized body itself
+    sent = await r.envoy.until_sent(2)
+    assert r.envoy.kinds() == ["request_headers", "response_headers"]
+    assert sent[1] == ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.outcome("client_error", "serial", "none") == 1
+
+
+@pytest.mark.parametrize("first", [aio.EOF, body(REQUEST)], ids=["stream ended", "no headers"])
+async def test_a_stream_without_request_headers_is_left_alone(first: Any) -> None:
+    r = Request()
+    await r.send(first)
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.envoy.sent == [] and r.prefill.calls == []
+    assert r.outcome("cancelled", "serial", "none") == 1
+
+
+async def test_stream_ending_after_the_headers_writes_nothing_more() -> None:
+    r = Request()
+    await r.send(headers(), aio.EOF)
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.envoy.kinds() == ["request_headers"]
+
+
+async def test_request_log_line_names_the_request(caplog: pytest.LogCaptureFixture) -> None:
+    r = Request(cached=True, log={"requests": True})
+    with caplog.at_level(logging.INFO, logger="extproc.request"):
+        await r.start(x_request_id="client-9")
+        sent = await r.envoy.until_sent(2)
+        await r.send(response(200))
+        await r.envoy.until_sent(3)
+        await r.end()
+    request_id = routed(sent[1])[1]["x-request-id"]
+    [line] = [rec for rec in caplog.records if rec.getMessage() == f"request {request_id} ok"]
+    assert (line.client_request_id, line.strategy, line.reason, line.prefill) == (
+        "client-9",
+        "parallel",
+        "cache_hit",
+        P,
+    )
+
+
+async def test_no_request_log_line_unless_asked(caplog: pytest.LogCaptureFixture) -> None:
+    r = Request(cached=True)
+    with caplog.at_level(logging.INFO, logger="extproc.request"):
+        await r.start()
+        await r.envoy.until_sent(2)
+        await r.end()
+    assert not [rec for rec in caplog.records if hasattr(rec, "outcome")]
+    [line] = [rec.getMessage() for rec in caplog.records]
+    assert line.endswith(": stream ended before P answered")  # the parallel P was cut short
+
+
+# ---- bounds, timings and what an operator reads ------------------------------------------------
+
+
+async def test_serial_processing_time_leaves_out_the_wait_for_p() -> None:
+    r = Request()
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    asyncio.get_running_loop().call_later(0.6, r.prefill.answer, P_ANSWER)  # P takes 0.6 s
+    await r.envoy.until_sent(3)
+    await r.end()
+    assert 0 <= r.sample("pd_extproc_processing_seconds_sum") < 0.3
+
+
+async def test_parallel_skew_and_processing_time_are_small_and_positive() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.end()
+    assert 0 <= r.sample("pd_extproc_dispatch_skew_seconds_sum") < 0.3
+    assert 0 <= r.sample("pd_extproc_processing_seconds_sum") < 0.3
+
+
+async def test_failed_p_leg_time_is_measured_from_its_start() -> None:
+    r = Request()
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.fail(PrefillFailed(502, "boom"))
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert 0 <= r.sample("pd_extproc_prefill_leg_seconds_sum", outcome="prefill_error") < 1
+
+
+async def test_every_request_gets_its_own_id() -> None:
+    ids = []
+    for _ in range(2):
+        r = Request(cached=True)
+        await r.start()
+        ids.append(routed((await r.envoy.until_sent(2))[1])[1]["x-request-id"])
+        await r.end()
+    assert ids[0] != ids[1]
+
+
+async def test_an_endpoints_own_mode_overrides_the_dispatch_mode() -> None:
+    r = Request(cached=True, prefill={"endpoints": [{"address": P, "mode": "pull"}]})
+    await r.start()
+    await r.envoy.until_sent(2)
+    assert r.envoy.kinds()[1] is None  # serial although a push identity is cached
+    await r.end()
+    assert r.outcome("cancelled", "serial", "pull") == 1
+
+
+async def test_a_flapping_prefill_is_served_serially() -> None:
+    r = Request(cached=True, dispatch={"flap_threshold": 1})
+    r.rt.identities.learn(P, identity_from_params(IDENTITY | {"remote_engine_id": "e2"}))
+    await r.start()
+    await r.envoy.until_sent(2)
+    assert r.envoy.kinds()[1] is None
+    await r.end()
+    assert r.outcome("cancelled", "serial", "serial_only") == 1
+
+
+async def test_requests_go_only_to_their_models_engines() -> None:
+    other_p, other_d = "127.0.0.1:9100", "127.0.0.1:9200"
+    models = {"b": {"prefill": {"endpoints": [other_p]}, "decode": {"endpoints": [other_d]}}}
+    r = Request(models=models)
+    await r.start(REQUEST | {"model": "b"})
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    assert r.prefill.calls[0][0] == other_p
+    r.prefill.answer(P_ANSWER)
+    _, set_headers = routed((await r.envoy.until_sent(3))[2])
+    assert set_headers["x-gateway-destination-endpoint"] == other_d
+    await r.end()
+
+
+async def test_a_stale_d_failure_does_not_evict_a_newer_identity() -> None:
+    r = Request(cached=True, timeouts={"decode_error_grace_s": 0.05})
+    await r.start()
+    await r.envoy.until_sent(2)
+    newer = identity_from_params(IDENTITY | {"remote_engine_id": "e2"})
+    r.rt.identities.learn(P, newer)  # another request learned P's new engine meanwhile
+    await r.send(response(503))
+    await r.envoy.until_sent(4)
+    assert r.rt.identities.get(P) == newer
+    await r.end()
+
+
+async def test_a_response_without_status_is_let_through() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(ep.ProcessingRequest(response_headers=ep.HttpHeaders()))
+    await r.envoy.until_sent(3)  # held like any answer below 400 until P is settled
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(4)
+    await r.end()
+    assert r.envoy.kinds()[2:] == [None, "response_headers"]
+
+
+async def test_headers_without_a_body_are_refused() -> None:
+    r = Request()
+    await r.send(headers(end=True))
+    sent = await r.envoy.until_sent(1)
+    assert error(sent[0]) == (400, "the request has no body; send a JSON object", None)
+    await asyncio.wait_for(r.task, WAIT_S)
+
+
+@pytest.mark.parametrize("messages", [0, 1], ids=["no headers", "no body"])
+async def test_a_silent_envoy_does_not_hold_the_request(
+    monkeypatch: pytest.MonkeyPatch, messages: int
+) -> None:
+    monkeypatch.setattr("extproc.processor._BODY_WAIT_S", 0.05)
+    r = Request()
+    await r.send(*[headers()][:messages])
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert len(r.envoy.sent) == messages and r.prefill.calls == []
+
+
+async def test_watching_stops_after_request_s() -> None:
+    r = Request(cached=True, timeouts={"request_s": 0.1})
+    await r.start()
+    await r.envoy.until_sent(2)
+    await asyncio.wait_for(r.task, WAIT_S)  # neither P nor D ever answers
+    assert r.prefill.cancelled and r.idle()
+
+
+async def test_what_is_reported_for_a_stream_that_never_started() -> None:
+    r = Request()
+    await r.send(aio.EOF)
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.trace.events == [("finish", {
+        "request_id": "", "client_request_id": "", "strategy": "serial", "reason": "none",
+        "outcome": "cancelled", "prefill": None})]  # fmt: skip
+
+
+async def test_refused_requests_have_no_request_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = Request(log={"requests": True})
+    with caplog.at_level(logging.INFO, logger="extproc.request"):
+        await r.start({"model": "m"})
+        await asyncio.wait_for(r.task, WAIT_S)
+    assert caplog.records == []  # no id was given to it: nothing to name
+    assert r.trace.events[-1][1]["request_id"] == ""
+    assert r.trace.events[-1][1]["client_request_id"] == ""
+
+
+async def test_leg_failures_are_logged_with_both_ids(caplog: pytest.LogCaptureFixture) -> None:
+    r = Request()
+    with caplog.at_level(logging.WARNING, logger="extproc.request"):
+        await r.start(x_request_id="c-2")
+        await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+        r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
+        await asyncio.wait_for(r.task, WAIT_S)
+    request_id = r.prefill.calls[0][3]
+    [line] = caplog.records
+    assert line.getMessage() == (
+        f"request {request_id} (client id 'c-2') failed: 502 prefill endpoint p answered 500"
+    )
+    assert (line.outcome, line.request_id, line.prefill) == ("prefill_error", request_id, P)
+
+
+async def test_dispatch_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    r = Request(cached=True)
+    with caplog.at_level(logging.DEBUG, logger="extproc.request"):
+        await r.start(x_request_id="c-3")
+        sent = await r.envoy.until_sent(2)
+        await r.end()
+    request_id = routed(sent[1])[1]["x-request-id"]
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert f"request {request_id} (client id 'c-3'): parallel/cache_hit P={P} D={D1}" in messages
+    assert f"request {request_id}: stream ended before P answered" in messages
+
+
+async def test_no_stream_ended_line_when_there_was_no_p_leg(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = Request()
+    with caplog.at_level(logging.INFO, logger="extproc.request"):
+        await r.send(headers(), aio.EOF)
+        await asyncio.wait_for(r.task, WAIT_S)
+    assert caplog.records == []
+
+
+async def test_no_stream_ended_line_once_d_has_answered(caplog: pytest.LogCaptureFixture) -> None:
+    r = Request(cached=True)
+    with caplog.at_level(logging.INFO, logger="extproc.request"):
+        await r.start()
+        await r.envoy.until_sent(2)
+        await r.send(response(200))  # D answered; P is still running
+        await r.envoy.until_sent(3)
+        await r.end()
+    assert caplog.records == [] and r.prefill.cancelled
+
+
+async def test_no_stream_ended_line_for_decode_only(caplog: pytest.LogCaptureFixture) -> None:
+    r = Request(dispatch={"no_healthy_prefill": "decode_only"})
+    r.rt.prefill.set_healthy(P, False)
+    with caplog.at_level(logging.INFO, logger="extproc.request"):
+        await r.start()
+        await r.envoy.until_sent(2)
+        await r.end()
+    assert caplog.records == []

@@ -1,0 +1,180 @@
+"""What a client gets back for each request the sidecar refuses, and what it lets through.
+
+The refusal is the client's whole answer, so it is compared in full: status, and the
+OpenAI-style error body (message, type, param, code) that names the offending field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from extproc.errors import ClientError
+from extproc.request import Api, check_route, parse_request
+
+LIMIT = 1000
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def refusal(api: Api, body: Any, limit: int = LIMIT) -> tuple[int, dict[str, Any]]:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    with pytest.raises(ClientError) as caught:
+        parse_request(api, raw, limit)
+    return caught.value.status, orjson.loads(caught.value.body)["error"]
+
+
+def bad_request(message: str, param: str | None) -> tuple[int, dict[str, Any]]:
+    return 400, {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+
+
+def prompt_type(it_is: str) -> tuple[int, dict[str, Any]]:
+    message = f"'prompt' must be a string or a list of token ids (it is {it_is})"
+    return bad_request(message, "prompt")
+
+
+def one_choice(n: str) -> tuple[int, dict[str, Any]]:
+    return bad_request(
+        f"'n' is {n}; prefill/decode serves one choice per request, so 'n' must be 1 (or left out)",
+        "n",
+    )
+
+
+MODEL = bad_request("'model' is required and must be a string", "model")
+MESSAGES_LIST = bad_request("'messages' must be a non-empty list", "messages")
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"model": "m"}, prompt_type("missing")),
+        ({"model": "m", "prompt": 7}, prompt_type("a number")),
+        ({"model": "m", "prompt": []}, bad_request(
+            "'prompt' is an empty list; send a string or a list of token ids", "prompt")),
+        ({"model": "m", "prompt": [1, True]}, bad_request(
+            "'prompt' as a list must hold token ids (integers) only", "prompt")),
+        ({"model": "m", "prompt": [[1, 2], [3]]}, bad_request(
+            "'prompt' is a list of 2 prompts; prefill/decode serves one prompt per request: "
+            "send each in its own request", "prompt")),
+        ({"model": "", "prompt": "p"}, MODEL),
+        ({"model": 3, "prompt": "p"}, MODEL),
+        ({"model": "m", "prompt": "p", "n": 2}, one_choice("2")),
+        ({"model": "m", "prompt": "p", "n": 0}, one_choice("0")),
+        ({"model": "m", "prompt": "p", "n": 1.5}, one_choice("1.5")),
+        ({"model": "m", "prompt": "p", "min_tokens": True}, bad_request(
+            "'min_tokens' must be an integer (it is a boolean)", "min_tokens")),
+        ({"model": "m", "prompt": "p", "max_completion_tokens": "8"}, bad_request(
+            "'max_completion_tokens' must be an integer (it is a string)",
+            "max_completion_tokens")),
+        ({"model": "m", "prompt": "p", "max_tokens": 0}, bad_request(
+            "'max_tokens' must be at least 1 (it is 0)", "max_tokens")),
+        ({"model": "m", "prompt": "p", "max_completion_tokens": -3}, bad_request(
+            "'max_completion_tokens' must be at least 1 (it is -3)", "max_completion_tokens")),
+        ({"model": "m", "prompt": "p", "stream": "yes"}, bad_request(
+            "'stream' must be true or false (it is a string)", "stream")),
+        ({"model": "m", "prompt": "p", "stream": 1}, bad_request(
+            "'stream' must be true or false (it is a number)", "stream")),
+        ({"model": "m", "prompt": "p", "stream": True, "stream_options": [1]}, bad_request(
+            "'stream_options' must be an object", "stream_options")),
+        ({"model": "m", "prompt": "p", "stream_options": {}}, bad_request(
+            "'stream_options' is only allowed when 'stream' is true", "stream_options")),
+        ({"model": "m", "prompt": "p", "stream": False, "stream_options": {}}, bad_request(
+            "'stream_options' is only allowed when 'stream' is true", "stream_options")),
+        ([1, 2], bad_request("the body must be a JSON object", None)),
+        (b"", bad_request("the request has no body; send a JSON object", None)),
+    ],
+)  # fmt: skip
+def test_completion_refusals(body: Any, expected: tuple[int, dict[str, Any]]) -> None:
+    assert refusal(Api.COMPLETIONS, body) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"model": "m", "prompt": "p"}, MESSAGES_LIST),
+        ({"model": "m", "messages": []}, MESSAGES_LIST),
+        ({"model": "m", "messages": {"role": "user"}}, MESSAGES_LIST),
+        ({"model": "m", "messages": [*MESSAGES, "hi"]}, bad_request(
+            "each message must be an object", "messages")),
+        ({"model": "m", "messages": MESSAGES, "max_tokens": 0}, bad_request(
+            "'max_tokens' must be at least 1 (it is 0)", "max_tokens")),
+    ],
+)  # fmt: skip
+def test_chat_refusals(body: Any, expected: tuple[int, dict[str, Any]]) -> None:
+    assert refusal(Api.CHAT, body) == expected
+
+
+def test_body_that_is_not_json_names_the_problem() -> None:
+    status, error = refusal(Api.COMPLETIONS, b'{"model": "m", "prompt": "\xff"}')
+    assert (status, error["param"]) == (400, None)
+    assert error["message"] == (
+        "the body is not UTF-8 text (byte 0xff at offset 26); send JSON encoded as UTF-8"
+    )
+    status, error = refusal(Api.COMPLETIONS, b'{"model": "m",')
+    assert (status, error["param"]) == (400, None)
+    assert error["message"].startswith("the body is not valid JSON: ")
+
+
+def test_body_over_the_limit_is_413_before_parsing() -> None:
+    body = b"{" + b" " * (LIMIT - 2) + b"}"  # exactly the limit: accepted as far as size goes
+    assert refusal(Api.COMPLETIONS, body) == MODEL
+    status, error = refusal(Api.COMPLETIONS, b"x" * (LIMIT + 1))
+    assert status == 413
+    assert error == {
+        "message": f"request body is {LIMIT + 1} bytes; the limit is {LIMIT} bytes",
+        "type": "RequestTooLarge",
+        "param": None,
+        "code": 413,
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "stream", "max_completion"),
+    [
+        ({"model": "m", "prompt": "p"}, False, False),
+        ({"model": "m", "prompt": [1, 2], "stream": True, "stream_options": {}}, True, False),
+        ({"model": "m", "prompt": "p", "stream": None, "n": 1, "max_tokens": 1}, False, False),
+        ({"model": "m", "prompt": "p", "max_completion_tokens": 1, "min_tokens": 0}, False, True),
+    ],
+)
+def test_accepted_completions(body: dict[str, Any], stream: bool, max_completion: bool) -> None:
+    raw = orjson.dumps(body)
+    request = parse_request(Api.COMPLETIONS, raw, LIMIT)
+    assert (request.api, request.model, request.stream) == (Api.COMPLETIONS, "m", stream)
+    assert request.has_max_completion_tokens is max_completion
+    assert request.doc == body
+    assert [key for key, _ in request.parts] == list(body)
+    assert b"{" + b",".join(chunk for _, chunk in request.parts) + b"}" == raw
+
+
+def test_accepted_chat() -> None:
+    body = {"model": "chat-m", "messages": MESSAGES, "stream": True}
+    request = parse_request(Api.CHAT, orjson.dumps(body), LIMIT)
+    assert (request.api, request.model, request.stream) == (Api.CHAT, "chat-m", True)
+    assert request.doc == body
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "message"),
+    [
+        (
+            "POST",
+            "/v1/embeddings?x=1",
+            404,
+            "/v1/embeddings is not served here; use /v1/chat/completions or /v1/completions",
+        ),
+        ("GET", "/v1/completions", 405, "GET is not allowed on /v1/completions; use POST"),
+        ("POST", "/v1/chat/completions/", 404, "/v1/chat/completions/ is not served here; "
+         "use /v1/chat/completions or /v1/completions"),
+    ],
+)  # fmt: skip
+def test_route_refusals(method: str, path: str, status: int, message: str) -> None:
+    with pytest.raises(ClientError) as caught:
+        check_route(method, path)
+    assert (caught.value.status, caught.value.message) == (status, message)
+
+
+def test_routes_served() -> None:
+    assert check_route("POST", "/v1/chat/completions") is Api.CHAT
+    assert check_route("POST", "/v1/completions?a=b?c") is Api.COMPLETIONS
