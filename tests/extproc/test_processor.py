@@ -400,3 +400,45 @@ async def test_serial_client_gone_while_prefill_computes_cancels_it_and_sends_no
     await asyncio.wait_for(prefill.cancelled.wait(), 2)
     assert [m.WhichOneof("response") for m in envoy.sent] == ["request_headers", None]
     assert outcomes(rt) == {("cancelled", "serial", "cache_miss"): 1.0}
+
+
+async def test_prefill_silent_while_decode_headers_are_held_gives_504_and_cancels_it() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)  # P never answers unless cancelled
+    config = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]},
+              "timeouts": {"prefill_s": 0.3}}  # fmt: skip
+    rt = use_prefill(Runtime(parse_config(config), "unix:/nonexistent"), prefill)
+    rt.identities.learn(P, identity_from_params(IDENTITY))
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST | {"stream": True}))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(200))
+    await asyncio.wait_for(task, timeout=3)
+    kinds = [m.WhichOneof("response") for m in envoy.sent]
+    assert kinds == ["request_headers", "request_body", None, "immediate_response"]
+    assert envoy.sent[2].override_message_timeout.ToMilliseconds() == 1300  # prefill_s + 1
+    reply = envoy.sent[-1].immediate_response
+    assert reply.status.code == 504
+    assert orjson.loads(reply.body)["error"]["message"] == (
+        f"prefill endpoint {P} did not answer within 0.3 s"
+    )
+    assert prefill.cancelled.is_set()
+
+
+async def test_stream_ending_while_decode_headers_are_held_cancels_the_prefill_leg() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = GatedPrefill(SAME)
+    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    task = await run(rt, envoy)
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(REQUEST | {"stream": True}))
+    await until_sent(envoy, 2)
+    await envoy.inbox.put(response_headers(200))
+    await until_sent(envoy, 3)  # the hold: Envoy's timer extended, nothing answered
+    await envoy.inbox.put(aio.EOF)  # the client went away
+    await asyncio.wait_for(task, timeout=2)
+    await asyncio.wait_for(prefill.cancelled.wait(), 2)
+    assert [m.WhichOneof("response") for m in envoy.sent] == [
+        "request_headers", "request_body", None]  # fmt: skip
+    assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
