@@ -82,9 +82,12 @@ def body(doc: dict[str, Any]) -> ep.ProcessingRequest:
     )
 
 
-def runtime(prefill: FakePrefill, cached: bool, decodes: tuple[str, ...] = (D,)) -> Runtime:
+def runtime(
+    prefill: FakePrefill, cached: bool, decodes: tuple[str, ...] = (D,), **settings: Any
+) -> Runtime:
+    """A runtime over one P and `decodes`; `settings`: more config sections (timeouts, ...)."""
     pools = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": list(decodes)}}
-    rt = use_prefill(Runtime(parse_config(pools), "unix:/nonexistent"), prefill)
+    rt = use_prefill(Runtime(parse_config(pools | settings), "unix:/nonexistent"), prefill)
     if cached:
         rt.identities.learn(P, identity_from_params(IDENTITY))
     return rt
@@ -103,6 +106,18 @@ REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 4}
 async def run(rt: Runtime, envoy: ScriptedEnvoy) -> asyncio.Task[None]:
     stream = EnvoyStream(envoy)  # type: ignore[arg-type]
     return asyncio.create_task(RequestProcessor(rt.request_deps, stream).run())
+
+
+async def send_request(envoy: ScriptedEnvoy, doc: dict[str, Any]) -> None:
+    """Envoy's request phases: the headers, then the whole body."""
+    await envoy.inbox.put(headers())
+    await envoy.inbox.put(body(doc))
+
+
+async def dispatched(envoy: ScriptedEnvoy, doc: dict[str, Any]) -> None:
+    """Send the request and wait until the processor has answered its body."""
+    await send_request(envoy, doc)
+    await until_sent(envoy, 2)
 
 
 async def until_sent(envoy: ScriptedEnvoy, count: int) -> None:
@@ -131,8 +146,7 @@ async def test_prefill_failing_while_the_answer_is_written_still_ends_the_reques
     prefill = FakePrefill(PrefillFailed(500, "boom"))  # fails at its first step
     rt = runtime(prefill, cached=True)
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
+    await send_request(envoy, REQUEST)
     await asyncio.wait_for(task, timeout=2)  # Envoy sends nothing more: no hang
     kinds = [m.WhichOneof("response") for m in envoy.sent]
     assert kinds == ["request_headers", "request_body", "immediate_response"]
@@ -144,9 +158,7 @@ async def test_parallel_answer_carries_identity_routing_and_content_length() -> 
     envoy = ScriptedEnvoy()
     rt = runtime(FakePrefill(0.05), cached=True)
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST | {"kv_transfer_params": {"remote_host": "evil"}}))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST | {"kv_transfer_params": {"remote_host": "evil"}})
     answer = envoy.sent[1].request_body.response
     new_body = answer.body_mutation.body
     set_headers = {h.header.key: h.header.raw_value.decode()
@@ -201,9 +213,7 @@ async def test_restart_seen_in_the_wake_up_of_decode_headers_gives_503_not_200()
     envoy = ScriptedEnvoy()
     prefill = GatedPrefill(RESTARTED)
     task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST | {"stream": True}))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST | {"stream": True})
     # D's headers and P's answer (a new engine id) complete before the processor wakes up
     envoy.inbox.put_nowait(response_headers(200))
     prefill.gate.set()
@@ -229,9 +239,7 @@ async def test_decode_headers_before_prefill_answers_are_held_until_it_settles(
     prefill = GatedPrefill(params)
     rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST | {"stream": True}))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST | {"stream": True})
     await envoy.inbox.put(response_headers(200))  # a streaming D answers at once
     await until_sent(envoy, 3)
     held = envoy.sent[2]
@@ -249,13 +257,9 @@ async def test_serial_decode_body_over_envoys_buffer_is_refused_before_it_leaves
     blocks = {"remote_block_ids": [list(range(100_000, 120_000))]}  # ~140 kB of block ids
     prefill = GatedPrefill(SAME | blocks)
     prefill.gate.set()
-    rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]},
-                               "limits": {"max_body_bytes": 1024}}),
-                 "unix:/nonexistent")  # fmt: skip
-    use_prefill(rt, prefill)
+    rt = runtime(prefill, cached=False, limits={"max_body_bytes": 1024})  # type: ignore[arg-type]
     task = await run(rt, envoy)  # no identity cached: serial, D's body is built after P
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
+    await send_request(envoy, REQUEST)
     await asyncio.wait_for(task, timeout=2)
     kinds = [m.WhichOneof("response") for m in envoy.sent]
     assert kinds == ["request_headers", None, "immediate_response"]  # None: timer extended
@@ -268,9 +272,7 @@ async def test_decode_refusal_passes_at_once_and_cancels_the_prefill_leg() -> No
     envoy = ScriptedEnvoy()
     prefill = GatedPrefill(SAME)  # P never answers unless cancelled
     task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(400))
     await until_sent(envoy, 3)
     assert envoy.sent[2].WhichOneof("response") == "response_headers"  # not held for P
@@ -284,9 +286,7 @@ async def test_parallel_prefill_leaves_before_the_decode_answer_is_written() -> 
     timeline: list[str] = []
     envoy = ScriptedEnvoy(timeline)
     task = await run(runtime(FakePrefill(0.05, timeline), cached=True), envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST)
     # P's request is on its way while Envoy is still receiving D's body: never after it
     assert timeline == ["request_headers", "P leg created", "P leg sent", "request_body"]
     await envoy.inbox.put(aio.EOF)
@@ -297,9 +297,7 @@ async def test_answer_names_a_fallback_decode_for_envoys_connect_retry() -> None
     envoy = ScriptedEnvoy()
     rt = runtime(FakePrefill(0.05), cached=True, decodes=(D, D2))
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST)
     answer = envoy.sent[1].request_body.response
     set_headers = {h.header.key: h.header.raw_value.decode()
                    for h in answer.header_mutation.set_headers}  # fmt: skip
@@ -312,9 +310,7 @@ async def test_decode_5xx_drops_the_identity_it_was_given() -> None:
     envoy = ScriptedEnvoy()
     rt = runtime(FakePrefill(0.05), cached=True)
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(503))
     await until_kind(envoy, "response_headers")  # D's 503 goes on to the client
     assert rt.identities.get(P) is None  # P answered as usual, yet D failed: learn it again
@@ -337,9 +333,7 @@ async def test_decode_failing_before_a_restarted_prefill_answers_gives_503() -> 
     prefill = GatedPrefill(RESTARTED)
     rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(500))
     await until_sent(envoy, 3)  # the message timer extended for the grace
     assert envoy.sent[2].override_message_timeout.seconds >= 1
@@ -354,15 +348,9 @@ async def test_decode_failing_before_a_restarted_prefill_answers_gives_503() -> 
 async def test_decode_failing_with_prefill_silent_past_the_grace_cancels_it() -> None:
     envoy = ScriptedEnvoy()
     prefill = GatedPrefill(SAME)  # P never answers unless cancelled
-    rt = Runtime(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]},
-                               "timeouts": {"decode_error_grace_s": 0.05}}),
-                 "unix:/nonexistent")  # fmt: skip
-    use_prefill(rt, prefill)
-    rt.identities.learn(P, identity_from_params(IDENTITY))
+    rt = runtime(prefill, cached=True, timeouts={"decode_error_grace_s": 0.05})  # type: ignore[arg-type]
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(502))
     await until_kind(envoy, "response_headers")  # D's own error goes on to the client
     await asyncio.wait_for(prefill.cancelled.wait(), 2)
@@ -377,9 +365,7 @@ async def test_stream_ending_while_prefill_computes_cancels_the_leg() -> None:
     prefill = GatedPrefill(SAME)
     rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST)
     await envoy.inbox.put(aio.EOF)  # the client went away before D answered
     await asyncio.wait_for(task, timeout=2)
     await asyncio.wait_for(prefill.cancelled.wait(), 2)
@@ -392,9 +378,7 @@ async def test_serial_client_gone_while_prefill_computes_cancels_it_and_sends_no
     prefill = GatedPrefill(SAME)
     rt = runtime(prefill, cached=False)  # type: ignore[arg-type]
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST))
-    await until_sent(envoy, 2)  # the timer extended while P computes
+    await dispatched(envoy, REQUEST)  # the timer extended while P computes
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
     await asyncio.wait_for(prefill.cancelled.wait(), 2)
@@ -405,14 +389,9 @@ async def test_serial_client_gone_while_prefill_computes_cancels_it_and_sends_no
 async def test_prefill_silent_while_decode_headers_are_held_gives_504_and_cancels_it() -> None:
     envoy = ScriptedEnvoy()
     prefill = GatedPrefill(SAME)  # P never answers unless cancelled
-    config = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D]},
-              "timeouts": {"prefill_s": 0.3}}  # fmt: skip
-    rt = use_prefill(Runtime(parse_config(config), "unix:/nonexistent"), prefill)
-    rt.identities.learn(P, identity_from_params(IDENTITY))
+    rt = runtime(prefill, cached=True, timeouts={"prefill_s": 0.3})  # type: ignore[arg-type]
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST | {"stream": True}))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST | {"stream": True})
     await envoy.inbox.put(response_headers(200))
     await asyncio.wait_for(task, timeout=3)
     kinds = [m.WhichOneof("response") for m in envoy.sent]
@@ -431,9 +410,7 @@ async def test_stream_ending_while_decode_headers_are_held_cancels_the_prefill_l
     prefill = GatedPrefill(SAME)
     rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
     task = await run(rt, envoy)
-    await envoy.inbox.put(headers())
-    await envoy.inbox.put(body(REQUEST | {"stream": True}))
-    await until_sent(envoy, 2)
+    await dispatched(envoy, REQUEST | {"stream": True})
     await envoy.inbox.put(response_headers(200))
     await until_sent(envoy, 3)  # the hold: Envoy's timer extended, nothing answered
     await envoy.inbox.put(aio.EOF)  # the client went away
