@@ -1,0 +1,292 @@
+"""deploy/helm/pd-extproc: `helm lint` and `helm template` in both modes, and checks on the
+rendered objects: the config in the ConfigMap loads with the sidecar's own loader and every
+port, probe and TLS file of the pods comes from it; RBAC lets discovery watch pods and
+InferencePools; the InferencePool's endpoint picker is the Service that serves the ext_proc;
+Envoy's bootstrap, rendered by the init container's own command, passes `envoy --mode validate`.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from extproc.config import Config, parse_config
+from extproc.server import LIVE_PATH, READY_PATH
+from tests.deploy.helpers import ROOT, by_kind, envoy_validate
+from tests.deploy.test_example_pods import sidecar_paths
+from tests.deploy.test_examples import K8S_VERSION
+
+CHART = ROOT / "deploy" / "helm" / "pd-extproc"
+NAMESPACE = "llm"
+MODES = ["gateway", "epp"]
+# Everything optional switched on, so that every template is rendered and checked.
+EVERYTHING = {
+    "httpRoute.create": "true",
+    "istio.destinationRule.create": "true",
+    "metrics.serviceMonitor.create": "true",
+    "tls.certManager.issuerRef.name": "my-ca",
+    "networkPolicy.create": "true",
+    "networkPolicy.extprocFrom[0].podSelector.matchLabels.gateway": "llm",
+    "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name": "monitoring",
+}
+CORE_KINDS = {"ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
+              "NetworkPolicy"}  # fmt: skip
+
+
+def helm(kube_bin: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(kube_bin / "helm"), *args], capture_output=True, text=True,
+                          timeout=60, check=False)  # fmt: skip
+
+
+def render(kube_bin: Path, mode: str, **values: str) -> list[dict[str, Any]]:
+    sets = [f"--set={key}={value}" for key, value in {"mode": mode, **values}.items()]
+    result = helm(kube_bin, "template", "llm", str(CHART), "--namespace", NAMESPACE, *sets)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    [doc] = by_kind(docs, kind)
+    return doc
+
+
+def chart_config(docs: list[dict[str, Any]]) -> Config:
+    text = one(docs, "ConfigMap")["data"]["pd-extproc.yaml"]
+    return parse_config(yaml.safe_load(text), "the chart's ConfigMap")
+
+
+def container(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    [found] = [c for c in pod["containers"] + pod.get("initContainers", []) if c["name"] == name]
+    return found
+
+
+def ports(each: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in each["ports"]}
+
+
+@pytest.fixture(scope="module", params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def docs(kube_bin: Path, mode: str) -> list[dict[str, Any]]:
+    return render(kube_bin, mode, **EVERYTHING)
+
+
+def test_chart_lints_in_each_mode(kube_bin: Path, mode: str) -> None:
+    sets = [f"--set={key}={value}" for key, value in EVERYTHING.items()]
+    result = helm(kube_bin, "lint", "--strict", str(CHART), f"--set=mode={mode}", *sets)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_an_unknown_mode_is_refused_in_one_line(kube_bin: Path) -> None:
+    result = helm(kube_bin, "template", "llm", str(CHART), "--set=mode=sidecar")
+    assert result.returncode != 0
+    assert 'mode must be gateway or epp (got "sidecar")' in result.stderr
+
+
+def test_core_resources_validate_against_kubernetes_schemas(docs: list[dict[str, Any]]) -> None:
+    kinds = set()
+    for doc in docs:
+        if doc["kind"] in CORE_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            kinds.add(doc["kind"])
+    assert kinds == CORE_KINDS
+
+
+def test_config_in_the_configmap_loads_and_names_the_release_namespace(
+    docs: list[dict[str, Any]], mode: str
+) -> None:
+    cfg = chart_config(docs)
+    for pool in (cfg.prefill, cfg.decode):
+        assert pool.kubernetes is not None and pool.kubernetes.namespace == NAMESPACE
+    assert cfg.prefill.kubernetes.label_selector == "llm-d.ai/role=prefill"  # type: ignore[union-attr]
+    assert cfg.decode.kubernetes.label_selector == "llm-d.ai/role=decode"  # type: ignore[union-attr]
+    if mode == "gateway":
+        assert cfg.extproc.host == "127.0.0.1"  # the ext_proc stays inside the pod
+    else:
+        assert cfg.extproc.host == "0.0.0.0" and cfg.extproc.tls is not None
+
+
+def test_config_values_win_over_the_charts_defaults(kube_bin: Path) -> None:
+    docs = render(kube_bin, "epp", **{"config.extproc.port": "9002",
+                                      "config.decode.kubernetes.namespace": "engines"})  # fmt: skip
+    cfg = chart_config(docs)
+    assert cfg.extproc.port == 9002 and cfg.extproc.tls is not None
+    assert cfg.decode.kubernetes is not None and cfg.decode.kubernetes.namespace == "engines"
+    assert ports(container(docs, "pd-extproc"))["grpc"] == 9002
+    pool = one(docs, "InferencePool")["spec"]["endpointPickerRef"]
+    assert pool["port"]["number"] == 9002
+
+
+def test_probes_are_ready_and_live_on_the_metrics_port(docs: list[dict[str, Any]]) -> None:
+    cfg = chart_config(docs)
+    extproc = container(docs, "pd-extproc")
+    ready, live = extproc["readinessProbe"]["httpGet"], extproc["livenessProbe"]["httpGet"]
+    assert (ready["path"], live["path"]) == (READY_PATH, LIVE_PATH)
+    assert {READY_PATH, LIVE_PATH} <= sidecar_paths(cfg)
+    assert ports(extproc)[ready["port"]] == ports(extproc)[live["port"]] == cfg.metrics.port
+    annotations = one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(cfg.metrics.port)
+    [monitor] = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    [metrics] = [p for p in one(docs, "Service")["spec"]["ports"] if p["name"] == monitor["port"]]
+    assert metrics["targetPort"] == ready["port"]
+
+
+def test_rbac_lets_discovery_watch_pods_and_inferencepools(docs: list[dict[str, Any]]) -> None:
+    rules = {(group, resource): set(rule["verbs"])
+             for rule in one(docs, "Role")["rules"]
+             for group in rule["apiGroups"] for resource in rule["resources"]}  # fmt: skip
+    assert rules == {
+        ("", "pods"): {"get", "list", "watch"},
+        ("inference.networking.k8s.io", "inferencepools"): {"get", "list", "watch"},
+    }
+    binding = one(docs, "RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": one(docs, "Role")["metadata"]["name"]}  # fmt: skip
+    account = one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account,
+                                    "namespace": NAMESPACE}]  # fmt: skip
+    assert one(docs, "ServiceAccount")["metadata"]["name"] == account
+
+
+def test_termination_grace_covers_the_longest_generation(
+    docs: list[dict[str, Any]], mode: str
+) -> None:
+    cfg = chart_config(docs)
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    if mode == "gateway":
+        command = container(docs, "envoy")["command"]
+        before = float(command[command.index("--drain-time-s") + 1])
+    else:
+        before = float(container(docs, "pd-extproc")["lifecycle"]["preStop"]["sleep"]["seconds"])
+    assert pod["terminationGracePeriodSeconds"] >= before + cfg.timeouts.drain_s
+    for each in pod["containers"]:
+        assert each["lifecycle"]["preStop"], each["name"]
+
+
+# --- epp mode ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def epp(kube_bin: Path) -> list[dict[str, Any]]:
+    return render(kube_bin, "epp", **EVERYTHING)
+
+
+def test_inferencepool_picker_is_the_service_serving_the_extproc(
+    epp: list[dict[str, Any]],
+) -> None:
+    pool = one(epp, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    spec = pool["spec"]
+    assert spec["selector"]["matchLabels"]
+    assert [p["number"] for p in spec["targetPorts"]] == [8000]
+    picker = spec["endpointPickerRef"]
+    assert picker["failureMode"] in ("FailOpen", "FailClose")
+    assert picker["kind"] == "Service"
+    service = one(epp, "Service")
+    assert picker["name"] == service["metadata"]["name"]
+    [grpc] = [p for p in service["spec"]["ports"] if p["port"] == picker["port"]["number"]]
+    assert ports(container(epp, "pd-extproc"))[grpc["targetPort"]] == chart_config(epp).extproc.port
+    labels = one(epp, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+
+
+def test_httproute_and_istio_rule_point_at_the_pool_and_picker(epp: list[dict[str, Any]]) -> None:
+    route = one(epp, "HTTPRoute")["spec"]
+    [rule] = route["rules"]
+    assert rule["backendRefs"] == [
+        {
+            "group": "inference.networking.k8s.io",
+            "kind": "InferencePool",
+            "name": one(epp, "InferencePool")["metadata"]["name"],
+        }
+    ]
+    assert {m["path"]["value"] for m in rule["matches"]} == {"/v1/completions",
+                                                             "/v1/chat/completions"}  # fmt: skip
+    service = one(epp, "Service")["metadata"]["name"]
+    rule_spec = one(epp, "DestinationRule")["spec"]
+    assert rule_spec["host"] == f"{service}.{NAMESPACE}.svc.cluster.local"
+    [port] = rule_spec["trafficPolicy"]["portLevelSettings"]
+    assert port["port"]["number"] == chart_config(epp).extproc.port
+    assert port["tls"]["mode"] == "SIMPLE"
+
+
+def test_epp_serves_tls_with_the_mounted_certificate(epp: list[dict[str, Any]]) -> None:
+    tls = chart_config(epp).extproc.tls
+    assert tls is not None
+    certificate = one(epp, "Certificate")["spec"]
+    assert tls.server_name in certificate["dnsNames"]
+    pod = one(epp, "Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]]
+              for m in container(epp, "pd-extproc")["volumeMounts"]}  # fmt: skip
+    for path in (tls.cert_file, tls.key_file, tls.ca_file):
+        directory, _, name = path.rpartition("/")
+        assert mounts[directory]["secret"]["secretName"] == certificate["secretName"], path
+        assert name in ("tls.crt", "tls.key", "ca.crt")
+
+
+def test_epp_networkpolicy_admits_only_the_given_peers(epp: list[dict[str, Any]]) -> None:
+    policy = one(epp, "NetworkPolicy")["spec"]
+    named = ports(container(epp, "pd-extproc"))
+    admitted = {named[rule["ports"][0]["port"]]: rule["from"] for rule in policy["ingress"]}
+    cfg = chart_config(epp)
+    assert admitted == {
+        cfg.extproc.port: [{"podSelector": {"matchLabels": {"gateway": "llm"}}}],
+        cfg.metrics.port: [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+    }
+
+
+# --- gateway mode -----------------------------------------------------------------------------
+
+
+def test_gateway_envoy_bootstrap_from_the_init_container_validates(
+    kube_bin: Path, tmp_path: Path
+) -> None:
+    """The init container's own command, run here on the ConfigMap's config, renders a bootstrap
+    that Envoy accepts, at the path Envoy reads, with the ports the pod and its hooks use."""
+    docs = render(kube_bin, "gateway")
+    (tmp_path / "pd-extproc.yaml").write_text(one(docs, "ConfigMap")["data"]["pd-extproc.yaml"])
+    shell, dash_c, script = container(docs, "render-envoy")["command"]
+    assert (shell, dash_c) == ("sh", "-c")
+    command, _, target = script.partition(" > ")
+    envoy = container(docs, "envoy")
+    assert target == envoy["command"][envoy["command"].index("-c") + 1]
+    mounts = {m["name"]: m["mountPath"] for m in envoy["volumeMounts"]}
+    assert Path(target).parent == Path(mounts["envoy-bootstrap"])
+    argv = shlex.split(command.replace("/etc/pd-extproc/", f"{tmp_path}/"))
+    argv[0] = str(Path(sys.executable).parent / argv[0])
+    rendered = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60)
+    (tmp_path / "envoy.yaml").write_text(rendered.stdout)
+    envoy_validate(tmp_path / "envoy.yaml")
+    bootstrap = yaml.safe_load(rendered.stdout)
+    cfg = chart_config(docs)
+    listeners = {x["name"]: x["address"]["socket_address"]
+                 for x in bootstrap["static_resources"]["listeners"]}  # fmt: skip
+    assert listeners["ingress"]["port_value"] == ports(envoy)["http"] == cfg.envoy.listen.port
+    prefill = listeners["prefill"]
+    assert f"{prefill['address']}:{prefill['port_value']}" == cfg.envoy.prefill_listener
+    admin = bootstrap["admin"]["address"]["socket_address"]
+    drain_hook = envoy["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert f"/dev/tcp/{admin['address']}/{admin['port_value']}" in drain_hook
+    wait_hook = container(docs, "pd-extproc")["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert f'("{admin["address"]}", {admin["port_value"]})' in wait_hook
+
+
+def test_gateway_service_reaches_envoy_and_keeps_the_extproc_inside(kube_bin: Path) -> None:
+    docs = render(kube_bin, "gateway")
+    service = one(docs, "Service")["spec"]
+    targets = {p["name"]: p["targetPort"] for p in service["ports"]}
+    assert targets["http"] == "http" and "http" in ports(container(docs, "envoy"))
+    assert "grpc" not in targets and "grpc" not in ports(container(docs, "pd-extproc"))
+    assert not by_kind(docs, "InferencePool")
