@@ -254,8 +254,10 @@ def test_gateway_envoy_bootstrap_from_the_init_container_validates(
     kube_bin: Path, tmp_path: Path
 ) -> None:
     """The init container's own command, run here on the ConfigMap's config, renders a bootstrap
-    that Envoy accepts, at the path Envoy reads, with the ports the pod and its hooks use."""
-    docs = render(kube_bin, "gateway")
+    that Envoy accepts, at the path Envoy reads, with the ports the pod and its hooks use (set
+    in `config`, away from the chart's defaults)."""
+    moved = {"config.envoy.admin.port": "9911", "config.envoy.listen.port": "8080"}
+    docs = render(kube_bin, "gateway", **moved)
     (tmp_path / "pd-extproc.yaml").write_text(one(docs, "ConfigMap")["data"]["pd-extproc.yaml"])
     shell, dash_c, script = container(docs, "render-envoy")["command"]
     assert (shell, dash_c) == ("sh", "-c")
