@@ -16,9 +16,12 @@ __all__ = [
     "body_answer",
     "continue_request_headers",
     "continue_response_headers",
+    "continue_trailers",
     "extend_timeout",
     "header_map",
     "immediate",
+    "response_body_passthrough",
+    "with_destination_metadata",
 ]
 
 # The Gateway API Inference Extension header that the override_host LB policy reads.
@@ -99,3 +102,41 @@ def immediate(error: RequestEnded) -> ep.ProcessingResponse:
             details=f"pd_extproc_{error.status}",
         )
     )
+
+
+# -- endpoint-picker mode (the Gateway API Inference Extension protocol) ------------------------
+
+
+def with_destination_metadata(
+    response: ep.ProcessingResponse, destinations: Iterable[str], namespace: str
+) -> ep.ProcessingResponse:
+    """`response` (the answer that sets the destination header) also carrying the same value
+    as dynamic metadata, `namespace`/x-gateway-destination-endpoint: gateways route on either."""
+    field = response.dynamic_metadata.fields[namespace].struct_value.fields[DESTINATION_HEADER]
+    field.string_value = ",".join(destinations)
+    return response
+
+
+def response_body_passthrough(chunk: ep.HttpBody) -> ep.ProcessingResponse:
+    """A streamed response body chunk sent back unchanged (gateways stream D's answer
+    through the endpoint picker: FULL_DUPLEX_STREAMED response bodies)."""
+    return ep.ProcessingResponse(
+        response_body=ep.BodyResponse(
+            response=ep.CommonResponse(
+                body_mutation=ep.BodyMutation(
+                    streamed_response=ep.StreamedBodyResponse(
+                        body=chunk.body, end_of_stream=chunk.end_of_stream
+                    )
+                )
+            )
+        )
+    )
+
+
+_CONTINUE_REQUEST_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+_CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+def continue_trailers(request_side: bool) -> ep.ProcessingResponse:
+    """Trailers let through (gateways send them: trailer mode SEND)."""
+    return _CONTINUE_REQUEST_TRAILERS if request_side else _CONTINUE_RESPONSE_TRAILERS

@@ -32,6 +32,7 @@ from extproc.policies import PickRequest
 from extproc.request import ClientRequest, check_route, parse_request
 from extproc.strategies import NOT_DISPATCHED, Dispatch, Exchange, LegServices, start_dispatch
 from extproc.stream import EnvoyStream
+from extproc.subset_hint import Subset, subset_hint
 
 if TYPE_CHECKING:
     from extproc.config import Config, DispatchMode
@@ -46,9 +47,13 @@ _BODY_WAIT_S = 300.0  # a slow client upload; Envoy's own idle timeout usually e
 
 
 class PickEndpoints(Protocol):
-    def __call__(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
-        """(decodes: the choice then fallbacks, prefill or None for decode-only); each
-        chosen endpoint counted in flight until `inflight` closes; raises NoHealthy*."""
+    def __call__(
+        self, wanted: PickRequest, inflight: ExitStack, subset: Subset | None = None,
+        fallbacks: int = 1,
+    ) -> tuple[list[str], str | None]:  # fmt: skip
+        """(decodes: the choice then fallbacks, prefill or None for decode-only), inside the
+        gateway's `subset` if any; each chosen endpoint counted in flight until `inflight`
+        closes; raises NoHealthy*."""
         ...
 
 
@@ -62,6 +67,8 @@ class RequestDeps:
     new_trace: Callable[[], RequestTrace]
     metrics: Metrics
     config: Callable[[], Config]  # the current config: a reload swaps it
+    # `pd-extproc epp`: read the gateway's subset hint, answer the destination as metadata too
+    endpoint_picker: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +92,7 @@ class RequestProcessor:
         self.stream = stream
         self.trace = deps.new_trace()
         self.client_request_id = ""
+        self.subset: Subset | None = None  # the gateway's subset hint (endpoint picker)
         self.plan: Plan | _Unplanned = _UNPLANNED
         self.dispatch: Dispatch = NOT_DISPATCHED
         # What happened, from which the outcome is decided once (`outcome`):
@@ -149,6 +157,9 @@ class RequestProcessor:
         headers = envoy_msgs.header_map(message.request_headers)
         self.client_request_id = headers.get("x-request-id", "")
         config = self.deps.config()
+        picker = config.endpoint_picker if self.deps.endpoint_picker else None
+        if picker is not None:
+            self.subset = subset_hint(message, picker.subset_hint_namespace)
         forwarded = {name: headers[name] for name in config.dispatch.forward_headers
                      if name in headers}  # fmt: skip
         api = check_route(headers.get(":method", ""), headers.get(":path", ""))
@@ -169,13 +180,16 @@ class RequestProcessor:
         wanted = _pick_request(request, headers.get(config.dispatch.session_header))
         self.plan = plan = self._plan(request, wanted, inflight)
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
-        exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id)
+        exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
+                            picker.destination_namespace if picker else None)  # fmt: skip
         self.dispatch = start_dispatch(plan, self.deps.legs, exchange)
         if await self.dispatch.send(started):
             await self._watch()
 
     def _plan(self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack) -> Plan:
-        decodes, prefill = self.deps.pick(wanted, inflight)
+        picker = self.deps.config().endpoint_picker if self.deps.endpoint_picker else None
+        fallbacks = 1 if picker is None else picker.fallbacks
+        decodes, prefill = self.deps.pick(wanted, inflight, self.subset, fallbacks)
         request_id = str(uuid.uuid4())
         if prefill is None:
             choice, identity = (Strategy.DECODE_ONLY, "no_prefill"), None
@@ -203,7 +217,14 @@ class RequestProcessor:
                 await self._on_message(self.stream.take())
 
     async def _on_message(self, message: Any) -> None:
-        if message is None or message.WhichOneof("request") != "response_headers":
+        kind = None if message is None else message.WhichOneof("request")
+        if kind == "response_body":  # a gateway streams D's answer through us: pass it on
+            await self.stream.write(envoy_msgs.response_body_passthrough(message.response_body))
+            return
+        if kind in ("request_trailers", "response_trailers"):  # a gateway sends trailers
+            await self.stream.write(envoy_msgs.continue_trailers(kind == "request_trailers"))
+            return
+        if kind != "response_headers":
             return
         status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
         self.decode_status = status

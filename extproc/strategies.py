@@ -95,6 +95,8 @@ class Exchange:
     path: str  # the API path, the same for P
     forwarded: dict[str, str]  # client headers the P leg carries too
     client_request_id: str
+    # endpoint picker: the destination goes out as dynamic metadata in this namespace too
+    destination_namespace: str | None = None
 
 
 class Dispatch(Protocol):
@@ -215,10 +217,13 @@ class _Answering:
         self._answer_plan = plan
 
     async def _answer(self, body: bytes, started: float) -> None:
-        plan, services = self._answer_plan, self._services
-        await self._exchange.stream.write(
-            envoy_msgs.body_answer(body, plan.decodes, plan.request_id)
-        )
+        plan, services, exchange = self._answer_plan, self._services, self._exchange
+        answer = envoy_msgs.body_answer(body, plan.decodes, plan.request_id)
+        if exchange.destination_namespace is not None:
+            envoy_msgs.with_destination_metadata(
+                answer, plan.decodes, exchange.destination_namespace
+            )
+        await exchange.stream.write(answer)
         self._exchange.trace.decode_started()
         if plan.prefill is not None:
             services.note_dispatch(plan.decodes[0])
