@@ -361,6 +361,9 @@ class TimeoutConfig(_Strict):
     kv_wait_s: PositiveFloat = 300.0
     # Longest a request may stay open (a long generation); then the sidecar stops watching it.
     request_s: PositiveFloat = 3600.0
+    # Streamed request body (the LLM routes): longest silence while the client's body comes in;
+    # then the request ends with 408 (Envoy runs no timer of its own on a streamed body).
+    upload_idle_s: PositiveFloat = 30.0
 
 
 class HealthConfig(_Strict):
