@@ -77,6 +77,7 @@ class Sidecar:
             self.runtime.on_members = self._write_eds
             await self.envoy.start()
             await self.runtime.start()
+            await self.server.ready()
             ingress = await self.envoy.listener_address("ingress")
         except BaseException:
             self._own_run_dir = False  # keep Envoy's log for the user to read

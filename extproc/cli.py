@@ -1,4 +1,4 @@
-"""`pd-extproc up | serve | render-envoy | demo`: parse, load the config, run one thing.
+"""`pd-extproc up | serve | epp | render-envoy | demo`: parse, load the config, run one thing.
 
 Errors a user can cause (bad config, port in use, Envoy missing) print one line and exit 2
 (config) or 1 (start-up), never a traceback.
@@ -60,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         parents=[common, config, ready, listener],
         help="run only the ext_proc, for an existing Envoy",
+    )
+    commands.add_parser(
+        "epp",
+        parents=[common, config, ready],
+        help="run only the ext_proc, as the endpoint picker of a gateway's inference pool",
     )
     render = commands.add_parser(
         "render-envoy", parents=[common, config, listener], help="print the Envoy bootstrap"
@@ -155,6 +160,7 @@ async def _serve(
     reloads = HangupReloads(lambda: reload_runtime(runtime, config_path))
     try:
         await runtime.start()
+        await server.ready()
         metrics = f"http://{config.metrics.host}:{server.metrics_port}"
         _write_ready(ready_file, orjson.dumps({"extproc": server.address, "metrics": metrics}))
         print(f"pd-extproc ext_proc on {server.address}, metrics {metrics}/metrics", flush=True)
@@ -163,6 +169,37 @@ async def _serve(
         reloads.close()
         # Drain: health turns NOT_SERVING, new streams are refused (Envoy answers them with
         # its JSON 503), streams in flight finish for up to timeouts.drain_s.
+        log.info("draining %d open requests", runtime.active_streams)
+        await server.stop(runtime.config.timeouts.drain_s)
+    return 0
+
+
+async def _epp(config: Config, config_path: Path, ready_file: Path | None,
+               stop: asyncio.Event) -> int:  # fmt: skip
+    """The endpoint picker: like `serve`, with P legs straight to the engines (a gateway's
+    Envoy has no prefill listener), TLS and the protocol's health services."""
+    from extproc.reload import HangupReloads, reload_runtime
+    from extproc.server import ExtProcServer
+    from extproc.wiring import Runtime
+
+    # P legs: until the direct P client exists they would go to a listener that is not there
+    runtime = Runtime(config, config.envoy.shared_prefill_listener(), endpoint_picker=True)
+    await runtime.discover()
+    server = ExtProcServer(runtime, endpoint_picker=True)
+    await server.start()
+    reloads = HangupReloads(lambda: reload_runtime(runtime, config_path))
+    try:
+        await runtime.start()
+        await server.ready()
+        metrics = f"http://{config.metrics.host}:{server.metrics_port}"
+        ready = {"extproc": server.address, "metrics": metrics, "health_port": server.health_port}
+        _write_ready(ready_file, orjson.dumps(ready))
+        print(f"pd-extproc endpoint picker on {server.address}, gRPC health on port "
+              f"{server.health_port or 'of the ext_proc'}, metrics {metrics}/metrics",
+              flush=True)  # fmt: skip
+        await stop.wait()
+    finally:
+        reloads.close()
         log.info("draining %d open requests", runtime.active_streams)
         await server.stop(runtime.config.timeouts.drain_s)
     return 0
@@ -202,6 +239,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "render-envoy":
         listener = config.envoy.shared_prefill_listener(args.prefill_listener)
         return _render(config, args.extproc_address, listener, args.snippet)
+    if args.command == "epp":
+        return asyncio.run(
+            _until_signal(lambda stop: _epp(config, args.config, args.ready_file, stop))
+        )
     if args.command == "serve":
         listener = config.envoy.shared_prefill_listener(args.prefill_listener)
         return asyncio.run(

@@ -250,6 +250,24 @@ class ExtProcListenConfig(ListenConfig):
     workers: int = Field(default=1, ge=1, le=64)
 
 
+class EndpointPickerConfig(_Strict):
+    """`pd-extproc epp`: the ext_proc as the endpoint picker of a Gateway API Inference
+    Extension pool, behind a gateway's Envoy (the README's "As an endpoint picker")."""
+
+    # TLS on the ext_proc port, as the gateways connect: extproc.tls's certificate when given,
+    # else a self-signed one made at start (the gateways do not verify it).
+    secure_serving: bool = True
+    # Plaintext gRPC health (liveness, readiness) for Kubernetes gRPC probes, which cannot
+    # speak TLS; on extproc.host. 0: any free port; null: none (the ext_proc port has them too).
+    health_port: int | None = Field(default=9003, ge=0, lt=65536)
+    # Other healthy decodes listed after the choice, for the gateway's retries. An Envoy whose
+    # route cluster is ORIGINAL_DST takes a single address only: set 0 behind one.
+    fallbacks: int = Field(default=1, ge=0, le=8)
+    # The metadata namespaces of the protocol: the gateway's subset hint, our destination.
+    subset_hint_namespace: str = "envoy.lb.subset_hint"
+    destination_namespace: str = "envoy.lb"
+
+
 class TracingConfig(_Strict):
     """OpenTelemetry spans per request, exported over OTLP/HTTP (needs the `otel` extra)."""
 
@@ -343,6 +361,9 @@ class TimeoutConfig(_Strict):
     kv_wait_s: PositiveFloat = 300.0
     # Longest a request may stay open (a long generation); then the sidecar stops watching it.
     request_s: PositiveFloat = 3600.0
+    # Streamed request body (the LLM routes): longest silence while the client's body comes in;
+    # then the request ends with 408 (Envoy runs no timer of its own on a streamed body).
+    upload_idle_s: PositiveFloat = 30.0
 
 
 class HealthConfig(_Strict):
@@ -466,6 +487,7 @@ class Config(_Strict):
     tracing: TracingConfig = TracingConfig()
     limits: LimitConfig = LimitConfig()
     extproc: ExtProcListenConfig = ExtProcListenConfig(port=50051)
+    endpoint_picker: EndpointPickerConfig = EndpointPickerConfig()
     metrics: ListenConfig = ListenConfig(port=9464)
     envoy: EnvoyConfig = EnvoyConfig()
 

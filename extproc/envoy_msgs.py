@@ -15,10 +15,17 @@ __all__ = [
     "DESTINATION_HEADER",
     "body_answer",
     "continue_request_headers",
+    "continue_request_trailers",
     "continue_response_headers",
+    "continue_response_trailers",
     "extend_timeout",
     "header_map",
+    "headers_answer",
     "immediate",
+    "response_body_passthrough",
+    "route_mutation",
+    "streamed_body_answer",
+    "with_destination_metadata",
 ]
 
 # The Gateway API Inference Extension header that the override_host LB policy reads.
@@ -52,19 +59,22 @@ def continue_response_headers() -> ep.ProcessingResponse:
     return _CONTINUE_RESPONSE
 
 
-def body_answer(body: bytes, destinations: Iterable[str], request_id: str) -> ep.ProcessingResponse:
-    """Replace the body, route to `destinations` (ordered fallbacks), set the request id.
-
-    With request headers SENT and the body BUFFERED, Envoy checks content-length against the
-    new body, so it is set here (a stale value fails the request).
-    """
-    mutation = ep.HeaderMutation(
+def route_mutation(destinations: Iterable[str], request_id: str, length: int) -> ep.HeaderMutation:
+    """Route to `destinations` (ordered fallbacks), set the request id and the new body's
+    exact content-length (a buffered body fails on a stale one; a streamed one would not be
+    checked, and D would get a chunked or misframed body)."""
+    return ep.HeaderMutation(
         set_headers=[
             _header(DESTINATION_HEADER, ",".join(destinations)),
             _header("x-request-id", request_id),
-            _header("content-length", str(len(body))),
+            _header("content-length", str(length)),
         ]
     )
+
+
+def body_answer(body: bytes, destinations: Iterable[str], request_id: str) -> ep.ProcessingResponse:
+    """Buffered body: replace it, with the headers of `route_mutation` in the same answer."""
+    mutation = route_mutation(destinations, request_id, len(body))
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(
             response=ep.CommonResponse(
@@ -72,6 +82,30 @@ def body_answer(body: bytes, destinations: Iterable[str], request_id: str) -> ep
             )
         )
     )
+
+
+def headers_answer(mutation: ep.HeaderMutation) -> ep.ProcessingResponse:
+    """Streamed body: the request headers' answer, sent once the whole body is in."""
+    return ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(response=ep.CommonResponse(header_mutation=mutation))
+    )
+
+
+def streamed_body_answer(body: bytes, end_of_stream: bool = True) -> ep.ProcessingResponse:
+    """Streamed body: the whole new body in one chunk (the client's chunks were consumed)."""
+    streamed = ep.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(
+            response=ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed))
+        )
+    )
+
+
+_CONTINUE_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+
+
+def continue_request_trailers() -> ep.ProcessingResponse:
+    return _CONTINUE_TRAILERS
 
 
 def extend_timeout(seconds: float) -> ep.ProcessingResponse:
@@ -99,3 +133,40 @@ def immediate(error: RequestEnded) -> ep.ProcessingResponse:
             details=f"pd_extproc_{error.status}",
         )
     )
+
+
+# -- endpoint-picker mode (the Gateway API Inference Extension protocol) ------------------------
+
+
+def with_destination_metadata(
+    response: ep.ProcessingResponse, destinations: Iterable[str], namespace: str
+) -> ep.ProcessingResponse:
+    """`response` (the answer that sets the destination header) also carrying the same value
+    as dynamic metadata, `namespace`/x-gateway-destination-endpoint: gateways route on either."""
+    field = response.dynamic_metadata.fields[namespace].struct_value.fields[DESTINATION_HEADER]
+    field.string_value = ",".join(destinations)
+    return response
+
+
+def response_body_passthrough(chunk: ep.HttpBody) -> ep.ProcessingResponse:
+    """A streamed response body chunk sent back unchanged (gateways stream D's answer
+    through the endpoint picker: FULL_DUPLEX_STREAMED response bodies)."""
+    return ep.ProcessingResponse(
+        response_body=ep.BodyResponse(
+            response=ep.CommonResponse(
+                body_mutation=ep.BodyMutation(
+                    streamed_response=ep.StreamedBodyResponse(
+                        body=chunk.body, end_of_stream=chunk.end_of_stream
+                    )
+                )
+            )
+        )
+    )
+
+
+_CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+def continue_response_trailers() -> ep.ProcessingResponse:
+    """D's trailers let through (gateways send them: response trailer mode SEND)."""
+    return _CONTINUE_RESPONSE_TRAILERS

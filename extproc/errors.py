@@ -57,6 +57,7 @@ _TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
+    408: "RequestTimeout",
     413: "RequestTooLarge",
     502: "BadGateway",
     503: "ServiceUnavailable",

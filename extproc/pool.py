@@ -85,20 +85,20 @@ class Pool:
         request: PickRequest = _ANY,
         among: Collection[str] | None = None,
         policy: Picker | None = None,
+        fallbacks: int = 1,
     ) -> list[EndpointState]:
-        """The policy's choice, then the next healthy endpoint for Envoy's connect-failure retry.
+        """The policy's choice, then up to `fallbacks` next healthy endpoints for Envoy's
+        connect-failure retry.
 
-        The fallback is taken in list order, not from the policy, so it does not advance it.
+        The fallbacks are taken in list order, not from the policy, so they do not advance it.
         """
         first = self.pick(request, among, policy)
         if first is None:
             return []
         ordered = [e for e in self._endpoints.values() if among is None or e.address in among]
         start = ordered.index(first)
-        for state in ordered[start + 1 :] + ordered[:start]:
-            if state.healthy:
-                return [first, state]
-        return [first]
+        after = [s for s in ordered[start + 1 :] + ordered[:start] if s.healthy]
+        return [first, *after[:fallbacks]]
 
     def set_healthy(self, address: str, healthy: bool) -> None:
         state = self._endpoints.get(address)

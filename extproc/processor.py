@@ -1,10 +1,15 @@
 """One client request through its phases: headers → body (dispatch) → response → end.
 
-1. request headers: route check (404/405), answer CONTINUE (Envoy holds the headers)
-2. request body (BUFFERED, whole): parse once, pick P and D, choose the strategy, and turn
-   them into a plan (`extproc.dispatch`); its runner (`extproc.strategies`) sends the legs:
-     parallel: start the P leg and answer the body message in the same loop turn
-     serial:   extend Envoy's message timer, await P, forward its params to D
+1. request headers: route check (404/405); Envoy holds the headers until they are answered
+2. request body, whole: parse once, pick P and D, choose the strategy, and turn them into a
+   plan (`extproc.dispatch`); its runner (`extproc.strategies`) sends the legs:
+     parallel: start the P leg and write D's answers in the same loop turn
+     serial:   await P, forward its params to D
+   Streamed (FULL_DUPLEX_STREAMED, what the rendered LLM routes use): the chunks are gathered
+   while the headers wait (`extproc.upload`), then the headers are answered (destination,
+   request id, content-length) and the new body follows. Buffered (a filter without the
+   per-route override, e.g. an older snippet): the headers are let through at once, the body
+   comes whole and its answer carries the headers too. Envoy tells which in its first message.
 3. until the stream ends: watch the P leg and D's response headers together;
    a failed P ends the request (ImmediateResponse) and Envoy resets D; a failed D
    cancels P; the stream ending (done or client gone) cancels a running P.
@@ -25,6 +30,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+
 from extproc import envoy_msgs
 from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
 from extproc.errors import ClientError, LegError, RequestEnded
@@ -32,6 +39,8 @@ from extproc.policies import PickRequest
 from extproc.request import ClientRequest, check_route, parse_request
 from extproc.strategies import NOT_DISPATCHED, Dispatch, Exchange, LegServices, start_dispatch
 from extproc.stream import EnvoyStream
+from extproc.subset_hint import Subset, subset_hint
+from extproc.upload import Upload, gather_body
 
 if TYPE_CHECKING:
     from extproc.config import Config, DispatchMode
@@ -43,12 +52,17 @@ __all__ = ["RequestDeps", "RequestProcessor"]
 log = logging.getLogger("extproc.request")
 
 _BODY_WAIT_S = 300.0  # a slow client upload; Envoy's own idle timeout usually ends it first
+_FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 class PickEndpoints(Protocol):
-    def __call__(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
-        """(decodes: the choice then fallbacks, prefill or None for decode-only); each
-        chosen endpoint counted in flight until `inflight` closes; raises NoHealthy*."""
+    def __call__(
+        self, wanted: PickRequest, inflight: ExitStack, subset: Subset | None = None,
+        fallbacks: int = 1,
+    ) -> tuple[list[str], str | None]:  # fmt: skip
+        """(decodes: the choice then fallbacks, prefill or None for decode-only), inside the
+        gateway's `subset` if any; each chosen endpoint counted in flight until `inflight`
+        closes; raises NoHealthy*."""
         ...
 
 
@@ -62,6 +76,8 @@ class RequestDeps:
     new_trace: Callable[[], RequestTrace]
     metrics: Metrics
     config: Callable[[], Config]  # the current config: a reload swaps it
+    # `pd-extproc epp`: read the gateway's subset hint, answer the destination as metadata too
+    endpoint_picker: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +101,8 @@ class RequestProcessor:
         self.stream = stream
         self.trace = deps.new_trace()
         self.client_request_id = ""
+        self.opening: Any = None  # Envoy's first message: headers, attributes, metadata_context
+        self.subset: Subset | None = None  # the gateway's subset hint (endpoint picker)
         self.plan: Plan | _Unplanned = _UNPLANNED
         self.dispatch: Dispatch = NOT_DISPATCHED
         # What happened, from which the outcome is decided once (`outcome`):
@@ -146,36 +164,68 @@ class RequestProcessor:
         message = await self.stream.read(_BODY_WAIT_S)
         if message is None or message.WhichOneof("request") != "request_headers":
             return
+        self.opening = message
         headers = envoy_msgs.header_map(message.request_headers)
         self.client_request_id = headers.get("x-request-id", "")
         config = self.deps.config()
+        picker = config.endpoint_picker if self.deps.endpoint_picker else None
+        if picker is not None:
+            self.subset = subset_hint(message, picker.subset_hint_namespace)
         forwarded = {name: headers[name] for name in config.dispatch.forward_headers
                      if name in headers}  # fmt: skip
         api = check_route(headers.get(":method", ""), headers.get(":path", ""))
         if message.request_headers.end_of_stream:
             raise ClientError(400, "the request has no body; send a JSON object")
-        await self.stream.write(envoy_msgs.continue_request_headers())
-        message = await self.stream.read(_BODY_WAIT_S)
-        if message is None:
-            return
-        if message.WhichOneof("request") != "request_body":
-            # Envoy answered the client itself (413 for a body over its buffer limit): the
-            # local reply passes through our response phase and is let through.
-            await self._on_message(message)
-            self.envoy_replied = True
+        streamed = message.protocol_config.request_body_mode == _FULL_DUPLEX
+        upload = await (self._streamed_body() if streamed else self._buffered_body())
+        if upload is None:
             return
         started = time.perf_counter()
-        request = parse_request(api, message.request_body.body, config.limits.max_body_bytes)
+        request = parse_request(api, upload.body, config.limits.max_body_bytes)
         wanted = _pick_request(request, headers.get(config.dispatch.session_header))
         self.plan = plan = self._plan(request, wanted, inflight)
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
-        exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id)
+        exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
+                            streamed, upload.trailers,
+                            picker.destination_namespace if picker else None)  # fmt: skip
         self.dispatch = start_dispatch(plan, self.deps.legs, exchange)
         if await self.dispatch.send(started):
             await self._watch()
 
+    async def _buffered_body(self) -> Upload | None:
+        """Let the headers pass and take the body Envoy buffered whole (None: no body came)."""
+        await self.stream.write(envoy_msgs.continue_request_headers())
+        message = await self.stream.read(_BODY_WAIT_S)
+        if message is None:
+            return None
+        if message.WhichOneof("request") != "request_body":
+            await self._on_envoy_reply(message)
+            return None
+        return Upload(message.request_body.body)
+
+    async def _streamed_body(self) -> Upload | None:
+        """Gather the streamed body while the headers wait for their answer (None: no body)."""
+        config = self.deps.config()
+        upload = await gather_body(
+            self.stream, config.limits.max_body_bytes, config.timeouts.upload_idle_s
+        )
+        if upload is None:
+            return None
+        if upload.envoy_reply is not None:
+            await self._on_envoy_reply(upload.envoy_reply)
+            return None
+        return upload
+
+    async def _on_envoy_reply(self, message: Any) -> None:
+        """Envoy answered the client itself (413 for a body over its buffer limit): the local
+        reply passes through our response phase and is let through."""
+        await self._on_message(message)
+        self.envoy_replied = True
+
     def _plan(self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack) -> Plan:
-        decodes, prefill = self.deps.pick(wanted, inflight)
+        picker = self.deps.config().endpoint_picker if self.deps.endpoint_picker else None
+        fallbacks = 1 if picker is None else picker.fallbacks
+        decodes, prefill = self.deps.pick(wanted, inflight, self.subset, fallbacks)
         request_id = str(uuid.uuid4())
         if prefill is None:
             choice, identity = (Strategy.DECODE_ONLY, "no_prefill"), None
@@ -203,7 +253,14 @@ class RequestProcessor:
                 await self._on_message(self.stream.take())
 
     async def _on_message(self, message: Any) -> None:
-        if message is None or message.WhichOneof("request") != "response_headers":
+        kind = None if message is None else message.WhichOneof("request")
+        if kind == "response_body":  # a gateway streams D's answer through us: pass it on
+            await self.stream.write(envoy_msgs.response_body_passthrough(message.response_body))
+            return
+        if kind == "response_trailers":  # a gateway sends D's trailers too
+            await self.stream.write(envoy_msgs.continue_response_trailers())
+            return
+        if kind != "response_headers":
             return
         status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
         self.decode_status = status

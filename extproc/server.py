@@ -21,11 +21,12 @@ import orjson
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
-from extproc.config import TlsConfig
-from extproc.envoy_config import EXTPROC_SERVICE
+from extproc.config import Config
+from extproc.grpc_health import HealthServices, health_server
 from extproc.processor import RequestProcessor
+from extproc.serving_tls import configured_credentials, self_signed_credentials
 from extproc.stream import EnvoyStream
 from extproc.wiring import Runtime
 
@@ -57,26 +58,28 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             await RequestProcessor(self.runtime.request_deps, EnvoyStream(context)).run()
 
 
-def _credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    def read(path: str) -> bytes:
-        with open(path, "rb") as file:
-            return file.read()
-
-    mutual = tls.client_cert_file is not None
-    return grpc.ssl_server_credentials(
-        [(read(tls.key_file), read(tls.cert_file))],
-        root_certificates=read(tls.ca_file) if mutual else None,
-        require_client_auth=mutual,
-    )
+async def _credentials(cfg: Config, endpoint_picker: bool) -> grpc.ServerCredentials | None:
+    """The ext_proc port's TLS, or None for plaintext."""
+    if cfg.extproc.tls is not None:
+        return await asyncio.to_thread(configured_credentials, cfg.extproc.tls)
+    if endpoint_picker and cfg.endpoint_picker.secure_serving:
+        return await asyncio.to_thread(self_signed_credentials)
+    return None
 
 
 class ExtProcServer:
-    def __init__(self, runtime: Runtime) -> None:
+    """`endpoint_picker`: the ext_proc as a gateway's endpoint picker (`pd-extproc epp`):
+    TLS by default, health services that follow readiness, a plaintext health port."""
+
+    def __init__(self, runtime: Runtime, endpoint_picker: bool = False) -> None:
         self.runtime = runtime
+        self.endpoint_picker = endpoint_picker
         self.address = ""  # "host:port" or "unix:/path", as Envoy's cluster should name it
         self.metrics_port = 0
+        self.health_port = 0  # the plaintext health port of an endpoint picker (0: none)
         self._grpc: aio.Server | None = None
-        self._health: health.aio.HealthServicer | None = None
+        self._health = HealthServices(gated=endpoint_picker)
+        self._health_grpc: aio.Server | None = None
         self._http: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -87,19 +90,19 @@ class ExtProcServer:
         if wanted.startswith("unix:"):
             with contextlib.suppress(FileNotFoundError):  # a previous run's socket
                 os.unlink(wanted.removeprefix("unix:"))
-        self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        tls = cfg.extproc.tls
-        if tls is None:
+        health_pb2_grpc.add_HealthServicer_to_server(self._health.servicer, self._grpc)
+        credentials = await _credentials(cfg, self.endpoint_picker)
+        if credentials is None:
             port = self._grpc.add_insecure_port(wanted)
         else:
-            port = self._grpc.add_secure_port(wanted, await asyncio.to_thread(_credentials, tls))
+            port = self._grpc.add_secure_port(wanted, credentials)
         if port == 0:
             raise OSError(f"cannot listen on {wanted} (in use?)")
         self.address = wanted if wanted.startswith("unix:") else f"{cfg.extproc.host}:{port}"
         await self._grpc.start()
-        for service in (EXTPROC_SERVICE, ""):
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.started()
+        if self.endpoint_picker and cfg.endpoint_picker.health_port is not None:
+            await self._start_health_port(cfg.extproc.host, cfg.endpoint_picker.health_port)
         self._http = web.AppRunner(self._http_app(), access_log=None)
         await self._http.setup()
         site = web.TCPSite(self._http, cfg.metrics.host, cfg.metrics.port)
@@ -111,6 +114,17 @@ class ExtProcServer:
             cfg.metrics.host,
             self.metrics_port,
         )
+
+    async def _start_health_port(self, host: str, port: int) -> None:
+        self._health_grpc = health_server(self._health)
+        self.health_port = self._health_grpc.add_insecure_port(f"{host}:{port}")
+        if self.health_port == 0:
+            raise OSError(f"cannot listen on {host}:{port} for gRPC health (in use?)")
+        await self._health_grpc.start()
+
+    async def ready(self) -> None:
+        """Health known and probes settled: readiness turns SERVING."""
+        await self._health.ready()
 
     def _http_app(self) -> web.Application:
         app = web.Application()
@@ -137,10 +151,11 @@ class ExtProcServer:
 
     async def stop(self, grace_s: float) -> None:
         self.runtime.draining = True  # /ready turns 503 before anything is refused
-        if self._health is not None:
-            await self._health.enter_graceful_shutdown()
+        await self._health.draining()
         if self._grpc is not None:  # Envoy's health check sees it first
             await self._grpc.stop(grace_s)
+        if self._health_grpc is not None:
+            await self._health_grpc.stop(None)
         if self._http is not None:
             await self._http.cleanup()
         await self.runtime.stop()

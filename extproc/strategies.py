@@ -16,7 +16,8 @@ held until P settles, so a P failure or a restart always reaches the client as a
 could recompute the prompt itself (`kv_load_failure_policy: recompute`): the ext_proc sees
 neither D's policy nor its body, so it cannot tell a complete answer from an in-stream error,
 and a retry gets real P/D instead of a decode engine prefilling on its own.
-Serial: Envoy's message timer is extended, P is awaited, its params go into D's body.
+Serial: P is awaited (a buffered body's Envoy timer extended first), its params go into D's
+body.
 Decode-only: D's body is the client's; nothing to watch.
 """
 
@@ -42,13 +43,22 @@ from extproc.errors import (
 from extproc.identity import PrefillIdentity, identity_from_params
 
 if TYPE_CHECKING:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
     from extproc.config import Config
     from extproc.metrics import Metrics
     from extproc.prefill_leg import PrefillResult
     from extproc.stream import EnvoyStream
     from extproc.tracing import RequestTrace
 
-__all__ = ["NOT_DISPATCHED", "Dispatch", "Exchange", "LegServices", "start_dispatch"]
+__all__ = [
+    "NOT_DISPATCHED",
+    "Dispatch",
+    "Exchange",
+    "LegServices",
+    "decode_answers",
+    "start_dispatch",
+]
 
 log = logging.getLogger("extproc.request")
 
@@ -95,6 +105,35 @@ class Exchange:
     path: str  # the API path, the same for P
     forwarded: dict[str, str]  # client headers the P leg carries too
     client_request_id: str
+    streamed: bool = False  # the body streamed in (FULL_DUPLEX_STREAMED), else buffered
+    trailers: bool = False  # a streamed body that ended with trailers
+    # endpoint picker: the destination goes out as dynamic metadata in this namespace too
+    destination_namespace: str | None = None
+
+
+def decode_answers(
+    plan: Plan, body: bytes, exchange: Exchange
+) -> tuple[ep.ProcessingResponse, ...]:
+    """Envoy's answers that send `body` to D: the one place that says where D is.
+
+    Buffered: one body answer carrying the headers. Streamed: the headers' answer, then the
+    new body (then the trailers' answer, when the client sent trailers).
+    """
+    if not exchange.streamed:
+        answers = [envoy_msgs.body_answer(body, plan.decodes, plan.request_id)]
+    else:
+        mutation = envoy_msgs.route_mutation(plan.decodes, plan.request_id, len(body))
+        answers = [
+            envoy_msgs.headers_answer(mutation),
+            envoy_msgs.streamed_body_answer(body, end_of_stream=not exchange.trailers),
+        ]
+        if exchange.trailers:
+            answers.append(envoy_msgs.continue_request_trailers())
+    if exchange.destination_namespace is not None:  # the answer that sets the header
+        envoy_msgs.with_destination_metadata(
+            answers[0], plan.decodes, exchange.destination_namespace
+        )
+    return tuple(answers)
 
 
 class Dispatch(Protocol):
@@ -216,9 +255,8 @@ class _Answering:
 
     async def _answer(self, body: bytes, started: float) -> None:
         plan, services = self._answer_plan, self._services
-        await self._exchange.stream.write(
-            envoy_msgs.body_answer(body, plan.decodes, plan.request_id)
-        )
+        for answer in decode_answers(plan, body, self._exchange):
+            await self._exchange.stream.write(answer)
         self._exchange.trace.decode_started()
         if plan.prefill is not None:
             services.note_dispatch(plan.decodes[0])
@@ -251,7 +289,8 @@ class SerialDispatch(_Answering):
 
     async def send(self, started: float) -> bool:
         plan, services, stream = self._plan, self._services, self._exchange.stream
-        await stream.write(envoy_msgs.extend_timeout(services.config().timeouts.prefill_s + 1))
+        if not self._exchange.streamed:  # a streamed body's answer has no Envoy timer
+            await stream.write(envoy_msgs.extend_timeout(services.config().timeouts.prefill_s + 1))
         waited = time.perf_counter()
         leg = _PrefillLeg(plan.prefill, plan.p_body, plan.request_id, services, self._exchange)
         try:

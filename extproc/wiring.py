@@ -36,6 +36,7 @@ from extproc.roles import Role
 from extproc.scrape_plan import scrape_plan
 from extproc.scraper import EngineScraper
 from extproc.strategies import LegServices
+from extproc.subset_hint import Subset
 from extproc.tracing import Tracing
 
 __all__ = ["RELOAD", "Runtime"]
@@ -72,6 +73,9 @@ RELOAD: dict[str, str] = {
     "tracing": RESTART,  # the exporter is set up once; spans in flight belong to it
     "limits": RESTART,  # Envoy's buffer sizes
     "extproc": RESTART,
+    "endpoint_picker": LIVE,
+    "endpoint_picker.secure_serving": RESTART,  # the ports are bound once
+    "endpoint_picker.health_port": RESTART,
     "metrics": RESTART,
     "envoy": RESTART,
 }
@@ -130,8 +134,16 @@ def _endpoint_view(state: EndpointState) -> dict[str, object]:
             "waiting": state.waiting, "kv_usage": state.kv_usage}  # fmt: skip
 
 
+def _none_healthy(role: Role, subset: Subset | None) -> str:
+    if subset is None:
+        return f"no healthy {role} endpoint; retry later"
+    return (f"no healthy {role} endpoint among the {subset.listed} the gateway allowed "
+            "(its subset hint); retry later")  # fmt: skip
+
+
 class Runtime:
-    def __init__(self, config: Config, prefill_listener: str) -> None:
+    def __init__(self, config: Config, prefill_listener: str, endpoint_picker: bool = False
+                 ) -> None:  # fmt: skip
         self.config = config
         self.metrics = Metrics()
         dispatch = config.dispatch
@@ -205,6 +217,7 @@ class Runtime:
             self.tracing.request,
             self.metrics,
             settings,
+            endpoint_picker,
         )
         # Called with (role, members) when a pool's membership changes (up: EDS for Envoy).
         self.on_members: Callable[[Role, list[str]], None] = lambda role, members: None
@@ -259,25 +272,33 @@ class Runtime:
         """The pools that serve `model` (the default group for models not configured)."""
         return self.groups.get(model) or self.groups[""]
 
-    def pick(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
-        """D (then its fallbacks) and P for a request, each counted in flight until
-        `inflight` closes; no P (decode-only) when none is healthy and that is allowed."""
+    def pick(
+        self,
+        wanted: PickRequest,
+        inflight: ExitStack,
+        subset: Subset | None = None,
+        fallbacks: int = 1,
+    ) -> tuple[list[str], str | None]:
+        """D (then up to `fallbacks` others) and P for a request, each counted in flight until
+        `inflight` closes; no P (decode-only) when none is healthy and that is allowed.
+        With a gateway's `subset`, both are picked inside it only."""
         group = self.group(wanted.model)
+        members = group.members
+        if subset is not None:
+            members = {role: subset.restrict(among) for role, among in members.items()}
         decodes = self.decode.pick_with_fallback(
-            wanted, group.members[Role.DECODE], group.pickers[Role.DECODE]
+            wanted, members[Role.DECODE], group.pickers[Role.DECODE], fallbacks
         )
         if not decodes:
-            raise NoHealthyDecode(503, "no healthy decode endpoint; retry later", retry_after_s=1)
+            raise NoHealthyDecode(503, _none_healthy(Role.DECODE, subset), retry_after_s=1)
         inflight.enter_context(self.decode.track(decodes[0]))
-        prefill = self.prefill.pick(
-            wanted, group.members[Role.PREFILL], group.pickers[Role.PREFILL]
-        )
+        prefill = self.prefill.pick(wanted, members[Role.PREFILL], group.pickers[Role.PREFILL])
         if prefill is not None:
             inflight.enter_context(self.prefill.track(prefill))
             return [d.address for d in decodes], prefill.address
         if self.config.dispatch.no_healthy_prefill == "decode_only":
             return [d.address for d in decodes], None
-        raise NoHealthyPrefill(503, "no healthy prefill endpoint; retry later", retry_after_s=1)
+        raise NoHealthyPrefill(503, _none_healthy(Role.PREFILL, subset), retry_after_s=1)
 
     def group_of(self, role: Role, address: str) -> ModelGroup:
         return next((g for g in self.groups.values() if address in g.members[role]),

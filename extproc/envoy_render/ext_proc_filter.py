@@ -1,9 +1,12 @@
-"""The ext_proc HTTP filter and the sizing of its message timeout.
+"""The ext_proc HTTP filter, the streamed mode of the LLM routes, and the message timeout.
 
-Request headers are sent and the request body buffered (routing can depend on the body, and
-content-length is kept); response headers are sent (the sidecar sees D's status, one cheap
-round trip that overlaps decoding); the response body is not (SSE streams through untouched).
-Without the ext_proc there is no decode target, so it fails closed with 503.
+The filter's own mode (every route through it but the LLM ones): request headers sent, the
+body buffered. The LLM routes override it (`STREAMED_BODY`): the body streams to the ext_proc
+in full duplex while the header answer is pending, so the ext_proc answers the headers
+(destination, request id, exact content-length) and the new body in one turn, with no round
+trip in between. Response headers are sent (the sidecar sees D's status, one cheap round trip
+that overlaps decoding); the response body is not (SSE streams through untouched). Without the
+ext_proc there is no decode target, so it fails closed with 503.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from extproc.envoy_render.common import TYPED, duration
 
 EXTPROC_CLUSTER = "pd_extproc"
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 
 # Sizing of Envoy's ext_proc message timer. It runs from sending a message to its answer, and
 # Envoy sends the bodies of concurrent requests interleaved on one HTTP/2 connection: a body
@@ -38,6 +42,27 @@ def extproc_message_timeout_s(cfg: Config) -> float:
     return round(_STALL_S + burst, 1)
 
 
+_MODE = {
+    "request_header_mode": "SEND",
+    "request_body_mode": "BUFFERED",
+    "request_trailer_mode": "SKIP",
+    "response_header_mode": "SEND",
+    "response_body_mode": "NONE",
+    "response_trailer_mode": "SKIP",
+}
+# Streamed: Envoy neither buffers nor times the request body here (the ext_proc enforces
+# limits.max_body_bytes and owns the upload's timeout); Envoy requires trailers SEND.
+STREAMED_BODY = _MODE | {
+    "request_body_mode": "FULL_DUPLEX_STREAMED",
+    "request_trailer_mode": "SEND",
+}
+
+
+def streamed_body_route() -> dict[str, Any]:
+    """The per-route config that streams the request body of one route to the ext_proc."""
+    return {TYPED: EXT_PROC_PER_ROUTE, "overrides": {"processing_mode": dict(STREAMED_BODY)}}
+
+
 def ext_proc_filter(cfg: Config) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.ext_proc",
@@ -49,13 +74,8 @@ def ext_proc_filter(cfg: Config) -> dict[str, Any]:
             "message_timeout": duration(extproc_message_timeout_s(cfg)),
             # serial dispatch extends the timer while P computes (override_message_timeout)
             "max_message_timeout": duration(cfg.timeouts.prefill_s + 5),
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "request_body_mode": "BUFFERED",
-                "request_trailer_mode": "SKIP",
-                "response_header_mode": "SEND",
-                "response_body_mode": "NONE",
-                "response_trailer_mode": "SKIP",
-            },
+            # streamed: the content-length the header answer sets reaches D (else removed)
+            "allow_content_length_header": True,
+            "processing_mode": dict(_MODE),
         },
     }

@@ -8,11 +8,9 @@ from typing import Any
 from extproc.config import Config
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.envoy_render.common import TYPED, buffer_limit, duration
+from extproc.envoy_render.ext_proc_filter import EXT_PROC_PER_ROUTE, streamed_body_route
 from extproc.request import PATHS
 
-_EXT_PROC_PER_ROUTE = (
-    "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
-)
 # Engine endpoints that need no P/D routing (any decode engine answers them), each with the one
 # method it serves. Matched exactly, on the normalised path and that method, so that no other
 # target and no client body meant for a completion reaches an engine past the ext_proc.
@@ -21,13 +19,14 @@ PASSTHROUGH = {
     "/tokenize": "POST", "/detokenize": "POST",
 }  # fmt: skip
 
+
 def without_extproc() -> dict[str, Any]:
     """What every route that skips the ext_proc needs: a client's destination header must not
     steer it. A new dict per call: rendered pieces never share (and so never co-mutate) state."""
     return {
         "request_headers_to_remove": [DESTINATION_HEADER],
         "typed_per_filter_config": {
-            "envoy.filters.http.ext_proc": {TYPED: _EXT_PROC_PER_ROUTE, "disabled": True}
+            "envoy.filters.http.ext_proc": {TYPED: EXT_PROC_PER_ROUTE, "disabled": True}
         },
     }
 
@@ -43,10 +42,11 @@ def _decode_route(cfg: Config) -> dict[str, Any]:
 
 
 def llm_routes(cfg: Config) -> list[dict[str, Any]]:
-    """The OpenAI paths: through the ext_proc to decode_pool."""
+    """The OpenAI paths: through the ext_proc, the body streamed to it, to decode_pool."""
     return [
         {"match": {"path": path}, "route": _decode_route(cfg),
-         "request_body_buffer_limit": buffer_limit(cfg)}
+         "request_body_buffer_limit": buffer_limit(cfg),
+         "typed_per_filter_config": {"envoy.filters.http.ext_proc": streamed_body_route()}}
         for path in sorted(PATHS)
     ]  # fmt: skip
 

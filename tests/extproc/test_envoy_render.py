@@ -36,9 +36,22 @@ def _register_types(document: Any) -> None:
             importlib.import_module(f"{package.__name__}.{module.name}")
 
 
+# Fields of Envoy 1.40 that xds-protos 1.85 does not know yet (the integration tests start the
+# real Envoy, which validates them): left out of the parse here.
+_NEWER_THAN_XDS_PROTOS = {"allow_content_length_header"}
+
+
+def _known(document: Any) -> Any:
+    if isinstance(document, dict):
+        return {k: _known(v) for k, v in document.items() if k not in _NEWER_THAN_XDS_PROTOS}
+    if isinstance(document, list):
+        return [_known(item) for item in document]
+    return document
+
+
 def _parse(document: dict[str, Any], message: type[Message]) -> None:
     _register_types(document)
-    json_format.ParseDict(document, message())
+    json_format.ParseDict(_known(document), message())
 
 
 @pytest.fixture(params=EXAMPLES, ids=lambda p: p.parent.name)

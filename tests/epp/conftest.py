@@ -1,0 +1,149 @@
+"""pd-extproc as the endpoint picker (`pd-extproc epp`) of vllmsim engines, behind an Envoy
+configured as a GIE gateway (tests/epp/gateway.py); all processes on ephemeral loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import yaml
+from multidict import CIMultiDict
+
+from extproc.subprocesses import terminate
+from tests.epp.gateway import Variant, running_gateway
+from tests.integration.conftest import PUSH, address
+from vllmsim.launcher import EngineHandle, running_engine
+
+__all__ = ["Picker", "epp_topology", "running_epp"]
+
+MODEL = "sim-model"
+
+
+@dataclass(frozen=True)
+class Picker:
+    """A running `pd-extproc epp` process."""
+
+    extproc: str
+    metrics: str
+    health_port: int
+    log_path: Path
+    pid: int
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def epp_config(prefills: list[str], decodes: list[str], **extra: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "prefill": {"endpoints": prefills},
+        "decode": {"endpoints": decodes},
+        "extproc": {"port": 0},
+        "metrics": {"port": 0},
+        "endpoint_picker": {"health_port": 0},
+        "health": {"interval_s": 0.5, "timeout_s": 0.5},
+    }
+    for key, value in extra.items():
+        config[key] = {**config.get(key, {}), **value}
+    return config
+
+
+async def _ready(path: Path, process: asyncio.subprocess.Process, log: Path) -> dict[str, Any]:
+    deadline = asyncio.get_running_loop().time() + 60
+    while asyncio.get_running_loop().time() < deadline:
+        if process.returncode is not None:
+            break
+        if await asyncio.to_thread(path.exists):
+            info: dict[str, Any] = orjson.loads(await asyncio.to_thread(path.read_bytes))
+            return info
+        await asyncio.sleep(0.05)
+    text = await asyncio.to_thread(log.read_text)
+    raise RuntimeError(f"pd-extproc epp did not start ({process.returncode}):\n{text[-3000:]}")
+
+
+@contextlib.asynccontextmanager
+async def running_epp(config: dict[str, Any]) -> AsyncIterator[Picker]:
+    with tempfile.TemporaryDirectory(prefix="pd-extproc-epp-") as tmp:
+        config_path, ready, log_path = (Path(tmp) / n for n in ("c.yaml", "ready", "epp.log"))
+        config_path.write_text(yaml.safe_dump(config))
+        with log_path.open("wb") as log:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "extproc", "epp", "--config", str(config_path),
+                "--ready-file", str(ready), stdout=log, stderr=log, start_new_session=True,
+            )  # fmt: skip
+        try:
+            info = await _ready(ready, process, log_path)
+            yield Picker(info["extproc"], info["metrics"], info["health_port"], log_path,
+                         process.pid)
+        finally:
+            await terminate(process, 15)
+
+
+@dataclass
+class Topology:
+    prefills: list[EngineHandle]
+    decodes: list[EngineHandle]
+    picker: Picker
+    url: str  # the gateway
+    session: aiohttp.ClientSession
+
+    @property
+    def engines(self) -> list[EngineHandle]:
+        return [*self.prefills, *self.decodes]
+
+    async def post(
+        self, path: str, body: dict[str, Any] | bytes, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes, CIMultiDict[str]]:
+        data = body if isinstance(body, bytes) else orjson.dumps(body)
+        headers = {"content-type": "application/json", **(headers or {})}
+        async with self.session.post(
+            self.url + path, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=30)
+        ) as response:
+            return response.status, await response.read(), CIMultiDict(response.headers)
+
+    async def seen(self, engine: EngineHandle) -> list[dict[str, Any]]:
+        """What `engine` received, identity probes excluded."""
+        async with self.session.get(engine.url + "/sim/requests") as response:
+            records = await response.json()
+        return [r for r in records if not (r["x_request_id"] or "").startswith("pd-extproc-probe-")]
+
+    async def clear(self) -> None:
+        for engine in self.engines:
+            async with self.session.delete(engine.url + "/sim/requests"):
+                pass
+
+
+@contextlib.asynccontextmanager
+async def epp_topology(
+    variant: Variant,
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    connectors: tuple[str, str] = PUSH,
+    **config: Any,
+) -> AsyncIterator[Topology]:
+    async with contextlib.AsyncExitStack() as stack:
+        engines = {}
+        for role, count, connector in (("prefill", n_prefill, connectors[0]),
+                                       ("decode", n_decode, connectors[1])):  # fmt: skip
+            engines[role] = [
+                await stack.enter_async_context(running_engine("--kv-transfer-config", connector))
+                for _ in range(count)
+            ]
+        prefills, decodes = engines["prefill"], engines["decode"]
+        addresses = [address(e) for e in [*prefills, *decodes]]
+        picker = await stack.enter_async_context(running_epp(
+            epp_config(addresses[:n_prefill], addresses[n_prefill:], **config)
+        ))  # fmt: skip
+        # the InferencePool's members: every pod, prefill and decode alike
+        url = await stack.enter_async_context(
+            running_gateway(variant, picker.extproc, addresses)
+        )
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        yield Topology(prefills, decodes, picker, url, session)

@@ -1,0 +1,143 @@
+"""pd-extproc as the endpoint picker of a pool behind a GIE-style gateway Envoy (both route
+cluster variants), with vllmsim prefill and decode engines."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.epp.conftest import MODEL, Topology, epp_topology
+from tests.epp.gateway import SUBSET_TEST_HEADER, Variant
+from tests.integration.conftest import PULL, address
+
+COMPLETION = {"model": MODEL, "prompt": "Tell me a story " * 20, "max_tokens": 8}
+# ORIGINAL_DST reads one address from the header: a list of fallbacks does not parse there.
+FALLBACKS = {Variant.ORIGINAL_DST: 0, Variant.OVERRIDE_HOST: 1}
+VARIANTS = pytest.mark.parametrize("variant", list(Variant))
+
+
+def picker_settings(variant: Variant) -> dict[str, Any]:
+    return {"endpoint_picker": {"fallbacks": FALLBACKS[variant]}}
+
+
+async def legs(topo: Topology) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(P record, D record) of each user request, oldest first; P's record gains the
+    engine id of the prefill that served it (`engine_id`)."""
+    prefill_seen = {r["x_request_id"]: r | {"engine_id": e.engine_id}
+                    for e in topo.prefills for r in await topo.seen(e)}  # fmt: skip
+    pairs = [(prefill_seen[r["x_request_id"]], r) for e in topo.decodes
+             for r in await topo.seen(e)]  # fmt: skip
+    return sorted(pairs, key=lambda pair: pair[1]["received_at"])
+
+
+@pytest.fixture(scope="module", params=list(Variant))
+async def push_2p2d(request: pytest.FixtureRequest) -> AsyncIterator[Topology]:
+    variant: Variant = request.param
+    async with epp_topology(variant, 2, 2, **picker_settings(variant)) as topo:
+        yield topo
+
+
+async def test_push_parallel_legs_reach_the_engines_within_5_ms(push_2p2d: Topology) -> None:
+    topo = push_2p2d
+    await topo.clear()
+    for _ in range(20):
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+    pairs = await legs(topo)
+    assert len(pairs) == 20
+    for p, d in pairs:
+        assert d["kv"] == "push-parallel", d
+        assert d["kv_evidence"]["engine_ids"] == [p["engine_id"]]
+    skews = sorted(abs(p["received_at"] - d["received_at"]) for p, d in pairs)
+    assert statistics.median(skews) < 0.005, skews
+
+
+async def test_decode_gets_an_exact_content_length(push_2p2d: Topology) -> None:
+    topo = push_2p2d
+    await topo.clear()
+    status, body, _ = await topo.post("/v1/completions", COMPLETION)
+    assert status == 200, body
+    [(_, d)] = await legs(topo)
+    assert "transfer-encoding" not in d["headers"]
+    assert int(d["headers"]["content-length"]) == d["body_bytes"]
+
+
+async def test_subset_hint_is_honoured_for_both_legs(push_2p2d: Topology) -> None:
+    topo = push_2p2d
+    await topo.clear()
+    allowed = [address(topo.prefills[1]), address(topo.decodes[1])]
+    for _ in range(6):
+        status, body, _ = await topo.post(
+            "/v1/completions", COMPLETION, {SUBSET_TEST_HEADER: ",".join(allowed)}
+        )
+        assert status == 200, body
+    assert await topo.seen(topo.prefills[0]) == []
+    assert await topo.seen(topo.decodes[0]) == []
+    assert len(await topo.seen(topo.decodes[1])) == 6
+
+
+async def test_nothing_in_the_subset_can_serve_gives_503(push_2p2d: Topology) -> None:
+    topo = push_2p2d
+    await topo.clear()
+    only_prefills = ",".join(address(e) for e in topo.prefills)  # no decode among them
+    status, body, headers = await topo.post(
+        "/v1/completions", COMPLETION, {SUBSET_TEST_HEADER: only_prefills}
+    )
+    assert status == 503, body
+    assert headers["content-type"] == "application/json"
+    error = orjson.loads(body)["error"]
+    assert "subset hint" in error["message"] and error["code"] == 503
+    assert all([await topo.seen(e) == [] for e in topo.engines])
+
+
+async def test_client_routing_header_and_kv_params_never_reach_an_engine(
+    push_2p2d: Topology,
+) -> None:
+    topo = push_2p2d
+    await topo.clear()
+    spoofed = "127.0.0.1:1"  # nothing listens there: routed by it, the request would fail
+    bogus = {"do_remote_prefill": True, "remote_engine_id": "spoofed", "remote_block_ids": [7]}
+    for _ in range(4):
+        status, body, _ = await topo.post(
+            "/v1/completions",
+            {**COMPLETION, "kv_transfer_params": bogus},
+            {"x-gateway-destination-endpoint": spoofed},
+        )
+        assert status == 200, body
+    for p, d in await legs(topo):
+        for record in (p, d):
+            assert spoofed not in record["headers"].get("x-gateway-destination-endpoint", "")
+            assert "spoofed" not in orjson.dumps(record["body"]).decode()
+        assert d["kv"] == "push-parallel"
+
+
+async def test_a_body_over_the_limit_gets_413_before_any_leg_leaves() -> None:
+    variant = Variant.OVERRIDE_HOST
+    limits = {"limits": {"max_body_bytes": 4096}}
+    async with epp_topology(variant, **picker_settings(variant), **limits) as topo:
+        big = {**COMPLETION, "prompt": "x" * 10_000}
+        status, body, _ = await topo.post("/v1/completions", big)
+        assert status == 413, body
+        assert orjson.loads(body)["error"]["code"] == 413
+        assert all([await topo.seen(e) == [] for e in topo.engines])
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)  # under it: served
+        assert status == 200, body
+
+
+@VARIANTS
+async def test_pull_is_served_serially(variant: Variant) -> None:
+    async with epp_topology(variant, connectors=PULL, **picker_settings(variant)) as topo:
+        for _ in range(3):
+            status, body, _ = await topo.post("/v1/completions", COMPLETION)
+            assert status == 200, body
+        pairs = await legs(topo)
+        assert len(pairs) == 3
+        for p, d in pairs:
+            assert d["kv"] == "pull"
+            assert d["kv_evidence"]["engine_ids"] == [topo.prefills[0].engine_id]
+            assert d["received_at"] > p["received_at"]
+            assert d["body"]["kv_transfer_params"]["transfer_mode"] == "pull"

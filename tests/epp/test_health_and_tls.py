@@ -1,0 +1,100 @@
+"""The endpoint picker's gRPC health services and its TLS port, through real gRPC clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import ssl
+from collections.abc import AsyncIterator
+
+import aiohttp
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.grpc_health import EXTPROC_SERVICE
+from tests.epp.conftest import Picker, epp_config, running_epp
+from tests.integration.conftest import PUSH, address, until
+from vllmsim.launcher import running_engine
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+PROTOCOL_SERVICES = ("liveness", "readiness", EXTPROC_SERVICE, "inference-extension")
+
+
+async def status(channel: aio.Channel, service: str) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return int(answer.status)
+
+
+def tls_channel(target: str) -> aio.Channel:
+    """Trust the certificate the picker presents (a gateway does not check it at all)."""
+    host, _, port = target.rpartition(":")
+    pem = ssl.get_server_certificate((host, int(port)))
+    credentials = grpc.ssl_channel_credentials(root_certificates=pem.encode())
+    options = (("grpc.ssl_target_name_override", "localhost"),)
+    return aio.secure_channel(target, credentials, options)
+
+
+@pytest.fixture
+async def picker() -> AsyncIterator[Picker]:
+    async with (
+        running_engine("--kv-transfer-config", PUSH[0]) as prefill,
+        running_engine("--kv-transfer-config", PUSH[1]) as decode,
+        running_epp(epp_config([address(prefill)], [address(decode)],
+                               timeouts={"drain_s": 5})) as picker,  # fmt: skip
+    ):
+        yield picker
+
+
+async def test_health_services_serve_on_the_plaintext_port_and_the_tls_port(
+    picker: Picker,
+) -> None:
+    async with aio.insecure_channel(f"127.0.0.1:{picker.health_port}") as channel:
+        for service in PROTOCOL_SERVICES:
+            assert await status(channel, service) == SERVING, service
+    async with tls_channel(picker.extproc) as channel:
+        for service in PROTOCOL_SERVICES:
+            assert await status(channel, service) == SERVING, service
+
+
+async def test_the_extproc_port_speaks_only_tls(picker: Picker) -> None:
+    async with aio.insecure_channel(picker.extproc) as channel:
+        with pytest.raises(aio.AioRpcError) as refused:
+            await status(channel, "liveness")
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_draining_turns_readiness_off_while_a_request_is_open(picker: Picker) -> None:
+    async with (
+        tls_channel(picker.extproc) as tls,
+        aio.insecure_channel(f"127.0.0.1:{picker.health_port}") as health,
+    ):
+        stream = ep_grpc.ExternalProcessorStub(tls).Process()
+        headers = core.HeaderMap(headers=[
+            core.HeaderValue(key=":method", value="POST"),
+            core.HeaderValue(key=":path", value="/v1/completions"),
+        ])  # fmt: skip
+        await stream.write(ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=headers)))
+        await until(lambda: open_streams(picker, 1), "the picker holding the request open")
+        os.kill(picker.pid, signal.SIGTERM)
+
+        async def not_ready() -> bool:
+            return await status(health, "readiness") == NOT_SERVING
+
+        await until(not_ready, "readiness NOT_SERVING while draining", 4)
+        assert await status(health, EXTPROC_SERVICE) == NOT_SERVING
+        stream.cancel()
+
+
+async def open_streams(picker: Picker, count: int) -> bool:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(picker.metrics + "/ready") as response,
+    ):
+        return bool((await response.json())["active_streams"] == count)

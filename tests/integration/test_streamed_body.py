@@ -1,0 +1,117 @@
+"""The LLM routes' streamed request body (FULL_DUPLEX_STREAMED) through a real Envoy: the
+limits the ext_proc owns there (413, a stalled upload's 408), a client gone mid-upload, and
+the catch-all route that stays buffered."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import orjson
+import pytest_asyncio
+
+from tests.integration.conftest import MODEL, Topology, requests_total, topology, until
+
+LIMIT = 4096
+IDLE_S = 0.5
+COMPLETION = {"model": MODEL, "prompt": "The quick brown fox " * 20, "max_tokens": 4}
+
+
+@pytest_asyncio.fixture(scope="module")
+async def small_limits() -> AsyncIterator[Topology]:
+    async with topology(limits={"max_body_bytes": LIMIT},
+                        timeouts={"upload_idle_s": IDLE_S}) as topo:  # fmt: skip
+        yield topo
+
+
+async def partial_upload(
+    topo: Topology, declared: int, sent: bytes, path: str = "/v1/completions"
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """An HTTP/1.1 POST declaring `declared` body bytes of which only `sent` go out."""
+    url = urlsplit(topo.sidecar.url)
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    head = (f"POST {path} HTTP/1.1\r\nhost: llm\r\ncontent-type: application/json\r\n"
+            f"content-length: {declared}\r\n\r\n")  # fmt: skip
+    writer.write(head.encode() + sent)
+    await writer.drain()
+    return reader, writer
+
+
+async def response(
+    reader: asyncio.StreamReader, timeout_s: float
+) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of one HTTP/1.1 response with a content-length."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
+    status_line, *lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines if line)
+    body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), timeout_s)
+    return int(status_line.split()[1]), headers, body
+
+
+async def no_engine_saw_a_request(topo: Topology) -> None:
+    for engine in topo.engines:
+        assert await topo.seen(engine) == []
+
+
+async def test_a_stalled_upload_gets_408_from_the_ext_proc(small_limits: Topology) -> None:
+    topo = small_limits
+    await topo.clear()
+    reader, writer = await partial_upload(topo, 1000, b'{"model": "')
+    try:
+        status, headers, body = await response(reader, IDLE_S + 5)
+    finally:
+        writer.close()
+    assert status == 408, body
+    assert headers["content-type"] == "application/json"
+    error = orjson.loads(body)["error"]
+    assert error["code"] == 408 and "stalled" in error["message"]
+    await no_engine_saw_a_request(topo)
+
+
+async def test_a_body_over_the_limit_gets_413_before_the_upload_ends(
+    small_limits: Topology,
+) -> None:
+    topo = small_limits
+    await topo.clear()
+    # Over the limit, and the rest never comes: only a check on the chunks as they arrive
+    # answers 413 (else the upload would stall into a 408).
+    reader, writer = await partial_upload(topo, 10 * LIMIT, b"x" * (LIMIT + 1))
+    try:
+        status, _, body = await response(reader, IDLE_S / 2)
+    finally:
+        writer.close()
+    assert status == 413, body
+    error = orjson.loads(body)["error"]
+    assert error["code"] == 413 and str(LIMIT) in error["message"]
+    await no_engine_saw_a_request(topo)
+
+
+async def test_a_client_gone_mid_upload_leaves_nothing_behind(small_limits: Topology) -> None:
+    topo = small_limits
+    await topo.clear()
+    before = await topo.metrics()
+    _, writer = await partial_upload(topo, 1000, b'{"model": "')
+
+    async def stream_open() -> bool:
+        return bool((await topo.ready())["active_streams"])
+
+    await until(stream_open, "the ext_proc stream of the upload")
+    writer.close()
+
+    async def stream_closed() -> bool:
+        return not (await topo.ready())["active_streams"]
+
+    await until(stream_closed, "the upload's ext_proc stream to close")
+    after = await topo.metrics()
+    gone = requests_total("cancelled", "none", "serial")  # not a 408 ("client_error")
+    assert after.get(gone, 0) == before.get(gone, 0) + 1
+    await no_engine_saw_a_request(topo)
+    status, body, _ = await topo.post("/v1/completions", COMPLETION)  # still serving
+    assert status == 200, body
+
+
+async def test_the_catch_all_route_still_refuses_in_json(small_limits: Topology) -> None:
+    status, body, _ = await small_limits.post("/v1/embeddings", COMPLETION)
+    assert status == 404, body
+    assert orjson.loads(body)["error"]["code"] == 404
