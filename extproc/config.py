@@ -138,6 +138,31 @@ class KubernetesSource(_Strict):
     port: int = Field(gt=0, lt=65536)
 
 
+# llm-d's convention: the role label's values, and which pool takes each. A decode pool also
+# takes "both" and pods without the label (llm-d's decode filter does the same); any other
+# value belongs to no pool here.
+ROLE_LABEL = "llm-d.ai/role"
+UNLABELLED = ""  # in `roles`: a pod without the role label
+DEFAULT_ROLES = {Role.PREFILL: ("prefill",), Role.DECODE: ("decode", "both", UNLABELLED)}
+
+
+class InferencePoolSource(_Strict):
+    """The pods of a Gateway API Inference Extension InferencePool (inference.networking.k8s.io
+    v1) that carry this pool's role: the pool's selector picks the pods, its target port is the
+    engines' port, and a pod label splits them into prefill and decode."""
+
+    name: str
+    namespace: str = "default"
+    role_label: str = ROLE_LABEL
+    # The label values this pool takes ("" = no label). None: llm-d's, see DEFAULT_ROLES.
+    roles: list[str] | None = None
+
+    def takes(self, role: Role, labels: dict[str, str]) -> bool:
+        """A pod with `labels` belongs to this `role`'s pool."""
+        wanted = DEFAULT_ROLES[role] if self.roles is None else self.roles
+        return labels.get(self.role_label, UNLABELLED) in wanted
+
+
 def _options(policy: str, keys: dict[str, Any]) -> BaseModel:
     try:
         return parse_options(policy, keys)
@@ -147,10 +172,12 @@ def _options(policy: str, keys: dict[str, Any]) -> BaseModel:
 
 class PoolConfig(_Strict):
     # Members: a static list, and/or a DNS name (a headless service) re-resolved every
-    # discovery.interval_s, and/or Kubernetes pods by label. At least one source.
+    # discovery.interval_s, and/or Kubernetes pods, by label or as an InferencePool's pods of
+    # this role (both watched: changes apply at once). At least one source.
     endpoints: list[Endpoint] = []
     dns: str | None = None  # "name:port"; every A/AAAA record is one endpoint
     kubernetes: KubernetesSource | None = None
+    inference_pool: InferencePoolSource | None = None
     policy: PolicyName = "round_robin"
     # The policy's options (extproc.policies: each policy's options model). Written flat in
     # the pool (`kv_usage_weight: 2`), or nested under `options:`; both forms are accepted.
@@ -192,8 +219,8 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _has_a_source(self) -> PoolConfig:
-        if not (self.endpoints or self.dns or self.kubernetes):
-            raise ValueError("give endpoints, dns or kubernetes")
+        if not (self.endpoints or self.dns or self.kubernetes or self.inference_pool):
+            raise ValueError("give endpoints, dns, kubernetes or inference_pool")
         return self
 
     @field_validator("dns")
@@ -382,7 +409,10 @@ class KvCheckConfig(_Strict):
 
 
 class DiscoveryConfig(_Strict):
-    interval_s: PositiveFloat = 5.0  # how often DNS names and Kubernetes selectors are re-read
+    interval_s: PositiveFloat = 5.0  # how often DNS names are re-resolved
+    # Kubernetes sources are watched; the API server ends each watch after this long (the
+    # watch then resumes where it was), so a silently dead connection is noticed in bounded time.
+    watch_timeout_s: int = Field(default=300, ge=10, le=3600)
     # Kubernetes API access (in a pod: the service account's token and CA are used)
     kubernetes_api: str = "https://kubernetes.default.svc"
     token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"

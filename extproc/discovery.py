@@ -1,10 +1,11 @@
 """Pool membership: the static list, plus DNS names and Kubernetes pods, kept current.
 
-Each pool's members are the union of its sources. DNS names (a headless service) and
-Kubernetes label selectors are re-read every `discovery.interval_s`. A source that fails to
-answer keeps its last members: a DNS hiccup must not empty a pool. Changes go to a `Members`
-sink (the wiring's runtime), which updates the pool, forgets identities of endpoints that
-left, and tells Envoy (EDS).
+Each pool's members are the union of its sources. Kubernetes sources (pods by label
+selector, an InferencePool's pods of the pool's role) are watched: every change reaches the
+`Members` sink at once. DNS names (a headless service) are re-resolved every
+`discovery.interval_s`. A source that fails keeps its last members: a DNS hiccup or an API
+server restart must not empty a pool. The sink (the wiring's runtime) updates the pool,
+forgets identities of endpoints that left, and tells Envoy (EDS).
 """
 
 from __future__ import annotations
@@ -13,23 +14,31 @@ import asyncio
 import ipaddress
 import logging
 import socket
-import ssl
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import quote
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
-import aiohttp
-
-from extproc.config import Config, KubernetesSource, PoolConfig, parse_host_port
+from extproc.config import (
+    Config,
+    InferencePoolSource,
+    KubernetesSource,
+    PoolConfig,
+    parse_host_port,
+)
 from extproc.periodic import Periodic
 from extproc.roles import Role
 
-__all__ = ["Discovery", "kubernetes_members", "resolve_dns"]
+if TYPE_CHECKING:
+    from extproc.kube_api import KubeApi
+    from extproc.kube_sources import InferencePoolPods, PodsBySelector
+
+__all__ = ["Discovery", "Members", "resolve_dns"]
 
 log = logging.getLogger("extproc.discovery")
 
 _ROLES = tuple(Role)
+_FIRST_SYNC_S = 10.0  # how long the first membership waits for a new watch's first list
+
+WatchKey = tuple[str, str, str]  # ("pods", namespace, selector) or ("pool", namespace, name)
 
 
 def _address(ip: str, port: int) -> str:
@@ -43,36 +52,10 @@ async def resolve_dns(name_port: str) -> list[str]:
     return sorted({_address(str(info[4][0]), port) for info in infos})
 
 
-def _ready_pod_ips(pods: dict[str, Any]) -> list[str]:
-    ips = []
-    for pod in pods.get("items", []):
-        status = pod.get("status", {})
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in status.get("conditions", [])
-        )
-        if status.get("phase") == "Running" and ready and status.get("podIP"):
-            ips.append(status["podIP"])
-    return ips
-
-
-async def kubernetes_members(
-    session: aiohttp.ClientSession, api: str, source: KubernetesSource,
-    token: str | None, tls: ssl.SSLContext | None,
-) -> list[str]:  # fmt: skip
-    """Ready pods matching the selector, as 'podIP:port'."""
-    url = (
-        f"{api}/api/v1/namespaces/{quote(source.namespace)}/pods"
-        f"?labelSelector={quote(source.label_selector)}"
-    )
-    headers = {"authorization": f"Bearer {token}"} if token else {}
-    async with session.get(
-        url, headers=headers, ssl=tls if tls is not None else True,
-        timeout=aiohttp.ClientTimeout(total=10),
-    ) as response:  # fmt: skip
-        response.raise_for_status()
-        pods = await response.json()
-    return sorted(_address(ip, source.port) for ip in _ready_pod_ips(pods))
+def _watch_key(source: KubernetesSource | InferencePoolSource) -> WatchKey:
+    if isinstance(source, KubernetesSource):
+        return ("pods", source.namespace, source.label_selector)
+    return ("pool", source.namespace, source.name)
 
 
 class Members(Protocol):
@@ -90,75 +73,125 @@ class Discovery:
     ) -> None:
         self._sink = members
         self._config = config
-        self._last: dict[tuple[str, str], list[str]] = {}  # (role, source) → last good answer
+        self._dns: dict[str, list[str]] = {}  # "model/role" → the last good answer
+        self._api: KubeApi | None = None
+        self._watches: dict[WatchKey, PodsBySelector | InferencePoolPods] = {}
         self._periodic: Periodic | None = None
+
+    def _pools(self) -> Iterator[tuple[str, Role, PoolConfig]]:
+        for model, group in self._config().groups().items():
+            for role in _ROLES:
+                yield model, role, getattr(group, role)
 
     @property
     def dynamic(self) -> bool:
-        cfg = self._config()
-        return any(
-            pool.dns or pool.kubernetes for role in _ROLES for pool in cfg.pool_configs(role)
-        )
+        return any(pool.dns or pool.kubernetes or pool.inference_pool
+                   for _, _, pool in self._pools())  # fmt: skip
 
-    async def refresh(self, session: aiohttp.ClientSession) -> None:
-        """Resolve every source of every pool once and hand the result to the runtime."""
+    async def refresh(self) -> None:
+        """Take the sources the config names now (a reload may change them): watch new ones,
+        stop those gone, resolve DNS names once, and hand every pool's members to the sink."""
+        await self._follow_watches()
+        await self._resolve_dns()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Every pool's members, from what each source knows now, to the sink."""
+        union: dict[Role, list[str]] = {role: [] for role in _ROLES}
+        for model, role, pool in self._pools():
+            members = list(dict.fromkeys(self._members(f"{model}/{role}", role, pool)))
+            self._sink.set_group_members(model, role, members)
+            union[role] += members
         for role in _ROLES:
-            union: list[str] = []
-            for model, group in self._config().groups().items():
-                members = await self._members(session, f"{model}/{role}", getattr(group, role))
-                self._sink.set_group_members(model, role, members)
-                union += members
-            self._sink.set_members(role, list(dict.fromkeys(union)))
+            self._sink.set_members(role, list(dict.fromkeys(union[role])))
 
-    async def _members(
-        self, session: aiohttp.ClientSession, role: str, pool: PoolConfig
-    ) -> list[str]:
-        members = list(pool.addresses)
+    def _members(self, where: str, role: Role, pool: PoolConfig) -> Iterator[str]:
+        yield from pool.addresses
         if pool.dns:
-            members += await self._source(role, "dns", resolve_dns(pool.dns))
-        if pool.kubernetes:
-            members += await self._source(role, "kubernetes", self._kubernetes(session, pool))
-        return list(dict.fromkeys(members))
+            yield from self._dns.get(where, [])
+        if pool.kubernetes is not None:
+            pods = self._watches.get(_watch_key(pool.kubernetes))
+            for pod in pods.ready() if pods is not None else []:
+                yield _address(pod.ip, pool.kubernetes.port)
+        if pool.inference_pool is not None:
+            yield from self._inference_pool_members(role, pool.inference_pool)
 
-    async def _source(self, role: str, name: str, lookup: Awaitable[list[str]]) -> list[str]:
+    def _inference_pool_members(self, role: Role, source: InferencePoolSource) -> Iterator[str]:
+        watch = self._watches.get(_watch_key(source))
+        ports = getattr(watch, "ports", [])
+        for pod in watch.ready() if watch is not None else []:
+            if source.takes(role, pod.labels):
+                yield from (_address(pod.ip, port) for port in ports)
+
+    async def _resolve_dns(self) -> None:
+        for model, role, pool in self._pools():
+            if pool.dns:
+                where = f"{model}/{role}"
+                try:
+                    self._dns[where] = await asyncio.wait_for(resolve_dns(pool.dns), timeout=15)
+                except (OSError, TimeoutError, ValueError) as error:
+                    log.warning("%s discovery (dns) failed, keeping the last members: %s",
+                                where, error)  # fmt: skip
+
+    async def _follow_watches(self) -> None:
+        sources = (s for _, _, p in self._pools() for s in (p.kubernetes, p.inference_pool))
+        wanted = {_watch_key(source): source for source in sources if source is not None}
+        for key in set(self._watches) - set(wanted):
+            await self._watches.pop(key).stop()
+        new = [key for key in wanted if key not in self._watches]
+        if not new:
+            return
+        for key in new:
+            self._watches[key] = self._watch(wanted[key])
+            self._watches[key].start()
         try:
-            found = await asyncio.wait_for(lookup, timeout=15)
-        except (OSError, aiohttp.ClientError, TimeoutError, ValueError) as error:
-            log.warning("%s discovery (%s) failed, keeping the last members: %s", role, name, error)
-            return self._last.get((role, name), [])
-        self._last[(role, name)] = found
-        return found
+            await asyncio.wait_for(
+                asyncio.gather(*(self._watches[key].synced.wait() for key in new)),
+                _FIRST_SYNC_S,
+            )
+        except TimeoutError:
+            log.warning("Kubernetes discovery: no answer within %.0f s; going on, the pools "
+                        "fill as the watches catch up", _FIRST_SYNC_S)  # fmt: skip
 
-    async def _kubernetes(self, session: aiohttp.ClientSession, pool: PoolConfig) -> list[str]:
-        assert pool.kubernetes is not None
-        cfg = self._config().discovery
-        token_path, ca_path = Path(cfg.token_file), Path(cfg.ca_file)
-        token = await asyncio.to_thread(_read_if_exists, token_path)
-        tls = None
-        if cfg.kubernetes_api.startswith("https") and await asyncio.to_thread(ca_path.exists):
-            tls = await asyncio.to_thread(ssl.create_default_context, cafile=str(ca_path))
-        return await kubernetes_members(session, cfg.kubernetes_api, pool.kubernetes, token, tls)
+    def _watch(
+        self, source: KubernetesSource | InferencePoolSource
+    ) -> PodsBySelector | InferencePoolPods:
+        # Imported here: the Kubernetes client takes half a second to import, which
+        # deployments without Kubernetes sources need not pay.
+        from extproc.kube_api import KubeApi
+        from extproc.kube_sources import InferencePoolPods, PodsBySelector
 
-    def start(self, session: aiohttp.ClientSession) -> None:
-        """Re-read the dynamic sources every interval (the first refresh ran before Envoy).
+        if self._api is None:
+            self._api = KubeApi(self._config().discovery)
+        if isinstance(source, KubernetesSource):
+            return PodsBySelector(self._api, source.namespace, source.label_selector,
+                                  self._publish, self._watch_timeout_s)  # fmt: skip
+        return InferencePoolPods(self._api, source.namespace, source.name, self._publish,
+                                 self._watch_timeout_s)  # fmt: skip
 
-        The loop runs even with static pools only (its rounds then do nothing): a reload can
-        add or remove DNS names and selectors.
-        """
+    def _watch_timeout_s(self) -> int:
+        return self._config().discovery.watch_timeout_s
+
+    def start(self) -> None:
+        """Re-resolve DNS names every interval (the first refresh ran before Envoy); the
+        watches started with it. The loop runs even with no DNS name (its rounds then do
+        nothing): a reload can add one."""
         self._periodic = Periodic(
-            "discovery", lambda: self._refresh_dynamic(session),
-            lambda: self._config().discovery.interval_s,
-        )  # fmt: skip
+            "discovery", self._refresh_dns, lambda: self._config().discovery.interval_s
+        )
         self._periodic.start(first_now=False)
 
-    async def _refresh_dynamic(self, session: aiohttp.ClientSession) -> None:
-        if self.dynamic:
-            await self.refresh(session)
+    async def _refresh_dns(self) -> None:
+        if any(pool.dns for _, _, pool in self._pools()):
+            await self._resolve_dns()
+            self._publish()
 
     async def stop(self) -> None:
         if self._periodic is not None:
             await self._periodic.stop()
-
-
-def _read_if_exists(path: Path) -> str | None:
-    return path.read_text().strip() if path.exists() else None
+        for watch in self._watches.values():
+            await watch.stop()
+        self._watches.clear()
+        if self._api is not None:
+            await self._api.close()
+            self._api = None

@@ -331,7 +331,7 @@ class Runtime:
         """The first membership, before Envoy starts (it reads the EDS files written here)."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        await self.discovery.refresh(self._session)
+        await self.discovery.refresh()
 
     def reload(self, config: Config) -> list[str]:
         """Take a new config for new requests; returns the settings that need a restart.
@@ -354,7 +354,7 @@ class Runtime:
         """Health checks, identity probes, KV checks, discovery; once Envoy is serving."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        self.discovery.start(self._session)
+        self.discovery.start()
         await self.health.start(self._session)
         await self.scraper.start()
         await self.health.probes_settled(self.config.timeouts.probe_s)

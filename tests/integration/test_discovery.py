@@ -1,55 +1,22 @@
-"""Pool membership at run time: DNS, Kubernetes pods, SIGHUP reload — and Envoy follows."""
+"""Pool membership at run time: DNS, Kubernetes pods (watched), SIGHUP reload — and Envoy
+follows."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
-import pytest_asyncio
 import yaml
-from aiohttp import web
 
 from extproc.testing import ephemeral_config, running_sidecar
+from tests.fakes.kube_api import fake_kube_api, pod
 from tests.integration.conftest import MODEL, Topology, address, topology, until
 from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "discovered " * 10, "max_tokens": 2}
-
-
-class FakeKubernetes:
-    """Just enough of the Kubernetes API: list pods by label selector."""
-
-    def __init__(self) -> None:
-        self.pods: dict[str, list[str]] = {}  # selector → pod IPs
-        self.auth: set[str] = set()
-
-    async def list_pods(self, request: web.Request) -> web.Response:
-        self.auth.add(request.headers.get("authorization", ""))
-        ips = self.pods.get(request.query.get("labelSelector", ""), [])
-        items = [{"status": {"phase": "Running", "podIP": ip,
-                             "conditions": [{"type": "Ready", "status": "True"}]}}
-                 for ip in ips]  # fmt: skip
-        return web.json_response({"kind": "PodList", "items": items})
-
-
-@pytest_asyncio.fixture
-async def fake_kubernetes() -> AsyncIterator[tuple[FakeKubernetes, str]]:
-    fake = FakeKubernetes()
-    app = web.Application()
-    app.router.add_get("/api/v1/namespaces/{namespace}/pods", fake.list_pods)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield fake, f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 async def test_dns_name_resolves_to_the_pool() -> None:
@@ -67,28 +34,27 @@ async def test_dns_name_resolves_to_the_pool() -> None:
         assert ready["decode"][address(d)]["healthy"] is True
 
 
-async def test_kubernetes_pods_join_and_leave(
-    tmp_path: Path, fake_kubernetes: tuple[FakeKubernetes, str]
-) -> None:
-    fake, api = fake_kubernetes
+async def test_kubernetes_pods_join_and_leave(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("secret-token")
     async with (
+        fake_kube_api() as kube,
         running_engine("--kv-transfer-config", PUSH_P) as p,
         running_engine("--kv-transfer-config", PUSH_D) as d,
     ):
-        fake.pods = {"role=prefill": ["127.0.0.1"], "role=decode": ["127.0.0.1"]}
+        kube.put_pod(pod("prefill-0", "127.0.0.1", {"role": "prefill"}))
+        kube.put_pod(pod("decode-0", "127.0.0.1", {"role": "decode"}))
         config = ephemeral_config([], [])
         config["prefill"] = {"kubernetes": {"label_selector": "role=prefill", "port": p.port}}
         config["decode"] = {"kubernetes": {"label_selector": "role=decode", "port": d.port}}
-        config["discovery"] = {"interval_s": 0.3, "kubernetes_api": api,
+        config["discovery"] = {"kubernetes_api": kube.url,
                                "token_file": str(token), "ca_file": "/nonexistent"}  # fmt: skip
         async with running_sidecar(config) as sidecar, aiohttp.ClientSession() as session:
             topo = Topology([p], [d], sidecar, session)
             status, body, _ = await topo.post("/v1/completions", COMPLETION)
             assert status == 200, body
-            assert fake.auth == {"Bearer secret-token"}
-            fake.pods["role=prefill"] = []  # the prefill pod goes away
+            assert {r["auth"] for r in kube.requests} == {"Bearer secret-token"}
+            kube.delete_pod("prefill-0")  # the prefill pod goes away
 
             async def prefill_gone() -> bool:
                 ready = await topo.ready()
@@ -97,7 +63,7 @@ async def test_kubernetes_pods_join_and_leave(
             await until(prefill_gone, "the prefill pod to leave the pool")
             status, _, _ = await topo.post("/v1/completions", COMPLETION)
             assert status == 503  # no prefill: retryable error, not a hang
-            fake.pods["role=prefill"] = ["127.0.0.1"]  # and comes back
+            kube.put_pod(pod("prefill-0", "127.0.0.1", {"role": "prefill"}))  # and comes back
 
             async def prefill_back() -> bool:
                 ready = await topo.ready()
@@ -106,6 +72,7 @@ async def test_kubernetes_pods_join_and_leave(
             await until(prefill_back, "the prefill pod to rejoin")
             status, body, _ = await topo.post("/v1/completions", COMPLETION)
             assert status == 200, body
+            assert len(kube.lists("pods")) == 2  # one per selector: then only watches
 
 
 async def test_sighup_reload_adds_an_endpoint_without_dropping_requests() -> None:

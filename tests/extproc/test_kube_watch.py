@@ -1,0 +1,218 @@
+"""Kubernetes discovery against the fake API server: list + watch, resume, 410, backoff, and
+what makes a pod a member (readiness, termination, InferencePool roles, ports, selector)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from extproc.config import DiscoveryConfig, parse_config
+from extproc.discovery import Discovery
+from extproc.kube_api import PODS, KubeApi, Query
+from extproc.kube_sources import is_ready
+from extproc.kube_watch import Watched
+from extproc.roles import Role
+from tests.fakes.kube_api import FakeKubeApi, fake_kube_api, inference_pool, pod
+
+
+async def until(check: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    """Poll `check` until it holds; fail after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest_asyncio.fixture
+async def kube(tmp_path: Path) -> AsyncIterator[tuple[FakeKubeApi, DiscoveryConfig]]:
+    token = tmp_path / "token"
+    token.write_text("token-1\n")
+    async with fake_kube_api() as fake:
+        yield (
+            fake,
+            DiscoveryConfig(kubernetes_api=fake.url, token_file=str(token), ca_file="/nonexistent"),
+        )
+
+
+@pytest_asyncio.fixture
+async def watched(
+    kube: tuple[FakeKubeApi, DiscoveryConfig],
+) -> AsyncIterator[tuple[FakeKubeApi, Watched, list[int]]]:
+    fake, settings = kube
+    api = KubeApi(settings)
+    changes: list[int] = []
+    watch = Watched(
+        api, Query(PODS, "default", label_selector="app=vllm"),
+        lambda: changes.append(1), lambda: 30, backoff_s=(0.05, 0.2),
+    )  # fmt: skip
+    fake.put_pod(pod("a", "10.0.0.1", {"app": "vllm"}))
+    fake.put_pod(pod("other", "10.0.0.9", {"app": "other"}))
+    watch.start()
+    await asyncio.wait_for(watch.synced.wait(), 5)
+    try:
+        yield fake, watch, changes
+    finally:
+        await watch.stop()
+        await api.close()
+
+
+def names(watch: Watched) -> set[str]:
+    return {key.split("/")[1] for key in watch.objects}
+
+
+async def test_watch_follows_changes_from_the_lists_version(
+    watched: tuple[FakeKubeApi, Watched, list[int]],
+) -> None:
+    fake, watch, changes = watched
+    assert names(watch) == {"a"}  # the selector narrows the list
+    listed_at = fake.lists("pods")[0]
+    await until(lambda: len(fake.watches("pods")) == 1, "the watch")
+    assert fake.watches("pods")[0]["resourceVersion"] == watch.resource_version
+    assert fake.watches("pods")[0]["timeoutSeconds"] == "30"  # bounded by the server
+    assert fake.watches("pods")[0]["allowWatchBookmarks"].lower() == "true"
+    assert listed_at["auth"] == "Bearer token-1"
+    fake.put_pod(pod("b", "10.0.0.2", {"app": "vllm"}))
+    await until(lambda: names(watch) == {"a", "b"}, "ADDED")
+    fake.put_pod(pod("b", "10.0.0.2", {"app": "vllm"}, ready=False))
+    await until(lambda: watch.objects["default/b"]["status"]["conditions"][0]["status"] == "False",
+                "MODIFIED")  # fmt: skip
+    fake.delete_pod("a")
+    await until(lambda: names(watch) == {"b"}, "DELETED")
+    assert len(changes) == 4  # the list, then one call per event
+    assert len(fake.lists("pods")) == 1
+
+
+async def test_reconnect_resumes_from_the_last_event_or_bookmark(
+    watched: tuple[FakeKubeApi, Watched, list[int]],
+) -> None:
+    fake, watch, changes = watched
+    await until(lambda: len(fake.watches("pods")) == 1, "the watch")
+    fake.put_pod(pod("b", "10.0.0.2", {"app": "vllm"}))
+    await until(lambda: "default/b" in watch.objects, "ADDED")
+    fake.bookmark()
+    await until(lambda: watch.resource_version == str(fake.version), "the bookmark's version")
+    seen = len(changes)
+    fake.close_watches()  # the connection ends: resume, do not list again
+    await until(lambda: len(fake.watches("pods")) == 2, "the second watch")
+    assert fake.watches("pods")[1]["resourceVersion"] == str(fake.version)
+    assert len(fake.lists("pods")) == 1
+    assert len(changes) == seen  # a bookmark and a reconnect change nothing
+
+
+async def test_gone_lists_again(watched: tuple[FakeKubeApi, Watched, list[int]]) -> None:
+    fake, watch, _ = watched
+    await until(lambda: len(fake.watches("pods")) == 1, "the watch")
+    fake.close_watches()
+    # while nobody watches: a change, then the history is compacted away
+    fake.delete_pod("a")
+    fake.put_pod(pod("c", "10.0.0.3", {"app": "vllm"}))
+    fake.compact()
+    await until(lambda: len(fake.lists("pods")) == 2, "a second list after 410")
+    await until(lambda: names(watch) == {"c"}, "the objects replaced by the new list")
+    await until(lambda: len(fake.watches("pods")) == 3, "a watch from the new list")
+    assert fake.watches("pods")[2]["resourceVersion"] == str(fake.version)  # the new list's
+
+
+async def test_failures_keep_the_objects_back_off_and_log_once(
+    watched: tuple[FakeKubeApi, Watched, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake, watch, _ = watched
+    await until(lambda: len(fake.watches("pods")) == 1, "the watch")
+    caplog.set_level(logging.INFO, "extproc.discovery")
+    fake.fail(3)
+    fake.close_watches()
+    await until(lambda: len(fake.watches("pods")) == 5, "three failed tries and a good one")
+    assert names(watch) == {"a"}  # kept through the failures
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "watch failed, keeping the last members" in warnings[0].getMessage()
+    fake.put_pod(pod("d", "10.0.0.4", {"app": "vllm"}))
+    await until(lambda: "default/d" in watch.objects, "events again after the failures")
+    assert any("watching again" in r.getMessage() for r in caplog.records)
+    assert len(fake.lists("pods")) == 1  # resumed from its version, no re-list
+
+
+@pytest.mark.parametrize(
+    ("changes", "member"),
+    [
+        ({}, True),
+        ({"ready": False}, False),
+        ({"terminating": True}, False),
+        ({"phase": "Pending"}, False),
+        ({"ip": ""}, False),
+    ],
+)
+def test_which_pods_are_members(changes: dict[str, Any], member: bool) -> None:
+    ip = changes.pop("ip", "10.0.0.1")
+    assert is_ready(pod("p", ip, **changes)) is member
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.members: dict[Role, list[str]] = {Role.PREFILL: [], Role.DECODE: []}
+        self.calls = 0
+
+    def set_group_members(self, model: str, role: Role, members: list[str]) -> None:
+        pass
+
+    def set_members(self, role: Role, members: list[str]) -> None:
+        self.members[role] = sorted(members)
+        self.calls += 1
+
+
+@pytest_asyncio.fixture
+async def pool_discovery(
+    kube: tuple[FakeKubeApi, DiscoveryConfig],
+) -> AsyncIterator[tuple[FakeKubeApi, Sink]]:
+    fake, settings = kube
+    source = {"inference_pool": {"name": "llama"}}
+    config = parse_config({"prefill": source, "decode": source,
+                           "discovery": settings.model_dump()})  # fmt: skip
+    sink = Sink()
+    discovery = Discovery(sink, lambda: config)
+    fake.put_pod(pod("p-0", "10.0.0.1", {"app": "vllm", "llm-d.ai/role": "prefill"}))
+    fake.put_pod(pod("d-0", "10.0.0.2", {"app": "vllm", "llm-d.ai/role": "decode"}))
+    await discovery.refresh()  # no pool yet: no members, and no hang
+    try:
+        yield fake, sink
+    finally:
+        await discovery.stop()
+
+
+async def test_inference_pool_members_by_role(pool_discovery: tuple[FakeKubeApi, Sink]) -> None:
+    fake, sink = pool_discovery
+    assert sink.members == {Role.PREFILL: [], Role.DECODE: []}
+    fake.put_pool(inference_pool("llama", {"app": "vllm"}, 8000))
+    await until(lambda: sink.members[Role.PREFILL] == ["10.0.0.1:8000"], "the prefill pod")
+    assert sink.members[Role.DECODE] == ["10.0.0.2:8000"]
+    fake.put_pod(pod("both-0", "10.0.0.3", {"app": "vllm", "llm-d.ai/role": "both"}))
+    fake.put_pod(pod("plain-0", "10.0.0.4", {"app": "vllm"}))  # no role label: decode
+    fake.put_pod(pod("odd-0", "10.0.0.5", {"app": "vllm", "llm-d.ai/role": "encode"}))
+    fake.put_pod(pod("elsewhere", "10.0.0.6", {"app": "other", "llm-d.ai/role": "decode"}))
+    await until(lambda: len(sink.members[Role.DECODE]) == 3, "both and unlabelled pods")
+    assert sink.members[Role.DECODE] == ["10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"]
+    assert sink.members[Role.PREFILL] == ["10.0.0.1:8000"]  # "encode" is in neither
+
+
+async def test_inference_pool_changes_are_followed(
+    pool_discovery: tuple[FakeKubeApi, Sink],
+) -> None:
+    fake, sink = pool_discovery
+    fake.put_pool(inference_pool("llama", {"app": "vllm"}, 8000))
+    await until(lambda: sink.members[Role.DECODE] == ["10.0.0.2:8000"], "the pool's pods")
+    fake.put_pool(inference_pool("llama", {"app": "vllm"}, 9000))  # a new target port
+    await until(lambda: sink.members[Role.DECODE] == ["10.0.0.2:9000"], "the new port")
+    fake.put_pod(pod("d-1", "10.0.0.7", {"app": "vllm-v2", "llm-d.ai/role": "decode"}))
+    fake.put_pool(inference_pool("llama", {"app": "vllm-v2"}, 9000))  # a new selector
+    await until(lambda: sink.members[Role.DECODE] == ["10.0.0.7:9000"], "the new selector")
+    assert sink.members[Role.PREFILL] == []
+    fake.delete_pool("llama")
+    await until(lambda: sink.members[Role.DECODE] == [], "no pool, no members")
