@@ -17,7 +17,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from extproc.config import Config, parse_config
+from extproc.config import Config, PoolConfig, parse_config
+from extproc.grpc_health import LIVENESS, READINESS
 from extproc.server import LIVE_PATH, READY_PATH
 from tests.deploy.helpers import ROOT, by_kind, envoy_validate
 from tests.deploy.test_example_pods import sidecar_paths
@@ -103,43 +104,75 @@ def test_core_resources_validate_against_kubernetes_schemas(docs: list[dict[str,
     assert kinds == CORE_KINDS
 
 
-def test_config_in_the_configmap_loads_and_names_the_release_namespace(
+def test_config_in_the_configmap_loads_and_finds_the_engines(
     docs: list[dict[str, Any]], mode: str
 ) -> None:
     cfg = chart_config(docs)
-    for pool in (cfg.prefill, cfg.decode):
-        assert pool.kubernetes is not None and pool.kubernetes.namespace == NAMESPACE
-    assert cfg.prefill.kubernetes.label_selector == "llm-d.ai/role=prefill"  # type: ignore[union-attr]
-    assert cfg.decode.kubernetes.label_selector == "llm-d.ai/role=decode"  # type: ignore[union-attr]
-    if mode == "gateway":
-        assert cfg.extproc.host == "127.0.0.1"  # the ext_proc stays inside the pod
-    else:
-        assert cfg.extproc.host == "0.0.0.0" and cfg.extproc.tls is not None
+    command = container(docs, "pd-extproc")["command"]
+    assert command[:2] == ["pd-extproc", {"gateway": "serve", "epp": "epp"}[mode]]
+    if mode == "gateway":  # the engine pods by label, the ext_proc inside the pod
+        for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            assert pool.kubernetes is not None and pool.kubernetes.namespace == NAMESPACE
+            assert (
+                pool.kubernetes.label_selector
+                == f"llm-d.ai/inferenceServing=true,llm-d.ai/role={role}"
+            )
+            assert pool.kubernetes.port == 8000
+        assert cfg.extproc.host == "127.0.0.1"
+        return
+    pool = one(docs, "InferencePool")  # the pods of the pool this release picks for
+    for each in (cfg.prefill, cfg.decode):
+        assert each.inference_pool is not None
+        assert each.inference_pool.name == pool["metadata"]["name"]
+        assert each.inference_pool.namespace == NAMESPACE
+        assert each.inference_pool.role_label == "llm-d.ai/role"
+    assert pool["spec"]["selector"]["matchLabels"] == {"llm-d.ai/inferenceServing": "true"}
+    assert cfg.extproc.host == "0.0.0.0"
+
+
+def test_a_pool_source_in_config_replaces_the_charts(kube_bin: Path) -> None:
+    docs = render(kube_bin, "gateway", **{"config.prefill.dns": "vllm-prefill:8000"})
+    cfg = chart_config(docs)
+    assert cfg.prefill == PoolConfig(dns="vllm-prefill:8000")
+    assert cfg.decode.kubernetes is not None and cfg.decode.policy == "least_request"
 
 
 def test_config_values_win_over_the_charts_defaults(kube_bin: Path) -> None:
     docs = render(kube_bin, "epp", **{"config.extproc.port": "9002",
-                                      "config.decode.kubernetes.namespace": "engines"})  # fmt: skip
+                                      "config.decode.inference_pool.name": "other",
+                                      "config.decode.inference_pool.namespace": "engines",
+                                      "tls.secretName": "mine"})  # fmt: skip
     cfg = chart_config(docs)
     assert cfg.extproc.port == 9002 and cfg.extproc.tls is not None
-    assert cfg.decode.kubernetes is not None and cfg.decode.kubernetes.namespace == "engines"
+    assert cfg.decode.inference_pool is not None
+    assert (cfg.decode.inference_pool.name, cfg.decode.inference_pool.namespace) == (
+        "other", "engines")  # fmt: skip
     assert ports(container(docs, "pd-extproc"))["grpc"] == 9002
     pool = one(docs, "InferencePool")["spec"]["endpointPickerRef"]
     assert pool["port"]["number"] == 9002
 
 
-def test_probes_are_ready_and_live_on_the_metrics_port(docs: list[dict[str, Any]]) -> None:
+def test_probes_ask_what_the_sidecar_serves(docs: list[dict[str, Any]], mode: str) -> None:
+    """gateway: HTTP /ready and /live on the metrics port; epp: the protocol's gRPC health
+    services on the plaintext health port that `pd-extproc epp` opens."""
     cfg = chart_config(docs)
     extproc = container(docs, "pd-extproc")
-    ready, live = extproc["readinessProbe"]["httpGet"], extproc["livenessProbe"]["httpGet"]
-    assert (ready["path"], live["path"]) == (READY_PATH, LIVE_PATH)
-    assert {READY_PATH, LIVE_PATH} <= sidecar_paths(cfg)
-    assert ports(extproc)[ready["port"]] == ports(extproc)[live["port"]] == cfg.metrics.port
+    ready, live = extproc["readinessProbe"], extproc["livenessProbe"]
+    if mode == "gateway":
+        assert (ready["httpGet"]["path"], live["httpGet"]["path"]) == (READY_PATH, LIVE_PATH)
+        assert {READY_PATH, LIVE_PATH} <= sidecar_paths(cfg)
+        port = ports(extproc)[ready["httpGet"]["port"]]
+        assert port == ports(extproc)[live["httpGet"]["port"]] == cfg.metrics.port
+    else:
+        assert (ready["grpc"]["service"], live["grpc"]["service"]) == (READINESS, LIVENESS)
+        health = cfg.endpoint_picker.health_port
+        assert ready["grpc"]["port"] == live["grpc"]["port"] == health
+        assert health in ports(extproc).values() and health != cfg.extproc.port
     annotations = one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(cfg.metrics.port)
     [monitor] = one(docs, "ServiceMonitor")["spec"]["endpoints"]
     [metrics] = [p for p in one(docs, "Service")["spec"]["ports"] if p["name"] == monitor["port"]]
-    assert metrics["targetPort"] == ready["port"]
+    assert ports(extproc)[metrics["targetPort"]] == cfg.metrics.port
 
 
 def test_rbac_lets_discovery_watch_pods_and_inferencepools(docs: list[dict[str, Any]]) -> None:
@@ -234,6 +267,15 @@ def test_epp_serves_tls_with_the_mounted_certificate(epp: list[dict[str, Any]]) 
         directory, _, name = path.rpartition("/")
         assert mounts[directory]["secret"]["secretName"] == certificate["secretName"], path
         assert name in ("tls.crt", "tls.key", "ca.crt")
+
+
+def test_epp_without_a_certificate_serves_a_self_signed_one(kube_bin: Path) -> None:
+    docs = render(kube_bin, "epp")
+    assert chart_config(docs).extproc.tls is None
+    assert chart_config(docs).endpoint_picker.secure_serving
+    assert not by_kind(docs, "Certificate")
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert all("secret" not in volume for volume in pod["volumes"])
 
 
 def test_epp_networkpolicy_admits_only_the_given_peers(epp: list[dict[str, Any]]) -> None:

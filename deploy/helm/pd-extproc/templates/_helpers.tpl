@@ -57,11 +57,35 @@ app.kubernetes.io/component: {{ .Values.mode }}
 {{- end }}
 {{- end }}
 
+{{- define "pd-extproc.tlsEnabled" -}}
+{{- if and (eq .Values.mode "epp") (or .Values.tls.secretName .Values.tls.certManager.issuerRef.name) }}true{{ end }}
+{{- end }}
+
+{{/* The pools from `engines`: watched pods by label (gateway) or the InferencePool (epp). */}}
+{{- define "pd-extproc.pools" -}}
+{{- $pools := dict }}
+{{- range $role := list "prefill" "decode" }}
+{{- if eq $.Values.mode "epp" }}
+{{- $_ := set $pools $role (dict "inference_pool" (dict
+      "name" (include "pd-extproc.poolName" $) "role_label" $.Values.engines.roleLabel)) }}
+{{- else }}
+{{- $labels := list }}
+{{- range $key, $value := $.Values.engines.matchLabels }}
+{{- $labels = append $labels (printf "%s=%s" $key $value) }}
+{{- end }}
+{{- $labels = append $labels (printf "%s=%s" $.Values.engines.roleLabel $role) }}
+{{- $_ := set $pools $role (dict "kubernetes" (dict
+      "label_selector" (join "," $labels) "port" $.Values.engines.port)) }}
+{{- end }}
+{{- end }}
+{{- toYaml $pools }}
+{{- end }}
+
 {{/*
-The pd-extproc config (YAML): the chart's listen addresses and TLS files for this mode, with
-.Values.config on top (what you set wins), and the release's namespace filled into every
-`kubernetes:` pool source that names none. Every template reads ports from this result, so the
-Service, the probes and the InferencePool always match what the ext_proc really binds.
+The pd-extproc config (YAML): the chart's settings for this mode, with .Values.config on top
+(what you set wins), and the release's namespace filled into every Kubernetes pool source that
+names none. Every template reads ports from this result, so the Service, the probes and the
+InferencePool always match what the ext_proc really binds.
 */}}
 {{- define "pd-extproc.config" -}}
 {{- $p := .Values.ports }}
@@ -73,14 +97,25 @@ Service, the probes and the InferencePool always match what the ext_proc really 
       "admin" (dict "host" "127.0.0.1" "port" $p.envoyAdmin)
       "prefill_listener" (printf "127.0.0.1:%v" $p.prefillListener)) }}
 {{- else }}
-{{- $tls := dict
+{{- $_ := set $managed "extproc" (dict "host" "0.0.0.0" "port" $p.extproc) }}
+{{- $_ := set $managed "endpoint_picker" (dict "health_port" $p.health) }}
+{{- if include "pd-extproc.tlsEnabled" . }}
+{{- $_ := set $managed.extproc "tls" (dict
       "cert_file" "/etc/pd-extproc-tls/tls.crt"
       "key_file" "/etc/pd-extproc-tls/tls.key"
       "ca_file" "/etc/pd-extproc-tls/ca.crt"
-      "server_name" (include "pd-extproc.serviceHost" .) }}
-{{- $_ := set $managed "extproc" (dict "host" "0.0.0.0" "port" $p.extproc "tls" $tls) }}
+      "server_name" (include "pd-extproc.serviceHost" .)) }}
 {{- end }}
-{{- $cfg := mergeOverwrite $managed (deepCopy .Values.config) }}
+{{- end }}
+{{- /* a role whose pool names a source in config takes none of the chart's */}}
+{{- $user := deepCopy .Values.config }}
+{{- $engines := include "pd-extproc.pools" . | fromYaml }}
+{{- range $role := list "prefill" "decode" }}
+{{- $mine := get $user $role | default dict }}
+{{- $sources := pick $mine "endpoints" "dns" "kubernetes" "inference_pool" }}
+{{- if not $sources }}{{ $_ := set $managed $role (get $engines $role) }}{{ end }}
+{{- end }}
+{{- $cfg := mergeOverwrite $managed $user }}
 {{- $pools := list }}
 {{- range $role := list "prefill" "decode" }}
 {{- if hasKey $cfg $role }}{{ $pools = append $pools (get $cfg $role) }}{{ end }}
@@ -91,9 +126,11 @@ Service, the probes and the InferencePool always match what the ext_proc really 
 {{- end }}
 {{- end }}
 {{- range $pool := $pools }}
-{{- if and (kindIs "map" $pool) (kindIs "map" $pool.kubernetes) }}
-{{- if not (hasKey $pool.kubernetes "namespace") }}
-{{- $_ := set $pool.kubernetes "namespace" $.Release.Namespace }}
+{{- range $source := list "kubernetes" "inference_pool" }}
+{{- if and (kindIs "map" $pool) (kindIs "map" (get $pool $source)) }}
+{{- if not (hasKey (get $pool $source) "namespace") }}
+{{- $_ := set (get $pool $source) "namespace" $.Release.Namespace }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
