@@ -75,6 +75,7 @@ class Discovery:
         self._config = config
         self._dns: dict[str, list[str]] = {}  # "model/role" → the last good answer
         self._api: KubeApi | None = None
+        self._api_settings = ("", "", "")  # what _api was made from
         self._watches: dict[WatchKey, PodsBySelector | InferencePoolPods] = {}
         self._periodic: Periodic | None = None
 
@@ -136,6 +137,8 @@ class Discovery:
     async def _follow_watches(self) -> None:
         sources = (s for _, _, p in self._pools() for s in (p.kubernetes, p.inference_pool))
         wanted = {_watch_key(source): source for source in sources if source is not None}
+        if self._api is not None and self._api_settings != self._api_settings_now():
+            await self._stop_watches()  # another API server or credentials: start again
         for key in set(self._watches) - set(wanted):
             await self._watches.pop(key).stop()
         new = [key for key in wanted if key not in self._watches]
@@ -163,11 +166,16 @@ class Discovery:
 
         if self._api is None:
             self._api = KubeApi(self._config().discovery)
+            self._api_settings = self._api_settings_now()
         if isinstance(source, KubernetesSource):
             return PodsBySelector(self._api, source.namespace, source.label_selector,
                                   self._publish, self._watch_timeout_s)  # fmt: skip
         return InferencePoolPods(self._api, source.namespace, source.name, self._publish,
                                  self._watch_timeout_s)  # fmt: skip
+
+    def _api_settings_now(self) -> tuple[str, str, str]:
+        settings = self._config().discovery
+        return settings.kubernetes_api, settings.token_file, settings.ca_file
 
     def _watch_timeout_s(self) -> int:
         return self._config().discovery.watch_timeout_s
@@ -189,6 +197,9 @@ class Discovery:
     async def stop(self) -> None:
         if self._periodic is not None:
             await self._periodic.stop()
+        await self._stop_watches()
+
+    async def _stop_watches(self) -> None:
         for watch in self._watches.values():
             await watch.stop()
         self._watches.clear()

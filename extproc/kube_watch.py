@@ -70,13 +70,17 @@ class Watched:
 
     async def _run(self) -> None:
         while True:
+            listed = self.resource_version is None
             try:
-                if self.resource_version is None:
+                if listed:
                     await self._list()
                 await self._watch()  # until the server ends it: then resume from where it was
-            except Gone:
-                log.info("%s: resourceVersion expired, listing again", self.query.describe())
+            except Gone as error:
                 self.resource_version = None
+                if listed:  # even a fresh list's version is gone: pause, do not spin
+                    await self._failed(error)
+                else:
+                    log.info("%s: resourceVersion expired, listing again", self.query.describe())
             except (ApiError, aiohttp.ClientError, TimeoutError, OSError, ValueError) as error:
                 await self._failed(error)
             except Exception as error:  # a bug must not end the watch silently

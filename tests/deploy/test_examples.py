@@ -29,7 +29,15 @@ from tests.deploy.helpers import (
 EXAMPLES = ROOT / "examples"
 GOLDEN = ROOT / "envoy"
 K8S_VERSION = "1.30.0"
-CORE_KINDS = {"ConfigMap", "Deployment", "NetworkPolicy", "Service"}
+CORE_KINDS = {
+    "ConfigMap",
+    "Deployment",
+    "NetworkPolicy",
+    "Service",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+}
 
 
 def regenerate() -> ModuleType:
@@ -144,7 +152,8 @@ def test_istio_envoyfilter_structure() -> None:
     [hcm] = _patches("NETWORK_FILTER")
     assert hcm["patch"]["operation"] == "MERGE"
     assert hcm["match"]["listener"] == http_filter["match"]["listener"] | {
-        "filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}}
+        "filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}
+    }
     assert hcm["patch"]["value"]["typed_config"]["normalize_path"] is True
     sub = http_filter["match"]["listener"]["filterChain"]["filter"]["subFilter"]
     assert sub["name"] == "envoy.filters.http.router"
@@ -306,4 +315,33 @@ def test_pods_mount_their_configs_where_the_commands_read_them(example: str) -> 
 @pytest.mark.parametrize("example", ["plain-envoy", *KUSTOMIZATIONS])
 def test_pd_extproc_configs_load(example: str) -> None:
     cfg = config(example)
-    assert cfg.prefill.endpoints and cfg.decode.endpoints
+    for pool in (cfg.prefill, cfg.decode):
+        assert pool.endpoints or pool.dns or pool.kubernetes or pool.inference_pool
+
+
+def _namespaced(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def test_kubernetes_example_discovers_its_engines_with_the_rbac_it_ships() -> None:
+    """No hand-picked addresses: the pools come from watched pods, and the pod's service
+    account may get, list and watch pods and InferencePools in the namespace it watches."""
+    cfg, docs = config("kubernetes"), kustomized("kubernetes")
+    namespace = yaml.safe_load((EXAMPLES / "kubernetes" / "kustomization.yaml").read_text())[
+        "namespace"
+    ]
+    for pool in (cfg.prefill, cfg.decode):
+        assert not pool.endpoints and pool.kubernetes is not None
+        assert pool.kubernetes.namespace == namespace
+    assert not [s for s in _namespaced(docs, "Service") if "clusterIP" in s.get("spec", {})]
+    (deployment,) = _namespaced(docs, "Deployment")
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert [a["metadata"]["name"] for a in _namespaced(docs, "ServiceAccount")] == [account]
+    (binding,) = _namespaced(docs, "RoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    (role,) = [r for r in _namespaced(docs, "Role")
+               if r["metadata"]["name"] == binding["roleRef"]["name"]]  # fmt: skip
+    granted = {(group, resource): set(rule["verbs"]) for rule in role["rules"]
+               for group in rule["apiGroups"] for resource in rule["resources"]}  # fmt: skip
+    for wanted in (("", "pods"), ("inference.networking.k8s.io", "inferencepools")):
+        assert granted[wanted] >= {"get", "list", "watch"}, wanted

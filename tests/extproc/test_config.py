@@ -10,6 +10,7 @@ import yaml
 from extproc.config import ConfigError, DispatchMode, parse_config
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import envoy_binary
+from extproc.roles import Role
 from extproc.wiring import Runtime
 
 MINIMAL = {
@@ -50,7 +51,7 @@ def test_every_problem_is_one_line() -> None:
     lines = str(caught.value).splitlines()
     assert any(line.startswith("prefill.endpoints.0.address: not a host:port") for line in lines)
     assert any("65535" in line for line in lines)
-    assert "decode: give endpoints, dns or kubernetes" in lines
+    assert "decode: give endpoints, dns, kubernetes or inference_pool" in lines
     assert any(line.startswith("dispatch.mode:") for line in lines)
     assert any(line.startswith("typo:") for line in lines)
 
@@ -186,3 +187,24 @@ def test_the_old_hyphenated_mode_is_accepted_with_a_deprecation_warning(
     assert "'serial-push' is deprecated: write 'serial_push'" in caplog.text
     with pytest.raises(ConfigError, match="serial_push"):
         parse_config(MINIMAL | {"dispatch": {"mode": "serial+push"}})
+
+
+def test_inference_pool_roles_follow_llm_d_by_default() -> None:
+    pool = {"inference_pool": {"name": "llama", "namespace": "llm"}}
+    cfg = parse_config({"prefill": pool, "decode": pool})
+    source = cfg.decode.inference_pool
+    assert source is not None and source.role_label == "llm-d.ai/role"
+
+    def takes(role: Role, labels: dict[str, str]) -> bool:
+        assert source is not None
+        return source.takes(role, labels)
+
+    assert takes(Role.PREFILL, {"llm-d.ai/role": "prefill"})
+    assert not takes(Role.PREFILL, {"llm-d.ai/role": "both"})
+    assert not takes(Role.PREFILL, {})
+    for labels in ({"llm-d.ai/role": "decode"}, {"llm-d.ai/role": "both"}, {}):
+        assert takes(Role.DECODE, labels)
+    assert not takes(Role.DECODE, {"llm-d.ai/role": "encode"})
+    custom = {"inference_pool": {"name": "x", "role_label": "tier", "roles": ["gen"]}}
+    source = parse_config({"prefill": pool, "decode": custom}).decode.inference_pool
+    assert takes(Role.DECODE, {"tier": "gen"}) and not takes(Role.DECODE, {})

@@ -216,3 +216,44 @@ async def test_inference_pool_changes_are_followed(
     assert sink.members[Role.PREFILL] == []
     fake.delete_pool("llama")
     await until(lambda: sink.members[Role.DECODE] == [], "no pool, no members")
+
+
+async def test_a_rotated_token_is_used_from_the_next_request(
+    watched: tuple[FakeKubeApi, Watched, list[int]], tmp_path: Path
+) -> None:
+    fake, _, _ = watched
+    await until(lambda: len(fake.watches("pods")) == 1, "the watch")
+    (tmp_path / "token").write_text("token-2\n")
+    fake.close_watches()
+    await until(lambda: len(fake.watches("pods")) == 2, "the reconnect")
+    assert [w["auth"] for w in fake.watches("pods")] == ["Bearer token-1", "Bearer token-2"]
+
+
+async def test_a_reload_follows_the_sources_the_config_names_now(
+    kube: tuple[FakeKubeApi, DiscoveryConfig],
+) -> None:
+    fake, settings = kube
+    fake.put_pod(pod("a", "10.0.0.1", {"role": "decode-a"}))
+    fake.put_pod(pod("b", "10.0.0.2", {"role": "decode-b"}))
+
+    def config_with(selector: str) -> Any:
+        decode = {"kubernetes": {"label_selector": selector, "port": 8000}}
+        return parse_config({"prefill": {"endpoints": ["10.0.9.9:8000"]}, "decode": decode,
+                             "discovery": settings.model_dump()})  # fmt: skip
+
+    config = config_with("role=decode-a")
+    sink = Sink()
+    discovery = Discovery(sink, lambda: config)
+    try:
+        await discovery.refresh()  # the first membership waits for the first list
+        assert sink.members[Role.DECODE] == ["10.0.0.1:8000"]
+        assert sink.members[Role.PREFILL] == ["10.0.9.9:8000"]
+        config = config_with("role=decode-b")
+        await discovery.refresh()
+        assert sink.members[Role.DECODE] == ["10.0.0.2:8000"]
+        fake.put_pod(pod("a2", "10.0.0.3", {"role": "decode-a"}))  # the old selector's
+        fake.put_pod(pod("b2", "10.0.0.4", {"role": "decode-b"}))
+        await until(lambda: len(sink.members[Role.DECODE]) == 2, "the new selector's pod")
+        assert sink.members[Role.DECODE] == ["10.0.0.2:8000", "10.0.0.4:8000"]
+    finally:
+        await discovery.stop()
