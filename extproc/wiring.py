@@ -177,7 +177,8 @@ class Runtime:
             DirectPrefillClient(
                 config.timeouts.connect_s, lambda: self.config.engines.auth_headers
             ),
-            lambda: self.config.dispatch.prefill_leg,
+            # an endpoint picker has no prefill listener: its P legs go to the engine
+            (lambda: "direct") if endpoint_picker else lambda: self.config.dispatch.prefill_leg,
         )
         prober = Prober(
             self.prefill_client, self.identities, self.decode,
