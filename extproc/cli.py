@@ -174,6 +174,9 @@ async def _serve(
     return 0
 
 
+NO_LISTENER = "unix:/nonexistent"  # an endpoint picker's P legs go straight to the engines
+
+
 async def _epp(config: Config, config_path: Path, ready_file: Path | None,
                stop: asyncio.Event) -> int:  # fmt: skip
     """The endpoint picker: like `serve`, with P legs straight to the engines (a gateway's
@@ -182,8 +185,7 @@ async def _epp(config: Config, config_path: Path, ready_file: Path | None,
     from extproc.server import ExtProcServer
     from extproc.wiring import Runtime
 
-    # P legs: until the direct P client exists they would go to a listener that is not there
-    runtime = Runtime(config, config.envoy.shared_prefill_listener(), endpoint_picker=True)
+    runtime = Runtime(config, NO_LISTENER, endpoint_picker=True)
     await runtime.discover()
     server = ExtProcServer(runtime, endpoint_picker=True)
     await server.start()

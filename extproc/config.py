@@ -359,6 +359,10 @@ class DispatchConfig(_Strict):
     # engines started with --api-key need the client's key on both legs, and vLLM continues
     # the client's OpenTelemetry trace from traceparent/tracestate, on P as on D.
     forward_headers: list[str] = ["authorization", "traceparent", "tracestate"]
+    # How the P leg reaches the prefill engine: "listener" through Envoy's prefill listener
+    # (Envoy's pooling, stats and pool check), or "direct" straight to the engine (less
+    # latency and CPU; the only way where no prefill listener exists).
+    prefill_leg: Literal["listener", "direct"] = "listener"
 
     @field_validator("forward_headers")
     @classmethod

@@ -1,7 +1,8 @@
-"""The P leg: a POST through Envoy's loopback prefill listener, bounded by a timeout.
+"""The P leg: a POST through Envoy's loopback prefill listener, bounded by a timeout; and the
+choice between that path and the one straight to the engine (`extproc.prefill_direct`).
 
-Going through Envoy (not straight to P) keeps connection pooling, stats and the override_host
-pool check for prefill too. Envoy marks its own local replies (connect failure, reset) with
+Going through Envoy keeps connection pooling, stats and the override_host pool check for
+prefill too. Envoy marks its own local replies (connect failure, reset) with
 `LOCAL_REPLY_HEADER` so that "P is unreachable" (503, retryable, mark unhealthy) can be told
 from "P answered 503".
 """
@@ -9,8 +10,9 @@ from "P answered 503".
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -18,7 +20,7 @@ import orjson
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.errors import ListenerUnreachable, PrefillFailed, PrefillTimeout, PrefillUnreachable
 
-__all__ = ["LOCAL_REPLY_HEADER", "PrefillClient", "PrefillResult"]
+__all__ = ["LOCAL_REPLY_HEADER", "PrefillClient", "PrefillPaths", "PrefillResult", "prefill_error"]
 
 LOCAL_REPLY_HEADER = "x-pd-extproc-envoy-flags"
 # Envoy response flags that mean the upstream was never reached or dropped the connection.
@@ -33,7 +35,8 @@ class PrefillResult:
     elapsed_s: float
 
 
-def _prefill_error(status: int, flags: str | None, body: bytes, endpoint: str) -> Exception:
+def prefill_error(status: int, flags: str | None, body: bytes, endpoint: str) -> Exception:
+    """The error for a non-2xx answer of P (`flags`: Envoy's response flags, when it replied)."""
     if flags is not None and _UNREACHABLE_FLAGS & set(flags.split(",")):
         return PrefillUnreachable(
             503, f"prefill endpoint {endpoint} is unreachable ({flags}); retry", retry_after_s=1
@@ -114,7 +117,8 @@ class PrefillClient:
             ) from None
         except aiohttp.ClientConnectorError as error:
             raise ListenerUnreachable(
-                503, f"the prefill listener is unreachable ({error.strerror}); retry",
+                503,
+                f"the prefill listener is unreachable ({error.strerror}); retry",
                 retry_after_s=1,
             ) from None
         except TimeoutError:
@@ -127,9 +131,50 @@ class PrefillClient:
             ) from None
         elapsed = time.perf_counter() - started
         if status >= 300:
-            raise _prefill_error(status, flags, payload, endpoint)
+            raise prefill_error(status, flags, payload, endpoint)
         try:
             params = orjson.loads(payload).get("kv_transfer_params")
         except (orjson.JSONDecodeError, AttributeError):
             raise PrefillFailed(502, f"prefill endpoint {endpoint} sent a non-JSON body") from None
         return PrefillResult(status, params, started, elapsed)
+
+
+class PrefillSender(Protocol):
+    def send(
+        self,
+        endpoint: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        timeout_s: float,
+        extra_headers: dict[str, str] | None = None,
+    ) -> Coroutine[Any, Any, PrefillResult]: ...
+
+    async def close(self) -> None: ...
+
+
+class PrefillPaths:
+    """The P leg's path for each request: dispatch.prefill_leg, read live (a reload switches
+    it). Each client opens its connections on first use only."""
+
+    def __init__(
+        self, listener: PrefillSender, direct: PrefillSender, path: Callable[[], str]
+    ) -> None:
+        self._clients = {"listener": listener, "direct": direct}
+        self._path = path
+
+    def send(
+        self,
+        endpoint: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        timeout_s: float,
+        extra_headers: dict[str, str] | None = None,
+    ) -> Coroutine[Any, Any, PrefillResult]:
+        client = self._clients[self._path()]
+        return client.send(endpoint, path, body, request_id, timeout_s, extra_headers)
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from extproc.config import Config
     from extproc.metrics import Metrics
     from extproc.pool import EndpointState
-    from extproc.prefill_leg import PrefillClient
+    from extproc.prefill_leg import PrefillSender
 
 __all__ = ["Prober"]
 
@@ -80,7 +80,7 @@ class Prober:
 
     def __init__(
         self,
-        prefill_client: PrefillClient,
+        prefill_client: PrefillSender,
         identities: Learner,
         decode: DecodePicker,
         decodes_of: Callable[[str], set[str]],  # prefill address → its model's decode members

@@ -375,10 +375,15 @@ class ParallelDispatch(_Answering):
             await stream.write(envoy_msgs.extend_timeout(wait_s + 1))
             read = stream.next_message()
             await asyncio.wait({task, read}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                if read.done():  # Envoy sends nothing while our answer is due: the end
-                    stream.take()
+            if not task.done() and read.done():
+                early = stream.take()
+                if early is None:  # the stream ended
                     return False
+                # D's body streaming through the ext_proc (a gateway's FULL_DUPLEX_STREAMED
+                # response): answered after the headers; only P is awaited meanwhile.
+                stream.put_back(early)
+                await asyncio.wait({task}, timeout=wait_s)
+            if not task.done():
                 self._stop()
                 raise PrefillTimeout(
                     504, f"prefill endpoint {self._plan.prefill} did not answer within {wait_s:g} s"

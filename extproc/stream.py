@@ -18,10 +18,10 @@ __all__ = ["EnvoyStream"]
 class EnvoyStream:
     def __init__(self, context: aio.ServicerContext[Any, Any]) -> None:
         self._context = context
-        self._pending: asyncio.Task[Any] | None = None
+        self._pending: asyncio.Future[Any] | None = None
         self.ended = False
 
-    def next_message(self) -> asyncio.Task[Any]:
+    def next_message(self) -> asyncio.Future[Any]:
         """The task reading Envoy's next message (created once, reused until consumed)."""
         if self._pending is None:
             self._pending = asyncio.ensure_future(self._context.read())
@@ -36,6 +36,13 @@ class EnvoyStream:
             self.ended = True
             return None
         return message
+
+    def put_back(self, message: ep.ProcessingRequest) -> None:
+        """A message taken before it could be answered (a streamed response body chunk while
+        D's headers are held): `next_message()` gives it again, first."""
+        assert self._pending is None
+        self._pending = asyncio.get_running_loop().create_future()
+        self._pending.set_result(message)
 
     async def read(self, timeout_s: float) -> ep.ProcessingRequest | None:
         """Envoy's next message, or None when the stream ended or nothing came in time."""

@@ -28,7 +28,8 @@ from extproc.load import EngineLoad
 from extproc.metrics import Metrics
 from extproc.policies import Picker, PickRequest, build_picker
 from extproc.pool import EndpointState, Pool
-from extproc.prefill_leg import PrefillClient
+from extproc.prefill_direct import DirectPrefillClient
+from extproc.prefill_leg import PrefillClient, PrefillPaths
 from extproc.probe import Prober
 from extproc.processor import RequestDeps
 from extproc.restarts import RestartDetector
@@ -171,7 +172,14 @@ class Runtime:
         for pool in (self.prefill, self.decode):
             for state in pool:
                 self._endpoint_changed(pool.role)(state)
-        self.prefill_client = PrefillClient(prefill_listener, config.timeouts.connect_s)
+        self.prefill_client = PrefillPaths(
+            PrefillClient(prefill_listener, config.timeouts.connect_s),
+            DirectPrefillClient(
+                config.timeouts.connect_s, lambda: self.config.engines.auth_headers
+            ),
+            # an endpoint picker has no prefill listener: its P legs go to the engine
+            (lambda: "direct") if endpoint_picker else lambda: self.config.dispatch.prefill_leg,
+        )
         prober = Prober(
             self.prefill_client, self.identities, self.decode,
             lambda prefill: self.group_of(Role.PREFILL, prefill).members[Role.DECODE],

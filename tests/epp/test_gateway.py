@@ -12,7 +12,7 @@ import pytest
 
 from tests.epp.conftest import MODEL, Topology, epp_topology
 from tests.epp.gateway import SUBSET_TEST_HEADER, Variant
-from tests.integration.conftest import PULL, address
+from tests.integration.conftest import PULL, address, generated_text
 
 COMPLETION = {"model": MODEL, "prompt": "Tell me a story " * 20, "max_tokens": 8}
 # ORIGINAL_DST reads one address from the header: a list of fallbacks does not parse there.
@@ -141,3 +141,16 @@ async def test_pull_is_served_serially(variant: Variant) -> None:
             assert d["kv_evidence"]["engine_ids"] == [topo.prefills[0].engine_id]
             assert d["received_at"] > p["received_at"]
             assert d["body"]["kv_transfer_params"]["transfer_mode"] == "pull"
+
+
+async def test_a_streamed_answer_passes_through_the_picker(push_2p2d: Topology) -> None:
+    """The gateway streams D's answer through the picker (FULL_DUPLEX_STREAMED response)."""
+    topo = push_2p2d
+    await topo.clear()
+    status, body, headers = await topo.post("/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 200, body
+    assert headers["content-type"].startswith("text/event-stream")
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert generated_text("/v1/completions", body)
+    [(_, d)] = await legs(topo)
+    assert d["kv"] == "push-parallel"

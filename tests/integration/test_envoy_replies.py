@@ -14,8 +14,8 @@ import orjson
 from extproc.config import parse_config
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
-from tests.integration.conftest import MODEL, topology
-from vllmsim.launcher import FAST
+from tests.integration.conftest import MODEL
+from tests.integration.test_split_processes import split_topology
 
 COMPLETION = {"model": MODEL, "prompt": "a reply from Envoy itself " * 20, "max_tokens": 2}
 
@@ -50,9 +50,11 @@ async def envoy_without_its_extproc(tmp: Path) -> AsyncIterator[str]:
 
 
 async def test_extproc_message_timeout_is_a_504_with_code_504() -> None:
+    # Envoy times a buffered body's message (a streamed one is timed by the ext_proc itself):
     # 1 ms, against the tens of milliseconds the ext_proc takes to read a 4 MB body
-    async with topology(engine_flags=FAST, timeouts={"extproc_message_s": 0.001}) as topo:
-        status, body = await post(topo.sidecar.url, "large " * 700_000)
+    timeouts = {"extproc_message_s": 0.001}
+    async with split_topology(buffered=True, timeouts=timeouts) as split:  # type: ignore[arg-type]
+        status, body = await post(split.url, "large " * 700_000)
     assert status == 504, body
     assert body["error"]["code"] == 504 and body["error"]["type"] == "GatewayTimeout", body
     assert "did not answer within its message timeout" in body["error"]["message"], body

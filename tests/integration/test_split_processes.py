@@ -57,10 +57,12 @@ class Split:
         assert self.extproc is not None
         os.killpg(self.extproc.pid, signal.SIGKILL)
 
-    async def start_envoy(self) -> None:
+    async def start_envoy(self, buffered: bool = False) -> None:
         bootstrap = render_bootstrap(
             self.cfg, self.cfg.extproc.address, f"unix:{self.tmp / 'prefill.sock'}"
         )
+        if buffered:
+            bootstrap = as_buffered(bootstrap)
         (self.tmp / "envoy.yaml").write_text(render_yaml(bootstrap))
         self.envoy = EnvoyProcess(self.tmp / "envoy.yaml", self.tmp, "warning", 1)
         await self.envoy.start()
@@ -90,8 +92,24 @@ class Split:
             return got.status, orjson.loads(await got.read())
 
 
+def as_buffered(bootstrap: dict) -> dict:
+    """The bootstrap as rendered before the LLM routes streamed their body (what an older
+    snippet in a user's Envoy still has): the filter's buffered mode on every route."""
+    for listener in bootstrap["static_resources"]["listeners"]:
+        for network_filter in listener["filter_chains"][0]["filters"]:
+            routes = network_filter["typed_config"].get("route_config", {})
+            for host in routes.get("virtual_hosts", []):
+                for route in host["routes"]:
+                    per_filter = route.get("typed_per_filter_config", {})
+                    if "overrides" in per_filter.get("envoy.filters.http.ext_proc", {}):
+                        del route["typed_per_filter_config"]
+    return bootstrap
+
+
 @contextlib.asynccontextmanager
-async def split_topology(decode_dns: str | None = None, **overrides: dict) -> AsyncIterator[Split]:
+async def split_topology(
+    decode_dns: str | None = None, buffered: bool = False, **overrides: dict
+) -> AsyncIterator[Split]:
     async with (
         running_engine("--kv-transfer-config", PUSH_P) as p,
         running_engine("--kv-transfer-config", PUSH_D, "--step-base-ms", "20") as d,
@@ -107,7 +125,7 @@ async def split_topology(decode_dns: str | None = None, **overrides: dict) -> As
             })  # fmt: skip
             try:
                 await split.start_extproc()
-                await split.start_envoy()
+                await split.start_envoy(buffered)
                 yield split
             finally:
                 await split.stop()
@@ -147,6 +165,15 @@ async def test_extproc_down_gives_clear_503_and_service_resumes_without_envoy_re
         await split.start_extproc()
         await eventually_ok(split.url, within_s=10)
         assert split.envoy._process.pid == envoy_pid
+
+
+async def test_an_envoy_with_buffered_llm_routes_is_still_served() -> None:
+    async with split_topology(buffered=True) as split:
+        envoy_yaml = (split.tmp / "envoy.yaml").read_text()
+        assert "FULL_DUPLEX_STREAMED" not in envoy_yaml and "BUFFERED" in envoy_yaml
+        status, body = await post(split.url)
+        assert status == 200, body
+        assert body["choices"][0]["text"]
 
 
 async def test_envoy_restart_is_served_by_the_running_extproc() -> None:

@@ -1,0 +1,157 @@
+"""One request through the processor in endpoint-picker mode, against a scripted gateway Envoy
+(streamed bodies both ways, metadata in and out) and a P leg the test controls."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as modes
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
+from grpc import aio
+
+from extproc.config import parse_config
+from extproc.identity import PrefillIdentity, identity_from_params
+from extproc.processor import RequestProcessor
+from extproc.stream import EnvoyStream
+from extproc.wiring import Runtime
+from tests.extproc.test_processor_behaviour import (
+    IDENTITY,
+    P_ANSWER,
+    REQUEST,
+    WAIT_S,
+    Envoy,
+    Prefill,
+    error,
+    headers,
+    response,
+)
+
+P1, P2 = "127.0.0.1:8100", "127.0.0.1:8101"
+D1, D2, D3 = "127.0.0.1:8200", "127.0.0.1:8201", "127.0.0.1:8202"
+DESTINATION = "x-gateway-destination-endpoint"
+
+
+class PickerRequest:
+    def __init__(self, **config: Any) -> None:
+        config = {"prefill": {"endpoints": [P1, P2]}, "decode": {"endpoints": [D1, D2, D3]},
+                  "dispatch": {"probe": False}, **config}  # fmt: skip
+        self.rt = Runtime(parse_config(config), "", endpoint_picker=True)
+        self.prefill = Prefill()
+        deps = self.rt.request_deps
+        legs = dataclasses.replace(deps.legs, prefill_client=self.prefill)
+        self.rt.request_deps = dataclasses.replace(deps, legs=legs)
+        self.envoy = Envoy()
+        stream = EnvoyStream(self.envoy)  # type: ignore[arg-type]
+        self.task = asyncio.create_task(RequestProcessor(self.rt.request_deps, stream).run())
+
+    async def send(self, *messages: Any) -> None:
+        for message in messages:
+            await self.envoy.inbox.put(message)
+
+    async def start(self, subset: Any = None) -> None:
+        opening = headers()
+        opening.protocol_config.request_body_mode = modes.ProcessingMode.FULL_DUPLEX_STREAMED
+        opening.protocol_config.response_body_mode = modes.ProcessingMode.FULL_DUPLEX_STREAMED
+        if subset is not None:
+            hint = opening.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+            hint.fields["x-gateway-destination-endpoint-subset"].CopyFrom(subset)
+        raw = orjson.dumps(REQUEST)
+        await self.send(opening, chunk(raw[:10], False), chunk(raw[10:], True))
+
+    async def end(self) -> None:
+        await self.send(aio.EOF)
+        await asyncio.wait_for(self.task, WAIT_S)
+
+
+def chunk(data: bytes, end: bool) -> Any:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=end))
+
+
+def response_chunk(data: bytes, end: bool) -> Any:
+    return ep.ProcessingRequest(response_body=ep.HttpBody(body=data, end_of_stream=end))
+
+
+def strings(*values: str) -> struct_pb2.Value:
+    listed = struct_pb2.ListValue(values=[struct_pb2.Value(string_value=v) for v in values])
+    return struct_pb2.Value(list_value=listed)
+
+
+def destination(answer: ep.ProcessingResponse) -> tuple[str, str]:
+    """(the header, the envoy.lb metadata) of the headers' answer."""
+    mutation = answer.request_headers.response.header_mutation
+    header = next(h.header.raw_value.decode() for h in mutation.set_headers
+                  if h.header.key == DESTINATION)  # fmt: skip
+    lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    return header, lb[DESTINATION].string_value
+
+
+async def test_destination_goes_out_as_header_and_metadata_with_fallbacks() -> None:
+    r = PickerRequest(endpoint_picker={"fallbacks": 2})
+    r.rt.identities.learn(P1, _identity())
+    await r.start()
+    sent = await r.envoy.until_sent(2)
+    header, metadata = destination(sent[0])
+    assert header == metadata == f"{D1},{D2},{D3}"
+    await r.end()
+
+
+async def test_both_legs_are_picked_inside_the_subset_hint() -> None:
+    r = PickerRequest()
+    r.rt.identities.learn(P2, _identity())
+    await r.start(strings(f"{D3},127.0.0.1:9999", P2))  # a list, one entry of two
+    sent = await r.envoy.until_sent(2)
+    header, metadata = destination(sent[0])
+    assert header == metadata == D3  # the subset leaves no fallback
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    assert r.prefill.calls[0][0] == P2
+    await r.end()
+
+
+async def test_a_subset_with_no_decode_that_can_serve_gets_503() -> None:
+    r = PickerRequest()
+    r.rt.decode.set_healthy(D3, False)
+    await r.start(struct_pb2.Value(string_value=f"{P1}, {D3}"))  # D3 is down
+    [answer] = await r.envoy.until_sent(1)
+    status, message, retry = error(answer)
+    assert (status, retry) == (503, "1")
+    assert "subset hint" in message
+    assert r.prefill.calls == []
+    await r.end()
+
+
+async def test_d_body_arriving_while_its_headers_are_held_follows_them() -> None:
+    """The gateway streams D's answer through the picker: a body chunk can come while D's
+    headers wait for P; it is answered after the headers, not taken for the stream's end."""
+    r = PickerRequest()
+    r.rt.identities.learn(P1, _identity())
+    await r.start()
+    await r.envoy.until_sent(2)  # headers (destination), then the body
+    await r.send(response(200), response_chunk(b"data: 1\n\n", False))
+    await until(lambda: r.envoy.inbox.empty(), "the processor reading both")
+    assert [m.WhichOneof("response") for m in r.envoy.sent[2:]] == [None]  # "wait longer"
+    r.prefill.answer(P_ANSWER)
+    sent = await r.envoy.until_sent(5)
+    assert [m.WhichOneof("response") for m in sent[3:]] == ["response_headers", "response_body"]
+    passed = sent[4].response_body.response.body_mutation.streamed_response
+    assert (passed.body, passed.end_of_stream) == (b"data: 1\n\n", False)
+    await r.send(response_chunk(b"", True))
+    sent = await r.envoy.until_sent(6)
+    assert sent[5].response_body.response.body_mutation.streamed_response.end_of_stream
+    await r.end()
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _identity() -> PrefillIdentity:
+    return identity_from_params(IDENTITY)

@@ -1,0 +1,192 @@
+"""The processor with a streamed request body (FULL_DUPLEX_STREAMED, the LLM routes), against
+a scripted Envoy: chunks gathered while the headers wait, then the headers' answer and the new
+body; the limits the ext_proc owns in this mode; the guarantees of the buffered path kept."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from grpc import aio
+
+from extproc.errors import PrefillFailed
+from extproc.prefill_leg import PrefillResult
+from tests.extproc.test_processor import (
+    IDENTITY,
+    REQUEST,
+    D,
+    FakePrefill,
+    GatedPrefill,
+    ScriptedEnvoy,
+    headers,
+    response_headers,
+    run,
+    runtime,
+    until_sent,
+)
+
+
+class StartedPrefill(GatedPrefill):
+    """A gated P that says when its leg has started."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        super().__init__(params)
+        self.started = asyncio.Event()
+
+    async def send(self, *args: Any, **kwargs: Any) -> PrefillResult:
+        self.started.set()
+        return await super().send(*args, **kwargs)
+
+
+STREAMED = ep.ProtocolConfiguration(request_body_mode=ProcessingMode.FULL_DUPLEX_STREAMED)
+
+
+def streamed_headers(extra: dict[str, str] | None = None) -> ep.ProcessingRequest:
+    message = headers()
+    for key, value in (extra or {}).items():
+        message.request_headers.headers.headers.append(
+            core.HeaderValue(key=key, raw_value=value.encode())
+        )
+    message.protocol_config.CopyFrom(STREAMED)
+    return message
+
+
+def chunk(data: bytes, end: bool = False) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=end))
+
+
+async def upload(envoy: ScriptedEnvoy, doc: dict[str, Any], pieces: int = 3) -> None:
+    """The headers, the body in `pieces` chunks, then HTTP/1.1's empty end-of-stream chunk."""
+    raw = orjson.dumps(doc)
+    await envoy.inbox.put(streamed_headers({"x-gateway-destination-endpoint": "10.9.9.9:1"}))
+    step = -(-len(raw) // pieces)
+    for start in range(0, len(raw), step):
+        await envoy.inbox.put(chunk(raw[start : start + step]))
+    await envoy.inbox.put(chunk(b"", end=True))
+
+
+def set_headers(answer: ep.ProcessingResponse) -> dict[str, str]:
+    mutation = answer.request_headers.response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def kinds(envoy: ScriptedEnvoy) -> list[str | None]:
+    return [m.WhichOneof("response") for m in envoy.sent]
+
+
+async def test_headers_are_answered_once_the_body_is_in_then_the_new_body() -> None:
+    timeline: list[str] = []
+    envoy = ScriptedEnvoy(timeline)
+    rt = runtime(FakePrefill(0.05, timeline), cached=True)
+    task = await run(rt, envoy)
+    await upload(envoy, REQUEST | {"kv_transfer_params": {"remote_host": "evil"}})
+    await until_sent(envoy, 2)
+    # P leaves before D's answers are written (parallel), and nothing is answered earlier
+    assert timeline[:4] == ["P leg created", "P leg sent", "request_headers", "request_body"]
+    routing = set_headers(envoy.sent[0])
+    streamed = envoy.sent[1].request_body.response.body_mutation.streamed_response
+    assert streamed.end_of_stream
+    assert routing["x-gateway-destination-endpoint"] == D  # the client's value overwritten
+    assert int(routing["content-length"]) == len(streamed.body)
+    params = orjson.loads(streamed.body)["kv_transfer_params"]
+    assert params["remote_engine_id"] == "e1" and "evil" not in streamed.body.decode()
+    assert params["remote_request_id"] == routing["x-request-id"]
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
+
+
+async def test_serial_awaits_p_before_the_headers_answer_and_sets_no_envoy_timer() -> None:
+    timeline: list[str] = []
+    envoy = ScriptedEnvoy(timeline)
+    prefill = StartedPrefill(IDENTITY | {"remote_request_id": "x"})
+    task = await run(runtime(prefill, cached=False), envoy)  # type: ignore[arg-type]
+    await upload(envoy, REQUEST)
+    await asyncio.wait_for(prefill.started.wait(), 2)
+    assert envoy.sent == []  # no override_message_timeout: Envoy runs no timer here
+    prefill.gate.set()
+    await until_sent(envoy, 2)
+    assert kinds(envoy) == ["request_headers", "request_body"]
+    body = envoy.sent[1].request_body.response.body_mutation.streamed_response.body
+    assert orjson.loads(body)["kv_transfer_params"]["remote_engine_id"] == "e1"
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+
+
+async def test_a_body_over_the_limit_is_refused_as_it_arrives() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = FakePrefill(0.0)
+    task = await run(runtime(prefill, cached=True, limits={"max_body_bytes": 100}), envoy)
+    await envoy.inbox.put(streamed_headers())
+    await envoy.inbox.put(chunk(b"x" * 60))
+    await envoy.inbox.put(chunk(b"x" * 60))  # the rest never comes
+    await asyncio.wait_for(task, timeout=2)
+    assert kinds(envoy) == ["immediate_response"]
+    assert envoy.sent[0].immediate_response.status.code == 413
+    assert prefill.calls == 0
+
+
+async def test_a_stalled_upload_ends_with_408() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = FakePrefill(0.0)
+    task = await run(runtime(prefill, cached=True, timeouts={"upload_idle_s": 0.1}), envoy)
+    await envoy.inbox.put(streamed_headers())
+    await envoy.inbox.put(chunk(b'{"model": "m", '))
+    await asyncio.wait_for(task, timeout=2)
+    reply = envoy.sent[-1].immediate_response
+    assert reply.status.code == 408 and "stalled" in orjson.loads(reply.body)["error"]["message"]
+    assert kinds(envoy) == ["immediate_response"] and prefill.calls == 0
+
+
+async def test_the_client_gone_mid_upload_ends_quietly() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = FakePrefill(0.0)
+    rt = runtime(prefill, cached=True)
+    task = await run(rt, envoy)
+    await envoy.inbox.put(streamed_headers())
+    await envoy.inbox.put(chunk(b'{"model": "m", '))
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+    assert envoy.sent == [] and prefill.calls == 0
+    assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
+
+
+async def test_a_body_with_trailers_gets_their_answer_after_the_body() -> None:
+    envoy = ScriptedEnvoy()
+    task = await run(runtime(FakePrefill(0.05), cached=True), envoy)
+    await envoy.inbox.put(streamed_headers())
+    await envoy.inbox.put(chunk(orjson.dumps(REQUEST)))
+    await envoy.inbox.put(ep.ProcessingRequest(request_trailers=ep.HttpTrailers()))
+    await until_sent(envoy, 3)
+    assert kinds(envoy) == ["request_headers", "request_body", "request_trailers"]
+    assert not envoy.sent[1].request_body.response.body_mutation.streamed_response.end_of_stream
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b""], ids=["not json", "empty"])
+async def test_a_bad_body_is_refused_before_any_leg(raw: bytes) -> None:
+    envoy = ScriptedEnvoy()
+    prefill = FakePrefill(0.0)
+    task = await run(runtime(prefill, cached=True), envoy)
+    await envoy.inbox.put(streamed_headers())
+    await envoy.inbox.put(chunk(raw, end=True))
+    await asyncio.wait_for(task, timeout=2)
+    assert envoy.sent[-1].immediate_response.status.code == 400
+    assert prefill.calls == 0
+
+
+async def test_decode_headers_are_held_until_p_fails_then_the_request_ends() -> None:
+    envoy = ScriptedEnvoy()
+    prefill = FakePrefill(PrefillFailed(500, "boom"))
+    task = await run(runtime(prefill, cached=True), envoy)
+    await upload(envoy, REQUEST | {"stream": True})
+    await envoy.inbox.put(response_headers(200))
+    await asyncio.wait_for(task, timeout=2)
+    assert kinds(envoy) == ["request_headers", "request_body", "immediate_response"]
+    assert envoy.sent[-1].immediate_response.status.code == 500
