@@ -15,7 +15,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from extproc.config import (
     Config,
@@ -118,11 +118,13 @@ class Discovery:
             yield from self._inference_pool_members(role, pool.inference_pool)
 
     def _inference_pool_members(self, role: Role, source: InferencePoolSource) -> Iterator[str]:
-        watch = self._watches.get(_watch_key(source))
-        ports = getattr(watch, "ports", [])
-        for pod in watch.ready() if watch is not None else []:
+        # a ("pool", ...) key always holds an InferencePoolPods
+        watch = cast("InferencePoolPods | None", self._watches.get(_watch_key(source)))
+        if watch is None:
+            return
+        for pod in watch.ready():
             if source.takes(role, pod.labels):
-                yield from (_address(pod.ip, port) for port in ports)
+                yield from (_address(pod.ip, port) for port in watch.ports)
 
     async def _resolve_dns(self) -> None:
         for model, role, pool in self._pools():

@@ -107,8 +107,12 @@ async def test_reconnect_resumes_from_the_last_event_or_bookmark(
     assert len(changes) == seen  # a bookmark and a reconnect change nothing
 
 
-async def test_gone_lists_again(watched: tuple[FakeKubeApi, Watched, list[int]]) -> None:
+@pytest.mark.parametrize("as_status", [False, True], ids=["error-event", "http-status"])
+async def test_gone_lists_again(
+    watched: tuple[FakeKubeApi, Watched, list[int]], as_status: bool
+) -> None:
     fake, watch, _ = watched
+    fake.gone_as_status = as_status
     await until(lambda: len(fake.watches("pods")) == 1, "the watch")
     fake.close_watches()
     # while nobody watches: a change, then the history is compacted away
