@@ -84,11 +84,6 @@ class Discovery:
             for role in _ROLES:
                 yield model, role, getattr(group, role)
 
-    @property
-    def dynamic(self) -> bool:
-        return any(pool.dns or pool.kubernetes or pool.inference_pool
-                   for _, _, pool in self._pools())  # fmt: skip
-
     async def refresh(self) -> None:
         """Take the sources the config names now (a reload may change them): watch new ones,
         stop those gone, resolve DNS names once, and hand every pool's members to the sink."""
