@@ -131,7 +131,7 @@ PolicyName = Annotated[str, AfterValidator(_known_policy)]  # a name in extproc.
 
 
 class KubernetesSource(_Strict):
-    """Pods of one role found by label selector (their pod IPs, `port`)."""
+    """Pods of one role found by label selector (their pod IPs, `port`), watched."""
 
     namespace: str = "default"
     label_selector: str  # e.g. "app=vllm,role=prefill"

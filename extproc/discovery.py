@@ -15,7 +15,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from extproc.config import (
     Config,
@@ -84,11 +84,6 @@ class Discovery:
             for role in _ROLES:
                 yield model, role, getattr(group, role)
 
-    @property
-    def dynamic(self) -> bool:
-        return any(pool.dns or pool.kubernetes or pool.inference_pool
-                   for _, _, pool in self._pools())  # fmt: skip
-
     async def refresh(self) -> None:
         """Take the sources the config names now (a reload may change them): watch new ones,
         stop those gone, resolve DNS names once, and hand every pool's members to the sink."""
@@ -118,11 +113,13 @@ class Discovery:
             yield from self._inference_pool_members(role, pool.inference_pool)
 
     def _inference_pool_members(self, role: Role, source: InferencePoolSource) -> Iterator[str]:
-        watch = self._watches.get(_watch_key(source))
-        ports = getattr(watch, "ports", [])
-        for pod in watch.ready() if watch is not None else []:
+        # a ("pool", ...) key always holds an InferencePoolPods
+        watch = cast("InferencePoolPods | None", self._watches.get(_watch_key(source)))
+        if watch is None:
+            return
+        for pod in watch.ready():
             if source.takes(role, pod.labels):
-                yield from (_address(pod.ip, port) for port in ports)
+                yield from (_address(pod.ip, port) for port in watch.ports)
 
     async def _resolve_dns(self) -> None:
         for model, role, pool in self._pools():

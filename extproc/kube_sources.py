@@ -118,17 +118,12 @@ class InferencePoolPods:
     def _pool_changed(self) -> None:
         spec = next(iter(self._pool.objects.values()), {}).get("spec")
         if spec is None:
-            if self._pool.synced.is_set() and self._selector != "":
-                log.warning("InferencePool %s: not found, no members", self.name)
-            self._follow("", [])
+            self._follow("", [], "not found")
             return
-        selector = _selector(spec)
-        if not selector:
-            log.warning("InferencePool %s: empty selector, no members", self.name)
         ports = [int(p["number"]) for p in spec.get("targetPorts") or [] if p.get("number")]
-        self._follow(selector, ports)
+        self._follow(_selector(spec), ports, "its selector is empty")
 
-    def _follow(self, selector: str, ports: list[int]) -> None:
+    def _follow(self, selector: str, ports: list[int], why_none: str) -> None:
         """Watch the pods of `selector` (none when empty); members use `ports` from now."""
         changed = ports != self.ports
         self.ports = ports
@@ -143,6 +138,7 @@ class InferencePoolPods:
                 )  # fmt: skip
                 self._next.start()
             else:
+                log.warning("InferencePool %s: %s, no members", self.name, why_none)
                 self._retire(self._pods)
                 self._pods = None
                 changed = True

@@ -75,6 +75,7 @@ class Watched:
                 if listed:
                     await self._list()
                 await self._watch()  # until the server ends it: then resume from where it was
+                self._answered()
             except Gone as error:
                 self.resource_version = None
                 if listed:  # even a fresh list's version is gone: pause, do not spin
@@ -91,7 +92,6 @@ class Watched:
         listing = await self._api.list(self.query)
         self.objects = {_key(obj): obj for obj in listing.items}
         self.resource_version = listing.resource_version
-        self._answered()
         self.synced.set()
         self._on_change()
 
@@ -115,6 +115,7 @@ class Watched:
             self._on_change()
 
     def _answered(self) -> None:
+        """A watch delivered (a list alone proves little: its watch may fail at once)."""
         if self._failures:
             log.info("%s: watching again", self.query.describe())
             self._failures = 0

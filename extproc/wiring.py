@@ -68,7 +68,7 @@ RELOAD: dict[str, str] = {
     "timeouts.prefill_s": RESTART,
     "health": LIVE,
     "kv_check": LIVE,  # its loop runs always; a round does nothing while disabled
-    "discovery": LIVE,  # likewise: a round re-reads the sources the config names now
+    "discovery": LIVE,  # a reload starts and stops watches, DNS rounds read the config now
     "log": LIVE,
     "log.format": RESTART,  # the log handlers are set up once
     "tracing": RESTART,  # the exporter is set up once; spans in flight belong to it

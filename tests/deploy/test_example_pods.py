@@ -142,7 +142,8 @@ def _eg_gateway(kind: str) -> dict[str, Any]:
 
 
 def _eg_extproc_service() -> dict[str, Any]:
-    [service] = by_kind(kustomized("envoy-gateway"), "Service")
+    services = by_kind(kustomized("envoy-gateway"), "Service")
+    [service] = [s for s in services if s["metadata"]["name"] == "pd-extproc"]
     return service
 
 

@@ -192,14 +192,15 @@ def _eg(kind: str) -> dict[str, Any]:
 
 def test_envoy_gateway_resources_match_the_config() -> None:
     cfg = config("envoy-gateway")
-    backend = _eg("Backend")["spec"]["endpoints"]
-    assert {f"{e['ip']['address']}:{e['ip']['port']}" for e in backend} == {
-        e.address for e in cfg.decode.endpoints
-    }
+    decode = _eg("Service")  # the decode pods: the pods pd-extproc watches
+    source = cfg.decode.kubernetes
+    assert source is not None
+    selector = ",".join(f"{k}={v}" for k, v in decode["spec"]["selector"].items())
+    assert selector == source.label_selector
+    [port] = decode["spec"]["ports"]
+    assert port["targetPort"] == source.port
     [rule] = _eg("HTTPRoute")["spec"]["rules"]
-    assert rule["backendRefs"] == [
-        {"group": "gateway.envoyproxy.io", "kind": "Backend", "name": "decode-pool"}
-    ]
+    assert rule["backendRefs"] == [{"name": decode["metadata"]["name"], "port": port["port"]}]
     assert {m["path"]["value"] for m in rule["matches"]} == {
         "/v1/completions", "/v1/chat/completions"}  # fmt: skip
     [ext_proc] = _eg("EnvoyExtensionPolicy")["spec"]["extProc"]
@@ -244,7 +245,6 @@ CUSTOM_KINDS = {
     ("networking.istio.io/v1", "Gateway"): ["selector", "servers"],
     ("gateway.networking.k8s.io/v1", "Gateway"): ["gatewayClassName", "listeners"],
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): ["parentRefs", "rules"],
-    ("gateway.envoyproxy.io/v1alpha1", "Backend"): ["endpoints"],
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"): ["targetRefs", "extProc"],
     ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"): ["targetRefs"],
     ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"): ["targetRefs"],
@@ -323,19 +323,19 @@ def _namespaced(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [doc for doc in docs if doc["kind"] == kind]
 
 
-def test_kubernetes_example_discovers_its_engines_with_the_rbac_it_ships() -> None:
-    """No hand-picked addresses: the pools come from watched pods, and the pod's service
-    account may get, list and watch pods and InferencePools in the namespace it watches."""
-    cfg, docs = config("kubernetes"), kustomized("kubernetes")
-    namespace = yaml.safe_load((EXAMPLES / "kubernetes" / "kustomization.yaml").read_text())[
-        "namespace"
-    ]
+@pytest.mark.parametrize("example", KUSTOMIZATIONS)
+def test_examples_discover_their_engines_with_the_rbac_they_ship(example: str) -> None:
+    """No hand-picked addresses: the pools come from watched pods, and the pd-extproc pod's
+    service account may get, list and watch pods and InferencePools in its namespace."""
+    cfg, docs = config(example), kustomized(example)
+    namespace = yaml.safe_load((EXAMPLES / example / "kustomization.yaml").read_text())["namespace"]
     for pool in (cfg.prefill, cfg.decode):
         assert not pool.endpoints and pool.kubernetes is not None
         assert pool.kubernetes.namespace == namespace
     assert not [s for s in _namespaced(docs, "Service") if "clusterIP" in s.get("spec", {})]
-    (deployment,) = _namespaced(docs, "Deployment")
-    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    pods = [d["spec"]["template"]["spec"] for d in _namespaced(docs, "Deployment")]
+    [pod] = [p for p in pods if any(c["name"] == "pd-extproc" for c in p["containers"])]
+    account = pod["serviceAccountName"]
     assert [a["metadata"]["name"] for a in _namespaced(docs, "ServiceAccount")] == [account]
     (binding,) = _namespaced(docs, "RoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]

@@ -107,8 +107,12 @@ async def test_reconnect_resumes_from_the_last_event_or_bookmark(
     assert len(changes) == seen  # a bookmark and a reconnect change nothing
 
 
-async def test_gone_lists_again(watched: tuple[FakeKubeApi, Watched, list[int]]) -> None:
+@pytest.mark.parametrize("as_status", [False, True], ids=["error-event", "http-status"])
+async def test_gone_lists_again(
+    watched: tuple[FakeKubeApi, Watched, list[int]], as_status: bool
+) -> None:
     fake, watch, _ = watched
+    fake.gone_as_status = as_status
     await until(lambda: len(fake.watches("pods")) == 1, "the watch")
     fake.close_watches()
     # while nobody watches: a change, then the history is compacted away
@@ -257,3 +261,18 @@ async def test_a_reload_follows_the_sources_the_config_names_now(
         assert sink.members[Role.DECODE] == ["10.0.0.2:8000", "10.0.0.4:8000"]
     finally:
         await discovery.stop()
+
+
+async def test_gone_even_from_a_fresh_list_backs_off_instead_of_spinning(
+    watched: tuple[FakeKubeApi, Watched, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake, watch, _ = watched
+    await until(lambda: len(fake.watches("pods")) == 1, "the watch")
+    caplog.set_level(logging.INFO, "extproc.discovery")
+    fake.oldest = fake.version + 1_000  # a broken server: every version is too old
+    fake.close_watches()
+    await until(lambda: len(fake.lists("pods")) >= 4, "lists again and again")
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("watch failed" in m for m in messages) == 1, messages  # one line, then pauses
+    assert sum("listing again" in m for m in messages) == 1, messages  # only the first 410
+    assert names(watch) == {"a"}

@@ -8,7 +8,8 @@ It keeps one resourceVersion counter, like etcd, and a history of every change. 
 answers the current objects and the current version; `?watch=1` streams, chunked, one JSON
 event per line, the changes after the `resourceVersion` asked for, then every new one, until
 `timeoutSeconds` or `close_watches()`. `compact()` forgets the history, so a watch from an
-older version gets a 410 Gone ERROR event (as the real server answers it); `fail(n)` makes
+older version gets a 410 Gone ERROR event (as the real server answers it; or the HTTP status,
+with `gone_as_status`); `fail(n)` makes
 the next n requests answer 500. Selectors: labelSelector "k=v,k2=v2" (also "k!=v"),
 fieldSelector "metadata.name=x". Every request is recorded in `requests`.
 """
@@ -100,6 +101,7 @@ class FakeKubeApi:
     oldest: int = 100  # the oldest version a watch may resume from (compact() moves it)
     requests: list[dict[str, str]] = field(default_factory=list)  # query + path + auth
     failures: int = 0  # the next this many requests answer 500
+    gone_as_status: bool = False  # 410 as the HTTP status, not as an ERROR event in a 200
     _tick: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) on news
     _watch_epoch: int = 0  # close_watches() bumps it: open watches end
 
@@ -193,6 +195,8 @@ class FakeKubeApi:
     ) -> web.StreamResponse:
         since = int(request.query.get("resourceVersion") or self.version)
         timeout_s = float(request.query.get("timeoutSeconds") or 1800)
+        if since < self.oldest and self.gone_as_status:
+            return _status(410, "Expired", f"too old resource version: {since} ({self.oldest})")
         response = web.StreamResponse(headers={"content-type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
