@@ -25,12 +25,12 @@ def picker_settings(variant: Variant) -> dict[str, Any]:
 
 
 async def legs(topo: Topology) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(P record, D record) of each user request, oldest first; P's record gains the
-    engine id of the prefill that served it (`engine_id`)."""
-    prefill_seen = {r["x_request_id"]: r | {"engine_id": e.engine_id}
+    """(P record, D record) of each user request, oldest first; each record gains the engine
+    id and address of the engine that received it (`engine_id`, `engine`)."""
+    prefill_seen = {r["x_request_id"]: r | {"engine_id": e.engine_id, "engine": address(e)}
                     for e in topo.prefills for r in await topo.seen(e)}  # fmt: skip
-    pairs = [(prefill_seen[r["x_request_id"]], r) for e in topo.decodes
-             for r in await topo.seen(e)]  # fmt: skip
+    pairs = [(prefill_seen[r["x_request_id"]], r | {"engine": address(e)})
+             for e in topo.decodes for r in await topo.seen(e)]  # fmt: skip
     return sorted(pairs, key=lambda pair: pair[1]["received_at"])
 
 
@@ -109,8 +109,10 @@ async def test_client_routing_header_and_kv_params_never_reach_an_engine(
         )
         assert status == 200, body
     for p, d in await legs(topo):
+        assert "x-gateway-destination-endpoint" not in p["headers"]  # P: straight, unrouted
+        routed = d["headers"]["x-gateway-destination-endpoint"].split(",")
+        assert routed[0] == d["engine"] and spoofed not in routed
         for record in (p, d):
-            assert spoofed not in record["headers"].get("x-gateway-destination-endpoint", "")
             assert "spoofed" not in orjson.dumps(record["body"]).decode()
         assert d["kv"] == "push-parallel"
 
