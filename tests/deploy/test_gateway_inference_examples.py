@@ -80,6 +80,11 @@ def test_only_istio_gets_a_destination_rule(kube_bin: Path, gateway: str) -> Non
     assert len(rules) == (gateway == "istio")
 
 
+@pytest.mark.parametrize("gateway", GATEWAYS)
+def test_picker_sends_one_address_for_an_original_dst_route(kube_bin: Path, gateway: str) -> None:
+    assert chart_config(release(kube_bin, gateway)).endpoint_picker.fallbacks == 0
+
+
 def test_envoy_gateway_values_make_inferencepool_v1_a_backend() -> None:
     values = yaml.safe_load((EXAMPLE / "envoy-gateway" / "envoy-gateway-values.yaml").read_text())
     manager = values["config"]["envoyGateway"]["extensionManager"]
