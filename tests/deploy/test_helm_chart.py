@@ -104,6 +104,11 @@ def test_core_resources_validate_against_kubernetes_schemas(docs: list[dict[str,
     assert kinds == CORE_KINDS
 
 
+def test_every_object_is_in_the_release_namespace(docs: list[dict[str, Any]]) -> None:
+    for doc in docs:
+        assert doc["metadata"].get("namespace") == NAMESPACE, (doc["kind"], doc["metadata"])
+
+
 def test_config_in_the_configmap_loads_and_finds_the_engines(
     docs: list[dict[str, Any]], mode: str
 ) -> None:
