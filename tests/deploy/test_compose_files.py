@@ -146,9 +146,9 @@ def test_grafana_provisioning_points_at_the_dashboard() -> None:
     path = provider["providers"][0]["options"]["path"]
     host_dir = next(src for src, dst in mounts.items() if dst == path)
     assert (ROOT / host_dir / "pd-extproc.json").exists()
-    datasource = yaml.safe_load(
-        (provisioning / "datasources" / "prometheus.yml").read_text()
-    )["datasources"][0]
+    datasource = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ][0]
     assert datasource["url"] == "http://prometheus:9090"
 
 

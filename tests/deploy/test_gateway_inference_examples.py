@@ -26,9 +26,10 @@ def values_files(gateway: str) -> list[Path]:
     return [EXAMPLE / "values.yaml", *([extra] if extra.exists() else [])]
 
 
-def release(kube_bin: Path, gateway: str) -> list[dict[str, Any]]:
+def release(kube_bin: Path, gateway: str, **values: str) -> list[dict[str, Any]]:
     files = [f"--values={path}" for path in values_files(gateway)]
-    result = helm(kube_bin, "template", "llm", str(CHART), "--namespace", NAMESPACE, *files)
+    sets = [f"--set={key}={value}" for key, value in values.items()]
+    result = helm(kube_bin, "template", "llm", str(CHART), "--namespace", NAMESPACE, *files, *sets)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
