@@ -156,3 +156,18 @@ async def test_a_streamed_answer_passes_through_the_picker(push_2p2d: Topology) 
     assert generated_text("/v1/completions", body)
     [(_, d)] = await legs(topo)
     assert d["kv"] == "push-parallel"
+
+
+async def test_engine_endpoints_pass_through_and_other_paths_are_refused(
+    push_2p2d: Topology,
+) -> None:
+    topo = push_2p2d
+    async with topo.session.get(topo.url + "/v1/models") as response:
+        assert response.status == 200
+        assert (await response.json())["data"][0]["id"] == MODEL
+    status, body, _ = await topo.post("/tokenize", {"model": MODEL, "prompt": "hello world"})
+    assert status == 200, body
+    assert orjson.loads(body)["count"] > 0
+    async with topo.session.get(topo.url + "/v1/secrets") as response:
+        assert response.status == 404
+        assert (await response.json())["error"]["code"] == 404
