@@ -1,6 +1,7 @@
-"""The P leg straight to the engine (dispatch.prefill_leg: direct) through the real Envoy and
-ext_proc: parallel and serial dispatch work without the prefill listener, P gets no routing
-header, and a P that cannot be reached is a 503 with Retry-After."""
+"""The P leg's two paths (dispatch.prefill_leg) through the real Envoy and ext_proc: straight
+to the engine (the default), parallel and serial dispatch work without the prefill listener,
+P gets no routing header, and a P that cannot be reached is a 503 with Retry-After; through
+Envoy's prefill listener, as before."""
 
 from __future__ import annotations
 
@@ -60,3 +61,15 @@ async def test_an_unreachable_prefill_is_a_503_with_retry_after_and_marked_down(
         assert error["code"] == 503 and f"127.0.0.1:{prefill.port} is unreachable" in error[
             "message"], error  # fmt: skip
         assert (await topo.ready())["prefill"][f"127.0.0.1:{prefill.port}"]["healthy"] is False
+
+
+async def test_the_listener_path_still_serves_parallel_legs() -> None:
+    async with topology(dispatch={"prefill_leg": "listener"}) as topo:
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+        [(p, d)] = await legs(topo)
+        assert_kv_pushed_by(d, topo.prefills[0].engine_id)
+        # override_host read it on the way through Envoy's prefill_pool
+        assert (
+            p["headers"]["x-gateway-destination-endpoint"] == f"127.0.0.1:{topo.prefills[0].port}"
+        )
