@@ -174,3 +174,10 @@ async def test_engine_endpoints_pass_through_and_other_paths_are_refused(
     async with topo.session.get(topo.url + "/v1/secrets") as response:
         assert response.status == 404
         assert (await response.json())["error"]["code"] == 404
+
+
+async def test_original_dst_cannot_take_a_fallback_list() -> None:
+    """Why `fallbacks: 0` behind an ORIGINAL_DST cluster: Envoy cannot parse a list there."""
+    async with epp_topology(Variant.ORIGINAL_DST, 1, 2, endpoint_picker={"fallbacks": 1}) as topo:
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 503 and b"no healthy upstream" in body, body

@@ -16,7 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.grpc_health import EXTPROC_SERVICE
+from extproc.grpc_health import EXTPROC_SERVICE, HealthServices, health_server
 from tests.epp.conftest import Picker, epp_config, running_epp
 from tests.integration.conftest import PUSH, address, until
 from vllmsim.launcher import running_engine
@@ -98,3 +98,24 @@ async def open_streams(picker: Picker, count: int) -> bool:
         session.get(picker.metrics + "/ready") as response,
     ):
         return bool((await response.json())["active_streams"] == count)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["endpoint_picker", "serve"])
+async def test_readiness_waits_for_ready_and_only_the_picker_gates_the_extproc_service(
+    gated: bool,
+) -> None:
+    services = HealthServices(gated)
+    server = health_server(services)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await services.started()
+            assert await status(channel, "liveness") == SERVING
+            assert await status(channel, "readiness") == NOT_SERVING
+            assert await status(channel, EXTPROC_SERVICE) == (NOT_SERVING if gated else SERVING)
+            await services.ready()
+            for service in PROTOCOL_SERVICES:
+                assert await status(channel, service) == SERVING, service
+    finally:
+        await server.stop(None)
