@@ -6,10 +6,12 @@ import os
 import signal
 import ssl
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
+import trustme
 from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -119,3 +121,24 @@ async def test_readiness_waits_for_ready_and_only_the_picker_gates_the_extproc_s
                 assert await status(channel, service) == SERVING, service
     finally:
         await server.stop(None)
+
+
+async def test_the_configured_certificate_is_served_when_given(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    server = ca.issue_cert("epp.example")
+    files = {"ca_file": tmp_path / "ca.pem", "cert_file": tmp_path / "server.pem",
+             "key_file": tmp_path / "server.key"}  # fmt: skip
+    ca.cert_pem.write_to_path(files["ca_file"])
+    server.cert_chain_pems[0].write_to_path(files["cert_file"])
+    server.private_key_pem.write_to_path(files["key_file"])
+    tls = {name: str(path) for name, path in files.items()}
+    async with (
+        running_engine("--kv-transfer-config", PUSH[0]) as prefill,
+        running_engine("--kv-transfer-config", PUSH[1]) as decode,
+        running_epp(epp_config([address(prefill)], [address(decode)],
+                               extproc={"tls": tls})) as picker,  # fmt: skip
+    ):
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
+        options = (("grpc.ssl_target_name_override", "epp.example"),)
+        async with aio.secure_channel(picker.extproc, credentials, options) as channel:
+            assert await status(channel, "readiness") == SERVING
