@@ -71,8 +71,9 @@ async def running_extproc(
 ) -> AsyncIterator[Target]:
     """pd-extproc in a dispatch mode; `baseline`: an absolute directory holding another version's
     `extproc` package, run instead of this checkout's (A/B in one run)."""
+    dispatch = {"mode": EXTPROC_MODES[name], **extra.pop("dispatch", {})}
     config = ephemeral_config(engines.addresses("prefill"), engines.addresses("decode"),
-                              dispatch={"mode": EXTPROC_MODES[name]}, **extra)  # fmt: skip
+                              dispatch=dispatch, **extra)  # fmt: skip
     env = None if baseline is None else {"PYTHONPATH": str(baseline),
                                          "PYTHONSAFEPATH": "1"}  # fmt: skip
     with pinned(cpus):

@@ -14,15 +14,16 @@ from extproc.errors import RequestEnded
 __all__ = [
     "DESTINATION_HEADER",
     "body_answer",
+    "body_passthrough",
     "continue_request_headers",
     "continue_request_trailers",
     "continue_response_headers",
     "continue_response_trailers",
+    "destination_answer",
     "extend_timeout",
     "header_map",
     "headers_answer",
     "immediate",
-    "response_body_passthrough",
     "route_mutation",
     "streamed_body_answer",
     "with_destination_metadata",
@@ -148,20 +149,22 @@ def with_destination_metadata(
     return response
 
 
-def response_body_passthrough(chunk: ep.HttpBody) -> ep.ProcessingResponse:
-    """A streamed response body chunk sent back unchanged (gateways stream D's answer
-    through the endpoint picker: FULL_DUPLEX_STREAMED response bodies)."""
-    return ep.ProcessingResponse(
-        response_body=ep.BodyResponse(
-            response=ep.CommonResponse(
-                body_mutation=ep.BodyMutation(
-                    streamed_response=ep.StreamedBodyResponse(
-                        body=chunk.body, end_of_stream=chunk.end_of_stream
-                    )
-                )
-            )
-        )
+def body_passthrough(chunk: ep.HttpBody, request_side: bool) -> ep.ProcessingResponse:
+    """A streamed body chunk sent back unchanged (a gateway streams both bodies through the
+    endpoint picker: FULL_DUPLEX_STREAMED)."""
+    streamed = ep.StreamedBodyResponse(body=chunk.body, end_of_stream=chunk.end_of_stream)
+    answer = ep.BodyResponse(
+        response=ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed))
     )
+    if request_side:
+        return ep.ProcessingResponse(request_body=answer)
+    return ep.ProcessingResponse(response_body=answer)
+
+
+def destination_answer(destinations: Iterable[str]) -> ep.ProcessingResponse:
+    """The request headers' answer that only routes (a request passed through as it is)."""
+    mutation = ep.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, ",".join(destinations))])
+    return headers_answer(mutation)
 
 
 _CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())

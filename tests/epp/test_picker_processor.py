@@ -155,3 +155,23 @@ async def until(predicate: Callable[[], bool], what: str) -> None:
 
 def _identity() -> PrefillIdentity:
     return identity_from_params(IDENTITY)
+
+
+async def test_an_engine_endpoint_goes_to_a_decode_in_the_subset_as_it_is() -> None:
+    r = PickerRequest()
+    opening = headers(path="/tokenize")
+    opening.metadata_context.filter_metadata["envoy.lb.subset_hint"].fields[
+        "x-gateway-destination-endpoint-subset"].string_value = D2  # fmt: skip
+    await r.send(opening, chunk(b'{"prompt":', False), chunk(b'"hi"}', True))
+    sent = await r.envoy.until_sent(3)
+    header, metadata = destination(sent[0])
+    assert header == metadata == D2
+    echoed = [m.request_body.response.body_mutation.streamed_response for m in sent[1:]]
+    assert [(e.body, e.end_of_stream) for e in echoed] == [(b'{"prompt":', False), (b'"hi"}', True)]
+    await r.send(response(200), response_chunk(b'{"tokens":[1]}', True))
+    sent = await r.envoy.until_sent(5)
+    assert [m.WhichOneof("response") for m in sent[3:]] == ["response_headers", "response_body"]
+    await r.end()
+    assert r.prefill.calls == []
+    labels = {"outcome": "ok", "strategy": "decode_only", "reason": "passthrough"}
+    assert r.rt.metrics.registry.get_sample_value("pd_extproc_requests_total", labels) == 1
