@@ -117,6 +117,9 @@ async def test_client_routing_header_and_kv_params_never_reach_an_engine(
         assert routed[0] == d["engine"] and spoofed not in routed
         for record in (p, d):
             assert "spoofed" not in orjson.dumps(record["body"]).decode()
+            # one kv_transfer_params member, not the client's beside ours (a parser keeping the
+            # first would take the client's): the compact body is exactly its parsed form
+            assert record["body_bytes"] == len(orjson.dumps(record["body"]))
         assert d["kv"] == "push-parallel"
 
 
