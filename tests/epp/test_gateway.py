@@ -184,3 +184,17 @@ async def test_original_dst_cannot_take_a_fallback_list() -> None:
     async with epp_topology(Variant.ORIGINAL_DST, 1, 2, endpoint_picker={"fallbacks": 1}) as topo:
         status, body, _ = await topo.post("/v1/completions", COMPLETION)
         assert status == 503 and b"no healthy upstream" in body, body
+
+
+async def test_a_prefill_longer_than_the_gateways_message_timeout_is_served() -> None:
+    """The gateway times ext_proc messages at 5 s; D's headers wait for a 6 s P meanwhile."""
+    variant = Variant.OVERRIDE_HOST
+    slow = ("--prefill-per-token-ms", "75")  # about 80 prompt tokens: 6 s
+    async with epp_topology(variant, engine_flags=slow, timeouts={"probe_s": 30},
+                            **picker_settings(variant)) as topo:  # fmt: skip
+        status, body, _ = await topo.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert status == 200, body
+        assert body.endswith(b"data: [DONE]\n\n")
+        [(p, d)] = await legs(topo)
+        assert d["kv"] == "push-parallel"
+        assert d["first_token_at"] - p["received_at"] > 5
