@@ -3,6 +3,8 @@ cluster variants), with vllmsim prefill and decode engines."""
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 from collections.abc import AsyncIterator
 from typing import Any
@@ -198,3 +200,19 @@ async def test_a_prefill_longer_than_the_gateways_message_timeout_is_served() ->
         [(p, d)] = await legs(topo)
         assert d["kv"] == "push-parallel"
         assert d["first_token_at"] - p["received_at"] > 5
+
+
+async def test_sigterm_lets_an_open_streamed_answer_finish() -> None:
+    variant, slow = Variant.OVERRIDE_HOST, ("--step-base-ms", "40")
+    settings = picker_settings(variant) | {"timeouts": {"drain_s": 10}}
+    async with epp_topology(variant, engine_flags=slow, **settings) as topo:
+        body = orjson.dumps({**COMPLETION, "max_tokens": 40, "stream": True})
+        headers = {"content-type": "application/json"}
+        async with topo.session.post(topo.url + "/v1/completions", data=body,
+                                     headers=headers) as response:  # fmt: skip
+            events = [await response.content.readline()]
+            os.kill(topo.picker.pid, signal.SIGTERM)
+            async for line in response.content:
+                events.append(line)
+        assert b"data: [DONE]\n" in events  # the open stream finished whole
+        assert len([e for e in events if e.startswith(b"data: {")]) >= 40
