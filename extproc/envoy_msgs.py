@@ -17,6 +17,7 @@ __all__ = [
     "continue_request_headers",
     "continue_request_trailers",
     "continue_response_headers",
+    "continue_response_trailers",
     "extend_timeout",
     "header_map",
     "headers_answer",
@@ -103,6 +104,13 @@ _CONTINUE_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse(
 
 def continue_request_trailers() -> ep.ProcessingResponse:
     return _CONTINUE_TRAILERS
+
+
+_CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+def continue_response_trailers() -> ep.ProcessingResponse:
+    return _CONTINUE_RESPONSE_TRAILERS
 
 
 def extend_timeout(seconds: float) -> ep.ProcessingResponse:

@@ -239,7 +239,10 @@ class RequestProcessor:
                 await self._on_message(self.stream.take())
 
     async def _on_message(self, message: Any) -> None:
-        if message is None or message.WhichOneof("request") != "response_headers":
+        kind = None if message is None else message.WhichOneof("request")
+        if kind == "response_trailers":  # streamed routes ask for them (see ext_proc_filter)
+            await self.stream.write(envoy_msgs.continue_response_trailers())
+        if kind != "response_headers":
             return
         status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
         self.decode_status = status
