@@ -185,6 +185,9 @@ async def _epp(config: Config, config_path: Path, ready_file: Path | None,
     from extproc.server import ExtProcServer
     from extproc.wiring import Runtime
 
+    if config.extproc.host in ("127.0.0.1", "::1", "localhost"):
+        log.warning("the endpoint picker listens on %s only: a gateway in another pod cannot "
+                    "reach it (set extproc.host: 0.0.0.0)", config.extproc.host)  # fmt: skip
     runtime = Runtime(config, NO_LISTENER, endpoint_picker=True)
     await runtime.discover()
     server = ExtProcServer(runtime, endpoint_picker=True)

@@ -285,7 +285,8 @@ class EndpointPickerConfig(_Strict):
     # else a self-signed one made at start (the gateways do not verify it).
     secure_serving: bool = True
     # Plaintext gRPC health (liveness, readiness) for Kubernetes gRPC probes, which cannot
-    # speak TLS; on extproc.host. 0: any free port; null: none (the ext_proc port has them too).
+    # speak TLS; on extproc.host (127.0.0.1 beside a Unix socket). 0: any free port; null: none
+    # (the ext_proc port has them too).
     health_port: int | None = Field(default=9003, ge=0, lt=65536)
     # Other healthy decodes listed after the choice, for the gateway's retries. An Envoy whose
     # route cluster is ORIGINAL_DST takes a single address only: set 0 behind one.

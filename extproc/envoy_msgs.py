@@ -109,6 +109,13 @@ def continue_request_trailers() -> ep.ProcessingResponse:
     return _CONTINUE_TRAILERS
 
 
+_CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+def continue_response_trailers() -> ep.ProcessingResponse:
+    return _CONTINUE_RESPONSE_TRAILERS
+
+
 def extend_timeout(seconds: float) -> ep.ProcessingResponse:
     """Ask Envoy to wait longer for our next answer (serial dispatch waits for P)."""
     whole = int(seconds)
@@ -165,11 +172,3 @@ def destination_answer(destinations: Iterable[str]) -> ep.ProcessingResponse:
     """The request headers' answer that only routes (a request passed through as it is)."""
     mutation = ep.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, ",".join(destinations))])
     return headers_answer(mutation)
-
-
-_CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
-
-
-def continue_response_trailers() -> ep.ProcessingResponse:
-    """D's trailers let through (gateways send them: response trailer mode SEND)."""
-    return _CONTINUE_RESPONSE_TRAILERS

@@ -28,8 +28,8 @@ _KEEPALIVE_S = 4.0  # below vLLM's (uvicorn's) 5 s idle close
 class DirectPrefillClient:
     """Sends P legs to the prefill engine itself ("host:port"), one connection pool per engine.
 
-    `auth_headers` gives the engines' key (engines.api_key_file); a client key forwarded by
-    dispatch.forward_headers wins over it, so that P sees the key D sees.
+    `auth_headers` gives the engines' key (engines.api_key_file) where the wiring wants it
+    sent; a client key forwarded by dispatch.forward_headers wins over it.
     """
 
     def __init__(

@@ -282,7 +282,7 @@ class RequestProcessor:
         if kind == "response_body":  # a gateway streams D's answer through us: pass it on
             await self.stream.write(envoy_msgs.body_passthrough(message.response_body, False))
             return
-        if kind == "response_trailers":  # a gateway sends D's trailers too
+        if kind == "response_trailers":  # streamed routes and gateways ask for them
             await self.stream.write(envoy_msgs.continue_response_trailers())
             return
         if kind != "response_headers":

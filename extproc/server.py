@@ -102,7 +102,8 @@ class ExtProcServer:
         await self._grpc.start()
         await self._health.started()
         if self.endpoint_picker and cfg.endpoint_picker.health_port is not None:
-            await self._start_health_port(cfg.extproc.host, cfg.endpoint_picker.health_port)
+            host = "127.0.0.1" if wanted.startswith("unix:") else cfg.extproc.host
+            await self._start_health_port(host, cfg.endpoint_picker.health_port)
         self._http = web.AppRunner(self._http_app(), access_log=None)
         await self._http.setup()
         site = web.TCPSite(self._http, cfg.metrics.host, cfg.metrics.port)

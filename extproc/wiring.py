@@ -174,9 +174,7 @@ class Runtime:
                 self._endpoint_changed(pool.role)(state)
         self.prefill_client = PrefillPaths(
             PrefillClient(prefill_listener, config.timeouts.connect_s),
-            DirectPrefillClient(
-                config.timeouts.connect_s, lambda: self.config.engines.auth_headers
-            ),
+            DirectPrefillClient(config.timeouts.connect_s, self._direct_leg_key),
             # an endpoint picker has no prefill listener: its P legs go to the engine
             (lambda: "direct") if endpoint_picker else lambda: self.config.dispatch.prefill_leg,
         )
@@ -343,6 +341,14 @@ class Runtime:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         await self.discovery.refresh()
+
+    def _direct_leg_key(self) -> dict[str, str]:
+        """The engines' key for a P leg sent straight to the engine, only where the client's
+        own key is not forwarded: otherwise P sees the key D sees (a client without one gets
+        the engines' 401 from both legs, and nothing is computed)."""
+        if "authorization" in self.config.dispatch.forward_headers:
+            return {}
+        return self.config.engines.auth_headers
 
     def reload(self, config: Config) -> list[str]:
         """Take a new config for new requests; returns the settings that need a restart.

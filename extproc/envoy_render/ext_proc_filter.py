@@ -51,10 +51,15 @@ _MODE = {
     "response_trailer_mode": "SKIP",
 }
 # Streamed: Envoy neither buffers nor times the request body here (the ext_proc enforces
-# limits.max_body_bytes and owns the upload's timeout); Envoy requires trailers SEND.
+# limits.max_body_bytes and owns the upload's timeout); Envoy requires request trailers SEND.
+# Response trailers SEND keeps the ext_proc stream open until the response ends (otherwise
+# Envoy closes it once the response headers are answered, and the ext_proc would count the
+# request, and the engines' load, as finished while D still generates); an SSE response has
+# no trailers, so no message is sent for them.
 STREAMED_BODY = _MODE | {
     "request_body_mode": "FULL_DUPLEX_STREAMED",
     "request_trailer_mode": "SEND",
+    "response_trailer_mode": "SEND",
 }
 
 

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +126,7 @@ async def epp_topology(
     n_prefill: int = 1,
     n_decode: int = 1,
     connectors: tuple[str, str] = PUSH,
+    engine_flags: Sequence[str] = (),
     **config: Any,
 ) -> AsyncIterator[Topology]:
     async with contextlib.AsyncExitStack() as stack:
@@ -133,7 +134,9 @@ async def epp_topology(
         for role, count, connector in (("prefill", n_prefill, connectors[0]),
                                        ("decode", n_decode, connectors[1])):  # fmt: skip
             engines[role] = [
-                await stack.enter_async_context(running_engine("--kv-transfer-config", connector))
+                await stack.enter_async_context(
+                    running_engine("--kv-transfer-config", connector, *engine_flags)
+                )
                 for _ in range(count)
             ]
         prefills, decodes = engines["prefill"], engines["decode"]

@@ -3,6 +3,8 @@ cluster variants), with vllmsim prefill and decode engines."""
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 from collections.abc import AsyncIterator
 from typing import Any
@@ -117,6 +119,9 @@ async def test_client_routing_header_and_kv_params_never_reach_an_engine(
         assert routed[0] == d["engine"] and spoofed not in routed
         for record in (p, d):
             assert "spoofed" not in orjson.dumps(record["body"]).decode()
+            # one kv_transfer_params member, not the client's beside ours (a parser keeping the
+            # first would take the client's): the compact body is exactly its parsed form
+            assert record["body_bytes"] == len(orjson.dumps(record["body"]))
         assert d["kv"] == "push-parallel"
 
 
@@ -181,3 +186,33 @@ async def test_original_dst_cannot_take_a_fallback_list() -> None:
     async with epp_topology(Variant.ORIGINAL_DST, 1, 2, endpoint_picker={"fallbacks": 1}) as topo:
         status, body, _ = await topo.post("/v1/completions", COMPLETION)
         assert status == 503 and b"no healthy upstream" in body, body
+
+
+async def test_a_prefill_longer_than_the_gateways_message_timeout_is_served() -> None:
+    """The gateway times ext_proc messages at 5 s; D's headers wait for a 6 s P meanwhile."""
+    variant = Variant.OVERRIDE_HOST
+    slow = ("--prefill-per-token-ms", "75")  # about 80 prompt tokens: 6 s
+    async with epp_topology(variant, engine_flags=slow, timeouts={"probe_s": 30},
+                            **picker_settings(variant)) as topo:  # fmt: skip
+        status, body, _ = await topo.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert status == 200, body
+        assert body.endswith(b"data: [DONE]\n\n")
+        [(p, d)] = await legs(topo)
+        assert d["kv"] == "push-parallel"
+        assert d["first_token_at"] - p["received_at"] > 5
+
+
+async def test_sigterm_lets_an_open_streamed_answer_finish() -> None:
+    variant, slow = Variant.OVERRIDE_HOST, ("--step-base-ms", "40")
+    settings = picker_settings(variant) | {"timeouts": {"drain_s": 10}}
+    async with epp_topology(variant, engine_flags=slow, **settings) as topo:
+        body = orjson.dumps({**COMPLETION, "max_tokens": 40, "stream": True})
+        headers = {"content-type": "application/json"}
+        async with topo.session.post(topo.url + "/v1/completions", data=body,
+                                     headers=headers) as response:  # fmt: skip
+            events = [await response.content.readline()]
+            os.kill(topo.picker.pid, signal.SIGTERM)
+            async for line in response.content:
+                events.append(line)
+        assert b"data: [DONE]\n" in events  # the open stream finished whole
+        assert len([e for e in events if e.startswith(b"data: {")]) >= 40

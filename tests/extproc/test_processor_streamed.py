@@ -192,3 +192,16 @@ async def test_decode_headers_are_held_until_p_fails_then_the_request_ends() -> 
     await asyncio.wait_for(task, timeout=2)
     assert kinds(envoy) == ["request_headers", "request_body", "immediate_response"]
     assert envoy.sent[-1].immediate_response.status.code == 500
+
+
+async def test_response_trailers_are_let_through() -> None:
+    envoy = ScriptedEnvoy()
+    task = await run(runtime(FakePrefill(0.0), cached=True), envoy)
+    await upload(envoy, REQUEST)
+    await envoy.inbox.put(response_headers(200))
+    await until_sent(envoy, 3)
+    await envoy.inbox.put(ep.ProcessingRequest(response_trailers=ep.HttpTrailers()))
+    await until_sent(envoy, 4)
+    assert kinds(envoy)[-1] == "response_trailers"
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)

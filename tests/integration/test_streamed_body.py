@@ -115,3 +115,20 @@ async def test_the_catch_all_route_still_refuses_in_json(small_limits: Topology)
     status, body, _ = await small_limits.post("/v1/embeddings", COMPLETION)
     assert status == 404, body
     assert orjson.loads(body)["error"]["code"] == 404
+
+
+async def test_a_streaming_answer_counts_in_flight_until_its_last_event() -> None:
+    # Envoy would close the ext_proc stream once the response headers are answered: the
+    # request (and its engines' load) would look finished while D still generates.
+    async with topology(engine_flags=("--step-base-ms", "40")) as topo:
+        body = COMPLETION | {"stream": True, "max_tokens": 20}
+        decode = f"127.0.0.1:{topo.decodes[0].port}"
+        async with topo.session.post(topo.sidecar.url + "/v1/completions", json=body) as response:
+            assert response.status == 200
+            await response.content.readline()  # the first event: D is generating
+            ready = await topo.ready()
+            assert ready["active_streams"] == 1
+            assert ready["decode"][decode]["in_flight"] == 1
+            await response.read()
+        released = await topo.released()
+        assert released["decode"][decode]["in_flight"] == 0
