@@ -1,4 +1,5 @@
-"""The ext_proc process: gRPC server (ExternalProcessor), and the metrics/probes HTTP port.
+"""The ext_proc process: gRPC server (ExternalProcessor, the pools' EDS, grpc.health), and the
+metrics/probes HTTP port.
 
 `ExtProcServer.start()` binds both (port 0 picks a free port; the bound ports are attributes
 afterwards); the caller starts the runtime's health checks and probes once Envoy's prefill
@@ -19,11 +20,13 @@ from typing import Any
 import grpc
 import orjson
 from aiohttp import web
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.config import TlsConfig
+from extproc.eds import EndpointDiscovery
 from extproc.envoy_config import EXTPROC_SERVICE
 from extproc.processor import RequestProcessor
 from extproc.stream import EnvoyStream
@@ -77,12 +80,14 @@ class ExtProcServer:
         self.metrics_port = 0
         self._grpc: aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
+        self._eds = EndpointDiscovery(runtime.memberships)
         self._http: web.AppRunner | None = None
 
     async def start(self) -> None:
         cfg = self.runtime.config
         self._grpc = aio.server(options=_GRPC_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self._eds, self._grpc)
         wanted = cfg.extproc.address
         if wanted.startswith("unix:"):
             with contextlib.suppress(FileNotFoundError):  # a previous run's socket
@@ -139,6 +144,9 @@ class ExtProcServer:
         self.runtime.draining = True  # /ready turns 503 before anything is refused
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        # EDS streams never end by themselves: end them so that the grace period waits only
+        # for requests. Envoy keeps the endpoints it has until it reaches an ext_proc again.
+        self._eds.close()
         if self._grpc is not None:  # Envoy's health check sees it first
             await self._grpc.stop(grace_s)
         if self._http is not None:

@@ -95,6 +95,7 @@ def users_envoy(pieces: dict[str, Any]) -> dict[str, Any]:
             {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
     }  # fmt: skip
     return {
+        "node": pieces["node"],
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
         "static_resources": {
             "listeners": [ingress, *pieces["listeners"]],
