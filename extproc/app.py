@@ -92,9 +92,7 @@ class Sidecar:
         config = await reload_runtime(self.runtime, config_path)
         if config is None:
             return
-        if config.extproc.workers > 1:
-            log.warning("reload: the %d extra ext_proc workers keep their config until a "
-                        "restart", config.extproc.workers - 1)  # fmt: skip
+        await self.workers.reload(config)  # they serve EDS too: same members everywhere
         self.config = config
 
     async def wait_envoy_exit(self) -> int:

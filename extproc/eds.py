@@ -20,6 +20,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import grpc
 from envoy.config.core.v3 import address_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2 as components
 from envoy.config.endpoint.v3 import endpoint_pb2
@@ -186,6 +187,12 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
             await _EdsStream(self._memberships, context).run(inbox)
         finally:
             self._inboxes.discard(inbox)
+
+    async def DeltaEndpoints(self, request_iterator: Any, context: aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "pd-extproc serves EDS state of the world only: api_type GRPC, not DELTA_GRPC",
+        )
 
     def close(self) -> None:
         self._closed = True

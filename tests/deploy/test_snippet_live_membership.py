@@ -99,13 +99,15 @@ class Load:
 async def until(
     check: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = 15
 ) -> None:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            result = check()
-            if result if isinstance(result, bool) else await result:
-                return
-            await asyncio.sleep(0.02)
-    raise AssertionError(what)  # pragma: no cover (timeout raises first)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                result = check()
+                if result if isinstance(result, bool) else await result:
+                    return
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"gave up after {timeout_s} s waiting for {what}") from None
 
 
 async def envoy_hosts(
