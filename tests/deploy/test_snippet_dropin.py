@@ -59,7 +59,7 @@ async def serving_process(
     try:
         assert process.stdout is not None
         line = await asyncio.wait_for(process.stdout.readline(), 30)
-        match = re.search(r"ext_proc on (\S+:\d+)", line.decode())
+        match = re.search(r"ext_proc on ([^\s,]+)", line.decode())  # host:port or unix:path
         if match is None:
             tail = await asyncio.to_thread(log.read_text)
             raise AssertionError(f"pd-extproc serve did not start: {line!r}\n{tail[-2000:]}")

@@ -269,3 +269,55 @@ async def test_a_reload_reaches_the_users_envoy(tmp_path: Path) -> None:
             s, lambda: set_decodes(s.d1, s.d2), lambda: set_decodes(s.d1)
         )
     print(f"reload: {times}")
+
+
+@pytest.mark.timeout(120)
+async def test_envoy_keeps_the_pools_while_the_extproc_restarts(tmp_path: Path) -> None:
+    """While no ext_proc answers, Envoy keeps the members it had; a restarted ext_proc (same
+    address) hands it the current ones without Envoy restarting. Stopping the ext_proc is not
+    held up by Envoy's EDS stream, which never ends by itself."""
+    sock, extproc_sock = f"unix:{tmp_path}/prefill.sock", f"unix:{tmp_path}/extproc.sock"
+    fast = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0")
+    config_path = tmp_path / "pd-extproc.yaml"
+    async with contextlib.AsyncExitStack() as stack:
+        p, d1, d2 = [await stack.enter_async_context(running_engine("--kv-transfer-config", kv,
+                                                                    *fast))
+                     for kv in (PUSH_P, PUSH_D, PUSH_D)]  # fmt: skip
+        config = base_config(p, d1)
+        config["extproc"] = {"host": extproc_sock}
+        config["timeouts"] = {"drain_s": 10}
+        config_path.write_text(yaml.safe_dump(config))
+        first = contextlib.AsyncExitStack()
+        extproc, _ = await first.enter_async_context(
+            serving_process(config_path, sock, tmp_path / "serve-1.log")
+        )
+        bootstrap = tmp_path / "envoy.yaml"
+        bootstrap.write_text(yaml.safe_dump(users_envoy(render(config_path, extproc, sock,
+                                                               "--snippet"))))  # fmt: skip
+        envoy = EnvoyProcess(bootstrap, tmp_path, "warning", 1)
+        await envoy.start()
+        stack.push_async_callback(envoy.stop)
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        s = Stage(session, envoy, "http://" + await envoy.listener_address("ingress"), d1, d2, 0)
+        status, body = await s.post(SHORT)
+        assert status == 200, body
+
+        stopping = time.perf_counter()
+        await first.aclose()  # SIGTERM; the drain waits for requests only (drain_s 10)
+        assert time.perf_counter() - stopping < 5
+        assert await envoy_hosts(session, envoy, "decode_pool") == {address(d1)}
+
+        config["decode"]["endpoints"] = [address(d2)]
+        config_path.write_text(yaml.safe_dump(config))
+        async with serving_process(config_path, sock, tmp_path / "serve-2.log"):
+            restarted = time.perf_counter()
+
+            async def envoy_follows() -> bool:
+                return await envoy_hosts(session, envoy, "decode_pool") == {address(d2)}
+
+            await until(envoy_follows, "Envoy to take the restarted ext_proc's members")
+            print(f"Envoy had the new members {time.perf_counter() - restarted:.2f} s after "
+                  "the ext_proc restarted")  # fmt: skip
+            status, body = await s.post(SHORT)
+            assert status == 200, body
+            assert len(await s.seen(d2)) == 1
