@@ -321,3 +321,38 @@ async def test_envoy_keeps_the_pools_while_the_extproc_restarts(tmp_path: Path) 
             status, body = await s.post(SHORT)
             assert status == 200, body
             assert len(await s.seen(d2)) == 1
+
+
+@pytest.mark.timeout(120)
+async def test_an_envoy_started_before_the_extproc_waits_at_most_seconds(tmp_path: Path) -> None:
+    """A user's Envoy (its other routes too) is not held for Envoy's default 15 s when the
+    ext_proc is not up yet; the pools fill once it is."""
+    sock, extproc_sock = f"unix:{tmp_path}/prefill.sock", f"unix:{tmp_path}/extproc.sock"
+    fast = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0")
+    config_path = tmp_path / "pd-extproc.yaml"
+    async with contextlib.AsyncExitStack() as stack:
+        p, d = [await stack.enter_async_context(running_engine("--kv-transfer-config", kv, *fast))
+                for kv in (PUSH_P, PUSH_D)]  # fmt: skip
+        config = base_config(p, d) | {"extproc": {"host": extproc_sock}}
+        config_path.write_text(yaml.safe_dump(config))
+        bootstrap = tmp_path / "envoy.yaml"
+        bootstrap.write_text(yaml.safe_dump(users_envoy(render(config_path, extproc_sock, sock,
+                                                               "--snippet"))))  # fmt: skip
+        envoy = EnvoyProcess(bootstrap, tmp_path, "warning", 1)
+        started = time.perf_counter()
+        await envoy.start()  # returns once Envoy is ready: its pools' first fetch settled
+        ready_s = time.perf_counter() - started
+        stack.push_async_callback(envoy.stop)
+        print(f"Envoy ready {ready_s:.2f} s after it started, without an ext_proc")
+        assert ready_s < 10
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        assert await envoy_hosts(session, envoy, "decode_pool") == set()
+        await stack.enter_async_context(serving_process(config_path, sock, tmp_path / "s.log"))
+
+        async def pools_filled() -> bool:
+            return await envoy_hosts(session, envoy, "decode_pool") == {address(d)}
+
+        await until(pools_filled, "Envoy to take the members once the ext_proc is up")
+        s = Stage(session, envoy, "http://" + await envoy.listener_address("ingress"), d, d, 0)
+        status, body = await s.post(SHORT)
+        assert status == 200, body
