@@ -313,7 +313,8 @@ async def test_envoy_keeps_the_pools_while_the_extproc_restarts(tmp_path: Path) 
             restarted = time.perf_counter()
 
             async def envoy_follows() -> bool:
-                return await envoy_hosts(session, envoy, "decode_pool") == {address(d2)}
+                return (await envoy_hosts(session, envoy, "decode_pool") == {address(d2)}
+                        and await envoy_hosts(session, envoy, "prefill_pool") == {address(p)})
 
             await until(envoy_follows, "Envoy to take the restarted ext_proc's members")
             print(f"Envoy had the new members {time.perf_counter() - restarted:.2f} s after "
@@ -350,7 +351,8 @@ async def test_an_envoy_started_before_the_extproc_waits_at_most_seconds(tmp_pat
         await stack.enter_async_context(serving_process(config_path, sock, tmp_path / "s.log"))
 
         async def pools_filled() -> bool:
-            return await envoy_hosts(session, envoy, "decode_pool") == {address(d)}
+            return (await envoy_hosts(session, envoy, "decode_pool") == {address(d)}
+                    and await envoy_hosts(session, envoy, "prefill_pool") == {address(p)})
 
         await until(pools_filled, "Envoy to take the members once the ext_proc is up")
         s = Stage(session, envoy, "http://" + await envoy.listener_address("ingress"), d, d, 0)
