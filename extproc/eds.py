@@ -36,6 +36,9 @@ __all__ = ["ASSIGNMENT_TYPE", "EndpointDiscovery", "Memberships", "pool_cluster_
 log = logging.getLogger("extproc.eds")
 
 ASSIGNMENT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+# A response is a few hundred bytes: an Envoy that takes none for this long is stuck; ending
+# its stream makes it open a new one.
+_WRITE_TIMEOUT_S = 10.0
 
 
 def pool_cluster_name(role: Role) -> str:
@@ -139,6 +142,9 @@ class _EdsStream:
         if names != self._names:  # the first request, or a changed subscription
             self._names = names
             log.info("Envoy %s subscribed to the endpoints of %s", self._peer, ", ".join(names))
+            for unknown in (n for n in names if self._memberships.get(n) is None):
+                log.warning("Envoy %s asked for the endpoints of %s: not a pool", self._peer,
+                            unknown)  # fmt: skip
             await self._send()
 
     async def _push_changes(self) -> None:
@@ -150,8 +156,6 @@ class _EdsStream:
     async def _send(self) -> None:
         assert self._names is not None
         current = {n: m for n in self._names if (m := self._memberships.get(n)) is not None}
-        for unknown in set(self._names) - current.keys():
-            log.warning("Envoy %s asked for endpoints of %s: not a pool", self._peer, unknown)
         resources = [assignment(name, members) for name, members in current.items()]
         self._nonce += 1
         response = discovery_pb2.DiscoveryResponse(
@@ -160,7 +164,8 @@ class _EdsStream:
         for resource in resources:
             response.resources.add().Pack(resource)
         self._sent = current
-        await self._context.write(response)
+        async with asyncio.timeout(_WRITE_TIMEOUT_S):
+            await self._context.write(response)
 
 
 def _version(resources: list[endpoint_pb2.ClusterLoadAssignment]) -> str:
@@ -185,6 +190,9 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
         self._inboxes.add(inbox)
         try:
             await _EdsStream(self._memberships, context).run(inbox)
+        except TimeoutError:
+            log.warning("EDS: Envoy %s took no answer for %g s; stream ended", context.peer(),
+                        _WRITE_TIMEOUT_S)  # fmt: skip
         finally:
             self._inboxes.discard(inbox)
 
