@@ -17,9 +17,12 @@ from typing import Any
 
 from extproc.cli import main as cli_main
 from extproc.config import Config, load_config
+from extproc.eds import pool_cluster_name
 from extproc.envoy_config import render_yaml, render_yaml_documents
+from extproc.envoy_render.clusters import static_pool_cluster
 from extproc.envoy_render.common import HCM_FILTER, HCM_TYPE
 from extproc.envoy_render.pieces import EnvoyPieces, envoy_pieces
+from extproc.roles import Role
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -63,9 +66,15 @@ def prefill_only_envoy(config: Path) -> dict[str, Any]:
         "admin": {"address": {"socket_address": {"address": admin.host, "port_value": admin.port}}},
         "static_resources": {
             "listeners": [pieces.prefill_listener],
-            "clusters": [pieces.prefill_pool],
+            # static like the gateway's decode Backend (pools over EDS would take the ext_proc's
+            # TLS client settings in this Envoy too)
+            "clusters": [_static_pool(cfg, Role.PREFILL)],
         },
     }
+
+
+def _static_pool(cfg: Config, role: Role) -> dict[str, Any]:
+    return static_pool_cluster(pool_cluster_name(role), cfg.static_addresses(role), cfg)
 
 
 def _pieces(cfg: Config) -> EnvoyPieces:
@@ -91,10 +100,13 @@ def istio_envoyfilter(config: Path) -> dict[str, Any]:
     on_gateway_hcm = {"listener": {"portNumber": ISTIO_GATEWAY_POD_PORT,
                                    "filterChain": {"filter": {"name": HCM_FILTER}}}}  # fmt: skip
     path_handling = {"typed_config": {"@type": HCM_TYPE, **pieces.ingress_hcm_settings}}
+    # An EnvoyFilter's clusters arrive over CDS, and Envoy takes EDS only through a bootstrap
+    # cluster: the pools here are the config's static lists.
+    pools = [_static_pool(cfg, Role.DECODE), _static_pool(cfg, Role.PREFILL)]
     patches = [
         _istio_patch("NETWORK_FILTER", on_gateway_hcm, "MERGE", path_handling),
         _istio_patch("HTTP_FILTER", on_gateway_http, "INSERT_BEFORE", pieces.ext_proc_filter),
-        *(_istio_patch("CLUSTER", {}, "ADD", c) for c in pieces.clusters),
+        *(_istio_patch("CLUSTER", {}, "ADD", c) for c in [pieces.extproc_cluster, *pools]),
         _istio_patch("LISTENER", {}, "ADD", pieces.prefill_listener),
         _istio_patch("VIRTUAL_HOST", on_gateway_routes, "ADD", vhost),
     ]
@@ -111,7 +123,8 @@ _ISTIO_HEADER = """\
 # Inserts pd-extproc into the Istio ingress gateway labelled app=llm-gateway (examples/istio/
 # gateway.yaml): path normalisation on its HTTP connection manager, the ext_proc filter before
 # the router, the pd_extproc / decode_pool / prefill_pool clusters, the loopback prefill listener
-# and a virtual host for the LLM API.
+# and a virtual host for the LLM API. The pools are the config's static lists here, not EDS:
+# Envoy takes EDS only through a cluster of its bootstrap, and an EnvoyFilter's come over CDS.
 """
 
 

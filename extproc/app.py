@@ -17,11 +17,9 @@ from pathlib import Path
 import orjson
 
 from extproc.config import Config
-from extproc.eds import write_eds
 from extproc.envoy_config import render_bootstrap, render_yaml
 from extproc.envoy_process import EnvoyProcess
 from extproc.reload import reload_runtime
-from extproc.roles import Role
 from extproc.server import ExtProcServer
 from extproc.wiring import Runtime
 from extproc.workers import WorkerProcesses
@@ -69,12 +67,9 @@ class Sidecar:
             await self.server.start()
             await self.workers.start(cfg.extproc.workers - 1)
             extproc = ",".join([self.server.address, *self.workers.addresses])
-            bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener, self.run_dir)
+            bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener)
             self.envoy.config_path.write_text(render_yaml(bootstrap))
-            await self.runtime.discover()
-            for role in Role:  # Envoy's pools follow the ext_proc's
-                self._write_eds(role, self.runtime.pool(role).addresses)
-            self.runtime.on_members = self._write_eds
+            await self.runtime.discover()  # Envoy's first EDS answer holds every member
             await self.envoy.start()
             await self.runtime.start()
             await self.server.ready()
@@ -93,17 +88,12 @@ class Sidecar:
         )
         return self.addresses
 
-    def _write_eds(self, role: Role, members: list[str]) -> None:
-        write_eds(self.run_dir, f"{role}_pool", members)
-
     async def reload(self, config_path: Path) -> None:
         """SIGHUP: new requests use the new config; requests in flight are untouched."""
         config = await reload_runtime(self.runtime, config_path)
         if config is None:
             return
-        if config.extproc.workers > 1:
-            log.warning("reload: the %d extra ext_proc workers keep their config until a "
-                        "restart", config.extproc.workers - 1)  # fmt: skip
+        await self.workers.reload(config)  # they serve EDS too: same members everywhere
         self.config = config
 
     async def wait_envoy_exit(self) -> int:

@@ -5,7 +5,6 @@ YAML. Pure: no I/O. The pieces themselves, by name, are in `extproc.envoy_render
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -19,6 +18,7 @@ from extproc.envoy_render.pieces import envoy_pieces
 
 __all__ = [
     "EXTPROC_SERVICE",
+    "NODE",
     "extproc_message_timeout_s",
     "render_bootstrap",
     "render_snippet",
@@ -27,15 +27,14 @@ __all__ = [
 ]
 
 
-def render_bootstrap(
-    cfg: Config, extproc_address: str, prefill_listener: str, eds_dir: Path | None = None
-) -> dict[str, Any]:
-    """The whole Envoy bootstrap for `cfg`, with the ext_proc at `extproc_address`.
+# Envoy asks for a node id and cluster before it subscribes to EDS (the pools' members).
+NODE = {"id": "pd-extproc", "cluster": "pd-extproc"}
 
-    With `eds_dir`, pool membership comes from the EDS files the ext_proc keeps there
-    (`extproc.eds`); without it, from the static endpoint lists of the config.
-    """
-    pieces = envoy_pieces(cfg, extproc_address, prefill_listener, eds_dir)
+
+def render_bootstrap(cfg: Config, extproc_address: str, prefill_listener: str) -> dict[str, Any]:
+    """The whole Envoy bootstrap for `cfg`, with the ext_proc at `extproc_address` (which
+    also serves the pools' members over EDS)."""
+    pieces = envoy_pieces(cfg, extproc_address, prefill_listener)
     ingress = ingress_listener(
         cfg,
         pieces.ingress_hcm_settings,
@@ -44,7 +43,7 @@ def render_bootstrap(
     )
     admin = cfg.envoy.admin
     return {
-        "node": {"id": "pd-extproc", "cluster": "pd-extproc"},  # file-based EDS needs both
+        "node": dict(NODE),
         "admin": {"address": {"socket_address": {"address": admin.host, "port_value": admin.port}}},
         "static_resources": {
             "listeners": [ingress, pieces.prefill_listener],
@@ -61,6 +60,7 @@ def render_snippet(cfg: Config, extproc_address: str, prefill_listener: str) -> 
     """
     pieces = envoy_pieces(cfg, extproc_address, prefill_listener)
     return {
+        "node": dict(NODE),
         "http_connection_manager": pieces.ingress_hcm_settings,
         "http_filters": [pieces.ext_proc_filter],
         "routes": [*pieces.llm_routes, *pieces.passthrough_routes],
@@ -74,6 +74,8 @@ def snippet_header(cfg: Config) -> str:
     """YAML comments telling where each piece of `render_snippet` goes."""
     return (
         "# pd-extproc drop-in for an existing Envoy (verified on Envoy 1.40).\n"
+        "# node: your bootstrap's node needs an id and a cluster (Envoy asks for both before it\n"
+        "#   subscribes to the pools' members); use these if it names none.\n"
         "# http_connection_manager: merge these keys into your ingress http_connection_manager:\n"
         "#   normalised paths (no spelling of a path may dodge the ext_proc's routes) and JSON\n"
         "#   error bodies for Envoy's own replies (a KV-wait timeout, an upstream reset).\n"
@@ -86,7 +88,8 @@ def snippet_header(cfg: Config) -> str:
         "# every_other_route: merge into each of your other routes: no ext_proc there, and a\n"
         "#   client's x-gateway-destination-endpoint removed. A route without the ext_proc that\n"
         "#   reaches the engines must match an exact path and method, never a prefix.\n"
-        "# clusters: add to static_resources.clusters (pd_extproc is the ext_proc's gRPC).\n"
+        "# clusters: add to static_resources.clusters (pd_extproc is the ext_proc's gRPC; the\n"
+        "#   pools take their members from it over EDS, so they follow its discovery).\n"
         "# listeners: add to static_resources.listeners; the ext_proc sends the prefill leg\n"
         "#   here. It has no authentication: keep it on loopback or a Unix socket.\n"
     )

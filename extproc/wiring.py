@@ -20,6 +20,7 @@ import aiohttp
 
 from extproc.config import Config, DispatchMode, PoolConfig
 from extproc.discovery import Discovery
+from extproc.eds import Memberships, pool_cluster_name
 from extproc.errors import NoHealthyDecode, NoHealthyPrefill
 from extproc.health import HealthChecker
 from extproc.identity import IdentityCache
@@ -225,8 +226,10 @@ class Runtime:
             settings,
             endpoint_picker,
         )
-        # Called with (role, members) when a pool's membership changes (up: EDS for Envoy).
-        self.on_members: Callable[[Role, list[str]], None] = lambda role, members: None
+        # What Envoy's pool clusters receive over EDS; every membership change lands here.
+        self.memberships = Memberships()
+        for pool in (self.prefill, self.decode):
+            self.memberships.publish(pool_cluster_name(pool.role), pool.addresses)
         self._session: aiohttp.ClientSession | None = None
         self.active_streams = 0  # Envoy streams being processed (= requests in flight)
         self.idle = asyncio.Event()  # set while no stream is open (drain waits on it)
@@ -332,12 +335,12 @@ class Runtime:
         for address in added:
             log.info("%s %s joined the pool", role, address)
         if added or removed:
-            self.on_members(role, pool.addresses)
+            self.memberships.publish(pool_cluster_name(role), pool.addresses)
             if self._session is not None:
                 self.health.check_soon()  # new members are unhealthy until checked
 
     async def discover(self) -> None:
-        """The first membership, before Envoy starts (it reads the EDS files written here)."""
+        """The first membership, before Envoy can ask for it over EDS."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
         await self.discovery.refresh()

@@ -3,13 +3,15 @@
 Each worker is a `pd-extproc serve` child with the same configuration but its own free port
 (or socket) and metrics port; Envoy spreads streams over all of them (LEAST_REQUEST). Each
 keeps its own identity cache, health view and in-flight counts: they learn the same facts
-from the same engines, and least-request picking works per process.
+from the same engines, and least-request picking works per process. Each also serves the pools'
+members over EDS (Envoy's stream may reach any of them), so a reload reaches every worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,8 +65,11 @@ class WorkerProcesses:
                 self.addresses.append(info["extproc"])
                 self.metrics.append(info["metrics"])
 
+    def _config_path(self, index: int) -> Path:
+        return self.run_dir / f"worker-{index}.yaml"
+
     async def _spawn(self, index: int) -> Path:
-        config_path = self.run_dir / f"worker-{index}.yaml"
+        config_path = self._config_path(index)
         ready = self.run_dir / f"worker-{index}.ready"
         config_path.write_text(yaml.safe_dump(_worker_config(self.config, index)))
         with (self.run_dir / f"worker-{index}.log").open("wb") as log:
@@ -74,6 +79,15 @@ class WorkerProcesses:
                 stdout=log, stderr=log, start_new_session=True,
             ))  # fmt: skip
         return ready
+
+    async def reload(self, config: Config) -> None:
+        """Hand a reloaded config to every worker (its file rewritten, then SIGHUP)."""
+        self.config = config
+        for index, process in enumerate(self.processes, start=1):
+            text = yaml.safe_dump(_worker_config(config, index))
+            await asyncio.to_thread(self._config_path(index).write_text, text)
+            if process.returncode is None:
+                process.send_signal(signal.SIGHUP)
 
     async def stop(self, grace_s: float) -> None:
         await asyncio.gather(*(terminate(p, grace_s + 5) for p in self.processes))

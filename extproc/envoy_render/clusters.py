@@ -1,16 +1,15 @@
 """The three clusters: the ext_proc's gRPC, and the decode and prefill pools.
 
 The pools are real clusters whose override_host policy reads x-gateway-destination-endpoint,
-so only pool members can ever be chosen.
+so only pool members can ever be chosen. Their members come over gRPC EDS from the ext_proc
+itself (through its cluster), so Envoy follows every discovery source and reload.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from extproc.config import Config
-from extproc.eds import eds_path
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.envoy_render.common import TYPED, UNLIMITED, duration, socket_address
 from extproc.envoy_render.ext_proc_filter import EXTPROC_CLUSTER
@@ -25,6 +24,13 @@ _ROUND_ROBIN = (
 _TLS_CONTEXT = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _EXTPROC_MAX_OUTBOUND_FRAMES = 1_000_000
+# How long Envoy's start waits for the pools' first EDS answer. An ext_proc that is up answers
+# in milliseconds; one that is down must not hold a user's whole Envoy (its other routes too)
+# for Envoy's default 15 s. The pools are empty until it answers: LLM requests fail anyway then.
+_EDS_INITIAL_FETCH_S = 5
+# Envoy re-opens a broken EDS stream with backoff (by default up to 30 s apart): cap it, so a
+# restarted ext_proc is reached within seconds. Meanwhile Envoy keeps the endpoints it has.
+_EDS_RETRY_BACKOFF = {"base_interval": "0.5s", "max_interval": "5s"}
 
 
 def _endpoints(addresses: list[str]) -> list[dict[str, Any]]:
@@ -36,17 +42,14 @@ def _lb_policy(name: str, typed_config: dict[str, Any]) -> dict[str, Any]:
     return {"policies": [{"typed_extension_config": {"name": name, "typed_config": typed_config}}]}
 
 
-def pool_cluster(
-    name: str, addresses: list[str], cfg: Config, eds_dir: Path | None = None
-) -> dict[str, Any]:
-    """A pool cluster: static members, or (eds_dir) members the ext_proc writes to a file."""
+def _pool_base(name: str, cfg: Config) -> dict[str, Any]:
     round_robin = _lb_policy("envoy.load_balancing_policies.round_robin", {TYPED: _ROUND_ROBIN})
     override_host = {
         TYPED: _OVERRIDE_HOST,
         "override_host_sources": [{"header": DESTINATION_HEADER}],
         "fallback_policy": round_robin,  # only for routes without the ext_proc (/v1/models)
     }
-    cluster: dict[str, Any] = {
+    return {
         "name": name,
         "connect_timeout": duration(cfg.timeouts.connect_s),
         "circuit_breakers": {"thresholds": [UNLIMITED]},
@@ -54,19 +57,33 @@ def pool_cluster(
             "envoy.load_balancing_policies.override_host", override_host
         ),
     }
-    if eds_dir is None:
-        endpoints = [{"lb_endpoints": _endpoints(addresses)}]
-        return {**cluster, "type": "STATIC",
-                "load_assignment": {"cluster_name": name, "endpoints": endpoints}}  # fmt: skip
+
+
+def pool_cluster(name: str, cfg: Config) -> dict[str, Any]:
+    """A pool cluster whose members the ext_proc serves over EDS (resource name = `name`)."""
+    grpc = {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER,
+                           "retry_policy": {"retry_back_off": _EDS_RETRY_BACKOFF}}}  # fmt: skip
     source = {
-        "path_config_source": {
-            "path": str(eds_path(eds_dir, name)),
-            "watched_directory": {"path": str(eds_dir)},
+        "api_config_source": {
+            "api_type": "GRPC",
+            "transport_api_version": "V3",
+            "grpc_services": [grpc],
+            "set_node_on_first_message_only": True,
         },
+        "initial_fetch_timeout": duration(_EDS_INITIAL_FETCH_S),
         "resource_api_version": "V3",
     }
-    return {**cluster, "type": "EDS",
+    return {**_pool_base(name, cfg), "type": "EDS",
             "eds_cluster_config": {"service_name": name, "eds_config": source}}  # fmt: skip
+
+
+def static_pool_cluster(name: str, addresses: list[str], cfg: Config) -> dict[str, Any]:
+    """A pool cluster with the config's static members, for an Envoy that takes its clusters
+    over CDS (an Istio EnvoyFilter): Envoy refuses an EDS source through a cluster that did
+    not come from its bootstrap, and the ext_proc's cluster would be one."""
+    endpoints = [{"lb_endpoints": _endpoints(addresses)}]
+    return {**_pool_base(name, cfg), "type": "STATIC",
+            "load_assignment": {"cluster_name": name, "endpoints": endpoints}}  # fmt: skip
 
 
 def extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from extproc.config import Config
+from extproc.eds import pool_cluster_name
 from extproc.envoy_render.clusters import extproc_cluster, pool_cluster
 from extproc.envoy_render.ext_proc_filter import ext_proc_filter
 from extproc.envoy_render.listeners import ingress_hcm_settings, prefill_listener
@@ -46,12 +46,9 @@ class EnvoyPieces:
         return [self.extproc_cluster, self.decode_pool, self.prefill_pool]
 
 
-def envoy_pieces(
-    cfg: Config, extproc_address: str, prefill_listen: str, eds_dir: Path | None = None
-) -> EnvoyPieces:
+def envoy_pieces(cfg: Config, extproc_address: str, prefill_listen: str) -> EnvoyPieces:
     """The pieces for `cfg`, with the ext_proc at `extproc_address` and the prefill listener on
-    `prefill_listen`. With `eds_dir`, pool membership comes from the EDS files the ext_proc
-    keeps there (`extproc.eds`); without it, from the static endpoint lists of the config."""
+    `prefill_listen`. The pools' members come from the ext_proc over EDS (`extproc.eds`)."""
     return EnvoyPieces(
         ingress_hcm_settings=ingress_hcm_settings(cfg),
         ext_proc_filter=ext_proc_filter(cfg),
@@ -60,7 +57,7 @@ def envoy_pieces(
         catch_all_route=catch_all_route(cfg),
         every_other_route=without_extproc(),
         extproc_cluster=extproc_cluster(extproc_address, cfg),
-        decode_pool=pool_cluster("decode_pool", cfg.static_addresses(Role.DECODE), cfg, eds_dir),
-        prefill_pool=pool_cluster("prefill_pool", cfg.static_addresses(Role.PREFILL), cfg, eds_dir),
+        decode_pool=pool_cluster(pool_cluster_name(Role.DECODE), cfg),
+        prefill_pool=pool_cluster(pool_cluster_name(Role.PREFILL), cfg),
         prefill_listener=prefill_listener(cfg, prefill_listen),
     )

@@ -95,7 +95,7 @@ def _bootstrap(listeners: list[Any], clusters: list[Any]) -> dict[str, Any]:
 
 def test_snippet_pasted_into_an_existing_envoy_validates(tmp_path: Path) -> None:
     snippet = yaml.safe_load((GOLDEN / "snippet.yaml").read_text())
-    assert set(snippet) == {"http_connection_manager", "http_filters", "routes",
+    assert set(snippet) == {"node", "http_connection_manager", "http_filters", "routes",
                             "every_other_route", "clusters", "listeners"}  # fmt: skip
     assert [c["name"] for c in snippet["clusters"]] == ["pd_extproc", "decode_pool", "prefill_pool"]
     assert [f["name"] for f in snippet["http_filters"]] == ["envoy.filters.http.ext_proc"]
@@ -106,6 +106,7 @@ def test_snippet_pasted_into_an_existing_envoy_validates(tmp_path: Path) -> None
     listener = _hcm_listener("my_ingress", 8080, snippet["http_filters"], [vhost],
                              **snippet["http_connection_manager"])  # fmt: skip
     bootstrap = _bootstrap([listener, *snippet["listeners"]], snippet["clusters"])
+    bootstrap["node"] = snippet["node"]
     envoy_validate_dict(bootstrap, tmp_path, "existing-envoy")
 
 

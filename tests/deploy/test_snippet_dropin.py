@@ -41,6 +41,15 @@ COMPLETION = {"model": "sim-model", "prompt": "hello " * 50, "max_tokens": 4}
 @contextlib.asynccontextmanager
 async def serving(config: Path, prefill_listener: str, log: Path) -> AsyncIterator[str]:
     """`pd-extproc serve`; yields the ext_proc's host:port once it printed it."""
+    async with serving_process(config, prefill_listener, log) as (address, _):
+        yield address
+
+
+@contextlib.asynccontextmanager
+async def serving_process(
+    config: Path, prefill_listener: str, log: Path
+) -> AsyncIterator[tuple[str, int]]:
+    """`pd-extproc serve`; yields its host:port once it printed it, and its pid."""
     with log.open("wb") as log_file:  # the child keeps its own descriptor
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "extproc", "serve", "--config", str(config),
@@ -50,11 +59,11 @@ async def serving(config: Path, prefill_listener: str, log: Path) -> AsyncIterat
     try:
         assert process.stdout is not None
         line = await asyncio.wait_for(process.stdout.readline(), 30)
-        match = re.search(r"ext_proc on (\S+:\d+)", line.decode())
+        match = re.search(r"ext_proc on ([^\s,]+)", line.decode())  # host:port or unix:path
         if match is None:
             tail = await asyncio.to_thread(log.read_text)
             raise AssertionError(f"pd-extproc serve did not start: {line!r}\n{tail[-2000:]}")
-        yield match.group(1)
+        yield match.group(1), process.pid
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGTERM)
@@ -95,6 +104,7 @@ def users_envoy(pieces: dict[str, Any]) -> dict[str, Any]:
             {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
     }  # fmt: skip
     return {
+        "node": pieces["node"],
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
         "static_resources": {
             "listeners": [ingress, *pieces["listeners"]],

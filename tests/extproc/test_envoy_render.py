@@ -59,9 +59,8 @@ def cfg(request: pytest.FixtureRequest) -> Config:
     return load_config(request.param)
 
 
-@pytest.mark.parametrize("eds_dir", [None, Path("/run/pd-extproc")], ids=["static", "eds"])
-def test_the_bootstrap_is_a_typed_bootstrap(cfg: Config, eds_dir: Path | None) -> None:
-    _parse(render_bootstrap(cfg, "127.0.0.1:50051,unix:/x", "127.0.0.1:10001", eds_dir), Bootstrap)
+def test_the_bootstrap_is_a_typed_bootstrap(cfg: Config) -> None:
+    _parse(render_bootstrap(cfg, "127.0.0.1:50051,unix:/x", "127.0.0.1:10001"), Bootstrap)
 
 
 def test_every_named_piece_is_its_typed_message(cfg: Config) -> None:

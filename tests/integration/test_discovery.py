@@ -114,3 +114,26 @@ async def test_sighup_reload_adds_an_endpoint_without_dropping_requests() -> Non
         )
         status, _, _ = await topo.post("/v1/completions", COMPLETION)
         assert status == 200
+
+
+async def test_a_reload_reaches_every_worker_and_envoy() -> None:
+    """Each ext_proc worker serves Envoy the pools over EDS, so all must take a reload: Envoy's
+    stream may sit on any of them."""
+    async with (
+        topology(extproc={"workers": 2}) as topo,
+        running_engine("--kv-transfer-config", PUSH_D) as extra,
+    ):
+        config = yaml.safe_load(topo.sidecar.config_path.read_text())
+        config["decode"]["endpoints"].append(address(extra))
+        topo.sidecar.config_path.write_text(yaml.safe_dump(config))
+        os.kill(topo.sidecar.pid, signal.SIGHUP)
+
+        async def everywhere() -> bool:
+            for base in [topo.sidecar.metrics, *topo.sidecar.worker_metrics]:
+                async with topo.session.get(base + "/ready") as response:
+                    if address(extra) not in (await response.json())["decode"]:
+                        return False
+            async with topo.session.get(topo.sidecar.envoy_admin + "/clusters") as response:
+                return f"decode_pool::{address(extra)}::" in await response.text()
+
+        await until(everywhere, "every worker and Envoy to take the new decode endpoint")
