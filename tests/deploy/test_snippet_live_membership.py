@@ -19,7 +19,6 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from aiohttp import web
 
 from extproc.envoy_process import EnvoyProcess
 from tests.deploy.test_snippet_dropin import (
@@ -29,6 +28,7 @@ from tests.deploy.test_snippet_dropin import (
     serving_process,
     users_envoy,
 )
+from tests.fakes.kube_api import fake_kube_api, pod
 from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 # 20 ms steps: a request of 20 tokens stays in flight for about 0.4 s
@@ -37,33 +37,6 @@ SHORT = {"model": "sim-model", "prompt": "live " * 20, "max_tokens": 20}
 LONG = {"model": "sim-model", "prompt": "long-running " * 20, "max_tokens": 100}
 JOIN_WITHIN_S = 2.0
 TIMEOUT = aiohttp.ClientTimeout(total=30)
-
-
-class FakeKubernetes:
-    """The smallest Kubernetes API the pod source reads: LIST pods by label selector."""
-
-    def __init__(self) -> None:
-        self.pod_ips: list[str] = []
-
-    async def list_pods(self, request: web.Request) -> web.Response:
-        items = [{"status": {"phase": "Running", "podIP": ip,
-                             "conditions": [{"type": "Ready", "status": "True"}]}}
-                 for ip in self.pod_ips]  # fmt: skip
-        return web.json_response({"kind": "PodList", "items": items})
-
-
-@contextlib.asynccontextmanager
-async def fake_kubernetes() -> AsyncIterator[tuple[FakeKubernetes, str]]:
-    fake = FakeKubernetes()
-    app = web.Application()
-    app.router.add_get("/api/v1/namespaces/{namespace}/pods", fake.list_pods)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield fake, f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 @dataclass
@@ -234,18 +207,20 @@ async def joins_and_leaves(
 
 @pytest.mark.timeout(180)
 async def test_kubernetes_pods_reach_the_users_envoy(tmp_path: Path) -> None:
-    async with fake_kubernetes() as (kube, api):
+    async with fake_kube_api() as kube:
 
         def config(p: EngineHandle, d1: EngineHandle, d2: EngineHandle) -> dict[str, Any]:
             cfg = base_config(p, d1)
             cfg["decode"]["kubernetes"] = {"label_selector": "app=decode", "port": d2.port}
-            cfg["discovery"] |= {"kubernetes_api": api, "token_file": "/nonexistent",
+            cfg["discovery"] |= {"kubernetes_api": kube.url, "token_file": "/nonexistent",
                                  "ca_file": "/nonexistent"}  # fmt: skip
             return cfg
 
         async with stage(tmp_path, config) as s:
             times = await joins_and_leaves(
-                s, lambda: kube.pod_ips.append("127.0.0.1"), kube.pod_ips.clear
+                s,
+                lambda: kube.put_pod(pod("d-2", "127.0.0.1", {"app": "decode"})),
+                lambda: kube.delete_pod("d-2"),
             )
     print(f"kubernetes: {times}")
 
@@ -313,8 +288,9 @@ async def test_envoy_keeps_the_pools_while_the_extproc_restarts(tmp_path: Path) 
             restarted = time.perf_counter()
 
             async def envoy_follows() -> bool:
-                return (await envoy_hosts(session, envoy, "decode_pool") == {address(d2)}
-                        and await envoy_hosts(session, envoy, "prefill_pool") == {address(p)})
+                return await envoy_hosts(session, envoy, "decode_pool") == {
+                    address(d2)
+                } and await envoy_hosts(session, envoy, "prefill_pool") == {address(p)}
 
             await until(envoy_follows, "Envoy to take the restarted ext_proc's members")
             print(f"Envoy had the new members {time.perf_counter() - restarted:.2f} s after "
@@ -351,8 +327,9 @@ async def test_an_envoy_started_before_the_extproc_waits_at_most_seconds(tmp_pat
         await stack.enter_async_context(serving_process(config_path, sock, tmp_path / "s.log"))
 
         async def pools_filled() -> bool:
-            return (await envoy_hosts(session, envoy, "decode_pool") == {address(d)}
-                    and await envoy_hosts(session, envoy, "prefill_pool") == {address(p)})
+            return await envoy_hosts(session, envoy, "decode_pool") == {
+                address(d)
+            } and await envoy_hosts(session, envoy, "prefill_pool") == {address(p)}
 
         await until(pools_filled, "Envoy to take the members once the ext_proc is up")
         s = Stage(session, envoy, "http://" + await envoy.listener_address("ingress"), d, d, 0)
