@@ -87,8 +87,9 @@ def snippet_header(cfg: Config) -> str:
         "#   client's x-gateway-destination-endpoint removed. A route without the ext_proc that\n"
         "#   reaches the engines must match an exact path and method, never a prefix.\n"
         "# clusters: add to static_resources.clusters (pd_extproc is the ext_proc's gRPC).\n"
-        "# listeners: add to static_resources.listeners; the ext_proc sends the prefill leg\n"
-        "#   here. It has no authentication: keep it on loopback or a Unix socket.\n"
+        "# listeners: add to static_resources.listeners; with dispatch.prefill_leg: listener the\n"
+        "#   ext_proc sends the prefill leg here (by default it goes straight to the engine). It\n"
+        "#   has no authentication: keep it on loopback or a Unix socket.\n"
     )
 
 
