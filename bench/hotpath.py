@@ -4,8 +4,8 @@
 One 1P1D push topology whose engines answer in ~1 ms, so the figures are the proxies':
 
   1. sequential requests, interleaved in rounds: latency of aggregated (client → D), direct P/D
-     (the client sends both legs itself), pd-extproc (push; its P leg through Envoy's prefill
-     listener, and straight to the engine), vllm-router; added latency =
+     (the client sends both legs itself), pd-extproc (push; its P leg straight to the engine,
+     and through Envoy's prefill listener), vllm-router; added latency =
      proxy − direct P/D at p50 and p99; dispatch skew |D arrival − P arrival| from each engine's
      GET /sim/requests; CPU seconds per request of the ext_proc, of its Envoy and of the router.
   2. open-loop rate steps: the highest rate at which each proxy's p99 added latency stays < 5 ms.
@@ -44,8 +44,8 @@ from bench.targets import Target, running_extproc, running_target
 from scripts.cached_envs import vllm_router_venv
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PROXIES = ["pd-extproc", "vllm-router"]  # extended by --direct-leg, --baseline, --workers
-DIRECT_LEG = "pd-extproc (P leg direct)"
+PROXIES = ["pd-extproc", "vllm-router"]  # extended by --listener-leg, --baseline, --workers
+LISTENER_LEG = "pd-extproc (P leg via listener)"  # pd-extproc's default sends P straight
 ADDED_P99_LIMIT_MS = 5.0
 
 
@@ -209,10 +209,10 @@ async def main(args: argparse.Namespace) -> None:
             PROXIES.insert(1, "pd-extproc (baseline)")
             targets[PROXIES[1]] = await stack.enter_async_context(running_extproc(
                 "push", engines, proxy_cpus, baseline=args.baseline))
-        if args.direct_leg:  # the P leg straight to the engine, beside the listener path
-            PROXIES.insert(1, DIRECT_LEG)
-            targets[DIRECT_LEG] = await stack.enter_async_context(running_extproc(
-                "push", engines, proxy_cpus, dispatch={"prefill_leg": "direct"}))
+        if args.listener_leg:  # the P leg through Envoy's prefill listener, beside the default
+            PROXIES.insert(1, LISTENER_LEG)
+            targets[LISTENER_LEG] = await stack.enter_async_context(running_extproc(
+                "push", engines, proxy_cpus, dispatch={"prefill_leg": "listener"}))
         for n in args.workers:
             PROXIES.append(f"pd-extproc ×{n}")
             targets[PROXIES[-1]] = await stack.enter_async_context(running_extproc(
@@ -392,8 +392,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline", type=Path, default=None,
                         help="also measure the extproc package found in this directory (e.g. "
                              "`git archive BASE extproc | tar -x -C DIR`): before/after in one run")
-    parser.add_argument("--no-direct-leg", dest="direct_leg", action="store_false",
-                        help="do not measure pd-extproc with dispatch.prefill_leg: direct")
+    parser.add_argument("--no-listener-leg", dest="listener_leg", action="store_false",
+                        help="do not measure pd-extproc with dispatch.prefill_leg: listener")
     parser.add_argument("--workers", default="2",
                         help="also measure pd-extproc with extproc.workers = each N (comma list; "
                              "'' for none)")  # fmt: skip

@@ -90,8 +90,9 @@ def snippet_header(cfg: Config) -> str:
         "#   reaches the engines must match an exact path and method, never a prefix.\n"
         "# clusters: add to static_resources.clusters (pd_extproc is the ext_proc's gRPC; the\n"
         "#   pools take their members from it over EDS, so they follow its discovery).\n"
-        "# listeners: add to static_resources.listeners; the ext_proc sends the prefill leg\n"
-        "#   here. It has no authentication: keep it on loopback or a Unix socket.\n"
+        "# listeners: add to static_resources.listeners; with dispatch.prefill_leg: listener the\n"
+        "#   ext_proc sends the prefill leg here (by default it goes straight to the engine). It\n"
+        "#   has no authentication: keep it on loopback or a Unix socket.\n"
     )
 
 

@@ -92,9 +92,9 @@ def headers_answer(mutation: ep.HeaderMutation) -> ep.ProcessingResponse:
     )
 
 
-def streamed_body_answer(body: bytes, end_of_stream: bool = True) -> ep.ProcessingResponse:
+def streamed_body_answer(body: bytes) -> ep.ProcessingResponse:
     """Streamed body: the whole new body in one chunk (the client's chunks were consumed)."""
-    streamed = ep.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+    streamed = ep.StreamedBodyResponse(body=body, end_of_stream=True)
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(
             response=ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed))
@@ -102,14 +102,13 @@ def streamed_body_answer(body: bytes, end_of_stream: bool = True) -> ep.Processi
     )
 
 
-_CONTINUE_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+_CONTINUE_REQUEST_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+_CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
 
 def continue_request_trailers() -> ep.ProcessingResponse:
-    return _CONTINUE_TRAILERS
-
-
-_CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+    """Let a pass-through request's trailers go on unchanged."""
+    return _CONTINUE_REQUEST_TRAILERS
 
 
 def continue_response_trailers() -> ep.ProcessingResponse:

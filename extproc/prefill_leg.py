@@ -20,7 +20,14 @@ import orjson
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.errors import ListenerUnreachable, PrefillFailed, PrefillTimeout, PrefillUnreachable
 
-__all__ = ["LOCAL_REPLY_HEADER", "PrefillClient", "PrefillPaths", "PrefillResult", "prefill_error"]
+__all__ = [
+    "LOCAL_REPLY_HEADER",
+    "PrefillClient",
+    "PrefillPaths",
+    "PrefillResult",
+    "PrefillSender",
+    "prefill_error",
+]
 
 LOCAL_REPLY_HEADER = "x-pd-extproc-envoy-flags"
 # Envoy response flags that mean the upstream was never reached or dropped the connection.
@@ -140,6 +147,8 @@ class PrefillClient:
 
 
 class PrefillSender(Protocol):
+    """What sends a P leg: PrefillClient (through the listener), DirectPrefillClient."""
+
     def send(
         self,
         endpoint: str,

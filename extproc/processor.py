@@ -191,8 +191,7 @@ class RequestProcessor:
         self.plan = plan = self._plan(request, wanted, inflight)
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
         exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
-                            streamed, upload.trailers,
-                            picker.destination_namespace if picker else None)  # fmt: skip
+                            streamed, picker.destination_namespace if picker else None)  # fmt: skip
         self.dispatch = start_dispatch(plan, self.deps.legs, exchange)
         if await self.dispatch.send(started):
             await self._watch()
@@ -239,6 +238,10 @@ class RequestProcessor:
         if upload.envoy_reply is not None:
             await self._on_envoy_reply(upload.envoy_reply)
             return None
+        if upload.trailers:
+            # Tried through Envoy 1.40: D then got a misframed request (its engine answered
+            # 400 to the body's bytes), so they are refused before any leg leaves.
+            raise ClientError(400, "request trailers are not supported; send the body alone")
         return upload
 
     async def _on_envoy_reply(self, message: Any) -> None:

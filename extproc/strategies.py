@@ -106,7 +106,6 @@ class Exchange:
     forwarded: dict[str, str]  # client headers the P leg carries too
     client_request_id: str
     streamed: bool = False  # the body streamed in (FULL_DUPLEX_STREAMED), else buffered
-    trailers: bool = False  # a streamed body that ended with trailers
     # endpoint picker: the destination goes out as dynamic metadata in this namespace too
     destination_namespace: str | None = None
 
@@ -117,18 +116,13 @@ def decode_answers(
     """Envoy's answers that send `body` to D: the one place that says where D is.
 
     Buffered: one body answer carrying the headers. Streamed: the headers' answer, then the
-    new body (then the trailers' answer, when the client sent trailers).
+    whole new body.
     """
     if not exchange.streamed:
         answers = [envoy_msgs.body_answer(body, plan.decodes, plan.request_id)]
     else:
         mutation = envoy_msgs.route_mutation(plan.decodes, plan.request_id, len(body))
-        answers = [
-            envoy_msgs.headers_answer(mutation),
-            envoy_msgs.streamed_body_answer(body, end_of_stream=not exchange.trailers),
-        ]
-        if exchange.trailers:
-            answers.append(envoy_msgs.continue_request_trailers())
+        answers = [envoy_msgs.headers_answer(mutation), envoy_msgs.streamed_body_answer(body)]
     if exchange.destination_namespace is not None:  # the answer that sets the header
         envoy_msgs.with_destination_metadata(
             answers[0], plan.decodes, exchange.destination_namespace

@@ -24,7 +24,7 @@ __all__ = ["Upload", "gather_body"]
 @dataclass(frozen=True, slots=True)
 class Upload:
     body: bytes
-    trailers: bool = False  # the body ended with trailers: they are answered after it
+    trailers: bool = False  # the body ended with trailers (the processor refuses them)
     # Envoy's own reply arrived instead of the body's end (it answered the client itself)
     envoy_reply: ep.ProcessingRequest | None = None
 

@@ -158,17 +158,17 @@ async def test_the_client_gone_mid_upload_ends_quietly() -> None:
     assert rt.metrics.registry.get_sample_value("pd_extproc_requests_total", counted) == 1
 
 
-async def test_a_body_with_trailers_gets_their_answer_after_the_body() -> None:
+async def test_a_body_with_trailers_is_refused_before_any_leg() -> None:
     envoy = ScriptedEnvoy()
-    task = await run(runtime(FakePrefill(0.05), cached=True), envoy)
+    prefill = FakePrefill(0.0)
+    task = await run(runtime(prefill, cached=True), envoy)
     await envoy.inbox.put(streamed_headers())
     await envoy.inbox.put(chunk(orjson.dumps(REQUEST)))
     await envoy.inbox.put(ep.ProcessingRequest(request_trailers=ep.HttpTrailers()))
-    await until_sent(envoy, 3)
-    assert kinds(envoy) == ["request_headers", "request_body", "request_trailers"]
-    assert not envoy.sent[1].request_body.response.body_mutation.streamed_response.end_of_stream
-    await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
+    reply = envoy.sent[-1].immediate_response
+    assert reply.status.code == 400 and "trailers" in orjson.loads(reply.body)["error"]["message"]
+    assert kinds(envoy) == ["immediate_response"] and prefill.calls == 0
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b""], ids=["not json", "empty"])
