@@ -3,11 +3,10 @@
 One loop per engine. A step "takes" its modelled time through asyncio.sleep, so the
 simulation costs little CPU; an idle loop waits on an event. As in vLLM, the loop keeps
 stepping (empty steps of `idle_step_ms`) while requests wait for remote KV or the connector
-has push work, because the connector's events are tied to steps:
-  start of a step  -> `connector.start_step()`: what the scheduler staged (D's registrations,
-                      P's blocks finished in the previous step) goes to the connector's threads;
-  end of a step    -> `connector.end_step()`: the transfers the main thread sees as done
-                      (vLLM's get_finished); those requests are scheduled from the next step.
+has push work, because the connector's events are tied to steps: a receive starts when the
+scheduler allocates the request (before its step), and at the end of every step
+`connector.end_step()` (vLLM's get_finished) hands P's finished blocks on and returns the
+receives the main thread now sees as done; those requests decode from the next step.
 Each request keeps a timeline of (event, step, wall time) entries (GET /sim/requests).
 
 Request life cycle (vLLM v1 names):
@@ -132,7 +131,6 @@ class KVConnector(Protocol):
 
     def start_recv(self, req: SimRequest) -> None: ...
     def request_finished(self, req: SimRequest) -> dict[str, Any] | None: ...
-    def start_step(self) -> None: ...
     def end_step(self) -> set[SimRequest]: ...
     def has_pending_work(self) -> bool: ...
     def abort(self, req: SimRequest) -> None: ...
@@ -234,8 +232,6 @@ class Engine:
         while True:
             self._wake.clear()
             self._admit()
-            if self.connector is not None:
-                self.connector.start_step()
             batch = self._plan()
             busy = bool(batch.prefill or batch.decode)
             if not busy and not self._must_step():

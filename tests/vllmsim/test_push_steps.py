@@ -88,19 +88,29 @@ async def test_serial_push_waits_for_d_allocation_and_p_next_step(
 async def test_parallel_push_writes_one_p_step_after_the_finish(
     http: aiohttp.ClientSession,
 ) -> None:
-    slow_prefill = (*FAST, "--prefill-per-token-ms", "2")  # a ~100 ms prefill step
+    slow_prefill = (*FAST, "--prefill-per-token-ms", "2")  # prefill steps of ~100 ms
     async with (running_engine(*slow_prefill, "--kv-transfer-config", PUSH_P) as p,
                 running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d):  # fmt: skip
         await serial_exchange(http, p, d, "warm-up")
-        p_leg = post(http, p, "/v1/completions", p_body(), rid="par")
-        d_leg = post(http, d, "/v1/completions", d_body(identity(p, "placeholder")), rid="par")
-        (p_status, _), (d_status, _) = await asyncio.gather(p_leg, d_leg)
-        assert p_status == d_status == 200
+        p_leg = asyncio.create_task(post(http, p, "/v1/completions", p_body(), rid="par"))
+        d_leg = asyncio.create_task(
+            post(http, d, "/v1/completions", d_body(identity(p, "placeholder")), rid="par"))
+
+        async def prefilling() -> bool:
+            recs = [r for r in await _records(http, p) if r["x_request_id"] == "par"]
+            return bool(recs) and any(e[0] == "allocated" for e in recs[0]["events"])
+
+        await eventually(prefilling)  # the next request fills P's next step
+        other = asyncio.create_task(post(http, p, "/v1/completions", p_body(), rid="other"))
+        for leg in (p_leg, d_leg, other):
+            assert (await leg)[0] == 200
         pt, dt = await p_timeline(http, p, "par"), await timeline(http, d, "par")
+        nt = await timeline(http, p, "other")
     assert at(dt, "push_reg_sent") < at(pt, "finished")  # D registered during the prefill
-    assert "write_started_parallel" in pt
-    assert step(pt, "write_started_parallel") == step(pt, "finished") + 1
-    assert at(pt, "blocks_to_writer") <= at(pt, "write_started_parallel")
+    assert step(nt, "finished") == step(pt, "finished") + 1  # P's next step: another prefill
+    # The blocks reach the writer when that step ends, and only then does the WRITE start.
+    assert step(pt, "blocks_to_writer") == step(pt, "finished") + 1
+    assert at(nt, "finished") <= at(pt, "blocks_to_writer") <= at(pt, "write_started_parallel")
 
 
 async def penalty(http: aiohttp.ClientSession, step_ms: str) -> float:

@@ -11,9 +11,10 @@ D: the scheduler stages the registration when it allocates the request's blocks;
    the WRITE-completion notif. The writer forwards that notif to the main thread when a step
    ends; the main thread counts it at the end of the next step; the request decodes from
    the step after that.
-P: after its 1-token step the blocks are leased; at the start of P's next step they reach the
-   writer. It pairs finished blocks with a registration by exact id, else by `transfer_id`
-   when both carry one, else by base id (one `-<8hex>` suffix stripped). Whichever the writer
+P: after its 1-token step the blocks are leased; one P step later (at the end of P's next
+   step, vLLM's async scheduling) they reach the writer. It pairs finished blocks with a
+   registration by exact id, else by `transfer_id` when both carry one, else by base id
+   (one `-<8hex>` suffix stripped). Whichever the writer
    sees second triggers the WRITE: scenario 1 ("parallel": D registered while P was still
    prefilling) or scenario 2 ("serial": P finished first). Before its first WRITE to a D
    engine the writer handshakes with it once.
@@ -76,7 +77,8 @@ class PushConnector(ConnectorBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._staged: list[Lease] = []  # finished this step; the writer gets them next step
+        self._staged: list[Lease] = []  # finished in the step that just ended
+        self._shipping: list[Lease] = []  # in the next step's metadata
         self._finished: dict[str, Lease] = {}  # with the writer, waiting for a registration
         self._timelines: dict[str, SimRequest] = {}  # P request by lease id, for its timeline
         self._inbox: list[Registration] = []  # PUSH_REG notifs the writer has not read yet
@@ -90,29 +92,31 @@ class PushConnector(ConnectorBase):
         self._forwarded: set[SimRequest] = set()  # forwarded by the writer, not yet counted
 
     # -- step hooks ----------------------------------------------------------------------
-    def start_step(self) -> None:
-        """vLLM ships finished blocks to the writer in the next step's metadata."""
-        if not self._staged:
-            return
-        for lease in self._staged:
+    def end_step(self) -> set[SimRequest]:
+        """The end of a step (vLLM's get_finished), which wakes the writer.
+
+        P: blocks finished in the step before this one reach the writer now. vLLM (async
+        scheduling, its default) has already scheduled the next step when a step's output
+        is processed, so finished blocks ride in the metadata of the step after next: the
+        writer gets them one P step after the finish.
+        D: the main thread counts the completions the writer forwarded at an earlier step
+        end; those the writer forwards now are counted at the next one.
+        """
+        for lease in self._shipping:
             if self.leases.get(lease.request_id) is lease:
                 self._finished[lease.request_id] = lease
-                self._note(lease.request_id, "blocks_to_writer")
-        self._staged.clear()
-        self._wake_writer()
-
-    def end_step(self) -> set[SimRequest]:
-        """get_finished: count what the writer forwarded earlier, then wake the writer (it
-        drains the agent's notifs; what it forwards now is counted at the next step's end)."""
+                self._note(lease.request_id, "blocks_to_writer", self.engine.steps)
+        self._shipping, self._staged = self._staged, []
         done = {r for r in self._forwarded if r.state is State.WAITING_FOR_REMOTE_KVS}
-        self._forwarded = self._notified
-        self._notified = set()
+        self._forwarded, self._notified = self._notified, set()
         if self._inbox or self._finished:
             self._wake_writer()
         return done
 
     def has_pending_work(self) -> bool:
-        return bool(self._staged or self._finished or self._notified or self._forwarded)
+        """vLLM's has_pending_push_work, and D's completions still to count."""
+        return bool(self._staged or self._shipping or self._finished or self._notified
+                    or self._forwarded)
 
     # -- P side --------------------------------------------------------------------------
     def request_finished(self, req: SimRequest) -> dict[str, Any] | None:
@@ -124,10 +128,10 @@ class PushConnector(ConnectorBase):
         return prefill_params(self.ident, self.mode, req.blocks, req.internal_id,
                               req.num_computed)  # fmt: skip
 
-    def _note(self, request_id: str, event: str) -> None:
+    def _note(self, request_id: str, event: str, step: int | None = None) -> None:
         req = self._timelines.get(request_id)
         if req is not None:
-            req.note(event, self.engine.step_now)
+            req.note(event, self.engine.step_now if step is None else step)
 
     def _on_lease_expired(self, lease: Lease) -> None:
         self._finished.pop(lease.request_id, None)
