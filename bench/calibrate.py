@@ -117,13 +117,17 @@ def order(row: dict[str, float]) -> str:
     return " < ".join(sorted(row, key=row.__getitem__))
 
 
-def run_gpu_plan(out: Path, runs: int) -> dict[str, dict[int, float]]:
-    """bench/run.py on 4P4D with the gpu-8b profile; median TTFT per mode and C."""
+def run_gpu_plan(out: Path, runs: int) -> None:
+    """bench/run.py on 4P4D with the gpu-8b profile (writes out/ttft.json)."""
     argv = [sys.executable, str(ROOT / "bench" / "run.py"), "--profile", "gpu-8b",
             "--topologies", "4P4D", "--configs", "pull,serial-push,push",
             "--concurrency", ",".join(map(str, GPU_CONCURRENCY)), "--runs", str(runs),
             "--min-requests", "24", "--out", str(out)]
     subprocess.run(argv, check=True, timeout=3600)
+
+
+def gpu_medians(out: Path) -> dict[str, dict[int, float]]:
+    """Median TTFT per mode and C, every run's requests pooled."""
     records = json.loads((out / "ttft.json").read_text())["runs"]
     pooled: dict[str, dict[int, list[float]]] = {}
     for rec in records:
@@ -198,6 +202,8 @@ async def main() -> None:
     parser.add_argument("--real", type=Path, default=RESULTS / "calibration_real.json")
     parser.add_argument("--skip-gpu", action="store_true")
     parser.add_argument("--gpu-runs", type=int, default=2)
+    parser.add_argument("--gpu-results", type=Path,
+                        help="a directory where bench/run.py already wrote this plan's ttft.json")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     started = time.monotonic()
@@ -210,9 +216,13 @@ async def main() -> None:
              f"prompts = {real_raw.get('prompt_tokens', '?')} tokens, {real_raw['max_tokens']} "
              "output tokens). Median TTFT at the client.", "", *cpu_table(real, sim), ""]
     gpu = None
-    if not args.skip_gpu:
+    if args.gpu_results:
+        gpu = gpu_medians(args.gpu_results)
+    elif not args.skip_gpu:
         with tempfile.TemporaryDirectory(prefix="calibrate-gpu-") as tmp:
-            gpu = run_gpu_plan(Path(tmp), args.gpu_runs)
+            run_gpu_plan(Path(tmp), args.gpu_runs)
+            gpu = gpu_medians(Path(tmp))
+    if gpu:
         table, misses = gpu_table(gpu)
         lines += ["## GPU: vllmsim `gpu-8b` (4P4D, not refitted) vs PR #187", "", *table, "",
                   "Misses: " + ("; ".join(misses) if misses else "none"), ""]

@@ -6,8 +6,8 @@
             checks it (bench/calibrate.py).
 `cpu-tiny`  the tiny random-weight Llama (hidden 128, 2 layers, 2 KV heads of 32 dims) served
             by real vLLM 0.32 on one core of this project's 2-core CPU machine, NIXL over
-            loopback (scripts/real_vllm.py). Fitted to engine metrics measured there
-            (bench/results/calibration.md).
+            loopback (scripts/real_vllm.py). Fitted to the engine metrics of the real run
+            that bench/results/calibration.md compares with.
 
 `vllmsim --profile NAME` starts from a profile; any cost flag given as well overrides it.
 """
@@ -20,9 +20,9 @@ GPU_8B = CostModel(
     # Decode step of an 8B model at small batch on an H100: ~16 GB of bf16 weights read per step
     # at ~3 TB/s is 5-6 ms, plus scheduler and launch overhead.
     step_base_ms=10.0,
-    # Prefill at ~55 % of the H100's ~990 dense bf16 TFLOPS: 2 x 8e9 FLOPs per token -> 0.03 ms,
-    # plus attention and the MLP's memory traffic at 1024 tokens: ~0.058 ms per token, so a
-    # 1024-token prompt alone takes ~70 ms (vLLM's published Llama-3-8B H100 TTFTs are 60-80 ms).
+    # 2 x 8e9 FLOPs per token at ~30 % of the H100's ~990 dense bf16 TFLOPS (attention,
+    # kernel launches and chunking included) is ~0.058 ms per token: a 1024-token prompt alone
+    # takes ~70 ms, the simulator's long-standing default.
     prefill_per_token_ms=0.058,
     # Each running sequence adds its KV reads (~0.13 MB per 1k tokens per layer) to a decode step.
     decode_per_seq_ms=0.02,
@@ -43,28 +43,33 @@ GPU_8B = CostModel(
 )
 
 CPU_TINY = CostModel(
-    # D's inter-token latency at c = 1-4 (vllm:inter_token_latency_seconds): a decode step of
-    # the tiny model is vLLM's own per-step Python and IPC cost, not compute.
-    step_base_ms=4.5,
-    # (P's vllm:request_prefill_time_seconds - one step) / prefill tokens computed.
-    prefill_per_token_ms=0.05,
-    # The tiny model's per-sequence decode work; D's inter-token latency barely moves from
-    # c = 1 to c = 4.
+    # Fitted to the engines' own metrics in bench/results/calibration_real.json (means over
+    # its four pair sessions; the machine was shared with other work, so these are the engines'
+    # speeds under that load, about 3x slower than on a quiet machine).
+    # D's vllm:inter_token_latency_seconds at c = 1-4: a decode step of the tiny model is
+    # vLLM's per-step Python and inter-process cost, not compute.
+    step_base_ms=17.9,
+    # (P's vllm:request_prefill_time_seconds - one step) / prompt tokens: (46.8 - 17.9) / 350.
+    prefill_per_token_ms=0.083,
+    # The tiny model's per-sequence decode work is small next to the step's fixed cost.
     decode_per_seq_ms=0.2,
-    idle_step_ms=1.0,  # an empty step on this CPU: scheduler pass, no forward
-    # P's vllm:time_to_first_token_seconds (measured by the API server) minus its
-    # vllm:request_prefill_time_seconds: parse, tokenize, IPC to the engine core and back.
-    api_overhead_ms=7.5,
+    # Assumed, not measured: one EngineCore-worker round trip with no forward.
+    idle_step_ms=2.0,
+    # P's vllm:time_to_first_token_seconds (taken by the API server) minus its
+    # vllm:request_prefill_time_seconds: parse, tokenize, IPC to the engine core and back,
+    # on the core the engine also runs on.
+    api_overhead_ms=27.5,
     max_num_batched_tokens=2048,  # scripts/real_vllm.py starts vLLM with --max-model-len 2048
     max_num_seqs=256,
     max_model_len=2048,
     num_gpu_blocks=131_072,  # VLLM_CPU_KVCACHE_SPACE=1 GiB at 8 KiB per 16-token block
     # 2 layers x K,V x 2 KV heads x 32 dims x 2 bytes x 16 tokens.
     block_bytes=8192,
-    # NIXL/UCX over loopback (cma): P's vllm:nixl_xfer_time_seconds is ~1.5 ms for ~130 KB,
-    # almost all of it fixed cost, so the bandwidth matters little.
+    # NIXL/UCX over loopback (cma): P's vllm:nixl_xfer_time_seconds (WRITE posted to its
+    # completion notif) averages 5.7 ms for ~180 KB, nearly all of it fixed cost: split as two
+    # messages of 2.5 ms, the bandwidth matters little.
     kv_bandwidth_gbps=1.0,
-    kv_message_latency_ms=0.7,  # half of that WRITE-plus-notif time
+    kv_message_latency_ms=2.5,
 )
 
 PROFILES: dict[str, CostModel] = {"gpu-8b": GPU_8B, "cpu-tiny": CPU_TINY}
