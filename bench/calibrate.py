@@ -45,6 +45,7 @@ from bench.procs import run_bench  # noqa: E402
 from bench.real_vllm import Load, over_url, samples  # noqa: E402
 from extproc.testing import ephemeral_config, running_sidecar  # noqa: E402
 from scripts.cached_envs import tiny_model  # noqa: E402
+from vllmsim.profiles import PROFILES  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MODES = ("pull", "serial_push", "push")
@@ -94,6 +95,54 @@ async def simulate_cpu(real: dict[str, Any]) -> dict[str, dict[str, list[float]]
                             cells.setdefault(name, {}).setdefault(str(concurrency), []).extend(
                                 round(t * 1e3, 3) for t in got)
     return cells
+
+
+def histograms(text: str) -> dict[str, float]:
+    """`vllm:<name>_sum` / `_count` values of a /metrics text, summed over labels."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        name = name.split("{")[0]
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def engine_means(real: dict[str, Any]) -> dict[str, float]:
+    """Per-request means (ms, or tokens) over every session of the real run, from the engines'
+    own histograms: what the cpu-tiny profile's values are taken from."""
+    wanted = {"P": ("request_prefill_time_seconds", "time_to_first_token_seconds",
+                    "request_prefill_kv_computed_tokens", "nixl_xfer_time_seconds"),
+              "D": ("inter_token_latency_seconds", "nixl_xfer_time_seconds")}  # fmt: skip
+    sums: dict[str, list[float]] = {}
+    for sessions in real["metrics"].values():
+        for session in sessions:
+            for role, names in wanted.items():
+                before = histograms(session["before"][role])
+                after = histograms(session["after"][role])
+                for name in names:
+                    n = after.get(f"vllm:{name}_count", 0) - before.get(f"vllm:{name}_count", 0)
+                    total = after.get(f"vllm:{name}_sum", 0) - before.get(f"vllm:{name}_sum", 0)
+                    if n > 0:
+                        scale = 1e3 if name.endswith("_seconds") else 1.0
+                        sums.setdefault(f"{role} {name}", []).append(scale * total / n)
+    return {key: statistics.fmean(values) for key, values in sums.items()}
+
+
+def fit_lines(means: dict[str, float]) -> list[str]:
+    step = means["D inter_token_latency_seconds"]
+    prefill = means["P request_prefill_time_seconds"]
+    tokens = means["P request_prefill_kv_computed_tokens"]
+    overhead = means["P time_to_first_token_seconds"] - prefill
+    profile = PROFILES["cpu-tiny"]
+    rows = [("step_base_ms", step, profile.step_base_ms),
+            ("prefill_per_token_ms", (prefill - step) / tokens, profile.prefill_per_token_ms),
+            ("api_overhead_ms", overhead, profile.api_overhead_ms)]
+    lines = ["| engine metric (mean per request over the sessions) | value |", "|---|---|"]
+    lines += [f"| {key} | {value:.2f} |" for key, value in sorted(means.items())]
+    lines += ["", "| cpu-tiny parameter | from the metrics | in vllmsim/profiles.py |",
+              "|---|---|---|"]
+    lines += [f"| {name} | {fitted:.3f} | {value} |" for name, fitted, value in rows]
+    return lines
 
 
 def medians(cells: dict[str, dict[str, list[float]]]) -> dict[str, dict[int, float]]:
@@ -214,7 +263,8 @@ async def main() -> None:
              f"Real: vLLM {real_raw['vllm']}, measured {real_raw['when']} "
              f"({real_raw['requests']} requests per cell, ~{real_raw['prompt_words']}-word "
              f"prompts = {real_raw.get('prompt_tokens', '?')} tokens, {real_raw['max_tokens']} "
-             "output tokens). Median TTFT at the client.", "", *cpu_table(real, sim), ""]
+             "output tokens). Median TTFT at the client.", "", *cpu_table(real, sim), "",
+             "The profile's fitted values:", "", *fit_lines(engine_means(real_raw)), ""]
     gpu = None
     if args.gpu_results:
         gpu = gpu_medians(args.gpu_results)

@@ -37,11 +37,17 @@ ROUNDS = 2  # rounds per session; a cell pools sessions x ROUNDS x requests/(ses
 FRONTS = {"push": [("push", "push"), ("serial_push", "serial_push")], "pull": [("pull", "pull")]}
 
 
+def histogram_lines(text: str) -> str:
+    """The vLLM histograms' _sum and _count lines: what the step-time fit needs."""
+    return "\n".join(line for line in text.splitlines() if line.startswith("vllm:")
+                     and line.split("{")[0].split(" ")[0].endswith(("_sum", "_count")))
+
+
 async def metrics_text(engine: RealEngine) -> str:
     timeout = aiohttp.ClientTimeout(total=10)
     async with aiohttp.ClientSession(timeout=timeout) as session, \
             session.get(engine.url + "/metrics") as response:  # fmt: skip
-        return await response.text()
+        return histogram_lines(await response.text())
 
 
 async def prompt_tokens(engine: RealEngine, prompt: str) -> int:
