@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -259,7 +260,11 @@ async def main() -> None:
     real_raw = json.loads(args.real.read_text())
     real = medians(real_raw["cells"])
     sim = medians(await simulate_cpu(real_raw))
-    lines = ["## CPU: real vLLM vs vllmsim `cpu-tiny` (1P1D, pd-extproc in front)", "",
+    lines = ["# vllmsim calibration", "",
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `python bench/calibrate.py"
+             f"{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`; load average "
+             f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end.", "",
+             "## CPU: real vLLM vs vllmsim `cpu-tiny` (1P1D, pd-extproc in front)", "",
              f"Real: vLLM {real_raw['vllm']}, measured {real_raw['when']} "
              f"({real_raw['requests']} requests per cell, ~{real_raw['prompt_words']}-word "
              f"prompts = {real_raw.get('prompt_tokens', '?')} tokens, {real_raw['max_tokens']} "
@@ -280,7 +285,7 @@ async def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "calibration_sim.md").write_text(text)
+    (args.out / "calibration.md").write_text(text)
     plot(real, sim, gpu, args.out / "calibration.png")
 
 

@@ -4,9 +4,10 @@ One loop per engine. A step "takes" its modelled time through asyncio.sleep, so 
 simulation costs little CPU; an idle loop waits on an event. As in vLLM, the loop keeps
 stepping (empty steps of `idle_step_ms`) while requests wait for remote KV or the connector
 has push work, because the connector's events are tied to steps: a receive starts when the
-scheduler allocates the request (before its step), and at the end of every step
-`connector.end_step()` (vLLM's get_finished) hands P's finished blocks on and returns the
-receives the main thread now sees as done; those requests decode from the next step.
+scheduler allocates the request (before its step); `connector.start_step()` hands P's blocks
+finished in the previous step to the connector's writer; `connector.end_step()` (vLLM's
+get_finished) returns the receives the main thread now sees as done, and those requests
+decode from the next step.
 Each request keeps a timeline of (event, step, wall time) entries (GET /sim/requests).
 
 Request life cycle (vLLM v1 names):
@@ -131,6 +132,7 @@ class KVConnector(Protocol):
 
     def start_recv(self, req: SimRequest) -> None: ...
     def request_finished(self, req: SimRequest) -> dict[str, Any] | None: ...
+    def start_step(self) -> None: ...
     def end_step(self) -> set[SimRequest]: ...
     def has_pending_work(self) -> bool: ...
     def abort(self, req: SimRequest) -> None: ...
@@ -232,6 +234,8 @@ class Engine:
         while True:
             self._wake.clear()
             self._admit()
+            if self.connector is not None:
+                self.connector.start_step()
             batch = self._plan()
             busy = bool(batch.prefill or batch.decode)
             if not busy and not self._must_step():

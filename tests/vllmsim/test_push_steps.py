@@ -108,9 +108,11 @@ async def test_parallel_push_writes_one_p_step_after_the_finish(
         nt = await timeline(http, p, "other")
     assert at(dt, "push_reg_sent") < at(pt, "finished")  # D registered during the prefill
     assert step(nt, "finished") == step(pt, "finished") + 1  # P's next step: another prefill
-    # The blocks reach the writer when that step ends, and only then does the WRITE start.
+    # The blocks reach the writer as that step starts, and the WRITE starts then, while the
+    # step runs: not in the finishing step, not after the next one.
     assert step(pt, "blocks_to_writer") == step(pt, "finished") + 1
-    assert at(nt, "finished") <= at(pt, "blocks_to_writer") <= at(pt, "write_started_parallel")
+    assert at(pt, "finished") <= at(pt, "blocks_to_writer") <= at(pt, "write_started_parallel")
+    assert at(pt, "write_started_parallel") < at(nt, "finished")
 
 
 async def penalty(http: aiohttp.ClientSession, step_ms: str) -> float:

@@ -43,6 +43,9 @@ class ConnectorBase:
         return self.kv.load_failure_policy == "recompute"
 
     # -- engine hooks ------------------------------------------------------------------
+    def start_step(self) -> None:
+        """A step starts: what the scheduler staged goes to the connector's threads."""
+
     def end_step(self) -> set[SimRequest]:
         """A step ends: the receives the engine's main thread now sees as done."""
         return set()

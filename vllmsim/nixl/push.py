@@ -11,13 +11,12 @@ D: the scheduler stages the registration when it allocates the request's blocks;
    the WRITE-completion notif. The writer forwards that notif to the main thread when a step
    ends; the main thread counts it at the end of the next step; the request decodes from
    the step after that.
-P: after its 1-token step the blocks are leased; one P step later (at the end of P's next
-   step, vLLM's async scheduling) they reach the writer. It pairs finished blocks with a
-   registration by exact id, else by `transfer_id` when both carry one, else by base id
-   (one `-<8hex>` suffix stripped). Whichever the writer
-   sees second triggers the WRITE: scenario 1 ("parallel": D registered while P was still
-   prefilling) or scenario 2 ("serial": P finished first). Before its first WRITE to a D
-   engine the writer handshakes with it once.
+P: after its 1-token step the blocks are leased; they reach the writer in the metadata of
+   P's next step, as it starts. It pairs finished blocks with a registration by exact id,
+   else by `transfer_id` when both carry one, else by base id (one `-<8hex>` suffix
+   stripped). Whichever the writer sees second triggers the WRITE: scenario 1 ("parallel":
+   D registered while P was still prefilling) or scenario 2 ("serial": P finished first).
+   Before its first WRITE to a D engine the writer handshakes with it once.
 The WRITE: P copies what its blocks hold into the block ids D registered, in order; the
 write_done message stands in for the RDMA write and its completion notif at once, so it
 carries the ids and the content. D stores it wherever those ids point.
@@ -78,7 +77,6 @@ class PushConnector(ConnectorBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._staged: list[Lease] = []  # finished in the step that just ended
-        self._shipping: list[Lease] = []  # in the next step's metadata
         self._finished: dict[str, Lease] = {}  # with the writer, waiting for a registration
         self._timelines: dict[str, SimRequest] = {}  # P request by lease id, for its timeline
         self._inbox: list[Registration] = []  # PUSH_REG notifs the writer has not read yet
@@ -92,21 +90,22 @@ class PushConnector(ConnectorBase):
         self._forwarded: set[SimRequest] = set()  # forwarded by the writer, not yet counted
 
     # -- step hooks ----------------------------------------------------------------------
-    def end_step(self) -> set[SimRequest]:
-        """The end of a step (vLLM's get_finished), which wakes the writer.
-
-        P: blocks finished in the step before this one reach the writer now. vLLM (async
-        scheduling, its default) has already scheduled the next step when a step's output
-        is processed, so finished blocks ride in the metadata of the step after next: the
-        writer gets them one P step after the finish.
-        D: the main thread counts the completions the writer forwarded at an earlier step
-        end; those the writer forwards now are counted at the next one.
-        """
-        for lease in self._shipping:
+    def start_step(self) -> None:
+        """P: blocks finished in the step that just ended ride in this step's metadata and
+        reach the writer as it starts (vLLM on CPU schedules synchronously; on a GPU, async
+        scheduling prepares this step while the device still runs the previous one, so the
+        hand-off comes about as early)."""
+        for lease in self._staged:
             if self.leases.get(lease.request_id) is lease:
                 self._finished[lease.request_id] = lease
-                self._note(lease.request_id, "blocks_to_writer", self.engine.steps)
-        self._shipping, self._staged = self._staged, []
+                self._note(lease.request_id, "blocks_to_writer", self.engine.steps + 1)
+        if self._staged:
+            self._wake_writer()
+        self._staged = []
+
+    def end_step(self) -> set[SimRequest]:
+        """D (vLLM's get_finished, which also wakes the writer): count the completions the
+        writer forwarded at an earlier step end; those it forwards now count at the next."""
         done = {r for r in self._forwarded if r.state is State.WAITING_FOR_REMOTE_KVS}
         self._forwarded, self._notified = self._notified, set()
         if self._inbox or self._finished:
@@ -115,8 +114,7 @@ class PushConnector(ConnectorBase):
 
     def has_pending_work(self) -> bool:
         """vLLM's has_pending_push_work, and D's completions still to count."""
-        return bool(self._staged or self._shipping or self._finished or self._notified
-                    or self._forwarded)
+        return bool(self._staged or self._finished or self._notified or self._forwarded)
 
     # -- P side --------------------------------------------------------------------------
     def request_finished(self, req: SimRequest) -> dict[str, Any] | None:
