@@ -1,9 +1,10 @@
 """The engine step loop: admit waiting -> batch under the token budget -> sleep -> emit.
 
 One loop per engine. A step "takes" its modelled time through asyncio.sleep, so the
-simulation costs little CPU; an idle loop waits on an event. As in vLLM, the loop keeps
-stepping (empty steps of `idle_step_ms`) while requests wait for remote KV or the connector
-has push work, because the connector's events are tied to steps: a receive starts when the
+simulation costs little CPU; an idle loop waits on an event. Where vLLM keeps stepping while
+requests wait for remote KV, an idle engine here waits for the connector's event and then
+takes empty steps (`idle_step_ms`) until the connector has nothing left that a step hands
+over or sees, because the connector's events are tied to steps: a receive starts when the
 scheduler allocates the request (before its step); `connector.start_step()` hands P's blocks
 finished in the previous step to the connector's writer; `connector.end_step()` (vLLM's
 get_finished) returns the receives the main thread now sees as done, and those requests
@@ -253,10 +254,16 @@ class Engine:
                     self.kv_ready(req)
 
     def _must_step(self) -> bool:
-        """vLLM keeps stepping while requests wait for KV or P has push work to hand over."""
-        if self.connector is None:
-            return False
-        return bool(self.remote_wait) or self.connector.has_pending_work()
+        """An empty step is due when the connector has something a step hands over or sees.
+
+        vLLM keeps stepping while requests wait for KV; here an idle engine waits for the
+        connector's event (wake) and then takes its empty step, which costs the simulation no
+        CPU between events and aligns the event to a step boundary all the same."""
+        return self.connector is not None and self.connector.has_pending_work()
+
+    def wake(self) -> None:
+        """A connector event: an idle engine takes its next (empty) step."""
+        self._wake.set()
 
     def _admit(self) -> None:
         """FIFO admission while blocks and sequence slots last (head-of-line blocking)."""

@@ -94,5 +94,6 @@ class PullConnector(ConnectorBase):
             self.engine.pool.write(req.blocks, received)
             req.note("read_done", self.engine.step_now)
             self._read_done.add(req)
+            self.engine.wake()
         else:
             self.engine.kv_failed(req, str(reply.get("error")), self.recompute_on_failure)

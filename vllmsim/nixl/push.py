@@ -82,6 +82,7 @@ class PushConnector(ConnectorBase):
         self._inbox: list[Registration] = []  # PUSH_REG notifs the writer has not read yet
         self._regs: list[Registration] = []  # read, waiting for their finished blocks
         self._writer_wake = asyncio.Event()
+        self._poll_tick = False
         self._writer: asyncio.Task[None] | None = None
         self._handshaken: set[tuple[str, int, str]] = set()  # D side: P engines
         self._handshaken_d: set[str] = set()  # P side: D engines
@@ -108,13 +109,16 @@ class PushConnector(ConnectorBase):
         writer forwarded at an earlier step end; those it forwards now count at the next."""
         done = {r for r in self._forwarded if r.state is State.WAITING_FOR_REMOTE_KVS}
         self._forwarded, self._notified = self._notified, set()
-        if self._inbox or self._finished:
+        if self._inbox:
             self._wake_writer()
         return done
 
     def has_pending_work(self) -> bool:
-        """vLLM's has_pending_push_work, and D's completions still to count."""
-        return bool(self._staged or self._finished or self._notified or self._forwarded)
+        """What a step end must see: blocks to hand over, completions to forward or count.
+        (vLLM also steps while blocks wait for a registration or a request waits for its KV;
+        those steps change nothing until a notif arrives, so the simulator waits for the
+        notif and then takes the step.)"""
+        return bool(self._staged or self._notified or self._forwarded)
 
     # -- P side --------------------------------------------------------------------------
     def request_finished(self, req: SimRequest) -> dict[str, Any] | None:
@@ -152,7 +156,9 @@ class PushConnector(ConnectorBase):
         if (err := self.engine_id_error(msg)) is not None:
             return err
         self._inbox.append(Registration(msg))
-        self._ensure_writer()
+        if self._finished:  # the writer is polling: it reads the notif at its next tick
+            self._poll_tick = True
+            self._wake_writer()
         return {"ok": True}
 
     def _wake_writer(self) -> None:
@@ -165,14 +171,14 @@ class PushConnector(ConnectorBase):
 
     async def _writer_loop(self) -> None:
         while True:
+            await self._writer_wake.wait()
+            self._writer_wake.clear()
+            if self._poll_tick:  # self-polling while blocks wait: the next tick sees it
+                self._poll_tick = False
+                await asyncio.sleep(WRITER_POLL_S)
             self._regs += self._inbox
             self._inbox.clear()
             self._match()
-            if self._finished:
-                await asyncio.sleep(WRITER_POLL_S)  # self-poll while blocks wait
-            else:
-                self._writer_wake.clear()
-                await self._writer_wake.wait()
 
     def _match(self) -> None:
         for rid, lease in list(self._finished.items()):
@@ -236,6 +242,7 @@ class PushConnector(ConnectorBase):
         """The completion notif is in D's agent inbox; the writer forwards it at a step end."""
         req.note("write_done_received", self.engine.step_now)
         self._notified.add(req)
+        self.engine.wake()
 
     def abort(self, req: SimRequest) -> None:
         fut = self._waiters.pop(req.internal_id, None)
