@@ -8,9 +8,9 @@ it), and every 1 ms while it holds finished blocks no registration matched yet.
 D: the scheduler stages the registration when it allocates the request's blocks; at the start
    of that step the writer handshakes once per P engine (checking P's engine id) and sends
    PUSH_REG. The request then waits in WAITING_FOR_REMOTE_KVS (no timeout, as in vLLM) for
-   the WRITE-completion notif. The writer forwards that notif to the main thread when a step
-   ends; the main thread counts it at the end of the next step; the request decodes from
-   the step after that.
+   the WRITE-completion notif. The writer forwards that notif to the main thread when it next
+   runs (a step end, or a step start that gives it registrations to send); the main thread
+   counts forwarded notifs at a step's end; the request decodes from the next step.
 P: after its 1-token step the blocks are leased; they reach the writer in the metadata of
    P's next step, as it starts. It pairs finished blocks with a registration by exact id,
    else by `transfer_id` when both carry one, else by base id (one `-<8hex>` suffix
@@ -83,6 +83,7 @@ class PushConnector(ConnectorBase):
         self._regs: list[Registration] = []  # read, waiting for their finished blocks
         self._writer_wake = asyncio.Event()
         self._poll_tick = False
+        self._registering = False  # D: registrations staged for the step about to start
         self._writer: asyncio.Task[None] | None = None
         self._handshaken: set[tuple[str, int, str]] = set()  # D side: P engines
         self._handshaken_d: set[str] = set()  # P side: D engines
@@ -103,6 +104,10 @@ class PushConnector(ConnectorBase):
         if self._staged:
             self._wake_writer()
         self._staged = []
+        if self._registering:  # D: the writer runs to send this step's registrations and
+            self._registering = False  # forwards the notifs it finds on the way
+            self._forwarded |= self._notified
+            self._notified = set()
 
     def end_step(self) -> set[SimRequest]:
         """D (vLLM's get_finished, which also wakes the writer): count the completions the
@@ -251,6 +256,10 @@ class PushConnector(ConnectorBase):
         self._notified.discard(req)
         self._forwarded.discard(req)
         super().abort(req)
+
+    def start_recv(self, req: SimRequest) -> None:
+        self._registering = True
+        super().start_recv(req)
 
     async def _recv(self, req: SimRequest) -> None:
         p = req.remote or {}
