@@ -18,7 +18,8 @@ from vllmsim.launcher import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, runni
 
 CONNECTORS = {"push": (PUSH_P, PUSH_D), "pull": (PULL_P, PULL_D)}
 # Near-instant steps: what is measured is the proxy, not the model.
-INSTANT = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0")
+INSTANT = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0",
+           "--api-overhead-ms", "0")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ bench/results/ttft.md (table, ratios to vllm-router, targets), ttft.json (every 
     python bench/run.py                 # full: C = 1..64, 3 runs (more at low C), 1P1D and 2P2D
     python bench/run.py --quick         # a few minutes: C = 1, 4, 16, 1 run, 1P1D
     python bench/run.py --concurrency 1,8,64 --runs 4 --topologies 2P2D
+    python bench/run.py --profile gpu-8b --topologies 1P1D,4P4D   # engines' cost profile
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from bench.engines import Engines, running_engines
 from bench.procs import ALL_CPUS, run_bench
 from bench.targets import CONFIGS, ENGINE_KIND, Target, running_target
 from scripts.cached_envs import tiny_model, vllm_router_venv
+from vllmsim.profiles import DEFAULT_PROFILE, PROFILES
 
 MODEL = "tiny"  # the served name the client asks for
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -77,7 +79,8 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path) ->
         engines: dict[str, Engines] = {}
         for kind in sorted({ENGINE_KIND[c] for c in args.configs}):
             engines[kind] = await stack.enter_async_context(
-                running_engines(kind, n, n, MODEL, tokenizer, cpus=engine_cpus))
+                running_engines(kind, n, n, MODEL, tokenizer, ("--profile", args.profile),
+                                cpus=engine_cpus))
         targets = {c: await stack.enter_async_context(
             running_target(c, engines[ENGINE_KIND[c]], router, proxy_cpus)) for c in args.configs}
         runs = plan(topology, targets, args.concurrency, args.runs, args.min_requests, work)
@@ -103,7 +106,8 @@ def _slim(result: dict) -> dict:
 
 def write_outputs(records: list[dict], args: argparse.Namespace, meta: dict) -> None:
     table = report.cells(records)
-    lines = ["# Median TTFT (ms), vllmsim engines, input 1024 / output 64, prompts = 2 × C",
+    lines = [f"# Median TTFT (ms), vllmsim engines (profile {args.profile}), input 1024 / "
+             "output 64, prompts = 2 × C",
              "", f"{meta['when']}; {args.runs} run(s) per cell, more at low C so that a cell "
              f"has at least {args.min_requests} requests; cell = median TTFT of all the "
              f"cell's requests (runs pooled); {meta['duration_s']:.0f} s; load average before "
@@ -136,6 +140,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin engines and proxies to separate CPUs")  # fmt: skip
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
+                        help=f"the engines' cost profile (vllmsim/profiles.py; default "
+                             f"{DEFAULT_PROFILE})")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     quick = args.quick

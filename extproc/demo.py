@@ -83,11 +83,17 @@ def missing_sim_modules() -> list[str]:
     return missing
 
 
+# The simulator's 8B-on-H100 profile, checked against vllm-project/router PR #187's push results.
+DEMO_PROFILE = "gpu-8b"
+
+
 async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) -> int:
     async with contextlib.AsyncExitStack() as stack:
-        print("starting 2 prefill + 2 decode simulated vLLM engines (NixlPushConnector)...")
+        print("starting 2 prefill + 2 decode simulated vLLM engines (NixlPushConnector, "
+              f"cost profile {DEMO_PROFILE})...")
         engines = [
-            await stack.enter_async_context(running_engine("--kv-transfer-config", connector))
+            await stack.enter_async_context(
+                running_engine("--kv-transfer-config", connector, "--profile", DEMO_PROFILE))
             for connector in (PUSH_P, PUSH_P, PUSH_D, PUSH_D)
         ]
         config = parse_config({

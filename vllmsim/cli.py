@@ -33,6 +33,7 @@ from vllmsim.config import (
     KVTransferConfig,
     SimConfig,
 )
+from vllmsim.profiles import DEFAULT_PROFILE, PROFILES
 
 log = logging.getLogger("vllmsim")
 
@@ -84,11 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: $VLLM_API_KEY")  # fmt: skip
     p.add_argument("--port-file", help="write {port, side_channel_port, engine_id, pid} here")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    cost = p.add_argument_group("cost model (defaults: 8B model on one H100)")
+    cost = p.add_argument_group("cost model (default profile: gpu-8b, an 8B model on one H100)")
+    cost.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
+                      help="named cost model (vllmsim/profiles.py); the flags below override it")
     for f in dataclasses.fields(CostModel):
         flag = "--" + f.name.replace("_", "-")
-        cost.add_argument(flag, type=type(f.default), default=f.default, dest=f.name,
-                          help=f"default {f.default}")  # fmt: skip
+        cost.add_argument(flag, type=type(f.default), default=None, dest=f.name,
+                          help=f"gpu-8b: {getattr(PROFILES[DEFAULT_PROFILE], f.name)}, "
+                               f"cpu-tiny: {getattr(PROFILES['cpu-tiny'], f.name)}")  # fmt: skip
     faults = p.add_argument_group("faults (also settable at run time: POST /sim/faults)")
     faults.add_argument("--fail-next", type=int, default=0, help="fail the next N requests")
     faults.add_argument("--fail-status", type=int, default=500, help="status for --fail-next")
@@ -109,7 +113,9 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
         side_port = int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
     except ValueError as exc:
         raise ConfigError("VLLM_NIXL_SIDE_CHANNEL_PORT must be an integer") from exc
-    cost = CostModel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CostModel)})
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(CostModel)
+             if getattr(args, f.name) is not None}  # fmt: skip
+    cost = dataclasses.replace(PROFILES[args.profile], **given)
     if cost.max_num_batched_tokens < 1 or cost.num_gpu_blocks < 1 or cost.kv_bandwidth_gbps <= 0:
         raise ConfigError("cost model values must be positive")
     faults = Faults(args.fail_next, args.fail_status, args.hang_next, args.latency_ms,

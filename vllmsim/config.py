@@ -17,7 +17,8 @@ ROLES = frozenset({"kv_producer", "kv_consumer", "kv_both"})
 
 @dataclass(frozen=True)
 class CostModel:
-    """Knobs of the step-time model; defaults mimic an 8B model on one H100.
+    """Knobs of the step-time model; defaults are the `gpu-8b` profile (profiles.py says where
+    each value comes from).
 
     step = step_base + prefill_per_token x prefill tokens + decode_per_seq x decode seqs,
     so a 1024-token prompt alone takes ~70 ms and a decode step 10-13 ms.
@@ -26,6 +27,8 @@ class CostModel:
     step_base_ms: float = 10.0
     prefill_per_token_ms: float = 0.058
     decode_per_seq_ms: float = 0.02
+    idle_step_ms: float = 1.0  # a step with nothing to compute (scheduler + connector only)
+    api_overhead_ms: float = 10.0  # HTTP request -> scheduler queue (parse, tokenize, IPC)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 8192

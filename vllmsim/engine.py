@@ -1,7 +1,15 @@
 """The engine step loop: admit waiting -> batch under the token budget -> sleep -> emit.
 
 One loop per engine. A step "takes" its modelled time through asyncio.sleep, so the
-simulation costs little CPU; an idle loop waits on an event (no busy spin).
+simulation costs little CPU; an idle loop waits on an event. Where vLLM keeps stepping while
+requests wait for remote KV, an idle engine here waits for the connector's event and then
+takes empty steps (`idle_step_ms`) until the connector has nothing left that a step hands
+over or sees, because the connector's events are tied to steps: a receive starts when the
+scheduler allocates the request (before its step); `connector.start_step()` hands P's blocks
+finished in the previous step to the connector's writer; `connector.end_step()` (vLLM's
+get_finished) returns the receives the main thread now sees as done, and those requests
+decode from the next step.
+Each request keeps a timeline of (event, step, wall time) entries (GET /sim/requests).
 
 Request life cycle (vLLM v1 names):
   WAITING --(blocks allocated)--> RUNNING --(last token)--> FINISHED
@@ -100,6 +108,12 @@ class SimRequest:
     kv_evidence: dict[str, Any] | None = None  # Evidence.as_dict() of the prompt blocks
     fetch_stage: str | None = None  # waiting_to_start | in_progress | completed_waiting
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    # (event, engine step, time.time()): when the request met each step-aligned event; the
+    # P side keeps adding to it after the response has left (the WRITE comes later).
+    timeline: list[tuple[str, int, float]] = field(default_factory=list)
+
+    def note(self, event: str, step: int) -> None:
+        self.timeline.append((event, step, time.time()))
 
     @property
     def prompt_tokens(self) -> int:
@@ -119,7 +133,9 @@ class KVConnector(Protocol):
 
     def start_recv(self, req: SimRequest) -> None: ...
     def request_finished(self, req: SimRequest) -> dict[str, Any] | None: ...
-    def start_step(self) -> bool: ...
+    def start_step(self) -> None: ...
+    def end_step(self) -> set[SimRequest]: ...
+    def has_pending_work(self) -> bool: ...
     def abort(self, req: SimRequest) -> None: ...
 
 
@@ -143,6 +159,8 @@ class Engine:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.remote_wait: set[SimRequest] = set()
+        self.steps = 0  # steps started so far
+        self._in_step = False  # between a step's start and its end
         self._wake = asyncio.Event()
 
     # -- API used by the HTTP layer -------------------------------------------------
@@ -176,10 +194,16 @@ class Engine:
         return len(self.waiting) + len(self.remote_wait)
 
     # -- API used by connectors ------------------------------------------------------
+    @property
+    def step_now(self) -> int:
+        """The step an event happening now belongs to: the one running or about to run."""
+        return self.steps + 1 if not self._in_step else self.steps
+
     def kv_ready(self, req: SimRequest) -> None:
-        """The transfer for `req` is done; decode from the next step."""
+        """The main thread saw `req`'s transfer done (end of a step); decode from the next."""
         if req not in self.remote_wait:
             return
+        req.note("kv_seen", self.steps)
         self.remote_wait.discard(req)
         req.fetch_stage = "completed_waiting"
         req.num_computed = req.prompt_tokens
@@ -211,15 +235,35 @@ class Engine:
         while True:
             self._wake.clear()
             self._admit()
-            connector_work = self.connector.start_step() if self.connector else False
+            if self.connector is not None:
+                self.connector.start_step()
             batch = self._plan()
-            if not batch.prefill and not batch.decode:
-                if not connector_work:
-                    await self._wake.wait()
+            busy = bool(batch.prefill or batch.decode)
+            if not busy and not self._must_step():
+                await self._wake.wait()
                 continue
-            await asyncio.sleep(step_seconds(self.cost, batch.num_prefill_tokens,
-                                             len(batch.decode)))  # fmt: skip
+            self.steps += 1
+            self._in_step = True
+            seconds = (step_seconds(self.cost, batch.num_prefill_tokens, len(batch.decode))
+                       if busy else self.cost.idle_step_ms / 1000.0)  # fmt: skip
+            await asyncio.sleep(seconds)
+            self._in_step = False
             self._apply(batch)
+            if self.connector is not None:
+                for req in self.connector.end_step():
+                    self.kv_ready(req)
+
+    def _must_step(self) -> bool:
+        """An empty step is due when the connector has something a step hands over or sees.
+
+        vLLM keeps stepping while requests wait for KV; here an idle engine waits for the
+        connector's event (wake) and then takes its empty step, which costs the simulation no
+        CPU between events and aligns the event to a step boundary all the same."""
+        return self.connector is not None and self.connector.has_pending_work()
+
+    def wake(self) -> None:
+        """A connector event: an idle engine takes its next (empty) step."""
+        self._wake.set()
 
     def _admit(self) -> None:
         """FIFO admission while blocks and sequence slots last (head-of-line blocking)."""
@@ -232,6 +276,7 @@ class Engine:
                 return
             self.waiting.popleft()
             req.blocks = blocks
+            req.note("allocated", self.steps + 1)
             if req.mode in (KVMode.PULL, KVMode.PUSH) and self.connector is not None:
                 req.state = State.WAITING_FOR_REMOTE_KVS
                 req.fetch_stage = "in_progress"
@@ -288,6 +333,7 @@ class Engine:
 
     def _emit_token(self, req: SimRequest) -> None:
         if req.num_output == 0:
+            req.note("first_token", self.steps)
             self.metrics.lbl(self.metrics.ttft).observe(time.monotonic() - req.arrival)
             req.fetch_stage = None
             self._read_kv(req)
@@ -298,6 +344,7 @@ class Engine:
         if req.num_output >= req.max_tokens:
             self.running.remove(req)
             params = None
+            req.note("finished", self.steps)
             if req.mode is KVMode.PREFILL and self.connector is not None:
                 params = self.connector.request_finished(req)  # takes over the blocks
             self._finish(req, params)

@@ -50,7 +50,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         "path": request.path, "received_at": time.time(), "body": None,
         "headers": {k.lower(): v for k, v in request.headers.items()},
         "status": None, "outcome": "running", "kv": None, "kv_evidence": None,
-        "first_token_at": None, "body_bytes": None,
+        "first_token_at": None, "body_bytes": None, "events": [],
     }  # fmt: skip
     sim.records.append(rec)
     try:
@@ -88,6 +88,9 @@ async def _serve(
     engine = sim.current.engine
     req = SimRequest(internal, parsed.prompt_ids, parsed.max_tokens, mode=parsed.mode,
                      remote=parsed.kv_params)  # fmt: skip
+    rec["events"] = req.timeline  # the same list: P's push events arrive after its answer
+    if sim.cfg.cost.api_overhead_ms > 0:  # vLLM's API server: parse, tokenize, IPC
+        await asyncio.sleep(sim.cfg.cost.api_overhead_ms / 1000.0)
     engine.submit(req)
     try:
         if parsed.stream:

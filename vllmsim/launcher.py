@@ -27,7 +27,8 @@ PUSH_D = '{"kv_connector":"NixlPushConnector","kv_role":"kv_consumer"}'
 PULL_P = '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'
 PULL_D = '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'
 # Timing-insensitive tests: fast steps and transfers keep the suite short.
-FAST = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0")
+FAST = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0",
+        "--api-overhead-ms", "0")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,15 @@ class ConnectorBase:
         return self.kv.load_failure_policy == "recompute"
 
     # -- engine hooks ------------------------------------------------------------------
-    def start_step(self) -> bool:
+    def start_step(self) -> None:
+        """A step starts: what the scheduler staged goes to the connector's threads."""
+
+    def end_step(self) -> set[SimRequest]:
+        """A step ends: the receives the engine's main thread now sees as done."""
+        return set()
+
+    def has_pending_work(self) -> bool:
+        """Work that keeps the engine stepping with nothing to compute."""
         return False
 
     def start_recv(self, req: SimRequest) -> None:

@@ -1,11 +1,13 @@
 """Pull (READ) mode: D reads P's blocks, P answers when the READ would be done.
 
 P: `request_finished` leases the blocks and returns pull-shaped params.
-D: one `pull_read` message to P's side channel naming the blocks to read (the
-`remote_block_ids` D was given); P sleeps the bandwidth-modelled transfer time, replies
-with what those blocks hold and releases the lease; D copies the content into its own
-blocks, in order, and decodes from its next step. Like a one-sided READ, P does not check
-that the blocks asked for belong to the request.
+D: when its scheduler allocates the request (the start of that step), one `pull_read`
+message to P's side channel naming the blocks to read (the `remote_block_ids` D was given);
+P sleeps the bandwidth-modelled transfer time, replies with what those blocks hold and
+releases the lease; D copies the content into its own blocks. D's main thread checks its
+READ handles at the end of every step, so the request is seen done at the end of the first
+step after the READ completes and decodes from the step after that. Like a one-sided READ,
+P does not check that the blocks asked for belong to the request.
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ log = logging.getLogger(__name__)
 class PullConnector(ConnectorBase):
     mode = "pull"
     registration_generation = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_done: set[SimRequest] = set()  # READ complete, not yet checked by a step
+
+    def end_step(self) -> set[SimRequest]:
+        done, self._read_done = self._read_done, set()
+        return done
+
+    def has_pending_work(self) -> bool:
+        return bool(self._read_done)
+
+    def abort(self, req: SimRequest) -> None:
+        self._read_done.discard(req)
+        super().abort(req)
 
     def request_finished(self, req: SimRequest) -> dict[str, Any] | None:
         self.leases.add(Lease(req.internal_id, list(req.blocks), req.prompt_tokens, None))
@@ -65,6 +82,7 @@ class PullConnector(ConnectorBase):
             "remote_block_ids": p["remote_block_ids"],
         }
         started = time.monotonic()
+        req.note("read_sent", self.engine.step_now)
         try:
             host, port = side_channel_address(p)
             reply = await side_channel.request(host, port, msg, self.latency_s, timeout=None)
@@ -74,6 +92,8 @@ class PullConnector(ConnectorBase):
             log.debug("pulled %s in %.1f ms", req.internal_id, 1e3 * (time.monotonic() - started))
             received = from_wire(reply.get("blocks"), "pull", str(reply.get("engine_id")))
             self.engine.pool.write(req.blocks, received)
-            self.engine.kv_ready(req)
+            req.note("read_done", self.engine.step_now)
+            self._read_done.add(req)
+            self.engine.wake()
         else:
             self.engine.kv_failed(req, str(reply.get("error")), self.recompute_on_failure)
