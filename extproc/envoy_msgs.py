@@ -8,22 +8,28 @@ from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.struct_pb2 import Struct
 
 from extproc.errors import RequestEnded
 
 __all__ = [
     "DESTINATION_HEADER",
+    "LABELS_NAMESPACE",
     "body_answer",
     "continue_request_headers",
     "continue_response_headers",
     "extend_timeout",
     "header_map",
     "immediate",
+    "request_labels",
 ]
 
 # The Gateway API Inference Extension header that the override_host LB policy reads.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 _OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# The dynamic-metadata namespace of the request's labels, which Envoy's access log carries back
+# to the ext_proc (`extproc.access_log`); the ext_proc filter is allowed to write only this one.
+LABELS_NAMESPACE = "pd_extproc"
 
 
 def _header(key: str, value: str) -> core.HeaderValueOption:
@@ -48,8 +54,18 @@ def continue_request_headers() -> ep.ProcessingResponse:
     return _CONTINUE_REQUEST
 
 
-def continue_response_headers() -> ep.ProcessingResponse:
-    return _CONTINUE_RESPONSE
+def continue_response_headers(labels: Struct | None = None) -> ep.ProcessingResponse:
+    if labels is None:
+        return _CONTINUE_RESPONSE
+    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(), dynamic_metadata=labels)
+
+
+def request_labels(strategy: str, model: str) -> Struct:
+    """The request's metric labels as the stream's dynamic metadata: Envoy puts them in the
+    request's access-log entry, so whichever ext_proc process receives the entry labels it."""
+    labels = Struct()
+    labels.update({LABELS_NAMESPACE: {"strategy": strategy, "model": model}})
+    return labels
 
 
 def body_answer(body: bytes, destinations: Iterable[str], request_id: str) -> ep.ProcessingResponse:
@@ -82,7 +98,7 @@ def extend_timeout(seconds: float) -> ep.ProcessingResponse:
     )
 
 
-def immediate(error: RequestEnded) -> ep.ProcessingResponse:
+def immediate(error: RequestEnded, labels: Struct | None = None) -> ep.ProcessingResponse:
     """End the client request with an OpenAI-style JSON error.
 
     Before the response started the client gets it as is; after, Envoy can no longer change
@@ -97,5 +113,6 @@ def immediate(error: RequestEnded) -> ep.ProcessingResponse:
             headers=ep.HeaderMutation(set_headers=headers),
             body=error.body,
             details=f"pd_extproc_{error.status}",
-        )
+        ),
+        dynamic_metadata=labels,
     )

@@ -28,12 +28,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 from extproc import envoy_msgs
 from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
 from extproc.errors import ClientError, LegError, RequestEnded
+from extproc.model_labels import NO_MODEL
 from extproc.policies import PickRequest
 from extproc.request import ClientRequest, check_route, parse_request
 from extproc.strategies import NOT_DISPATCHED, Dispatch, Exchange, LegServices, start_dispatch
 from extproc.stream import EnvoyStream
 
 if TYPE_CHECKING:
+    from google.protobuf.struct_pb2 import Struct
+
     from extproc.config import Config, DispatchMode
     from extproc.metrics import Metrics
     from extproc.tracing import RequestTrace
@@ -62,6 +65,7 @@ class RequestDeps:
     new_trace: Callable[[], RequestTrace]
     metrics: Metrics
     config: Callable[[], Config]  # the current config: a reload swaps it
+    model_label: Callable[[str], str] = lambda model: model  # bounded by the wiring
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,7 @@ class RequestProcessor:
         self.error: RequestEnded | None = None
         self.envoy_replied = False  # Envoy answered the client itself (e.g. its 413)
         self.decode_status = 0  # D's response status, 0 until it arrives
+        self.model = NO_MODEL  # the `model` label, known once the body is parsed
 
     @property
     def outcome(self) -> str:
@@ -114,7 +119,8 @@ class RequestProcessor:
             self.dispatch.close(client_gone)
             self.stream.close()
             plan, outcome = self.plan, self.outcome
-            self.deps.metrics.requests.labels(outcome, plan.strategy, plan.reason).inc()
+            labels = (outcome, plan.strategy, plan.reason, self.model)
+            self.deps.metrics.requests.labels(*labels).inc()
             fields = self._log_fields(outcome)
             self.trace.finish(fields)
             if self.deps.config().log.requests and plan.request_id:
@@ -140,7 +146,12 @@ class RequestProcessor:
                 extra=self._log_fields(self.outcome),
             )
         if not self.stream.ended:
-            await self.stream.write(envoy_msgs.immediate(error))
+            await self.stream.write(envoy_msgs.immediate(error, self._labels()))
+
+    def _labels(self) -> Struct:
+        """The labels of the client-side metrics, for Envoy's access-log entry."""
+        strategy = "none" if isinstance(self.plan, _Unplanned) else str(self.plan.strategy)
+        return envoy_msgs.request_labels(strategy, self.model)
 
     async def _run(self, inflight: ExitStack) -> None:
         message = await self.stream.read(_BODY_WAIT_S)
@@ -148,6 +159,7 @@ class RequestProcessor:
             return
         headers = envoy_msgs.header_map(message.request_headers)
         self.client_request_id = headers.get("x-request-id", "")
+        self.trace.join_client(headers.get("traceparent"), headers.get("tracestate"))
         config = self.deps.config()
         forwarded = {name: headers[name] for name in config.dispatch.forward_headers
                      if name in headers}  # fmt: skip
@@ -166,6 +178,7 @@ class RequestProcessor:
             return
         started = time.perf_counter()
         request = parse_request(api, message.request_body.body, config.limits.max_body_bytes)
+        self.model = self.deps.model_label(request.model)
         wanted = _pick_request(request, headers.get(config.dispatch.session_header))
         self.plan = plan = self._plan(request, wanted, inflight)
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
@@ -209,7 +222,7 @@ class RequestProcessor:
         self.decode_status = status
         self.trace.decode_answered(status)
         if await self.dispatch.on_decode_headers(status):
-            await self.stream.write(envoy_msgs.continue_response_headers())
+            await self.stream.write(envoy_msgs.continue_response_headers(self._labels()))
 
 
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash

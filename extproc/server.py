@@ -1,4 +1,5 @@
-"""The ext_proc process: gRPC server (ExternalProcessor), and the metrics/probes HTTP port.
+"""The ext_proc process: gRPC server (ExternalProcessor; AccessLogService for the client's
+latency), and the metrics/probes HTTP port.
 
 `ExtProcServer.start()` binds both (port 0 picks a free port; the bound ports are attributes
 afterwards); the caller starts the runtime's health checks and probes once Envoy's prefill
@@ -19,10 +20,12 @@ from typing import Any
 import grpc
 import orjson
 from aiohttp import web
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from extproc.access_log import ClientLatency
 from extproc.config import TlsConfig
 from extproc.envoy_config import EXTPROC_SERVICE
 from extproc.processor import RequestProcessor
@@ -78,11 +81,13 @@ class ExtProcServer:
         self._grpc: aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._http: web.AppRunner | None = None
+        self._access_log = ClientLatency(runtime.metrics)
 
     async def start(self) -> None:
         cfg = self.runtime.config
         self._grpc = aio.server(options=_GRPC_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_log, self._grpc)
         wanted = cfg.extproc.address
         if wanted.startswith("unix:"):
             with contextlib.suppress(FileNotFoundError):  # a previous run's socket
@@ -140,6 +145,7 @@ class ExtProcServer:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._grpc is not None:  # Envoy's health check sees it first
+            self._access_log.close()
             await self._grpc.stop(grace_s)
         if self._http is not None:
             await self._http.cleanup()

@@ -26,6 +26,7 @@ from extproc.identity import IdentityCache
 from extproc.kv_check import KvCheck
 from extproc.load import EngineLoad
 from extproc.metrics import Metrics
+from extproc.model_labels import ModelLabels
 from extproc.policies import Picker, PickRequest, build_picker
 from extproc.pool import EndpointState, Pool
 from extproc.prefill_leg import PrefillClient
@@ -70,6 +71,7 @@ RELOAD: dict[str, str] = {
     "log": LIVE,
     "log.format": RESTART,  # the log handlers are set up once
     "tracing": RESTART,  # the exporter is set up once; spans in flight belong to it
+    "access_log": RESTART,  # rendered into Envoy's bootstrap
     "limits": RESTART,  # Envoy's buffer sizes
     "extproc": RESTART,
     "metrics": RESTART,
@@ -160,10 +162,11 @@ class Runtime:
             for state in pool:
                 self._endpoint_changed(pool.role)(state)
         self.prefill_client = PrefillClient(prefill_listener, config.timeouts.connect_s)
+        self.model_labels = ModelLabels(lambda: self.config.models.keys())
         prober = Prober(
             self.prefill_client, self.identities, self.decode,
             lambda prefill: self.group_of(Role.PREFILL, prefill).members[Role.DECODE],
-            self.metrics, settings,
+            self.metrics, settings, self.model_labels.served,
         )  # fmt: skip
         self.kv_check = KvCheck(
             lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses
@@ -205,6 +208,7 @@ class Runtime:
             self.tracing.request,
             self.metrics,
             settings,
+            self.model_labels.label,
         )
         # Called with (role, members) when a pool's membership changes (up: EDS for Envoy).
         self.on_members: Callable[[Role, list[str]], None] = lambda role, members: None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.config import Config
+from extproc.envoy_msgs import LABELS_NAMESPACE
 from extproc.envoy_render.common import TYPED, duration
 
 EXTPROC_CLUSTER = "pd_extproc"
@@ -49,6 +50,8 @@ def ext_proc_filter(cfg: Config) -> dict[str, Any]:
             "message_timeout": duration(extproc_message_timeout_s(cfg)),
             # serial dispatch extends the timer while P computes (override_message_timeout)
             "max_message_timeout": duration(cfg.timeouts.prefill_s + 5),
+            # the request's labels, for the access log (`extproc.access_log`)
+            "metadata_options": {"receiving_namespaces": {"untyped": [LABELS_NAMESPACE]}},
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "request_body_mode": "BUFFERED",
