@@ -1,8 +1,9 @@
 """The `model` label of the metrics, bounded to the names the deployment knows.
 
 The model is the client's own string: used as is, every invented name would make new series.
-A name is kept when it is configured (`models:`) or served by an engine (learnt by the
-identity probes from the engines' /v1/models); any other name becomes "other".
+A name is kept when it is configured (`models:`) or served by an engine: learnt by the
+identity probes from the engines' /v1/models, or from a decode engine accepting a request for
+it (an engine refuses a name it does not serve). Any other name becomes "other".
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ class ModelLabels:
         if len(self._served) < _MAX_SERVED:
             self._served.add(model)
 
-    def label(self, model: str) -> str:
+    def label(self, model: str, accepted: bool = False) -> str:
+        """`model`'s label; `accepted`: a decode engine answered the request below 400."""
         if not model:
             return NO_MODEL
+        if accepted:
+            self.served(model)
         if model in self._served or model in self._configured():
             return model
         return OTHER_MODEL

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from extproc import envoy_msgs
 from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
 from extproc.errors import ClientError, LegError, RequestEnded
-from extproc.model_labels import NO_MODEL
 from extproc.policies import PickRequest
 from extproc.request import ClientRequest, check_route, parse_request
 from extproc.strategies import NOT_DISPATCHED, Dispatch, Exchange, LegServices, start_dispatch
@@ -65,7 +64,8 @@ class RequestDeps:
     new_trace: Callable[[], RequestTrace]
     metrics: Metrics
     config: Callable[[], Config]  # the current config: a reload swaps it
-    model_label: Callable[[str], str] = lambda model: model  # bounded by the wiring
+    # the `model` label of a model name, whether D accepted the request (bounded by the wiring)
+    model_label: Callable[[str, bool], str] = lambda model, accepted: model
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ class RequestProcessor:
         self.error: RequestEnded | None = None
         self.envoy_replied = False  # Envoy answered the client itself (e.g. its 413)
         self.decode_status = 0  # D's response status, 0 until it arrives
-        self.model = NO_MODEL  # the `model` label, known once the body is parsed
+        self.model = ""  # the client's model name, once the body is parsed
 
     @property
     def outcome(self) -> str:
@@ -119,7 +119,7 @@ class RequestProcessor:
             self.dispatch.close(client_gone)
             self.stream.close()
             plan, outcome = self.plan, self.outcome
-            labels = (outcome, plan.strategy, plan.reason, self.model)
+            labels = (outcome, plan.strategy, plan.reason, self._model_label())
             self.deps.metrics.requests.labels(*labels).inc()
             fields = self._log_fields(outcome)
             self.trace.finish(fields)
@@ -151,7 +151,10 @@ class RequestProcessor:
     def _labels(self) -> Struct:
         """The labels of the client-side metrics, for Envoy's access-log entry."""
         strategy = "none" if isinstance(self.plan, _Unplanned) else str(self.plan.strategy)
-        return envoy_msgs.request_labels(strategy, self.model)
+        return envoy_msgs.request_labels(strategy, self._model_label())
+
+    def _model_label(self) -> str:
+        return self.deps.model_label(self.model, 0 < self.decode_status < 400)
 
     async def _run(self, inflight: ExitStack) -> None:
         message = await self.stream.read(_BODY_WAIT_S)
@@ -178,7 +181,7 @@ class RequestProcessor:
             return
         started = time.perf_counter()
         request = parse_request(api, message.request_body.body, config.limits.max_body_bytes)
-        self.model = self.deps.model_label(request.model)
+        self.model = request.model
         wanted = _pick_request(request, headers.get(config.dispatch.session_header))
         self.plan = plan = self._plan(request, wanted, inflight)
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves

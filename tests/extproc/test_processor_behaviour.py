@@ -860,9 +860,23 @@ async def test_d_answer_carries_the_requests_labels_for_the_access_log() -> None
     await r.send(response(200))
     sent = await r.envoy.until_sent(3)
     await r.end()
-    assert labels(sent[2]) == {"strategy": "parallel", "model": "other"}  # "m" is unknown
+    assert labels(sent[2]) == {"strategy": "parallel", "model": "m"}  # D accepted "m"
     assert r.sample("pd_extproc_requests_total", outcome="ok", strategy="parallel",
-                    reason="cache_hit", model="other") == 1  # fmt: skip
+                    reason="cache_hit", model="m") == 1  # fmt: skip
+
+
+async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
+    r = Request()
+    await r.start(REQUEST | {"model": "invented"})
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(3)
+    await r.send(response(404))  # vLLM: the model does not exist
+    sent = await r.envoy.until_sent(4)
+    await r.end()
+    assert labels(sent[3]) == {"strategy": "serial", "model": "other"}
+    assert r.sample("pd_extproc_requests_total", outcome="decode_4xx", strategy="serial",
+                    reason="cache_miss", model="other") == 1  # fmt: skip
 
 
 async def test_a_served_model_is_its_own_label_and_errors_carry_labels_too() -> None:
@@ -886,6 +900,6 @@ async def test_a_configured_model_is_its_own_label() -> None:
     await r.start(REQUEST | {"model": "invented"})
     await r.envoy.until_sent(2)
     assert r.rt.model_labels.label("m") == "m"
-    assert r.rt.model_labels.label("invented") == "other"
+    assert r.rt.model_labels.label("invented") == "other"  # configured, served or accepted only
     assert r.rt.model_labels.label("") == "none"
     await r.end()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import statistics
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +28,7 @@ from tests.integration.conftest import MODEL, Topology, topology, until
 TTFB = "pd_extproc_client_time_to_first_byte_seconds"
 DURATION = "pd_extproc_client_duration_seconds"
 TOLERANCE_S = 0.005
+TIMED_REQUESTS = 5
 
 
 def sample(name: str, suffix: str, strategy: str, model: str = MODEL, code: str = "2xx") -> str:
@@ -121,21 +124,30 @@ async def observed(urls: list[str], name: str, strategy: str, model: str, code: 
 
 
 async def check_latency_matches(topo: Topology, strategy: str, stream: bool) -> None:
-    """One request timed by the client; the metric's new observation is the same time."""
+    """Requests timed by the client; each one's new observation in the metric is the same time.
+
+    The median difference is checked: on this shared 2-core machine the client's own event
+    loop is sometimes late by a few ms to notice a byte that Envoy sent on time."""
     urls = [topo.sidecar.metrics, *topo.sidecar.worker_metrics]
     url = topo.sidecar.url + "/v1/completions"
     body = {"model": MODEL, "prompt": "latency " * 40, "max_tokens": 8, "stream": stream}
+    first_diffs, last_diffs = [], []
     async with aiohttp.ClientSession() as session:
-        status, _, _ = await timed_post(session, url, body, {})  # a warm connection
-        assert status == 200
-        before = await scrape_counts(session, urls, strategy)
-        status, first, last = await timed_post(session, url, body, {})
-        assert status == 200
-        ttfb = await observed(urls, TTFB, strategy, MODEL, "2xx", before[0] + 1, session)
-        duration = await observed(urls, DURATION, strategy, MODEL, "2xx", before[1] + 1, session)
-    envoy_first, envoy_last = ttfb - before[2], duration - before[3]
-    assert abs(envoy_first - first) <= TOLERANCE_S, (envoy_first, first)
-    assert abs(envoy_last - last) <= TOLERANCE_S, (envoy_last, last)
+        for attempt in range(TIMED_REQUESTS + 1):  # the first one warms the connection up
+            before = await scrape_counts(session, urls, strategy)
+            status, first, last = await timed_post(session, url, body, {})
+            assert status == 200
+            ttfb = await observed(urls, TTFB, strategy, MODEL, "2xx", before[0] + 1, session)
+            duration = await observed(urls, DURATION, strategy, MODEL, "2xx", before[1] + 1,
+                                      session)  # fmt: skip
+            if attempt:
+                first_diffs.append(ttfb - before[2] - first)
+                last_diffs.append(duration - before[3] - last)
+    print(f"{strategy} stream={stream} metric - client, ms: first byte",
+          [round(d * 1e3, 2) for d in first_diffs], "last byte",
+          [round(d * 1e3, 2) for d in last_diffs])  # fmt: skip
+    assert abs(statistics.median(first_diffs)) <= TOLERANCE_S, first_diffs
+    assert abs(statistics.median(last_diffs)) <= TOLERANCE_S, last_diffs
 
 
 async def scrape_counts(
@@ -174,8 +186,8 @@ async def test_an_unknown_model_is_labelled_other_with_its_status(traced: Topolo
     await observed(urls, TTFB, "parallel", "other", "4xx", 1, traced.session)
     metrics = await traced.metrics()
     assert not [k for k in metrics if "no-such-model" in k]  # the label stays bounded
-    requests = 'pd_extproc_requests_total{model="other",outcome="decode_4xx",'
-    assert [k for k in metrics if k.startswith(requests)]
+    # its outcome is P's or D's refusal, whichever comes first
+    assert [k for k in metrics if k.startswith('pd_extproc_requests_total{model="other",')]
 
 
 async def test_the_clients_traceparent_reaches_both_engines_and_parents_the_sidecar_spans(
@@ -212,26 +224,43 @@ async def test_entries_label_right_whichever_ext_proc_process_receives_them() ->
     one process, while requests are spread over both. The labels travel in each entry, so the
     entries of the other process's requests are counted right all the same."""
     async with topology(extproc={"workers": 2}) as topo:
-        await served_model_known(topo)
         urls = [topo.sidecar.metrics, *topo.sidecar.worker_metrics]
         assert len(urls) == 2
         body = {"model": MODEL, "prompt": "workers " * 10, "max_tokens": 2}
-        requests = 'pd_extproc_requests_total{model="sim-model",outcome="ok"'
-        sent = 0
-        per_process: list[float] = [0.0, 0.0]
-        while sent < 8 or min(per_process) == 0:  # until both processes handled some
-            assert sent < 60, per_process
+        sent, handled = 0, [Counter[str](), Counter[str]()]
+        while sent < 8 or not all(handled):  # until both processes handled some
+            assert sent < 60, handled
             statuses = await asyncio.gather(*(topo.post("/v1/completions", body) for _ in range(4)))
             assert all(status == 200 for status, _, _ in statuses)
             sent += 4
-            for index, url in enumerate(urls):
-                metrics = await scrape(topo.session, url + "/metrics")
-                per_process[index] = sum(v for k, v in metrics.items() if k.startswith(requests))
-        await observed(urls, TTFB, "parallel", MODEL, "2xx", sent, topo.session)
-        observed_by = []
-        for url in urls:
-            metrics = await scrape(topo.session, url + "/metrics")
-            observed_by.append(metrics.get(sample(TTFB, "count", "parallel"), 0.0))
-        assert sum(observed_by) == sent == sum(per_process)
+            handled = [await by_strategy(topo, url, "pd_extproc_requests_total") for url in urls]
+
+        async def all_handled() -> bool:  # a request is counted once Envoy closes its stream
+            nonlocal handled
+            handled = [await by_strategy(topo, url, "pd_extproc_requests_total") for url in urls]
+            return (handled[0] + handled[1]).total() == sent
+
+        await until(all_handled, f"{sent} requests counted")
+        total_handled = handled[0] + handled[1]
+
+        async def all_counted() -> bool:
+            observed = [await by_strategy(topo, url, TTFB + "_count") for url in urls]
+            return (observed[0] + observed[1]) == total_handled
+
+        await until(all_counted, f"{sent} access-log entries, labelled as the requests were")
+        observed = [await by_strategy(topo, url, TTFB + "_count") for url in urls]
         # entries did cross processes: one process counted requests it never saw
-        assert observed_by != per_process, (observed_by, per_process)
+        assert observed != handled, (observed, handled)
+
+
+async def by_strategy(topo: Topology, url: str, name: str) -> Counter[str]:
+    """The counts of `name`{model=MODEL} of one process, by strategy (2xx/ok ones only)."""
+    counts: Counter[str] = Counter()
+    for key, value in (await scrape(topo.session, url + "/metrics")).items():
+        if (
+            key.startswith(name + "{")
+            and f'model="{MODEL}"' in key
+            and ('outcome="ok"' in key or 'code="2xx"' in key)
+        ):
+            counts[key.partition('strategy="')[2].partition('"')[0]] += int(value)
+    return counts
