@@ -17,7 +17,6 @@ route); Envoy's access-log filter leaves such entries out, and any that arrive a
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import TYPE_CHECKING, Any
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -29,11 +28,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ClientLatency", "observe_entry"]
 
-log = logging.getLogger("extproc.access_log")
-
 
 def _seconds(duration: Any) -> float:
-    return float(duration.seconds) + duration.nanos / 1e9
+    return float(duration.seconds + duration.nanos / 1e9)
 
 
 def _code_class(code: int) -> str:
