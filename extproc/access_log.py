@@ -63,24 +63,30 @@ class ClientLatency(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
-        self._streams: set[asyncio.Task[Any]] = set()
+        self._closing = asyncio.Event()
 
     async def StreamAccessLogs(
         self, request_iterator: Any, context: Any
     ) -> als_pb2.StreamAccessLogsResponse:
-        task = asyncio.current_task()
-        assert task is not None
-        self._streams.add(task)
+        messages = aiter(request_iterator)
+        closing = asyncio.ensure_future(self._closing.wait())
         try:
-            async for message in request_iterator:
+            while True:
+                read = asyncio.ensure_future(anext(messages, None))
+                await asyncio.wait({read, closing}, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():  # shutting down: answer, which ends the call at once
+                    read.cancel()
+                    break
+                message = read.result()
+                if message is None:  # Envoy closed its stream
+                    break
                 for entry in message.http_logs.log_entry:
                     observe_entry(self._metrics, entry)
         finally:
-            self._streams.discard(task)
+            closing.cancel()
         return als_pb2.StreamAccessLogsResponse()
 
     def close(self) -> None:
-        """End Envoy's streams, which never end on their own: a shutdown need not wait them
-        out. Envoy reconnects (to another ext_proc process, when there are several)."""
-        for task in self._streams:
-            task.cancel()
+        """End Envoy's streams, which never end on their own, so that a shutdown need not wait
+        them out. Envoy opens a new one (to another ext_proc process, when there are several)."""
+        self._closing.set()
