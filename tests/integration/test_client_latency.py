@@ -264,3 +264,21 @@ async def by_strategy(topo: Topology, url: str, name: str) -> Counter[str]:
         ):
             counts[key.partition('strategy="')[2].partition('"')[0]] += int(value)
     return counts
+
+
+async def test_pass_through_routes_send_no_entries(traced: Topology) -> None:
+    """Envoy's access-log filter sends only the requests the ext_proc labelled."""
+    async with traced.session.get(traced.sidecar.url + "/v1/models") as response:
+        assert response.status == 200  # served by an engine, without the ext_proc
+    before = await traced.metrics()
+    entries = 'pd_extproc_access_log_entries_total{result="observed"}'
+    body = {"model": MODEL, "prompt": "after " * 5, "max_tokens": 2}
+    status, _, _ = await traced.post("/v1/completions", body)
+    assert status == 200
+
+    async def counted() -> bool:  # one stream, in order: the GET's entry would be before it
+        return (await traced.metrics()).get(entries, 0) > before.get(entries, 0)
+
+    await until(counted, "the POST's entry")
+    metrics = await traced.metrics()
+    assert 'pd_extproc_access_log_entries_total{result="skipped"}' not in metrics
