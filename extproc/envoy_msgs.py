@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from envoy.config.core.v3 import base_pb2 as core
@@ -15,6 +16,7 @@ from extproc.errors import RequestEnded
 __all__ = [
     "DESTINATION_HEADER",
     "LABELS_NAMESPACE",
+    "Labels",
     "body_answer",
     "continue_request_headers",
     "continue_response_headers",
@@ -54,18 +56,31 @@ def continue_request_headers() -> ep.ProcessingResponse:
     return _CONTINUE_REQUEST
 
 
-def continue_response_headers(labels: Struct | None = None) -> ep.ProcessingResponse:
+# A request's labels for Envoy's access log: (strategy, model). Few: the model is bounded.
+Labels = tuple[str, str]
+
+
+def continue_response_headers(labels: Labels | None = None) -> ep.ProcessingResponse:
     if labels is None:
         return _CONTINUE_RESPONSE
-    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(), dynamic_metadata=labels)
+    return _continue_labelled(labels)
 
 
-def request_labels(strategy: str, model: str) -> Struct:
-    """The request's metric labels as the stream's dynamic metadata: Envoy puts them in the
-    request's access-log entry, so whichever ext_proc process receives the entry labels it."""
-    labels = Struct()
-    labels.update({LABELS_NAMESPACE: {"strategy": strategy, "model": model}})
-    return labels
+@functools.lru_cache(maxsize=1024)  # built once per label pair, then shared (never modified)
+def _continue_labelled(labels: Labels) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(
+        response_headers=ep.HeadersResponse(), dynamic_metadata=request_labels(labels)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def request_labels(labels: Labels) -> Struct:
+    """The request's labels as the stream's dynamic metadata: Envoy puts them in the request's
+    access-log entry, so whichever ext_proc process receives the entry labels it right."""
+    strategy, model = labels
+    metadata = Struct()
+    metadata.update({LABELS_NAMESPACE: {"strategy": strategy, "model": model}})
+    return metadata
 
 
 def body_answer(body: bytes, destinations: Iterable[str], request_id: str) -> ep.ProcessingResponse:
@@ -98,7 +113,7 @@ def extend_timeout(seconds: float) -> ep.ProcessingResponse:
     )
 
 
-def immediate(error: RequestEnded, labels: Struct | None = None) -> ep.ProcessingResponse:
+def immediate(error: RequestEnded, labels: Labels | None = None) -> ep.ProcessingResponse:
     """End the client request with an OpenAI-style JSON error.
 
     Before the response started the client gets it as is; after, Envoy can no longer change
@@ -114,5 +129,5 @@ def immediate(error: RequestEnded, labels: Struct | None = None) -> ep.Processin
             body=error.body,
             details=f"pd_extproc_{error.status}",
         ),
-        dynamic_metadata=labels,
+        dynamic_metadata=None if labels is None else request_labels(labels),
     )

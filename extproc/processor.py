@@ -34,8 +34,6 @@ from extproc.strategies import NOT_DISPATCHED, Dispatch, Exchange, LegServices, 
 from extproc.stream import EnvoyStream
 
 if TYPE_CHECKING:
-    from google.protobuf.struct_pb2 import Struct
-
     from extproc.config import Config, DispatchMode
     from extproc.metrics import Metrics
     from extproc.tracing import RequestTrace
@@ -148,10 +146,10 @@ class RequestProcessor:
         if not self.stream.ended:
             await self.stream.write(envoy_msgs.immediate(error, self._labels()))
 
-    def _labels(self) -> Struct:
+    def _labels(self) -> envoy_msgs.Labels:
         """The labels of the client-side metrics, for Envoy's access-log entry."""
         strategy = "none" if isinstance(self.plan, _Unplanned) else str(self.plan.strategy)
-        return envoy_msgs.request_labels(strategy, self._model_label())
+        return strategy, self._model_label()
 
     def _model_label(self) -> str:
         return self.deps.model_label(self.model, 0 < self.decode_status < 400)

@@ -23,7 +23,7 @@ def entry(first_s: float | None, last_s: float | None, code: int,
     if last_s is not None:
         common.time_to_last_downstream_tx_byte.CopyFrom(Duration(nanos=int(last_s * 1e9)))
     if labels is not None:
-        struct = envoy_msgs.request_labels(labels["strategy"], labels["model"])
+        struct = envoy_msgs.request_labels((labels["strategy"], labels["model"]))
         common.metadata.filter_metadata[envoy_msgs.LABELS_NAMESPACE].CopyFrom(
             struct.fields[envoy_msgs.LABELS_NAMESPACE].struct_value
         )
