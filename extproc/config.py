@@ -304,6 +304,15 @@ class TracingConfig(_Strict):
     service_name: str = "pd-extproc"
 
 
+class AccessLogConfig(_Strict):
+    """Envoy's access log of the ingress, streamed to the ext_proc over gRPC: the client's own
+    time to first byte and duration, as metrics by strategy and model."""
+
+    enabled: bool = True
+    # How long Envoy may batch entries before sending them (it also sends when 16 KiB are due).
+    flush_interval_s: PositiveFloat = 0.1
+
+
 class LogConfig(_Strict):
     format: Literal["text", "json"] = "text"
     requests: bool = False  # one line per finished request (ids, dispatch, outcome)
@@ -520,6 +529,7 @@ class Config(_Strict):
     discovery: DiscoveryConfig = DiscoveryConfig()
     log: LogConfig = LogConfig()
     tracing: TracingConfig = TracingConfig()
+    access_log: AccessLogConfig = AccessLogConfig()
     limits: LimitConfig = LimitConfig()
     extproc: ExtProcListenConfig = ExtProcListenConfig(port=50051)
     endpoint_picker: EndpointPickerConfig = EndpointPickerConfig()

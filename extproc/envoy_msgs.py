@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.struct_pb2 import Struct
 
 from extproc.errors import RequestEnded
 
 __all__ = [
     "DESTINATION_HEADER",
+    "LABELS_NAMESPACE",
+    "Labels",
     "body_answer",
     "body_passthrough",
     "continue_request_headers",
@@ -24,6 +28,7 @@ __all__ = [
     "header_map",
     "headers_answer",
     "immediate",
+    "request_labels",
     "route_mutation",
     "streamed_body_answer",
     "with_destination_metadata",
@@ -32,6 +37,9 @@ __all__ = [
 # The Gateway API Inference Extension header that the override_host LB policy reads.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 _OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# The dynamic-metadata namespace of the request's labels, which Envoy's access log carries back
+# to the ext_proc (`extproc.access_log`); the ext_proc filter is allowed to write only this one.
+LABELS_NAMESPACE = "pd_extproc"
 
 
 def _header(key: str, value: str) -> core.HeaderValueOption:
@@ -56,8 +64,31 @@ def continue_request_headers() -> ep.ProcessingResponse:
     return _CONTINUE_REQUEST
 
 
-def continue_response_headers() -> ep.ProcessingResponse:
-    return _CONTINUE_RESPONSE
+# A request's labels for Envoy's access log: (strategy, model). Few: the model is bounded.
+Labels = tuple[str, str]
+
+
+def continue_response_headers(labels: Labels | None = None) -> ep.ProcessingResponse:
+    if labels is None:
+        return _CONTINUE_RESPONSE
+    return _continue_labelled(labels)
+
+
+@functools.lru_cache(maxsize=1024)  # built once per label pair, then shared (never modified)
+def _continue_labelled(labels: Labels) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(
+        response_headers=ep.HeadersResponse(), dynamic_metadata=request_labels(labels)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def request_labels(labels: Labels) -> Struct:
+    """The request's labels as the stream's dynamic metadata: Envoy puts them in the request's
+    access-log entry, so whichever ext_proc process receives the entry labels it right."""
+    strategy, model = labels
+    metadata = Struct()
+    metadata.update({LABELS_NAMESPACE: {"strategy": strategy, "model": model}})
+    return metadata
 
 
 def route_mutation(destinations: Iterable[str], request_id: str, length: int) -> ep.HeaderMutation:
@@ -123,7 +154,7 @@ def extend_timeout(seconds: float) -> ep.ProcessingResponse:
     )
 
 
-def immediate(error: RequestEnded) -> ep.ProcessingResponse:
+def immediate(error: RequestEnded, labels: Labels | None = None) -> ep.ProcessingResponse:
     """End the client request with an OpenAI-style JSON error.
 
     Before the response started the client gets it as is; after, Envoy can no longer change
@@ -138,7 +169,8 @@ def immediate(error: RequestEnded) -> ep.ProcessingResponse:
             headers=ep.HeaderMutation(set_headers=headers),
             body=error.body,
             details=f"pd_extproc_{error.status}",
-        )
+        ),
+        dynamic_metadata=None if labels is None else request_labels(labels),
     )
 
 

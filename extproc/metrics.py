@@ -43,8 +43,32 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "pd_extproc_requests",
-            "Client requests by outcome and by how their legs were dispatched.",
-            ["outcome", "strategy", "reason"],
+            "Client requests by outcome, by how their legs were dispatched, and by model.",
+            ["outcome", "strategy", "reason", "model"],
+            registry=r,
+        )
+        # The client's side, from Envoy's access log of the ingress (`extproc.access_log`).
+        self.client_first_byte_seconds = Histogram(
+            "pd_extproc_client_time_to_first_byte_seconds",
+            "Time to first byte as the client sees it: from Envoy receiving the request's "
+            "first byte to Envoy sending the response's first byte (Envoy's access log).",
+            ["strategy", "model", "code"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.client_duration_seconds = Histogram(
+            "pd_extproc_client_duration_seconds",
+            "Request duration as the client sees it: from Envoy receiving the request's first "
+            "byte to Envoy sending the response's last byte (Envoy's access log).",
+            ["strategy", "model", "code"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.access_log_entries = Counter(
+            "pd_extproc_access_log_entries",
+            "Envoy access-log entries received, by what was done with them: observed, or "
+            "skipped (no pd-extproc labels: a request the ext_proc did not process).",
+            ["result"],
             registry=r,
         )
         self.prefill_seconds = Histogram(

@@ -86,7 +86,9 @@ class Prober:
         decodes_of: Callable[[str], set[str]],  # prefill address → its model's decode members
         metrics: Metrics,
         config: Callable[[], Config],  # the current config: a reload swaps it
+        on_served: Callable[[str], None] = lambda model: None,  # a model an engine serves
     ) -> None:
+        self._on_served = on_served
         self._prefill_client = prefill_client
         self._identities = identities
         self._decode = decode
@@ -106,6 +108,7 @@ class Prober:
         auth = config.engines.auth_headers
         try:
             model = await _served_model(session, address, timeout_s, auth)
+            self._on_served(model)
             client_body = orjson.dumps({"model": model, "prompt": "probe", "temperature": 0})
             p_body = prefill_body(members(client_body), False, prefill_kv_params())
             result = await self._prefill_client.send(

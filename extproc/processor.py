@@ -78,6 +78,8 @@ class RequestDeps:
     config: Callable[[], Config]  # the current config: a reload swaps it
     # `pd-extproc epp`: read the gateway's subset hint, answer the destination as metadata too
     endpoint_picker: bool = False
+    # the `model` label of a model name, whether D accepted the request (bounded by the wiring)
+    model_label: Callable[[str, bool], str] = lambda model, accepted: model
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +112,7 @@ class RequestProcessor:
         self.error: RequestEnded | None = None
         self.envoy_replied = False  # Envoy answered the client itself (e.g. its 413)
         self.decode_status = 0  # D's response status, 0 until it arrives
+        self.model = ""  # the client's model name, once the body is parsed
 
     @property
     def outcome(self) -> str:
@@ -133,7 +136,8 @@ class RequestProcessor:
             self.dispatch.close(client_gone)
             self.stream.close()
             plan, outcome = self.plan, self.outcome
-            self.deps.metrics.requests.labels(outcome, plan.strategy, plan.reason).inc()
+            labels = (outcome, plan.strategy, plan.reason, self._model_label())
+            self.deps.metrics.requests.labels(*labels).inc()
             fields = self._log_fields(outcome)
             self.trace.finish(fields)
             if self.deps.config().log.requests and plan.request_id:
@@ -159,7 +163,15 @@ class RequestProcessor:
                 extra=self._log_fields(self.outcome),
             )
         if not self.stream.ended:
-            await self.stream.write(envoy_msgs.immediate(error))
+            await self.stream.write(envoy_msgs.immediate(error, self._labels()))
+
+    def _labels(self) -> envoy_msgs.Labels:
+        """The labels of the client-side metrics, for Envoy's access-log entry."""
+        strategy = "none" if isinstance(self.plan, _Unplanned) else str(self.plan.strategy)
+        return strategy, self._model_label()
+
+    def _model_label(self) -> str:
+        return self.deps.model_label(self.model, 0 < self.decode_status < 400)
 
     async def _run(self, inflight: ExitStack) -> None:
         message = await self.stream.read(_BODY_WAIT_S)
@@ -168,6 +180,7 @@ class RequestProcessor:
         self.opening = message
         headers = envoy_msgs.header_map(message.request_headers)
         self.client_request_id = headers.get("x-request-id", "")
+        self.trace.join_client(headers.get("traceparent"), headers.get("tracestate"))
         config = self.deps.config()
         picker = config.endpoint_picker if self.deps.endpoint_picker else None
         if picker is not None:
@@ -187,6 +200,7 @@ class RequestProcessor:
             return
         started = time.perf_counter()
         request = parse_request(api, upload.body, config.limits.max_body_bytes)
+        self.model = request.model
         wanted = _pick_request(request, headers.get(config.dispatch.session_header))
         self.plan = plan = self._plan(request, wanted, inflight)
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
@@ -294,7 +308,7 @@ class RequestProcessor:
         self.decode_status = status
         self.trace.decode_answered(status)
         if await self.dispatch.on_decode_headers(status):
-            await self.stream.write(envoy_msgs.continue_response_headers())
+            await self.stream.write(envoy_msgs.continue_response_headers(self._labels()))
 
 
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash

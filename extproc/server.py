@@ -1,5 +1,5 @@
-"""The ext_proc process: gRPC server (ExternalProcessor, the pools' EDS, grpc.health), and the
-metrics/probes HTTP port.
+"""The ext_proc process: gRPC server (ExternalProcessor, the pools' EDS, AccessLogService for the
+client's latency, grpc.health), and the metrics/probes HTTP port.
 
 `ExtProcServer.start()` binds both (port 0 picks a free port; the bound ports are attributes
 afterwards); the caller starts the runtime's health checks and probes once Envoy's prefill
@@ -20,11 +20,13 @@ from typing import Any
 import grpc
 import orjson
 from aiohttp import web
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2_grpc
 
+from extproc.access_log import ClientLatency
 from extproc.config import Config
 from extproc.eds import EndpointDiscovery
 from extproc.grpc_health import HealthServices, health_server
@@ -85,12 +87,14 @@ class ExtProcServer:
         self._health_grpc: aio.Server | None = None
         self._eds = EndpointDiscovery(runtime.memberships)
         self._http: web.AppRunner | None = None
+        self._access_log = ClientLatency(runtime.metrics)
 
     async def start(self) -> None:
         cfg = self.runtime.config
         self._grpc = aio.server(options=_GRPC_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self._eds, self._grpc)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_log, self._grpc)
         wanted = cfg.extproc.address
         if wanted.startswith("unix:"):
             with contextlib.suppress(FileNotFoundError):  # a previous run's socket
@@ -162,6 +166,7 @@ class ExtProcServer:
         # for requests. Envoy keeps the endpoints it has until it reaches an ext_proc again.
         self._eds.close()
         if self._grpc is not None:  # Envoy's health check sees it first
+            self._access_log.close()
             await self._grpc.stop(grace_s)
         if self._health_grpc is not None:
             await self._health_grpc.stop(None)

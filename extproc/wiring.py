@@ -27,6 +27,7 @@ from extproc.identity import IdentityCache
 from extproc.kv_check import KvCheck
 from extproc.load import EngineLoad
 from extproc.metrics import Metrics
+from extproc.model_labels import ModelLabels
 from extproc.policies import Picker, PickRequest, build_picker
 from extproc.pool import EndpointState, Pool
 from extproc.prefill_direct import DirectPrefillClient
@@ -73,6 +74,7 @@ RELOAD: dict[str, str] = {
     "log": LIVE,
     "log.format": RESTART,  # the log handlers are set up once
     "tracing": RESTART,  # the exporter is set up once; spans in flight belong to it
+    "access_log": RESTART,  # rendered into Envoy's bootstrap
     "limits": RESTART,  # Envoy's buffer sizes
     "extproc": RESTART,
     "endpoint_picker": LIVE,
@@ -179,10 +181,11 @@ class Runtime:
             # an endpoint picker has no prefill listener: its P legs go to the engine
             (lambda: "direct") if endpoint_picker else lambda: self.config.dispatch.prefill_leg,
         )
+        self.model_labels = ModelLabels(lambda: self.config.models.keys())
         prober = Prober(
             self.prefill_client, self.identities, self.decode,
             lambda prefill: self.group_of(Role.PREFILL, prefill).members[Role.DECODE],
-            self.metrics, settings,
+            self.metrics, settings, self.model_labels.served,
         )  # fmt: skip
         self.kv_check = KvCheck(
             lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses
@@ -225,6 +228,7 @@ class Runtime:
             self.metrics,
             settings,
             endpoint_picker,
+            self.model_labels.label,
         )
         # What Envoy's pool clusters receive over EDS; every membership change lands here.
         self.memberships = Memberships()

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.config import Config
+from extproc.envoy_msgs import LABELS_NAMESPACE
 from extproc.envoy_render.common import TYPED, duration
 
 EXTPROC_CLUSTER = "pd_extproc"
@@ -81,6 +82,8 @@ def ext_proc_filter(cfg: Config) -> dict[str, Any]:
             "max_message_timeout": duration(cfg.timeouts.prefill_s + 5),
             # streamed: the content-length the header answer sets reaches D (else removed)
             "allow_content_length_header": True,
+            # the request's labels, for the access log (`extproc.access_log`)
+            "metadata_options": {"receiving_namespaces": {"untyped": [LABELS_NAMESPACE]}},
             "processing_mode": dict(_MODE),
         },
     }

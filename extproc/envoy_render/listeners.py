@@ -5,7 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.config import Config
-from extproc.envoy_render.common import buffer_limit, listener, router_filter, socket_address
+from extproc.envoy_msgs import LABELS_NAMESPACE
+from extproc.envoy_render.common import (
+    TYPED,
+    buffer_limit,
+    duration,
+    listener,
+    router_filter,
+    socket_address,
+)
+from extproc.envoy_render.ext_proc_filter import EXTPROC_CLUSTER
 from extproc.envoy_render.local_replies import FLAG_LOCAL_REPLIES, ingress_local_replies
 
 # Envoy does not normalise paths by default, and routes match the path as sent: without these a
@@ -20,12 +29,45 @@ PATH_HANDLING = {
 }
 
 
+_HTTP_GRPC_LOG = (
+    "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
+)
+
+
+def client_latency_log(cfg: Config) -> dict[str, Any]:
+    """Envoy's access log streamed to the ext_proc (`extproc.access_log`): the client's own
+    time to first byte and duration. Only requests the ext_proc labelled are sent."""
+    labelled = {
+        "matcher": {
+            "filter": LABELS_NAMESPACE,
+            "path": [{"key": "strategy"}],
+            "value": {"present_match": True},
+        },
+        "match_if_key_not_found": False,
+    }
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"metadata_filter": labelled},
+        "typed_config": {
+            TYPED: _HTTP_GRPC_LOG,
+            "common_config": {
+                "log_name": "pd_extproc_client_latency",
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                "buffer_flush_interval": duration(cfg.access_log.flush_interval_s),
+            },
+        },
+    }
+
+
 def ingress_hcm_settings(cfg: Config) -> dict[str, Any]:
     """What the ingress connection manager needs besides its routes and filters."""
+    access_log = [client_latency_log(cfg)] if cfg.access_log.enabled else []
     return {
         "delayed_close_timeout": "0s",  # resets reach HTTP/1.1 clients at once
         **PATH_HANDLING,
         "local_reply_config": ingress_local_replies(cfg),
+        **({"access_log": access_log} if access_log else {}),
     }
 
 

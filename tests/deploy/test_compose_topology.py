@@ -117,6 +117,7 @@ def test_dashboard_queries_were_found() -> None:
     # the panels the dashboard must have; guards the reader above against reading nothing
     for wanted in (
         "vllm:time_to_first_token_seconds_bucket",
+        "pd_extproc_client_time_to_first_byte_seconds_bucket",
         "pd_extproc_requests_total",
         "pd_extproc_dispatch_skew_seconds_bucket",
         "pd_extproc_identity_events_total",
@@ -138,6 +139,22 @@ async def test_every_dashboard_metric_is_exported() -> None:
     added = prometheus_added_labels()
     found = [p for q in dashboard_queries(DASHBOARD) for p in problems(q, metrics, added)]
     assert not found, "the dashboard queries what nobody exports:\n" + "\n".join(found)
+
+
+def test_the_client_latency_panels_query_what_the_sidecar_exports_by_strategy() -> None:
+    """Without Docker: the client-latency panels against the sidecar's own instruments."""
+    from extproc.metrics import Metrics
+
+    metrics = Metrics()
+    exported = {
+        f"{instrument._name}_bucket": {*instrument._labelnames, "le"}
+        for instrument in (metrics.client_first_byte_seconds, metrics.client_duration_seconds)
+    }
+    queries = [q for q in dashboard_queries(DASHBOARD) if q.metrics & set(exported)]
+    assert {name for q in queries for name in q.metrics} == set(exported)
+    for query in queries:
+        assert "strategy" in query.grouping_labels, query.expr
+        assert not problems(query, exported, set()), problems(query, exported, set())
 
 
 def test_a_query_on_something_nobody_exports_is_reported() -> None:

@@ -198,7 +198,8 @@ async def test_drop_in_behaves_like_the_rendered_bootstrap(tmp_path: Path, envoy
         for record in decoded:  # the client's destination header never reaches an engine
             assert "203.0.113.9" not in record["headers"].get(DESTINATION_HEADER, "")
         metrics = await sidecar_metrics(session, tmp_path / "serve.log")
-        parallel = 'pd_extproc_requests_total{outcome="ok",reason="cache_hit",strategy="parallel"}'
+        parallel = ('pd_extproc_requests_total{model="sim-model",outcome="ok",reason="cache_hit",'
+                    'strategy="parallel"}')  # fmt: skip
         assert metrics.get(parallel, 0) >= 1, metrics
 
         # path tricks: no spelling of an OpenAI path dodges the ext_proc

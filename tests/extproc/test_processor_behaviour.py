@@ -18,6 +18,7 @@ from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc import aio
 
+from extproc import envoy_msgs
 from extproc.config import parse_config
 from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
 from extproc.identity import identity_from_params
@@ -149,8 +150,16 @@ class Request:
         return self.rt.metrics.registry.get_sample_value(name, labels)
 
     def outcome(self, outcome: str, strategy: str, reason: str) -> float | None:
+        """pd_extproc_requests_total for these labels, whatever the model."""
         labels = {"outcome": outcome, "strategy": strategy, "reason": reason}
-        return self.sample("pd_extproc_requests_total", **labels)
+        found = [
+            sample.value
+            for metric in self.rt.metrics.registry.collect()
+            if metric.name == "pd_extproc_requests"
+            for sample in metric.samples
+            if sample.name.endswith("_total") and labels.items() <= sample.labels.items()
+        ]
+        return sum(found) if found else None
 
     def idle(self) -> bool:
         return all(s.in_flight == 0 for s in [*self.rt.prefill, *self.rt.decode])
@@ -163,6 +172,12 @@ def headers(path: str = "/v1/completions", end: bool = False, **extra: str) -> A
         headers=core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode())
                                         for k, v in pairs]),
         end_of_stream=end))  # fmt: skip
+
+
+def labels(message: Any) -> dict[str, Any]:
+    """The request's labels a ProcessingResponse gives Envoy (its dynamic metadata)."""
+    namespace = message.dynamic_metadata.fields[envoy_msgs.LABELS_NAMESPACE].struct_value
+    return {key: value.string_value for key, value in namespace.fields.items()}
 
 
 def body(doc: dict[str, Any]) -> Any:
@@ -580,7 +595,8 @@ async def test_envoys_own_reply_in_the_body_phase_is_let_through() -> None:
     await r.send(headers(), response(413))  # Envoy refused an oversized body itself
     sent = await r.envoy.until_sent(2)
     assert r.envoy.kinds() == ["request_headers", "response_headers"]
-    assert sent[1] == ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+    assert sent[1].response_headers == ep.HeadersResponse()
+    assert labels(sent[1]) == {"strategy": "none", "model": "none"}  # for Envoy's access log
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.outcome("client_error", "serial", "none") == 1
 
@@ -831,3 +847,59 @@ async def test_no_stream_ended_line_for_decode_only(caplog: pytest.LogCaptureFix
         await r.envoy.until_sent(2)
         await r.end()
     assert caplog.records == []
+
+
+# ---- labels for Envoy's access log (the client's latency) and the model label -------------
+
+
+async def test_d_answer_carries_the_requests_labels_for_the_access_log() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER)
+    await r.send(response(200))
+    sent = await r.envoy.until_sent(3)
+    await r.end()
+    assert labels(sent[2]) == {"strategy": "parallel", "model": "m"}  # D accepted "m"
+    assert r.sample("pd_extproc_requests_total", outcome="ok", strategy="parallel",
+                    reason="cache_hit", model="m") == 1  # fmt: skip
+
+
+async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
+    r = Request()
+    await r.start(REQUEST | {"model": "invented"})
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(3)
+    await r.send(response(404))  # vLLM: the model does not exist
+    sent = await r.envoy.until_sent(4)
+    await r.end()
+    assert labels(sent[3]) == {"strategy": "serial", "model": "other"}
+    assert r.sample("pd_extproc_requests_total", outcome="decode_4xx", strategy="serial",
+                    reason="cache_miss", model="other") == 1  # fmt: skip
+
+
+async def test_a_served_model_is_its_own_label_and_errors_carry_labels_too() -> None:
+    r = Request(cached=True)
+    r.rt.model_labels.served("m")  # as the identity probe learns it from /v1/models
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
+    sent = await r.envoy.until_sent(3)
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert error(sent[2])[0] == 502
+    assert labels(sent[2]) == {"strategy": "parallel", "model": "m"}
+    assert r.sample("pd_extproc_requests_total", outcome="prefill_error", strategy="parallel",
+                    reason="cache_hit", model="m") == 1  # fmt: skip
+
+
+async def test_a_configured_model_is_its_own_label() -> None:
+    models = {"m": {"prefill": {"endpoints": ["127.0.0.1:9101"]},
+                    "decode": {"endpoints": ["127.0.0.1:9102"]}}}  # fmt: skip
+    r = Request(models=models)
+    await r.start(REQUEST | {"model": "invented"})
+    await r.envoy.until_sent(2)
+    assert r.rt.model_labels.label("m") == "m"
+    assert r.rt.model_labels.label("invented") == "other"  # configured, served or accepted only
+    assert r.rt.model_labels.label("") == "none"
+    await r.end()

@@ -136,10 +136,11 @@ async def until(
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def requests_total(outcome: str, reason: str, strategy: str) -> str:
+def requests_total(outcome: str, reason: str, strategy: str, model: str = MODEL) -> str:
     """The sample name of pd_extproc_requests_total for these labels (as `scrape` keys it)."""
     return (
-        f'pd_extproc_requests_total{{outcome="{outcome}",reason="{reason}",strategy="{strategy}"}}'
+        f'pd_extproc_requests_total{{model="{model}",outcome="{outcome}",reason="{reason}",'
+        f'strategy="{strategy}"}}'
     )
 
 
