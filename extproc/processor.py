@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from extproc import envoy_msgs
+from extproc.admission import request_priority
 from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
-from extproc.errors import ClientError, LegError, RequestEnded
+from extproc.errors import ClientError, LegError, RequestEnded, Shed
 from extproc.policies import PickRequest
 from extproc.request import ClientRequest, check_route, parse_request
 from extproc.strategies import NOT_DISPATCHED, Dispatch, Exchange, LegServices, start_dispatch
@@ -38,17 +39,25 @@ if TYPE_CHECKING:
     from extproc.metrics import Metrics
     from extproc.tracing import RequestTrace
 
-__all__ = ["RequestDeps", "RequestProcessor"]
+__all__ = ["Picked", "RequestDeps", "RequestProcessor"]
 
 log = logging.getLogger("extproc.request")
 
 _BODY_WAIT_S = 300.0  # a slow client upload; Envoy's own idle timeout usually ends it first
 
 
+@dataclass(frozen=True, slots=True)
+class Picked:
+    decodes: list[str]  # the choice, then Envoy's connect-failure fallbacks
+    prefill: str | None  # None: decode-only
+    fallback: str | None = None  # another prefill, for a serial dispatch's one retry
+    alone: str = "no_prefill"  # why decode-only (the decision's reason), when no prefill
+
+
 class PickEndpoints(Protocol):
-    def __call__(self, wanted: PickRequest, inflight: ExitStack) -> tuple[list[str], str | None]:
-        """(decodes: the choice then fallbacks, prefill or None for decode-only); each
-        chosen endpoint counted in flight until `inflight` closes; raises NoHealthy*."""
+    def __call__(self, wanted: PickRequest, inflight: ExitStack) -> Picked:
+        """The endpoints, and whether to go decode-only; each chosen endpoint counted in
+        flight until `inflight` closes; raises Shed (admission) or NoHealthy*."""
         ...
 
 
@@ -95,7 +104,8 @@ class RequestProcessor:
     @property
     def outcome(self) -> str:
         if self.error is not None:
-            return self.error.label if isinstance(self.error, LegError) else "client_error"
+            error = self.error
+            return error.label if isinstance(error, LegError | Shed) else "client_error"
         if self.envoy_replied:
             return "client_error"
         if self.decode_status:
@@ -166,7 +176,8 @@ class RequestProcessor:
             return
         started = time.perf_counter()
         request = parse_request(api, message.request_body.body, config.limits.max_body_bytes)
-        wanted = _pick_request(request, headers.get(config.dispatch.session_header))
+        priority = request_priority(headers, config.admission)
+        wanted = _pick_request(request, headers.get(config.dispatch.session_header), priority)
         self.plan = plan = self._plan(request, wanted, inflight)
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
         exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id)
@@ -175,17 +186,19 @@ class RequestProcessor:
             await self._watch()
 
     def _plan(self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack) -> Plan:
-        decodes, prefill = self.deps.pick(wanted, inflight)
-        request_id = str(uuid.uuid4())
+        picked = self.deps.pick(wanted, inflight)
+        request_id, prefill = str(uuid.uuid4()), picked.prefill
         if prefill is None:
-            choice, identity = (Strategy.DECODE_ONLY, "no_prefill"), None
+            choice, identity = (Strategy.DECODE_ONLY, picked.alone), None
         else:
             identities = self.deps.legs.identities
             identity = identities.get(prefill)
             choice = choose_strategy(
                 self.deps.prefill_mode(prefill), identity, identities.serial_only(prefill)
             )
-        return plan_dispatch(request, request_id, decodes, prefill, choice, identity)
+        return plan_dispatch(
+            request, request_id, picked.decodes, prefill, choice, identity, picked.fallback
+        )
 
     async def _watch(self) -> None:
         """Until the stream ends: P leg outcome and D's response headers, whichever first."""
@@ -215,6 +228,6 @@ class RequestProcessor:
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash
 
 
-def _pick_request(request: ClientRequest, session: str | None) -> PickRequest:
+def _pick_request(request: ClientRequest, session: str | None, priority: int) -> PickRequest:
     prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
-    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES])
+    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority)

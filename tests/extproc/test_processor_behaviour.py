@@ -493,7 +493,8 @@ async def test_policies_see_the_model_session_and_prompt_start() -> None:
     await r.start(REQUEST | {"prompt": long_prompt}, x_conversation="conv-7")
     sent = await r.envoy.until_sent(2)
     raw_member = b'"prompt":"' + long_prompt.encode()
-    expected = PickRequest("m", "conv-7", raw_member[:4096])
+    expected = PickRequest("m", "conv-7", raw_member[:4096], len(raw_member) + 1)  # + '"'
+
     assert decode.requests == [expected] and prefill.requests == [expected]
     assert routed(sent[1])[1]["x-gateway-destination-endpoint"] == f"{D2},{D1}"
     await r.end()
@@ -507,7 +508,7 @@ async def test_chat_messages_are_the_prompt_start_and_no_session_is_none() -> No
                   path="/v1/chat/completions")  # fmt: skip
     await r.envoy.until_sent(2)
     assert decode.requests == [
-        PickRequest("m", None, b'"messages":[{"role":"user","content":"hi"}]')
+        PickRequest("m", None, b'"messages":[{"role":"user","content":"hi"}]', 43)
     ]
     await r.end()
 
