@@ -3,8 +3,9 @@
 
 2P2D vllmsim push engines (default costs), four configurations started at once:
 
-  decide      pd-extproc, push, decision.mode load_aware, decode policy least_request
-  always      pd-extproc, push, always disaggregate, decode policy least_request
+  decide      pd-extproc, push, decision.mode load_aware
+  always      pd-extproc, push, always disaggregate
+              (both: prefill policy least_tokens, decode policy least_request)
   router-rr   vllm-router 0.1.17, PD mode, round_robin (bench/run.py's setting)
   router-p2   vllm-router 0.1.17, PD mode, power_of_two
 and two workloads: the seed's fixed random 1024 in / 64 out, and the seeded heavy-tailed one
@@ -26,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,11 +37,11 @@ import aiohttp
 from bench import report
 from bench.client import Run, run_plan
 from bench.engines import Engines, running_engines
-from bench.procs import run_bench
+from bench.procs import pinned, run_bench
 from bench.run import MODEL, RESULTS, _slim, commit, cpu_split, runs_at
-from bench.targets import Target, running_extproc, running_router
+from bench.targets import Target, running_router
 from bench.workload import heavy_tailed, summary, write
-from extproc.testing import scrape
+from extproc.testing import ephemeral_config, running_sidecar, scrape
 from scripts.cached_envs import tiny_model, vllm_router_venv
 
 CONFIGS = ("decide", "always", "router-rr", "router-p2")
@@ -49,15 +51,31 @@ ROUTERS = ("router-rr", "router-p2")
 DECISION = {"mode": "load_aware", "bytes_per_token": 2.75}
 
 
+@contextlib.asynccontextmanager
+async def running_pd_extproc(name: str, engines: Engines, cpus: set[int] | None,
+                             **sections: dict) -> AsyncIterator[Target]:  # fmt: skip
+    """pd-extproc in push mode, prefill policy least_tokens, decode policy least_request."""
+    config = ephemeral_config(engines.addresses("prefill"), engines.addresses("decode"),
+                              dispatch={"mode": "push"}, **sections)  # fmt: skip
+    config["decode"]["policy"] = "least_request"
+    config["prefill"]["policy"] = "least_tokens"
+    with pinned(cpus):
+        runner = running_sidecar(config, log_level="WARNING")
+        sidecar = await runner.__aenter__()
+    try:
+        yield Target(name, sidecar.url, sidecar.pid, sidecar.metrics, sidecar.envoy_admin)
+    finally:
+        await runner.__aexit__(None, None, None)
+
+
 async def start_targets(stack: contextlib.AsyncExitStack, engines: Engines,
                         proxy_cpus: set[int] | None) -> dict[str, Target]:  # fmt: skip
     router = vllm_router_venv() / "bin" / "vllm-router"
-    decode = {"endpoints": engines.addresses("decode"), "policy": "least_request"}
     return {
-        "decide": await stack.enter_async_context(running_extproc(
-            "push", engines, proxy_cpus, decision=DECISION, decode=decode)),
-        "always": await stack.enter_async_context(running_extproc(
-            "push", engines, proxy_cpus, decode=decode)),
+        "decide": await stack.enter_async_context(running_pd_extproc(
+            "decide", engines, proxy_cpus, decision=DECISION)),
+        "always": await stack.enter_async_context(running_pd_extproc(
+            "always", engines, proxy_cpus)),
         "router-rr": await stack.enter_async_context(running_router(
             engines, router, proxy_cpus, "round_robin", "router-rr")),
         "router-p2": await stack.enter_async_context(running_router(

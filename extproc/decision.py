@@ -14,7 +14,8 @@ running by the prefill's compute time (the stall).
 The prompt's size is estimated from its JSON bytes (`bytes_per_token`, ~4 for English text
 with BPE tokenizers): no tokenizer runs on the request path, and the decision only needs the
 size to within tens of percent. The load of both sides comes from this ext_proc's own counts
-(exact and instantaneous: requests in flight per D, prompt tokens of P legs in flight per P)
+(exact and instantaneous: requests in flight per D, prompt tokens of P legs in flight per P,
+kept on the pool's endpoint state by `TrackedPrefillSender`)
 and the engines' scraped metrics (queue, running requests, KV usage; up to one scrape old).
 The step cost they imply is the engines' step model (`decision.step_*`):
 step = base + prefill tokens × per_token + running sequences × per_seq.
@@ -68,6 +69,12 @@ class EngineLoad(Protocol):
     def running(self) -> float: ...
     @property
     def kv_usage(self) -> float: ...
+    @property
+    def queued_tokens(self) -> int: ...  # prompt tokens of P legs in flight there
+
+
+class QueuedTokens(Protocol):
+    queued_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +93,7 @@ class Sides:
     waiting_d: float
     kv_usage_d: float
     pending_d_tokens: int  # decode-only prompts sent to D that may not be prefilled yet
-    backlog_p_tokens: int  # prompt tokens of P legs in flight to P
+    queued_p_tokens: int  # prompt tokens of P legs in flight to P
     waiting_p: float
 
 
@@ -112,7 +119,7 @@ def decide(cfg: DecisionConfig, tokens: int, sides: Sides, stall_credit_ms: floa
     decode_step = cfg.decode_per_seq_ms * sides.running_d
     alone = (sides.waiting_d * cfg.step_base_ms
              + prefill_ms(cfg, sides.pending_d_tokens + tokens) + decode_step)  # fmt: skip
-    p_tokens = sides.backlog_p_tokens + round(sides.waiting_p * tokens) + tokens
+    p_tokens = sides.queued_p_tokens + round(sides.waiting_p * tokens) + tokens
     pd = prefill_ms(cfg, p_tokens) + cfg.pd_overhead_ms + decode_step
     if sides.kv_usage_d >= cfg.max_kv_usage:
         return Decision(False, "kv_pressure", alone, pd)
@@ -132,27 +139,25 @@ class _DecodeState:
 
 
 class Decider:
-    """The decision's state: per-D stall buckets and pending prompts, per-P backlogs."""
+    """The decision's state: per-D stall buckets and pending prompts."""
 
     def __init__(self, settings: Callable[[], DecisionConfig], metrics: Metrics) -> None:
         self._settings = settings
         self._metrics = metrics
         self._decodes: dict[str, _DecodeState] = {}
-        self.backlog: dict[str, int] = {}  # prefill address → tokens of its legs in flight
 
     @property
     def enabled(self) -> bool:
         return self._settings().mode is not DecisionMode.OFF
 
-    def decide(self, prompt_bytes: int, decode: str, d: EngineLoad, prefill: str,
-               p: EngineLoad) -> Decision:  # fmt: skip
+    def decide(self, prompt_bytes: int, decode: str, d: EngineLoad, p: EngineLoad) -> Decision:
         """Decode-only or not, for a request already counted in flight on `decode`."""
         cfg, now = self._settings(), time.monotonic()
         tokens = estimate_tokens(prompt_bytes, cfg.bytes_per_token)
         running_d = max(float(d.in_flight - 1), d.running)
         state = self._decode_state(decode, cfg, running_d, now)
         sides = Sides(running_d, d.waiting, d.kv_usage, sum(t for _, t in state.pending),
-                      self.backlog.get(prefill, 0), p.waiting)  # fmt: skip
+                      p.queued_tokens, p.waiting)  # fmt: skip
         decision = decide(cfg, tokens, sides, state.credit_ms)
         if decision.decode_only:
             state.credit_ms -= stall_ms(cfg, tokens, running_d)
@@ -177,16 +182,16 @@ class Decider:
     def forget(self, address: str) -> None:
         """The endpoint left its pool."""
         self._decodes.pop(address, None)
-        self.backlog.pop(address, None)
 
 
 class TrackedPrefillSender:
-    """A PrefillSender that keeps `Decider.backlog` (P's prompt tokens in flight) exact."""
+    """A PrefillSender that keeps each prefill endpoint's `queued_tokens` (the prompt tokens
+    of the P legs in flight there, estimated from the bodies) exact."""
 
-    def __init__(self, inner: PrefillSender, decider: Decider,
+    def __init__(self, inner: PrefillSender, state: Callable[[str], QueuedTokens | None],
                  settings: Callable[[], DecisionConfig]) -> None:  # fmt: skip
         self._inner = inner
-        self._decider = decider
+        self._state = state  # address → its state in the prefill pool (None: not a member)
         self._settings = settings
 
     def send(self, endpoint: str, path: str, body: bytes, request_id: str, timeout_s: float,
@@ -203,11 +208,13 @@ class TrackedPrefillSender:
         timeout_s: float,
         extra_headers: dict[str, str] | None,
     ) -> PrefillResult:
-        backlog = self._decider.backlog
         tokens = estimate_tokens(len(body), self._settings().bytes_per_token)
-        backlog[endpoint] = backlog.get(endpoint, 0) + tokens
+        state = self._state(endpoint)
+        if state is not None:
+            state.queued_tokens += tokens
         try:
             return await self._inner.send(endpoint, path, body, request_id, timeout_s,
                                           extra_headers)  # fmt: skip
         finally:
-            backlog[endpoint] = max(0, backlog.get(endpoint, 0) - tokens)
+            if state is not None:
+                state.queued_tokens -= tokens

@@ -199,7 +199,7 @@ class Runtime:
         self.request_deps = RequestDeps(
             LegServices(
                 TrackedPrefillSender(
-                    self.prefill_client, self.decider, lambda: self.config.decision
+                    self.prefill_client, self._prefill_state, lambda: self.config.decision
                 ),
                 self.identities,
                 lambda prefill: self.prefill.set_healthy(prefill, False),
@@ -252,6 +252,9 @@ class Runtime:
         return next((s for pool in (self.prefill, self.decode) for s in pool
                      if s.address == address), None)  # fmt: skip
 
+    def _prefill_state(self, address: str) -> EndpointState | None:
+        return next((s for s in self.prefill if s.address == address), None)
+
     def _endpoint_changed(self, role: Role) -> Callable[[EndpointState], None]:
         def record(state: EndpointState) -> None:
             self.metrics.inflight.labels(role, state.address).set(state.in_flight)
@@ -289,7 +292,7 @@ class Runtime:
             prefill = prefills[0]
             if self.decider.enabled:
                 decision = self.decider.decide(
-                    wanted.prompt_bytes, decodes[0].address, decodes[0], prefill.address, prefill
+                    wanted.prompt_bytes, decodes[0].address, decodes[0], prefill
                 )
                 if decision.decode_only:
                     return Picked(decode_addresses, None, alone=decision.reason)

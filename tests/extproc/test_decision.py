@@ -11,11 +11,13 @@ from extproc.config import AdmissionConfig, AdmissionLimits, DecisionConfig
 from extproc.decision import Decider, Sides, decide, estimate_tokens, stall_ms
 from extproc.errors import ClientError, Shed
 from extproc.metrics import Metrics
+from extproc.policies import LeastTokensPicker, PickRequest
+from extproc.pool import EndpointState
 
 LOAD_AWARE = DecisionConfig(mode="load_aware")
-IDLE = Sides(running_d=0, waiting_d=0, kv_usage_d=0, pending_d_tokens=0, backlog_p_tokens=0,
+IDLE = Sides(running_d=0, waiting_d=0, kv_usage_d=0, pending_d_tokens=0, queued_p_tokens=0,
              waiting_p=0)  # fmt: skip
-BUSY_D = Sides(running_d=8, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, backlog_p_tokens=0,
+BUSY_D = Sides(running_d=8, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, queued_p_tokens=0,
                waiting_p=0)  # fmt: skip
 
 
@@ -43,13 +45,13 @@ def test_a_busy_decode_gets_p_d_for_a_long_prompt_and_alone_for_a_short_one() ->
 
 
 def test_a_queued_decode_and_an_idle_prefill_give_p_d() -> None:
-    queued = Sides(0, waiting_d=20, kv_usage_d=0, pending_d_tokens=4096, backlog_p_tokens=0,
+    queued = Sides(0, waiting_d=20, kv_usage_d=0, pending_d_tokens=4096, queued_p_tokens=0,
                    waiting_p=0)  # fmt: skip
     assert decide(LOAD_AWARE, 256, queued, 30.0).reason == "faster_pd"
 
 
 def test_a_nearly_full_decode_cache_gives_p_d() -> None:
-    full = Sides(0, 0, kv_usage_d=0.95, pending_d_tokens=0, backlog_p_tokens=0, waiting_p=0)
+    full = Sides(0, 0, kv_usage_d=0.95, pending_d_tokens=0, queued_p_tokens=0, waiting_p=0)
     assert decide(LOAD_AWARE, 16, full, 30.0).reason == "kv_pressure"
 
 
@@ -64,13 +66,14 @@ class Load:
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
+    queued_tokens: int = 0
 
 
 def test_the_stall_bucket_empties_and_counts_decisions() -> None:
     metrics = Metrics()
     decider = Decider(lambda: LOAD_AWARE.model_copy(update={"bytes_per_token": 1.0}), metrics)
     busy = Load(in_flight=5)
-    made = [decider.decide(200, "d", busy, "p", Load()).reason for _ in range(3)]
+    made = [decider.decide(200, "d", busy, Load()).reason for _ in range(3)]
     assert made == ["faster_alone", "faster_alone", "stall_budget"]  # 11.6 ms each, 30 ms bucket
     text = metrics.render().decode()
     assert 'pd_extproc_dispatch_decisions_total{decision="decode_only",reason="faster_alone"} 2.0' in text  # noqa: E501
@@ -103,3 +106,12 @@ def test_priority_header_values() -> None:
     assert parse_priority("100000", "x-request-priority") == 100
     with pytest.raises(ClientError, match="must be an integer"):
         parse_priority("high", "x-request-priority")
+
+
+def test_least_tokens_picks_the_prefill_with_the_fewest_queued_tokens() -> None:
+    picker = LeastTokensPicker()
+    long_queue, short_queue = EndpointState("p1", queued_tokens=4096), EndpointState("p2")
+    short_queue.in_flight = 3  # more requests, fewer tokens: tokens decide
+    assert picker.pick([long_queue, short_queue], PickRequest()) is short_queue
+    idle = [EndpointState("p1"), EndpointState("p2")]
+    assert {picker.pick(idle, PickRequest()).address for _ in range(2)} == {"p1", "p2"}
