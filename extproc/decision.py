@@ -71,6 +71,8 @@ class EngineLoad(Protocol):
     def kv_usage(self) -> float: ...
     @property
     def queued_tokens(self) -> int: ...  # prompt tokens of P legs in flight there
+    @property
+    def foreign(self) -> float: ...  # running + waiting beyond ours, at the last scrape
 
 
 class QueuedTokens(Protocol):
@@ -94,7 +96,7 @@ class Sides:
     kv_usage_d: float
     pending_d_tokens: int  # decode-only prompts sent to D that may not be prefilled yet
     queued_p_tokens: int  # prompt tokens of P legs in flight to P
-    waiting_p: float
+    waiting_p: float  # requests queued at P beyond this sidecar's P legs
 
 
 def prefill_ms(cfg: DecisionConfig, tokens: int) -> float:
@@ -154,10 +156,12 @@ class Decider:
         """Decode-only or not, for a request already counted in flight on `decode`."""
         cfg, now = self._settings(), time.monotonic()
         tokens = estimate_tokens(prompt_bytes, cfg.bytes_per_token)
-        running_d = max(float(d.in_flight - 1), d.running)
+        # Ours exactly (this request not counted), plus what others sent as of the last scrape:
+        # the scrape alone is up to an interval old, and a request ends in less.
+        running_d = max(0.0, d.in_flight - 1 + d.foreign)
         state = self._decode_state(decode, cfg, running_d, now)
         sides = Sides(running_d, d.waiting, d.kv_usage, sum(t for _, t in state.pending),
-                      p.queued_tokens, p.waiting)  # fmt: skip
+                      p.queued_tokens, p.foreign)  # fmt: skip
         decision = decide(cfg, tokens, sides, state.credit_ms)
         if decision.decode_only:
             state.credit_ms -= stall_ms(cfg, tokens, running_d)

@@ -22,9 +22,11 @@ _KV_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 2
 
 
 class LoadState(Protocol):
+    in_flight: int
     waiting: float
     running: float
     kv_usage: float
+    foreign: float
 
 
 def _values(families: Families, name: str) -> list[float]:
@@ -56,3 +58,4 @@ class EngineLoad:
         state = self._endpoint(address)
         if state is not None:
             state.waiting, state.running, state.kv_usage = parse_load(families)
+            state.foreign = max(0.0, state.running + state.waiting - state.in_flight)

@@ -67,6 +67,7 @@ class Load:
     running: float = 0.0
     kv_usage: float = 0.0
     queued_tokens: int = 0
+    foreign: float = 0.0
 
 
 def test_the_stall_bucket_empties_and_counts_decisions() -> None:
