@@ -10,9 +10,11 @@ from extproc.admission import check_admission, parse_priority, role_saturation, 
 from extproc.config import AdmissionConfig, AdmissionLimits, DecisionConfig
 from extproc.decision import Decider, Sides, decide, estimate_tokens, stall_ms
 from extproc.errors import ClientError, Shed
+from extproc.load import EngineLoad
 from extproc.metrics import Metrics
 from extproc.policies import LeastTokensPicker, PickRequest
 from extproc.pool import EndpointState
+from extproc.scraper import parse_families
 
 LOAD_AWARE = DecisionConfig(mode="load_aware")
 IDLE = Sides(running_d=0, waiting_d=0, kv_usage_d=0, pending_d_tokens=0, queued_p_tokens=0,
@@ -116,3 +118,16 @@ def test_least_tokens_picks_the_prefill_with_the_fewest_queued_tokens() -> None:
     assert picker.pick([long_queue, short_queue], PickRequest()) is short_queue
     idle = [EndpointState("p1"), EndpointState("p2")]
     assert {picker.pick(idle, PickRequest()).address for _ in range(2)} == {"p1", "p2"}
+
+
+def test_d_counts_ours_exactly_and_others_as_last_scraped() -> None:
+    state = EndpointState("d")
+    state.in_flight = 2
+    page = "vllm:num_requests_running 3\nvllm:num_requests_waiting 1\n"
+    EngineLoad(lambda address: state).consume("d", parse_families(page))
+    assert state.foreign == 2  # 4 at the engine, 2 of them ours
+    decider = Decider(lambda: LOAD_AWARE, Metrics())
+    alone = Load(in_flight=1)  # only this request of ours, and nothing foreign
+    assert decider.decide(4096, "d", alone, Load()).decode_only
+    others = Load(in_flight=1, foreign=2)  # another router's requests run there
+    assert decider.decide(4096, "d", others, Load()).reason == "stall_budget"
