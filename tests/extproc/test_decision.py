@@ -130,4 +130,4 @@ def test_d_counts_ours_exactly_and_others_as_last_scraped() -> None:
     alone = Load(in_flight=1)  # only this request of ours, and nothing foreign
     assert decider.decide(4096, "d", alone, Load()).decode_only
     others = Load(in_flight=1, foreign=2)  # another router's requests run there
-    assert decider.decide(4096, "d", others, Load()).reason == "stall_budget"
+    assert decider.decide(4096, "d2", others, Load()).reason == "stall_budget"
