@@ -56,8 +56,13 @@ async def held_streams(topo: Topology, count: int,
 # ---- the decision --------------------------------------------------------------------------
 
 
-async def test_threshold_sends_short_prompts_alone_and_long_ones_through_p() -> None:
-    async with topology(decision={"mode": "threshold", "max_prompt_tokens": 64}) as topo:
+@pytest.mark.parametrize(("mode", "connectors"), [("auto", PUSH), ("pull", PULL)])
+async def test_threshold_sends_short_prompts_alone_and_long_ones_through_p(
+    mode: str, connectors: tuple[str, str]
+) -> None:
+    decision = {"mode": "threshold", "max_prompt_tokens": 64}
+    async with topology(connectors=connectors, dispatch={"mode": mode},
+                        decision=decision) as topo:  # fmt: skip
         for body in (SHORT, LONG):
             status, payload, _ = await topo.post("/v1/completions", body)
             assert status == 200, payload
