@@ -228,6 +228,6 @@ class RequestProcessor:
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash
 
 
-def _pick_request(request: ClientRequest, session: str | None, priority: int) -> PickRequest:
+def _pick_request(request: ClientRequest, session: str | None, priority: int = 0) -> PickRequest:
     prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
     return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority)

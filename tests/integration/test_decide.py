@@ -76,7 +76,7 @@ async def test_threshold_sends_short_prompts_alone_and_long_ones_through_p(
 
 async def test_load_aware_goes_alone_on_idle_engines_and_through_p_when_d_is_busy() -> None:
     async with topology(decision={"mode": "load_aware"}) as topo:
-        status, payload, _ = await topo.post("/v1/completions", LONG)  # idle: D alone wins
+        status, payload, _ = await topo.post("/v1/completions", SHORT)  # idle: D alone wins
         assert status == 200, payload
         async with held_streams(topo, 1):  # D now runs a request: a long prefill would stall it
             status, payload, _ = await topo.post("/v1/completions", LONG)
