@@ -35,6 +35,7 @@ class Run:
     index: int  # which repetition
     url: str
     result: Path
+    workload: Path | None = None  # a JSONL of bench/workload.py; None: random 1024 / 64
 
 
 def warmups(concurrency: int) -> int:
@@ -44,12 +45,20 @@ def warmups(concurrency: int) -> int:
     return min(max(2, concurrency), 8)
 
 
+def dataset_flags(workload: Path | None) -> list[str]:
+    if workload is None:
+        return ["--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
+                "--random-output-len", str(OUTPUT_LEN), "--random-range-ratio", "0"]  # fmt: skip
+    # each line's own output_tokens; the prompts are raw text, sent as they are
+    return ["--dataset-name", "custom", "--dataset-path", str(workload),
+            "--custom-output-len", "-1", "--skip-chat-template"]  # fmt: skip
+
+
 def bench_flags(run: Run, model: str, tokenizer: Path) -> list[str]:
     return [
         "--base-url", run.url, "--endpoint", "/v1/completions", "--backend", "openai",
         "--model", model, "--tokenizer", str(tokenizer),
-        "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
-        "--random-output-len", str(OUTPUT_LEN), "--random-range-ratio", "0", "--ignore-eos",
+        *dataset_flags(run.workload), "--ignore-eos",
         "--num-prompts", str(2 * run.concurrency), "--max-concurrency", str(run.concurrency),
         "--num-warmups", str(warmups(run.concurrency)), "--seed", str(1000 + run.index),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",

@@ -37,12 +37,13 @@ class Target:
 
 @contextlib.asynccontextmanager
 async def running_router(
-    engines: Engines, router_bin: Path, cpus: set[int] | None = None
-) -> AsyncIterator[Target]:
+    engines: Engines, router_bin: Path, cpus: set[int] | None = None,
+    policy: str = "round_robin", name: str = "vllm-router",
+) -> AsyncIterator[Target]:  # fmt: skip
     port = free_port()
     argv = [str(router_bin), "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--policy", "round_robin", "--log-level", "warning",
+            "--policy", policy, "--log-level", "warning",
             # its default polls workers every 30 s at start-up
             "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60"]
     for engine in engines.prefill:
@@ -59,7 +60,7 @@ async def running_router(
             except (RuntimeError, TimeoutError) as error:
                 log = (Path(tmp) / "router.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"vllm-router did not start: {error}\n{log}") from None
-            yield Target("vllm-router", f"http://127.0.0.1:{port}", process.pid)
+            yield Target(name, f"http://127.0.0.1:{port}", process.pid)
         finally:
             await runner.__aexit__(None, None, None)
 

@@ -28,9 +28,27 @@ def _patch_version() -> None:
     importlib.metadata.version = version
 
 
+def _patch_custom_dataset() -> None:
+    # vLLM's custom dataset (bench/workload.py's JSONL) reads the file with pandas, which the
+    # venv lacks: read it line by line instead, shuffled with the run's seed as vLLM does.
+    import random
+
+    from vllm.benchmarks.datasets import datasets
+
+    def load_data(self) -> None:
+        with open(self.dataset_path) as lines:
+            self.data = [json.loads(line) for line in lines if line.strip()]
+        random.seed(self.random_seed)
+        if not getattr(self, "disable_shuffle", False):
+            random.shuffle(self.data)
+
+    datasets.CustomDataset.load_data = load_data
+
+
 def main() -> int:
     plan = json.loads(Path(sys.argv[1]).read_text())
     _patch_version()
+    _patch_custom_dataset()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     for entry in plan:

@@ -384,6 +384,78 @@ class DispatchConfig(_Strict):
         return names
 
 
+class DecisionMode(StrEnum):
+    """Whether a request with a healthy prefill engine may still be served by D alone."""
+
+    OFF = "off"  # always disaggregate (decode-only only when no prefill engine is healthy)
+    THRESHOLD = "threshold"  # decode-only for prompts of at most `max_prompt_tokens`
+    LOAD_AWARE = "load_aware"  # decode-only when it is faster and D's stall stays in budget
+
+
+class DecisionConfig(_Strict):
+    """Per request: disaggregate, or let the decode engine prefill the prompt itself.
+
+    The step costs describe the engines (defaults: vLLM with an 8B model on one H100, as
+    vllmsim models it); `load_aware` turns queue, running requests and the prompt's size into
+    expected times with them. See `extproc.decision`.
+    """
+
+    mode: DecisionMode = DecisionMode.OFF
+    # The prompt's token count is estimated as its JSON bytes / this (no tokenizer on the
+    # request path); ~4 for English text with a BPE tokenizer.
+    bytes_per_token: PositiveFloat = 4.0
+    # threshold: decode-only for prompts up to this many (estimated) tokens.
+    max_prompt_tokens: int = Field(default=256, ge=0)
+    # load_aware: the engines' step cost: base + per prefill token + per running sequence.
+    step_base_ms: float = Field(default=10.0, ge=0)
+    prefill_per_token_ms: float = Field(default=0.058, ge=0)
+    decode_per_seq_ms: float = Field(default=0.02, ge=0)
+    max_batched_tokens: int = Field(default=2048, gt=0)
+    # What the P/D path costs on top of P's prefill: the P leg's round trip, the KV
+    # transfer and D's first step.
+    pd_overhead_ms: float = Field(default=25.0, ge=0)
+    # The stall budget of D's running requests: a decode-only prefill delays their next
+    # token by its compute time. On average over time, at most this much per output token
+    # (the TPOT cost), and never more than `max_stall_ms` for one token.
+    stall_budget_ms_per_token: float = Field(default=0.3, ge=0)
+    max_stall_ms: float = Field(default=30.0, ge=0)
+    # D's KV cache above this fill: no decode-only (a prefill there may preempt others).
+    max_kv_usage: float = Field(default=0.9, ge=0, le=1)
+    # load_aware: how often every engine's /metrics is scraped for its queue, batch and KV.
+    load_interval_s: PositiveFloat = 1.0
+
+
+class AdmissionLimits(_Strict):
+    """Saturation limits of one role's endpoints; None: not checked."""
+
+    max_in_flight: int | None = Field(default=None, gt=0)  # requests this ext_proc sent there
+    max_waiting: float | None = Field(default=None, gt=0)  # vllm:num_requests_waiting
+    max_kv_usage: float | None = Field(default=None, gt=0, le=1)  # vllm:kv_cache_usage_perc
+
+
+class AdmissionConfig(_Strict):
+    """Shed load (429 + Retry-After) when every endpoint of a role is at its limits.
+
+    An endpoint's saturation is its highest load / limit ratio; a role's is that of its least
+    saturated healthy endpoint. A request of priority p is shed when a role's saturation
+    reaches 1 + p × `priority_step`: priority -1 at 75 % of the limits, -2 at 50 % (with the
+    default step), so lower priorities are shed first; positive ones get headroom above 100 %.
+    """
+
+    enabled: bool = False
+    decode: AdmissionLimits = AdmissionLimits()
+    prefill: AdmissionLimits = AdmissionLimits()
+    priority_header: str = "x-request-priority"  # an integer; absent: 0
+    priority_step: float = Field(default=0.25, gt=0, le=1)
+    retry_after_s: int = Field(default=1, ge=1)
+    load_interval_s: PositiveFloat = 1.0  # how often every engine's /metrics is scraped
+
+    @field_validator("priority_header")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.lower()
+
+
 class TimeoutConfig(_Strict):
     prefill_s: PositiveFloat = 30.0  # P leg, from sending to P's complete answer
     probe_s: PositiveFloat = 10.0
@@ -522,6 +594,8 @@ class Config(_Strict):
     decode: PoolConfig
     models: dict[str, ModelConfig] = {}
     dispatch: DispatchConfig = DispatchConfig()
+    decision: DecisionConfig = DecisionConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     engines: EnginesConfig = EnginesConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     health: HealthConfig = HealthConfig()

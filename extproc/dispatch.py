@@ -11,7 +11,9 @@
 
 Serial: wait for P, forward its kv_transfer_params verbatim to D (works for pull and push).
 Parallel: D gets the cached identity while P computes; both legs leave in one loop turn.
-Decode-only: no healthy P and `no_healthy_prefill: decode_only`; D prefills itself.
+Decode-only: D prefills the prompt itself, either by decision (`extproc.decision`: the
+reason says why) or because no P is healthy and `no_healthy_prefill: decode_only`
+(reason `no_prefill`).
 
 `plan_dispatch` turns a request and what was picked into one of three plans, without I/O;
 `extproc.strategies` has the class that runs each.
@@ -44,7 +46,7 @@ __all__ = [
 class Strategy(StrEnum):
     PARALLEL = "parallel"
     SERIAL = "serial"
-    DECODE_ONLY = "decode_only"  # no healthy P and `no_healthy_prefill: decode_only`
+    DECODE_ONLY = "decode_only"  # by decision, or no healthy P (`no_healthy_prefill`)
 
 
 def choose_strategy(
@@ -66,9 +68,9 @@ class DecodeOnlyPlan:
     request_id: str
     decodes: list[str]  # the choice, then Envoy's connect-failure fallbacks
     d_body: bytes
+    reason: str = "no_prefill"
     prefill = None
     strategy = Strategy.DECODE_ONLY
-    reason = "no_prefill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,7 @@ class SerialPlan:
     p_body: bytes  # D's body is built from P's answer
     parts: list[tuple[str, bytes]]  # the client body's members, for D's body
     reason: str
+    fallback: str | None = None  # another P for one retry if `prefill` fails to answer
     strategy = Strategy.SERIAL
 
 
@@ -104,12 +107,14 @@ def plan_dispatch(
     prefill: str | None,
     choice: tuple[Strategy, str],
     identity: PrefillIdentity | None,
+    fallback: str | None = None,
 ) -> Plan:
     """The legs' bodies and destinations. `choice` is `choose_strategy`'s answer for
-    `prefill` (ignored without one). `check_plan_fits` checks the bodies' sizes."""
-    if prefill is None:
-        return DecodeOnlyPlan(request_id, decodes, decode_body(request.parts, None))
+    `prefill`, or (DECODE_ONLY, reason) without one. `fallback`: a second P a serial plan
+    may retry on. `check_plan_fits` checks the bodies' sizes."""
     strategy, reason = choice
+    if prefill is None:
+        return DecodeOnlyPlan(request_id, decodes, decode_body(request.parts, None), reason)
     transfer_id = f"xfer-{request_id}"  # unique per request, one uuid4 fewer
     p_body = prefill_body(
         request.parts, request.has_max_completion_tokens, prefill_kv_params(transfer_id)
@@ -117,7 +122,7 @@ def plan_dispatch(
     if strategy is Strategy.PARALLEL and identity is not None:
         d_body = decode_body(request.parts, identity.decode_params(request_id, transfer_id))
         return ParallelPlan(request_id, decodes, prefill, p_body, d_body, identity, reason)
-    return SerialPlan(request_id, decodes, prefill, p_body, request.parts, reason)
+    return SerialPlan(request_id, decodes, prefill, p_body, request.parts, reason, fallback)
 
 
 def check_plan_fits(plan: Plan, max_body_bytes: int) -> None:

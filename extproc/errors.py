@@ -25,6 +25,8 @@ RequestEnded
     NoHealthyPrefill     no prefill endpoint is healthy for this request's model, and
                          dispatch.no_healthy_prefill is not decode_only (503, retryable)
     NoHealthyDecode      no decode endpoint is healthy for this request (503, retryable)
+  Shed                   admission control: the pool is saturated for this request's
+                         priority (429 + Retry-After; `extproc.admission`); label "shed"
 
 Errors that never reach a client live beside the code that raises them: `ConfigError`
 (`extproc.config`; the CLI prints it and exits 2), `EnvoyError` (`extproc.envoy_process`: no
@@ -45,9 +47,11 @@ __all__ = [
     "ListenerUnreachable",
     "NoHealthyDecode",
     "NoHealthyPrefill",
+    "PrefillBusy",
     "PrefillFailed",
     "PrefillTimeout",
     "PrefillUnreachable",
+    "Shed",
     "error_body",
 ]
 
@@ -59,6 +63,7 @@ _TYPES = {
     405: "MethodNotAllowed",
     408: "RequestTimeout",
     413: "RequestTooLarge",
+    429: "RateLimitError",
     502: "BadGateway",
     503: "ServiceUnavailable",
     504: "GatewayTimeout",
@@ -92,6 +97,12 @@ class ClientError(RequestEnded):
     """The client's request is invalid."""
 
 
+class Shed(RequestEnded):
+    """Admission control refused the request: the engines are saturated."""
+
+    label = "shed"
+
+
 class LegError(RequestEnded):
     """A P or D leg failed; the label names it in metrics and logs."""
 
@@ -100,6 +111,10 @@ class LegError(RequestEnded):
 
 class PrefillFailed(LegError):
     label = "prefill_error"
+
+
+class PrefillBusy(PrefillFailed):
+    """P answered 503 (overloaded or draining): another prefill endpoint may serve it."""
 
 
 class PrefillUnreachable(LegError):

@@ -6,6 +6,13 @@ up. vLLM counts where each prompt token came from (`vllm:prompt_tokens_by_source
 source = external_kv_transfer | local_compute | local_cache_hit); this module reads it from
 every decode engine's page (fetched by the engine scraper), exports the share that arrived by
 KV transfer, and warns when requests that this sidecar disaggregated were recomputed locally.
+
+Requests sent decode-only on purpose (the decode-only decision, or `no_healthy_prefill:
+decode_only`) are computed locally by design: their prompt tokens are counted apart and taken
+off the window's local compute before the share is judged. The body's size in bytes bounds its
+prompt tokens from above (a byte-level BPE token covers at least one byte, and the body also
+holds the other fields), so deliberate decode-only traffic can never raise the alert; the
+price is that a window made mostly of it can hide a broken decode engine until the next.
 """
 
 from __future__ import annotations
@@ -69,15 +76,21 @@ class KvCheck:
         self._is_decode = is_decode
         self._windows: dict[str, _Window] = {}
         self._dispatched: Counter[str] = Counter()  # disaggregated requests per decode, per window
+        self._alone: Counter[str] = Counter()  # decode-only body bytes per decode, per window
 
     def note_dispatch(self, decode: str) -> None:
         """A request was sent to `decode` with kv_transfer_params (called on the hot path)."""
         self._dispatched[decode] += 1
 
+    def note_decode_only(self, decode: str, body_bytes: int) -> None:
+        """A request was sent to `decode` to prefill itself (called on the hot path)."""
+        self._alone[decode] += body_bytes
+
     def forget(self, address: str) -> None:
         """The decode endpoint left the pool."""
         self._windows.pop(address, None)
         self._dispatched.pop(address, None)
+        self._alone.pop(address, None)
 
     def consume(self, address: str, families: Families) -> None:
         settings = self._settings()
@@ -98,10 +111,12 @@ class KvCheck:
         for source in SOURCES:
             self._metrics.decode_prompt_tokens.labels(address, source).set(totals.get(source, 0))
         dispatched = self._dispatched.pop(address, 0)
+        alone = self._alone.pop(address, 0)  # an upper bound of decode-only prompt tokens
         if previous is None:
             return
         moved = totals.get("external_kv_transfer", 0) - previous.get("external_kv_transfer", 0)
         local = totals.get("local_compute", 0) - previous.get("local_compute", 0)
+        local = max(0, local - alone)
         if moved + local <= 0:
             return
         window.share = moved / (moved + local)

@@ -116,6 +116,25 @@ class Metrics:
             ["endpoint", "outcome"],
             registry=r,
         )
+        self.decisions = Counter(
+            "pd_extproc_dispatch_decisions",
+            "Per-request decisions (decision.mode): decode_only or disaggregate, and why.",
+            ["decision", "reason"],
+            registry=r,
+        )
+        self.saturation = Gauge(
+            "pd_extproc_pool_saturation",
+            "Admission control: the least saturated healthy endpoint's highest load / limit "
+            "ratio, per role, at the last request (1 = at the limits).",
+            ["role"],
+            registry=r,
+        )
+        self.prefill_retries = Counter(
+            "pd_extproc_prefill_retries",
+            "Serial and pull dispatch: P legs retried on another prefill endpoint, by why.",
+            ["reason"],
+            registry=r,
+        )
 
         self.decode_prompt_tokens = Gauge(
             "pd_extproc_decode_prompt_tokens",
@@ -127,7 +146,8 @@ class Metrics:
         self.kv_transfer_share = Gauge(
             "pd_extproc_decode_kv_transfer_share",
             "Share of a decode engine's prompt tokens that arrived by KV transfer over the "
-            "last check window (1 = real P/D; 0 = everything recomputed).",
+            "last check window, deliberate decode-only requests left out (1 = real P/D; 0 = "
+            "everything recomputed).",
             ["endpoint"],
             registry=r,
         )

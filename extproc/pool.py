@@ -22,6 +22,11 @@ class EndpointState:
     healthy: bool = True
     in_flight: int = 0  # requests this ext_proc has in flight there
     waiting: float = 0.0  # the engine's vllm:num_requests_waiting, when scraped
+    running: float = 0.0  # the engine's vllm:num_requests_running, when scraped
+    queued_tokens: int = 0  # prefill: prompt tokens of the P legs this ext_proc has there
+    # the engine's running + waiting requests beyond this ext_proc's in-flight ones at the
+    # last scrape: load other routers sent (ours is known exactly, and fresher, in in_flight)
+    foreign: float = 0.0
     kv_usage: float = 0.0  # the engine's vllm:kv_cache_usage_perc (0-1), when scraped
 
 

@@ -18,7 +18,13 @@ import aiohttp
 import orjson
 
 from extproc.envoy_msgs import DESTINATION_HEADER
-from extproc.errors import ListenerUnreachable, PrefillFailed, PrefillTimeout, PrefillUnreachable
+from extproc.errors import (
+    ListenerUnreachable,
+    PrefillBusy,
+    PrefillFailed,
+    PrefillTimeout,
+    PrefillUnreachable,
+)
 
 __all__ = [
     "LOCAL_REPLY_HEADER",
@@ -56,6 +62,8 @@ def prefill_error(status: int, flags: str | None, body: bytes, endpoint: str) ->
     except (orjson.JSONDecodeError, KeyError, TypeError):
         pass
     # 4xx from P means the request is bad for the engine: pass it on; 5xx becomes 502.
+    if status == 503:
+        return PrefillBusy(502, message)  # serial dispatch may retry it elsewhere
     return PrefillFailed(status if 400 <= status < 500 else 502, message)
 
 

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
 from extproc import envoy_msgs
+from extproc.admission import request_priority
 from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
-from extproc.errors import ClientError, LegError, RequestEnded
+from extproc.errors import ClientError, LegError, RequestEnded, Shed
 from extproc.policies import PickRequest
 from extproc.request import ClientRequest, check_route, is_passthrough, parse_request
 from extproc.strategies import NOT_DISPATCHED, Dispatch, Exchange, LegServices, start_dispatch
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from extproc.metrics import Metrics
     from extproc.tracing import RequestTrace
 
-__all__ = ["RequestDeps", "RequestProcessor"]
+__all__ = ["Picked", "RequestDeps", "RequestProcessor"]
 
 log = logging.getLogger("extproc.request")
 
@@ -55,14 +56,22 @@ _BODY_WAIT_S = 300.0  # a slow client upload; Envoy's own idle timeout usually e
 _FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 
 
+@dataclass(frozen=True, slots=True)
+class Picked:
+    decodes: list[str]  # the choice, then Envoy's connect-failure fallbacks
+    prefill: str | None  # None: decode-only
+    fallback: str | None = None  # another prefill, for a serial dispatch's one retry
+    alone: str = "no_prefill"  # why decode-only (the decision's reason), when no prefill
+
+
 class PickEndpoints(Protocol):
     def __call__(
         self, wanted: PickRequest, inflight: ExitStack, subset: Subset | None = None,
         fallbacks: int = 1, with_prefill: bool = True,
-    ) -> tuple[list[str], str | None]:  # fmt: skip
-        """(decodes: the choice then fallbacks, prefill or None for decode-only), inside the
-        gateway's `subset` if any; each chosen endpoint counted in flight until `inflight`
-        closes; raises NoHealthy*. No prefill is picked `with_prefill` False."""
+    ) -> Picked:  # fmt: skip
+        """The endpoints, and whether to go decode-only, inside the gateway's `subset` if
+        any; each chosen endpoint counted in flight until `inflight` closes; raises Shed
+        (admission) or NoHealthy*. No prefill is picked `with_prefill` False."""
         ...
 
 
@@ -117,7 +126,8 @@ class RequestProcessor:
     @property
     def outcome(self) -> str:
         if self.error is not None:
-            return self.error.label if isinstance(self.error, LegError) else "client_error"
+            error = self.error
+            return error.label if isinstance(error, LegError | Shed) else "client_error"
         if self.envoy_replied:
             return "client_error"
         if self.decode_status:
@@ -201,7 +211,8 @@ class RequestProcessor:
         started = time.perf_counter()
         request = parse_request(api, upload.body, config.limits.max_body_bytes)
         self.model = request.model
-        wanted = _pick_request(request, headers.get(config.dispatch.session_header))
+        priority = request_priority(headers, config.admission)
+        wanted = _pick_request(request, headers.get(config.dispatch.session_header), priority)
         self.plan = plan = self._plan(request, wanted, inflight)
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
         exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
@@ -214,9 +225,9 @@ class RequestProcessor:
         """Endpoint picker: an engine's own endpoint (GET /v1/models, POST /tokenize, ...), which
         the gateway routes through the picker too, goes to a decode as it is; its bodies pass."""
         self.plan = _PASSED_THROUGH
-        decodes, _ = self.deps.pick(
+        decodes = self.deps.pick(
             PickRequest(), inflight, self.subset, picker.fallbacks, with_prefill=False
-        )
+        ).decodes
         answer = envoy_msgs.destination_answer(decodes)
         envoy_msgs.with_destination_metadata(answer, decodes, picker.destination_namespace)
         await self.stream.write(answer)
@@ -267,17 +278,19 @@ class RequestProcessor:
     def _plan(self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack) -> Plan:
         picker = self.deps.config().endpoint_picker if self.deps.endpoint_picker else None
         fallbacks = 1 if picker is None else picker.fallbacks
-        decodes, prefill = self.deps.pick(wanted, inflight, self.subset, fallbacks)
-        request_id = str(uuid.uuid4())
+        picked = self.deps.pick(wanted, inflight, self.subset, fallbacks)
+        request_id, prefill = str(uuid.uuid4()), picked.prefill
         if prefill is None:
-            choice, identity = (Strategy.DECODE_ONLY, "no_prefill"), None
+            choice, identity = (Strategy.DECODE_ONLY, picked.alone), None
         else:
             identities = self.deps.legs.identities
             identity = identities.get(prefill)
             choice = choose_strategy(
                 self.deps.prefill_mode(prefill), identity, identities.serial_only(prefill)
             )
-        return plan_dispatch(request, request_id, decodes, prefill, choice, identity)
+        return plan_dispatch(
+            request, request_id, picked.decodes, prefill, choice, identity, picked.fallback
+        )
 
     async def _watch(self) -> None:
         """Until the stream ends: P leg outcome and D's response headers, whichever first."""
@@ -314,6 +327,6 @@ class RequestProcessor:
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash
 
 
-def _pick_request(request: ClientRequest, session: str | None) -> PickRequest:
+def _pick_request(request: ClientRequest, session: str | None, priority: int = 0) -> PickRequest:
     prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
-    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES])
+    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority)

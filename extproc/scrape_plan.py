@@ -2,7 +2,9 @@
 
 - every member of every pool whose policy needs engine load (the top-level pools and each
   `models:` group alike), at that pool's `load_interval_s`;
-- every decode engine at `kv_check.interval_s`, when the KV check is on.
+- every decode engine at `kv_check.interval_s`, when the KV check is on;
+- every member at `decision.load_interval_s` / `admission.load_interval_s` when the
+  load-aware decision / admission control is on.
 An engine wanted by several gets the smallest interval. Prefill engines are also scraped by
 the health checker every `health.interval_s` (restart detection rides on that fetch).
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from extproc.config import Config
+from extproc.config import Config, DecisionMode
 from extproc.roles import Role
 
 __all__ = ["scrape_plan"]
@@ -36,4 +38,9 @@ def scrape_plan(
                 want(members[model].get(role, ()), pool.load_interval_s)
     if config.kv_check.enabled:
         want(decodes, config.kv_check.interval_s)
+    every = [a for group in members.values() for role in Role for a in group.get(role, ())]
+    if config.decision.mode is DecisionMode.LOAD_AWARE:
+        want(every, config.decision.load_interval_s)
+    if config.admission.enabled:
+        want(every, config.admission.load_interval_s)
     return plan

@@ -17,7 +17,9 @@ could recompute the prompt itself (`kv_load_failure_policy: recompute`): the ext
 neither D's policy nor its body, so it cannot tell a complete answer from an in-stream error,
 and a retry gets real P/D instead of a decode engine prefilling on its own.
 Serial: P is awaited (a buffered body's Envoy timer extended first), its params go into D's
-body.
+body. A P that cannot be reached or answers 503 is retried once on the plan's fallback
+prefill, within the same `timeouts.prefill_s` (nothing has left for D yet, so the retry is
+safe). Parallel dispatch cannot retry: D was already sent with the first P's identity.
 Decode-only: D's body is the client's; nothing to watch.
 """
 
@@ -36,6 +38,7 @@ from extproc.dispatch import DecodeOnlyPlan, ParallelPlan, Plan, SerialPlan, che
 from extproc.errors import (
     IdentityChanged,
     LegError,
+    PrefillBusy,
     PrefillFailed,
     PrefillTimeout,
     PrefillUnreachable,
@@ -94,6 +97,8 @@ class LegServices:
     note_dispatch: Callable[[str], None]  # a disaggregated request went to this decode
     metrics: Metrics
     config: Callable[[], Config]  # the current config: a reload swaps it
+    # a decode-only request went to this decode, with a body of this many bytes
+    note_decode_only: Callable[[str, int], None] = lambda decode, body_bytes: None
 
 
 @dataclass(slots=True)  # not frozen: built per request, and a frozen init costs ~4x
@@ -171,7 +176,7 @@ class _PrefillLeg:
     """One P request in flight, owned by the strategy that started it."""
 
     def __init__(self, prefill: str, body: bytes, request_id: str, services: LegServices,
-                 exchange: Exchange) -> None:  # fmt: skip
+                 exchange: Exchange, timeout_s: float | None = None) -> None:  # fmt: skip
         self.prefill = prefill
         self._services = services
         self._trace = exchange.trace
@@ -183,7 +188,7 @@ class _PrefillLeg:
                 exchange.path,
                 body,
                 request_id,
-                services.config().timeouts.prefill_s,
+                services.config().timeouts.prefill_s if timeout_s is None else timeout_s,
                 exchange.forwarded,
             )
         )
@@ -254,6 +259,8 @@ class _Answering:
         self._exchange.trace.decode_started()
         if plan.prefill is not None:
             services.note_dispatch(plan.decodes[0])
+        else:
+            services.note_decode_only(plan.decodes[0], len(body))
         services.metrics.processing_seconds.observe(time.perf_counter() - started)
         log.debug(
             "request %s (client id %r): %s/%s P=%s D=%s",
@@ -280,35 +287,58 @@ class SerialDispatch(_Answering):
     def __init__(self, plan: SerialPlan, services: LegServices, exchange: Exchange) -> None:
         super().__init__(plan, services, exchange)
         self._plan = plan
+        self._prefill = plan.prefill  # the P that answered (the fallback after a retry)
 
     async def send(self, started: float) -> bool:
         plan, services, stream = self._plan, self._services, self._exchange.stream
+        prefill_s = services.config().timeouts.prefill_s
         if not self._exchange.streamed:  # a streamed body's answer has no Envoy timer
-            await stream.write(envoy_msgs.extend_timeout(services.config().timeouts.prefill_s + 1))
+            await stream.write(envoy_msgs.extend_timeout(prefill_s + 1))
         waited = time.perf_counter()
-        leg = _PrefillLeg(plan.prefill, plan.p_body, plan.request_id, services, self._exchange)
-        try:
-            read = stream.next_message()
-            await asyncio.wait({leg.task, read}, return_when=asyncio.FIRST_COMPLETED)
-            if not leg.task.done():
-                # Envoy sends nothing while it waits for our body answer: the stream's end.
-                stream.take()
-                return False
-            kv_params = leg.learn(leg.record_outcome(), given=None)
-        finally:
-            leg.cancel()  # the client went away while P computed (or this task was cancelled)
+        kv_params = await self._prefilled(waited + prefill_s)
+        if kv_params is None:
+            return False
         started += time.perf_counter() - waited
         d_body = decode_body(plan.parts, kv_params)
         check_fits(services.config().limits.max_body_bytes, d_body)  # P's params known now
         await self._answer(d_body, started)
         return True
 
+    async def _prefilled(self, deadline: float) -> dict[str, Any] | None:
+        """P's checked params, after one retry on the fallback P if the first could not be
+        reached or answered 503 and time is left; None when the stream ended first."""
+        plan, services, stream = self._plan, self._services, self._exchange.stream
+        fallback, timeout_s = plan.fallback, None
+        while True:
+            leg = _PrefillLeg(self._prefill, plan.p_body, plan.request_id, services,
+                              self._exchange, timeout_s)  # fmt: skip
+            try:
+                read = stream.next_message()
+                await asyncio.wait({leg.task, read}, return_when=asyncio.FIRST_COMPLETED)
+                if not leg.task.done():
+                    # Envoy sends nothing while it waits for our body answer: the stream's end.
+                    stream.take()
+                    return None
+                try:
+                    return leg.learn(leg.record_outcome(), given=None)
+                except (PrefillUnreachable, PrefillBusy) as error:
+                    timeout_s = deadline - time.perf_counter()
+                    if fallback is None or timeout_s <= 0:
+                        raise
+                    reason = "busy" if isinstance(error, PrefillBusy) else "unreachable"
+                    services.metrics.prefill_retries.labels(reason).inc()
+                    log.info("request %s: prefill %s %s, retrying on %s", plan.request_id,
+                             self._prefill, reason, fallback)  # fmt: skip
+                    self._prefill, fallback = fallback, None
+            finally:
+                leg.cancel()  # the client went away while P computed (or this task was cancelled)
+
     def watch(self) -> None:
         return None  # P settled before D's body left
 
     async def on_decode_headers(self, status: int) -> bool:
         if status >= 500:
-            self._services.identities.drop(self._plan.prefill)  # D failed: learn P again
+            self._services.identities.drop(self._prefill)  # D failed: learn P again
         return True
 
     def close(self, client_gone: bool) -> None:

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from extproc.admission import check_admission, role_saturation
 from extproc.config import Config, DispatchMode, PoolConfig
+from extproc.decision import Decider, TrackedPrefillSender
 from extproc.discovery import Discovery
 from extproc.eds import Memberships, pool_cluster_name
 from extproc.errors import NoHealthyDecode, NoHealthyPrefill
@@ -33,7 +35,7 @@ from extproc.pool import EndpointState, Pool
 from extproc.prefill_direct import DirectPrefillClient
 from extproc.prefill_leg import PrefillClient, PrefillPaths
 from extproc.probe import Prober
-from extproc.processor import RequestDeps
+from extproc.processor import Picked, RequestDeps
 from extproc.restarts import RestartDetector
 from extproc.roles import Role
 from extproc.scrape_plan import scrape_plan
@@ -61,6 +63,8 @@ RELOAD: dict[str, str] = {
     "dispatch.flap_threshold": REBUILT,  # the identity cache's flap settings
     "dispatch.flap_window_s": REBUILT,
     "dispatch.serial_cooldown_s": REBUILT,
+    "decision": LIVE,
+    "admission": LIVE,
     "engines": LIVE,
     "timeouts": LIVE,
     # rendered into Envoy's bootstrap
@@ -213,14 +217,18 @@ class Runtime:
         )
         self.discovery = Discovery(self, settings)
         self.tracing = Tracing(config.tracing)
+        self.decider = Decider(lambda: self.config.decision, self.metrics)
         self.request_deps = RequestDeps(
             LegServices(
-                self.prefill_client,
+                TrackedPrefillSender(
+                    self.prefill_client, self._prefill_state, lambda: self.config.decision
+                ),
                 self.identities,
                 lambda prefill: self.prefill.set_healthy(prefill, False),
                 self.kv_check.note_dispatch,
                 self.metrics,
                 settings,
+                self.kv_check.note_decode_only,
             ),
             self.pick,
             self.prefill_mode,
@@ -270,6 +278,9 @@ class Runtime:
         return next((s for pool in (self.prefill, self.decode) for s in pool
                      if s.address == address), None)  # fmt: skip
 
+    def _prefill_state(self, address: str) -> EndpointState | None:
+        return next((s for s in self.prefill if s.address == address), None)
+
     def _endpoint_changed(self, role: Role) -> Callable[[EndpointState], None]:
         def record(state: EndpointState) -> None:
             self.metrics.inflight.labels(role, state.address).set(state.in_flight)
@@ -292,29 +303,59 @@ class Runtime:
         subset: Subset | None = None,
         fallbacks: int = 1,
         with_prefill: bool = True,
-    ) -> tuple[list[str], str | None]:
-        """D (then up to `fallbacks` others) and P for a request, each counted in flight until
-        `inflight` closes; no P (decode-only) when none is healthy and that is allowed.
-        With a gateway's `subset`, both are picked inside it only; no P `with_prefill` False."""
+    ) -> Picked:
+        """D (then up to `fallbacks` others) and P (then another, for a serial retry) for a
+        request, each counted in flight until `inflight` closes. Shed first when the pool is
+        saturated (admission); no P (decode-only) when the decision says so, or when none is
+        healthy and that is allowed. With a gateway's `subset`, both are picked inside it
+        only; no P `with_prefill` False."""
         group = self.group(wanted.model)
         members = group.members
         if subset is not None:
             members = {role: subset.restrict(among) for role, among in members.items()}
+        if self.config.admission.enabled:
+            self._admit(wanted, group)
         decodes = self.decode.pick_with_fallback(
             wanted, members[Role.DECODE], group.pickers[Role.DECODE], fallbacks
         )
         if not decodes:
             raise NoHealthyDecode(503, _none_healthy(Role.DECODE, subset), retry_after_s=1)
         inflight.enter_context(self.decode.track(decodes[0]))
+        decode_addresses = [d.address for d in decodes]
         if not with_prefill:
-            return [d.address for d in decodes], None
-        prefill = self.prefill.pick(wanted, members[Role.PREFILL], group.pickers[Role.PREFILL])
-        if prefill is not None:
+            return Picked(decode_addresses, None)
+        prefills = self.prefill.pick_with_fallback(
+            wanted, members[Role.PREFILL], group.pickers[Role.PREFILL]
+        )
+        if prefills:
+            prefill = prefills[0]
+            if self.decider.enabled:
+                decision = self.decider.decide(
+                    wanted.prompt_bytes, decodes[0].address, decodes[0], prefill
+                )
+                if decision.decode_only:
+                    return Picked(decode_addresses, None, alone=decision.reason)
             inflight.enter_context(self.prefill.track(prefill))
-            return [d.address for d in decodes], prefill.address
+            fallback = prefills[1].address if len(prefills) > 1 else None
+            return Picked(decode_addresses, prefill.address, fallback)
         if self.config.dispatch.no_healthy_prefill == "decode_only":
-            return [d.address for d in decodes], None
+            return Picked(decode_addresses, None)
         raise NoHealthyPrefill(503, _none_healthy(Role.PREFILL, subset), retry_after_s=1)
+
+    def _admit(self, wanted: PickRequest, group: ModelGroup) -> None:
+        """Shed (429) if the group's decode (or prefill) engines are saturated for the
+        request's priority; the saturation is exported either way."""
+        limits = self.config.admission
+        decodes = [s for s in self.decode
+                   if s.healthy and s.address in group.members[Role.DECODE]]  # fmt: skip
+        prefills = [s for s in self.prefill
+                    if s.healthy and s.address in group.members[Role.PREFILL]]  # fmt: skip
+        decode = role_saturation(decodes, limits.decode)
+        prefill = role_saturation(prefills, limits.prefill) if prefills else None
+        self.metrics.saturation.labels(Role.DECODE).set(decode)
+        if prefill is not None:
+            self.metrics.saturation.labels(Role.PREFILL).set(prefill)
+        check_admission(wanted.priority, decode, prefill, limits)
 
     def group_of(self, role: Role, address: str) -> ModelGroup:
         return next((g for g in self.groups.values() if address in g.members[role]),
@@ -334,6 +375,7 @@ class Runtime:
             log.info("%s %s left the pool", role, address)
             self.identities.forget(address)
             self.kv_check.forget(address)
+            self.decider.forget(address)
             self.restarts.forget(address)
             self.metrics.forget_endpoint(role, address)
         for address in added:

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from extproc.policies.base import Endpoint, NoOptions, Picker, PickRequest, hrw_order
 from extproc.policies.least_request import LeastRequestPicker
+from extproc.policies.least_tokens import LeastTokensPicker
 from extproc.policies.power_of_two import PowerOfTwoOptions, PowerOfTwoPicker, load_score
 from extproc.policies.prefix import PrefixOptions, PrefixPicker
 from extproc.policies.random import RandomPicker
@@ -27,6 +28,7 @@ __all__ = [
     "POLICIES",
     "Endpoint",
     "LeastRequestPicker",
+    "LeastTokensPicker",
     "NoOptions",
     "PickRequest",
     "Picker",
@@ -59,6 +61,7 @@ POLICIES: dict[str, Policy] = {
     for policy in (
         Policy("round_robin", RoundRobinPicker),
         Policy("least_request", LeastRequestPicker),
+        Policy("least_tokens", LeastTokensPicker),
         Policy("random", RandomPicker),
         Policy("power_of_two", PowerOfTwoPicker, PowerOfTwoOptions, needs_load=True),
         Policy("session", SessionPicker),

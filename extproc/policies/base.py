@@ -23,6 +23,8 @@ class PickRequest:
     model: str = ""
     session: str | None = None  # the value of the configured session header, if sent
     prefix: bytes = field(default=b"", repr=False)  # the start of the raw prompt/messages JSON
+    prompt_bytes: int = 0  # the whole raw prompt/messages JSON's size (the decode-only decision)
+    priority: int = 0  # admission control's priority (extproc.admission)
 
 
 class Endpoint(Protocol):

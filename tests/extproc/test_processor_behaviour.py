@@ -20,7 +20,7 @@ from grpc import aio
 
 from extproc import envoy_msgs
 from extproc.config import parse_config
-from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
+from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUnreachable
 from extproc.identity import identity_from_params
 from extproc.policies import PickRequest
 from extproc.pool import EndpointState
@@ -31,6 +31,7 @@ from extproc.tracing import RequestTrace
 from extproc.wiring import Runtime
 
 P, D1, D2 = "127.0.0.1:8100", "127.0.0.1:8200", "127.0.0.1:8201"
+P2 = "127.0.0.1:8101"
 IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
             "tp_size": 1, "transfer_mode": "push"}  # fmt: skip
 P_ANSWER = IDENTITY | {"do_remote_prefill": True, "remote_block_ids": [[1, 2]],
@@ -119,11 +120,12 @@ class Trace(RequestTrace):
 class Request:
     """One request's run: the runtime, the scripted Envoy, the P leg and the trace."""
 
-    def __init__(self, cached: bool = False, **config: Any) -> None:
+    def __init__(self, cached: bool = False, p_leg: Prefill | None = None,
+                 **config: Any) -> None:  # fmt: skip
         config.setdefault("prefill", {"endpoints": [P]})
         config.setdefault("decode", {"endpoints": [D1, D2]})
         self.rt = Runtime(parse_config(config), "unix:/nonexistent")
-        self.prefill = Prefill()
+        self.prefill = p_leg or Prefill()
         self.trace = Trace()
         deps = self.rt.request_deps
         legs = dataclasses.replace(deps.legs, prefill_client=self.prefill)
@@ -207,6 +209,48 @@ def error(message: ep.ProcessingResponse) -> tuple[int, str, str | None]:
 
 
 # ---- serial -------------------------------------------------------------------------------
+
+
+class FailsOnce(Prefill):
+    """The first P leg fails with `error`; the next one is answered by the test."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self._error: Exception | None = error
+
+    async def send(self, *args: Any) -> PrefillResult:
+        if self._error is not None:
+            self.calls.append(args)
+            error, self._error = self._error, None
+            raise error
+        return await super().send(*args)
+
+
+@pytest.mark.parametrize("error", [
+    PrefillUnreachable(503, "unreachable", retry_after_s=1),
+    PrefillBusy(502, "prefill endpoint answered 503"),
+], ids=["unreachable", "busy"])  # fmt: skip
+async def test_serial_retries_a_failed_p_once_on_the_fallback_within_the_prefill_timeout(
+    error: Exception,
+) -> None:
+    prefill = FailsOnce(error)
+    r = Request(p_leg=prefill, prefill={"endpoints": [P, P2]},
+                dispatch={"mode": "serial_push"}, timeouts={"prefill_s": 10})  # fmt: skip
+    await r.start()
+    await asyncio.wait_for(prefill.called.wait(), WAIT_S)  # the second leg
+    (first, *_, first_timeout, _), (second, *_, second_timeout, _) = prefill.calls
+    assert {first, second} == {P, P2} and first_timeout == 10 and 9 < second_timeout < 10
+    prefill.answer(P_ANSWER)
+    sent = await r.envoy.until_sent(3)
+    assert routed(sent[2])[0]["kv_transfer_params"]["remote_engine_id"] == "e1"
+    reason = "unreachable" if isinstance(error, PrefillUnreachable) else "busy"
+    assert r.sample("pd_extproc_prefill_retries_total", reason=reason) == 1
+    healthy = {s.address: s.healthy for s in r.rt.prefill}
+    assert healthy[first] is not isinstance(error, PrefillUnreachable) and healthy[second]
+    await r.send(response(200))
+    await r.envoy.until_sent(4)
+    await r.end()
+    assert r.outcome("ok", "serial", "serial_only") == 1
 
 
 async def test_serial_dispatch_waits_for_p_and_forwards_its_params() -> None:
@@ -508,7 +552,8 @@ async def test_policies_see_the_model_session_and_prompt_start() -> None:
     await r.start(REQUEST | {"prompt": long_prompt}, x_conversation="conv-7")
     sent = await r.envoy.until_sent(2)
     raw_member = b'"prompt":"' + long_prompt.encode()
-    expected = PickRequest("m", "conv-7", raw_member[:4096])
+    expected = PickRequest("m", "conv-7", raw_member[:4096], len(raw_member) + 1)  # + '"'
+
     assert decode.requests == [expected] and prefill.requests == [expected]
     assert routed(sent[1])[1]["x-gateway-destination-endpoint"] == f"{D2},{D1}"
     await r.end()
@@ -522,7 +567,7 @@ async def test_chat_messages_are_the_prompt_start_and_no_session_is_none() -> No
                   path="/v1/chat/completions")  # fmt: skip
     await r.envoy.until_sent(2)
     assert decode.requests == [
-        PickRequest("m", None, b'"messages":[{"role":"user","content":"hi"}]')
+        PickRequest("m", None, b'"messages":[{"role":"user","content":"hi"}]', 43)
     ]
     await r.end()
 

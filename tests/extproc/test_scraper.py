@@ -29,6 +29,10 @@ process_start_time_seconds 1.7e+09
 # TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
 vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
+# HELP vllm:num_requests_running Requests in the batch
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 4.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
 # HELP vllm:num_requests_waiting_by_reason Requests waiting, by reason
 # TYPE vllm:num_requests_waiting_by_reason gauge
 vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 50.0
@@ -46,15 +50,16 @@ vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        (VLLM_METRICS, (5.0, 0.375)),  # data-parallel engines: queues add, caches average
-        ("vllm:num_requests_waiting 7\n", (7.0, 0.0)),
-        ('vllm:gpu_cache_usage_perc{model_name="m"} 0.8\n', (0.0, 0.8)),  # vLLM < 0.10
-        ("process_start_time_seconds 1.7e9\n", (0.0, 0.0)),  # not exported: neutral
-        ("", (0.0, 0.0)),
-        ("not prometheus {{{\n", (0.0, 0.0)),  # unparsable: neutral, no exception
+        # data-parallel engines: queues and batches add, caches average
+        (VLLM_METRICS, (5.0, 5.0, 0.375)),
+        ("vllm:num_requests_waiting 7\n", (7.0, 0.0, 0.0)),
+        ('vllm:gpu_cache_usage_perc{model_name="m"} 0.8\n', (0.0, 0.0, 0.8)),  # vLLM < 0.10
+        ("process_start_time_seconds 1.7e9\n", (0.0, 0.0, 0.0)),  # not exported: neutral
+        ("", (0.0, 0.0, 0.0)),
+        ("not prometheus {{{\n", (0.0, 0.0, 0.0)),  # unparsable: neutral, no exception
     ],
 )
-def test_parse_load(text: str, expected: tuple[float, float]) -> None:
+def test_parse_load(text: str, expected: tuple[float, float, float]) -> None:
     assert parse_load(parse_families(text)) == pytest.approx(expected)
 
 

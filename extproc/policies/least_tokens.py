@@ -1,0 +1,31 @@
+"""least_tokens (prefill pools): the fewest prompt tokens this sidecar has queued there.
+
+A prefill engine's wait is its queued prompt tokens, not its request count: behind one
+4096-token prompt a new request waits as long as behind sixteen 256-token ones. This sidecar
+knows the tokens of every P leg it has in flight (estimated from the bodies, see
+`decision.bytes_per_token`); ties, such as idle engines, are broken round robin. Endpoints
+without the count (decode pools) tie at 0 and fall back to the fewest requests in flight.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from extproc.policies.base import E, NoOptions, PickRequest
+
+__all__ = ["LeastTokensPicker"]
+
+
+def _load(endpoint: object) -> tuple[int, int]:
+    return getattr(endpoint, "queued_tokens", 0), getattr(endpoint, "in_flight", 0)
+
+
+class LeastTokensPicker:
+    def __init__(self, options: NoOptions | None = None) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, candidates: Sequence[E], request: PickRequest) -> E:
+        least = min(_load(c) for c in candidates)
+        tied = [c for c in candidates if _load(c) == least]
+        return tied[next(self._counter) % len(tied)]

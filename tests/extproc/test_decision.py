@@ -1,0 +1,133 @@
+"""The decode-only decision and admission control as pure functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from extproc.admission import check_admission, parse_priority, role_saturation, saturation
+from extproc.config import AdmissionConfig, AdmissionLimits, DecisionConfig
+from extproc.decision import Decider, Sides, decide, estimate_tokens, stall_ms
+from extproc.errors import ClientError, Shed
+from extproc.load import EngineLoad
+from extproc.metrics import Metrics
+from extproc.policies import LeastTokensPicker, PickRequest
+from extproc.pool import EndpointState
+from extproc.scraper import parse_families
+
+LOAD_AWARE = DecisionConfig(mode="load_aware")
+IDLE = Sides(running_d=0, waiting_d=0, kv_usage_d=0, pending_d_tokens=0, queued_p_tokens=0,
+             waiting_p=0)  # fmt: skip
+BUSY_D = Sides(running_d=8, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, queued_p_tokens=0,
+               waiting_p=0)  # fmt: skip
+
+
+def test_tokens_are_estimated_from_bytes() -> None:
+    assert estimate_tokens(4096, 4.0) == 1024
+    assert estimate_tokens(1, 4.0) == 1
+
+
+def test_threshold_splits_on_the_prompt_size() -> None:
+    cfg = DecisionConfig(mode="threshold", max_prompt_tokens=100)
+    assert decide(cfg, 100, BUSY_D, 0).reason == "short_prompt"
+    assert not decide(cfg, 101, IDLE, 0).decode_only
+
+
+def test_idle_engines_go_alone_for_any_prompt() -> None:
+    decision = decide(LOAD_AWARE, 4000, IDLE, 0.0)  # nothing running: no stall to pay
+    assert decision.decode_only and decision.reason == "faster_alone"
+    assert decision.ttft_alone_ms < decision.ttft_pd_ms
+
+
+def test_a_busy_decode_gets_p_d_for_a_long_prompt_and_alone_for_a_short_one() -> None:
+    assert decide(LOAD_AWARE, 1024, BUSY_D, 30.0).reason == "stall_budget"  # 59 ms > 30 ms
+    assert decide(LOAD_AWARE, 64, BUSY_D, 30.0).decode_only  # ~4 ms stall
+    assert decide(LOAD_AWARE, 64, BUSY_D, 1.0).reason == "stall_budget"  # bucket nearly empty
+
+
+def test_a_queued_decode_and_an_idle_prefill_give_p_d() -> None:
+    queued = Sides(0, waiting_d=20, kv_usage_d=0, pending_d_tokens=4096, queued_p_tokens=0,
+                   waiting_p=0)  # fmt: skip
+    assert decide(LOAD_AWARE, 256, queued, 30.0).reason == "faster_pd"
+
+
+def test_a_nearly_full_decode_cache_gives_p_d() -> None:
+    full = Sides(0, 0, kv_usage_d=0.95, pending_d_tokens=0, queued_p_tokens=0, waiting_p=0)
+    assert decide(LOAD_AWARE, 16, full, 30.0).reason == "kv_pressure"
+
+
+def test_stall_counts_every_chunk_of_a_long_prompt() -> None:
+    assert stall_ms(LOAD_AWARE, 1000, 0) == 0
+    assert stall_ms(LOAD_AWARE, 4096, 1) == pytest.approx(4096 * 0.058 + 10.0)
+
+
+@dataclass
+class Load:
+    in_flight: int = 1
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    queued_tokens: int = 0
+    foreign: float = 0.0
+
+
+def test_the_stall_bucket_empties_and_counts_decisions() -> None:
+    metrics = Metrics()
+    decider = Decider(lambda: LOAD_AWARE.model_copy(update={"bytes_per_token": 1.0}), metrics)
+    busy = Load(in_flight=5)
+    made = [decider.decide(200, "d", busy, Load()).reason for _ in range(3)]
+    assert made == ["faster_alone", "faster_alone", "stall_budget"]  # 11.6 ms each, 30 ms bucket
+    text = metrics.render().decode()
+    assert 'pd_extproc_dispatch_decisions_total{decision="decode_only",reason="faster_alone"} 2.0' in text  # noqa: E501
+
+
+ADMISSION = AdmissionConfig(enabled=True, decode=AdmissionLimits(max_in_flight=4, max_waiting=8,
+                                                                  max_kv_usage=0.8))  # fmt: skip
+
+
+def test_saturation_is_the_highest_ratio_and_a_role_its_least_saturated_member() -> None:
+    limits = ADMISSION.decode
+    assert saturation(Load(in_flight=1, waiting=6, kv_usage=0.4), limits) == 0.75
+    assert saturation(Load(in_flight=0, kv_usage=0.8), limits) == 1.0
+    assert role_saturation([Load(in_flight=4), Load(in_flight=2)], limits) == 0.5
+    assert saturation(Load(in_flight=99), AdmissionLimits()) == 0.0  # no limit set
+
+
+def test_lower_priorities_are_shed_at_lower_saturation() -> None:
+    check_admission(0, 0.99, None, ADMISSION)
+    check_admission(1, 1.2, None, ADMISSION)
+    for priority, saturated in ((0, 1.0), (-1, 0.75), (-2, 0.5), (1, 1.25)):
+        with pytest.raises(Shed) as shed:
+            check_admission(priority, 0.0, saturated, ADMISSION)  # the prefill role counts too
+        assert shed.value.status == 429 and shed.value.retry_after_s == 1
+
+
+def test_priority_header_values() -> None:
+    assert parse_priority(None, "x-request-priority") == 0
+    assert parse_priority(" -2 ", "x-request-priority") == -2
+    assert parse_priority("100000", "x-request-priority") == 100
+    with pytest.raises(ClientError, match="must be an integer"):
+        parse_priority("high", "x-request-priority")
+
+
+def test_least_tokens_picks_the_prefill_with_the_fewest_queued_tokens() -> None:
+    picker = LeastTokensPicker()
+    long_queue, short_queue = EndpointState("p1", queued_tokens=4096), EndpointState("p2")
+    short_queue.in_flight = 3  # more requests, fewer tokens: tokens decide
+    assert picker.pick([long_queue, short_queue], PickRequest()) is short_queue
+    idle = [EndpointState("p1"), EndpointState("p2")]
+    assert {picker.pick(idle, PickRequest()).address for _ in range(2)} == {"p1", "p2"}
+
+
+def test_d_counts_ours_exactly_and_others_as_last_scraped() -> None:
+    state = EndpointState("d")
+    state.in_flight = 2
+    page = "vllm:num_requests_running 3\nvllm:num_requests_waiting 1\n"
+    EngineLoad(lambda address: state).consume("d", parse_families(page))
+    assert state.foreign == 2  # 4 at the engine, 2 of them ours
+    decider = Decider(lambda: LOAD_AWARE, Metrics())
+    alone = Load(in_flight=1)  # only this request of ours, and nothing foreign
+    assert decider.decide(4096, "d", alone, Load()).decode_only
+    others = Load(in_flight=1, foreign=2)  # another router's requests run there
+    assert decider.decide(4096, "d2", others, Load()).reason == "stall_budget"
