@@ -173,5 +173,5 @@ async def test_an_engine_endpoint_goes_to_a_decode_in_the_subset_as_it_is() -> N
     assert [m.WhichOneof("response") for m in sent[3:]] == ["response_headers", "response_body"]
     await r.end()
     assert r.prefill.calls == []
-    labels = {"outcome": "ok", "strategy": "decode_only", "reason": "passthrough"}
+    labels = {"outcome": "ok", "strategy": "decode_only", "reason": "passthrough", "model": "none"}
     assert r.rt.metrics.registry.get_sample_value("pd_extproc_requests_total", labels) == 1
