@@ -154,7 +154,8 @@ async def test_the_client_gone_mid_upload_ends_quietly() -> None:
     await asyncio.wait_for(task, timeout=2)
     assert envoy.sent == [] and prefill.calls == 0
     assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
-    counted = {"outcome": "cancelled", "strategy": "serial", "reason": "none"}  # not a 400
+    # not a 400; the model is not known yet
+    counted = {"outcome": "cancelled", "strategy": "serial", "reason": "none", "model": "none"}
     assert rt.metrics.registry.get_sample_value("pd_extproc_requests_total", counted) == 1
 
 

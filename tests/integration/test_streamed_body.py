@@ -104,7 +104,7 @@ async def test_a_client_gone_mid_upload_leaves_nothing_behind(small_limits: Topo
 
     await until(stream_closed, "the upload's ext_proc stream to close")
     after = await topo.metrics()
-    gone = requests_total("cancelled", "none", "serial")  # not a 408 ("client_error")
+    gone = requests_total("cancelled", "none", "serial", model="none")  # not a 408 ("client_error")
     assert after.get(gone, 0) == before.get(gone, 0) + 1
     await no_engine_saw_a_request(topo)
     status, body, _ = await topo.post("/v1/completions", COMPLETION)  # still serving
