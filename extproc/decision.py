@@ -38,8 +38,7 @@ from extproc.config import DecisionConfig, DecisionMode
 
 if TYPE_CHECKING:
     from extproc.metrics import Metrics
-    from extproc.prefill_leg import PrefillResult
-    from extproc.strategies import PrefillSender
+    from extproc.prefill_leg import PrefillResult, PrefillSender
 
 __all__ = [
     "Decider",

@@ -15,10 +15,9 @@ import time
 from collections.abc import Callable
 
 import aiohttp
-import orjson
 
-from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
-from extproc.prefill_leg import PrefillResult, prefill_error
+from extproc.errors import PrefillTimeout, PrefillUnreachable
+from extproc.prefill_leg import PrefillResult, prefill_result
 
 __all__ = ["DirectPrefillClient"]
 
@@ -90,14 +89,7 @@ class DirectPrefillClient:
             ) from None
         except aiohttp.ClientError as error:
             raise _unreachable(endpoint, f"the connection broke: {error}") from None
-        elapsed = time.perf_counter() - started
-        if status >= 300:
-            raise prefill_error(status, None, payload, endpoint)
-        try:
-            params = orjson.loads(payload).get("kv_transfer_params")
-        except (orjson.JSONDecodeError, AttributeError):
-            raise PrefillFailed(502, f"prefill endpoint {endpoint} sent a non-JSON body") from None
-        return PrefillResult(status, params, started, elapsed)
+        return prefill_result(status, None, payload, endpoint, started)
 
 
 def _unreachable(endpoint: str, why: str) -> PrefillUnreachable:

@@ -67,6 +67,20 @@ def prefill_error(status: int, flags: str | None, body: bytes, endpoint: str) ->
     return PrefillFailed(status if 400 <= status < 500 else 502, message)
 
 
+def prefill_result(
+    status: int, flags: str | None, payload: bytes, endpoint: str, started: float
+) -> PrefillResult:
+    """P's answer as a result (its kv_transfer_params), or the LegError it means."""
+    elapsed = time.perf_counter() - started
+    if status >= 300:
+        raise prefill_error(status, flags, payload, endpoint)
+    try:
+        params = orjson.loads(payload).get("kv_transfer_params")
+    except (orjson.JSONDecodeError, AttributeError):
+        raise PrefillFailed(502, f"prefill endpoint {endpoint} sent a non-JSON body") from None
+    return PrefillResult(status, params, started, elapsed)
+
+
 class PrefillClient:
     """Sends P legs to Envoy's prefill listener ("unix:/path" or "host:port")."""
 
@@ -144,18 +158,12 @@ class PrefillClient:
             raise PrefillUnreachable(
                 503, f"the prefill leg's connection broke ({error}); retry", retry_after_s=1
             ) from None
-        elapsed = time.perf_counter() - started
-        if status >= 300:
-            raise prefill_error(status, flags, payload, endpoint)
-        try:
-            params = orjson.loads(payload).get("kv_transfer_params")
-        except (orjson.JSONDecodeError, AttributeError):
-            raise PrefillFailed(502, f"prefill endpoint {endpoint} sent a non-JSON body") from None
-        return PrefillResult(status, params, started, elapsed)
+        return prefill_result(status, flags, payload, endpoint, started)
 
 
 class PrefillSender(Protocol):
-    """What sends a P leg: PrefillClient (through the listener), DirectPrefillClient."""
+    """What sends a P leg: PrefillClient (through the listener), DirectPrefillClient, or a
+    wrapper of one (dispatch needs only this)."""
 
     def send(
         self,
@@ -167,6 +175,10 @@ class PrefillSender(Protocol):
         extra_headers: dict[str, str] | None = None,
     ) -> Coroutine[Any, Any, PrefillResult]: ...
 
+
+class PrefillConnections(PrefillSender, Protocol):
+    """A PrefillSender that owns its connections."""
+
     async def close(self) -> None: ...
 
 
@@ -175,7 +187,7 @@ class PrefillPaths:
     it). Each client opens its connections on first use only."""
 
     def __init__(
-        self, listener: PrefillSender, direct: PrefillSender, path: Callable[[], str]
+        self, listener: PrefillConnections, direct: PrefillConnections, path: Callable[[], str]
     ) -> None:
         self._clients = {"listener": listener, "direct": direct}
         self._path = path

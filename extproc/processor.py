@@ -213,7 +213,7 @@ class RequestProcessor:
         self.model = request.model
         priority = request_priority(headers, config.admission)
         wanted = _pick_request(request, headers.get(config.dispatch.session_header), priority)
-        self.plan = plan = self._plan(request, wanted, inflight)
+        self.plan = plan = self._plan(request, wanted, inflight, picker)
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
         exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
                             streamed, picker.destination_namespace if picker else None)  # fmt: skip
@@ -275,8 +275,10 @@ class RequestProcessor:
         await self._on_message(message)
         self.envoy_replied = True
 
-    def _plan(self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack) -> Plan:
-        picker = self.deps.config().endpoint_picker if self.deps.endpoint_picker else None
+    def _plan(
+        self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack,
+        picker: EndpointPickerConfig | None,
+    ) -> Plan:  # fmt: skip
         fallbacks = 1 if picker is None else picker.fallbacks
         picked = self.deps.pick(wanted, inflight, self.subset, fallbacks)
         request_id, prefill = str(uuid.uuid4()), picked.prefill

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
     from extproc.config import Config
     from extproc.metrics import Metrics
-    from extproc.prefill_leg import PrefillResult
+    from extproc.prefill_leg import PrefillResult, PrefillSender
     from extproc.stream import EnvoyStream
     from extproc.tracing import RequestTrace
 
@@ -73,18 +73,6 @@ class Identities(Protocol):
     def serial_only(self, endpoint: str) -> bool: ...
     def learn(self, endpoint: str, identity: PrefillIdentity) -> None: ...
     def drop(self, endpoint: str, only_if: PrefillIdentity | None = None) -> bool: ...
-
-
-class PrefillSender(Protocol):
-    def send(
-        self,
-        endpoint: str,
-        path: str,
-        body: bytes,
-        request_id: str,
-        timeout_s: float,
-        extra_headers: dict[str, str] | None = None,
-    ) -> Coroutine[Any, Any, PrefillResult]: ...
 
 
 @dataclass(frozen=True, slots=True)
