@@ -5,6 +5,7 @@ references a metric nobody exports fails here rather than showing "No data" in p
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 from collections.abc import AsyncIterator
@@ -98,6 +99,20 @@ async def scrape_all(session: aiohttp.ClientSession, topo: Topology) -> dict[str
     return merged
 
 
+async def scrape_until_logged(
+    session: aiohttp.ClientSession, topo: Topology, timeout_s: float = 10.0
+) -> dict[str, set[str]]:
+    """Scrape until the client-latency histograms exist: Envoy flushes its access-log entries
+    every 0.1 s, so they may trail the responses; the last scrape is returned either way."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        metrics = await scrape_all(session, topo)
+        logged = "pd_extproc_client_duration_seconds_bucket" in metrics
+        if logged or asyncio.get_running_loop().time() > deadline:
+            return metrics
+        await asyncio.sleep(0.1)
+
+
 def problems(query: Query, metrics: dict[str, set[str]], added: set[str]) -> list[str]:
     found = []
     for name in sorted(query.metrics - set(metrics)):
@@ -135,7 +150,7 @@ async def test_every_dashboard_metric_is_exported() -> None:
                 topo.sidecar.url + "/v1/completions", json=COMPLETION, timeout=TIMEOUT
             ) as response:
                 assert response.status == 200, await response.text()
-        metrics = await scrape_all(session, topo)
+        metrics = await scrape_until_logged(session, topo)
     added = prometheus_added_labels()
     found = [p for q in dashboard_queries(DASHBOARD) for p in problems(q, metrics, added)]
     assert not found, "the dashboard queries what nobody exports:\n" + "\n".join(found)
