@@ -104,8 +104,20 @@ async def test_compose_topology_serves_push_parallel_and_prometheus_scrapes_it()
                     return got.status == 200
             return False
 
+        async def identities_known() -> bool:
+            # Requests that failed while Envoy still waited for its pools (Envoy starts before
+            # the ext_proc serves them) drop P's identity, and the next request to that P
+            # learns it serially: wait until the probe has learnt every P again.
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(compose.metrics + "/ready") as got:
+                    ready = await got.json()
+                    known = ready["identities"]
+                    return all(known.get(p, {}).get("engine_id") for p in ready["prefill"])
+            return False
+
         up_s = await poll(served, "a 200 through the published port", UP_WITHIN_S)
         print(f"compose: first 200 after {up_s:.1f} s")
+        await poll(identities_known, "every prefill identity learnt", 30)
         statuses = []
         for i in range(REQUESTS):
             request = {**body, "prompt": f"request {i} " + body["prompt"]}
