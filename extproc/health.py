@@ -21,6 +21,7 @@ import aiohttp
 
 from extproc.config import HealthConfig
 from extproc.pool import EndpointState, Pool
+from extproc.stopping import cancel_and_wait
 
 __all__ = ["HealthChecker", "Identities"]
 
@@ -63,10 +64,7 @@ class HealthChecker:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        tasks = [t for t in [self._task, *self._probes.values()] if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([self._task, *self._probes.values()])
 
     async def _loop(self) -> None:
         while True:

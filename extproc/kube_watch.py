@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from extproc.kube_api import ApiError, Gone, KubeApi, Query
+from extproc.stopping import cancel_and_wait
 
 __all__ = ["Watched"]
 
@@ -63,10 +64,8 @@ class Watched:
         self._task = asyncio.create_task(self._run(), name=f"watch {self.query.describe()}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
 
     async def _run(self) -> None:
         while True:

@@ -11,6 +11,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from extproc.stopping import cancel_and_wait
+
 __all__ = ["Periodic"]
 
 log = logging.getLogger("extproc")
@@ -39,7 +41,5 @@ class Periodic:
             await asyncio.sleep(self._interval_s())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None

@@ -276,3 +276,33 @@ async def test_gone_even_from_a_fresh_list_backs_off_instead_of_spinning(
     assert sum("watch failed" in m for m in messages) == 1, messages  # one line, then pauses
     assert sum("listing again" in m for m in messages) == 1, messages  # only the first 410
     assert names(watch) == {"a"}
+
+
+async def test_stop_ends_a_watch_whose_list_lost_the_cancellation(
+    kube: tuple[FakeKubeApi, DiscoveryConfig],
+) -> None:
+    """Python 3.11's wait_for returns a result that arrived in the same loop turn as a cancel,
+    and the cancel is lost; the watch then carries on. Stop must still end it."""
+    fake, settings = kube
+    api = KubeApi(settings)
+    real_list = api.list
+    cancelled_in_list = asyncio.Event()
+
+    async def list_losing_its_cancel(query: Query) -> Any:
+        listing = await real_list(query)
+        try:
+            await asyncio.sleep(3600)  # stop() finds the watch here
+        except asyncio.CancelledError:
+            cancelled_in_list.set()  # and the cancel goes no further
+        return listing
+
+    api.list = list_losing_its_cancel  # type: ignore[method-assign]
+    watch = Watched(api, Query(PODS, "default"), lambda: None, lambda: 30)
+    watch.start()
+    await until(lambda: len(fake.lists("pods")) == 1, "the list")
+    try:
+        await asyncio.wait_for(watch.stop(), 5)
+        assert cancelled_in_list.is_set()
+        assert watch.synced.is_set()  # the list returned as if never cancelled: the loop went on
+    finally:
+        await api.close()
