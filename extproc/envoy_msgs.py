@@ -56,6 +56,24 @@ def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
     }
 
 
+# Asked for with the response headers (the filter's `response_attributes`): why Envoy answered.
+# "via_upstream" when D answered; otherwise Envoy's own reply, and these details say that D
+# never received the request (no member to pick, or no connection).
+REPLY_DETAILS = "response.code_details"
+_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+_NEVER_SENT = ("no_healthy_upstream", "cluster_not_found", "connection_failure", "overflow")
+
+
+def decode_was_reached(message: ep.ProcessingRequest) -> bool:
+    """False when the response headers are Envoy's own reply to a request it never got to D;
+    True otherwise, also when Envoy did not say (a gateway that sends no attributes)."""
+    attributes = message.attributes.get(_ATTRIBUTES_KEY)
+    if attributes is None or REPLY_DETAILS not in attributes.fields:
+        return True
+    details = attributes.fields[REPLY_DETAILS].string_value
+    return not any(marker in details for marker in _NEVER_SENT)
+
+
 _CONTINUE_REQUEST = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
 _CONTINUE_RESPONSE = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
 

@@ -322,7 +322,7 @@ class RequestProcessor:
         status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
         self.decode_status = status
         self.trace.decode_answered(status)
-        if await self.dispatch.on_decode_headers(status):
+        if await self.dispatch.on_decode_headers(status, envoy_msgs.decode_was_reached(message)):
             await self.stream.write(envoy_msgs.continue_response_headers(self._labels()))
 
 

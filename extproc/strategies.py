@@ -6,7 +6,9 @@ Each runs its plan's legs and answers for them until the stream ends:
                             False when the client went away first
   watch()                   the P leg still to wait for beside Envoy's next message, or None;
                             raises P's failure or a restart once it is known
-  on_decode_headers(status) before D's response headers pass: True to let them pass, False
+  on_decode_headers(status, reached)
+                            before D's response headers pass (`reached` False: Envoy's own
+                            reply, D never got the request): True to let them pass, False
                             when the stream ended meanwhile; raises to end the request instead
   close(client_gone)        cancel a P leg still running (its work is useless now)
 
@@ -126,7 +128,7 @@ def decode_answers(
 class Dispatch(Protocol):
     async def send(self, started: float) -> bool: ...
     def watch(self) -> asyncio.Task[PrefillResult] | None: ...
-    async def on_decode_headers(self, status: int) -> bool: ...
+    async def on_decode_headers(self, status: int, reached: bool = True) -> bool: ...
     def close(self, client_gone: bool) -> None: ...
 
 
@@ -139,7 +141,7 @@ class _NotDispatched:
     def watch(self) -> None:
         return None
 
-    async def on_decode_headers(self, status: int) -> bool:
+    async def on_decode_headers(self, status: int, reached: bool = True) -> bool:
         return True
 
     def close(self, client_gone: bool) -> None:
@@ -324,8 +326,8 @@ class SerialDispatch(_Answering):
     def watch(self) -> None:
         return None  # P settled before D's body left
 
-    async def on_decode_headers(self, status: int) -> bool:
-        if status >= 500:
+    async def on_decode_headers(self, status: int, reached: bool = True) -> bool:
+        if status >= 500 and reached:
             self._services.identities.drop(self._prefill)  # D failed: learn P again
         return True
 
@@ -361,7 +363,10 @@ class ParallelDispatch(_Answering):
         self._settled = True
         self._leg.learn(self._leg.record_outcome(), self._plan.given)
 
-    async def on_decode_headers(self, status: int) -> bool:
+    async def on_decode_headers(self, status: int, reached: bool = True) -> bool:
+        if not reached:  # D never got the request, so it says nothing about P's identity
+            self._stop()
+            return True
         if status >= 500:
             await self._on_decode_error()
             return True

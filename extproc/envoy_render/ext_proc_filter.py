@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.config import Config
-from extproc.envoy_msgs import LABELS_NAMESPACE
+from extproc.envoy_msgs import LABELS_NAMESPACE, REPLY_DETAILS
 from extproc.envoy_render.common import TYPED, duration
 
 EXTPROC_CLUSTER = "pd_extproc"
@@ -84,6 +84,8 @@ def ext_proc_filter(cfg: Config) -> dict[str, Any]:
             "allow_content_length_header": True,
             # the request's labels, for the access log (`extproc.access_log`)
             "metadata_options": {"receiving_namespaces": {"untyped": [LABELS_NAMESPACE]}},
+            # with the response headers: did D answer, or Envoy without reaching it
+            "response_attributes": [REPLY_DETAILS],
             "processing_mode": dict(_MODE),
         },
     }

@@ -97,3 +97,22 @@ def test_immediate_client_error_has_no_retry_after() -> None:
     assert set_headers(reply.headers) == {"content-type": "application/json"}
     assert orjson.loads(reply.body)["error"]["param"] == "prompt"
     assert reply.details == "pd_extproc_400"
+
+
+@pytest.mark.parametrize(
+    ("details", "reached"),
+    [
+        (None, True),  # a gateway that sends no attributes: assume D answered
+        ("via_upstream", True),
+        ("upstream_reset_before_response_started{remote_reset}", True),  # D had it
+        ("no_healthy_upstream", False),
+        ("upstream_reset_before_response_started{remote_connection_failure|"
+         "delayed_connect_error:_Connection_refused}", False),
+    ],
+)
+def test_decode_was_reached_reads_envoys_reply_details(details: str | None, reached: bool) -> None:
+    message = ep.ProcessingRequest(response_headers=ep.HttpHeaders())
+    if details is not None:
+        attributes = message.attributes["envoy.filters.http.ext_proc"]
+        attributes.fields[envoy_msgs.REPLY_DETAILS].string_value = details
+    assert envoy_msgs.decode_was_reached(message) is reached

@@ -215,6 +215,24 @@ async def test_decode_failure_cancels_prefill_and_reaches_the_client() -> None:
         assert metrics.get(identity_events(address(topo.prefills[0]), "dropped")) == 1
 
 
+async def test_envoys_own_503_for_an_unreachable_decode_keeps_the_prefills_identity() -> None:
+    """D never got the request, so its failure says nothing about P: the next request is still
+    parallel (before, Envoy's own reply dropped P's identity like a failure of D's)."""
+    async with topology(health={"interval_s": 30}) as topo:  # the sidecar keeps picking D
+        prefill = address(topo.prefills[0])
+        await topo.sim(topo.decodes[0], "POST", "/sim/faults",
+                       {"refuse_connections": True, "refuse_for_s": 30})  # fmt: skip
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 503, body
+        assert await topo.seen(topo.decodes[0]) == []  # Envoy's own reply: D was not reached
+        await topo.sim(topo.decodes[0], "POST", "/sim/faults", {"refuse_connections": False})
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert status == 200, body
+        metrics = await topo.metrics()
+        assert metrics.get(identity_events(prefill, "dropped")) is None
+        assert metrics[requests_total("ok", "cache_hit", "parallel")] == 1
+
+
 async def test_decode_refusing_connections_is_replaced_by_envoys_retry_on_the_fallback() -> None:
     # Health checks are slowed down so that the sidecar still picks the refusing engine first.
     async with topology(n_decode=2, health={"interval_s": 30}) as topo:
