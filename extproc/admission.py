@@ -4,7 +4,8 @@ An endpoint's saturation is its highest load / limit ratio over the limits confi
 role (`admission.decode`, `admission.prefill`): requests this ext_proc has in flight there, the
 engine's queue (`vllm:num_requests_waiting`) and KV cache fill (`vllm:kv_cache_usage_perc`),
 the last two from the engine's own metrics. A role is as saturated as its least saturated
-healthy member: a request is shed only when no endpoint has room for it.
+healthy member: a request is shed only when no endpoint has room for it. The prefill role
+counts only for a request that will use P (not one the decision serves on D alone).
 
 Priorities: the request's `admission.priority_header` (an integer, 0 when absent) moves its
 shedding point to 1 + priority × `priority_step` of the limits. With the default step, -1 is
@@ -79,16 +80,13 @@ def shedding_point(priority: int, config: AdmissionConfig) -> float:
     return max(0.0, 1.0 + priority * config.priority_step)
 
 
-def check_admission(priority: int, decode: float, prefill: float | None,
-                    config: AdmissionConfig) -> None:  # fmt: skip
-    """Raise Shed (429) if the decode role's saturation, or the prefill role's when the
-    request needs P (`prefill` not None), reached the request's shedding point."""
+def check_admission(priority: int, role: str, value: float, config: AdmissionConfig) -> None:
+    """Raise Shed (429) if `role`'s saturation `value` reached the request's shedding point."""
     point = shedding_point(priority, config)
-    for role, value in (("decode", decode), ("prefill", prefill)):
-        if value is not None and value >= point:
-            raise Shed(
-                429,
-                f"the {role} engines are saturated ({value:.0%} of their limits; priority "
-                f"{priority} is shed at {point:.0%}); retry later",
-                retry_after_s=config.retry_after_s,
-            )
+    if value >= point:
+        raise Shed(
+            429,
+            f"the {role} engines are saturated ({value:.0%} of their limits; priority "
+            f"{priority} is shed at {point:.0%}); retry later",
+            retry_after_s=config.retry_after_s,
+        )

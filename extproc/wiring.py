@@ -314,7 +314,7 @@ class Runtime:
         if subset is not None:
             members = {role: subset.restrict(among) for role, among in members.items()}
         if self.config.admission.enabled:
-            self._admit(wanted, group)
+            self._admit(wanted, group, Role.DECODE)
         decodes = self.decode.pick_with_fallback(
             wanted, members[Role.DECODE], group.pickers[Role.DECODE], fallbacks
         )
@@ -335,6 +335,8 @@ class Runtime:
                 )
                 if decision.decode_only:
                     return Picked(decode_addresses, None, alone=decision.reason)
+            if self.config.admission.enabled:  # only a request that will use P waits for one
+                self._admit(wanted, group, Role.PREFILL)
             inflight.enter_context(self.prefill.track(prefill))
             fallback = prefills[1].address if len(prefills) > 1 else None
             return Picked(decode_addresses, prefill.address, fallback)
@@ -342,20 +344,18 @@ class Runtime:
             return Picked(decode_addresses, None)
         raise NoHealthyPrefill(503, _none_healthy(Role.PREFILL, subset), retry_after_s=1)
 
-    def _admit(self, wanted: PickRequest, group: ModelGroup) -> None:
-        """Shed (429) if the group's decode (or prefill) engines are saturated for the
-        request's priority; the saturation is exported either way."""
-        limits = self.config.admission
-        decodes = [s for s in self.decode
-                   if s.healthy and s.address in group.members[Role.DECODE]]  # fmt: skip
-        prefills = [s for s in self.prefill
-                    if s.healthy and s.address in group.members[Role.PREFILL]]  # fmt: skip
-        decode = role_saturation(decodes, limits.decode)
-        prefill = role_saturation(prefills, limits.prefill) if prefills else None
-        self.metrics.saturation.labels(Role.DECODE).set(decode)
-        if prefill is not None:
-            self.metrics.saturation.labels(Role.PREFILL).set(prefill)
-        check_admission(wanted.priority, decode, prefill, limits)
+    def _admit(self, wanted: PickRequest, group: ModelGroup, role: Role) -> None:
+        """Shed (429) if the group's engines of `role` are saturated for the request's
+        priority; the saturation is exported either way."""
+        admission = self.config.admission
+        pool, limits = ((self.decode, admission.decode) if role is Role.DECODE
+                        else (self.prefill, admission.prefill))  # fmt: skip
+        healthy = [s for s in pool if s.healthy and s.address in group.members[role]]
+        if not healthy:
+            return  # nothing to measure: the pick answers 503 (or goes decode-only)
+        value = role_saturation(healthy, limits)
+        self.metrics.saturation.labels(role).set(value)
+        check_admission(wanted.priority, role, value, admission)
 
     def group_of(self, role: Role, address: str) -> ModelGroup:
         return next((g for g in self.groups.values() if address in g.members[role]),

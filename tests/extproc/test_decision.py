@@ -95,11 +95,11 @@ def test_saturation_is_the_highest_ratio_and_a_role_its_least_saturated_member()
 
 
 def test_lower_priorities_are_shed_at_lower_saturation() -> None:
-    check_admission(0, 0.99, None, ADMISSION)
-    check_admission(1, 1.2, None, ADMISSION)
+    check_admission(0, "decode", 0.99, ADMISSION)
+    check_admission(1, "decode", 1.2, ADMISSION)
     for priority, saturated in ((0, 1.0), (-1, 0.75), (-2, 0.5), (1, 1.25)):
-        with pytest.raises(Shed) as shed:
-            check_admission(priority, 0.0, saturated, ADMISSION)  # the prefill role counts too
+        with pytest.raises(Shed, match="the prefill engines are saturated") as shed:
+            check_admission(priority, "prefill", saturated, ADMISSION)
         assert shed.value.status == 429 and shed.value.retry_after_s == 1
 
 

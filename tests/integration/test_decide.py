@@ -169,6 +169,25 @@ async def test_lower_priorities_are_shed_first() -> None:
                            4: {"-3", "-2", "-1", "0"}}  # fmt: skip
 
 
+async def test_a_saturated_prefill_pool_sheds_only_requests_that_need_p() -> None:
+    admission = {"enabled": True, "prefill": {"max_in_flight": 1}}
+    decision = {"mode": "threshold", "max_prompt_tokens": 64}
+    async with topology(admission=admission, decision=decision) as topo:
+        long_stream = {"model": MODEL, "prompt": LONG["prompt"], "max_tokens": 2000,
+                       "stream": True}  # fmt: skip
+        async with topo.session.post(topo.sidecar.url + "/v1/completions",
+                                     json=long_stream) as held:  # fmt: skip
+            assert held.status == 200, await held.text()
+            await asyncio.wait_for(held.content.readline(), 10)  # P's one slot is taken
+            status, body, _ = await topo.post("/v1/completions", LONG)
+            assert status == 429, body
+            assert "the prefill engines are saturated" in orjson.loads(body)["error"]["message"]
+            status, body, _ = await topo.post("/v1/completions", SHORT)  # D alone: no P needed
+            assert status == 200, body
+        metrics = await topo.metrics()
+        assert metrics[requests_total("ok", "short_prompt", "decode_only")] == 1
+
+
 # ---- prefill retry -------------------------------------------------------------------------
 
 
