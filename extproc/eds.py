@@ -29,6 +29,7 @@ from envoy.service.endpoint.v3 import eds_pb2_grpc
 from grpc import aio
 
 from extproc.config import parse_host_port
+from extproc.metrics import Metrics
 from extproc.roles import Role
 
 __all__ = ["ASSIGNMENT_TYPE", "EndpointDiscovery", "Memberships", "pool_cluster_name"]
@@ -98,9 +99,11 @@ class _EdsStream:
     it asks for, ignore ACKs and requests that answer an older response (a newer one is on its
     way), and log a NACK without resending what was refused."""
 
-    def __init__(self, memberships: Memberships, context: aio.ServicerContext[Any, Any]) -> None:
+    def __init__(self, memberships: Memberships, context: aio.ServicerContext[Any, Any],
+                 metrics: Metrics) -> None:  # fmt: skip
         self._memberships = memberships
         self._context = context
+        self._metrics = metrics
         self._names: tuple[str, ...] | None = None  # None until the first request
         self._sent: dict[str, tuple[str, ...]] = {}  # what this Envoy was last sent
         self._nonce = 0
@@ -136,6 +139,7 @@ class _EdsStream:
         if request.response_nonce and request.response_nonce != str(self._nonce):
             return  # answers an older response; the newest one is on its way
         if request.HasField("error_detail"):
+            self._metrics.eds_responses.labels("rejected").inc()
             log.warning("Envoy %s rejected endpoints version %s: %s", self._peer,
                         request.version_info, request.error_detail.message)  # fmt: skip
         names = tuple(sorted(request.resource_names))
@@ -166,6 +170,7 @@ class _EdsStream:
         self._sent = current
         async with asyncio.timeout(_WRITE_TIMEOUT_S):
             await self._context.write(response)
+        self._metrics.eds_responses.labels("sent").inc()
 
 
 def _version(resources: list[endpoint_pb2.ClusterLoadAssignment]) -> str:
@@ -178,8 +183,9 @@ def _version(resources: list[endpoint_pb2.ClusterLoadAssignment]) -> str:
 class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
     """The EDS gRPC service; `close()` ends every open stream (Envoy keeps its endpoints)."""
 
-    def __init__(self, memberships: Memberships) -> None:
+    def __init__(self, memberships: Memberships, metrics: Metrics) -> None:
         self._memberships = memberships
+        self._metrics = metrics
         self._inboxes: set[asyncio.Queue[object]] = set()
         self._closed = False
 
@@ -189,7 +195,8 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
         inbox: asyncio.Queue[object] = asyncio.Queue()
         self._inboxes.add(inbox)
         try:
-            await _EdsStream(self._memberships, context).run(inbox)
+            with self._metrics.eds_streams.track_inprogress():
+                await _EdsStream(self._memberships, context, self._metrics).run(inbox)
         except TimeoutError:
             log.warning("EDS: Envoy %s took no answer for %g s; stream ended", context.peer(),
                         _WRITE_TIMEOUT_S)  # fmt: skip

@@ -129,6 +129,18 @@ class Metrics:
             ["role"],
             registry=r,
         )
+        self.eds_streams = Gauge(
+            "pd_extproc_eds_streams",
+            "Envoy EDS subscriptions to the pools' members open on this ext_proc process "
+            "(0 everywhere: no Envoy follows discovery).",
+            registry=r,
+        )
+        self.eds_responses = Counter(
+            "pd_extproc_eds_responses",
+            "Pool memberships sent to Envoy over EDS (sent), and those Envoy refused (rejected).",
+            ["outcome"],
+            registry=r,
+        )
         self.prefill_retries = Counter(
             "pd_extproc_prefill_retries",
             "Serial and pull dispatch: P legs retried on another prefill endpoint, by why.",

@@ -85,7 +85,7 @@ class ExtProcServer:
         self._grpc: aio.Server | None = None
         self._health = HealthServices(gated=endpoint_picker)
         self._health_grpc: aio.Server | None = None
-        self._eds = EndpointDiscovery(runtime.memberships)
+        self._eds = EndpointDiscovery(runtime.memberships, runtime.metrics)
         self._http: web.AppRunner | None = None
         self._access_log = ClientLatency(runtime.metrics)
 

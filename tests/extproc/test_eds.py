@@ -20,6 +20,7 @@ from google.rpc import status_pb2
 from grpc import aio
 
 from extproc.eds import ASSIGNMENT_TYPE, EndpointDiscovery, Memberships
+from extproc.metrics import Metrics
 
 READ_TIMEOUT_S = 5
 
@@ -29,6 +30,10 @@ class Served:
     memberships: Memberships
     service: EndpointDiscovery
     stub: Any
+    metrics: Metrics
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.metrics.registry.get_sample_value(name, labels)
 
 
 @pytest_asyncio.fixture
@@ -36,14 +41,16 @@ async def served() -> AsyncIterator[Served]:
     memberships = Memberships()
     memberships.publish("decode_pool", ["10.0.0.2:8000", "10.0.0.1:8000"])
     memberships.publish("prefill_pool", ["10.0.0.9:8000"])
-    service = EndpointDiscovery(memberships)
+    metrics = Metrics()
+    service = EndpointDiscovery(memberships, metrics)
     server = aio.server()
     eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Served(memberships, service, eds_pb2_grpc.EndpointDiscoveryServiceStub(channel))
+        stub = eds_pb2_grpc.EndpointDiscoveryServiceStub(channel)
+        yield Served(memberships, service, stub, metrics)
     finally:
         await channel.close()
         service.close()
@@ -91,12 +98,14 @@ async def test_first_request_is_answered_and_an_ack_is_not(served: Served) -> No
     first = await answer(call)
     assert members(first) == {"decode_pool": ["10.0.0.1:8000", "10.0.0.2:8000"]}
     assert first.version_info and first.nonce
+    assert served.sample("pd_extproc_eds_streams") == 1
     await ack(call, first, "decode_pool")
     served.memberships.publish("decode_pool", ["10.0.0.1:8000"])
     # the next message is the change: the ACK itself got no answer
     second = await answer(call)
     assert members(second) == {"decode_pool": ["10.0.0.1:8000"]}
     assert second.nonce != first.nonce and second.version_info != first.version_info
+    assert served.sample("pd_extproc_eds_responses_total", outcome="sent") == 2
     call.cancel()
 
 
@@ -160,6 +169,7 @@ async def test_a_nack_is_logged_not_resent_and_the_next_change_still_pushed(
         served.memberships.publish("decode_pool", ["10.0.0.5:8000"])
         second = await answer(call)  # not the refused version again: the change
         assert members(second) == {"decode_pool": ["10.0.0.5:8000"]}
+        assert served.sample("pd_extproc_eds_responses_total", outcome="rejected") == 1
         call.cancel()
     finally:
         logging.getLogger("extproc.eds").removeHandler(handler)
@@ -186,7 +196,7 @@ async def test_versions_depend_on_the_members_only(served: Served) -> None:
     other = Memberships()
     other.publish("decode_pool", ["10.0.0.1:8000", "10.0.0.2:8000"])  # another order
     other.publish("prefill_pool", ["10.0.0.9:8000"])
-    service = EndpointDiscovery(other)
+    service = EndpointDiscovery(other, Metrics())
     server = aio.server()
     eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -227,6 +237,7 @@ async def test_close_ends_every_stream(served: Served) -> None:
     served.service.close()
     assert await asyncio.wait_for(call.read(), READ_TIMEOUT_S) is aio.EOF
     assert await call.code() == grpc.StatusCode.OK
+    assert served.sample("pd_extproc_eds_streams") == 0  # the stream ended on the server too
 
 
 async def test_delta_protocol_is_unimplemented(served: Served) -> None:
