@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["cancel_and_wait"]
 
@@ -19,7 +20,7 @@ log = logging.getLogger("extproc")
 
 
 async def cancel_and_wait(
-    tasks: Iterable[asyncio.Task[object] | asyncio.Task[None] | None],
+    tasks: Iterable[asyncio.Task[Any] | None],
     recancel_after_s: float = 1.0,  # long enough for a cancelled task's own clean-up
     patience_s: float = 10.0,
 ) -> None:
