@@ -74,6 +74,24 @@ def decode_was_reached(message: ep.ProcessingRequest) -> bool:
     return not any(marker in details for marker in _NEVER_SENT)
 
 
+# Which D answered, when Envoy went down the destination list: our own Envoy says it in the
+# `upstream.address` response attribute, a gateway in the endpoint-picker protocol's metadata.
+UPSTREAM_ADDRESS = "upstream.address"
+_LB_NAMESPACE = "envoy.lb"
+_SERVED_KEY = "x-gateway-destination-endpoint-served"
+
+
+def served_endpoint(message: ep.ProcessingRequest) -> str | None:
+    """The "ip:port" of the engine that answered, when Envoy reports it; else None."""
+    attributes = message.attributes.get(_ATTRIBUTES_KEY)
+    if attributes is not None and UPSTREAM_ADDRESS in attributes.fields:
+        return attributes.fields[UPSTREAM_ADDRESS].string_value or None
+    lb = message.metadata_context.filter_metadata.get(_LB_NAMESPACE)
+    if lb is not None and _SERVED_KEY in lb.fields:
+        return lb.fields[_SERVED_KEY].string_value or None
+    return None
+
+
 _CONTINUE_REQUEST = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
 _CONTINUE_RESPONSE = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from extproc.policies.base import Picker, PickRequest
 from extproc.roles import Role
 
-__all__ = ["EndpointState", "Pool"]
+__all__ = ["Counted", "EndpointState", "Pool"]
 
 
 @dataclass(eq=False)
@@ -112,11 +112,33 @@ class Pool:
             self._on_change(state)
 
     @contextmanager
-    def track(self, state: EndpointState) -> Iterator[None]:
-        state.in_flight += 1
-        self._on_change(state)
+    def track(self, state: EndpointState) -> Iterator[Counted]:
+        counted = Counted(self, state)
+        self._count(state, +1)
         try:
-            yield
+            yield counted
         finally:
-            state.in_flight -= 1
-            self._on_change(state)
+            self._count(counted.state, -1)
+
+    def move(self, counted: Counted, address: str) -> None:
+        """Count `counted`'s request at `address` from now on (Envoy's fallback served it)."""
+        state = self._endpoints.get(address)
+        if state is not None and state is not counted.state:
+            self._count(counted.state, -1)
+            self._count(state, +1)
+            counted.state = state
+
+    def _count(self, state: EndpointState, change: int) -> None:
+        state.in_flight += change
+        self._on_change(state)
+
+
+class Counted:
+    """One request counted in flight at an endpoint of `pool` until its `track` ends."""
+
+    def __init__(self, pool: Pool, state: EndpointState) -> None:
+        self.pool = pool
+        self.state = state
+
+    def move_to(self, address: str) -> None:
+        self.pool.move(self, address)

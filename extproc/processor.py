@@ -37,6 +37,7 @@ from extproc.admission import request_priority
 from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
 from extproc.errors import ClientError, LegError, RequestEnded, Shed
 from extproc.policies import PickRequest
+from extproc.pool import Counted
 from extproc.request import ClientRequest, check_route, is_passthrough, parse_request
 from extproc.strategies import NOT_DISPATCHED, Dispatch, Exchange, LegServices, start_dispatch
 from extproc.stream import EnvoyStream
@@ -62,6 +63,7 @@ class Picked:
     prefill: str | None  # None: decode-only
     fallback: str | None = None  # another prefill, for a serial dispatch's one retry
     alone: str = "no_prefill"  # why decode-only (the decision's reason), when no prefill
+    decode_counted: Counted | None = None  # the in-flight count at D, moved if another served
 
 
 class PickEndpoints(Protocol):
@@ -122,6 +124,7 @@ class RequestProcessor:
         self.envoy_replied = False  # Envoy answered the client itself (e.g. its 413)
         self.decode_status = 0  # D's response status, 0 until it arrives
         self.model = ""  # the client's model name, once the body is parsed
+        self.decode_counted: Counted | None = None  # the request's in-flight count at D
 
     @property
     def outcome(self) -> str:
@@ -225,9 +228,10 @@ class RequestProcessor:
         """Endpoint picker: an engine's own endpoint (GET /v1/models, POST /tokenize, ...), which
         the gateway routes through the picker too, goes to a decode as it is; its bodies pass."""
         self.plan = _PASSED_THROUGH
-        decodes = self.deps.pick(
+        picked = self.deps.pick(
             PickRequest(), inflight, self.subset, picker.fallbacks, with_prefill=False
-        ).decodes
+        )
+        decodes, self.decode_counted = picked.decodes, picked.decode_counted
         answer = envoy_msgs.destination_answer(decodes)
         envoy_msgs.with_destination_metadata(answer, decodes, picker.destination_namespace)
         await self.stream.write(answer)
@@ -281,6 +285,7 @@ class RequestProcessor:
     ) -> Plan:  # fmt: skip
         fallbacks = 1 if picker is None else picker.fallbacks
         picked = self.deps.pick(wanted, inflight, self.subset, fallbacks)
+        self.decode_counted = picked.decode_counted
         request_id, prefill = str(uuid.uuid4()), picked.prefill
         if prefill is None:
             choice, identity = (Strategy.DECODE_ONLY, picked.alone), None
@@ -320,6 +325,9 @@ class RequestProcessor:
         if kind != "response_headers":
             return
         status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
+        served = envoy_msgs.served_endpoint(message)
+        if served and self.decode_counted is not None:
+            self.decode_counted.move_to(served)  # a fallback served it: count it there
         self.decode_status = status
         self.trace.decode_answered(status)
         if await self.dispatch.on_decode_headers(status, envoy_msgs.decode_was_reached(message)):

@@ -320,10 +320,10 @@ class Runtime:
         )
         if not decodes:
             raise NoHealthyDecode(503, _none_healthy(Role.DECODE, subset), retry_after_s=1)
-        inflight.enter_context(self.decode.track(decodes[0]))
+        counted = inflight.enter_context(self.decode.track(decodes[0]))
         decode_addresses = [d.address for d in decodes]
         if not with_prefill:
-            return Picked(decode_addresses, None)
+            return Picked(decode_addresses, None, decode_counted=counted)
         prefills = self.prefill.pick_with_fallback(
             wanted, members[Role.PREFILL], group.pickers[Role.PREFILL]
         )
@@ -334,14 +334,15 @@ class Runtime:
                     wanted.prompt_bytes, decodes[0].address, decodes[0], prefill
                 )
                 if decision.decode_only:
-                    return Picked(decode_addresses, None, alone=decision.reason)
+                    return Picked(decode_addresses, None, alone=decision.reason,
+                                  decode_counted=counted)  # fmt: skip
             if self.config.admission.enabled:  # only a request that will use P waits for one
                 self._admit(wanted, group, Role.PREFILL)
             inflight.enter_context(self.prefill.track(prefill))
             fallback = prefills[1].address if len(prefills) > 1 else None
-            return Picked(decode_addresses, prefill.address, fallback)
+            return Picked(decode_addresses, prefill.address, fallback, decode_counted=counted)
         if self.config.dispatch.no_healthy_prefill == "decode_only":
-            return Picked(decode_addresses, None)
+            return Picked(decode_addresses, None, decode_counted=counted)
         raise NoHealthyPrefill(503, _none_healthy(Role.PREFILL, subset), retry_after_s=1)
 
     def _admit(self, wanted: PickRequest, group: ModelGroup, role: Role) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.config import Config
-from extproc.envoy_msgs import LABELS_NAMESPACE, REPLY_DETAILS
+from extproc.envoy_msgs import LABELS_NAMESPACE, REPLY_DETAILS, UPSTREAM_ADDRESS
 from extproc.envoy_render.common import TYPED, duration
 
 EXTPROC_CLUSTER = "pd_extproc"
@@ -84,8 +84,9 @@ def ext_proc_filter(cfg: Config) -> dict[str, Any]:
             "allow_content_length_header": True,
             # the request's labels, for the access log (`extproc.access_log`)
             "metadata_options": {"receiving_namespaces": {"untyped": [LABELS_NAMESPACE]}},
-            # with the response headers: did D answer, or Envoy without reaching it
-            "response_attributes": [REPLY_DETAILS],
+            # with the response headers: did D answer, or Envoy without reaching it; and which
+            # D answered (the fallback, after a refused connection, takes the in-flight count)
+            "response_attributes": [REPLY_DETAILS, UPSTREAM_ADDRESS],
             "processing_mode": dict(_MODE),
         },
     }

@@ -116,3 +116,14 @@ def test_decode_was_reached_reads_envoys_reply_details(details: str | None, reac
         attributes = message.attributes["envoy.filters.http.ext_proc"]
         attributes.fields[envoy_msgs.REPLY_DETAILS].string_value = details
     assert envoy_msgs.decode_was_reached(message) is reached
+
+
+def test_served_endpoint_from_our_envoys_attribute_or_a_gateways_metadata() -> None:
+    message = ep.ProcessingRequest(response_headers=ep.HttpHeaders())
+    assert envoy_msgs.served_endpoint(message) is None  # nobody said
+    lb = message.metadata_context.filter_metadata["envoy.lb"]
+    lb.fields["x-gateway-destination-endpoint-served"].string_value = "10.0.0.2:8000"
+    assert envoy_msgs.served_endpoint(message) == "10.0.0.2:8000"  # a GIE gateway
+    attributes = message.attributes["envoy.filters.http.ext_proc"]
+    attributes.fields[envoy_msgs.UPSTREAM_ADDRESS].string_value = "10.0.0.3:8000"
+    assert envoy_msgs.served_endpoint(message) == "10.0.0.3:8000"  # our Envoy's attribute

@@ -160,6 +160,20 @@ def test_track_counts_in_flight_even_when_the_request_fails() -> None:
     assert counts == [1, 2, 1, 0, 1, 0]
 
 
+def test_a_count_moves_to_the_endpoint_that_served_and_ends_there() -> None:
+    changed: list[tuple[str, int]] = []
+    pool = Pool(Role.DECODE, [A, B], Last(), lambda s: changed.append((s.address, s.in_flight)))
+    first, fallback = pool
+    with pool.track(first) as counted:
+        counted.move_to(C)  # not a member (any more): the count stays
+        counted.move_to(A)  # already there
+        assert (first.in_flight, fallback.in_flight) == (1, 0)
+        counted.move_to(B)
+        assert (first.in_flight, fallback.in_flight) == (0, 1)
+    assert (first.in_flight, fallback.in_flight) == (0, 0)  # released where it was moved
+    assert changed == [(A, 1), (A, 0), (B, 1), (B, 0)]
+
+
 def test_each_configured_endpoint_is_in_the_metrics_under_its_role_from_the_start() -> None:
     config = parse_config(
         {"prefill": {"endpoints": ["127.0.0.1:8100"]}, "decode": {"endpoints": ["127.0.0.1:8200"]}}

@@ -250,6 +250,25 @@ async def test_decode_refusing_connections_is_replaced_by_envoys_retry_on_the_fa
         assert lists == sorted([first_down, first_down, first_up, first_up]), lists
 
 
+async def test_a_request_served_by_the_fallback_decode_is_counted_there() -> None:
+    async with topology(n_decode=2, health={"interval_s": 30}) as topo:
+        down, up = topo.decodes
+        await topo.sim(down, "POST", "/sim/faults",
+                       {"refuse_connections": True, "refuse_for_s": 30})  # fmt: skip
+        body = {**COMPLETION, "max_tokens": 2000, "stream": True}
+        async with contextlib.AsyncExitStack() as held:
+            for _ in range(2):  # round robin: one of them picks the refusing engine first
+                response = await held.enter_async_context(
+                    topo.session.post(topo.sidecar.url + "/v1/completions", json=body)
+                )
+                assert response.status == 200, await response.text()
+                await asyncio.wait_for(response.content.readline(), 10)
+            metrics = await topo.metrics()
+            inflight = 'pd_extproc_inflight_requests{{endpoint="{}",role="decode"}}'
+            assert metrics[inflight.format(address(up))] == 2  # both streams are there
+            assert metrics[inflight.format(address(down))] == 0
+
+
 async def test_unreachable_prefill_is_marked_down_and_skipped() -> None:
     async with topology(n_prefill=2) as topo:
         down = topo.prefills[0]
