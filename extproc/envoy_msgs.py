@@ -64,14 +64,19 @@ _ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
 _NEVER_SENT = ("no_healthy_upstream", "cluster_not_found", "connection_failure", "overflow")
 
 
+def _attribute(message: ep.ProcessingRequest, name: str) -> str | None:
+    """One of the filter's `response_attributes`, or None when Envoy did not send it."""
+    attributes = message.attributes.get(_ATTRIBUTES_KEY)
+    if attributes is None or name not in attributes.fields:
+        return None
+    return str(attributes.fields[name].string_value)
+
+
 def decode_was_reached(message: ep.ProcessingRequest) -> bool:
     """False when the response headers are Envoy's own reply to a request it never got to D;
     True otherwise, also when Envoy did not say (a gateway that sends no attributes)."""
-    attributes = message.attributes.get(_ATTRIBUTES_KEY)
-    if attributes is None or REPLY_DETAILS not in attributes.fields:
-        return True
-    details = attributes.fields[REPLY_DETAILS].string_value
-    return not any(marker in details for marker in _NEVER_SENT)
+    details = _attribute(message, REPLY_DETAILS)
+    return details is None or not any(marker in details for marker in _NEVER_SENT)
 
 
 # Which D answered, when Envoy went down the destination list: our own Envoy says it in the
@@ -83,9 +88,9 @@ _SERVED_KEY = "x-gateway-destination-endpoint-served"
 
 def served_endpoint(message: ep.ProcessingRequest) -> str | None:
     """The "ip:port" of the engine that answered, when Envoy reports it; else None."""
-    attributes = message.attributes.get(_ATTRIBUTES_KEY)
-    if attributes is not None and UPSTREAM_ADDRESS in attributes.fields:
-        return attributes.fields[UPSTREAM_ADDRESS].string_value or None
+    address = _attribute(message, UPSTREAM_ADDRESS)
+    if address is not None:
+        return address or None
     lb = message.metadata_context.filter_metadata.get(_LB_NAMESPACE)
     if lb is not None and _SERVED_KEY in lb.fields:
         return lb.fields[_SERVED_KEY].string_value or None

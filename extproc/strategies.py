@@ -128,7 +128,7 @@ def decode_answers(
 class Dispatch(Protocol):
     async def send(self, started: float) -> bool: ...
     def watch(self) -> asyncio.Task[PrefillResult] | None: ...
-    async def on_decode_headers(self, status: int, reached: bool = True) -> bool: ...
+    async def on_decode_headers(self, status: int, reached: bool) -> bool: ...
     def close(self, client_gone: bool) -> None: ...
 
 
@@ -141,7 +141,7 @@ class _NotDispatched:
     def watch(self) -> None:
         return None
 
-    async def on_decode_headers(self, status: int, reached: bool = True) -> bool:
+    async def on_decode_headers(self, status: int, reached: bool) -> bool:
         return True
 
     def close(self, client_gone: bool) -> None:
@@ -326,7 +326,7 @@ class SerialDispatch(_Answering):
     def watch(self) -> None:
         return None  # P settled before D's body left
 
-    async def on_decode_headers(self, status: int, reached: bool = True) -> bool:
+    async def on_decode_headers(self, status: int, reached: bool) -> bool:
         if status >= 500 and reached:
             self._services.identities.drop(self._prefill)  # D failed: learn P again
         return True
@@ -363,7 +363,7 @@ class ParallelDispatch(_Answering):
         self._settled = True
         self._leg.learn(self._leg.record_outcome(), self._plan.given)
 
-    async def on_decode_headers(self, status: int, reached: bool = True) -> bool:
+    async def on_decode_headers(self, status: int, reached: bool) -> bool:
         if not reached:  # D never got the request, so it says nothing about P's identity
             self._stop()
             return True

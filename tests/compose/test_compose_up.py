@@ -105,9 +105,8 @@ async def test_compose_topology_serves_push_parallel_and_prometheus_scrapes_it()
             return False
 
         async def identities_known() -> bool:
-            # Requests that failed while Envoy still waited for its pools (Envoy starts before
-            # the ext_proc serves them) drop P's identity, and the next request to that P
-            # learns it serially: wait until the probe has learnt every P again.
+            # A request to a P whose identity the probe has not learnt yet goes serially, by
+            # design: count push-parallel only once every P's identity is known.
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with session.get(compose.metrics + "/ready") as got:
                     ready = await got.json()
