@@ -153,3 +153,25 @@ def test_defaults_and_example_values_are_accepted_and_render_valid_objects(
     for doc in docs:
         if doc["kind"] in CORE_KINDS:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def _value_paths(values: dict[str, Any], schema: dict[str, Any], at: str) -> list[str]:
+    """Every value a user sets: the leaves, and the maps or lists the schema leaves open."""
+    paths = []
+    for key, value in values.items():
+        child = schema["properties"][key]
+        if isinstance(value, dict) and value and "properties" in child and "$ref" not in child:
+            paths += _value_paths(value, child, f"{at}{key}.")
+        else:
+            paths.append(f"{at}{key}")
+    return paths
+
+
+def test_chart_readme_documents_every_value_and_the_image_build() -> None:
+    readme = (CHART / "README.md").read_text()
+    schema = json.loads(SCHEMA.read_text())
+    rows = set(re.findall(r"^\| `([^`]+)` \|", readme, re.MULTILINE))
+    paths = set(_value_paths(yaml.safe_load(VALUES.read_text()), schema, ""))
+    assert paths <= rows, f"values missing from the README's table: {sorted(paths - rows)}"
+    assert rows - paths <= {"gateway", "epp"}, sorted(rows - paths - {"gateway", "epp"})
+    assert f"docker build -t {PRODUCT_IMAGE} ." in readme
