@@ -383,9 +383,7 @@ def test_topology_spread_selects_the_releases_own_pods(kube_bin: Path) -> None:
     kubernetes_validate.validate(one(docs, "Deployment"), K8S_VERSION, strict=True)
 
 
-def test_engine_api_key_secret_mounts_where_the_config_reads_it(
-    kube_bin: Path, mode: str
-) -> None:
+def test_engine_api_key_secret_mounts_where_the_config_reads_it(kube_bin: Path, mode: str) -> None:
     """env, extraVolumes and extraVolumeMounts: the engines' API key from a Secret, at the path
     of `config.engines.api_key_file`, in every container that loads the config."""
     extras = {"extraVolumes[0].name": "engine-key",
