@@ -25,9 +25,20 @@ from extproc.config import Config
 SCHEMA = Path(__file__).resolve().parent.parent / "deploy/helm/pd-extproc/values.schema.json"
 
 
+def _untitled(node: Any) -> Any:
+    """Without pydantic's generated titles: noise for Helm, and what changes between versions."""
+    if isinstance(node, dict):
+        return {
+            k: _untitled(v) for k, v in node.items() if not (k == "title" and isinstance(v, str))
+        }
+    if isinstance(node, list):
+        return [_untitled(each) for each in node]
+    return node
+
+
 def config_definitions() -> dict[str, Any]:
     """Config and every model it uses, as draft-07 definitions; Config itself optional-keyed."""
-    generated = Config.model_json_schema(ref_template="#/definitions/{model}")
+    generated = _untitled(Config.model_json_schema(ref_template="#/definitions/{model}"))
     definitions: dict[str, Any] = generated.pop("$defs")
     generated.pop("required", None)
     definitions["Config"] = generated
