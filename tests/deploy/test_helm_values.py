@@ -56,6 +56,16 @@ def test_one_default_image_for_the_chart_compose_and_ci(kube_bin: Path) -> None:
     assert built and set(built.values()) == {PRODUCT_IMAGE}, built
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_install_notes_name_the_image_to_build(kube_bin: Path, mode: str) -> None:
+    """`helm install --dry-run=client` (no API server here) renders NOTES.txt too."""
+    result = helm(kube_bin, "install", "llm", str(CHART), "-n", "llm", "--dry-run=client",
+                  f"--set=mode={mode}")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.partition("NOTES:")[2]
+    assert f"Image: {PRODUCT_IMAGE} (build and push it" in notes, notes
+
+
 def test_every_file_naming_the_image_names_the_default_tag() -> None:
     """Examples, Dockerfile, compose, scripts and tests: no second tag for the same image."""
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
