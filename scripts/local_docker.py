@@ -32,7 +32,7 @@ from scripts.cached_envs import CACHE_DIR, ensure_cached, log_step, run_step
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_IMAGE = "pd-extproc-base:bookworm"
-PRODUCT_IMAGE = "pd-extproc:local"
+PRODUCT_IMAGE = "pd-extproc:0.1.0"  # the chart's default image (repository:appVersion)
 DOCKER = "/usr/bin/docker"  # Debian's client, the daemon's own version
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "prometheus")

@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 
 from extproc.testing import scrape
+from scripts.local_docker import BASE_IMAGE, PRODUCT_IMAGE
 
 pytestmark = pytest.mark.compose
 
@@ -70,7 +71,7 @@ async def compose_up() -> AsyncIterator[Compose]:
     ports = ("PD_EXTPROC_PORT", "PD_EXTPROC_METRICS_PORT", "ENVOY_ADMIN_PORT", "PROMETHEUS_PORT")
     compose = Compose({
         **os.environ, **{name: str(free_port()) for name in ports},
-        "ENVOY_IMAGE": "pd-extproc:local", "PROMETHEUS_IMAGE": "pd-extproc-base:bookworm",
+        "ENVOY_IMAGE": PRODUCT_IMAGE, "PROMETHEUS_IMAGE": BASE_IMAGE,
     })  # fmt: skip
     compose.run("down", "-v", "--remove-orphans")  # what an interrupted run left behind
     started = time.monotonic()

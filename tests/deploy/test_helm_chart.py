@@ -38,7 +38,7 @@ EVERYTHING = {
     "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name": "monitoring",
 }
 CORE_KINDS = {"ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
-              "NetworkPolicy"}  # fmt: skip
+              "NetworkPolicy", "PodDisruptionBudget"}  # fmt: skip
 
 
 def helm(kube_bin: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -92,7 +92,10 @@ def test_chart_lints_in_each_mode(kube_bin: Path, mode: str) -> None:
 def test_an_unknown_mode_is_refused_in_one_line(kube_bin: Path) -> None:
     result = helm(kube_bin, "template", "llm", str(CHART), "--set=mode=sidecar")
     assert result.returncode != 0
-    assert 'mode must be gateway or epp (got "sidecar")' in result.stderr
+    assert "at '/mode': value must be one of 'gateway', 'epp'" in result.stderr  # the schema
+    unchecked = helm(kube_bin, "template", "llm", str(CHART), "--set=mode=sidecar",
+                     "--skip-schema-validation")  # fmt: skip
+    assert 'mode must be gateway or epp (got "sidecar")' in unchecked.stderr  # the template
 
 
 def test_core_resources_validate_against_kubernetes_schemas(docs: list[dict[str, Any]]) -> None:
@@ -249,8 +252,8 @@ def test_httproute_and_istio_rule_point_at_the_pool_and_picker(epp: list[dict[st
             "name": one(epp, "InferencePool")["metadata"]["name"],
         }
     ]
-    assert {m["path"]["value"] for m in rule["matches"]} == {"/v1/completions",
-                                                             "/v1/chat/completions"}  # fmt: skip
+    paths = {m["path"]["value"] for m in rule["matches"]}
+    assert paths == {"/v1/completions", "/v1/chat/completions", "/v1/models"}
     service = one(epp, "Service")["metadata"]["name"]
     rule_spec = one(epp, "DestinationRule")["spec"]
     assert rule_spec["host"] == f"{service}.{NAMESPACE}.svc.cluster.local"
@@ -339,3 +342,67 @@ def test_gateway_service_reaches_envoy_and_keeps_the_extproc_inside(kube_bin: Pa
     assert targets["http"] == "http" and "http" in ports(container(docs, "envoy"))
     assert "grpc" not in targets and "grpc" not in ports(container(docs, "pd-extproc"))
     assert not by_kind(docs, "InferencePool")
+
+
+# --- availability and pod extras ----------------------------------------------------------------
+
+
+def pod_labels(docs: list[dict[str, Any]]) -> dict[str, str]:
+    labels: dict[str, str] = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def test_disruption_budget_covers_the_pods_one_at_a_time(docs: list[dict[str, Any]]) -> None:
+    budget = one(docs, "PodDisruptionBudget")["spec"]
+    assert budget["maxUnavailable"] == 1 and "minAvailable" not in budget
+    assert budget["selector"]["matchLabels"].items() <= pod_labels(docs).items()
+    assert one(docs, "Deployment")["spec"]["replicas"] == 2
+
+
+def test_disruption_budget_min_available_replaces_max_unavailable(kube_bin: Path) -> None:
+    budget = one(render(kube_bin, "epp", **{"podDisruptionBudget.minAvailable": "50%"}),
+                 "PodDisruptionBudget")["spec"]  # fmt: skip
+    assert budget["minAvailable"] == "50%" and "maxUnavailable" not in budget
+    assert not by_kind(render(kube_bin, "epp", **{"podDisruptionBudget.create": "false"}),
+                       "PodDisruptionBudget")  # fmt: skip
+
+
+def test_topology_spread_selects_the_releases_own_pods(kube_bin: Path) -> None:
+    spread = {"topologySpreadConstraints[0].maxSkew": "1",
+              "topologySpreadConstraints[0].topologyKey": "topology.kubernetes.io/zone",
+              "topologySpreadConstraints[0].whenUnsatisfiable": "ScheduleAnyway",
+              "topologySpreadConstraints[1].maxSkew": "2",
+              "topologySpreadConstraints[1].topologyKey": "kubernetes.io/hostname",
+              "topologySpreadConstraints[1].whenUnsatisfiable": "DoNotSchedule",
+              "topologySpreadConstraints[1].labelSelector.matchLabels.tier": "gw"}  # fmt: skip
+    docs = render(kube_bin, "gateway", **spread)
+    zone, host = one(docs, "Deployment")["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert zone["topologyKey"] == "topology.kubernetes.io/zone" and zone["maxSkew"] == 1
+    assert zone["labelSelector"]["matchLabels"].items() <= pod_labels(docs).items()
+    assert host["labelSelector"] == {"matchLabels": {"tier": "gw"}}  # the user's own wins
+    kubernetes_validate.validate(one(docs, "Deployment"), K8S_VERSION, strict=True)
+
+
+def test_engine_api_key_secret_mounts_where_the_config_reads_it(kube_bin: Path, mode: str) -> None:
+    """env, extraVolumes and extraVolumeMounts: the engines' API key from a Secret, at the path
+    of `config.engines.api_key_file`, in every container that loads the config."""
+    extras = {"extraVolumes[0].name": "engine-key",
+              "extraVolumes[0].secret.secretName": "vllm-api-key",
+              "extraVolumeMounts[0].name": "engine-key",
+              "extraVolumeMounts[0].mountPath": "/etc/engine-key",
+              "extraVolumeMounts[0].readOnly": "true",
+              "config.engines.api_key_file": "/etc/engine-key/api-key",
+              "env[0].name": "OTEL_SERVICE_NAME", "env[0].value": "pd-extproc"}  # fmt: skip
+    docs = render(kube_bin, mode, **extras)
+    key_file = yaml.safe_load(one(docs, "ConfigMap")["data"]["pd-extproc.yaml"])["engines"][
+        "api_key_file"]  # fmt: skip
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    readers = ["pd-extproc", "render-envoy"] if mode == "gateway" else ["pd-extproc"]
+    for name in readers:
+        mounts = {m["mountPath"]: m["name"] for m in container(docs, name)["volumeMounts"]}
+        directory = str(Path(key_file).parent)
+        assert volumes[mounts[directory]]["secret"] == {"secretName": "vllm-api-key"}, name
+    assert {"name": "OTEL_SERVICE_NAME", "value": "pd-extproc"} in container(docs, "pd-extproc")[
+        "env"]  # fmt: skip
+    kubernetes_validate.validate(one(docs, "Deployment"), K8S_VERSION, strict=True)
