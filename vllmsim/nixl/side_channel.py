@@ -27,6 +27,14 @@ class SideChannelError(Exception):
     """The peer is unreachable, closed the connection or sent garbage."""
 
 
+class SideChannelBindError(OSError):
+    """The side channel's own port cannot be bound (another engine on this host has it)."""
+
+    def __init__(self, host: str, port: int, error: OSError) -> None:
+        super().__init__(error.errno, error.strerror or str(error))
+        self.host, self.port = host, port
+
+
 async def write_frame(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
     data = msgpack.packb(msg, use_bin_type=True)
     writer.write(_LEN.pack(len(data)) + data)
@@ -79,7 +87,10 @@ class SideChannelServer:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port)
+        try:
+            self._server = await asyncio.start_server(self._serve, host, port)
+        except OSError as error:
+            raise SideChannelBindError(host, port, error) from error
 
     async def stop(self) -> None:
         if self._server is not None:
