@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,7 +32,9 @@ class SideChannelBindError(OSError):
     """The side channel's own port cannot be bound (another engine on this host has it)."""
 
     def __init__(self, host: str, port: int, error: OSError) -> None:
-        super().__init__(error.errno, error.strerror or str(error))
+        # asyncio's own text repeats the address: keep only the reason ("address already in use")
+        reason = os.strerror(error.errno).lower() if error.errno else str(error)
+        super().__init__(error.errno, reason)
         self.host, self.port = host, port
 
 
