@@ -290,7 +290,7 @@ class ExtProcListenConfig(ListenConfig):
 
 class EndpointPickerConfig(_Strict):
     """`pd-extproc epp`: the ext_proc as the endpoint picker of a Gateway API Inference
-    Extension pool, behind a gateway's Envoy (the README's "As an endpoint picker")."""
+    Extension pool, behind a gateway's Envoy (docs/deployment.md, "GIE InferencePool")."""
 
     # TLS on the ext_proc port, as the gateways connect: extproc.tls's certificate when given,
     # else a self-signed one made at start (the gateways do not verify it).
@@ -603,7 +603,7 @@ class ModelConfig(_Strict):
 
 
 class Config(_Strict):
-    """Everything the sidecar needs; see the README's configuration reference."""
+    """Everything the sidecar needs; see docs/configuration.md."""
 
     # The pools of every model not listed under `models` (or of all, when there is none).
     prefill: PoolConfig
