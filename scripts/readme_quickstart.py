@@ -72,8 +72,10 @@ _TRACE = "PS4='+ $(date +%s.%N) '\nset -x\n"
 def _durations(trace: str, ended: float) -> str:
     """The install's and the demo's wall time, from the trace's start times."""
     starts = [(float(m[1]), m[2]) for m in re.finditer(r"^\+ (\d+\.\d+) (.*)$", trace, re.M)]
-    spans = {cmd: nxt - t for (t, cmd), nxt in zip(starts, [s for s, _ in starts[1:]] + [ended],
-                                                     strict=True)}  # fmt: skip
+    spans = {
+        cmd: nxt - t
+        for (t, cmd), nxt in zip(starts, [s for s, _ in starts[1:]] + [ended], strict=True)
+    }
     install = next((s for cmd, s in spans.items() if "pip install" in cmd), float("nan"))
     demo = next((s for cmd, s in spans.items() if cmd.startswith(DEMO)), float("nan"))
     return f"install {install:.0f} s, demo {demo:.1f} s"
@@ -86,8 +88,14 @@ def main() -> int:
         script.write_text(_TRACE + "set -euo pipefail\n" + "\n".join(commands) + "\n")
         started = time.monotonic()
         try:
-            proc = subprocess.run(["bash", str(script)], cwd=tmp, env=_clean_env(),
-                                  capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+            proc = subprocess.run(
+                ["bash", str(script)],
+                cwd=tmp,
+                env=_clean_env(),
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_S,
+            )
         except subprocess.TimeoutExpired:
             print(f"readme quickstart: FAILED, not done within {TIMEOUT_S} s", file=sys.stderr)
             return 1
@@ -105,11 +113,16 @@ def main() -> int:
     served = [row for row in rows if "push-parallel" in row and row.rstrip().endswith("ms")]
     if len(rows) != DEMO_REQUESTS or len(served) != DEMO_REQUESTS:
         print("\n".join(rows), file=sys.stderr)
-        print(f"readme quickstart: FAILED, {len(served)} of {DEMO_REQUESTS} requests served "
-              "push-parallel", file=sys.stderr)  # fmt: skip
+        print(
+            f"readme quickstart: FAILED, {len(served)} of {DEMO_REQUESTS} requests served "
+            "push-parallel",
+            file=sys.stderr,
+        )
         return 1
-    print(f"readme quickstart: ok, {len(rows)} requests push-parallel "
-          f"({_durations(proc.stderr, ended)}, total {total:.0f} s)")  # fmt: skip
+    print(
+        f"readme quickstart: ok, {len(rows)} requests push-parallel "
+        f"({_durations(proc.stderr, ended)}, total {total:.0f} s)"
+    )
     return 0
 
 

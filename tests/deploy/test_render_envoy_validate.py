@@ -22,21 +22,28 @@ def _durations(at: str) -> dict[str, Any]:
     low = at == "low"
     return {
         "timeouts": {
-            "prefill_s": 0.01 if low else 3000, "probe_s": 0.1 if low else 600,
-            "connect_s": 0.01 if low else 60, "extproc_message_s": 0.001 if low else 3600,
-            "drain_s": 0.1 if low else 86400, "decode_error_grace_s": 0.01 if low else 60,
-            "kv_wait_s": 0.1 if low else 86400, "request_s": 0.1 if low else 604800,
+            "prefill_s": 0.01 if low else 3000,
+            "probe_s": 0.1 if low else 600,
+            "connect_s": 0.01 if low else 60,
+            "extproc_message_s": 0.001 if low else 3600,
+            "drain_s": 0.1 if low else 86400,
+            "decode_error_grace_s": 0.01 if low else 60,
+            "kv_wait_s": 0.1 if low else 86400,
+            "request_s": 0.1 if low else 604800,
             "upload_idle_s": 0.05 if low else 3600,
         },
         "access_log": {"flush_interval_s": 0.01 if low else 60},
         "limits": {"max_body_bytes": 1 if low else 1024**3},
-    }  # fmt: skip
+    }
 
 
 def _render(config: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "extproc", "render-envoy", "--config",
-                           str(config), *flags], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "extproc", "render-envoy", "--config", str(config), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _validate_render(tmp_path: Path, config: Path, *flags: str) -> None:
@@ -57,8 +64,11 @@ def test_every_example_renders_a_bootstrap_envoy_accepts(tmp_path: Path, example
         cert = ca.issue_cert(tls["server_name"])
         cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "tls.pem"))
         ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-        tls |= {"cert_file": str(tmp_path / "tls.pem"), "key_file": str(tmp_path / "tls.pem"),
-                "ca_file": str(tmp_path / "ca.pem")}  # fmt: skip
+        tls |= {
+            "cert_file": str(tmp_path / "tls.pem"),
+            "key_file": str(tmp_path / "tls.pem"),
+            "ca_file": str(tmp_path / "ca.pem"),
+        }
     path = tmp_path / "pd-extproc.yaml"
     path.write_text(yaml.safe_dump(config))
     _validate_render(tmp_path, path, "--extproc-address", "127.0.0.1:50051")

@@ -42,8 +42,9 @@ def block_after(text: str, marker: str) -> str:
 
 
 def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / "pd-extproc"), *args], capture_output=True, text=True,
-                          timeout=60, cwd=cwd)  # fmt: skip
+    return subprocess.run(
+        [str(BIN / "pd-extproc"), *args], capture_output=True, text=True, timeout=60, cwd=cwd
+    )
 
 
 def test_the_configuration_reference_is_the_defaults() -> None:
@@ -58,10 +59,14 @@ def test_the_configuration_reference_is_the_defaults() -> None:
 
 def test_every_config_example_parses() -> None:
     """The README's config and the endpoint picker's fragment (with pools) are valid."""
-    pools = {"prefill": {"endpoints": ["127.0.0.1:8100"]},
-             "decode": {"endpoints": ["127.0.0.1:8200"]}}  # fmt: skip
-    examples = [*fenced(README.read_text(), "yaml"),
-                *fenced((DOCS / "deployment.md").read_text(), "yaml")]  # fmt: skip
+    pools = {
+        "prefill": {"endpoints": ["127.0.0.1:8100"]},
+        "decode": {"endpoints": ["127.0.0.1:8200"]},
+    }
+    examples = [
+        *fenced(README.read_text(), "yaml"),
+        *fenced((DOCS / "deployment.md").read_text(), "yaml"),
+    ]
     assert len(examples) >= 3
     for example in examples:
         data: dict[str, Any] = yaml.safe_load(example)
@@ -87,8 +92,10 @@ def test_the_snippet_and_bootstrap_commands(tmp_path: Path) -> None:
     """deployment.md's `render-envoy` commands, run on the example it names; the bootstrap
     passes Envoy's own validation and both match the files in envoy/ rendered from it."""
     doc = (DOCS / "deployment.md").read_text()
-    snippet_cmd = ("pd-extproc render-envoy --config pd-extproc.yaml --extproc-address "
-                   "127.0.0.1:50051 --snippet")  # fmt: skip
+    snippet_cmd = (
+        "pd-extproc render-envoy --config pd-extproc.yaml --extproc-address "
+        "127.0.0.1:50051 --snippet"
+    )
     assert snippet_cmd in doc.replace("\n", " ")
     example = ROOT / "examples/plain-envoy"
     snippet = _cli(*snippet_cmd.split()[1:], cwd=example)
@@ -129,21 +136,27 @@ def _get_json(url: str) -> Any:
 def test_up_with_hand_started_vllmsim_engines(tmp_path: Path) -> None:
     readme = README.read_text()
     recipe, ports = _on_free_ports(block_after(readme, RECIPE_MARKER))
-    curl_block = readme[readme.index("Then, from another shell:"):]
+    curl_block = readme[readme.index("Then, from another shell:") :]
     curl = block_after(curl_block, "Then")
     for fixed, free in ports.items():
         curl = curl.replace(f":{fixed}/", f":{free}/")
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     log = (tmp_path / "recipe.log").open("w")
-    proc = subprocess.Popen(["bash", "-c", f"set -euo pipefail\n{recipe}"], cwd=tmp_path,
-                            env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", "-c", f"set -euo pipefail\n{recipe}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline, answer = time.monotonic() + 90, ""
         while time.monotonic() < deadline and '"choices"' not in answer:
             assert proc.poll() is None, (tmp_path / "recipe.log").read_text()
-            answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True,
-                                    timeout=30).stdout  # fmt: skip
+            answer = subprocess.run(
+                ["bash", "-c", curl], capture_output=True, text=True, timeout=30
+            ).stdout
             if '"choices"' not in answer:
                 time.sleep(0.5)  # polling the ingress until the engines are healthy
         assert '"choices"' in answer, (tmp_path / "recipe.log").read_text()[-3000:]
@@ -171,7 +184,8 @@ def test_the_simulator_flags_the_docs_name_exist() -> None:
     doc = (DOCS / "simulator.md").read_text()
     named = set(re.findall(r"`(--[a-z][a-z-]+)", doc))
     assert {"--profile", "--kv-block-offset", "--api-key", "--kv-transfer-config"} <= named
-    result = subprocess.run([str(BIN / "vllmsim"), "--help"], capture_output=True, text=True,
-                            timeout=30)  # fmt: skip
+    result = subprocess.run(
+        [str(BIN / "vllmsim"), "--help"], capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0
     assert not [flag for flag in named if flag not in result.stdout], result.stdout

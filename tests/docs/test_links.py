@@ -40,9 +40,18 @@ def links(page: Path) -> list[str]:
 
 def test_the_pages_have_links() -> None:
     assert len(links(ROOT / "README.md")) >= 20
-    assert all((ROOT / "docs" / name).exists() for name in (
-        "configuration.md", "dispatch-and-failures.md", "metrics.md", "simulator.md",
-        "benchmarks.md", "deployment.md", "development.md"))  # fmt: skip
+    assert all(
+        (ROOT / "docs" / name).exists()
+        for name in (
+            "configuration.md",
+            "dispatch-and-failures.md",
+            "metrics.md",
+            "simulator.md",
+            "benchmarks.md",
+            "deployment.md",
+            "development.md",
+        )
+    )
 
 
 def test_anchors_follow_github() -> None:

@@ -31,7 +31,7 @@ def test_it_is_run_on_this_checkout_and_exits_after_the_table() -> None:
 
 
 def test_the_readme_sample_table_reads_as_rows() -> None:
-    sample = README[README.index("req  prefill  decode"):]
+    sample = README[README.index("req  prefill  decode") :]
     rows = demo_rows(sample[: sample.index("```")])
     assert len(rows) == 2 and all("push-parallel" in row for row in rows)
 

@@ -51,8 +51,11 @@ def test_every_duration_default_is_in_range(section: str, key: str) -> None:
 
 
 def test_the_message_says_the_range() -> None:
-    with pytest.raises(ConfigError, match=r"^health\.interval_s: must be between 0\.1 and 3600 "
-                       r"seconds \(got 1e-09\)$"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^health\.interval_s: must be between 0\.1 and 3600 "
+        r"seconds \(got 1e-09\)$",
+    ):
         parse_config(MINIMAL | {"health": {"interval_s": 1e-9}})
 
 
@@ -78,8 +81,15 @@ def test_off_written_bare_in_yaml_is_off() -> None:
 
 @pytest.mark.parametrize(
     ("seconds", "text"),
-    [(30, "30s"), (0.1, "0.1s"), (9.9, "9.9s"), (0, "0s"), (1e9, "1000000000s"),
-     (1e-5, "0.00001s"), (604800, "604800s")],
-)  # fmt: skip
+    [
+        (30, "30s"),
+        (0.1, "0.1s"),
+        (9.9, "9.9s"),
+        (0, "0s"),
+        (1e9, "1000000000s"),
+        (1e-5, "0.00001s"),
+        (604800, "604800s"),
+    ],
+)
 def test_envoy_durations_never_have_an_exponent(seconds: float, text: str) -> None:
     assert duration(seconds) == text
