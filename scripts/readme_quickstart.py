@@ -7,6 +7,8 @@ exiting after the requests and for a free port). Then the demo's table must show
 served push-parallel. Prints one line with the durations; exit 1 with the reason otherwise.
 
     python scripts/readme_quickstart.py            # .ci/run runs this (about a minute)
+
+It clones the committed HEAD: commit README changes before running it by hand.
 """
 
 from __future__ import annotations
