@@ -18,6 +18,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PositiveFloat,
@@ -28,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from extproc.durations import DAY, INTERVAL, seconds
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.policies import POLICIES, NoOptions, option_keys, parse_options
 from extproc.prefill_leg import LOCAL_REPLY_HEADER
@@ -86,6 +88,15 @@ def parse_host_port(value: str) -> tuple[str, int]:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _off_as_written(value: Any) -> Any:
+    """YAML 1.1 reads a bare `off` (also `no`, `false`) as false: for a field where "off" is
+    a value, that is what the user wrote."""
+    return "off" if value is False else value
+
+
+OffAsWritten = BeforeValidator(_off_as_written)
 
 
 class EndpointConfig(_Strict):
@@ -279,7 +290,7 @@ class ExtProcListenConfig(ListenConfig):
 
 class EndpointPickerConfig(_Strict):
     """`pd-extproc epp`: the ext_proc as the endpoint picker of a Gateway API Inference
-    Extension pool, behind a gateway's Envoy (the README's "As an endpoint picker")."""
+    Extension pool, behind a gateway's Envoy (docs/deployment.md, "GIE InferencePool")."""
 
     # TLS on the ext_proc port, as the gateways connect: extproc.tls's certificate when given,
     # else a self-signed one made at start (the gateways do not verify it).
@@ -310,7 +321,7 @@ class AccessLogConfig(_Strict):
 
     enabled: bool = True
     # How long Envoy may batch entries before sending them (it also sends when 16 KiB are due).
-    flush_interval_s: PositiveFloat = 0.1
+    flush_interval_s: Annotated[float, seconds(0.01, 60)] = 0.1
 
 
 class LogConfig(_Strict):
@@ -359,8 +370,8 @@ class DispatchConfig(_Strict):
     # Identity changed this many times within `flap_window_s` (data-parallel ranks behind one
     # port): serve the endpoint serially for `serial_cooldown_s`.
     flap_threshold: int = Field(default=2, ge=1)
-    flap_window_s: PositiveFloat = 60.0
-    serial_cooldown_s: PositiveFloat = 300.0
+    flap_window_s: Annotated[float, seconds(1, DAY)] = 60.0
+    serial_cooldown_s: Annotated[float, seconds(1, DAY)] = 300.0
     # What to do when no prefill endpoint is healthy: refuse (503) or let D prefill itself.
     no_healthy_prefill: Literal["error", "decode_only"] = "error"
     # The header whose value the `session` policy hashes (sticky routing per conversation).
@@ -400,7 +411,7 @@ class DecisionConfig(_Strict):
     expected times with them. See `extproc.decision`.
     """
 
-    mode: DecisionMode = DecisionMode.OFF
+    mode: Annotated[DecisionMode, OffAsWritten] = DecisionMode.OFF  # YAML `off` is false
     # The prompt's token count is estimated as its JSON bytes / this (no tokenizer on the
     # request path); ~4 for English text with a BPE tokenizer.
     bytes_per_token: PositiveFloat = 4.0
@@ -422,7 +433,7 @@ class DecisionConfig(_Strict):
     # D's KV cache above this fill: no decode-only (a prefill there may preempt others).
     max_kv_usage: float = Field(default=0.9, ge=0, le=1)
     # load_aware: how often every engine's /metrics is scraped for its queue, batch and KV.
-    load_interval_s: PositiveFloat = 1.0
+    load_interval_s: Annotated[float, INTERVAL] = 1.0
 
 
 class AdmissionLimits(_Strict):
@@ -447,8 +458,9 @@ class AdmissionConfig(_Strict):
     prefill: AdmissionLimits = AdmissionLimits()
     priority_header: str = "x-request-priority"  # an integer; absent: 0
     priority_step: float = Field(default=0.25, gt=0, le=1)
-    retry_after_s: int = Field(default=1, ge=1)
-    load_interval_s: PositiveFloat = 1.0  # how often every engine's /metrics is scraped
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+    # how often every engine's /metrics is scraped
+    load_interval_s: Annotated[float, INTERVAL] = 1.0
 
     @field_validator("priority_header")
     @classmethod
@@ -457,31 +469,32 @@ class AdmissionConfig(_Strict):
 
 
 class TimeoutConfig(_Strict):
-    prefill_s: PositiveFloat = 30.0  # P leg, from sending to P's complete answer
-    probe_s: PositiveFloat = 10.0
-    connect_s: PositiveFloat = 1.0
+    # P leg, from sending to P's complete answer (Envoy's ext_proc timers stop at 3600 s)
+    prefill_s: Annotated[float, seconds(0.01, 3000)] = 30.0
+    probe_s: Annotated[float, seconds(0.1, 600)] = 10.0
+    connect_s: Annotated[float, seconds(0.01, 60)] = 1.0
     # Envoy's per-message ext_proc timer; the body answer is extended to `prefill_s` in serial
     # dispatch (override_message_timeout). None: sized from limits.max_body_bytes, so that a
     # burst of large bodies fits (see envoy_render.ext_proc_filter.extproc_message_timeout_s).
-    extproc_message_s: PositiveFloat | None = None
-    drain_s: PositiveFloat = 10.0
+    extproc_message_s: Annotated[float, seconds(0.001, 3600)] | None = None
+    drain_s: Annotated[float, seconds(0.1, DAY)] = 10.0
     # D failed in parallel dispatch: wait this long for P's answer to tell a P restart
     # (answer 503 + Retry-After) from a D fault (pass D's error on, cancel P).
-    decode_error_grace_s: PositiveFloat = 0.5
+    decode_error_grace_s: Annotated[float, seconds(0.01, 60)] = 0.5
     # Longest silence from D (before its first byte, or between chunks). vLLM has no timeout
     # for a decode waiting on KV that never comes; Envoy answers 504 (or resets a started
     # stream) after this. Non-streaming answers are silent until done: keep it above them.
-    kv_wait_s: PositiveFloat = 300.0
+    kv_wait_s: Annotated[float, seconds(0.1, DAY)] = 300.0
     # Longest a request may stay open (a long generation); then the sidecar stops watching it.
-    request_s: PositiveFloat = 3600.0
+    request_s: Annotated[float, seconds(0.1, 7 * DAY)] = 3600.0
     # Streamed request body (the LLM routes): longest silence while the client's body comes in;
     # then the request ends with 408 (Envoy runs no timer of its own on a streamed body).
-    upload_idle_s: PositiveFloat = 30.0
+    upload_idle_s: Annotated[float, seconds(0.05, 3600)] = 30.0
 
 
 class HealthConfig(_Strict):
-    interval_s: PositiveFloat = 2.0
-    timeout_s: PositiveFloat = 1.0
+    interval_s: Annotated[float, INTERVAL] = 2.0
+    timeout_s: Annotated[float, seconds(0.01, 60)] = 1.0
     unhealthy_after: int = Field(default=2, ge=1)  # consecutive failed checks
 
 
@@ -489,13 +502,13 @@ class KvCheckConfig(_Strict):
     """Scrape decode engines' prompt-token sources to catch P/D that silently recomputes."""
 
     enabled: bool = True
-    interval_s: PositiveFloat = 10.0
+    interval_s: Annotated[float, INTERVAL] = 10.0
     min_share: float = Field(default=0.5, ge=0, le=1)  # below this share of KV-transferred
     # prompt tokens, with disaggregated requests in the window, the sidecar warns
 
 
 class DiscoveryConfig(_Strict):
-    interval_s: PositiveFloat = 5.0  # how often DNS names are re-resolved
+    interval_s: Annotated[float, INTERVAL] = 5.0  # how often DNS names are re-resolved
     # Kubernetes sources are watched; the API server ends each watch after this long (the
     # watch then resumes where it was), so a silently dead connection is noticed in bounded time.
     watch_timeout_s: int = Field(default=300, ge=10, le=3600)
@@ -506,7 +519,8 @@ class DiscoveryConfig(_Strict):
 
 
 class LimitConfig(_Strict):
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    # at most 1 GiB: Envoy's buffers, an eighth larger (extproc.bodies.buffer_bytes), are 32-bit
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, le=1024**3)
 
 
 SHARED_PREFILL_LISTENER = "127.0.0.1:10001"
@@ -529,7 +543,9 @@ class EnvoyConfig(_Strict):
     # reaches; `serve` and `render-envoy`, whose Envoy is the user's, use SHARED_PREFILL_LISTENER.
     prefill_listener: str = ""
     concurrency: int = Field(default=1, ge=1)
-    log_level: Literal["trace", "debug", "info", "warning", "error", "critical", "off"] = "warning"
+    log_level: Annotated[
+        Literal["trace", "debug", "info", "warning", "error", "critical", "off"], OffAsWritten
+    ] = "warning"
 
     def shared_prefill_listener(self, override: str | None = None) -> str:
         """The address `serve` sends P legs to and `render-envoy` renders: flag, config, default.
@@ -587,7 +603,7 @@ class ModelConfig(_Strict):
 
 
 class Config(_Strict):
-    """Everything the sidecar needs; see the README's configuration reference."""
+    """Everything the sidecar needs; see docs/configuration.md."""
 
     # The pools of every model not listed under `models` (or of all, when there is none).
     prefill: PoolConfig

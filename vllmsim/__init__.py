@@ -2,7 +2,7 @@
 
 One process = one engine: an aiohttp OpenAI-compatible server, a modelled step loop
 and a NIXL-like TCP side channel for KV pull (READ) and push (WRITE). See
-``vllmsim --help`` and the README's "The simulator" section.
+``vllmsim --help`` and docs/simulator.md.
 """
 
 __all__ = ["__version__"]

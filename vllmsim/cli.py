@@ -33,6 +33,7 @@ from vllmsim.config import (
     KVTransferConfig,
     SimConfig,
 )
+from vllmsim.nixl.side_channel import SideChannelBindError
 from vllmsim.profiles import DEFAULT_PROFILE, PROFILES
 
 log = logging.getLogger("vllmsim")
@@ -170,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"vllmsim: error: {exc}", file=sys.stderr)
         return 2
+    except SideChannelBindError as exc:  # a second engine on this host, same default port
+        print(f"vllmsim: error: the NIXL side channel cannot listen on {exc.host}:{exc.port} "
+              f"({exc.strerror}): give each engine on one host its own "
+              "VLLM_NIXL_SIDE_CHANNEL_PORT (0: any free port)", file=sys.stderr)  # fmt: skip
+        return 1
     except OSError as exc:  # port in use, bad host, ...
         print(f"vllmsim: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -7,9 +7,10 @@ itself (through its cluster), so Envoy follows every discovery source and reload
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
-from extproc.config import Config
+from extproc.config import Config, ConfigError, parse_host_port
 from extproc.envoy_msgs import DESTINATION_HEADER
 from extproc.envoy_render.common import TYPED, UNLIMITED, duration, socket_address
 from extproc.envoy_render.ext_proc_filter import EXTPROC_CLUSTER
@@ -86,13 +87,31 @@ def static_pool_cluster(name: str, addresses: list[str], cfg: Config) -> dict[st
             "load_assignment": {"cluster_name": name, "endpoints": endpoints}}  # fmt: skip
 
 
+def _named_host(address: str) -> bool:
+    """Whether the ext_proc's address names a host (a Service) rather than an IP or a socket."""
+    if address.startswith("unix:"):
+        return False
+    try:
+        host, _ = parse_host_port(address)
+    except ValueError as error:
+        raise ConfigError(f"ext_proc address {address!r}: {error}") from None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return True
+    return False
+
+
 def extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
     """The ext_proc: one address, or several processes (`extproc.workers`) as a comma list."""
+    addresses = extproc_address.split(",")
+    named = any([_named_host(a) for a in addresses])
     return {
         "name": EXTPROC_CLUSTER,
         # each stream is one request for its whole life: spread by open streams, not by turn
         "lb_policy": "LEAST_REQUEST",
-        "type": "STATIC",
+        # a STATIC cluster takes IP addresses only: a name (the ext_proc's Service) is resolved
+        "type": "STRICT_DNS" if named else "STATIC",
         "connect_timeout": duration(cfg.timeouts.connect_s),
         # every in-flight LLM request holds one ext_proc stream: the default 1024 is too low
         "circuit_breakers": {"thresholds": [UNLIMITED]},
@@ -114,7 +133,7 @@ def extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": EXTPROC_CLUSTER,
-            "endpoints": [{"lb_endpoints": _endpoints(extproc_address.split(","))}],
+            "endpoints": [{"lb_endpoints": _endpoints(addresses)}],
         },
         # the gRPC health service of the ext_proc (NOT_SERVING while it drains)
         "health_checks": [{

@@ -24,7 +24,9 @@ UNLIMITED = {
 
 
 def duration(seconds: float) -> str:
-    return f"{seconds:g}s"
+    """Envoy's JSON duration: decimal seconds, at most 9 decimals, never an exponent ("1e+06s"
+    and "1e-05s", which `:g` writes, are refused)."""
+    return f"{seconds:.9f}".rstrip("0").rstrip(".") + "s"
 
 
 def socket_address(listen: str) -> dict[str, Any]:

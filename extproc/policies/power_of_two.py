@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
+from pydantic import BaseModel, ConfigDict, Field
 
+from extproc.durations import INTERVAL
 from extproc.policies.base import E, Endpoint, PickRequest
 
 __all__ = ["PowerOfTwoOptions", "PowerOfTwoPicker", "load_score"]
@@ -21,7 +23,7 @@ class PowerOfTwoOptions(BaseModel):
 
     # How often the engines' /metrics are scraped for num_requests_waiting and
     # kv_cache_usage_perc (an engine in several such pools is scraped at the smallest).
-    load_interval_s: PositiveFloat = 1.0
+    load_interval_s: Annotated[float, INTERVAL] = 1.0
     # A full KV cache counts as this many waiting requests in the load score.
     kv_usage_weight: float = Field(default=4.0, ge=0)
 

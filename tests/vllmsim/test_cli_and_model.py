@@ -39,6 +39,22 @@ def test_port_in_use_is_one_line() -> None:
     assert proc.stderr.strip().splitlines()[-1].startswith("vllmsim: error: cannot listen")
 
 
+def test_side_channel_port_in_use_names_the_env_var() -> None:
+    """A second engine on one host with the default side channel port: one line that says
+    which variable to set (it used to print only the bind error of port 5600)."""
+    with running_engine_sync() as eng:
+        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(eng.side_channel_port)}  # fmt: skip
+        proc = subprocess.run([*vllmsim_command(), "--port", "0"], capture_output=True,
+                              text=True, timeout=20, env=env)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("vllmsim: error: the NIXL side channel cannot listen on "
+                               f"127.0.0.1:{eng.side_channel_port}"), lines[0]  # fmt: skip
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" in lines[0]
+
+
 def test_startup_time_rss_and_sigterm(tmp_path: Path) -> None:
     port_file = tmp_path / "port.json"
     started = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,6 +26,16 @@ _MAX_FRAME = 16 * 1024 * 1024
 
 class SideChannelError(Exception):
     """The peer is unreachable, closed the connection or sent garbage."""
+
+
+class SideChannelBindError(OSError):
+    """The side channel's own port cannot be bound (another engine on this host has it)."""
+
+    def __init__(self, host: str, port: int, error: OSError) -> None:
+        # asyncio's own text repeats the address: keep only the reason ("address already in use")
+        reason = os.strerror(error.errno).lower() if error.errno else str(error)
+        super().__init__(error.errno, reason)
+        self.host, self.port = host, port
 
 
 async def write_frame(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
@@ -79,7 +90,10 @@ class SideChannelServer:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port)
+        try:
+            self._server = await asyncio.start_server(self._serve, host, port)
+        except OSError as error:
+            raise SideChannelBindError(host, port, error) from error
 
     async def stop(self) -> None:
         if self._server is not None:
