@@ -381,7 +381,7 @@ class DispatchConfig(_Strict):
     # the client's OpenTelemetry trace from traceparent/tracestate, on P as on D.
     forward_headers: list[str] = ["authorization", "traceparent", "tracestate"]
     # How the P leg reaches the prefill engine: "direct" straight to the engine (less latency
-    # and CPU: see the README; the only way where no prefill listener exists), or "listener"
+    # and CPU: see docs/benchmarks.md; the only way where no prefill listener exists), or "listener"
     # through Envoy's prefill listener (Envoy's pooling, per-cluster stats, pool check).
     prefill_leg: Literal["listener", "direct"] = "direct"
 
