@@ -1,19 +1,26 @@
-"""Loud start-up: a port in use is one line and a non-zero exit, whichever port it is."""
+"""Loud start-up: a port in use is one line and a non-zero exit, whichever port it is; the
+engines' state is summed up once started; a P/D pair that cannot exchange KV is named."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import yaml
 
 from extproc.subprocesses import terminate
+from extproc.testing import ephemeral_config, running_sidecar
+from tests.integration.conftest import MODEL, address, topology, until
+from vllmsim.launcher import PULL_D, PULL_P, PUSH_D, PUSH_P, running_engine
 
 
 @contextlib.contextmanager
@@ -112,3 +119,77 @@ async def test_demo_on_a_port_another_envoy_holds_fails_in_one_line() -> None:
     assert code == 1
     assert_one_line(stderr, f"127.0.0.1:{port}", "--port")
     assert port_is_free(port)
+
+
+def probes_total(endpoint: str, outcome: str) -> str:
+    return f'pd_extproc_identity_probes_total{{endpoint="{endpoint}",outcome="{outcome}"}}'
+
+
+async def test_a_pull_prefill_with_push_decodes_is_named_in_the_log_on_ready_and_to_clients(
+) -> None:  # fmt: skip
+    async with topology(connectors=(PULL_P, PUSH_D)) as topo:
+        p, d = address(topo.prefills[0]), address(topo.decodes[0])
+        status, body, headers = await topo.post(
+            "/v1/completions", {"model": MODEL, "prompt": "mismatched", "max_tokens": 4}
+        )
+        assert status == 502 and headers["content-type"] == "application/json"
+        error = orjson.loads(body)["error"]
+        assert "KV connectors do not match" in error["message"], error
+        assert "NixlConnector (pull)" in error["message"]
+        assert "127.0.0.1" not in body.decode()  # no engine address reaches a client
+        ready = await topo.ready()
+        assert [(m["prefill"], m["decode"]) for m in ready["kv_mismatch"]] == [(p, d)]
+        log = topo.sidecar.log_text()
+        errors = [line for line in log.splitlines() if " ERROR extproc.kv_compat: " in line]
+        assert len(errors) == 1, log  # once, not every probe round
+        assert f"prefill {p} and decode {d} cannot exchange KV" in errors[0]
+        assert "NixlConnector (pull)" in errors[0] and "kv_connector" in errors[0]
+        # the start-up probe's own decode leg failed: the probe says so
+        metrics = await topo.metrics()
+        assert metrics.get(probes_total(p, "failed"), 0) >= 1
+        assert metrics.get(probes_total(p, "learned"), 0) == 0
+        said = f"identity probe of prefill {p} failed: its decode leg to {d} answered HTTP 500"
+        assert said in log
+
+
+async def test_a_push_prefill_with_pull_decodes_is_listed_on_ready() -> None:
+    """D recomputes the prompt (the request succeeds, slowly): /ready and the log say why."""
+    async with topology(connectors=(PUSH_P, PULL_D)) as topo:
+        p, d = address(topo.prefills[0]), address(topo.decodes[0])
+        ready = await topo.ready()
+        assert [(m["prefill"], m["decode"]) for m in ready["kv_mismatch"]] == [(p, d)]
+        assert ready["kv_mismatch"][0]["prefill_reports"] == "NixlPushConnector (push)"
+        assert f"prefill {p} and decode {d} cannot exchange KV" in topo.sidecar.log_text()
+
+
+async def test_matching_engines_have_no_mismatch_and_a_clean_startup_summary() -> None:
+    async with topology() as topo:
+        p, d = address(topo.prefills[0]), address(topo.decodes[0])
+        assert (await topo.ready())["kv_mismatch"] == []
+        log = topo.sidecar.log_text()
+        assert " INFO extproc: engines at start-up:\n" in log
+        assert f"  prefill {p}: reachable, NixlPushConnector (push), mode auto\n" in log
+        assert f"  decode {d}: reachable, " in log
+        metrics = await topo.metrics()
+        assert metrics.get(probes_total(p, "learned"), 0) >= 1
+
+
+async def test_the_startup_summary_names_an_unreachable_engine_and_why() -> None:
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens: connection refused
+    async with (
+        running_engine("--kv-transfer-config", PUSH_P) as prefill,
+        running_engine("--kv-transfer-config", PUSH_D) as decode,
+        running_sidecar(ephemeral_config([address(prefill)], [address(decode), dead])) as sidecar,
+    ):
+        log = sidecar.log_text()
+    assert " WARNING extproc: engines at start-up:\n" in log, log  # not all is well
+    assert f"  decode {dead}: NOT reachable (connection refused), " in log
+    assert f"  decode {address(decode)}: reachable, " in log
+
+
+async def test_an_engine_that_goes_down_is_logged_with_the_reason() -> None:
+    async with topology(n_decode=2) as topo:
+        gone = topo.decodes[1]
+        os.kill(gone.pid, signal.SIGKILL)
+        line = f"decode {address(gone)} is now unhealthy: connection refused"
+        await until(lambda: asyncio.sleep(0, line in topo.sidecar.log_text()), line)
