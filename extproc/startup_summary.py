@@ -47,7 +47,7 @@ def _decode_line(
     bad = compat.involving(state.address)
     connector = (
         f"KV exchange FAILED with prefill {', '.join(m.prefill for m in bad)}" if bad
-        else "connector not reported by vLLM (checked by the probe's exchange)"
+        else "connector not reported by vLLM (a KV exchange shows a mismatch)"
     )  # fmt: skip
     return f"  decode {state.address}: {_reachable(state, reasons)}, {connector}"
 
