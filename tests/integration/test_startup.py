@@ -193,3 +193,18 @@ async def test_an_engine_that_goes_down_is_logged_with_the_reason() -> None:
         os.kill(gone.pid, signal.SIGKILL)
         line = f"decode {address(gone)} is now unhealthy: connection refused"
         await until(lambda: asyncio.sleep(0, line in topo.sidecar.log_text()), line)
+
+
+async def test_a_second_up_on_the_port_of_a_running_one_fails_and_leaves_it_serving(
+    tmp_path: Path,
+) -> None:
+    async with topology() as first:
+        port = int(first.sidecar.url.rsplit(":", 1)[1])
+        code, stderr = await run_cli("up", "--config", str(write_config(
+            tmp_path, envoy={"listen": {"port": port}})))  # fmt: skip
+        assert code == 1
+        assert_one_line(stderr, f"127.0.0.1:{port}", "envoy.listen.port")
+        for _ in range(5):  # every request still reaches the first one's engines
+            status, _, _ = await first.post("/v1/completions", {"model": MODEL, "prompt": "mine"})
+            assert status == 200
+        assert len(await first.seen(first.decodes[0])) == 5
