@@ -65,11 +65,14 @@ class KvCompatibility:
     def __init__(self) -> None:
         self._failed: dict[tuple[str, str], Mismatch] = {}
 
-    def failed(self, mismatch: Mismatch) -> None:
+    def failed(self, mismatch: Mismatch) -> bool:
+        """Record the pair; whether it is news (logged once, not every probe round)."""
         key = (mismatch.prefill, mismatch.decode)
-        if self._failed.get(key) != mismatch:  # logged once, not every probe round
+        news = self._failed.get(key) != mismatch
+        if news:
             log.error("%s", mismatch.log_line())
         self._failed[key] = mismatch
+        return news
 
     def passed(self, prefill: str, decode: str) -> None:
         if self._failed.pop((prefill, decode), None) is not None:

@@ -138,7 +138,9 @@ class Prober:
         )
         if failure is not None:  # P is fine (its identity is kept); the exchange is not
             self._metrics.probes.labels(address, "failed").inc()
-            log.warning("identity probe of prefill %s failed: %s", address, failure)
+            said, repeated = failure
+            log.log(logging.DEBUG if repeated else logging.WARNING,
+                    "identity probe of prefill %s failed: %s", address, said)  # fmt: skip
             return False
         self._metrics.probes.labels(address, "learned").inc()
         return True
@@ -151,10 +153,10 @@ class Prober:
         request_id: str,
         prefill: str,
         identity: PrefillIdentity,
-    ) -> str | None:
+    ) -> tuple[str, bool] | None:
         """Let a decode engine of the same model take the probe's KV, as a request would, so
-        P frees its blocks and a pair that cannot exchange KV is found; why it failed, or None.
-        """
+        P frees its blocks and a pair that cannot exchange KV is found. None if it did; else
+        why not, and whether that is a mismatch already reported."""
         decode = self._decode.pick(among=self._decodes_of(prefill))
         if decode is None:
             return None  # P's lease frees the blocks later
@@ -171,14 +173,17 @@ class Prober:
                 answer = await response.content.read(_ANSWER_BYTES)
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as error:
-            return f"its decode leg to {decode.address} did not complete: {failure_reason(error)}"
+            reason = failure_reason(error)
+            return f"its decode leg to {decode.address} did not complete: {reason}", False
         if status < 400:
             self._compat.passed(prefill, decode.address)
             return None
         said = f"HTTP {status}: {_error_message(answer)}"
+        repeated = False
         if status >= 500 and status != 503:  # D took the request and failed on P's KV
-            self._compat.failed(Mismatch(prefill, decode.address, identity.transfer_mode, said))
-        return f"its decode leg to {decode.address} answered {said}"
+            mismatch = Mismatch(prefill, decode.address, identity.transfer_mode, said)
+            repeated = not self._compat.failed(mismatch)
+        return f"its decode leg to {decode.address} answered {said}", repeated
 
 
 _ANSWER_BYTES = 4096  # of D's error body: enough for its message
