@@ -43,7 +43,10 @@ class SidecarAddresses:
 
 
 class Sidecar:
-    def __init__(self, config: Config, run_dir: Path | None = None) -> None:
+    def __init__(
+        self, config: Config, run_dir: Path | None = None, listen_setting: str = "envoy.listen.port"
+    ) -> None:
+        """`listen_setting`: what moves the clients' port, named when it is taken."""
         self.config = config
         self._own_run_dir = run_dir is None  # a temporary one is removed on stop
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="pd-extproc-"))
@@ -57,6 +60,10 @@ class Sidecar:
             self.run_dir,
             config.envoy.log_level,
             config.envoy.concurrency,
+            {
+                f"{config.envoy.listen.host}:{config.envoy.listen.port}": listen_setting,
+                config.envoy.prefill_listener: "envoy.prefill_listener",
+            },
         )
         self.workers = WorkerProcesses(config, self.run_dir, self.prefill_listener)
         self.addresses: SidecarAddresses | None = None

@@ -14,12 +14,16 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
 from extproc.config import SHARED_PREFILL_LISTENER, Config, ConfigError, load_config
 from extproc.envoy_process import EnvoyError
 from extproc.logs import configure_logging
+
+if TYPE_CHECKING:
+    from extproc.server import ExtProcServer
 
 __all__ = ["main"]
 
@@ -142,6 +146,15 @@ def _write_ready(path: Path | None, payload: bytes) -> None:
         tmp.rename(path)
 
 
+async def _start_or_stop(server: ExtProcServer) -> None:
+    """Bind the server's ports; if one cannot be bound, release what was (one line, no leak)."""
+    try:
+        await server.start()
+    except BaseException:
+        await server.stop(0)
+        raise
+
+
 async def _serve(
     config: Config,
     config_path: Path,
@@ -156,7 +169,7 @@ async def _serve(
     runtime = Runtime(config, prefill_listener)
     await runtime.discover()  # the first answer already knows every pool member
     server = ExtProcServer(runtime)
-    await server.start()
+    await _start_or_stop(server)
     reloads = HangupReloads(lambda: reload_runtime(runtime, config_path))
     try:
         await runtime.start()
@@ -191,7 +204,7 @@ async def _epp(config: Config, config_path: Path, ready_file: Path | None,
     runtime = Runtime(config, NO_LISTENER, endpoint_picker=True)
     await runtime.discover()
     server = ExtProcServer(runtime, endpoint_picker=True)
-    await server.start()
+    await _start_or_stop(server)
     reloads = HangupReloads(lambda: reload_runtime(runtime, config_path))
     try:
         await runtime.start()

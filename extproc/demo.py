@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import sys
 import time
 from typing import Any
 
@@ -102,7 +103,7 @@ async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) ->
             "extproc": {"port": 0}, "metrics": {"port": 0},
             "envoy": {"listen": {"port": port}},
         })  # fmt: skip
-        sidecar = Sidecar(config)
+        sidecar = Sidecar(config, listen_setting="--port")
         addresses = await sidecar.start()
         stack.push_async_callback(sidecar.stop)
         learned = sum(1 for i in sidecar.runtime.identities.snapshot().values() if i["engine_id"])
@@ -113,6 +114,11 @@ async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) ->
         session = await stack.enter_async_context(aiohttp.ClientSession())
         ttfts = [await _first_token_time(session, addresses.url, i) for i in range(requests)]
         records = await _records(session, engines)
+        if len(records) < requests:  # answered by something else on the port: say so, fail
+            print(f"pd-extproc demo: only {len(records)} of {requests} requests reached this "
+                  f"demo's engines; is another process serving {addresses.url}? Stop it, or "
+                  "choose another port with --port", file=sys.stderr)  # fmt: skip
+            return 1
         print("\nEach request: both legs reach their engines together (skew), and D registers its")
         print("KV blocks with P while P is still computing (push-parallel = scenario 1).\n")
         print("\n".join(_timeline(records, ttfts, prefills=2)))

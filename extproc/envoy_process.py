@@ -14,13 +14,23 @@ from pathlib import Path
 
 import aiohttp
 
+from extproc.ports import PortInUse
 from extproc.subprocesses import terminate
 
-__all__ = ["EnvoyError", "EnvoyProcess", "envoy_binary"]
+__all__ = ["EnvoyError", "EnvoyProcess", "bind_failure", "envoy_binary"]
 
 
 class EnvoyError(RuntimeError):
     """Envoy could not be found or started; the message says what to do."""
+
+
+_BIND_FAILED = re.compile(r"cannot bind '([^']+)': Address already in use")
+
+
+def bind_failure(log: str) -> str | None:
+    """The address Envoy could not bind because it is taken, if that is why it stopped."""
+    found = _BIND_FAILED.search(log)
+    return found.group(1) if found else None
 
 
 def envoy_binary() -> str:
@@ -46,8 +56,11 @@ def _read_if_exists(path: Path) -> str:
 
 
 class EnvoyProcess:
-    def __init__(self, config_path: Path, run_dir: Path, log_level: str, concurrency: int) -> None:
+    def __init__(self, config_path: Path, run_dir: Path, log_level: str, concurrency: int,
+                 listen_settings: dict[str, str] | None = None) -> None:  # fmt: skip
         self.config_path = config_path
+        # "host:port" of a listener → the setting that moves it, to word a port in use
+        self.listen_settings = listen_settings or {}
         self.run_dir = run_dir
         self.log_level = log_level
         self.concurrency = concurrency
@@ -87,6 +100,8 @@ class EnvoyProcess:
             while True:
                 if self._process is not None and self._process.returncode is not None:
                     text = await asyncio.to_thread(self.log_path.read_text, errors="replace")
+                    if taken := bind_failure(text):
+                        raise PortInUse(taken, self.listen_settings.get(taken, "its config"))
                     raise EnvoyError(f"Envoy failed: {_reason(text)} (full log: {self.log_path})")
                 address = await asyncio.to_thread(_read_if_exists, admin_path)
                 if address:

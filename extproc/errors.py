@@ -25,6 +25,8 @@ RequestEnded
     NoHealthyPrefill     no prefill endpoint is healthy for this request's model, and
                          dispatch.no_healthy_prefill is not decode_only (503, retryable)
     NoHealthyDecode      no decode endpoint is healthy for this request (503, retryable)
+    KvMismatch           D failed a request whose P/D pair the probe found cannot exchange KV
+                         (their connectors differ): 502 naming the mismatch, not D's bare 500
   Shed                   admission control: the pool is saturated for this request's
                          priority (429 + Retry-After; `extproc.admission`); label "shed"
 
@@ -43,6 +45,7 @@ import orjson
 __all__ = [
     "ClientError",
     "IdentityChanged",
+    "KvMismatch",
     "LegError",
     "ListenerUnreachable",
     "NoHealthyDecode",
@@ -139,3 +142,9 @@ class NoHealthyPrefill(LegError):
 
 class NoHealthyDecode(LegError):
     label = "no_healthy_decode"
+
+
+class KvMismatch(LegError):
+    """D failed, and the probe found that this P/D pair cannot exchange KV (`kv_compat`)."""
+
+    label = "kv_mismatch"

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from extproc.config import HealthConfig
+from extproc.health_reasons import failure_reason
 from extproc.pool import EndpointState, Pool
 from extproc.stopping import cancel_and_wait
 
@@ -40,15 +41,18 @@ class HealthChecker:
         prefill: Pool,
         decode: Pool,
         identities: Identities,
-        scrape_metrics: Callable[[str], Awaitable[bool]],
+        scrape_metrics: Callable[[str], Awaitable[str | None]],
         probe: Callable[[aiohttp.ClientSession, str], Coroutine[Any, Any, bool]],
         probing: Callable[[], bool],
+        reprobe: Callable[[str], bool] = lambda address: False,
     ) -> None:
         self._settings = settings  # re-read: a reload may change them
         self._prefill = prefill
         self._decode = decode
         self._identities = identities
-        self._scrape_metrics = scrape_metrics  # a prefill engine's /metrics answered 200
+        self._scrape_metrics = scrape_metrics  # why a prefill's /metrics failed, None if 200
+        self._reprobe = reprobe  # probe again although its identity is known (a KV mismatch)
+        self.reasons: dict[str, str] = {}  # address → why its last check failed
         self._probe = probe  # learns a prefill engine's identity
         self._probing = probing  # dispatch.probe, re-read: a reload may change it
         self._session: aiohttp.ClientSession | None = None
@@ -82,36 +86,42 @@ class HealthChecker:
         for pool in (self._decode, self._prefill):  # decodes first: a probe needs one
             await asyncio.gather(*(self._check(pool, state, threshold) for state in pool))
         for state in self._prefill:
-            if state.healthy and self._identities.get(state.address) is None:
+            known = self._identities.get(state.address) is not None
+            if state.healthy and (not known or self._reprobe(state.address)):
                 self._maybe_probe(state.address)
 
     async def _check(self, pool: Pool, state: EndpointState, unhealthy_after: int) -> None:
         prefill = pool is self._prefill
-        healthy = await (self._scrape_metrics(state.address) if prefill
-                         else self._get_health(state.address))  # fmt: skip
+        reason = await (self._scrape_metrics(state.address) if prefill
+                        else self._get_health(state.address))  # fmt: skip
+        healthy = reason is None
+        if reason is None:
+            self.reasons.pop(state.address, None)
+        else:
+            self.reasons[state.address] = reason
         # One slow answer on a busy host is not an outage: require consecutive failures.
         failures = 0 if healthy else self._failures.get(state.address, 0) + 1
         self._failures[state.address] = failures
         if not healthy and state.healthy and failures < unhealthy_after:
             return
         if healthy != state.healthy:
-            log.warning(
-                "%s %s is now %s", pool.role, state.address, "healthy" if healthy else "unhealthy"
-            )
+            said = "healthy" if healthy else f"unhealthy: {reason}"
+            log.warning("%s %s is now %s", pool.role, state.address, said)
         pool.set_healthy(state.address, healthy)
         if prefill and not healthy:
             self._identities.drop(state.address)
 
-    async def _get_health(self, address: str) -> bool:
+    async def _get_health(self, address: str) -> str | None:
+        """Why a decode engine's /health is not 200, or None."""
         assert self._session is not None
         try:
             async with self._session.get(
                 f"http://{address}/health",
                 timeout=aiohttp.ClientTimeout(total=self._settings().timeout_s),
             ) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+                return None if response.status == 200 else f"HTTP {response.status}"
+        except (aiohttp.ClientError, TimeoutError) as error:
+            return failure_reason(error)
 
     def _maybe_probe(self, address: str) -> None:
         """Probe once at a time per endpoint, when enabled and useful."""

@@ -18,7 +18,9 @@ import orjson
 
 from extproc.bodies import members, prefill_body, prefill_kv_params
 from extproc.errors import LegError
+from extproc.health_reasons import failure_reason
 from extproc.identity import PrefillIdentity, identity_from_params
+from extproc.kv_compat import KvCompatibility, Mismatch
 
 if TYPE_CHECKING:
     from extproc.config import Config
@@ -87,7 +89,9 @@ class Prober:
         metrics: Metrics,
         config: Callable[[], Config],  # the current config: a reload swaps it
         on_served: Callable[[str], None] = lambda model: None,  # a model an engine serves
+        compat: KvCompatibility | None = None,  # where a pair that cannot exchange KV goes
     ) -> None:
+        self._compat = compat or KvCompatibility()
         self._on_served = on_served
         self._prefill_client = prefill_client
         self._identities = identities
@@ -121,18 +125,24 @@ class Prober:
             self._metrics.probes.labels(address, "failed").inc()
             status = _status(err)
             if status not in (401, 403):
-                log.warning("identity probe of prefill %s failed: %s", address, err)
+                log.warning("identity probe of prefill %s failed: %s", address, failure_reason(err))
             elif address not in refused:
                 refused.add(address)
                 log.warning("%s", _refused_key_message(auth, address, status))
             return False
         refused.discard(address)
         self._identities.learn(address, identity)
-        self._metrics.probes.labels(address, "learned").inc()
         log.info("prefill %s: engine %s (%s)", address, identity.engine_id, identity.transfer_mode)
-        await self._complete_transfer(
-            session, client_body, result.kv_transfer_params, request_id, address
+        failure = await self._complete_transfer(
+            session, client_body, result.kv_transfer_params, request_id, address, identity
         )
+        if failure is not None:  # P is fine (its identity is kept); the exchange is not
+            self._metrics.probes.labels(address, "failed").inc()
+            said, repeated = failure
+            log.log(logging.DEBUG if repeated else logging.WARNING,
+                    "identity probe of prefill %s failed: %s", address, said)  # fmt: skip
+            return False
+        self._metrics.probes.labels(address, "learned").inc()
         return True
 
     async def _complete_transfer(
@@ -142,11 +152,14 @@ class Prober:
         params: object,
         request_id: str,
         prefill: str,
-    ) -> None:
-        """Let a decode engine of the same model take the probe's KV, so P frees its blocks."""
+        identity: PrefillIdentity,
+    ) -> tuple[str, bool] | None:
+        """Let a decode engine of the same model take the probe's KV, as a request would, so
+        P frees its blocks and a pair that cannot exchange KV is found. None if it did; else
+        why not, and whether that is a mismatch already reported."""
         decode = self._decode.pick(among=self._decodes_of(prefill))
         if decode is None:
-            return  # P's lease frees the blocks later
+            return None  # P's lease frees the blocks later
         config = self._config()
         body = orjson.loads(client_body) | {"max_tokens": 1, "kv_transfer_params": params}
         headers = {"content-type": "application/json", "x-request-id": request_id}
@@ -157,6 +170,29 @@ class Prober:
                 headers=headers | config.engines.auth_headers,
                 timeout=aiohttp.ClientTimeout(total=config.timeouts.probe_s),
             ) as response:
-                await response.read()
+                answer = await response.content.read(_ANSWER_BYTES)
+                status = response.status
         except (aiohttp.ClientError, TimeoutError) as error:
-            log.info("probe transfer to decode %s did not complete: %s", decode.address, error)
+            reason = failure_reason(error)
+            return f"its decode leg to {decode.address} did not complete: {reason}", False
+        if status < 400:
+            self._compat.passed(prefill, decode.address)
+            return None
+        said = f"HTTP {status}: {_error_message(answer)}"
+        repeated = False
+        if status >= 500 and status != 503:  # D took the request and failed on P's KV
+            mismatch = Mismatch(prefill, decode.address, identity.transfer_mode, said)
+            repeated = not self._compat.failed(mismatch)
+        return f"its decode leg to {decode.address} answered {said}", repeated
+
+
+_ANSWER_BYTES = 4096  # of D's error body: enough for its message
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body, else its first line (bounded)."""
+    try:
+        message = orjson.loads(body)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        message = body.decode(errors="replace").partition("\n")[0]
+    return str(message)[:200]

@@ -35,7 +35,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from extproc import envoy_msgs
 from extproc.admission import request_priority
 from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
-from extproc.errors import ClientError, LegError, RequestEnded, Shed
+from extproc.errors import ClientError, KvMismatch, LegError, RequestEnded, Shed
 from extproc.policies import PickRequest
 from extproc.pool import Counted
 from extproc.request import ClientRequest, check_route, is_passthrough, parse_request
@@ -91,6 +91,8 @@ class RequestDeps:
     endpoint_picker: bool = False
     # the `model` label of a model name, whether D accepted the request (bounded by the wiring)
     model_label: Callable[[str, bool], str] = lambda model, accepted: model
+    # (prefill, decode) → the client's message when the probe saw them fail to exchange KV
+    kv_mismatch: Callable[[str, str], str | None] = lambda prefill, decode: None
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,8 +332,20 @@ class RequestProcessor:
             self.decode_counted.move_to(served)  # a fallback served it: count it there
         self.decode_status = status
         self.trace.decode_answered(status)
+        if envoy_msgs.decode_was_reached(message):
+            self._check_kv_mismatch(status, served)
         if await self.dispatch.on_decode_headers(status, envoy_msgs.decode_was_reached(message)):
             await self.stream.write(envoy_msgs.continue_response_headers(self._labels()))
+
+
+    def _check_kv_mismatch(self, status: int, served: str | None) -> None:
+        """D failed a pair known not to exchange KV: the client learns why, not a bare 500."""
+        plan = self.plan
+        if status < 500 or isinstance(plan, _Unplanned) or plan.prefill is None:
+            return
+        message = self.deps.kv_mismatch(plan.prefill, served or plan.decodes[0])
+        if message is not None:
+            raise KvMismatch(502, message)
 
 
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash

@@ -20,6 +20,7 @@ import aiohttp
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.health_reasons import failure_reason
 from extproc.periodic import Periodic
 
 __all__ = ["EngineScraper", "Families", "MetricsConsumer", "parse_families"]
@@ -99,9 +100,13 @@ class EngineScraper:
 
     async def scrape(self, address: str, timeout_s: float | None = None) -> bool:
         """Fetch and hand out one engine's metrics now; whether it answered 200."""
+        return await self.check(address, timeout_s) is None
+
+    async def check(self, address: str, timeout_s: float | None = None) -> str | None:
+        """`scrape`, answering why the engine did not answer 200 (None when it did)."""
         session = self._session()
         if session is None:
-            return False
+            return "not started"
         self._last[address] = time.monotonic()
         try:
             async with session.get(
@@ -109,11 +114,11 @@ class EngineScraper:
                 timeout=aiohttp.ClientTimeout(total=timeout_s or self._timeout_s()),
             ) as response:
                 if response.status != 200:
-                    return False
+                    return f"HTTP {response.status}"
                 text = await response.text()
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+        except (aiohttp.ClientError, TimeoutError) as error:
+            return failure_reason(error)
         families = parse_families(text, self._wanted)
         for consumer in self._consumers:
             consumer.consume(address, families)
-        return True
+        return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 from typing import Any
@@ -30,6 +31,7 @@ from extproc.access_log import ClientLatency
 from extproc.config import Config
 from extproc.eds import EndpointDiscovery
 from extproc.grpc_health import HealthServices, health_server
+from extproc.ports import PortInUse
 from extproc.processor import RequestProcessor
 from extproc.serving_tls import configured_credentials, self_signed_credentials
 from extproc.stream import EnvoyStream
@@ -101,12 +103,15 @@ class ExtProcServer:
                 os.unlink(wanted.removeprefix("unix:"))
         health_pb2_grpc.add_HealthServicer_to_server(self._health.servicer, self._grpc)
         credentials = await _credentials(cfg, self.endpoint_picker)
-        if credentials is None:
-            port = self._grpc.add_insecure_port(wanted)
-        else:
-            port = self._grpc.add_secure_port(wanted, credentials)
+        try:  # grpc raises RuntimeError, or returns 0 in older releases
+            if credentials is None:
+                port = self._grpc.add_insecure_port(wanted)
+            else:
+                port = self._grpc.add_secure_port(wanted, credentials)
+        except RuntimeError:
+            port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {wanted} (in use?)")
+            raise PortInUse(wanted, "extproc.port")
         self.address = wanted if wanted.startswith("unix:") else f"{cfg.extproc.host}:{port}"
         await self._grpc.start()
         await self._health.started()
@@ -116,7 +121,12 @@ class ExtProcServer:
         self._http = web.AppRunner(self._http_app(), access_log=None)
         await self._http.setup()
         site = web.TCPSite(self._http, cfg.metrics.host, cfg.metrics.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                raise
+            raise PortInUse(f"{cfg.metrics.host}:{cfg.metrics.port}", "metrics.port") from None
         self.metrics_port = self._http.addresses[0][1]
         log.info(
             "ext_proc on %s, metrics on %s:%d",
@@ -127,9 +137,12 @@ class ExtProcServer:
 
     async def _start_health_port(self, host: str, port: int) -> None:
         self._health_grpc = health_server(self._health)
-        self.health_port = self._health_grpc.add_insecure_port(f"{host}:{port}")
+        try:
+            self.health_port = self._health_grpc.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            self.health_port = 0
         if self.health_port == 0:
-            raise OSError(f"cannot listen on {host}:{port} for gRPC health (in use?)")
+            raise PortInUse(f"{host}:{port}", "endpoint_picker.health_port")
         await self._health_grpc.start()
 
     async def ready(self) -> None:

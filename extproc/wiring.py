@@ -27,6 +27,7 @@ from extproc.errors import NoHealthyDecode, NoHealthyPrefill
 from extproc.health import HealthChecker
 from extproc.identity import IdentityCache
 from extproc.kv_check import KvCheck
+from extproc.kv_compat import KvCompatibility
 from extproc.load import EngineLoad
 from extproc.metrics import Metrics
 from extproc.model_labels import ModelLabels
@@ -40,6 +41,7 @@ from extproc.restarts import RestartDetector
 from extproc.roles import Role
 from extproc.scrape_plan import scrape_plan
 from extproc.scraper import EngineScraper
+from extproc.startup_summary import startup_summary, summary_is_clean
 from extproc.strategies import LegServices
 from extproc.subset_hint import Subset
 from extproc.tracing import Tracing
@@ -186,10 +188,11 @@ class Runtime:
             (lambda: "direct") if endpoint_picker else lambda: self.config.dispatch.prefill_leg,
         )
         self.model_labels = ModelLabels(lambda: self.config.models.keys())
+        self.kv_compat = KvCompatibility()  # P/D pairs the probe saw fail to exchange KV
         prober = Prober(
             self.prefill_client, self.identities, self.decode,
             lambda prefill: self.group_of(Role.PREFILL, prefill).members[Role.DECODE],
-            self.metrics, settings, self.model_labels.served,
+            self.metrics, settings, self.model_labels.served, self.kv_compat,
         )  # fmt: skip
         self.kv_check = KvCheck(
             lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses
@@ -211,9 +214,10 @@ class Runtime:
             self.prefill,
             self.decode,
             self.identities,
-            self.scraper.scrape,
+            self.scraper.check,
             lambda session, a: prober.probe(session, a, probe_refused),
             lambda: self.config.dispatch.probe,
+            lambda prefill: bool(self.kv_compat.involving(prefill)),
         )
         self.discovery = Discovery(self, settings)
         self.tracing = Tracing(config.tracing)
@@ -237,6 +241,7 @@ class Runtime:
             settings,
             endpoint_picker,
             self.model_labels.label,
+            self.kv_compat.client_message,
         )
         # What Envoy's pool clusters receive over EDS; every membership change lands here.
         self.memberships = Memberships()
@@ -375,6 +380,7 @@ class Runtime:
         for address in removed:
             log.info("%s %s left the pool", role, address)
             self.identities.forget(address)
+            self.kv_compat.forget(address)
             self.kv_check.forget(address)
             self.decider.forget(address)
             self.restarts.forget(address)
@@ -426,6 +432,14 @@ class Runtime:
         await self.scraper.start()
         await self.health.probes_settled(self.config.timeouts.probe_s)
         self.serving = True
+        self._log_summary()
+
+    def _log_summary(self) -> None:
+        summary = startup_summary(
+            self.prefill, self.decode, self.health.reasons, self.identities.get,
+            lambda address: str(self.prefill_mode(address)), self.kv_compat,
+        )  # fmt: skip
+        log.log(logging.INFO if summary_is_clean(summary) else logging.WARNING, "%s", summary)
 
     async def stop(self) -> None:
         await self.discovery.stop()
@@ -456,4 +470,5 @@ class Runtime:
             "decode": {s.address: _endpoint_view(s) for s in self.decode},
             "identities": self.identities.snapshot(),
             "decode_kv": self.kv_check.snapshot(),
+            "kv_mismatch": self.kv_compat.snapshot(),  # P/D pairs that cannot exchange KV
         }

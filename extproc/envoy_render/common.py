@@ -55,9 +55,13 @@ def listener(
     name: str, address: dict[str, Any], hcm: dict[str, Any], cfg: Config
 ) -> dict[str, Any]:
     """A listener with one HTTP connection manager (`hcm`: its fields besides @type)."""
+    # Envoy's default on Linux is SO_REUSEPORT, which lets a second Envoy bind the same port
+    # and silently take a share of its connections: off, a port in use fails the start.
+    reuse = {"enable_reuse_port": False} if "socket_address" in address else {}
     return {
         "name": name,
         "address": address,
+        **reuse,
         "per_connection_buffer_limit_bytes": buffer_limit(cfg),
         "filter_chains": [
             {"filters": [{"name": HCM_FILTER, "typed_config": {TYPED: HCM_TYPE, **hcm}}]}
