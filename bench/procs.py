@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from extproc.subprocesses import terminate
+from extproc.process.subprocesses import terminate
 
 ALL_CPUS: frozenset[int] = frozenset(os.sched_getaffinity(0))
 

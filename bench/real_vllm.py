@@ -36,8 +36,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.procs import run_bench  # noqa: E402
-from extproc.kv_check import prompt_tokens_by_source  # noqa: E402
-from extproc.scraper import parse_families  # noqa: E402
+from extproc.engines.kv_check import prompt_tokens_by_source  # noqa: E402
+from extproc.engines.scraper import parse_families  # noqa: E402
 from extproc.testing import ephemeral_config, running_sidecar  # noqa: E402
 from scripts.cached_envs import ROUTER_VERSION, VLLM_VERSION, vllm_router_venv  # noqa: E402
 from scripts.real_vllm import MODEL_NAME, RealEngine, free_port, running_pair  # noqa: E402

@@ -20,7 +20,7 @@ import sys
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
-from extproc.subprocesses import terminate
+from extproc.process.subprocesses import terminate
 
 _ETH_P_IP = 0x0800
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)

@@ -15,13 +15,13 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
+from extproc.bootstrap.clusters import static_pool_cluster
+from extproc.bootstrap.common import HCM_FILTER, HCM_TYPE
+from extproc.bootstrap.pieces import EnvoyPieces, envoy_pieces
+from extproc.bootstrap.render import render_yaml, render_yaml_documents
 from extproc.cli import main as cli_main
 from extproc.config import Config, load_config
-from extproc.eds import pool_cluster_name
-from extproc.envoy_config import render_yaml, render_yaml_documents
-from extproc.envoy_render.clusters import static_pool_cluster
-from extproc.envoy_render.common import HCM_FILTER, HCM_TYPE
-from extproc.envoy_render.pieces import EnvoyPieces, envoy_pieces
+from extproc.membership.eds import pool_cluster_name
 from extproc.roles import Role
 
 ROOT = Path(__file__).resolve().parents[1]

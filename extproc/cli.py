@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import orjson
 
 from extproc.config import SHARED_PREFILL_LISTENER, Config, ConfigError, load_config
-from extproc.envoy_process import EnvoyError
 from extproc.logs import configure_logging
+from extproc.process.envoy_process import EnvoyError
 
 if TYPE_CHECKING:
-    from extproc.server import ExtProcServer
+    from extproc.process.server import ExtProcServer
 
 __all__ = ["main"]
 
@@ -110,7 +110,7 @@ async def _until_signal(body: Callable[[asyncio.Event], Awaitable[int]]) -> int:
 async def _up(
     config: Config, config_path: Path, ready_file: Path | None, stop: asyncio.Event
 ) -> int:
-    from extproc.app import Sidecar
+    from extproc.process.app import Sidecar
     from extproc.reload import HangupReloads
 
     sidecar = Sidecar(config)
@@ -162,8 +162,8 @@ async def _serve(
     ready_file: Path | None,
     stop: asyncio.Event,
 ) -> int:
+    from extproc.process.server import ExtProcServer
     from extproc.reload import HangupReloads, reload_runtime
-    from extproc.server import ExtProcServer
     from extproc.wiring import Runtime
 
     runtime = Runtime(config, prefill_listener)
@@ -194,8 +194,8 @@ async def _epp(config: Config, config_path: Path, ready_file: Path | None,
                stop: asyncio.Event) -> int:  # fmt: skip
     """The endpoint picker: like `serve`, with P legs straight to the engines (a gateway's
     Envoy has no prefill listener), TLS and the protocol's health services."""
+    from extproc.process.server import ExtProcServer
     from extproc.reload import HangupReloads, reload_runtime
-    from extproc.server import ExtProcServer
     from extproc.wiring import Runtime
 
     if config.extproc.host in ("127.0.0.1", "::1", "localhost"):
@@ -226,7 +226,12 @@ async def _epp(config: Config, config_path: Path, ready_file: Path | None,
 def _render(
     config: Config, extproc_address: str | None, prefill_listener: str, snippet: bool = False
 ) -> int:
-    from extproc.envoy_config import render_bootstrap, render_snippet, render_yaml, snippet_header
+    from extproc.bootstrap.render import (
+        render_bootstrap,
+        render_snippet,
+        render_yaml,
+        snippet_header,
+    )
 
     if extproc_address is None and config.extproc.address.endswith(":0"):
         raise ConfigError("extproc.port is 0 (any free port): pass --extproc-address host:port")

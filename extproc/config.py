@@ -30,9 +30,8 @@ from pydantic import (
 )
 
 from extproc.durations import DAY, INTERVAL, seconds
-from extproc.envoy_msgs import DESTINATION_HEADER
+from extproc.headers import DESTINATION_HEADER, LOCAL_REPLY_HEADER
 from extproc.policies import POLICIES, NoOptions, option_keys, parse_options
-from extproc.prefill_leg import LOCAL_REPLY_HEADER
 from extproc.roles import Role
 
 log = logging.getLogger(__name__)
@@ -53,7 +52,7 @@ class ConfigError(Exception):
 
 
 class DispatchMode(StrEnum):
-    """How the two legs of a request are sent (see `extproc.dispatch`)."""
+    """How the two legs of a request are sent (see `extproc.request.plan`)."""
 
     AUTO = "auto"  # learn transfer_mode from P: push → parallel, pull → serial
     PUSH = "push"  # parallel whenever P's identity is known
@@ -408,7 +407,7 @@ class DecisionConfig(_Strict):
 
     The step costs describe the engines (defaults: vLLM with an 8B model on one H100, as
     vllmsim models it); `load_aware` turns queue, running requests and the prompt's size into
-    expected times with them. See `extproc.decision`.
+    expected times with them. See `extproc.scheduling.decision`.
     """
 
     mode: Annotated[DecisionMode, OffAsWritten] = DecisionMode.OFF  # YAML `off` is false
@@ -475,7 +474,7 @@ class TimeoutConfig(_Strict):
     connect_s: Annotated[float, seconds(0.01, 60)] = 1.0
     # Envoy's per-message ext_proc timer; the body answer is extended to `prefill_s` in serial
     # dispatch (override_message_timeout). None: sized from limits.max_body_bytes, so that a
-    # burst of large bodies fits (see envoy_render.ext_proc_filter.extproc_message_timeout_s).
+    # burst of large bodies fits (see bootstrap.ext_proc_filter.extproc_message_timeout_s).
     extproc_message_s: Annotated[float, seconds(0.001, 3600)] | None = None
     drain_s: Annotated[float, seconds(0.1, DAY)] = 10.0
     # D failed in parallel dispatch: wait this long for P's answer to tell a P restart
@@ -519,7 +518,8 @@ class DiscoveryConfig(_Strict):
 
 
 class LimitConfig(_Strict):
-    # at most 1 GiB: Envoy's buffers, an eighth larger (extproc.bodies.buffer_bytes), are 32-bit
+    # at most 1 GiB: Envoy's buffers, an eighth larger (extproc.protocol.bodies.buffer_bytes),
+    # are 32-bit
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, le=1024**3)
 
 

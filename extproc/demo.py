@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 
-from extproc.app import Sidecar
 from extproc.config import parse_config
+from extproc.process.app import Sidecar
 from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 __all__ = ["INSTALL_SIM", "missing_sim_modules", "run_demo"]

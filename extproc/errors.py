@@ -28,12 +28,13 @@ RequestEnded
     KvMismatch           D failed a request whose P/D pair the probe found cannot exchange KV
                          (their connectors differ): 502 naming the mismatch, not D's bare 500
   Shed                   admission control: the pool is saturated for this request's
-                         priority (429 + Retry-After; `extproc.admission`); label "shed"
+                         priority (429 + Retry-After; `extproc.scheduling.admission`); label "shed"
 
 Errors that never reach a client live beside the code that raises them: `ConfigError`
-(`extproc.config`; the CLI prints it and exits 2), `EnvoyError` (`extproc.envoy_process`: no
-binary, Envoy failed to start or lacks a listener; exit 1) and `BodyError` (`extproc.bodies`: a
-JSON layout the body scanner does not handle, turned into a ClientError 400).
+(`extproc.config`; the CLI prints it and exits 2), `EnvoyError`
+(`extproc.process.envoy_process`: no binary, Envoy failed to start or lacks a listener; exit 1)
+and `BodyError` (`extproc.protocol.bodies`: a JSON layout the body scanner does not handle,
+turned into a ClientError 400).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class Metrics:
             ["outcome", "strategy", "reason", "model"],
             registry=r,
         )
-        # The client's side, from Envoy's access log of the ingress (`extproc.access_log`).
+        # The client's side, from Envoy's access log of the ingress (`extproc.process.access_log`).
         self.client_first_byte_seconds = Histogram(
             "pd_extproc_client_time_to_first_byte_seconds",
             "Time to first byte as the client sees it: from Envoy receiving the request's "

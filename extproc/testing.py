@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 import yaml
 
-from extproc.subprocesses import terminate
+from extproc.process.subprocesses import terminate
 
 __all__ = ["SidecarHandle", "running_sidecar", "scrape"]
 

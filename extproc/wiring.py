@@ -18,32 +18,32 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.admission import check_admission, role_saturation
 from extproc.config import Config, DispatchMode, PoolConfig
-from extproc.decision import Decider, TrackedPrefillSender
-from extproc.discovery import Discovery
-from extproc.eds import Memberships, pool_cluster_name
+from extproc.engines.health import HealthChecker
+from extproc.engines.kv_check import KvCheck
+from extproc.engines.kv_compat import KvCompatibility
+from extproc.engines.load import EngineLoad
+from extproc.engines.probe import Prober
+from extproc.engines.restarts import RestartDetector
+from extproc.engines.scrape_plan import scrape_plan
+from extproc.engines.scraper import EngineScraper
+from extproc.engines.startup_summary import startup_summary, summary_is_clean
 from extproc.errors import NoHealthyDecode, NoHealthyPrefill
-from extproc.health import HealthChecker
-from extproc.identity import IdentityCache
-from extproc.kv_check import KvCheck
-from extproc.kv_compat import KvCompatibility
-from extproc.load import EngineLoad
+from extproc.membership.discovery import Discovery
+from extproc.membership.eds import Memberships, pool_cluster_name
 from extproc.metrics import Metrics
 from extproc.model_labels import ModelLabels
 from extproc.policies import Picker, PickRequest, build_picker
-from extproc.pool import EndpointState, Pool
-from extproc.prefill_direct import DirectPrefillClient
-from extproc.prefill_leg import PrefillClient, PrefillPaths
-from extproc.probe import Prober
-from extproc.processor import Picked, RequestDeps
-from extproc.restarts import RestartDetector
+from extproc.protocol.identity import IdentityCache
+from extproc.request.prefill_direct import DirectPrefillClient
+from extproc.request.prefill_leg import PrefillClient, PrefillPaths
+from extproc.request.processor import Picked, RequestDeps
+from extproc.request.strategies import LegServices
 from extproc.roles import Role
-from extproc.scrape_plan import scrape_plan
-from extproc.scraper import EngineScraper
-from extproc.startup_summary import startup_summary, summary_is_clean
-from extproc.strategies import LegServices
-from extproc.subset_hint import Subset
+from extproc.scheduling.admission import check_admission, role_saturation
+from extproc.scheduling.decision import Decider, TrackedPrefillSender
+from extproc.scheduling.pool import EndpointState, Pool
+from extproc.scheduling.subset_hint import Subset
 from extproc.tracing import Tracing
 
 __all__ = ["RELOAD", "Runtime"]

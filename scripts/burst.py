@@ -30,8 +30,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from extproc.bootstrap.ext_proc_filter import extproc_message_timeout_s
 from extproc.config import parse_config
-from extproc.envoy_render.ext_proc_filter import extproc_message_timeout_s
 from extproc.testing import ephemeral_config, running_sidecar
 from vllmsim.launcher import FAST, PUSH_D, PUSH_P, running_engine
 

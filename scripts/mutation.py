@@ -61,7 +61,7 @@ def _source(module: str, root: Path = ROOT) -> Path:
 
 @dataclass(frozen=True)
 class Mutant:
-    name: str  # mutmut's, e.g. extproc.pool.xǁPoolǁpick__mutmut_3
+    name: str  # mutmut's, e.g. extproc.scheduling.pool.xǁPoolǁpick__mutmut_3
     module: str
     status: str
     function: str  # Class.method or function, as in the source

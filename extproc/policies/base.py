@@ -24,7 +24,7 @@ class PickRequest:
     session: str | None = None  # the value of the configured session header, if sent
     prefix: bytes = field(default=b"", repr=False)  # the start of the raw prompt/messages JSON
     prompt_bytes: int = 0  # the whole raw prompt/messages JSON's size (the decode-only decision)
-    priority: int = 0  # admission control's priority (extproc.admission)
+    priority: int = 0  # admission control's priority (extproc.scheduling.admission)
 
 
 class Endpoint(Protocol):

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from extproc.envoy_process import envoy_binary
+from extproc.process.envoy_process import envoy_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 

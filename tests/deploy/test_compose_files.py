@@ -21,7 +21,7 @@ import yaml
 
 from extproc.cli import main as cli_main
 from extproc.config import load_config
-from extproc.envoy_process import envoy_binary
+from extproc.process.envoy_process import envoy_binary
 from tests.deploy.helpers import ROOT, envoy_validate
 
 COMPOSE = ROOT / "docker-compose.yml"

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from extproc.config import Config
-from extproc.server import LIVE_PATH, READY_PATH, ExtProcServer
+from extproc.process.server import LIVE_PATH, READY_PATH, ExtProcServer
 from extproc.wiring import Runtime
 from tests.deploy.helpers import by_kind, documents
 from tests.deploy.test_examples import EXAMPLES, KUSTOMIZATIONS, _seconds, config, kustomized

@@ -15,9 +15,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from extproc.bodies import buffer_bytes
 from extproc.config import Config, load_config
-from extproc.envoy_msgs import DESTINATION_HEADER
+from extproc.headers import DESTINATION_HEADER
+from extproc.protocol.bodies import buffer_bytes
 from tests.deploy.helpers import (
     ROOT,
     by_kind,

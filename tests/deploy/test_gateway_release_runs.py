@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from extproc.envoy_process import EnvoyProcess
+from extproc.process.envoy_process import EnvoyProcess
 from tests.deploy.test_helm_chart import container, one, render
 from tests.deploy.test_kustomize import build
 from tests.deploy.test_snippet_dropin import serving_process

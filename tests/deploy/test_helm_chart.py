@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from extproc.config import Config, PoolConfig, parse_config
-from extproc.grpc_health import LIVENESS, READINESS
-from extproc.server import LIVE_PATH, READY_PATH
+from extproc.process.grpc_health import LIVENESS, READINESS
+from extproc.process.server import LIVE_PATH, READY_PATH
 from tests.deploy.helpers import ROOT, by_kind, envoy_validate
 from tests.deploy.test_example_pods import sidecar_paths
 from tests.deploy.test_examples import K8S_VERSION

@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from extproc.cli import main as cli_main
-from extproc.envoy_msgs import DESTINATION_HEADER
-from extproc.envoy_process import EnvoyProcess
+from extproc.headers import DESTINATION_HEADER
+from extproc.process.envoy_process import EnvoyProcess
 from extproc.testing import scrape
 from vllmsim.launcher import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
 

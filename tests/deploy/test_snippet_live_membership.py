@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.envoy_process import EnvoyProcess
+from extproc.process.envoy_process import EnvoyProcess
 from tests.deploy.test_snippet_dropin import (
     address,
     render,

@@ -17,7 +17,7 @@ import orjson
 import yaml
 from multidict import CIMultiDict
 
-from extproc.subprocesses import terminate
+from extproc.process.subprocesses import terminate
 from tests.epp.gateway import Variant, running_gateway
 from tests.integration.conftest import PUSH, address
 from vllmsim.launcher import EngineHandle, running_engine

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from extproc.envoy_process import EnvoyProcess
+from extproc.process.envoy_process import EnvoyProcess
 
 __all__ = ["SUBSET_TEST_HEADER", "Variant", "gateway_bootstrap", "running_gateway"]
 

@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.grpc_health import EXTPROC_SERVICE, HealthServices, health_server
+from extproc.process.grpc_health import EXTPROC_SERVICE, HealthServices, health_server
 from tests.epp.conftest import Picker, epp_config, running_epp
 from tests.integration.conftest import PUSH, address, until
 from vllmsim.launcher import running_engine

@@ -15,9 +15,9 @@ from google.protobuf import struct_pb2
 from grpc import aio
 
 from extproc.config import parse_config
-from extproc.identity import PrefillIdentity, identity_from_params
-from extproc.processor import RequestProcessor
-from extproc.stream import EnvoyStream
+from extproc.protocol.identity import PrefillIdentity, identity_from_params
+from extproc.request.processor import RequestProcessor
+from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime
 from tests.extproc.test_processor_behaviour import (
     IDENTITY,

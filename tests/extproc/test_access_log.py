@@ -10,9 +10,9 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf.duration_pb2 import Duration
 from grpc import aio
 
-from extproc import envoy_msgs
-from extproc.access_log import ClientLatency
 from extproc.metrics import Metrics
+from extproc.process.access_log import ClientLatency
+from extproc.request import envoy_msgs
 
 
 def entry(first_s: float | None, last_s: float | None, code: int,

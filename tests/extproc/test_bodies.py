@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.bodies import BodyError, decode_body, members, prefill_body
+from extproc.protocol.bodies import BodyError, decode_body, members, prefill_body
 
 json_scalars = (
     st.none()

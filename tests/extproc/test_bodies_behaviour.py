@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from extproc.bodies import BodyError, members, prefill_body, prefill_kv_params
+from extproc.protocol.bodies import BodyError, members, prefill_body, prefill_kv_params
 
 
 def test_p_is_asked_to_prefill_for_a_remote_decode() -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from extproc.bootstrap.render import render_bootstrap, render_yaml
 from extproc.config import ConfigError, DispatchMode, parse_config
-from extproc.envoy_config import render_bootstrap, render_yaml
-from extproc.envoy_process import envoy_binary
+from extproc.process.envoy_process import envoy_binary
 from extproc.roles import Role
 from extproc.wiring import Runtime
 

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from extproc.bootstrap.common import duration
 from extproc.config import Config, ConfigError, DecisionMode, parse_config
-from extproc.envoy_render.common import duration
 
 MINIMAL: dict[str, Any] = {
     "prefill": {"endpoints": ["127.0.0.1:8100"]},

@@ -6,15 +6,20 @@ from dataclasses import dataclass
 
 import pytest
 
-from extproc.admission import check_admission, parse_priority, role_saturation, saturation
 from extproc.config import AdmissionConfig, AdmissionLimits, DecisionConfig
-from extproc.decision import Decider, Sides, decide, estimate_tokens, stall_ms
+from extproc.engines.load import EngineLoad
+from extproc.engines.scraper import parse_families
 from extproc.errors import ClientError, Shed
-from extproc.load import EngineLoad
 from extproc.metrics import Metrics
 from extproc.policies import LeastTokensPicker, PickRequest
-from extproc.pool import EndpointState
-from extproc.scraper import parse_families
+from extproc.scheduling.admission import (
+    check_admission,
+    parse_priority,
+    role_saturation,
+    saturation,
+)
+from extproc.scheduling.decision import Decider, Sides, decide, estimate_tokens, stall_ms
+from extproc.scheduling.pool import EndpointState
 
 LOAD_AWARE = DecisionConfig(mode="load_aware")
 IDLE = Sides(running_d=0, waiting_d=0, kv_usage_d=0, pending_d_tokens=0, queued_p_tokens=0,

@@ -5,7 +5,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from extproc.dispatch import (
+from extproc.errors import ClientError
+from extproc.protocol.identity import PrefillIdentity
+from extproc.request.parse import Api, parse_request
+from extproc.request.plan import (
     DecodeOnlyPlan,
     ParallelPlan,
     SerialPlan,
@@ -13,9 +16,6 @@ from extproc.dispatch import (
     check_plan_fits,
     plan_dispatch,
 )
-from extproc.errors import ClientError
-from extproc.identity import PrefillIdentity
-from extproc.request import Api, parse_request
 
 P, D = "127.0.0.1:8100", "127.0.0.1:8200"
 ENGINE = PrefillIdentity("e1", "127.0.0.1", 5600, 1, 1, 1, "push")

@@ -19,7 +19,7 @@ from envoy.service.endpoint.v3 import eds_pb2_grpc
 from google.rpc import status_pb2
 from grpc import aio
 
-from extproc.eds import ASSIGNMENT_TYPE, EndpointDiscovery, Memberships
+from extproc.membership.eds import ASSIGNMENT_TYPE, EndpointDiscovery, Memberships
 from extproc.metrics import Metrics
 
 READ_TIMEOUT_S = 5
@@ -159,7 +159,7 @@ async def test_a_nack_is_logged_not_resent_and_the_next_change_still_pushed(
                 nacked.set()
 
     handler = NackSeen()
-    logging.getLogger("extproc.eds").addHandler(handler)
+    logging.getLogger("extproc.membership.eds").addHandler(handler)
     try:
         call = served.stub.StreamEndpoints()
         await call.write(request("decode_pool"))
@@ -172,7 +172,7 @@ async def test_a_nack_is_logged_not_resent_and_the_next_change_still_pushed(
         assert served.sample("pd_extproc_eds_responses_total", outcome="rejected") == 1
         call.cancel()
     finally:
-        logging.getLogger("extproc.eds").removeHandler(handler)
+        logging.getLogger("extproc.membership.eds").removeHandler(handler)
 
 
 async def test_a_request_answering_an_older_response_is_ignored(served: Served) -> None:

@@ -7,8 +7,8 @@ import pytest
 from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from extproc import envoy_msgs
 from extproc.errors import ClientError, PrefillUnreachable
+from extproc.request import envoy_msgs
 
 OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 

@@ -21,9 +21,9 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from extproc.bootstrap.pieces import envoy_pieces
+from extproc.bootstrap.render import render_bootstrap, render_snippet
 from extproc.config import Config, load_config
-from extproc.envoy_config import render_bootstrap, render_snippet
-from extproc.envoy_render.pieces import envoy_pieces
 
 EXAMPLES = sorted(Path(__file__).resolve().parents[2].glob("examples/*/pd-extproc.yaml"))
 

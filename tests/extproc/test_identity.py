@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from extproc.config import DispatchMode
-from extproc.dispatch import Strategy, choose_strategy
-from extproc.identity import IdentityCache, identity_from_params
+from extproc.protocol.identity import IdentityCache, identity_from_params
+from extproc.request.plan import Strategy, choose_strategy
 
 P_PARAMS = {
     "do_remote_prefill": True,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from extproc.identity import IdentityCache, PrefillIdentity, identity_from_params
+from extproc.protocol.identity import IdentityCache, PrefillIdentity, identity_from_params
 
 PARAMS: dict[str, Any] = {
     "remote_engine_id": "e1",

@@ -13,10 +13,10 @@ import pytest
 import pytest_asyncio
 
 from extproc.config import DiscoveryConfig, parse_config
-from extproc.discovery import Discovery
-from extproc.kube_api import PODS, KubeApi, Query
-from extproc.kube_sources import is_ready
-from extproc.kube_watch import Watched
+from extproc.membership.discovery import Discovery
+from extproc.membership.kube_api import PODS, KubeApi, Query
+from extproc.membership.kube_sources import is_ready
+from extproc.membership.kube_watch import Watched
 from extproc.roles import Role
 from tests.fakes.kube_api import FakeKubeApi, fake_kube_api, inference_pool, pod
 
@@ -130,7 +130,7 @@ async def test_failures_keep_the_objects_back_off_and_log_once(
 ) -> None:
     fake, watch, _ = watched
     await until(lambda: len(fake.watches("pods")) == 1, "the watch")
-    caplog.set_level(logging.INFO, "extproc.discovery")
+    caplog.set_level(logging.INFO, "extproc.membership.discovery")
     fake.fail(3)
     fake.close_watches()
     await until(lambda: len(fake.watches("pods")) == 5, "three failed tries and a good one")
@@ -268,7 +268,7 @@ async def test_gone_even_from_a_fresh_list_backs_off_instead_of_spinning(
 ) -> None:
     fake, watch, _ = watched
     await until(lambda: len(fake.watches("pods")) == 1, "the watch")
-    caplog.set_level(logging.INFO, "extproc.discovery")
+    caplog.set_level(logging.INFO, "extproc.membership.discovery")
     fake.oldest = fake.version + 1_000  # a broken server: every version is too old
     fake.close_watches()
     await until(lambda: len(fake.lists("pods")) >= 4, "lists again and again")

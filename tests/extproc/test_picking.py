@@ -30,7 +30,7 @@ from extproc.policies import (
     hrw_order,
     load_score,
 )
-from extproc.pool import EndpointState, Pool
+from extproc.scheduling.pool import EndpointState, Pool
 
 
 def endpoints(n: int, **loads: Sequence[float]) -> list[EndpointState]:

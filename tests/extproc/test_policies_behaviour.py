@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from extproc.config import parse_config
 from extproc.policies import PickRequest, build_picker, hrw_order
-from extproc.pool import EndpointState
+from extproc.scheduling.pool import EndpointState
 
 PROMPT = b'[{"role":"system","content":"You are a careful assistant."}]'
 

@@ -8,8 +8,8 @@ import pytest
 
 from extproc.config import parse_config
 from extproc.policies import PickRequest, RoundRobinPicker
-from extproc.pool import EndpointState, Pool
 from extproc.roles import Role
+from extproc.scheduling.pool import EndpointState, Pool
 from extproc.wiring import Runtime
 
 A, B, C, D = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"

@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 
 from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
-from extproc.prefill_direct import DirectPrefillClient
-from extproc.prefill_leg import PrefillClient, PrefillPaths
+from extproc.request.prefill_direct import DirectPrefillClient
+from extproc.request.prefill_leg import PrefillClient, PrefillPaths
 
 PARAMS = {"remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 5600}
 KEY = {"authorization": "Bearer engine-key"}

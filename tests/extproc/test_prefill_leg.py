@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from extproc.errors import ListenerUnreachable, PrefillTimeout
-from extproc.prefill_leg import PrefillClient
+from extproc.request.prefill_leg import PrefillClient
 
 CONNECT_S = 0.2
 PREFILL_S = 3.0

@@ -18,7 +18,8 @@ import pytest
 from aiohttp import web
 
 from extproc.errors import ListenerUnreachable, PrefillFailed, PrefillTimeout, PrefillUnreachable
-from extproc.prefill_leg import LOCAL_REPLY_HEADER, PrefillClient
+from extproc.headers import LOCAL_REPLY_HEADER
+from extproc.request.prefill_leg import PrefillClient
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PARAMS = {"remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 5600}

@@ -15,10 +15,10 @@ from grpc import aio
 
 from extproc.config import parse_config
 from extproc.errors import PrefillFailed
-from extproc.identity import identity_from_params
-from extproc.prefill_leg import PrefillResult
-from extproc.processor import RequestProcessor
-from extproc.stream import EnvoyStream
+from extproc.protocol.identity import identity_from_params
+from extproc.request.prefill_leg import PrefillResult
+from extproc.request.processor import RequestProcessor
+from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime
 
 P, D, D2 = "127.0.0.1:8100", "127.0.0.1:8200", "127.0.0.1:8201"

@@ -18,15 +18,15 @@ from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc import aio
 
-from extproc import envoy_msgs
 from extproc.config import parse_config
 from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUnreachable
-from extproc.identity import identity_from_params
 from extproc.policies import PickRequest
-from extproc.pool import EndpointState
-from extproc.prefill_leg import PrefillResult
-from extproc.processor import RequestProcessor
-from extproc.stream import EnvoyStream
+from extproc.protocol.identity import identity_from_params
+from extproc.request import envoy_msgs
+from extproc.request.prefill_leg import PrefillResult
+from extproc.request.processor import RequestProcessor
+from extproc.request.stream import EnvoyStream
+from extproc.scheduling.pool import EndpointState
 from extproc.tracing import RequestTrace
 from extproc.wiring import Runtime
 
@@ -664,7 +664,7 @@ async def test_stream_ending_after_the_headers_writes_nothing_more() -> None:
 
 async def test_request_log_line_names_the_request(caplog: pytest.LogCaptureFixture) -> None:
     r = Request(cached=True, log={"requests": True})
-    with caplog.at_level(logging.INFO, logger="extproc.request"):
+    with caplog.at_level(logging.INFO, logger="extproc.request.parse"):
         await r.start(x_request_id="client-9")
         sent = await r.envoy.until_sent(2)
         await r.send(response(200))
@@ -682,7 +682,7 @@ async def test_request_log_line_names_the_request(caplog: pytest.LogCaptureFixtu
 
 async def test_no_request_log_line_unless_asked(caplog: pytest.LogCaptureFixture) -> None:
     r = Request(cached=True)
-    with caplog.at_level(logging.INFO, logger="extproc.request"):
+    with caplog.at_level(logging.INFO, logger="extproc.request.parse"):
         await r.start()
         await r.envoy.until_sent(2)
         await r.end()
@@ -800,7 +800,7 @@ async def test_headers_without_a_body_are_refused() -> None:
 async def test_a_silent_envoy_does_not_hold_the_request(
     monkeypatch: pytest.MonkeyPatch, messages: int
 ) -> None:
-    monkeypatch.setattr("extproc.processor._BODY_WAIT_S", 0.05)
+    monkeypatch.setattr("extproc.request.processor._BODY_WAIT_S", 0.05)
     r = Request()
     await r.send(*[headers()][:messages])
     await asyncio.wait_for(r.task, WAIT_S)
@@ -828,7 +828,7 @@ async def test_refused_requests_have_no_request_log_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     r = Request(log={"requests": True})
-    with caplog.at_level(logging.INFO, logger="extproc.request"):
+    with caplog.at_level(logging.INFO, logger="extproc.request.parse"):
         await r.start({"model": "m"})
         await asyncio.wait_for(r.task, WAIT_S)
     assert caplog.records == []  # no id was given to it: nothing to name
@@ -838,7 +838,7 @@ async def test_refused_requests_have_no_request_log_line(
 
 async def test_leg_failures_are_logged_with_both_ids(caplog: pytest.LogCaptureFixture) -> None:
     r = Request()
-    with caplog.at_level(logging.WARNING, logger="extproc.request"):
+    with caplog.at_level(logging.WARNING, logger="extproc.request.parse"):
         await r.start(x_request_id="c-2")
         await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
         r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
@@ -853,7 +853,7 @@ async def test_leg_failures_are_logged_with_both_ids(caplog: pytest.LogCaptureFi
 
 async def test_dispatch_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
     r = Request(cached=True)
-    with caplog.at_level(logging.DEBUG, logger="extproc.request"):
+    with caplog.at_level(logging.DEBUG, logger="extproc.request.parse"):
         await r.start(x_request_id="c-3")
         sent = await r.envoy.until_sent(2)
         await r.end()
@@ -867,7 +867,7 @@ async def test_no_stream_ended_line_when_there_was_no_p_leg(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     r = Request()
-    with caplog.at_level(logging.INFO, logger="extproc.request"):
+    with caplog.at_level(logging.INFO, logger="extproc.request.parse"):
         await r.send(headers(), aio.EOF)
         await asyncio.wait_for(r.task, WAIT_S)
     assert caplog.records == []
@@ -875,7 +875,7 @@ async def test_no_stream_ended_line_when_there_was_no_p_leg(
 
 async def test_no_stream_ended_line_once_d_has_answered(caplog: pytest.LogCaptureFixture) -> None:
     r = Request(cached=True)
-    with caplog.at_level(logging.INFO, logger="extproc.request"):
+    with caplog.at_level(logging.INFO, logger="extproc.request.parse"):
         await r.start()
         await r.envoy.until_sent(2)
         await r.send(response(200))  # D answered; P is still running
@@ -887,7 +887,7 @@ async def test_no_stream_ended_line_once_d_has_answered(caplog: pytest.LogCaptur
 async def test_no_stream_ended_line_for_decode_only(caplog: pytest.LogCaptureFixture) -> None:
     r = Request(dispatch={"no_healthy_prefill": "decode_only"})
     r.rt.prefill.set_healthy(P, False)
-    with caplog.at_level(logging.INFO, logger="extproc.request"):
+    with caplog.at_level(logging.INFO, logger="extproc.request.parse"):
         await r.start()
         await r.envoy.until_sent(2)
         await r.end()

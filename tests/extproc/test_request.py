@@ -5,7 +5,7 @@ import gzip
 import pytest
 
 from extproc.errors import ClientError
-from extproc.request import Api, check_route, parse_request
+from extproc.request.parse import Api, check_route, parse_request
 
 LIMIT = 1000
 

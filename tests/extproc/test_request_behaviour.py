@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from extproc.errors import ClientError
-from extproc.request import Api, check_route, parse_request
+from extproc.request.parse import Api, check_route, parse_request
 
 LIMIT = 1000
 MESSAGES = [{"role": "user", "content": "hi"}]

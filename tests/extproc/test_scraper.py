@@ -11,14 +11,14 @@ import pytest
 from aiohttp import web
 
 from extproc.config import KvCheckConfig, parse_config
-from extproc.kv_check import KvCheck, prompt_tokens_by_source
-from extproc.load import EngineLoad, parse_load
+from extproc.engines.kv_check import KvCheck, prompt_tokens_by_source
+from extproc.engines.load import EngineLoad, parse_load
+from extproc.engines.restarts import RestartDetector
+from extproc.engines.scrape_plan import scrape_plan
+from extproc.engines.scraper import EngineScraper, Families, parse_families
 from extproc.metrics import Metrics
 from extproc.policies import PickRequest
-from extproc.pool import EndpointState
-from extproc.restarts import RestartDetector
-from extproc.scrape_plan import scrape_plan
-from extproc.scraper import EngineScraper, Families, parse_families
+from extproc.scheduling.pool import EndpointState
 from extproc.wiring import Runtime
 
 VLLM_METRICS = """\

@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from extproc.config import Config, parse_config
-from extproc.identity import PrefillIdentity
+from extproc.protocol.identity import PrefillIdentity
 from extproc.wiring import RELOAD, Runtime
 
 P = "127.0.0.1:8100"

@@ -13,7 +13,7 @@ import orjson
 import pytest
 import pytest_asyncio
 
-from extproc.bodies import buffer_bytes
+from extproc.protocol.bodies import buffer_bytes
 from tests.integration.conftest import MODEL, Topology, topology
 from vllmsim.launcher import FAST
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from extproc.bootstrap.render import render_bootstrap, render_yaml
 from extproc.config import parse_config
-from extproc.envoy_config import render_bootstrap, render_yaml
-from extproc.envoy_process import EnvoyProcess
+from extproc.process.envoy_process import EnvoyProcess
 from tests.integration.conftest import MODEL
 from tests.integration.test_split_processes import split_topology
 

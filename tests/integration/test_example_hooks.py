@@ -15,8 +15,8 @@ from pathlib import Path
 
 import aiohttp
 
-from extproc.envoy_process import envoy_binary
-from extproc.subprocesses import terminate
+from extproc.process.envoy_process import envoy_binary
+from extproc.process.subprocesses import terminate
 from tests.deploy.test_example_pods import container, hook_command
 from tests.deploy.test_examples import config
 from tests.integration.conftest import MODEL

@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 
 from extproc.policies import Picker, PickRequest, PrefixPicker, SessionPicker
-from extproc.pool import EndpointState
-from extproc.processor import _pick_request
-from extproc.request import Api, parse_request
+from extproc.request.parse import Api, parse_request
+from extproc.request.processor import _pick_request
+from extproc.scheduling.pool import EndpointState
 from tests.integration.conftest import MODEL, Topology, address, topology, until
 from vllmsim.launcher import FAST, EngineHandle
 

@@ -17,9 +17,9 @@ import aiohttp
 import orjson
 import yaml
 
+from extproc.bootstrap.render import render_bootstrap, render_yaml
 from extproc.config import parse_config
-from extproc.envoy_config import render_bootstrap, render_yaml
-from extproc.envoy_process import EnvoyProcess
+from extproc.process.envoy_process import EnvoyProcess
 from tests.integration.conftest import MODEL
 from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 

@@ -17,7 +17,7 @@ import orjson
 import pytest
 import yaml
 
-from extproc.subprocesses import terminate
+from extproc.process.subprocesses import terminate
 from extproc.testing import ephemeral_config, running_sidecar
 from tests.integration.conftest import MODEL, address, topology, until
 from vllmsim.launcher import PULL_D, PULL_P, PUSH_D, PUSH_P, running_engine
@@ -146,7 +146,7 @@ async def test_a_pull_prefill_with_push_decodes_is_named_in_the_log_on_ready_and
         await until(probed_again, "three failed probes")
         assert (await topo.metrics()).get(probes_total(p, "learned"), 0) == 0
         lines = topo.sidecar.log_text().splitlines()
-        errors = [line for line in lines if " ERROR extproc.kv_compat: " in line]
+        errors = [line for line in lines if " ERROR extproc.engines.kv_compat: " in line]
         assert len(errors) == 1, lines  # once, not every probe round
         assert f"prefill {p} and decode {d} cannot exchange KV" in errors[0]
         assert "NixlConnector (pull)" in errors[0] and "kv_connector" in errors[0]

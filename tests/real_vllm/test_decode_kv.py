@@ -61,7 +61,7 @@ async def test_correct_push_pair_has_share_one_and_no_alert(
         assert share == pytest.approx(1.0), metrics
         alerts = sample(metrics, "pd_extproc_pd_recompute_alerts_total", endpoint)
         assert not alerts, metrics
-        assert "WARNING extproc.kv_check" not in setup.sidecar.log_text()
+        assert "WARNING extproc.engines.kv_check" not in setup.sidecar.log_text()
 
 
 @pytest.mark.pair("push_plain_decode")

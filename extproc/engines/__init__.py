@@ -1,0 +1,1 @@
+"""What the engines say, watched in the background: health, probes, metrics, load, restarts."""

@@ -1,0 +1,13 @@
+"""Header names that the request path, the Envoy configuration and the sidecar's config share.
+
+They sit apart from the modules that use them so that the config schema (which refuses them as
+headers to forward) and the rendered Envoy files need not import the request path.
+"""
+
+__all__ = ["DESTINATION_HEADER", "LOCAL_REPLY_HEADER"]
+
+# The Gateway API Inference Extension header that the override_host LB policy reads.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# Set by Envoy on its own local replies to the P leg (the prefill listener): the response flags
+# that tell a reply that never reached P from P's own answer.
+LOCAL_REPLY_HEADER = "x-pd-extproc-envoy-flags"

@@ -1,0 +1,1 @@
+"""Who is in the pools: discovery sources, Kubernetes watches, and EDS for Envoy."""

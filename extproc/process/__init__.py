@@ -1,0 +1,1 @@
+"""The processes and their servers: the sidecar, Envoy, workers, gRPC services, TLS."""

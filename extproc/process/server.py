@@ -1,0 +1,188 @@
+"""The ext_proc process: gRPC server (ExternalProcessor, the pools' EDS, AccessLogService for the
+client's latency, grpc.health), and the metrics/probes HTTP port.
+
+`ExtProcServer.start()` binds both (port 0 picks a free port; the bound ports are attributes
+afterwards); the caller starts the runtime's health checks and probes once Envoy's prefill
+listener exists. `stop(grace)` lets in-flight streams finish for up to `grace` seconds.
+
+HTTP: `/metrics` (Prometheus), `/ready` (200 once serving, 503 while starting or draining;
+engine health in its JSON) and `/live` (200 while the process answers at all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+from typing import Any
+
+import grpc
+import orjson
+from aiohttp import web
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.endpoint.v3 import eds_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc import aio
+from grpc_health.v1 import health_pb2_grpc
+
+from extproc.config import Config
+from extproc.membership.eds import EndpointDiscovery
+from extproc.process.access_log import ClientLatency
+from extproc.process.grpc_health import HealthServices, health_server
+from extproc.process.ports import PortInUse
+from extproc.process.serving_tls import configured_credentials, self_signed_credentials
+from extproc.request.processor import RequestProcessor
+from extproc.request.stream import EnvoyStream
+from extproc.wiring import Runtime
+
+__all__ = ["LIVE_PATH", "READY_PATH", "ExtProcServer"]
+
+log = logging.getLogger("extproc.process.server")
+
+READY_PATH = "/ready"  # Kubernetes readinessProbe: this process can answer Envoy
+LIVE_PATH = "/live"  # livenessProbe: this process answers at all
+
+# Whole bodies travel in one gRPC message; Python's default 4 MiB would cap prompts.
+_GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_concurrent_streams", 100_000),
+    # Envoy pings every 30 s (cluster keepalive); don't punish it with GOAWAY.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def Process(self, request_iterator: Any, context: aio.ServicerContext) -> None:
+        with self.runtime.stream():
+            await RequestProcessor(self.runtime.request_deps, EnvoyStream(context)).run()
+
+
+async def _credentials(cfg: Config, endpoint_picker: bool) -> grpc.ServerCredentials | None:
+    """The ext_proc port's TLS, or None for plaintext."""
+    if cfg.extproc.tls is not None:
+        return await asyncio.to_thread(configured_credentials, cfg.extproc.tls)
+    if endpoint_picker and cfg.endpoint_picker.secure_serving:
+        return await asyncio.to_thread(self_signed_credentials)
+    return None
+
+
+class ExtProcServer:
+    """`endpoint_picker`: the ext_proc as a gateway's endpoint picker (`pd-extproc epp`):
+    TLS by default, health services that follow readiness, a plaintext health port."""
+
+    def __init__(self, runtime: Runtime, endpoint_picker: bool = False) -> None:
+        self.runtime = runtime
+        self.endpoint_picker = endpoint_picker
+        self.address = ""  # "host:port" or "unix:/path", as Envoy's cluster should name it
+        self.metrics_port = 0
+        self.health_port = 0  # the plaintext health port of an endpoint picker (0: none)
+        self._grpc: aio.Server | None = None
+        self._health = HealthServices(gated=endpoint_picker)
+        self._health_grpc: aio.Server | None = None
+        self._eds = EndpointDiscovery(runtime.memberships, runtime.metrics)
+        self._http: web.AppRunner | None = None
+        self._access_log = ClientLatency(runtime.metrics)
+
+    async def start(self) -> None:
+        cfg = self.runtime.config
+        self._grpc = aio.server(options=_GRPC_OPTIONS)
+        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self._eds, self._grpc)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_log, self._grpc)
+        wanted = cfg.extproc.address
+        if wanted.startswith("unix:"):
+            with contextlib.suppress(FileNotFoundError):  # a previous run's socket
+                os.unlink(wanted.removeprefix("unix:"))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health.servicer, self._grpc)
+        credentials = await _credentials(cfg, self.endpoint_picker)
+        try:  # grpc raises RuntimeError, or returns 0 in older releases
+            if credentials is None:
+                port = self._grpc.add_insecure_port(wanted)
+            else:
+                port = self._grpc.add_secure_port(wanted, credentials)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise PortInUse(wanted, "extproc.port")
+        self.address = wanted if wanted.startswith("unix:") else f"{cfg.extproc.host}:{port}"
+        await self._grpc.start()
+        await self._health.started()
+        if self.endpoint_picker and cfg.endpoint_picker.health_port is not None:
+            host = "127.0.0.1" if wanted.startswith("unix:") else cfg.extproc.host
+            await self._start_health_port(host, cfg.endpoint_picker.health_port)
+        self._http = web.AppRunner(self._http_app(), access_log=None)
+        await self._http.setup()
+        site = web.TCPSite(self._http, cfg.metrics.host, cfg.metrics.port)
+        try:
+            await site.start()
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                raise
+            raise PortInUse(f"{cfg.metrics.host}:{cfg.metrics.port}", "metrics.port") from None
+        self.metrics_port = self._http.addresses[0][1]
+        log.info(
+            "ext_proc on %s, metrics on %s:%d",
+            self.address,
+            cfg.metrics.host,
+            self.metrics_port,
+        )
+
+    async def _start_health_port(self, host: str, port: int) -> None:
+        self._health_grpc = health_server(self._health)
+        try:
+            self.health_port = self._health_grpc.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            self.health_port = 0
+        if self.health_port == 0:
+            raise PortInUse(f"{host}:{port}", "endpoint_picker.health_port")
+        await self._health_grpc.start()
+
+    async def ready(self) -> None:
+        """Health known and probes settled: readiness turns SERVING."""
+        await self._health.ready()
+
+    def _http_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get(READY_PATH, self._ready)
+        app.router.add_get(LIVE_PATH, self._live)
+        return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.runtime.metrics.render(), content_type="text/plain", charset="utf-8"
+        )
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        state = self.runtime.readiness()
+        return web.Response(
+            body=orjson.dumps(state),
+            status=200 if state["ready"] else 503,
+            content_type="application/json",
+        )
+
+    async def _live(self, request: web.Request) -> web.Response:
+        return web.Response(body=b'{"live":true}', content_type="application/json")
+
+    async def stop(self, grace_s: float) -> None:
+        self.runtime.draining = True  # /ready turns 503 before anything is refused
+        await self._health.draining()
+        # EDS streams never end by themselves: end them so that the grace period waits only
+        # for requests. Envoy keeps the endpoints it has until it reaches an ext_proc again.
+        self._eds.close()
+        if self._grpc is not None:  # Envoy's health check sees it first
+            self._access_log.close()
+            await self._grpc.stop(grace_s)
+        if self._health_grpc is not None:
+            await self._health_grpc.stop(None)
+        if self._http is not None:
+            await self._http.cleanup()
+        await self.runtime.stop()

@@ -1,0 +1,1 @@
+"""One Envoy stream is one client request: its phases, bodies, plan and legs, in call order."""

@@ -1,0 +1,245 @@
+"""Pure builders of the ext_proc ProcessingResponse messages the sidecar sends to Envoy."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.struct_pb2 import Struct
+
+from extproc.errors import RequestEnded
+from extproc.headers import DESTINATION_HEADER
+
+__all__ = [
+    "DESTINATION_HEADER",
+    "LABELS_NAMESPACE",
+    "Labels",
+    "body_answer",
+    "body_passthrough",
+    "continue_request_headers",
+    "continue_request_trailers",
+    "continue_response_headers",
+    "continue_response_trailers",
+    "destination_answer",
+    "extend_timeout",
+    "header_map",
+    "headers_answer",
+    "immediate",
+    "request_labels",
+    "route_mutation",
+    "streamed_body_answer",
+    "with_destination_metadata",
+]
+
+_OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# The dynamic-metadata namespace of the request's labels, which Envoy's access log carries back
+# to the ext_proc (`extproc.process.access_log`); the ext_proc filter may write only this one.
+LABELS_NAMESPACE = "pd_extproc"
+
+
+def _header(key: str, value: str) -> core.HeaderValueOption:
+    return core.HeaderValueOption(
+        header=core.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
+    """Envoy's header list as a dict (lowercase keys; raw_value wins over value)."""
+    return {
+        h.key: h.raw_value.decode(errors="replace") if h.raw_value else h.value
+        for h in headers.headers.headers
+    }
+
+
+# Asked for with the response headers (the filter's `response_attributes`): why Envoy answered.
+# "via_upstream" when D answered; otherwise Envoy's own reply, and these details say that D
+# never received the request (no member to pick, or no connection).
+REPLY_DETAILS = "response.code_details"
+_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+_NEVER_SENT = ("no_healthy_upstream", "cluster_not_found", "connection_failure", "overflow")
+
+
+def _attribute(message: ep.ProcessingRequest, name: str) -> str | None:
+    """One of the filter's `response_attributes`, or None when Envoy did not send it."""
+    attributes = message.attributes.get(_ATTRIBUTES_KEY)
+    if attributes is None or name not in attributes.fields:
+        return None
+    return str(attributes.fields[name].string_value)
+
+
+def decode_was_reached(message: ep.ProcessingRequest) -> bool:
+    """False when the response headers are Envoy's own reply to a request it never got to D;
+    True otherwise, also when Envoy did not say (a gateway that sends no attributes)."""
+    details = _attribute(message, REPLY_DETAILS)
+    return details is None or not any(marker in details for marker in _NEVER_SENT)
+
+
+# Which D answered, when Envoy went down the destination list: our own Envoy says it in the
+# `upstream.address` response attribute, a gateway in the endpoint-picker protocol's metadata.
+UPSTREAM_ADDRESS = "upstream.address"
+_LB_NAMESPACE = "envoy.lb"
+_SERVED_KEY = "x-gateway-destination-endpoint-served"
+
+
+def served_endpoint(message: ep.ProcessingRequest) -> str | None:
+    """The "ip:port" of the engine that answered, when Envoy reports it; else None."""
+    address = _attribute(message, UPSTREAM_ADDRESS)
+    if address is not None:
+        return address or None
+    lb = message.metadata_context.filter_metadata.get(_LB_NAMESPACE)
+    if lb is not None and _SERVED_KEY in lb.fields:
+        return lb.fields[_SERVED_KEY].string_value or None
+    return None
+
+
+_CONTINUE_REQUEST = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+_CONTINUE_RESPONSE = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+
+
+def continue_request_headers() -> ep.ProcessingResponse:
+    return _CONTINUE_REQUEST
+
+
+# A request's labels for Envoy's access log: (strategy, model). Few: the model is bounded.
+Labels = tuple[str, str]
+
+
+def continue_response_headers(labels: Labels | None = None) -> ep.ProcessingResponse:
+    if labels is None:
+        return _CONTINUE_RESPONSE
+    return _continue_labelled(labels)
+
+
+@functools.lru_cache(maxsize=1024)  # built once per label pair, then shared (never modified)
+def _continue_labelled(labels: Labels) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(
+        response_headers=ep.HeadersResponse(), dynamic_metadata=request_labels(labels)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def request_labels(labels: Labels) -> Struct:
+    """The request's labels as the stream's dynamic metadata: Envoy puts them in the request's
+    access-log entry, so whichever ext_proc process receives the entry labels it right."""
+    strategy, model = labels
+    metadata = Struct()
+    metadata.update({LABELS_NAMESPACE: {"strategy": strategy, "model": model}})
+    return metadata
+
+
+def route_mutation(destinations: Iterable[str], request_id: str, length: int) -> ep.HeaderMutation:
+    """Route to `destinations` (ordered fallbacks), set the request id and the new body's
+    exact content-length (a buffered body fails on a stale one; a streamed one would not be
+    checked, and D would get a chunked or misframed body)."""
+    return ep.HeaderMutation(
+        set_headers=[
+            _header(DESTINATION_HEADER, ",".join(destinations)),
+            _header("x-request-id", request_id),
+            _header("content-length", str(length)),
+        ]
+    )
+
+
+def body_answer(body: bytes, destinations: Iterable[str], request_id: str) -> ep.ProcessingResponse:
+    """Buffered body: replace it, with the headers of `route_mutation` in the same answer."""
+    mutation = route_mutation(destinations, request_id, len(body))
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(
+            response=ep.CommonResponse(
+                header_mutation=mutation, body_mutation=ep.BodyMutation(body=body)
+            )
+        )
+    )
+
+
+def headers_answer(mutation: ep.HeaderMutation) -> ep.ProcessingResponse:
+    """Streamed body: the request headers' answer, sent once the whole body is in."""
+    return ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(response=ep.CommonResponse(header_mutation=mutation))
+    )
+
+
+def streamed_body_answer(body: bytes) -> ep.ProcessingResponse:
+    """Streamed body: the whole new body in one chunk (the client's chunks were consumed)."""
+    streamed = ep.StreamedBodyResponse(body=body, end_of_stream=True)
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(
+            response=ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed))
+        )
+    )
+
+
+_CONTINUE_REQUEST_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+_CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+def continue_request_trailers() -> ep.ProcessingResponse:
+    """Let a pass-through request's trailers go on unchanged."""
+    return _CONTINUE_REQUEST_TRAILERS
+
+
+def continue_response_trailers() -> ep.ProcessingResponse:
+    return _CONTINUE_RESPONSE_TRAILERS
+
+
+def extend_timeout(seconds: float) -> ep.ProcessingResponse:
+    """Ask Envoy to wait longer for our next answer (serial dispatch waits for P)."""
+    whole = int(seconds)
+    return ep.ProcessingResponse(
+        override_message_timeout=Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+    )
+
+
+def immediate(error: RequestEnded, labels: Labels | None = None) -> ep.ProcessingResponse:
+    """End the client request with an OpenAI-style JSON error.
+
+    Before the response started the client gets it as is; after, Envoy can no longer change
+    the status it sent, so it resets the client and the decode upstream instead.
+    """
+    headers = [_header("content-type", "application/json")]
+    if error.retry_after_s is not None:
+        headers.append(_header("retry-after", str(error.retry_after_s)))
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=error.status),
+            headers=ep.HeaderMutation(set_headers=headers),
+            body=error.body,
+            details=f"pd_extproc_{error.status}",
+        ),
+        dynamic_metadata=None if labels is None else request_labels(labels),
+    )
+
+
+# -- endpoint-picker mode (the Gateway API Inference Extension protocol) ------------------------
+
+
+def with_destination_metadata(
+    response: ep.ProcessingResponse, destinations: Iterable[str], namespace: str
+) -> ep.ProcessingResponse:
+    """`response` (the answer that sets the destination header) also carrying the same value
+    as dynamic metadata, `namespace`/x-gateway-destination-endpoint: gateways route on either."""
+    field = response.dynamic_metadata.fields[namespace].struct_value.fields[DESTINATION_HEADER]
+    field.string_value = ",".join(destinations)
+    return response
+
+
+def body_passthrough(chunk: ep.HttpBody, request_side: bool) -> ep.ProcessingResponse:
+    """A streamed body chunk sent back unchanged (a gateway streams both bodies through the
+    endpoint picker: FULL_DUPLEX_STREAMED)."""
+    streamed = ep.StreamedBodyResponse(body=chunk.body, end_of_stream=chunk.end_of_stream)
+    answer = ep.BodyResponse(
+        response=ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed))
+    )
+    if request_side:
+        return ep.ProcessingResponse(request_body=answer)
+    return ep.ProcessingResponse(response_body=answer)
+
+
+def destination_answer(destinations: Iterable[str]) -> ep.ProcessingResponse:
+    """The request headers' answer that only routes (a request passed through as it is)."""
+    mutation = ep.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, ",".join(destinations))])
+    return headers_answer(mutation)

@@ -1,0 +1,362 @@
+"""One client request through its phases: headers → body (dispatch) → response → end.
+
+1. request headers: route check (404/405); Envoy holds the headers until they are answered
+2. request body, whole: parse once, pick P and D, choose the strategy, and turn them into a
+   plan (`extproc.request.plan`); its runner (`extproc.request.strategies`) sends the legs:
+     parallel: start the P leg and write D's answers in the same loop turn
+     serial:   await P, forward its params to D
+   Streamed (FULL_DUPLEX_STREAMED, what the rendered LLM routes use): the chunks are gathered
+   while the headers wait (`extproc.request.upload`), then the headers are answered (destination,
+   request id, content-length) and the new body follows. Buffered (a filter without the
+   per-route override, e.g. an older snippet): the headers are let through at once, the body
+   comes whole and its answer carries the headers too. Envoy tells which in its first message.
+3. until the stream ends: watch the P leg and D's response headers together;
+   a failed P ends the request (ImmediateResponse) and Envoy resets D; a failed D
+   cancels P; the stream ending (done or client gone) cancels a running P.
+   D's successful response headers are held until a parallel P leg is settled.
+
+The request's outcome (the `requests` metric label and the log line) is decided once, at
+the end, from what happened: the error that ended it, Envoy's own reply, D's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+
+from extproc.errors import ClientError, KvMismatch, LegError, RequestEnded, Shed
+from extproc.policies import PickRequest
+from extproc.request import envoy_msgs
+from extproc.request.parse import ClientRequest, check_route, is_passthrough, parse_request
+from extproc.request.plan import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
+from extproc.request.strategies import (
+    NOT_DISPATCHED,
+    Dispatch,
+    Exchange,
+    LegServices,
+    start_dispatch,
+)
+from extproc.request.stream import EnvoyStream
+from extproc.request.upload import Upload, gather_body
+from extproc.scheduling.admission import request_priority
+from extproc.scheduling.pool import Counted
+from extproc.scheduling.subset_hint import Subset, subset_hint
+
+if TYPE_CHECKING:
+    from extproc.config import Config, DispatchMode, EndpointPickerConfig
+    from extproc.metrics import Metrics
+    from extproc.tracing import RequestTrace
+
+__all__ = ["Picked", "RequestDeps", "RequestProcessor"]
+
+log = logging.getLogger("extproc.request.parse")
+
+_BODY_WAIT_S = 300.0  # a slow client upload; Envoy's own idle timeout usually ends it first
+_FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+@dataclass(frozen=True, slots=True)
+class Picked:
+    decodes: list[str]  # the choice, then Envoy's connect-failure fallbacks
+    prefill: str | None  # None: decode-only
+    fallback: str | None = None  # another prefill, for a serial dispatch's one retry
+    alone: str = "no_prefill"  # why decode-only (the decision's reason), when no prefill
+    decode_counted: Counted | None = None  # the in-flight count at D, moved if another served
+
+
+class PickEndpoints(Protocol):
+    def __call__(
+        self, wanted: PickRequest, inflight: ExitStack, subset: Subset | None = None,
+        fallbacks: int = 1, with_prefill: bool = True,
+    ) -> Picked:  # fmt: skip
+        """The endpoints, and whether to go decode-only, inside the gateway's `subset` if
+        any; each chosen endpoint counted in flight until `inflight` closes; raises Shed
+        (admission) or NoHealthy*. No prefill is picked `with_prefill` False."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDeps:
+    """What a request needs from the process; built once by the wiring."""
+
+    legs: LegServices
+    pick: PickEndpoints
+    prefill_mode: Callable[[str], DispatchMode]  # the endpoint's own mode or dispatch.mode
+    new_trace: Callable[[], RequestTrace]
+    metrics: Metrics
+    config: Callable[[], Config]  # the current config: a reload swaps it
+    # `pd-extproc epp`: read the gateway's subset hint, answer the destination as metadata too
+    endpoint_picker: bool = False
+    # the `model` label of a model name, whether D accepted the request (bounded by the wiring)
+    model_label: Callable[[str, bool], str] = lambda model, accepted: model
+    # (prefill, decode) → the client's message when the probe saw them fail to exchange KV
+    kv_mismatch: Callable[[str, str], str | None] = lambda prefill, decode: None
+
+
+@dataclass(frozen=True, slots=True)
+class _Unplanned:
+    """The log fields of a request that ended before it was planned."""
+
+    request_id: str = ""
+    strategy: Strategy = Strategy.SERIAL
+    reason: str = "none"
+    prefill: None = None
+
+
+_UNPLANNED = _Unplanned()
+_PASSED_THROUGH = _Unplanned(strategy=Strategy.DECODE_ONLY, reason="passthrough")
+
+
+class RequestProcessor:
+    """Per-stream phase handling; the dispatch it starts is closed (P cancelled) at the end."""
+
+    def __init__(self, deps: RequestDeps, stream: EnvoyStream) -> None:
+        self.deps = deps
+        self.stream = stream
+        self.trace = deps.new_trace()
+        self.client_request_id = ""
+        self.opening: Any = None  # Envoy's first message: headers, attributes, metadata_context
+        self.subset: Subset | None = None  # the gateway's subset hint (endpoint picker)
+        self.plan: Plan | _Unplanned = _UNPLANNED
+        self.dispatch: Dispatch = NOT_DISPATCHED
+        # What happened, from which the outcome is decided once (`outcome`):
+        self.error: RequestEnded | None = None
+        self.envoy_replied = False  # Envoy answered the client itself (e.g. its 413)
+        self.decode_status = 0  # D's response status, 0 until it arrives
+        self.model = ""  # the client's model name, once the body is parsed
+        self.decode_counted: Counted | None = None  # the request's in-flight count at D
+
+    @property
+    def outcome(self) -> str:
+        if self.error is not None:
+            error = self.error
+            return error.label if isinstance(error, LegError | Shed) else "client_error"
+        if self.envoy_replied:
+            return "client_error"
+        if self.decode_status:
+            return "ok" if self.decode_status < 400 else f"decode_{self.decode_status // 100}xx"
+        return "cancelled"
+
+    async def run(self) -> None:
+        try:
+            with ExitStack() as inflight:
+                await self._run(inflight)
+        except RequestEnded as error:
+            self.error = error
+            await self._end(error)
+        finally:
+            client_gone = self.stream.ended and self.error is None and not self.decode_status
+            self.dispatch.close(client_gone)
+            self.stream.close()
+            plan, outcome = self.plan, self.outcome
+            labels = (outcome, plan.strategy, plan.reason, self._model_label())
+            self.deps.metrics.requests.labels(*labels).inc()
+            fields = self._log_fields(outcome)
+            self.trace.finish(fields)
+            if self.deps.config().log.requests and plan.request_id:
+                log.info("request %s %s", plan.request_id, outcome, extra=fields)
+
+    def _log_fields(self, outcome: str) -> dict[str, object]:
+        return {
+            "request_id": self.plan.request_id,
+            "client_request_id": self.client_request_id,
+            "strategy": str(self.plan.strategy),
+            "reason": self.plan.reason,
+            "outcome": outcome,
+            "prefill": self.plan.prefill,
+        }
+
+    async def _end(self, error: RequestEnded) -> None:
+        if isinstance(error, LegError):
+            log.warning(
+                "request %s (client id %r) failed: %s",
+                self.plan.request_id,
+                self.client_request_id,
+                error,
+                extra=self._log_fields(self.outcome),
+            )
+        if not self.stream.ended:
+            await self.stream.write(envoy_msgs.immediate(error, self._labels()))
+
+    def _labels(self) -> envoy_msgs.Labels:
+        """The labels of the client-side metrics, for Envoy's access-log entry."""
+        strategy = "none" if isinstance(self.plan, _Unplanned) else str(self.plan.strategy)
+        return strategy, self._model_label()
+
+    def _model_label(self) -> str:
+        return self.deps.model_label(self.model, 0 < self.decode_status < 400)
+
+    async def _run(self, inflight: ExitStack) -> None:
+        message = await self.stream.read(_BODY_WAIT_S)
+        if message is None or message.WhichOneof("request") != "request_headers":
+            return
+        self.opening = message
+        headers = envoy_msgs.header_map(message.request_headers)
+        self.client_request_id = headers.get("x-request-id", "")
+        self.trace.join_client(headers.get("traceparent"), headers.get("tracestate"))
+        config = self.deps.config()
+        picker = config.endpoint_picker if self.deps.endpoint_picker else None
+        if picker is not None:
+            self.subset = subset_hint(message, picker.subset_hint_namespace)
+        forwarded = {name: headers[name] for name in config.dispatch.forward_headers
+                     if name in headers}  # fmt: skip
+        method, path = headers.get(":method", ""), headers.get(":path", "")
+        if picker is not None and is_passthrough(method, path):
+            await self._pass_through(picker, inflight)
+            return
+        api = check_route(method, path)
+        if message.request_headers.end_of_stream:
+            raise ClientError(400, "the request has no body; send a JSON object")
+        streamed = message.protocol_config.request_body_mode == _FULL_DUPLEX
+        upload = await (self._streamed_body() if streamed else self._buffered_body())
+        if upload is None:
+            return
+        started = time.perf_counter()
+        request = parse_request(api, upload.body, config.limits.max_body_bytes)
+        self.model = request.model
+        priority = request_priority(headers, config.admission)
+        wanted = _pick_request(request, headers.get(config.dispatch.session_header), priority)
+        self.plan = plan = self._plan(request, wanted, inflight, picker)
+        check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
+        exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
+                            streamed, picker.destination_namespace if picker else None)  # fmt: skip
+        self.dispatch = start_dispatch(plan, self.deps.legs, exchange)
+        if await self.dispatch.send(started):
+            await self._watch()
+
+    async def _pass_through(self, picker: EndpointPickerConfig, inflight: ExitStack) -> None:
+        """Endpoint picker: an engine's own endpoint (GET /v1/models, POST /tokenize, ...), which
+        the gateway routes through the picker too, goes to a decode as it is; its bodies pass."""
+        self.plan = _PASSED_THROUGH
+        picked = self.deps.pick(
+            PickRequest(), inflight, self.subset, picker.fallbacks, with_prefill=False
+        )
+        decodes, self.decode_counted = picked.decodes, picked.decode_counted
+        answer = envoy_msgs.destination_answer(decodes)
+        envoy_msgs.with_destination_metadata(answer, decodes, picker.destination_namespace)
+        await self.stream.write(answer)
+        timeout_s = self.deps.config().timeouts.request_s
+        while (message := await self.stream.read(timeout_s)) is not None:
+            kind = message.WhichOneof("request")
+            if kind == "request_body":
+                await self.stream.write(envoy_msgs.body_passthrough(message.request_body, True))
+            elif kind == "request_trailers":
+                await self.stream.write(envoy_msgs.continue_request_trailers())
+            else:
+                await self._on_message(message)
+
+    async def _buffered_body(self) -> Upload | None:
+        """Let the headers pass and take the body Envoy buffered whole (None: no body came)."""
+        await self.stream.write(envoy_msgs.continue_request_headers())
+        message = await self.stream.read(_BODY_WAIT_S)
+        if message is None:
+            return None
+        if message.WhichOneof("request") != "request_body":
+            await self._on_envoy_reply(message)
+            return None
+        return Upload(message.request_body.body)
+
+    async def _streamed_body(self) -> Upload | None:
+        """Gather the streamed body while the headers wait for their answer (None: no body)."""
+        config = self.deps.config()
+        upload = await gather_body(
+            self.stream, config.limits.max_body_bytes, config.timeouts.upload_idle_s
+        )
+        if upload is None:
+            return None
+        if upload.envoy_reply is not None:
+            await self._on_envoy_reply(upload.envoy_reply)
+            return None
+        if upload.trailers:
+            # Tried through Envoy 1.40: D then got a misframed request (its engine answered
+            # 400 to the body's bytes), so they are refused before any leg leaves.
+            raise ClientError(400, "request trailers are not supported; send the body alone")
+        return upload
+
+    async def _on_envoy_reply(self, message: Any) -> None:
+        """Envoy answered the client itself (413 for a body over its buffer limit): the local
+        reply passes through our response phase and is let through."""
+        await self._on_message(message)
+        self.envoy_replied = True
+
+    def _plan(
+        self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack,
+        picker: EndpointPickerConfig | None,
+    ) -> Plan:  # fmt: skip
+        fallbacks = 1 if picker is None else picker.fallbacks
+        picked = self.deps.pick(wanted, inflight, self.subset, fallbacks)
+        self.decode_counted = picked.decode_counted
+        request_id, prefill = str(uuid.uuid4()), picked.prefill
+        if prefill is None:
+            choice, identity = (Strategy.DECODE_ONLY, picked.alone), None
+        else:
+            identities = self.deps.legs.identities
+            identity = identities.get(prefill)
+            choice = choose_strategy(
+                self.deps.prefill_mode(prefill), identity, identities.serial_only(prefill)
+            )
+        return plan_dispatch(
+            request, request_id, picked.decodes, prefill, choice, identity, picked.fallback
+        )
+
+    async def _watch(self) -> None:
+        """Until the stream ends: P leg outcome and D's response headers, whichever first."""
+        while not self.stream.ended:
+            leg = self.dispatch.watch()  # raises P's failure once known
+            read = self.stream.next_message()
+            done, _ = await asyncio.wait(
+                {read} if leg is None else {read, leg},
+                timeout=self.deps.config().timeouts.request_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if not done:
+                return  # request_s elapsed: stop watching, Envoy's timeouts own it now
+            if read.done():
+                await self._on_message(self.stream.take())
+
+    async def _on_message(self, message: Any) -> None:
+        kind = None if message is None else message.WhichOneof("request")
+        if kind == "response_body":  # a gateway streams D's answer through us: pass it on
+            await self.stream.write(envoy_msgs.body_passthrough(message.response_body, False))
+            return
+        if kind == "response_trailers":  # streamed routes and gateways ask for them
+            await self.stream.write(envoy_msgs.continue_response_trailers())
+            return
+        if kind != "response_headers":
+            return
+        status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
+        served = envoy_msgs.served_endpoint(message)
+        if served and self.decode_counted is not None:
+            self.decode_counted.move_to(served)  # a fallback served it: count it there
+        self.decode_status = status
+        self.trace.decode_answered(status)
+        if envoy_msgs.decode_was_reached(message):
+            self._check_kv_mismatch(status, served)
+        if await self.dispatch.on_decode_headers(status, envoy_msgs.decode_was_reached(message)):
+            await self.stream.write(envoy_msgs.continue_response_headers(self._labels()))
+
+
+    def _check_kv_mismatch(self, status: int, served: str | None) -> None:
+        """D failed a pair known not to exchange KV: the client learns why, not a bare 500."""
+        plan = self.plan
+        if status < 500 or isinstance(plan, _Unplanned) or plan.prefill is None:
+            return
+        message = self.deps.kv_mismatch(plan.prefill, served or plan.decodes[0])
+        if message is not None:
+            raise KvMismatch(502, message)
+
+
+_PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash
+
+
+def _pick_request(request: ClientRequest, session: str | None, priority: int = 0) -> PickRequest:
+    prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
+    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority)

@@ -1,0 +1,436 @@
+"""The three ways a dispatch plan is run: one class per strategy.
+
+Each runs its plan's legs and answers for them until the stream ends:
+
+  send(started)             P leg (when the strategy has one) and Envoy's body answer for D;
+                            False when the client went away first
+  watch()                   the P leg still to wait for beside Envoy's next message, or None;
+                            raises P's failure or a restart once it is known
+  on_decode_headers(status, reached)
+                            before D's response headers pass (`reached` False: Envoy's own
+                            reply, D never got the request): True to let them pass, False
+                            when the stream ended meanwhile; raises to end the request instead
+  close(client_gone)        cancel a P leg still running (its work is useless now)
+
+Parallel: P leaves before D's body answer is written, and D's successful response headers are
+held until P settles, so a P failure or a restart always reaches the client as a clean status
+(503 + Retry-After for a restart), never as a 200 that is then cut. This holds also when D
+could recompute the prompt itself (`kv_load_failure_policy: recompute`): the ext_proc sees
+neither D's policy nor its body, so it cannot tell a complete answer from an in-stream error,
+and a retry gets real P/D instead of a decode engine prefilling on its own.
+Serial: P is awaited (a buffered body's Envoy timer extended first), its params go into D's
+body. A P that cannot be reached or answers 503 is retried once on the plan's fallback
+prefill, within the same `timeouts.prefill_s` (nothing has left for D yet, so the retry is
+safe). Parallel dispatch cannot retry: D was already sent with the first P's identity.
+Decode-only: D's body is the client's; nothing to watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from extproc.errors import (
+    IdentityChanged,
+    LegError,
+    PrefillBusy,
+    PrefillFailed,
+    PrefillTimeout,
+    PrefillUnreachable,
+)
+from extproc.protocol.bodies import decode_body
+from extproc.protocol.identity import PrefillIdentity, identity_from_params
+from extproc.request import envoy_msgs
+from extproc.request.plan import DecodeOnlyPlan, ParallelPlan, Plan, SerialPlan, check_fits
+
+if TYPE_CHECKING:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from extproc.config import Config
+    from extproc.metrics import Metrics
+    from extproc.request.prefill_leg import PrefillResult, PrefillSender
+    from extproc.request.stream import EnvoyStream
+    from extproc.tracing import RequestTrace
+
+__all__ = [
+    "NOT_DISPATCHED",
+    "Dispatch",
+    "Exchange",
+    "LegServices",
+    "decode_answers",
+    "start_dispatch",
+]
+
+log = logging.getLogger("extproc.request.parse")
+
+
+class Identities(Protocol):
+    """What dispatch needs of the identity cache."""
+
+    def get(self, endpoint: str) -> PrefillIdentity | None: ...
+    def serial_only(self, endpoint: str) -> bool: ...
+    def learn(self, endpoint: str, identity: PrefillIdentity) -> None: ...
+    def drop(self, endpoint: str, only_if: PrefillIdentity | None = None) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LegServices:
+    """The process-wide parts the legs use; built once by the wiring."""
+
+    prefill_client: PrefillSender
+    identities: Identities
+    mark_unreachable: Callable[[str], None]  # a prefill endpoint Envoy could not reach
+    note_dispatch: Callable[[str], None]  # a disaggregated request went to this decode
+    metrics: Metrics
+    config: Callable[[], Config]  # the current config: a reload swaps it
+    # a decode-only request went to this decode, with a body of this many bytes
+    note_decode_only: Callable[[str, int], None] = lambda decode, body_bytes: None
+
+
+@dataclass(slots=True)  # not frozen: built per request, and a frozen init costs ~4x
+class Exchange:
+    """The request's side of the stream: where answers go and what the P leg carries."""
+
+    stream: EnvoyStream
+    trace: RequestTrace
+    path: str  # the API path, the same for P
+    forwarded: dict[str, str]  # client headers the P leg carries too
+    client_request_id: str
+    streamed: bool = False  # the body streamed in (FULL_DUPLEX_STREAMED), else buffered
+    # endpoint picker: the destination goes out as dynamic metadata in this namespace too
+    destination_namespace: str | None = None
+
+
+def decode_answers(
+    plan: Plan, body: bytes, exchange: Exchange
+) -> tuple[ep.ProcessingResponse, ...]:
+    """Envoy's answers that send `body` to D: the one place that says where D is.
+
+    Buffered: one body answer carrying the headers. Streamed: the headers' answer, then the
+    whole new body.
+    """
+    if not exchange.streamed:
+        answers = [envoy_msgs.body_answer(body, plan.decodes, plan.request_id)]
+    else:
+        mutation = envoy_msgs.route_mutation(plan.decodes, plan.request_id, len(body))
+        answers = [envoy_msgs.headers_answer(mutation), envoy_msgs.streamed_body_answer(body)]
+    if exchange.destination_namespace is not None:  # the answer that sets the header
+        envoy_msgs.with_destination_metadata(
+            answers[0], plan.decodes, exchange.destination_namespace
+        )
+    return tuple(answers)
+
+
+class Dispatch(Protocol):
+    async def send(self, started: float) -> bool: ...
+    def watch(self) -> asyncio.Task[PrefillResult] | None: ...
+    async def on_decode_headers(self, status: int, reached: bool) -> bool: ...
+    def close(self, client_gone: bool) -> None: ...
+
+
+class _NotDispatched:
+    """Before a plan exists (refused or unfinished requests): nothing to watch or cancel."""
+
+    async def send(self, started: float) -> bool:
+        return True
+
+    def watch(self) -> None:
+        return None
+
+    async def on_decode_headers(self, status: int, reached: bool) -> bool:
+        return True
+
+    def close(self, client_gone: bool) -> None:
+        pass
+
+
+NOT_DISPATCHED = _NotDispatched()
+
+
+def start_dispatch(plan: Plan, services: LegServices, exchange: Exchange) -> Dispatch:
+    """The runner of `plan`. A parallel plan's P leg leaves here, before D's answer is written."""
+    match plan:
+        case ParallelPlan():
+            return ParallelDispatch(plan, services, exchange)
+        case SerialPlan():
+            return SerialDispatch(plan, services, exchange)
+        case DecodeOnlyPlan():
+            return DecodeOnlyDispatch(plan, services, exchange)
+
+
+class _PrefillLeg:
+    """One P request in flight, owned by the strategy that started it."""
+
+    def __init__(self, prefill: str, body: bytes, request_id: str, services: LegServices,
+                 exchange: Exchange, timeout_s: float | None = None) -> None:  # fmt: skip
+        self.prefill = prefill
+        self._services = services
+        self._trace = exchange.trace
+        self.started = time.perf_counter()
+        exchange.trace.prefill_started()
+        self.task: asyncio.Task[PrefillResult] = asyncio.create_task(
+            services.prefill_client.send(
+                prefill,
+                exchange.path,
+                body,
+                request_id,
+                services.config().timeouts.prefill_s if timeout_s is None else timeout_s,
+                exchange.forwarded,
+            )
+        )
+
+    def record_outcome(self) -> PrefillResult:
+        """Record how the finished leg ended (metrics, trace; on failure the identity dropped
+        and an unreachable endpoint marked down), then return its result or raise."""
+        services = self._services
+        try:
+            result = self.task.result()
+        except LegError as error:
+            self._trace.prefill_finished(error.label)
+            services.metrics.prefill_seconds.labels(error.label).observe(
+                time.perf_counter() - self.started
+            )
+            if not _refused_request(error):
+                services.identities.drop(self.prefill)
+            if isinstance(error, PrefillUnreachable):
+                services.mark_unreachable(self.prefill)
+            raise
+        services.metrics.prefill_seconds.labels("ok").observe(result.elapsed_s)
+        self._trace.prefill_finished("ok")
+        return result
+
+    def learn(self, result: PrefillResult, given: PrefillIdentity | None) -> dict[str, Any]:
+        """Validate P's params (never forward unchecked values) and refresh the cache;
+        IdentityChanged if P is not the engine D was `given`."""
+        identities = self._services.identities
+        try:
+            identity = identity_from_params(result.kv_transfer_params)
+        except ValueError as error:
+            identities.drop(self.prefill)
+            raise PrefillFailed(
+                502, f"prefill {self.prefill} sent unusable params: {error}"
+            ) from None
+        identities.learn(self.prefill, identity)
+        if given is not None and identity != given:
+            self._services.metrics.identity_events.labels(self.prefill, "mismatched").inc()
+            raise IdentityChanged(
+                503, f"prefill {self.prefill} restarted (new engine id); retry", retry_after_s=1
+            )
+        return result.kv_transfer_params  # type: ignore[no-any-return]
+
+    def cancel(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+        elif not self.task.cancelled():
+            self.task.exception()  # D answered first (its own error): P's is moot
+
+
+def _refused_request(error: LegError) -> bool:
+    """P answered 4xx: it refused this request (bad key, bad field), so P itself is fine."""
+    return isinstance(error, PrefillFailed) and 400 <= error.status < 500
+
+
+class _Answering:
+    """The body answer every strategy ends its `send` with."""
+
+    def __init__(self, plan: Plan, services: LegServices, exchange: Exchange) -> None:
+        self._services = services
+        self._exchange = exchange
+        self._answer_plan = plan
+
+    async def _answer(self, body: bytes, started: float) -> None:
+        plan, services = self._answer_plan, self._services
+        for answer in decode_answers(plan, body, self._exchange):
+            await self._exchange.stream.write(answer)
+        self._exchange.trace.decode_started()
+        if plan.prefill is not None:
+            services.note_dispatch(plan.decodes[0])
+        else:
+            services.note_decode_only(plan.decodes[0], len(body))
+        services.metrics.processing_seconds.observe(time.perf_counter() - started)
+        log.debug(
+            "request %s (client id %r): %s/%s P=%s D=%s",
+            plan.request_id,
+            self._exchange.client_request_id,
+            plan.strategy,
+            plan.reason,
+            plan.prefill,
+            plan.decodes[0],
+        )
+
+
+class DecodeOnlyDispatch(_NotDispatched, _Answering):
+    def __init__(self, plan: DecodeOnlyPlan, services: LegServices, exchange: Exchange) -> None:
+        _Answering.__init__(self, plan, services, exchange)
+        self._plan = plan
+
+    async def send(self, started: float) -> bool:
+        await self._answer(self._plan.d_body, started)
+        return True
+
+
+class SerialDispatch(_Answering):
+    def __init__(self, plan: SerialPlan, services: LegServices, exchange: Exchange) -> None:
+        super().__init__(plan, services, exchange)
+        self._plan = plan
+        self._prefill = plan.prefill  # the P that answered (the fallback after a retry)
+
+    async def send(self, started: float) -> bool:
+        plan, services, stream = self._plan, self._services, self._exchange.stream
+        prefill_s = services.config().timeouts.prefill_s
+        if not self._exchange.streamed:  # a streamed body's answer has no Envoy timer
+            await stream.write(envoy_msgs.extend_timeout(prefill_s + 1))
+        waited = time.perf_counter()
+        kv_params = await self._prefilled(waited + prefill_s)
+        if kv_params is None:
+            return False
+        started += time.perf_counter() - waited
+        d_body = decode_body(plan.parts, kv_params)
+        check_fits(services.config().limits.max_body_bytes, d_body)  # P's params known now
+        await self._answer(d_body, started)
+        return True
+
+    async def _prefilled(self, deadline: float) -> dict[str, Any] | None:
+        """P's checked params, after one retry on the fallback P if the first could not be
+        reached or answered 503 and time is left; None when the stream ended first."""
+        plan, services, stream = self._plan, self._services, self._exchange.stream
+        fallback, timeout_s = plan.fallback, None
+        while True:
+            leg = _PrefillLeg(self._prefill, plan.p_body, plan.request_id, services,
+                              self._exchange, timeout_s)  # fmt: skip
+            try:
+                read = stream.next_message()
+                await asyncio.wait({leg.task, read}, return_when=asyncio.FIRST_COMPLETED)
+                if not leg.task.done():
+                    # Envoy sends nothing while it waits for our body answer: the stream's end.
+                    stream.take()
+                    return None
+                try:
+                    return leg.learn(leg.record_outcome(), given=None)
+                except (PrefillUnreachable, PrefillBusy) as error:
+                    timeout_s = deadline - time.perf_counter()
+                    if fallback is None or timeout_s <= 0:
+                        raise
+                    reason = "busy" if isinstance(error, PrefillBusy) else "unreachable"
+                    services.metrics.prefill_retries.labels(reason).inc()
+                    log.info("request %s: prefill %s %s, retrying on %s", plan.request_id,
+                             self._prefill, reason, fallback)  # fmt: skip
+                    self._prefill, fallback = fallback, None
+            finally:
+                leg.cancel()  # the client went away while P computed (or this task was cancelled)
+
+    def watch(self) -> None:
+        return None  # P settled before D's body left
+
+    async def on_decode_headers(self, status: int, reached: bool) -> bool:
+        if status >= 500 and reached:
+            self._services.identities.drop(self._prefill)  # D failed: learn P again
+        return True
+
+    def close(self, client_gone: bool) -> None:
+        pass  # `send` settled or cancelled its leg
+
+
+class ParallelDispatch(_Answering):
+    """P and D leave in one event-loop turn; D carries P's cached identity (`plan.given`)."""
+
+    def __init__(self, plan: ParallelPlan, services: LegServices, exchange: Exchange) -> None:
+        super().__init__(plan, services, exchange)
+        self._plan = plan
+        # Created before the answer is written: both leave in this event-loop turn.
+        self._leg = _PrefillLeg(plan.prefill, plan.p_body, plan.request_id, services, exchange)
+        self._settled = False  # P's outcome is known (or no longer matters)
+
+    async def send(self, started: float) -> bool:
+        await self._answer(self._plan.d_body, started)
+        self._services.metrics.skew_seconds.observe(abs(time.perf_counter() - self._leg.started))
+        return True
+
+    def watch(self) -> asyncio.Task[PrefillResult] | None:
+        if self._settled:
+            return None
+        if self._leg.task.done():  # P may have finished while the answer was written
+            self._settle()
+            return None
+        return self._leg.task
+
+    def _settle(self) -> None:
+        """P is done: raise its failure or a restart (a new engine id), else learn."""
+        self._settled = True
+        self._leg.learn(self._leg.record_outcome(), self._plan.given)
+
+    async def on_decode_headers(self, status: int, reached: bool) -> bool:
+        if not reached:  # D never got the request, so it says nothing about P's identity
+            self._stop()
+            return True
+        if status >= 500:
+            await self._on_decode_error()
+            return True
+        if status >= 400:
+            self._stop()  # D's refusal is the answer; P's cannot change it
+            return True
+        return await self._hold_until_settled()
+
+    async def _hold_until_settled(self) -> bool:
+        """Hold D's response headers until P is settled; raise if it failed.
+
+        Once they pass, the client has its 200 and a P failure can only cut the stream. A
+        streaming D answers its headers at once, before P. The hold costs no time to first
+        token: a push P answers when its prefill step ends and writes the KV only after that,
+        and D's first token needs that KV plus a step of its own. False when the stream ended
+        while waiting.
+        """
+        if self._settled:
+            return True
+        task, stream = self._leg.task, self._exchange.stream
+        if not task.done():
+            wait_s = self._services.config().timeouts.prefill_s  # the leg's own timeout is sooner
+            await stream.write(envoy_msgs.extend_timeout(wait_s + 1))
+            read = stream.next_message()
+            await asyncio.wait({task, read}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and read.done():
+                early = stream.take()
+                if early is None:  # the stream ended
+                    return False
+                # D's body streaming through the ext_proc (a gateway's FULL_DUPLEX_STREAMED
+                # response): answered after the headers; only P is awaited meanwhile.
+                stream.put_back(early)
+                await asyncio.wait({task}, timeout=wait_s)
+            if not task.done():
+                self._stop()
+                raise PrefillTimeout(
+                    504, f"prefill endpoint {self._plan.prefill} did not answer within {wait_s:g} s"
+                )
+        self._settle()
+        return True
+
+    async def _on_decode_error(self) -> None:
+        """D failed. If P restarted under this request, say so (retryable); else cancel P.
+
+        A D given a stale identity fails its NIXL handshake at once, usually before P has
+        answered; P's answer (with its new identity) tells the two cases apart, so it is
+        awaited for a short grace.
+        """
+        task = self._leg.task
+        if not self._settled and not task.done():
+            grace = self._services.config().timeouts.decode_error_grace_s
+            await self._exchange.stream.write(envoy_msgs.extend_timeout(grace + 1))
+            await asyncio.wait({task}, timeout=grace)
+        still_running = self.watch() is not None  # raises a restart P revealed meanwhile
+        given = self._plan.given if still_running else None  # else P's answer was learnt
+        self._services.identities.drop(self._plan.prefill, only_if=given)
+        self._stop()
+
+    def _stop(self) -> None:
+        self._settled = True
+        if not self._leg.task.done():
+            self._leg.task.cancel()
+
+    def close(self, client_gone: bool) -> None:
+        if client_gone and not self._leg.task.done():
+            log.info("request %s: stream ended before P answered", self._plan.request_id)
+        self._leg.cancel()

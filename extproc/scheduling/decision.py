@@ -1,0 +1,223 @@
+"""Per request: disaggregate, or let the decode engine prefill the prompt itself.
+
+Disaggregation does not always pay: on idle engines the P leg, the KV transfer and D's own
+first step cost more than they save, and a decode engine serving a short prompt alone answers
+sooner. It pays when D is busy: a prefill on D delays the next token of every request D is
+running by the prefill's compute time (the stall).
+
+`decision.mode`:
+  off         always disaggregate
+  threshold   decode-only for prompts of at most `max_prompt_tokens` (estimated)
+  load_aware  decode-only when the expected TTFT alone is lower than through P, D's KV cache
+              is not nearly full, and the stall fits D's budget; disaggregate otherwise
+
+The prompt's size is estimated from its JSON bytes (`bytes_per_token`, ~4 for English text
+with BPE tokenizers): no tokenizer runs on the request path, and the decision only needs the
+size to within tens of percent. The load of both sides comes from this ext_proc's own counts
+(exact and instantaneous: requests in flight per D, prompt tokens of P legs in flight per P,
+kept on the pool's endpoint state by `TrackedPrefillSender`)
+and the engines' scraped metrics (queue, running requests, KV usage; up to one scrape old).
+The step cost they imply is the engines' step model (`decision.step_*`):
+step = base + prefill tokens × per_token + running sequences × per_seq.
+
+The stall budget is kept per decode engine as a bucket of milliseconds: it refills at
+`stall_budget_ms_per_token` per output token of D's running requests (one token per decode
+step), holds at most `max_stall_ms`, and each decode-only prefill on a D with running requests
+spends its stall. An idle D has nothing to stall.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from extproc.config import DecisionConfig, DecisionMode
+
+if TYPE_CHECKING:
+    from extproc.metrics import Metrics
+    from extproc.request.prefill_leg import PrefillResult, PrefillSender
+
+__all__ = [
+    "Decider",
+    "Decision",
+    "EngineLoad",
+    "TrackedPrefillSender",
+    "decide",
+    "estimate_tokens",
+]
+
+DISAGGREGATE = "disaggregate"
+DECODE_ONLY = "decode_only"
+
+
+def estimate_tokens(prompt_bytes: int, bytes_per_token: float) -> int:
+    return math.ceil(prompt_bytes / bytes_per_token)
+
+
+class EngineLoad(Protocol):
+    """What the decision reads of an endpoint (the pool's state)."""
+
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def waiting(self) -> float: ...
+    @property
+    def running(self) -> float: ...
+    @property
+    def kv_usage(self) -> float: ...
+    @property
+    def queued_tokens(self) -> int: ...  # prompt tokens of P legs in flight there
+    @property
+    def foreign(self) -> float: ...  # running + waiting beyond ours, at the last scrape
+
+
+class QueuedTokens(Protocol):
+    queued_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    decode_only: bool
+    reason: str
+    ttft_alone_ms: float = 0.0
+    ttft_pd_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sides:
+    """The load of the chosen D and P, as the decision sees it."""
+
+    running_d: float  # requests D is running (this one not counted)
+    waiting_d: float
+    kv_usage_d: float
+    pending_d_tokens: int  # decode-only prompts sent to D that may not be prefilled yet
+    queued_p_tokens: int  # prompt tokens of P legs in flight to P
+    waiting_p: float  # requests queued at P beyond this sidecar's P legs
+
+
+def prefill_ms(cfg: DecisionConfig, tokens: int) -> float:
+    """Compute time of `tokens` prompt tokens, in steps of at most max_batched_tokens."""
+    steps = max(1, math.ceil(tokens / cfg.max_batched_tokens))
+    return steps * cfg.step_base_ms + tokens * cfg.prefill_per_token_ms
+
+
+def stall_ms(cfg: DecisionConfig, tokens: int, running_d: float) -> float:
+    """How much a prefill of `tokens` on D delays its running requests' tokens."""
+    if running_d <= 0:
+        return 0.0
+    extra_steps = max(0, math.ceil(tokens / cfg.max_batched_tokens) - 1)
+    return tokens * cfg.prefill_per_token_ms + extra_steps * cfg.step_base_ms
+
+
+def decide(cfg: DecisionConfig, tokens: int, sides: Sides, stall_credit_ms: float) -> Decision:
+    """The decision for a prompt of `tokens` (estimated); pure."""
+    if cfg.mode is DecisionMode.THRESHOLD:
+        short = tokens <= cfg.max_prompt_tokens
+        return Decision(short, "short_prompt" if short else "long_prompt")
+    decode_step = cfg.decode_per_seq_ms * sides.running_d
+    alone = (sides.waiting_d * cfg.step_base_ms
+             + prefill_ms(cfg, sides.pending_d_tokens + tokens) + decode_step)  # fmt: skip
+    p_tokens = sides.queued_p_tokens + round(sides.waiting_p * tokens) + tokens
+    pd = prefill_ms(cfg, p_tokens) + cfg.pd_overhead_ms + decode_step
+    if sides.kv_usage_d >= cfg.max_kv_usage:
+        return Decision(False, "kv_pressure", alone, pd)
+    if alone >= pd:
+        return Decision(False, "faster_pd", alone, pd)
+    stall = stall_ms(cfg, tokens, sides.running_d)
+    if stall > cfg.max_stall_ms or stall > stall_credit_ms:
+        return Decision(False, "stall_budget", alone, pd)
+    return Decision(True, "faster_alone", alone, pd)
+
+
+@dataclass(slots=True)
+class _DecodeState:
+    credit_ms: float  # the stall bucket
+    updated: float  # monotonic seconds
+    pending: list[tuple[float, int]] = field(default_factory=list)  # (expires, tokens)
+
+
+class Decider:
+    """The decision's state: per-D stall buckets and pending prompts."""
+
+    def __init__(self, settings: Callable[[], DecisionConfig], metrics: Metrics) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._decodes: dict[str, _DecodeState] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self._settings().mode is not DecisionMode.OFF
+
+    def decide(self, prompt_bytes: int, decode: str, d: EngineLoad, p: EngineLoad) -> Decision:
+        """Decode-only or not, for a request already counted in flight on `decode`."""
+        cfg, now = self._settings(), time.monotonic()
+        tokens = estimate_tokens(prompt_bytes, cfg.bytes_per_token)
+        # Ours exactly (this request not counted), plus what others sent as of the last scrape:
+        # the scrape alone is up to an interval old, and a request ends in less.
+        running_d = max(0.0, d.in_flight - 1 + d.foreign)
+        state = self._decode_state(decode, cfg, running_d, now)
+        sides = Sides(running_d, d.waiting, d.kv_usage, sum(t for _, t in state.pending),
+                      p.queued_tokens, p.foreign)  # fmt: skip
+        decision = decide(cfg, tokens, sides, state.credit_ms)
+        if decision.decode_only:
+            state.credit_ms -= stall_ms(cfg, tokens, running_d)
+            state.pending.append((now + decision.ttft_alone_ms / 1e3, tokens))
+        self._metrics.decisions.labels(
+            DECODE_ONLY if decision.decode_only else DISAGGREGATE, decision.reason
+        ).inc()
+        return decision
+
+    def _decode_state(self, decode: str, cfg: DecisionConfig, running_d: float,
+                      now: float) -> _DecodeState:  # fmt: skip
+        state = self._decodes.get(decode)
+        if state is None:
+            state = self._decodes[decode] = _DecodeState(cfg.max_stall_ms, now)
+        step_ms = max(cfg.step_base_ms + cfg.decode_per_seq_ms * running_d, 1e-3)
+        refill = (now - state.updated) * 1e3 / step_ms * cfg.stall_budget_ms_per_token
+        state.credit_ms = min(cfg.max_stall_ms, state.credit_ms + refill)
+        state.updated = now
+        state.pending = [(t, n) for t, n in state.pending if t > now]
+        return state
+
+    def forget(self, address: str) -> None:
+        """The endpoint left its pool."""
+        self._decodes.pop(address, None)
+
+
+class TrackedPrefillSender:
+    """A PrefillSender that keeps each prefill endpoint's `queued_tokens` (the prompt tokens
+    of the P legs in flight there, estimated from the bodies) exact."""
+
+    def __init__(self, inner: PrefillSender, state: Callable[[str], QueuedTokens | None],
+                 settings: Callable[[], DecisionConfig]) -> None:  # fmt: skip
+        self._inner = inner
+        self._state = state  # address → its state in the prefill pool (None: not a member)
+        self._settings = settings
+
+    def send(self, endpoint: str, path: str, body: bytes, request_id: str, timeout_s: float,
+             extra_headers: dict[str, str] | None = None
+             ) -> Coroutine[Any, Any, PrefillResult]:  # fmt: skip
+        return self._tracked(endpoint, path, body, request_id, timeout_s, extra_headers)
+
+    async def _tracked(
+        self,
+        endpoint: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        timeout_s: float,
+        extra_headers: dict[str, str] | None,
+    ) -> PrefillResult:
+        tokens = estimate_tokens(len(body), self._settings().bytes_per_token)
+        state = self._state(endpoint)
+        if state is not None:
+            state.queued_tokens += tokens
+        try:
+            return await self._inner.send(endpoint, path, body, request_id, timeout_s,
+                                          extra_headers)  # fmt: skip
+        finally:
+            if state is not None:
+                state.queued_tokens -= tokens
