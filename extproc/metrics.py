@@ -7,40 +7,57 @@ Names follow Prometheus conventions: `pd_extproc_` prefix, base units, `_total` 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import platform
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from extproc.roles import Role
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "package_version"]
 
-# Latency buckets from 0.1 ms (ext_proc work, skew) to 60 s (a queued prefill).
-_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+# No `*_created` series: a counter's start time is noise on every scrape (rate() does not use
+# it). The library's switch is process-wide, and this process exports only these registries.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in the library
+
+# Each histogram's buckets cover the range its durations live in (bucket count is what costs).
+# ext_proc work and dispatch skew: 0.1 ms to 5 s.
+_WORK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 5.0)  # fmt: skip
+# A P leg: a few ms (short prompt, idle P) to timeouts.prefill_s and beyond (a queued prefill).
+_PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0)  # fmt: skip
+# The client's first byte and whole request: a refusal in ms to a long generation (~30 min).
+_CLIENT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)  # fmt: skip
+
+
+def package_version() -> str:
+    """pd-extproc's version from its installed package metadata."""
+    try:
+        return importlib.metadata.version("pd-extproc")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.build_info = Info(
+            "pd_extproc_build",
+            "pd-extproc's version and the Python that runs it (always 1).",
+            registry=r,
+        )
+        self.build_info.info({"version": package_version(), "python": platform.python_version()})
         self.requests = Counter(
             "pd_extproc_requests",
             "Client requests by outcome, by how their legs were dispatched, and by model.",
@@ -53,7 +70,7 @@ class Metrics:
             "Time to first byte as the client sees it: from Envoy receiving the request's "
             "first byte to Envoy sending the response's first byte (Envoy's access log).",
             ["strategy", "model", "code"],
-            buckets=_BUCKETS,
+            buckets=_CLIENT_BUCKETS,
             registry=r,
         )
         self.client_duration_seconds = Histogram(
@@ -61,7 +78,7 @@ class Metrics:
             "Request duration as the client sees it: from Envoy receiving the request's first "
             "byte to Envoy sending the response's last byte (Envoy's access log).",
             ["strategy", "model", "code"],
-            buckets=_BUCKETS,
+            buckets=_CLIENT_BUCKETS,
             registry=r,
         )
         self.access_log_entries = Counter(
@@ -75,20 +92,20 @@ class Metrics:
             "pd_extproc_prefill_leg_seconds",
             "P leg latency, from sending to P's complete answer.",
             ["outcome"],
-            buckets=_BUCKETS,
+            buckets=_PREFILL_BUCKETS,
             registry=r,
         )
         self.skew_seconds = Histogram(
             "pd_extproc_dispatch_skew_seconds",
             "Parallel dispatch: |P leg leaving - decode body answer leaving Envoy's stream|.",
-            buckets=_BUCKETS,
+            buckets=_WORK_BUCKETS,
             registry=r,
         )
         self.processing_seconds = Histogram(
             "pd_extproc_processing_seconds",
             "ext_proc time per request from the body message to the body answer, "
             "not counting the wait for P in serial dispatch.",
-            buckets=_BUCKETS,
+            buckets=_WORK_BUCKETS,
             registry=r,
         )
         self.identity_events = Counter(

@@ -64,6 +64,7 @@ class Picked:
     fallback: str | None = None  # another prefill, for a serial dispatch's one retry
     alone: str = "no_prefill"  # why decode-only (the decision's reason), when no prefill
     decode_counted: Counted | None = None  # the in-flight count at D, moved if another served
+    prefill_counted: Counted | None = None  # the count at P, which the P leg releases
 
 
 class PickEndpoints(Protocol):
@@ -125,6 +126,7 @@ class RequestProcessor:
         self.decode_status = 0  # D's response status, 0 until it arrives
         self.model = ""  # the client's model name, once the body is parsed
         self.decode_counted: Counted | None = None  # the request's in-flight count at D
+        self.prefill_counted: Counted | None = None  # at P, while a P leg runs
 
     @property
     def outcome(self) -> str:
@@ -220,7 +222,7 @@ class RequestProcessor:
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
         exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
                             streamed, picker.destination_namespace if picker else None)  # fmt: skip
-        self.dispatch = start_dispatch(plan, self.deps.legs, exchange)
+        self.dispatch = start_dispatch(plan, self.deps.legs, exchange, self.prefill_counted)
         if await self.dispatch.send(started):
             await self._watch()
 
@@ -285,7 +287,7 @@ class RequestProcessor:
     ) -> Plan:  # fmt: skip
         fallbacks = 1 if picker is None else picker.fallbacks
         picked = self.deps.pick(wanted, inflight, self.subset, fallbacks)
-        self.decode_counted = picked.decode_counted
+        self.decode_counted, self.prefill_counted = picked.decode_counted, picked.prefill_counted
         request_id, prefill = str(uuid.uuid4()), picked.prefill
         if prefill is None:
             choice, identity = (Strategy.DECODE_ONLY, picked.alone), None

@@ -338,9 +338,10 @@ class Runtime:
                                   decode_counted=counted)  # fmt: skip
             if self.config.admission.enabled:  # only a request that will use P waits for one
                 self._admit(wanted, group, Role.PREFILL)
-            inflight.enter_context(self.prefill.track(prefill))
+            prefill_counted = inflight.enter_context(self.prefill.track(prefill))
             fallback = prefills[1].address if len(prefills) > 1 else None
-            return Picked(decode_addresses, prefill.address, fallback, decode_counted=counted)
+            return Picked(decode_addresses, prefill.address, fallback, decode_counted=counted,
+                          prefill_counted=prefill_counted)  # fmt: skip
         if self.config.dispatch.no_healthy_prefill == "decode_only":
             return Picked(decode_addresses, None, decode_counted=counted)
         raise NoHealthyPrefill(503, _none_healthy(Role.PREFILL, subset), retry_after_s=1)
