@@ -53,6 +53,7 @@ __all__ = [
     "PrefillUnreachable",
     "Shed",
     "error_body",
+    "is_client_error",
 ]
 
 _TYPES = {
@@ -68,6 +69,12 @@ _TYPES = {
     503: "ServiceUnavailable",
     504: "GatewayTimeout",
 }
+
+
+def is_client_error(status: int) -> bool:
+    """An engine's 4xx caused by the client's request (unknown model, prompt too long, bad
+    field, bad key): not a fault of the engines. 408 and 429 are the engine's load instead."""
+    return 400 <= status < 500 and status not in (408, 429)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:

@@ -27,15 +27,16 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
 from extproc import envoy_msgs
+from extproc.access_log import AccessLogStreams
 from extproc.admission import request_priority
 from extproc.dispatch import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
-from extproc.errors import ClientError, LegError, RequestEnded, Shed
+from extproc.errors import ClientError, LegError, PrefillFailed, RequestEnded, Shed, is_client_error
 from extproc.policies import PickRequest
 from extproc.pool import Counted
 from extproc.request import ClientRequest, check_route, is_passthrough, parse_request
@@ -92,6 +93,8 @@ class RequestDeps:
     endpoint_picker: bool = False
     # the `model` label of a model name, whether D accepted the request (bounded by the wiring)
     model_label: Callable[[str, bool], str] = lambda model, accepted: model
+    # Envoy's access log to this process: an answer that started is counted from its entry
+    access_log: AccessLogStreams = field(default_factory=AccessLogStreams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,17 +129,24 @@ class RequestProcessor:
         self.decode_status = 0  # D's response status, 0 until it arrives
         self.model = ""  # the client's model name, once the body is parsed
         self.decode_counted: Counted | None = None  # the request's in-flight count at D
+        self.counted_by_access_log = False  # D's 2xx passed: Envoy's entry tells the outcome
         self.prefill_counted: Counted | None = None  # at P, while a P leg runs
 
     @property
     def outcome(self) -> str:
+        """What the client got, as far as the ext_proc saw (docs/metrics.md lists them)."""
         if self.error is not None:
             error = self.error
+            if isinstance(error, PrefillFailed) and is_client_error(error.status):
+                return "client_error"  # P refused the client's request (unknown model, ...)
             return error.label if isinstance(error, LegError | Shed) else "client_error"
         if self.envoy_replied:
             return "client_error"
         if self.decode_status:
-            return "ok" if self.decode_status < 400 else f"decode_{self.decode_status // 100}xx"
+            status = self.decode_status
+            if status < 400:
+                return "ok"
+            return "client_error" if is_client_error(status) else f"decode_{status // 100}xx"
         return "cancelled"
 
     async def run(self) -> None:
@@ -151,8 +161,11 @@ class RequestProcessor:
             self.dispatch.close(client_gone)
             self.stream.close()
             plan, outcome = self.plan, self.outcome
-            labels = (outcome, plan.strategy, plan.reason, self._model_label())
-            self.deps.metrics.requests.labels(*labels).inc()
+            if self.counted_by_access_log:
+                self.deps.access_log.awaiting += 1
+            else:
+                labels = (outcome, plan.strategy, plan.reason, self._model_label())
+                self.deps.metrics.requests.labels(*labels).inc()
             fields = self._log_fields(outcome)
             self.trace.finish(fields)
             if self.deps.config().log.requests and plan.request_id:
@@ -333,7 +346,11 @@ class RequestProcessor:
         self.decode_status = status
         self.trace.decode_answered(status)
         if await self.dispatch.on_decode_headers(status, envoy_msgs.decode_was_reached(message)):
-            await self.stream.write(envoy_msgs.continue_response_headers(self._labels()))
+            # An answer that started may still be cut; only Envoy's access log will know.
+            by_log = status < 400 and self.deps.access_log.decide_outcomes
+            reason = self.plan.reason if by_log else None
+            await self.stream.write(envoy_msgs.continue_response_headers(self._labels(), reason))
+            self.counted_by_access_log = by_log
 
 
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash

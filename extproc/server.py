@@ -87,7 +87,7 @@ class ExtProcServer:
         self._health_grpc: aio.Server | None = None
         self._eds = EndpointDiscovery(runtime.memberships, runtime.metrics)
         self._http: web.AppRunner | None = None
-        self._access_log = ClientLatency(runtime.metrics)
+        self._access_log = ClientLatency(runtime.metrics, runtime.access_log_streams)
 
     async def start(self) -> None:
         cfg = self.runtime.config

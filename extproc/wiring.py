@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from extproc.access_log import AccessLogStreams
 from extproc.admission import check_admission, role_saturation
 from extproc.config import Config, DispatchMode, PoolConfig
 from extproc.decision import Decider, TrackedPrefillSender
@@ -218,6 +219,7 @@ class Runtime:
         self.discovery = Discovery(self, settings)
         self.tracing = Tracing(config.tracing)
         self.decider = Decider(lambda: self.config.decision, self.metrics)
+        self.access_log_streams = AccessLogStreams()  # Envoy's, which decide answers' outcomes
         self.request_deps = RequestDeps(
             LegServices(
                 TrackedPrefillSender(
@@ -237,6 +239,7 @@ class Runtime:
             settings,
             endpoint_picker,
             self.model_labels.label,
+            self.access_log_streams,
         )
         # What Envoy's pool clusters receive over EDS; every membership change lands here.
         self.memberships = Memberships()
@@ -453,6 +456,8 @@ class Runtime:
             "draining": self.draining,
             "engines_ready": self.engines_ready(),
             "active_streams": self.active_streams,
+            # requests whose outcome waits for Envoy's access-log entry (exact with one process)
+            "awaiting_access_log": self.access_log_streams.awaiting,
             "prefill": {s.address: _endpoint_view(s) for s in self.prefill},
             "decode": {s.address: _endpoint_view(s) for s in self.decode},
             "identities": self.identities.snapshot(),

@@ -512,7 +512,7 @@ async def test_d_4xx_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
     assert r.rt.identities.get(P) is not None
     await r.end()
     assert r.prefill.cancelled  # P's answer cannot change D's refusal
-    assert r.outcome("decode_4xx", "parallel", "cache_hit") == 1
+    assert r.outcome("client_error", "parallel", "cache_hit") == 1  # D refused the request
 
 
 async def test_d_below_400_is_held_until_p_answers_and_keeps_the_identity() -> None:
@@ -920,7 +920,7 @@ async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
     sent = await r.envoy.until_sent(4)
     await r.end()
     assert labels(sent[3]) == {"strategy": "serial", "model": "other"}
-    assert r.sample("pd_extproc_requests_total", outcome="decode_4xx", strategy="serial",
+    assert r.sample("pd_extproc_requests_total", outcome="client_error", strategy="serial",
                     reason="cache_miss", model="other") == 1  # fmt: skip
 
 
