@@ -60,7 +60,13 @@ class Metrics:
         self.build_info.info({"version": package_version(), "python": platform.python_version()})
         self.requests = Counter(
             "pd_extproc_requests",
-            "Client requests by outcome, by how their legs were dispatched, and by model.",
+            "Client requests by what the client got (outcome: ok; client_error: the request was "
+            "refused for itself, by the ext_proc, Envoy or an engine's 4xx; shed; cancelled: the "
+            "client left; decode_reset / decode_timeout: D's answer was cut after its 2xx, by a "
+            "reset or by no byte within timeouts.kv_wait_s; prefill_error, prefill_unreachable, "
+            "prefill_timeout, prefill_listener_unreachable, identity_changed, no_healthy_prefill, "
+            "no_healthy_decode, decode_4xx (408, 429), decode_5xx: a failure), by how its legs "
+            "were dispatched (strategy, reason), and by model.",
             ["outcome", "strategy", "reason", "model"],
             registry=r,
         )
@@ -117,7 +123,8 @@ class Metrics:
         )
         self.inflight = Gauge(
             "pd_extproc_inflight_requests",
-            "Requests in flight per endpoint, as counted by this ext_proc.",
+            "Requests in flight per endpoint, as counted by this ext_proc: at a decode for the "
+            "whole request, at a prefill while its P leg runs only.",
             ["role", "endpoint"],
             registry=r,
         )

@@ -910,6 +910,33 @@ async def test_d_answer_carries_the_requests_labels_for_the_access_log() -> None
                     reason="cache_hit", model="m") == 1  # fmt: skip
 
 
+async def test_with_envoys_access_log_open_a_started_answer_is_left_to_its_entry() -> None:
+    r = Request(cached=True)
+    r.rt.access_log_streams.open = 1  # Envoy streams its access log to this process
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER)
+    await r.send(response(200))
+    sent = await r.envoy.until_sent(3)
+    await r.end()
+    # the entry will count it, by what Envoy saw of the stream (`extproc.access_log`)
+    assert labels(sent[2]) == {"strategy": "parallel", "model": "m", "reason": "cache_hit"}
+    assert r.sample("pd_extproc_requests_total", outcome="ok", strategy="parallel",
+                    reason="cache_hit", model="m") is None  # fmt: skip
+    assert r.rt.access_log_streams.awaiting == 1
+
+
+async def test_a_prefill_refusing_the_request_is_a_client_error() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.fail(PrefillFailed(404, "prefill endpoint p answered 404: no such model"))
+    sent = await r.envoy.until_sent(3)
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert error(sent[2])[0] == 404
+    assert r.outcome("client_error", "parallel", "cache_hit") == 1
+
+
 async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
     r = Request()
     await r.start(REQUEST | {"model": "invented"})
