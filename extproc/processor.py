@@ -16,7 +16,9 @@
    D's successful response headers are held until a parallel P leg is settled.
 
 The request's outcome (the `requests` metric label and the log line) is decided once, at
-the end, from what happened: the error that ended it, Envoy's own reply, D's status.
+the end, from what happened: the error that ended it, Envoy's own reply, D's status. An answer
+whose 2xx headers passed is counted from Envoy's access-log entry instead, when Envoy streams
+one here: only Envoy sees whether the client got all of it (`extproc.access_log`).
 """
 
 from __future__ import annotations
