@@ -353,6 +353,8 @@ class RequestProcessor:
             reason = self.plan.reason if by_log else None
             await self.stream.write(envoy_msgs.continue_response_headers(self._labels(), reason))
             self.counted_by_access_log = by_log
+        else:
+            self.decode_status = 0  # the stream ended while they were held: the client left
 
 
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash
