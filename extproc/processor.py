@@ -132,6 +132,7 @@ class RequestProcessor:
         self.model = ""  # the client's model name, once the body is parsed
         self.decode_counted: Counted | None = None  # the request's in-flight count at D
         self.counted_by_access_log = False  # D's 2xx passed: Envoy's entry tells the outcome
+        self.withheld = False  # D's headers were never let through: the stream ended first
         self.prefill_counted: Counted | None = None  # at P, while a P leg runs
 
     @property
@@ -147,7 +148,7 @@ class RequestProcessor:
         if self.decode_status:
             status = self.decode_status
             if status < 400:
-                return "ok"
+                return "cancelled" if self.withheld else "ok"
             return "client_error" if is_client_error(status) else f"decode_{status // 100}xx"
         return "cancelled"
 
@@ -354,7 +355,7 @@ class RequestProcessor:
             await self.stream.write(envoy_msgs.continue_response_headers(self._labels(), reason))
             self.counted_by_access_log = by_log
         else:
-            self.decode_status = 0  # the stream ended while they were held: the client left
+            self.withheld = True  # the stream ended while they were held: the client left
 
 
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash

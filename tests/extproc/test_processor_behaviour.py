@@ -667,6 +667,7 @@ async def test_request_log_line_names_the_request(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.INFO, logger="extproc.request"):
         await r.start(x_request_id="client-9")
         sent = await r.envoy.until_sent(2)
+        r.prefill.answer(P_ANSWER)  # D's 200 passes (held until P answers, it would not)
         await r.send(response(200))
         await r.envoy.until_sent(3)
         await r.end()
