@@ -13,8 +13,9 @@ RequestEnded
                          buffer once P's KV block list is spliced in (`processor`)
   LegError               a leg could not be run or failed; label "leg_error"
     PrefillFailed        P answered 4xx (passed on as is: P refused this request, its identity
-                         is kept); P answered 5xx, or with a body that is not JSON or
-                         kv_transfer_params that are unusable (502; its identity is dropped)
+                         is kept; the request counts as client_error, `is_client_error`); P
+                         answered 5xx, or with a body that is not JSON or kv_transfer_params
+                         that are unusable (502; its identity is dropped)
     PrefillUnreachable   Envoy could not connect to P, or P reset the connection (503,
                          retryable; P is marked unhealthy)
     PrefillTimeout       P did not answer within timeouts.prefill_s (504)
