@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import logging
 import signal
 import sys
@@ -20,6 +19,7 @@ import orjson
 
 from extproc.config import SHARED_PREFILL_LISTENER, Config, ConfigError, load_config
 from extproc.logs import configure_logging
+from extproc.metrics import package_version
 from extproc.process.envoy_process import EnvoyError
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         description="Envoy ext_proc for vLLM prefill/decode disaggregation (parallel NIXL push).",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     config = argparse.ArgumentParser(add_help=False)
     config.add_argument("--config", "-c", required=True, type=Path, help="the YAML config file")
     ready = argparse.ArgumentParser(add_help=False)
@@ -90,13 +90,6 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--requests", type=int, default=6)
     demo.add_argument("--port", type=int, default=8000, help="Envoy's port for clients")
     return parser
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pd-extproc")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        return "unknown"
 
 
 async def _until_signal(body: Callable[[asyncio.Event], Awaitable[int]]) -> int:

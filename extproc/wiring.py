@@ -35,6 +35,7 @@ from extproc.metrics import Metrics
 from extproc.model_labels import ModelLabels
 from extproc.policies import Picker, PickRequest, build_picker
 from extproc.protocol.identity import IdentityCache
+from extproc.request.access_log import AccessLogStreams
 from extproc.request.prefill_direct import DirectPrefillClient
 from extproc.request.prefill_leg import PrefillClient, PrefillPaths
 from extproc.request.processor import Picked, RequestDeps
@@ -222,6 +223,7 @@ class Runtime:
         self.discovery = Discovery(self, settings)
         self.tracing = Tracing(config.tracing)
         self.decider = Decider(lambda: self.config.decision, self.metrics)
+        self.access_log_streams = AccessLogStreams()  # Envoy's, which decide answers' outcomes
         self.request_deps = RequestDeps(
             LegServices(
                 TrackedPrefillSender(
@@ -242,6 +244,7 @@ class Runtime:
             endpoint_picker,
             self.model_labels.label,
             self.kv_compat.client_message,
+            self.access_log_streams,
         )
         # What Envoy's pool clusters receive over EDS; every membership change lands here.
         self.memberships = Memberships()
@@ -343,9 +346,10 @@ class Runtime:
                                   decode_counted=counted)  # fmt: skip
             if self.config.admission.enabled:  # only a request that will use P waits for one
                 self._admit(wanted, group, Role.PREFILL)
-            inflight.enter_context(self.prefill.track(prefill))
+            prefill_counted = inflight.enter_context(self.prefill.track(prefill))
             fallback = prefills[1].address if len(prefills) > 1 else None
-            return Picked(decode_addresses, prefill.address, fallback, decode_counted=counted)
+            return Picked(decode_addresses, prefill.address, fallback, decode_counted=counted,
+                          prefill_counted=prefill_counted)  # fmt: skip
         if self.config.dispatch.no_healthy_prefill == "decode_only":
             return Picked(decode_addresses, None, decode_counted=counted)
         raise NoHealthyPrefill(503, _none_healthy(Role.PREFILL, subset), retry_after_s=1)
@@ -466,6 +470,8 @@ class Runtime:
             "draining": self.draining,
             "engines_ready": self.engines_ready(),
             "active_streams": self.active_streams,
+            # requests whose outcome waits for Envoy's access-log entry (exact with one process)
+            "awaiting_access_log": self.access_log_streams.awaiting,
             "prefill": {s.address: _endpoint_view(s) for s in self.prefill},
             "decode": {s.address: _endpoint_view(s) for s in self.decode},
             "identities": self.identities.snapshot(),

@@ -29,10 +29,10 @@ from grpc_health.v1 import health_pb2_grpc
 
 from extproc.config import Config
 from extproc.membership.eds import EndpointDiscovery
-from extproc.process.access_log import ClientLatency
 from extproc.process.grpc_health import HealthServices, health_server
 from extproc.process.ports import PortInUse
 from extproc.process.serving_tls import configured_credentials, self_signed_credentials
+from extproc.request.access_log import ClientLatency
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime
@@ -89,7 +89,7 @@ class ExtProcServer:
         self._health_grpc: aio.Server | None = None
         self._eds = EndpointDiscovery(runtime.memberships, runtime.metrics)
         self._http: web.AppRunner | None = None
-        self._access_log = ClientLatency(runtime.metrics)
+        self._access_log = ClientLatency(runtime.metrics, runtime.access_log_streams)
 
     async def start(self) -> None:
         cfg = self.runtime.config

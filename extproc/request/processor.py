@@ -16,7 +16,9 @@
    D's successful response headers are held until a parallel P leg is settled.
 
 The request's outcome (the `requests` metric label and the log line) is decided once, at
-the end, from what happened: the error that ended it, Envoy's own reply, D's status.
+the end, from what happened: the error that ended it, Envoy's own reply, D's status. An answer
+whose 2xx headers passed is counted from Envoy's access-log entry instead, when Envoy streams
+one here: only Envoy sees whether the client got all of it (`extproc.request.access_log`).
 """
 
 from __future__ import annotations
@@ -27,14 +29,23 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
-from extproc.errors import ClientError, KvMismatch, LegError, RequestEnded, Shed
+from extproc.errors import (
+    ClientError,
+    KvMismatch,
+    LegError,
+    PrefillFailed,
+    RequestEnded,
+    Shed,
+    is_client_error,
+)
 from extproc.policies import PickRequest
 from extproc.request import envoy_msgs
+from extproc.request.access_log import AccessLogStreams
 from extproc.request.parse import ClientRequest, check_route, is_passthrough, parse_request
 from extproc.request.plan import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
 from extproc.request.strategies import (
@@ -70,6 +81,7 @@ class Picked:
     fallback: str | None = None  # another prefill, for a serial dispatch's one retry
     alone: str = "no_prefill"  # why decode-only (the decision's reason), when no prefill
     decode_counted: Counted | None = None  # the in-flight count at D, moved if another served
+    prefill_counted: Counted | None = None  # the count at P, which the P leg releases
 
 
 class PickEndpoints(Protocol):
@@ -99,6 +111,8 @@ class RequestDeps:
     model_label: Callable[[str, bool], str] = lambda model, accepted: model
     # (prefill, decode) → the client's message when the probe saw them fail to exchange KV
     kv_mismatch: Callable[[str, str], str | None] = lambda prefill, decode: None
+    # Envoy's access log to this process: an answer that started is counted from its entry
+    access_log: AccessLogStreams = field(default_factory=AccessLogStreams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,16 +147,25 @@ class RequestProcessor:
         self.decode_status = 0  # D's response status, 0 until it arrives
         self.model = ""  # the client's model name, once the body is parsed
         self.decode_counted: Counted | None = None  # the request's in-flight count at D
+        self.counted_by_access_log = False  # D's 2xx passed: Envoy's entry tells the outcome
+        self.withheld = False  # D's headers were never let through: the stream ended first
+        self.prefill_counted: Counted | None = None  # at P, while a P leg runs
 
     @property
     def outcome(self) -> str:
+        """What the client got, as far as the ext_proc saw (docs/metrics.md lists them)."""
         if self.error is not None:
             error = self.error
+            if isinstance(error, PrefillFailed) and is_client_error(error.status):
+                return "client_error"  # P refused the client's request (unknown model, ...)
             return error.label if isinstance(error, LegError | Shed) else "client_error"
         if self.envoy_replied:
             return "client_error"
         if self.decode_status:
-            return "ok" if self.decode_status < 400 else f"decode_{self.decode_status // 100}xx"
+            status = self.decode_status
+            if status < 400:
+                return "cancelled" if self.withheld else "ok"
+            return "client_error" if is_client_error(status) else f"decode_{status // 100}xx"
         return "cancelled"
 
     async def run(self) -> None:
@@ -157,8 +180,11 @@ class RequestProcessor:
             self.dispatch.close(client_gone)
             self.stream.close()
             plan, outcome = self.plan, self.outcome
-            labels = (outcome, plan.strategy, plan.reason, self._model_label())
-            self.deps.metrics.requests.labels(*labels).inc()
+            if self.counted_by_access_log:
+                self.deps.access_log.awaiting += 1
+            else:
+                labels = (outcome, plan.strategy, plan.reason, self._model_label())
+                self.deps.metrics.requests.labels(*labels).inc()
             fields = self._log_fields(outcome)
             self.trace.finish(fields)
             if self.deps.config().log.requests and plan.request_id:
@@ -228,7 +254,7 @@ class RequestProcessor:
         check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
         exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
                             streamed, picker.destination_namespace if picker else None)  # fmt: skip
-        self.dispatch = start_dispatch(plan, self.deps.legs, exchange)
+        self.dispatch = start_dispatch(plan, self.deps.legs, exchange, self.prefill_counted)
         if await self.dispatch.send(started):
             await self._watch()
 
@@ -293,7 +319,7 @@ class RequestProcessor:
     ) -> Plan:  # fmt: skip
         fallbacks = 1 if picker is None else picker.fallbacks
         picked = self.deps.pick(wanted, inflight, self.subset, fallbacks)
-        self.decode_counted = picked.decode_counted
+        self.decode_counted, self.prefill_counted = picked.decode_counted, picked.prefill_counted
         request_id, prefill = str(uuid.uuid4()), picked.prefill
         if prefill is None:
             choice, identity = (Strategy.DECODE_ONLY, picked.alone), None
@@ -341,7 +367,13 @@ class RequestProcessor:
         if envoy_msgs.decode_was_reached(message):
             self._check_kv_mismatch(status, served)
         if await self.dispatch.on_decode_headers(status, envoy_msgs.decode_was_reached(message)):
-            await self.stream.write(envoy_msgs.continue_response_headers(self._labels()))
+            # An answer that started may still be cut; only Envoy's access log will know.
+            by_log = status < 400 and self.deps.access_log.decide_outcomes
+            reason = self.plan.reason if by_log else None
+            await self.stream.write(envoy_msgs.continue_response_headers(self._labels(), reason))
+            self.counted_by_access_log = by_log
+        else:
+            self.withheld = True  # the stream ended while they were held: the client left
 
 
     def _check_kv_mismatch(self, status: int, served: str | None) -> None:

@@ -68,6 +68,25 @@ __all__ = [
 log = logging.getLogger("extproc.request.parse")
 
 
+class InFlight(Protocol):
+    """The request's in-flight count at its prefill (`extproc.scheduling.pool.Counted`): a P leg holds it
+    while it runs only, so that picking and admission see P's real load."""
+
+    def move_to(self, address: str) -> None: ...
+    def release(self) -> None: ...
+
+
+class _NotCounted:
+    def move_to(self, address: str) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+_NOT_COUNTED = _NotCounted()
+
+
 class Identities(Protocol):
     """What dispatch needs of the identity cache."""
 
@@ -151,37 +170,46 @@ class _NotDispatched:
 NOT_DISPATCHED = _NotDispatched()
 
 
-def start_dispatch(plan: Plan, services: LegServices, exchange: Exchange) -> Dispatch:
-    """The runner of `plan`. A parallel plan's P leg leaves here, before D's answer is written."""
+def start_dispatch(plan: Plan, services: LegServices, exchange: Exchange,
+                   counted: InFlight | None = None) -> Dispatch:  # fmt: skip
+    """The runner of `plan`. A parallel plan's P leg leaves here, before D's answer is written.
+    `counted`: the request's in-flight count at `plan.prefill`, which its P legs release."""
+    counted = _NOT_COUNTED if counted is None else counted
     match plan:
         case ParallelPlan():
-            return ParallelDispatch(plan, services, exchange)
+            return ParallelDispatch(plan, services, exchange, counted)
         case SerialPlan():
-            return SerialDispatch(plan, services, exchange)
+            return SerialDispatch(plan, services, exchange, counted)
         case DecodeOnlyPlan():
             return DecodeOnlyDispatch(plan, services, exchange)
 
 
 class _PrefillLeg:
-    """One P request in flight, owned by the strategy that started it."""
+    """One P request in flight, owned by the strategy that started it; `counted` (the
+    request's count at `prefill`) is released as soon as the leg ends, however it ends."""
 
     def __init__(self, prefill: str, body: bytes, request_id: str, services: LegServices,
-                 exchange: Exchange, timeout_s: float | None = None) -> None:  # fmt: skip
+                 exchange: Exchange, counted: InFlight,
+                 timeout_s: float | None = None) -> None:  # fmt: skip
         self.prefill = prefill
         self._services = services
         self._trace = exchange.trace
+        self._counted = counted
         self.started = time.perf_counter()
         exchange.trace.prefill_started()
+        timeout_s = services.config().timeouts.prefill_s if timeout_s is None else timeout_s
         self.task: asyncio.Task[PrefillResult] = asyncio.create_task(
-            services.prefill_client.send(
-                prefill,
-                exchange.path,
-                body,
-                request_id,
-                services.config().timeouts.prefill_s if timeout_s is None else timeout_s,
-                exchange.forwarded,
-            )
+            self._sent(body, request_id, exchange, timeout_s)
         )
+
+    async def _sent(self, body: bytes, request_id: str, exchange: Exchange,
+                    timeout_s: float) -> PrefillResult:  # fmt: skip
+        try:
+            return await self._services.prefill_client.send(
+                self.prefill, exchange.path, body, request_id, timeout_s, exchange.forwarded
+            )
+        finally:
+            self._counted.release()  # P's answer is complete (or the leg failed)
 
     def record_outcome(self) -> PrefillResult:
         """Record how the finished leg ended (metrics, trace; on failure the identity dropped
@@ -225,6 +253,7 @@ class _PrefillLeg:
     def cancel(self) -> None:
         if not self.task.done():
             self.task.cancel()
+            self._counted.release()  # a task cancelled before it ran never reaches its finally
         elif not self.task.cancelled():
             self.task.exception()  # D answered first (its own error): P's is moot
 
@@ -274,9 +303,11 @@ class DecodeOnlyDispatch(_NotDispatched, _Answering):
 
 
 class SerialDispatch(_Answering):
-    def __init__(self, plan: SerialPlan, services: LegServices, exchange: Exchange) -> None:
+    def __init__(self, plan: SerialPlan, services: LegServices, exchange: Exchange,
+                 counted: InFlight) -> None:  # fmt: skip
         super().__init__(plan, services, exchange)
         self._plan = plan
+        self._counted = counted
         self._prefill = plan.prefill  # the P that answered (the fallback after a retry)
 
     async def send(self, started: float) -> bool:
@@ -300,8 +331,9 @@ class SerialDispatch(_Answering):
         plan, services, stream = self._plan, self._services, self._exchange.stream
         fallback, timeout_s = plan.fallback, None
         while True:
+            self._counted.move_to(self._prefill)  # a retry is counted at its fallback
             leg = _PrefillLeg(self._prefill, plan.p_body, plan.request_id, services,
-                              self._exchange, timeout_s)  # fmt: skip
+                              self._exchange, self._counted, timeout_s)  # fmt: skip
             try:
                 read = stream.next_message()
                 await asyncio.wait({leg.task, read}, return_when=asyncio.FIRST_COMPLETED)
@@ -338,11 +370,13 @@ class SerialDispatch(_Answering):
 class ParallelDispatch(_Answering):
     """P and D leave in one event-loop turn; D carries P's cached identity (`plan.given`)."""
 
-    def __init__(self, plan: ParallelPlan, services: LegServices, exchange: Exchange) -> None:
+    def __init__(self, plan: ParallelPlan, services: LegServices, exchange: Exchange,
+                 counted: InFlight) -> None:  # fmt: skip
         super().__init__(plan, services, exchange)
         self._plan = plan
         # Created before the answer is written: both leave in this event-loop turn.
-        self._leg = _PrefillLeg(plan.prefill, plan.p_body, plan.request_id, services, exchange)
+        self._leg = _PrefillLeg(plan.prefill, plan.p_body, plan.request_id, services, exchange,
+                                counted)  # fmt: skip
         self._settled = False  # P's outcome is known (or no longer matters)
 
     async def send(self, started: float) -> bool:
@@ -428,7 +462,7 @@ class ParallelDispatch(_Answering):
     def _stop(self) -> None:
         self._settled = True
         if not self._leg.task.done():
-            self._leg.task.cancel()
+            self._leg.cancel()
 
     def close(self, client_gone: bool) -> None:
         if client_gone and not self._leg.task.done():

@@ -512,7 +512,7 @@ async def test_d_4xx_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
     assert r.rt.identities.get(P) is not None
     await r.end()
     assert r.prefill.cancelled  # P's answer cannot change D's refusal
-    assert r.outcome("decode_4xx", "parallel", "cache_hit") == 1
+    assert r.outcome("client_error", "parallel", "cache_hit") == 1  # D refused the request
 
 
 async def test_d_below_400_is_held_until_p_answers_and_keeps_the_identity() -> None:
@@ -667,6 +667,7 @@ async def test_request_log_line_names_the_request(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.INFO, logger="extproc.request.parse"):
         await r.start(x_request_id="client-9")
         sent = await r.envoy.until_sent(2)
+        r.prefill.answer(P_ANSWER)  # D's 200 passes (held until P answers, it would not)
         await r.send(response(200))
         await r.envoy.until_sent(3)
         await r.end()
@@ -910,6 +911,33 @@ async def test_d_answer_carries_the_requests_labels_for_the_access_log() -> None
                     reason="cache_hit", model="m") == 1  # fmt: skip
 
 
+async def test_with_envoys_access_log_open_a_started_answer_is_left_to_its_entry() -> None:
+    r = Request(cached=True)
+    r.rt.access_log_streams.open = 1  # Envoy streams its access log to this process
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER)
+    await r.send(response(200))
+    sent = await r.envoy.until_sent(3)
+    await r.end()
+    # the entry will count it, by what Envoy saw of the stream (`extproc.request.access_log`)
+    assert labels(sent[2]) == {"strategy": "parallel", "model": "m", "reason": "cache_hit"}
+    assert r.sample("pd_extproc_requests_total", outcome="ok", strategy="parallel",
+                    reason="cache_hit", model="m") is None  # fmt: skip
+    assert r.rt.access_log_streams.awaiting == 1
+
+
+async def test_a_prefill_refusing_the_request_is_a_client_error() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.fail(PrefillFailed(404, "prefill endpoint p answered 404: no such model"))
+    sent = await r.envoy.until_sent(3)
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert error(sent[2])[0] == 404
+    assert r.outcome("client_error", "parallel", "cache_hit") == 1
+
+
 async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
     r = Request()
     await r.start(REQUEST | {"model": "invented"})
@@ -920,7 +948,7 @@ async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
     sent = await r.envoy.until_sent(4)
     await r.end()
     assert labels(sent[3]) == {"strategy": "serial", "model": "other"}
-    assert r.sample("pd_extproc_requests_total", outcome="decode_4xx", strategy="serial",
+    assert r.sample("pd_extproc_requests_total", outcome="client_error", strategy="serial",
                     reason="cache_miss", model="other") == 1  # fmt: skip
 
 
