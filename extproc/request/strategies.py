@@ -69,8 +69,8 @@ log = logging.getLogger("extproc.request.parse")
 
 
 class InFlight(Protocol):
-    """The request's in-flight count at its prefill (`extproc.scheduling.pool.Counted`): a P leg holds it
-    while it runs only, so that picking and admission see P's real load."""
+    """The request's in-flight count at its prefill (`extproc.scheduling.pool.Counted`): a P leg
+    holds it while it runs only, so that picking and admission see P's real load."""
 
     def move_to(self, address: str) -> None: ...
     def release(self) -> None: ...
