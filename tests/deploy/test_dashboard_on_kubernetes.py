@@ -1,0 +1,153 @@
+"""Every dashboard panel gets data from a real Prometheus that labels series as the Prometheus
+Operator does on Kubernetes: `namespace`, `pod`, `container`, `endpoint`, `job` (the Service),
+`instance` = the scraped address (podIP:port there, which is what the sidecar's `endpoint` label
+holds), and no `role` label on the engines' series. The targets are the real processes of
+docker-compose.yml's topology (2 prefill + 2 decode vllmsim, the sidecar with its Envoy) with
+the default direct P leg, so the prefill_pool cluster of Envoy carries nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.deploy import grafana
+from tests.deploy.prometheus_binary import prometheus_binary, running_prometheus
+from tests.deploy.test_helm_chart import one, render
+from tests.deploy.test_compose_topology import (
+    COMPLETION,
+    DASHBOARD,
+    TIMEOUT,
+    Topology,
+    address,
+    compose_topology,
+)
+
+SCRAPE_S = 1.0
+NAMESPACE = "llm"  # the chart tests' release namespace
+SIDECAR_POD = "pd-extproc-6d9f7c5b8-x2k4q"
+
+
+def target(url: str) -> str:
+    return url.removeprefix("http://")
+
+
+def chart_service_monitor(kube_bin: Path) -> tuple[str, dict[str, Any]]:
+    """The chart's ServiceMonitor (gateway mode): the Service it selects and its one endpoint."""
+    docs = render(kube_bin, "gateway", **{"metrics.serviceMonitor.create": "true"})
+    [endpoint] = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    return one(docs, "Service")["metadata"]["name"], endpoint
+
+
+def static(url: str, **labels: str) -> dict[str, Any]:
+    return {"targets": [target(url)], "labels": {"namespace": NAMESPACE, **labels}}
+
+
+def kubernetes_scrape_config(topo: Topology, service: str, monitor: dict[str, Any]) -> dict[str, Any]:
+    """What the Operator makes of the chart's ServiceMonitor (job = the Service, `endpoint` = the
+    port's name, honor_labels as the monitor says), of a PodMonitor per engine pool and of a
+    PodMonitor on Envoy's stats (see the module's docstring), as static targets."""
+    pod = {"namespace": NAMESPACE, "pod": SIDECAR_POD}
+    sidecar = {
+        "job_name": f"serviceMonitor/{NAMESPACE}/{service}/0",
+        "metrics_path": monitor.get("path", "/metrics"),
+        "honor_labels": monitor.get("honorLabels", False),
+        "static_configs": [static(topo.sidecar.metrics, job=service, service=service,
+                                  endpoint=monitor["port"], container="pd-extproc", **pod)],
+    }  # fmt: skip
+    envoy = {
+        "job_name": f"podMonitor/{NAMESPACE}/pd-extproc-envoy/0", "metrics_path": "/stats/prometheus",
+        "static_configs": [static(topo.sidecar.envoy_admin, job=f"{NAMESPACE}/pd-extproc-envoy",
+                                  endpoint="envoy-stats", container="envoy", **pod)],
+    }  # fmt: skip
+    jobs = [sidecar, envoy]
+    for role, engines in (("prefill", topo.prefills), ("decode", topo.decodes)):
+        jobs.append({"job_name": f"podMonitor/{NAMESPACE}/vllm-{role}/0", "static_configs": [
+            static(f"http://{address(e)}", job=f"{NAMESPACE}/vllm-{role}", pod=f"vllm-{role}-{i}",
+                   container="vllm", endpoint="http")
+            for i, e in enumerate(engines)
+        ]})  # fmt: skip
+    return {"global": {"scrape_interval": f"{SCRAPE_S:g}s"}, "scrape_configs": jobs}
+
+
+@contextlib.asynccontextmanager
+async def traffic(session: aiohttp.ClientSession, url: str) -> AsyncIterator[list[int]]:
+    """Requests one after another until the block ends (rates need traffic in their window)."""
+    statuses: list[int] = []
+
+    async def send() -> None:
+        while True:
+            async with session.post(url + "/v1/completions", json=COMPLETION) as response:
+                statuses.append(response.status)
+
+    task = asyncio.create_task(send())
+    try:
+        yield statuses
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def wait_for_every_panel(
+    prometheus: grafana.Prometheus, dashboard: dict[str, Any], within_s: float
+) -> dict[str, list[str]]:
+    """Poll until every query of every variable selection has data; the variables' values."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        found = await grafana.variable_values(prometheus, dashboard, SCRAPE_S)
+        missing = [
+            m for selection in grafana.selections(found)
+            for m in await grafana.queries_without_data(prometheus, dashboard, selection, SCRAPE_S)
+        ]  # fmt: skip
+        if not missing and all(found.values()):
+            return found
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"variables {found}; panels without data:\n" + "\n".join(missing))
+        await asyncio.sleep(SCRAPE_S)
+
+
+@pytest.mark.timeout(150)
+async def test_every_panel_gets_data_with_kubernetes_labels(tmp_path: Path, kube_bin: Path) -> None:
+    prometheus_binary()  # skip before starting anything when there is none
+    dashboard = grafana.load(DASHBOARD)
+    service, monitor = chart_service_monitor(kube_bin)
+    # kv_check every second: the transfer share needs two windows with traffic between them
+    async with (
+        compose_topology(kv_check={"interval_s": 1.0}) as topo,
+        running_prometheus(kubernetes_scrape_config(topo, service, monitor), tmp_path) as url,
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        traffic(session, topo.sidecar.url) as statuses,
+    ):
+        found = await wait_for_every_panel(grafana.Prometheus(session, url), dashboard, 90)
+    assert statuses and set(statuses) == {200}, statuses
+    assert found["namespace"] == [NAMESPACE] and found["pod"] == [SIDECAR_POD], found
+    assert found["model"] == [COMPLETION["model"]], found
+
+
+async def test_engine_panels_need_no_role_label(tmp_path: Path) -> None:
+    """The engines' series carry no `role` here, as on Kubernetes: no query may select on it,
+    or the panel would be empty there although it has data in docker compose."""
+    for query in grafana.panel_queries(grafana.load(DASHBOARD)):
+        if "vllm:" in query.expr:
+            assert "role=" not in query.expr.split("pd_extproc_endpoint_healthy")[0], query
+
+
+def test_every_query_follows_the_variables() -> None:
+    """A panel that ignores the data source, namespace or pod variable would mix in other
+    releases' series (or read the wrong Prometheus) while the others follow the selection."""
+    dashboard = grafana.load(DASHBOARD)
+    names = [v["name"] for v in dashboard["templating"]["list"]]
+    assert names == ["datasource", "namespace", "pod", "model"], names
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+            assert '$namespace"' in target["expr"] and '$pod"' in target["expr"], target
+            if "model" in target["expr"] or "vllm:" in target["expr"]:
+                assert "$model" in target["expr"], target
