@@ -10,10 +10,12 @@ API. Unknown `$name`s (label_replace's "$1") are left as they are, as Grafana le
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,3 +146,47 @@ async def queries_without_data(
         if not has_data(await prometheus.query(expr)):
             missing.append(f"{query.panel} [{query.ref_id}] {selection}: {expr}")
     return missing
+
+
+@contextlib.asynccontextmanager
+async def traffic(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> AsyncIterator[list[int]]:
+    """Requests one after another until the block ends (rates need traffic in their window)."""
+    statuses: list[int] = []
+
+    async def send() -> None:
+        while True:
+            async with session.post(url + "/v1/completions", json=body) as response:
+                statuses.append(response.status)
+
+    task = asyncio.create_task(send())
+    try:
+        yield statuses
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def wait_for_every_panel(
+    prometheus: Prometheus,
+    dashboard: dict[str, Any],
+    scrape_interval_s: float,
+    within_s: float,
+    with_values: Collection[str] = (),
+) -> dict[str, list[str]]:
+    """Poll until the variables `with_values` have values and every query of every variable
+    selection has data; returns the variables' values."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        found = await variable_values(prometheus, dashboard, scrape_interval_s)
+        missing = [
+            m for selection in selections(found)
+            for m in await queries_without_data(prometheus, dashboard, selection, scrape_interval_s)
+        ]  # fmt: skip
+        if not missing and all(found[name] for name in with_values):
+            return found
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"variables {found}; panels without data:\n" + "\n".join(missing))
+        await asyncio.sleep(scrape_interval_s)

@@ -60,10 +60,14 @@ async def _wait_ready(
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
         while asyncio.get_running_loop().time() < deadline:
             if process.returncode is not None:
-                raise RuntimeError(f"prometheus exited: {log.read_text()[-2000:]}")
+                raise RuntimeError(f"prometheus exited: {await _tail(log)}")
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with session.get(url + "/-/ready") as response:
                     if response.status == 200:
                         return
             await asyncio.sleep(0.1)
-    raise TimeoutError(f"prometheus not ready within {within_s:g} s: {log.read_text()[-2000:]}")
+    raise TimeoutError(f"prometheus not ready within {within_s:g} s: {await _tail(log)}")
+
+
+async def _tail(log: Path) -> str:
+    return (await asyncio.to_thread(log.read_text))[-2000:]

@@ -138,7 +138,8 @@ def test_prometheus_scrapes_every_exporter() -> None:
     for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
         [static] = [s for s in jobs["vllm"]["static_configs"] if s["labels"]["role"] == role]
         assert set(static["targets"]) == {e.address for e in pool.endpoints}
-        assert {f"{_ip(s)}:{ENGINE_PORT}" for s in _engines(role).values()} == set(static["targets"])
+        ips = {f"{_ip(s)}:{ENGINE_PORT}" for s in _engines(role).values()}
+        assert ips == set(static["targets"])
 
 
 def test_grafana_provisioning_points_at_the_dashboard() -> None:

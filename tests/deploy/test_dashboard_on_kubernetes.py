@@ -3,13 +3,14 @@ Operator does on Kubernetes: `namespace`, `pod`, `container`, `endpoint`, `job` 
 `instance` = the scraped address (podIP:port there, which is what the sidecar's `endpoint` label
 holds), and no `role` label on the engines' series. The targets are the real processes of
 docker-compose.yml's topology (2 prefill + 2 decode vllmsim, the sidecar with its Envoy) with
-the default direct P leg, so the prefill_pool cluster of Envoy carries nothing."""
+the default direct P leg, so the prefill_pool cluster of Envoy carries nothing.
+
+The sidecar's job is made from the chart's own ServiceMonitor. Envoy's stats are scraped as a
+PodMonitor on an Envoy stats port would scrape them: the chart keeps Envoy's admin on 127.0.0.1,
+so a Prometheus in the cluster cannot reach them (the Envoy panel says so in its description)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,6 @@ import pytest
 
 from tests.deploy import grafana
 from tests.deploy.prometheus_binary import prometheus_binary, running_prometheus
-from tests.deploy.test_helm_chart import one, render
 from tests.deploy.test_compose_topology import (
     COMPLETION,
     DASHBOARD,
@@ -27,6 +27,7 @@ from tests.deploy.test_compose_topology import (
     address,
     compose_topology,
 )
+from tests.deploy.test_helm_chart import one, render
 
 SCRAPE_S = 1.0
 NAMESPACE = "llm"  # the chart tests' release namespace
@@ -48,68 +49,40 @@ def static(url: str, **labels: str) -> dict[str, Any]:
     return {"targets": [target(url)], "labels": {"namespace": NAMESPACE, **labels}}
 
 
-def kubernetes_scrape_config(topo: Topology, service: str, monitor: dict[str, Any]) -> dict[str, Any]:
+def job(name: str, statics: list[dict[str, Any]], **settings: Any) -> dict[str, Any]:
+    return {"job_name": name, "static_configs": statics, **settings}
+
+
+def kubernetes_scrape_config(
+    topo: Topology, service: str, monitor: dict[str, Any]
+) -> dict[str, Any]:
     """What the Operator makes of the chart's ServiceMonitor (job = the Service, `endpoint` = the
     port's name, honor_labels as the monitor says), of a PodMonitor per engine pool and of a
     PodMonitor on Envoy's stats (see the module's docstring), as static targets."""
-    pod = {"namespace": NAMESPACE, "pod": SIDECAR_POD}
-    sidecar = {
-        "job_name": f"serviceMonitor/{NAMESPACE}/{service}/0",
-        "metrics_path": monitor.get("path", "/metrics"),
-        "honor_labels": monitor.get("honorLabels", False),
-        "static_configs": [static(topo.sidecar.metrics, job=service, service=service,
-                                  endpoint=monitor["port"], container="pd-extproc", **pod)],
-    }  # fmt: skip
-    envoy = {
-        "job_name": f"podMonitor/{NAMESPACE}/pd-extproc-envoy/0", "metrics_path": "/stats/prometheus",
-        "static_configs": [static(topo.sidecar.envoy_admin, job=f"{NAMESPACE}/pd-extproc-envoy",
-                                  endpoint="envoy-stats", container="envoy", **pod)],
-    }  # fmt: skip
-    jobs = [sidecar, envoy]
+    pod = {"pod": SIDECAR_POD}
+    sidecar = static(
+        topo.sidecar.metrics, job=service, service=service, endpoint=monitor["port"],
+        container="pd-extproc", **pod,
+    )  # fmt: skip
+    envoy = static(
+        topo.sidecar.envoy_admin, job=f"{NAMESPACE}/pd-extproc-envoy", endpoint="envoy-stats",
+        container="envoy", **pod,
+    )  # fmt: skip
+    jobs = [
+        job(f"serviceMonitor/{NAMESPACE}/{service}/0", [sidecar],
+            metrics_path=monitor.get("path", "/metrics"),
+            honor_labels=monitor.get("honorLabels", False)),
+        job(f"podMonitor/{NAMESPACE}/pd-extproc-envoy/0", [envoy],
+            metrics_path="/stats/prometheus"),
+    ]  # fmt: skip
     for role, engines in (("prefill", topo.prefills), ("decode", topo.decodes)):
-        jobs.append({"job_name": f"podMonitor/{NAMESPACE}/vllm-{role}/0", "static_configs": [
+        pods = [
             static(f"http://{address(e)}", job=f"{NAMESPACE}/vllm-{role}", pod=f"vllm-{role}-{i}",
                    container="vllm", endpoint="http")
             for i, e in enumerate(engines)
-        ]})  # fmt: skip
-    return {"global": {"scrape_interval": f"{SCRAPE_S:g}s"}, "scrape_configs": jobs}
-
-
-@contextlib.asynccontextmanager
-async def traffic(session: aiohttp.ClientSession, url: str) -> AsyncIterator[list[int]]:
-    """Requests one after another until the block ends (rates need traffic in their window)."""
-    statuses: list[int] = []
-
-    async def send() -> None:
-        while True:
-            async with session.post(url + "/v1/completions", json=COMPLETION) as response:
-                statuses.append(response.status)
-
-    task = asyncio.create_task(send())
-    try:
-        yield statuses
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-async def wait_for_every_panel(
-    prometheus: grafana.Prometheus, dashboard: dict[str, Any], within_s: float
-) -> dict[str, list[str]]:
-    """Poll until every query of every variable selection has data; the variables' values."""
-    deadline = asyncio.get_running_loop().time() + within_s
-    while True:
-        found = await grafana.variable_values(prometheus, dashboard, SCRAPE_S)
-        missing = [
-            m for selection in grafana.selections(found)
-            for m in await grafana.queries_without_data(prometheus, dashboard, selection, SCRAPE_S)
         ]  # fmt: skip
-        if not missing and all(found.values()):
-            return found
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"variables {found}; panels without data:\n" + "\n".join(missing))
-        await asyncio.sleep(SCRAPE_S)
+        jobs.append(job(f"podMonitor/{NAMESPACE}/vllm-{role}/0", pods))
+    return {"global": {"scrape_interval": f"{SCRAPE_S:g}s"}, "scrape_configs": jobs}
 
 
 @pytest.mark.timeout(150)
@@ -122,15 +95,18 @@ async def test_every_panel_gets_data_with_kubernetes_labels(tmp_path: Path, kube
         compose_topology(kv_check={"interval_s": 1.0}) as topo,
         running_prometheus(kubernetes_scrape_config(topo, service, monitor), tmp_path) as url,
         aiohttp.ClientSession(timeout=TIMEOUT) as session,
-        traffic(session, topo.sidecar.url) as statuses,
+        grafana.traffic(session, topo.sidecar.url, COMPLETION) as statuses,
     ):
-        found = await wait_for_every_panel(grafana.Prometheus(session, url), dashboard, 90)
+        prometheus = grafana.Prometheus(session, url)
+        found = await grafana.wait_for_every_panel(
+            prometheus, dashboard, SCRAPE_S, 90, with_values=("namespace", "pod", "model")
+        )
     assert statuses and set(statuses) == {200}, statuses
     assert found["namespace"] == [NAMESPACE] and found["pod"] == [SIDECAR_POD], found
     assert found["model"] == [COMPLETION["model"]], found
 
 
-async def test_engine_panels_need_no_role_label(tmp_path: Path) -> None:
+def test_engine_panels_need_no_role_label() -> None:
     """The engines' series carry no `role` here, as on Kubernetes: no query may select on it,
     or the panel would be empty there although it has data in docker compose."""
     for query in grafana.panel_queries(grafana.load(DASHBOARD)):
