@@ -5,9 +5,8 @@ holds), and no `role` label on the engines' series. The targets are the real pro
 docker-compose.yml's topology (2 prefill + 2 decode vllmsim, the sidecar with its Envoy) with
 the default direct P leg, so the prefill_pool cluster of Envoy carries nothing.
 
-The sidecar's job is made from the chart's own ServiceMonitor. Envoy's stats are scraped as a
-PodMonitor on an Envoy stats port would scrape them: the chart keeps Envoy's admin on 127.0.0.1,
-so a Prometheus in the cluster cannot reach them (the Envoy panel says so in its description)."""
+The sidecar's jobs are made from the chart's own ServiceMonitor: its metrics, and Envoy's stats,
+which the sidecar serves on the same port (Envoy's admin stays on 127.0.0.1 in the pod)."""
 
 from __future__ import annotations
 
@@ -38,11 +37,11 @@ def target(url: str) -> str:
     return url.removeprefix("http://")
 
 
-def chart_service_monitor(kube_bin: Path) -> tuple[str, dict[str, Any]]:
-    """The chart's ServiceMonitor (gateway mode): the Service it selects and its one endpoint."""
+def chart_service_monitor(kube_bin: Path) -> tuple[str, list[dict[str, Any]]]:
+    """The chart's ServiceMonitor (gateway mode): the Service it selects and its endpoints."""
     docs = render(kube_bin, "gateway", **{"metrics.serviceMonitor.create": "true"})
-    [endpoint] = one(docs, "ServiceMonitor")["spec"]["endpoints"]
-    return one(docs, "Service")["metadata"]["name"], endpoint
+    endpoints = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    return one(docs, "Service")["metadata"]["name"], endpoints
 
 
 def static(url: str, **labels: str) -> dict[str, Any]:
@@ -54,27 +53,23 @@ def job(name: str, statics: list[dict[str, Any]], **settings: Any) -> dict[str, 
 
 
 def kubernetes_scrape_config(
-    topo: Topology, service: str, monitor: dict[str, Any]
+    topo: Topology, service: str, monitor: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """What the Operator makes of the chart's ServiceMonitor (job = the Service, `endpoint` = the
-    port's name, honor_labels as the monitor says), of a PodMonitor per engine pool and of a
-    PodMonitor on Envoy's stats (see the module's docstring), as static targets."""
-    pod = {"pod": SIDECAR_POD}
-    sidecar = static(
-        topo.sidecar.metrics, job=service, service=service, endpoint=monitor["port"],
-        container="pd-extproc", **pod,
-    )  # fmt: skip
-    envoy = static(
-        topo.sidecar.envoy_admin, job=f"{NAMESPACE}/pd-extproc-envoy", endpoint="envoy-stats",
-        container="envoy", **pod,
-    )  # fmt: skip
-    jobs = [
-        job(f"serviceMonitor/{NAMESPACE}/{service}/0", [sidecar],
-            metrics_path=monitor.get("path", "/metrics"),
-            honor_labels=monitor.get("honorLabels", False)),
-        job(f"podMonitor/{NAMESPACE}/pd-extproc-envoy/0", [envoy],
-            metrics_path="/stats/prometheus"),
-    ]  # fmt: skip
+    """What the Operator makes of the chart's ServiceMonitor (a job per endpoint; `job` = the
+    Service, `endpoint` = the port's name, honor_labels as the endpoint says) and of a
+    PodMonitor per engine pool, as static targets."""
+    jobs = []
+    for i, endpoint in enumerate(monitor):
+        assert endpoint["port"] == "metrics", endpoint  # the sidecar's port: topo.sidecar.metrics
+        sidecar = static(
+            topo.sidecar.metrics, job=service, service=service, endpoint=endpoint["port"],
+            container="pd-extproc", pod=SIDECAR_POD,
+        )  # fmt: skip
+        jobs.append(job(
+            f"serviceMonitor/{NAMESPACE}/{service}/{i}", [sidecar],
+            metrics_path=endpoint.get("path", "/metrics"),
+            honor_labels=endpoint.get("honorLabels", False),
+        ))  # fmt: skip
     for role, engines in (("prefill", topo.prefills), ("decode", topo.decodes)):
         pods = [
             static(f"http://{address(e)}", job=f"{NAMESPACE}/vllm-{role}", pod=f"vllm-{role}-{i}",
