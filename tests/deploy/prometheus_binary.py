@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.subprocesses import terminate
+from extproc.process.subprocesses import terminate
 
 INSTALL_HINT = "apt-get install -y --no-install-recommends prometheus (.ci/run does)"
 
