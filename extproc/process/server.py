@@ -48,7 +48,7 @@ READY_PATH = "/ready"  # Kubernetes readinessProbe: this process can answer Envo
 LIVE_PATH = "/live"  # livenessProbe: this process answers at all
 ENVOY_STATS_PATH = "/envoy/stats/prometheus"
 _ENVOY_STATS_TIMEOUT = aiohttp.ClientTimeout(total=5)
-_ENVOY_STATS_MAX_BYTES = 32 * 1024 * 1024  # a few hundred KiB for pd-extproc's clusters
+_ENVOY_STATS_MAX_BYTES = 8 * 1024 * 1024  # far above the stats of the clusters pd-extproc renders
 
 # Whole bodies travel in one gRPC message; Python's default 4 MiB would cap prompts.
 _GRPC_OPTIONS = [
