@@ -162,6 +162,7 @@ async def _serve(
     runtime = Runtime(config, prefill_listener)
     await runtime.discover()  # the first answer already knows every pool member
     server = ExtProcServer(runtime)
+    server.envoy_admin = _configured_envoy_admin(config)
     await _start_or_stop(server)
     reloads = HangupReloads(lambda: reload_runtime(runtime, config_path))
     try:
@@ -178,6 +179,16 @@ async def _serve(
         log.info("draining %d open requests", runtime.active_streams)
         await server.stop(runtime.config.timeouts.drain_s)
     return 0
+
+
+def _configured_envoy_admin(config: Config) -> str:
+    """`serve`: the Envoy is the user's; envoy.admin says where its admin is (as `render-envoy`
+    renders it), when it names a port. A wildcard host is reached on loopback."""
+    admin = config.envoy.admin
+    if admin.port == 0 or admin.host.startswith("unix:"):
+        return ""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(admin.host, admin.host)
+    return f"http://[{host}]:{admin.port}" if ":" in host else f"http://{host}:{admin.port}"
 
 
 NO_LISTENER = "unix:/nonexistent"  # an endpoint picker's P legs go straight to the engines

@@ -78,6 +78,7 @@ class Sidecar:
             self.envoy.config_path.write_text(render_yaml(bootstrap))
             await self.runtime.discover()  # Envoy's first EDS answer holds every member
             await self.envoy.start()
+            self.server.envoy_admin = self.envoy.admin_url
             await self.runtime.start()
             await self.server.ready()
             ingress = await self.envoy.listener_address("ingress")
