@@ -547,7 +547,7 @@ class Recorder:
 async def test_policies_see_the_model_session_and_prompt_start() -> None:
     r = Request(cached=True, dispatch={"session_header": "x-conversation"})
     decode, prefill = Recorder(), Recorder()
-    r.rt.groups[""].pickers.update(decode=decode, prefill=prefill)
+    r.rt.scheduler.groups[""].pickers.update(decode=decode, prefill=prefill)
     long_prompt = "x" * 5000
     await r.start(REQUEST | {"prompt": long_prompt}, x_conversation="conv-7")
     sent = await r.envoy.until_sent(2)
@@ -562,7 +562,7 @@ async def test_policies_see_the_model_session_and_prompt_start() -> None:
 async def test_chat_messages_are_the_prompt_start_and_no_session_is_none() -> None:
     r = Request()
     decode = Recorder()
-    r.rt.groups[""].pickers["decode"] = decode
+    r.rt.scheduler.groups[""].pickers["decode"] = decode
     await r.start({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
                   path="/v1/chat/completions")  # fmt: skip
     await r.envoy.until_sent(2)
