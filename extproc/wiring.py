@@ -1,6 +1,7 @@
 """Config → the live objects one ext_proc process shares between its streams.
 
-This is the one module that builds the request path's and the background loops' objects;
+This is the one module that builds the request path's and the background loops' objects (the
+scheduler that picks a request's endpoints among them is `extproc.scheduling.scheduler`);
 everything else receives what it needs through its constructor (often a small Protocol the
 consumer declares) and imports nothing from here. A reload builds the config-derived state
 anew and swaps it in; `RELOAD` says how each setting is taken, and a setting that needs a
@@ -46,7 +47,7 @@ __all__ = ["RELOAD", "Runtime"]
 
 log = logging.getLogger("extproc")
 
-LIVE = "live"  # read from the current config where it is used
+LIVE = "live"  # a request reads its snapshot, taken when it starts; the loops read it now
 REBUILT = "rebuilt"  # config-derived state, built anew by a reload and swapped in
 RESTART = "restart"  # fixed at start (Envoy's bootstrap, listeners, logging, the tracer)
 
