@@ -147,7 +147,7 @@ class Runtime:
         self.kv_compat = KvCompatibility()  # P/D pairs the probe saw fail to exchange KV
         prober = Prober(
             self.prefill_client, self.identities, self.decode,
-            lambda prefill: self.scheduler.group_of(Role.PREFILL, prefill).members[Role.DECODE],
+            self.scheduler.decodes_of,
             self.metrics, settings, self.model_labels.served, self.kv_compat,
         )  # fmt: skip
         self.kv_check = KvCheck(

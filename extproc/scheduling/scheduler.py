@@ -128,6 +128,10 @@ class Scheduler:
         return next((g for g in self.groups.values() if address in g.members[role]),
                     self.groups[""])  # fmt: skip
 
+    def decodes_of(self, prefill: str) -> set[str]:
+        """The decode endpoints `prefill` is paired with (its group's)."""
+        return self.group_of(Role.PREFILL, prefill).members[Role.DECODE]
+
     def set_group_members(self, model: str, role: Role, members: list[str]) -> None:
         self.groups[model].members[role] = set(members)
 
