@@ -26,9 +26,9 @@ def config(**sections: Any) -> Config:
 
 
 def scheduler(cfg: Config) -> Scheduler:
-    pools = (Pool(role, cfg.static_addresses(role), build_picker("round_robin"))
-             for role in (Role.PREFILL, Role.DECODE))  # fmt: skip
-    return Scheduler(cfg, *pools, Metrics())
+    prefill, decode = (Pool(role, cfg.static_addresses(role), build_picker("round_robin"))
+                       for role in (Role.PREFILL, Role.DECODE))  # fmt: skip
+    return Scheduler(cfg, prefill, decode, Metrics())
 
 
 def in_flight(s: Scheduler) -> dict[str, int]:
