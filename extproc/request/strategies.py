@@ -105,7 +105,6 @@ class LegServices:
     mark_unreachable: Callable[[str], None]  # a prefill endpoint Envoy could not reach
     note_dispatch: Callable[[str], None]  # a disaggregated request went to this decode
     metrics: Metrics
-    config: Callable[[], Config]  # the current config: a reload swaps it
     # a decode-only request went to this decode, with a body of this many bytes
     note_decode_only: Callable[[str, int], None] = lambda decode, body_bytes: None
 
@@ -119,6 +118,7 @@ class Exchange:
     path: str  # the API path, the same for P
     forwarded: dict[str, str]  # client headers the P leg carries too
     client_request_id: str
+    config: Config  # the request's snapshot, taken when its stream opened
     streamed: bool = False  # the body streamed in (FULL_DUPLEX_STREAMED), else buffered
     # endpoint picker: the destination goes out as dynamic metadata in this namespace too
     destination_namespace: str | None = None
@@ -197,7 +197,7 @@ class _PrefillLeg:
         self._counted = counted
         self.started = time.perf_counter()
         exchange.trace.prefill_started()
-        timeout_s = services.config().timeouts.prefill_s if timeout_s is None else timeout_s
+        timeout_s = exchange.config.timeouts.prefill_s if timeout_s is None else timeout_s
         self.task: asyncio.Task[PrefillResult] = asyncio.create_task(
             self._sent(body, request_id, exchange, timeout_s)
         )
@@ -311,17 +311,17 @@ class SerialDispatch(_Answering):
         self._prefill = plan.prefill  # the P that answered (the fallback after a retry)
 
     async def send(self, started: float) -> bool:
-        plan, services, stream = self._plan, self._services, self._exchange.stream
-        prefill_s = services.config().timeouts.prefill_s
-        if not self._exchange.streamed:  # a streamed body's answer has no Envoy timer
-            await stream.write(envoy_msgs.extend_timeout(prefill_s + 1))
+        plan, exchange = self._plan, self._exchange
+        prefill_s = exchange.config.timeouts.prefill_s
+        if not exchange.streamed:  # a streamed body's answer has no Envoy timer
+            await exchange.stream.write(envoy_msgs.extend_timeout(prefill_s + 1))
         waited = time.perf_counter()
         kv_params = await self._prefilled(waited + prefill_s)
         if kv_params is None:
             return False
         started += time.perf_counter() - waited
         d_body = decode_body(plan.parts, kv_params)
-        check_fits(services.config().limits.max_body_bytes, d_body)  # P's params known now
+        check_fits(exchange.config.limits.max_body_bytes, d_body)  # P's params known now
         await self._answer(d_body, started)
         return True
 
@@ -422,7 +422,7 @@ class ParallelDispatch(_Answering):
             return True
         task, stream = self._leg.task, self._exchange.stream
         if not task.done():
-            wait_s = self._services.config().timeouts.prefill_s  # the leg's own timeout is sooner
+            wait_s = self._exchange.config.timeouts.prefill_s  # the leg's own timeout is sooner
             await stream.write(envoy_msgs.extend_timeout(wait_s + 1))
             read = stream.next_message()
             await asyncio.wait({task, read}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
@@ -451,7 +451,7 @@ class ParallelDispatch(_Answering):
         """
         task = self._leg.task
         if not self._settled and not task.done():
-            grace = self._services.config().timeouts.decode_error_grace_s
+            grace = self._exchange.config.timeouts.decode_error_grace_s
             await self._exchange.stream.write(envoy_msgs.extend_timeout(grace + 1))
             await asyncio.wait({task}, timeout=grace)
         still_running = self.watch() is not None  # raises a restart P revealed meanwhile

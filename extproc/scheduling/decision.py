@@ -142,18 +142,15 @@ class _DecodeState:
 class Decider:
     """The decision's state: per-D stall buckets and pending prompts."""
 
-    def __init__(self, settings: Callable[[], DecisionConfig], metrics: Metrics) -> None:
-        self._settings = settings
+    def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         self._decodes: dict[str, _DecodeState] = {}
 
-    @property
-    def enabled(self) -> bool:
-        return self._settings().mode is not DecisionMode.OFF
-
-    def decide(self, prompt_bytes: int, decode: str, d: EngineLoad, p: EngineLoad) -> Decision:
-        """Decode-only or not, for a request already counted in flight on `decode`."""
-        cfg, now = self._settings(), time.monotonic()
+    def decide(self, cfg: DecisionConfig, prompt_bytes: int, decode: str, d: EngineLoad,
+               p: EngineLoad) -> Decision:  # fmt: skip
+        """Decode-only or not, for a request already counted in flight on `decode`; `cfg`:
+        the request's config snapshot."""
+        now = time.monotonic()
         tokens = estimate_tokens(prompt_bytes, cfg.bytes_per_token)
         # Ours exactly (this request not counted), plus what others sent as of the last scrape:
         # the scrape alone is up to an interval old, and a request ends in less.
