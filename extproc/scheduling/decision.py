@@ -32,9 +32,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from extproc.config import DecisionConfig, DecisionMode
+from extproc.policies.base import EndpointView
 
 if TYPE_CHECKING:
     from extproc.metrics import Metrics
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Decider",
     "Decision",
-    "EngineLoad",
     "decide",
     "estimate_tokens",
 ]
@@ -53,23 +53,6 @@ DECODE_ONLY = "decode_only"
 
 def estimate_tokens(prompt_bytes: int, bytes_per_token: float) -> int:
     return math.ceil(prompt_bytes / bytes_per_token)
-
-
-class EngineLoad(Protocol):
-    """What the decision reads of an endpoint (the pool's state)."""
-
-    @property
-    def in_flight(self) -> int: ...
-    @property
-    def waiting(self) -> float: ...
-    @property
-    def running(self) -> float: ...
-    @property
-    def kv_usage(self) -> float: ...
-    @property
-    def queued_tokens(self) -> int: ...  # prompt tokens of P legs in flight there
-    @property
-    def foreign(self) -> float: ...  # running + waiting beyond ours, at the last scrape
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +128,7 @@ class Decider:
     def enabled(self) -> bool:
         return self._settings().mode is not DecisionMode.OFF
 
-    def decide(self, prompt_bytes: int, decode: str, d: EngineLoad, p: EngineLoad) -> Decision:
+    def decide(self, prompt_bytes: int, decode: str, d: EndpointView, p: EndpointView) -> Decision:
         """Decode-only or not, for a request already counted in flight on `decode`."""
         cfg, now = self._settings(), time.monotonic()
         tokens = estimate_tokens(prompt_bytes, cfg.bytes_per_token)
