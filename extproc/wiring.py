@@ -33,12 +33,16 @@ from extproc.metrics import Metrics
 from extproc.model_labels import ModelLabels
 from extproc.protocol.identity import IdentityCache
 from extproc.request.access_log import AccessLogStreams
-from extproc.request.prefill_direct import DirectPrefillClient
-from extproc.request.prefill_leg import PrefillClient, PrefillPaths
+from extproc.request.prefill_client import (
+    PrefillClient,
+    PrefillPaths,
+    ThroughListener,
+    ToEngine,
+    TrackedPrefillSender,
+)
 from extproc.request.processor import RequestDeps
 from extproc.request.strategies import LegServices
 from extproc.roles import Role
-from extproc.scheduling.decision import TrackedPrefillSender
 from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import Scheduler, pool_picker
 from extproc.tracing import Tracing
@@ -138,8 +142,8 @@ class Runtime:
             for state in pool:
                 self._endpoint_changed(pool.role)(state)
         self.prefill_client = PrefillPaths(
-            PrefillClient(prefill_listener, config.timeouts.connect_s),
-            DirectPrefillClient(config.timeouts.connect_s, self._direct_leg_key),
+            PrefillClient(ThroughListener(prefill_listener, config.timeouts.connect_s)),
+            PrefillClient(ToEngine(config.timeouts.connect_s, self._direct_leg_key)),
             # an endpoint picker has no prefill listener: its P legs go to the engine
             (lambda: "direct") if endpoint_picker else lambda: self.config.dispatch.prefill_leg,
         )

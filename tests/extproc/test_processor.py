@@ -16,7 +16,7 @@ from grpc import aio
 from extproc.config import parse_config
 from extproc.errors import PrefillFailed
 from extproc.protocol.identity import identity_from_params
-from extproc.request.prefill_leg import PrefillResult
+from extproc.request.prefill_client import PrefillResult
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime

@@ -23,7 +23,7 @@ from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUn
 from extproc.policies import PickRequest
 from extproc.protocol.identity import identity_from_params
 from extproc.request import envoy_msgs
-from extproc.request.prefill_leg import PrefillResult
+from extproc.request.prefill_client import PrefillCall, PrefillResult
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.scheduling.pool import EndpointState
@@ -74,8 +74,9 @@ class Prefill:
         self.called = asyncio.Event()
         self.cancelled = False
 
-    async def send(self, *args: Any) -> PrefillResult:
-        self.calls.append(args)
+    async def send(self, call: PrefillCall) -> PrefillResult:
+        # (endpoint, path, body, request_id, timeout_s, headers)
+        self.calls.append(dataclasses.astuple(call))
         self.called.set()
         try:
             outcome = await self.outcome
@@ -218,12 +219,12 @@ class FailsOnce(Prefill):
         super().__init__()
         self._error: Exception | None = error
 
-    async def send(self, *args: Any) -> PrefillResult:
+    async def send(self, call: PrefillCall) -> PrefillResult:
         if self._error is not None:
-            self.calls.append(args)
+            self.calls.append(dataclasses.astuple(call))
             error, self._error = self._error, None
             raise error
-        return await super().send(*args)
+        return await super().send(call)
 
 
 @pytest.mark.parametrize("error", [
