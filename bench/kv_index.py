@@ -7,15 +7,18 @@ lookup on the event loop. Prints two tables; run it alone (it times things):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import random
 import statistics
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 from extproc.kvcache.events import BlocksStored
 from extproc.kvcache.index import KvIndex, chain_keys
+from extproc.kvcache.tokens import OffLoopTokenizer, RequestTokenizer
 
 _BLOCK = 16
 
@@ -33,7 +36,7 @@ def _conversation_events(rng: random.Random, blocks: int, chain: int) -> list[Bl
 def measure_memory(blocks: int, engines: int) -> None:
     rng = random.Random(7)
     per_engine = blocks // engines
-    print(f"| blocks | engines | traced MiB | bytes/block | estimate MiB |")
+    print("| blocks | engines | traced MiB | bytes/block | estimate MiB |")
     print("|---:|---:|---:|---:|---:|")
     gc.collect()
     tracemalloc.start()  # before the events: the engine hashes they carry stay in the index
@@ -48,41 +51,63 @@ def measure_memory(blocks: int, engines: int) -> None:
           f"{index.bytes_estimate() / 2**20:.1f} |")
 
 
-def _timed(fn: object, repeat: int) -> float:
+def _timed(fn: Callable[[], object], repeat: int) -> float:
     samples = []
     for _ in range(repeat):
         start = time.perf_counter()
-        fn()  # type: ignore[operator]
+        fn()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples) * 1e3
 
 
-def measure_request_cost(tokenizer_dir: Path | None, engines: int) -> None:
-    from extproc.kvcache.tokens import RequestTokenizer
+def _loop_cpu_ms(off: OffLoopTokenizer, text: str, repeat: int) -> tuple[float, float]:
+    """CPU of the event loop's thread, and wall time, per request tokenized off the loop."""
 
-    tokenizer = RequestTokenizer.from_path(tokenizer_dir) if tokenizer_dir else None
+    async def run() -> tuple[float, float]:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        for _ in range(repeat):
+            await off.completion(text)
+        return ((time.thread_time() - cpu) / repeat * 1e3,
+                (time.perf_counter() - wall) / repeat * 1e3)
+
+    return asyncio.run(run())
+
+
+def measure_request_cost(tokenizer_dir: Path | None, engines: int) -> None:
     rng = random.Random(11)
-    words = [f"w{rng.randrange(5000)}" for _ in range(4000)]
     index = KvIndex(max_blocks=1_000_000)
     print("\n| step (1024-token request) | median ms |")
     print("|---|---:|")
-    if tokenizer is not None:
-        text = " ".join(words)
-        ids = tokenizer.completion(text)
-        text = tokenizer.decode(ids[1:1024])
-        ids = tokenizer.completion(text)[:1024]
-        messages = [{"role": "system", "content": text[: len(text) // 2]},
-                    {"role": "user", "content": text[len(text) // 2 :]}]
-        print(f"| completion tokenize ({len(ids)} ids) | {_timed(lambda: tokenizer.completion(text), 200):.3f} |")
-        print(f"| chat render + tokenize | {_timed(lambda: tokenizer.chat(messages), 200):.3f} |")
+    if tokenizer_dir is not None:
+        tok = RequestTokenizer.from_path(tokenizer_dir)
+        text = tok.decode(tok.completion(" ".join(f"w{rng.randrange(5000)}" for _ in range(4000)))
+                          [1:1024])
+        ids = tok.completion(text)[:1024]
+        half = len(text) // 2
+        messages = [{"role": "system", "content": text[:half]},
+                    {"role": "user", "content": text[half:]}]
+        rows = {
+            f"completion: tokenize on the loop ({len(ids)} ids)": lambda: tok.completion(text),
+            "chat: render the template": lambda: tok.render_chat(messages),
+            "chat: render + tokenize on the loop": lambda: tok.chat(messages),
+        }
+        for name, fn in rows.items():
+            print(f"| {name} | {_timed(fn, 300):.3f} |")
+        off = OffLoopTokenizer(tok)
+        cpu, wall = _loop_cpu_ms(off, text, 300)
+        off.close()
+        print(f"| completion off the loop: loop-thread CPU | {cpu:.3f} |")
+        print(f"| completion off the loop: wall | {wall:.3f} |")
     else:
         ids = [rng.randrange(32_000) for _ in range(1024)]
-    for i in range(engines):  # every engine holds half the prompt
-        keys_held = len(chain_keys(ids, _BLOCK)) // 2
-        hashes = tuple(range(1 + i * 1000, 1 + i * 1000 + keys_held))
-        index.apply(f"engine-{i}", [BlocksStored(hashes, None, tuple(ids[: keys_held * _BLOCK]),
+    held = len(chain_keys(ids, _BLOCK))
+    for i in range(engines):  # engine i holds the first (i + 1) / engines of the prompt
+        n = held * (i + 1) // engines
+        hashes = tuple(range(1 + i * 1000, 1 + i * 1000 + n))
+        index.apply(f"engine-{i}", [BlocksStored(hashes, None, tuple(ids[: n * _BLOCK]),
                                                  _BLOCK, True)])
-    print(f"| longest prefix, {engines} engines | {_timed(lambda: index.longest_prefix(ids), 500):.3f} |")
+    name = f"longest prefix, {engines} engines (one holds it all)"
+    print(f"| {name} | {_timed(lambda: index.longest_prefix(ids), 500):.3f} |")
 
 
 def main() -> None:
