@@ -28,7 +28,7 @@ def _conversation_events(rng: random.Random, blocks: int, chain: int) -> list[Bl
     events = []
     for _ in range(blocks // chain):
         tokens = tuple(rng.randrange(32_000) for _ in range(chain * _BLOCK))
-        hashes = tuple(rng.getrandbits(64) for _ in range(chain))  # as engine_hash() gives
+        hashes = tuple(rng.getrandbits(60) for _ in range(chain))  # as engine_hash() gives
         events.append(BlocksStored(hashes, None, tokens, _BLOCK, True))
     return events
 

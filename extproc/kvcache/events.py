@@ -30,7 +30,7 @@ _MAX_ARRAY = 1 << 20  # the longest array: token ids of one BlockStored
 _MAX_STR = 4096
 _MAX_BIN = 1024  # a block hash is 32 bytes
 _MAX_MAP = 64
-_HASH_MASK = (1 << 64) - 1
+_HASH_MASK = (1 << 60) - 1  # of vLLM's 64: below 2**60 a Python int is 32 bytes, above it 36
 _INDEXED_MEDIA = (None, "GPU")  # blocks an engine can prefix-hit at once; CPU/storage tiers are not
 
 
@@ -74,7 +74,7 @@ class EventBatch:
 
 
 def engine_hash(value: object) -> int:
-    """An engine's block hash as a 64-bit int: vLLM sends 32 bytes or (with
+    """An engine's block hash as an int of 60 bits: vLLM sends 32 bytes or (with
     VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) their low 64 bits, and both give the same int here."""
     if isinstance(value, bytes):
         if not value:

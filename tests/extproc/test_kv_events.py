@@ -22,7 +22,7 @@ def test_a_batch_decodes_to_its_blocks() -> None:
                                  removed([7]), cleared(), ts=12.5))
     assert decoded.ts == 12.5
     assert decoded.events == (
-        BlocksStored((0x0101010101010101, 7), None, tuple(range(8)), 4, True),
+        BlocksStored((0x0101010101010101 & (2**60 - 1), 7), None, tuple(range(8)), 4, True),
         BlocksRemoved((7,)),
         AllCleared(),
     )

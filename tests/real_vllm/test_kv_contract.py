@@ -24,8 +24,9 @@ from scripts.cached_envs import tiny_model, vllm_venv
 pytestmark = pytest.mark.real_vllm
 
 SIDE = str(Path(__file__).with_name("kv_vllm_side.py"))
-H1, H2, H3 = (int.from_bytes(bytes([b]) * 8, "big") for b in (0x11, 0x22, 0x33))
-H4 = int.from_bytes(b"\x44" * 8, "big")
+# the low 60 bits of each engine hash (what the index keeps of vLLM's 64)
+H1, H2, H3, H4 = (int.from_bytes(bytes([b]) * 8, "big") & (2**60 - 1)
+                  for b in (0x11, 0x22, 0x33, 0x44))
 
 
 def _vllm(*args: str, stdin: str = "") -> str:
