@@ -184,7 +184,7 @@ class Metrics:
         self.kv_event_batches = Counter(
             "pd_extproc_kv_event_batches",
             "KV event batches received from an engine, by outcome: applied, replayed (applied "
-            "from the replay socket), malformed (skipped), stale (before a replay's end).",
+            "from the replay socket), malformed (skipped).",
             ["endpoint", "outcome"],
             registry=r,
         )
