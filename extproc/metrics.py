@@ -225,5 +225,19 @@ class Metrics:
             with contextlib.suppress(KeyError):
                 self.kv_transfer_share.remove(address)
 
+    def forget_kv_engine(self, endpoint: str) -> None:
+        """Drop the KV-event series of an engine that left the index."""
+        series = {
+            self.kv_event_batches: ("applied", "replayed", "malformed"),
+            self.kv_event_replays: ("filled", "short", "failed", "skipped"),
+            self.kv_index_resets: ("gap", "restart", "cleared"),
+        }
+        for counter, values in series.items():
+            for value in values:
+                with contextlib.suppress(KeyError):
+                    counter.remove(endpoint, value)
+        with contextlib.suppress(KeyError):
+            self.kv_event_gaps.remove(endpoint)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

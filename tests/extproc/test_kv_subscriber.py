@@ -1,6 +1,6 @@
 """An engine's KV events over real ZMQ sockets on 127.0.0.1: in-order batches, gaps filled by
 replay from a ROUTER serving vLLM's protocol, gaps that cannot be filled, restarts, malformed
-messages and a flood."""
+messages, a flood, and the set of subscribers following the pools' membership."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from extproc.kvcache.index import KvIndex
 from extproc.kvcache.subscriber import EngineEvents, SubscriberLimits
+from extproc.kvcache.watchers import EventSource, KvEventWatchers
 from extproc.metrics import Metrics
 from extproc.stopping import cancel_and_wait
 from tests.extproc.kv_events_helpers import batch, chain, cleared, removed
@@ -237,3 +238,36 @@ async def test_a_flood_stays_within_the_bound_and_its_budget(engine: FakeEngine,
         await applied(events, metrics, 1200)
         assert time.monotonic() - started >= 1.0  # 1000 batches a second at most
         assert index.blocks <= 500
+
+
+async def test_watchers_follow_the_membership(ctx: Any) -> None:
+    a, b = FakeEngine(ctx), FakeEngine(ctx)
+    index, metrics = KvIndex(max_blocks=1000), Metrics()
+    watchers = KvEventWatchers(index, metrics, context=ctx)
+    try:
+        sources = {name: EventSource(e.endpoint, e.replay_endpoint) for name, e in
+                   (("a", a), ("b", b))}
+        await watchers.set_sources(sources)
+        for name, fake in (("a", a), ("b", b)):
+            await fake.send(batch(chain(1, TOKENS[:8])))
+            await joined(fake, watchers._watching[name][1])
+        assert index.longest_prefix(TOKENS) == {"a": 2, "b": 2}
+        scraped = metrics.render().decode()
+        assert 'pd_extproc_kv_event_batches_total{endpoint="b"' in scraped
+
+        await watchers.set_sources({"a": sources["a"]})  # b left the pool
+        assert index.engines() == ["a"] and index.blocks == 2
+        assert 'endpoint="b"' not in metrics.render().decode()
+
+        moved = EventSource(b.endpoint, b.replay_endpoint)  # a now publishes elsewhere
+        await watchers.set_sources({"a": moved})
+        assert index.longest_prefix(TOKENS) == {"a": 0}  # what it held is unknown again
+        await joined(b, watchers._watching["a"][1])
+        assert index.longest_prefix(TOKENS) == {"a": 2}  # b's replay, now under a's name
+        tasks = [events._task for _, events in watchers._watching.values()]
+    finally:
+        await watchers.stop()
+        await a.close()
+        await b.close()
+    assert watchers.sources() == {} and index.engines() == []
+    assert all(task is not None and task.done() for task in tasks)
