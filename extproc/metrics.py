@@ -205,7 +205,8 @@ class Metrics:
         self.kv_index_resets = Counter(
             "pd_extproc_kv_index_resets",
             "Times an engine's index entries were dropped, by why: gap (not filled by replay), "
-            "restart (its sequence went back), cleared (it sent AllBlocksCleared).",
+            "restart (its sequence went back), cleared (it sent AllBlocksCleared), malformed "
+            "(a batch that could not be decoded).",
             ["endpoint", "reason"],
             registry=r,
         )
@@ -230,7 +231,7 @@ class Metrics:
         series = {
             self.kv_event_batches: ("applied", "replayed", "malformed"),
             self.kv_event_replays: ("filled", "short", "failed", "skipped"),
-            self.kv_index_resets: ("gap", "restart", "cleared"),
+            self.kv_index_resets: ("gap", "restart", "cleared", "malformed"),
         }
         for counter, values in series.items():
             for value in values:

@@ -131,9 +131,10 @@ class EngineEvents:
         self._next_seq = seq + 1
         try:
             batch = decode_batch(payload)
-        except MalformedBatch as exc:
+        except MalformedBatch as exc:  # what it said is lost, a BlockRemoved perhaps: as a gap
             self._metrics.kv_event_batches.labels(self.engine, "malformed").inc()
             log.debug("KV events of %s: batch %d skipped: %s", self.engine, seq, exc.reason)
+            self._reset("malformed")
             return
         if any(isinstance(event, AllCleared) for event in batch.events):
             self._metrics.kv_index_resets.labels(self.engine, "cleared").inc()

@@ -217,12 +217,14 @@ async def test_malformed_messages_are_counted_and_skipped(engine: FakeEngine, ct
         base = count(metrics.kv_event_batches, "e", "applied")
         await engine.pub.send_multipart([b"", b"\x00\x01"])  # two frames
         await engine.pub.send_multipart([b"", b"short", b"x"])  # a 5-byte sequence number
-        await engine.send(b"\xc1 not msgpack")
         await engine.send(batch(chain(1, TOKENS[:8])))
-        await applied(events, metrics, base + 1)
+        await engine.send(b"\xc1 not msgpack")  # a batch lost: the engine's entries go
+        await engine.send(batch(chain(5, TOKENS[:4])))
+        await applied(events, metrics, base + 2)
         assert count(metrics.kv_event_batches, "e", "malformed") == 3
+        assert count(metrics.kv_index_resets, "e", "malformed") == 1
         assert count(metrics.kv_event_gaps, "e") == 0
-        assert index.longest_prefix(TOKENS) == {"e": 2}
+        assert index.longest_prefix(TOKENS) == {"e": 1}
 
 
 async def test_a_flood_stays_within_the_bound_and_its_budget(engine: FakeEngine,
