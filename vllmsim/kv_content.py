@@ -35,9 +35,9 @@ class BlockContent:
     engine_id: str  # the engine whose prefill computed the fingerprint
 
 
-def fingerprints(token_ids: Sequence[int]) -> list[bytes]:
+def fingerprints(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
     """The chained fingerprint of every (full or partial) block of a prompt."""
-    raw, step = _token_bytes(token_ids), BLOCK_SIZE * 8
+    raw, step = _token_bytes(token_ids), block_size * 8
     chain: list[bytes] = []
     previous = b""
     for start in range(0, len(raw), step):
@@ -55,8 +55,8 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
         return array("Q", [t % 2**64 for t in token_ids]).tobytes()
 
 
-def num_prompt_blocks(num_tokens: int) -> int:
-    return -(-num_tokens // BLOCK_SIZE)
+def num_prompt_blocks(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-num_tokens // block_size)
 
 
 def context_seed(held: Sequence[BlockContent | None]) -> bytes:
