@@ -387,12 +387,16 @@ class Engine:
 
     def _read_kv(self, req: SimRequest) -> None:
         """Decoding starts: read the prompt blocks, whatever they hold and wherever it came
-        from. The output follows the content; the label follows the evidence."""
+        from. The output follows the content (cached blocks included); the label follows the
+        evidence of the blocks this request filled."""
         held = self.pool.read(req.blocks[: req.num_prompt_blocks])
         req.context = context_seed(held)
-        evidence = Evidence.of(held)
+        # The label says how this request filled its blocks: prefix-cache hits came earlier.
+        evidence = Evidence.of(held[req.num_cached_blocks :])
         req.kv_label = evidence.label(_COMPUTED_HERE.get(req.mode, "recompute"))
         req.kv_evidence = evidence.as_dict()
+        if req.num_cached_blocks:
+            req.kv_evidence["cached_blocks"] = req.num_cached_blocks
 
     def _emit_token(self, req: SimRequest) -> None:
         if req.num_output == 0:
