@@ -137,6 +137,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
                     kv_truncate_blocks=args.kv_truncate_blocks)  # fmt: skip
     if args.tokenizer and not Path(args.tokenizer).exists():
         raise ConfigError(f"--tokenizer {args.tokenizer}: no such file or directory")
+    tokenizer = args.tokenizer or _model_folder_tokenizer(args.model or args.model_tag)
     keys = tuple(k for k in (args.api_key or [env.get("VLLM_API_KEY", "")]) if k)
     if args.block_size < 1:
         raise ConfigError(f"--block-size must be a positive integer, got {args.block_size}")
@@ -148,9 +149,16 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
             raise ConfigError(str(exc)) from exc
     return SimConfig(args.host, args.port, names, kv,
                      env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"), side_port,
-                     args.tokenizer, args.port_file, cost, faults, keys,
+                     tokenizer, args.port_file, cost, faults, keys,
                      CacheConfig(args.block_size, args.enable_prefix_caching),
                      events, args.enable_prompt_tokens_details)  # fmt: skip
+
+
+def _model_folder_tokenizer(model: str | None) -> str | None:
+    """As vLLM: without --tokenizer, a local model folder's own tokenizer."""
+    if model and (Path(model) / "tokenizer.json").is_file():
+        return model
+    return None
 
 
 def write_port_file(path: str, info: dict[str, Any]) -> None:

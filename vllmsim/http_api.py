@@ -20,7 +20,14 @@ from vllmsim import shapes
 from vllmsim.engine import ErrorEvent, Event, FinishEvent, SimRequest, TokenEvent
 from vllmsim.faults import apply_request_faults
 from vllmsim.metrics import FETCH_STAGES
-from vllmsim.requests import ApiError, ParsedRequest, base_request_id, invalid_json, parse
+from vllmsim.requests import (
+    ApiError,
+    ParsedRequest,
+    base_request_id,
+    invalid_json,
+    parse,
+    prompt_ids,
+)
 from vllmsim.server import SIM_KEY, SimServer
 
 log = logging.getLogger(__name__)
@@ -264,9 +271,10 @@ async def tokenize(request: web.Request) -> web.Response:
     sim = request.app[SIM_KEY]
     body = await request.json()
     if "messages" in body:
-        from vllmsim.tokens import chat_prompt_text
-
-        ids = sim.tokens.encode(chat_prompt_text(body["messages"]))
+        try:
+            ids = prompt_ids(body, True, sim.tokens)
+        except ApiError as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.kind)
     elif isinstance(body.get("prompt"), str):
         ids = sim.tokens.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
     else:

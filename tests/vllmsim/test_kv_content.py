@@ -59,8 +59,10 @@ def engines() -> Iterator[Engines]:
     with contextlib.ExitStack() as stack:
         handles = [
             stack.enter_context(
-                running_engine_sync(*FAST, "--no-enable-prefix-caching",
-                                    *(("--kv-transfer-config", c) if c else ()))  # fmt: skip
+                running_engine_sync(
+                    *FAST, "--no-enable-prefix-caching",
+                    *(("--kv-transfer-config", c) if c else ()),
+                )
             )
             for c in configs
         ]
