@@ -67,5 +67,6 @@ async def test_kv_aware_routes_to_the_engine_holding_the_prefix() -> None:
                                 "max_tokens": 1}) as resp:  # fmt: skip
                             assert resp.status == 200, await resp.text()
                         holder, other = (e2, e1) if system is SYSTEM_A else (e1, e2)
-                        assert (await served(http, holder, marker),
-                                await served(http, other, marker)) == (1, 0), log.read_text()[-3000:]
+                        counts = (await served(http, holder, marker),
+                                  await served(http, other, marker))
+                        assert counts == (1, 0), log.read_text()[-3000:]
