@@ -378,7 +378,8 @@ class Engine:
     def _count_prompt_sources(self, req: SimRequest) -> None:
         """vllm:prompt_tokens and prompt_tokens_by_source, once the prompt's KV is complete."""
         m, cached, external = self.metrics, req.num_cached_tokens, req.num_external_tokens
-        m.lbl(m.prompt_tokens).inc(req.prompt_tokens - external)
+        m.lbl(m.prompt_tokens).inc(req.prompt_tokens)  # all of them, as vLLM (D's included)
+        m.lbl(m.prompt_tokens_cached).inc(cached + external)
         m.lbl(m.prompt_by_source, source="local_cache_hit").inc(cached)
         m.lbl(m.prompt_by_source, source="external_kv_transfer").inc(external)
         m.lbl(m.prompt_by_source, source="local_compute").inc(

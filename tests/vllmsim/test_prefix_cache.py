@@ -54,6 +54,7 @@ async def test_cached_tokens_skip_prefill_and_are_counted(http: aiohttp.ClientSe
         assert by_source == {"local_compute": 1024 + 2 * 16, "local_cache_hit": 2 * 1008,
                              "external_kv_transfer": 0}  # fmt: skip
         assert await metric(http, eng, "vllm:prompt_tokens_total") == 3 * 1024
+        assert await metric(http, eng, "vllm:prompt_tokens_cached_total") == 2 * 1008
 
 
 async def test_cached_tokens_in_the_stream_usage_and_only_when_asked(
@@ -131,3 +132,6 @@ async def test_d_does_not_transfer_blocks_it_holds(http: aiohttp.ClientSession,
             local = await metric(http, d, "vllm:prompt_tokens_by_source_total",
                                  source="local_cache_hit")  # fmt: skip
             assert local == cached, turn
+            # vLLM counts every prompt token, and the transferred ones as cached
+            assert await metric(http, d, "vllm:prompt_tokens_total") == 200 * (turn + 1)
+            assert await metric(http, d, "vllm:prompt_tokens_cached_total") == 200 * (turn + 1)
