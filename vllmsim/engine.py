@@ -118,6 +118,8 @@ class SimRequest:
     block_hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks
     num_cached_blocks: int = 0  # prompt blocks found in this engine's prefix cache
     num_hashed_blocks: int = 0  # prompt blocks entered into the prefix cache so far
+    chain: list[bytes] = field(default_factory=list)  # the prompt's KV fingerprints (lazy)
+    kv_from_transfer: bool = False  # the prompt's KV (past the cached blocks) came over NIXL
 
     @property
     def num_cached_tokens(self) -> int:
@@ -127,9 +129,7 @@ class SimRequest:
     @property
     def num_external_tokens(self) -> int:
         """Prompt tokens a transfer brought (a remote-prefilled request)."""
-        return self.prompt_tokens - self.num_cached_tokens if self.kv_label_is_remote else 0
-
-    kv_label_is_remote: bool = False  # the prompt's KV (past the cached blocks) came over NIXL
+        return self.prompt_tokens - self.num_cached_tokens if self.kv_from_transfer else 0
 
     def note(self, event: str, step: int) -> None:
         self.timeline.append((event, step, time.time()))
@@ -235,7 +235,7 @@ class Engine:
         self.remote_wait.discard(req)
         req.fetch_stage = "completed_waiting"
         req.num_computed = req.prompt_tokens
-        req.kv_label_is_remote = True
+        req.kv_from_transfer = True
         req.state = State.RUNNING
         self.running.append(req)
         self._cache_full_blocks(req)  # vLLM caches the received blocks too
@@ -363,9 +363,11 @@ class Engine:
         prompt's fingerprint chain. Blocks before it (cached or earlier chunks) keep theirs."""
         bs = self.block_size
         first, last = start // bs, -(-end // bs)
-        chain = fingerprints(req.prompt_ids[: last * bs], bs)[first:]
+        if not req.chain:  # once per request, however many chunks its prefill takes
+            req.chain = fingerprints(req.prompt_ids, bs)
         self.pool.write(req.blocks[first:last],
-                        [BlockContent(fp, LOCAL, self.engine_id) for fp in chain])  # fmt: skip
+                        [BlockContent(fp, LOCAL, self.engine_id)
+                         for fp in req.chain[first:last]])  # fmt: skip
 
     def _cache_full_blocks(self, req: SimRequest) -> None:
         """Enter the prompt blocks that are now full and computed into the prefix cache."""
