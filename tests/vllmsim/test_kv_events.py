@@ -46,15 +46,14 @@ async def first_batch(http: aiohttp.ClientSession, eng: EngineHandle,
     raise AssertionError("no KV event batch reached the subscriber")
 
 
-def vllm_hash(parent: bytes, ids: list[int]) -> int:
-    """vLLM's default block hash (sha256 over the pickled (parent, ids, extra keys)), as an
-    event carries it (the low 64 bits)."""
-    digest = hashlib.sha256(pickle.dumps((parent, tuple(ids), None), protocol=5)).digest()
-    return int.from_bytes(digest, "big") & (2**64 - 1)
-
-
 def full_hash(parent: bytes, ids: list[int]) -> bytes:
+    """vLLM's default block hash: sha256 over the pickled (parent, ids, extra keys)."""
     return hashlib.sha256(pickle.dumps((parent, tuple(ids), None), protocol=5)).digest()
+
+
+def vllm_hash(parent: bytes, ids: list[int]) -> int:
+    """The block hash as an event carries it (the low 64 bits)."""
+    return int.from_bytes(full_hash(parent, ids), "big") & (2**64 - 1)
 
 
 async def test_batches_carry_vllm_chain_hashes_in_sequence(http: aiohttp.ClientSession) -> None:
@@ -148,3 +147,17 @@ def test_bad_kv_events_config_is_one_line() -> None:
                           capture_output=True, text=True, timeout=30)  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip() == "vllmsim: error: --kv-events-config: endpoint must be a string"
+
+
+async def test_block_size_sets_the_blocks_hashed(http: aiohttp.ClientSession) -> None:
+    async with running_engine(*FAST, "--block-size", "32", *events_flag(),
+                              env=LOOPBACK_ENV) as eng:  # fmt: skip
+        assert eng.kv_events_replay_endpoint is not None
+        prompt = tokens(9, 70)  # two full 32-token blocks
+        await complete(http, eng, prompt)
+        [(_, _, payload)] = replay(eng.kv_events_replay_endpoint, 0)
+        [stored] = events_of(msgpack.unpackb(payload), "BlockStored")
+        root = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+        assert stored["block_size"] == 32 and stored["token_ids"] == prompt[:64]
+        assert stored["block_hashes"] == [vllm_hash(root, prompt[:32]),
+                                          vllm_hash(full_hash(root, prompt[:32]), prompt[32:64])]
