@@ -41,13 +41,14 @@ from vllmsim.kv_content import (
     LOCAL,
     BlockContent,
     Evidence,
+    block_fingerprint,
     context_seed,
     fingerprints,
     num_prompt_blocks,
 )
 from vllmsim.kv_events import KVEvent
 from vllmsim.metrics import Metrics
-from vllmsim.prefix_cache import block_hashes
+from vllmsim.prefix_cache import block_hashes, extend_hashes
 from vllmsim.tokens import output_token
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class SimRequest:
     num_hashed_blocks: int = 0  # prompt blocks entered into the prefix cache so far
     chain: list[bytes] = field(default_factory=list)  # the prompt's KV fingerprints (lazy)
     kv_from_transfer: bool = False  # the prompt's KV (past the cached blocks) came over NIXL
+    output_ids: list[int] = field(default_factory=list)  # generated tokens (prefix caching)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -171,7 +173,8 @@ class _Batch:
 class Engine:
     def __init__(self, cost: CostModel, metrics: Metrics, engine_id: str,
                  cache: CacheConfig | None = None,
-                 publish: Callable[[list[KVEvent]], None] | None = None) -> None:  # fmt: skip
+                 publish: Callable[[list[KVEvent]], None] | None = None,
+                 token_ids: Callable[[str], list[int]] | None = None) -> None:  # fmt: skip
         self.cost = cost
         self.engine_id = engine_id
         self.metrics = metrics
@@ -180,6 +183,7 @@ class Engine:
         self.pool = BlockPool(cost.num_gpu_blocks, self.cache.enable_prefix_caching,
                               self.block_size)  # fmt: skip
         self._publish = publish  # KV events, one batch per step (kv_events.py)
+        self._token_ids = token_ids  # an output token's ids: the blocks decoding fills
         self.connector: KVConnector | None = None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -377,6 +381,27 @@ class Engine:
                             req.prompt_ids)  # fmt: skip
             req.num_hashed_blocks = full
 
+    def _cache_generated(self, req: SimRequest, token: str) -> None:
+        """As vLLM, blocks that generated tokens fill are cached too (the next turn of a
+        conversation finds them). Each gets the content a prefill of its tokens would give.
+        A token's KV is computed in the step after it is sampled, as the next input: the step
+        that samples `token` completes the KV of the tokens before it."""
+        if not self.pool.caching or self._token_ids is None:
+            return
+        bs, num_tokens = self.block_size, req.prompt_tokens + len(req.output_ids)
+        req.output_ids += self._token_ids(token)
+        full = min(num_tokens // bs, len(req.blocks))
+        if full <= len(req.block_hashes):
+            return
+        all_ids = [*req.prompt_ids, *req.output_ids][:num_tokens]
+        for index in range(len(req.block_hashes), full):
+            [before] = self.pool.read([req.blocks[index - 1]]) if index else [None]
+            fingerprint = block_fingerprint(index, before, all_ids[index * bs : (index + 1) * bs])
+            self.pool.write([req.blocks[index]], [BlockContent(fingerprint, LOCAL, self.engine_id)])
+        extend_hashes(req.block_hashes, all_ids[: full * bs], bs)
+        self.pool.cache(req.blocks[:full], req.block_hashes, req.num_hashed_blocks, all_ids)
+        req.num_hashed_blocks = full
+
     def _count_prompt_sources(self, req: SimRequest) -> None:
         """vllm:prompt_tokens and prompt_tokens_by_source, once the prompt's KV is complete."""
         m, cached, external = self.metrics, req.num_cached_tokens, req.num_external_tokens
@@ -408,6 +433,7 @@ class Engine:
             req.fetch_stage = None
             self._read_kv(req)
         token = output_token(req.context, req.num_output)
+        self._cache_generated(req, token)
         req.events.put_nowait(TokenEvent(req.num_output, token))
         req.num_output += 1
         self.metrics.lbl(self.metrics.generation_tokens).inc()

@@ -41,10 +41,21 @@ def fingerprints(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list
     chain: list[bytes] = []
     previous = b""
     for start in range(0, len(raw), step):
-        block = previous + raw[start : start + step]
-        previous = hashlib.blake2b(block, digest_size=_FINGERPRINT_BYTES).digest()
+        previous = _fingerprint(previous, raw[start : start + step])
         chain.append(previous)
     return chain
+
+
+def block_fingerprint(index: int, before: BlockContent | None, token_ids: Sequence[int]) -> bytes:
+    """The fingerprint of block `index` computed after `before` (what the block before it
+    holds; an unwritten one reads as zeros): a block that decoding filled gets what a prefill
+    of the same tokens gives it."""
+    previous = b"" if index == 0 else (before.fingerprint if before else bytes(_FINGERPRINT_BYTES))
+    return _fingerprint(previous, _token_bytes(token_ids))
+
+
+def _fingerprint(previous: bytes, block: bytes) -> bytes:
+    return hashlib.blake2b(previous + block, digest_size=_FINGERPRINT_BYTES).digest()
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:

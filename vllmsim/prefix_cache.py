@@ -28,11 +28,17 @@ def root_hash() -> bytes:
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """The chained hash of every full block of `token_ids`."""
-    parent, chain = root_hash(), []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    chain: list[bytes] = []
+    extend_hashes(chain, token_ids, block_size)
+    return chain
+
+
+def extend_hashes(chain: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
+    """Append the hashes of the full blocks of `token_ids` that `chain` does not cover yet."""
+    parent = chain[-1] if chain else root_hash()
+    for start in range(len(chain) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = _sha256((parent, tuple(token_ids[start : start + block_size]), None))
         chain.append(parent)
-    return chain
 
 
 def external_hash(block_hash: bytes) -> int:

@@ -112,7 +112,8 @@ class SimServer:
         start = time.time()
         metrics = Metrics(self.model, start)
         engine = Engine(self.cfg.cost, metrics, engine_id, self.cfg.cache,
-                        self.events.publish if self.events is not None else None)
+                        self.events.publish if self.events is not None else None,
+                        self.tokens.output_ids)
         connector: ConnectorBase | None = None
         if kv is not None:
             ident = Identity(engine_id, self.cfg.side_channel_host, self.side.port)

@@ -40,6 +40,7 @@ class TokenCounter:
     def __init__(self, tokenizer_dir: str | None = None) -> None:
         self._tok: Any = None
         self.template: ChatTemplate | None = None
+        self._output_ids: dict[str, list[int]] = {}
         if tokenizer_dir:
             from tokenizers import Tokenizer  # imported lazily: keeps start-up fast
 
@@ -68,6 +69,13 @@ class TokenCounter:
             for start in range(0, len(piece), 6):
                 digest = hashlib.blake2b(piece[start : start + 6].encode(), digest_size=4)
                 ids.append(2 + int.from_bytes(digest.digest(), "big") % (_APPROX_VOCAB - 2))
+        return ids
+
+    def output_ids(self, text: str) -> list[int]:
+        """The ids of one output token's text (memoised: the texts come from a small list)."""
+        ids = self._output_ids.get(text)
+        if ids is None:
+            ids = self._output_ids[text] = self.encode(text, add_special_tokens=False)
         return ids
 
     def decode(self, ids: list[int]) -> str:

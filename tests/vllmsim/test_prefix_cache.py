@@ -135,3 +135,23 @@ async def test_d_does_not_transfer_blocks_it_holds(http: aiohttp.ClientSession,
             # vLLM counts every prompt token, and the transferred ones as cached
             assert await metric(http, d, "vllm:prompt_tokens_total") == 200 * (turn + 1)
             assert await metric(http, d, "vllm:prompt_tokens_cached_total") == 200 * (turn + 1)
+
+
+async def test_the_next_turn_finds_the_blocks_the_answer_filled(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with (running_engine(*FAST, "--enable-prompt-tokens-details") as eng,
+                running_engine(*FAST, "--no-enable-prefix-caching") as fresh):  # fmt: skip
+        first = tokens(7, 40)
+        answer = (await complete(http, eng, first, max_tokens=40))["choices"][0]["text"]
+        async with http.post(eng.url + "/tokenize",
+                             json={"prompt": answer, "add_special_tokens": False}) as resp:
+            answer_ids = (await resp.json())["tokens"]
+        assert len(answer_ids) >= 40
+        # 40 prompt tokens + the 39 generated ones whose KV was computed: 4 full blocks
+        second = [*first, *answer_ids, *tokens(8, 30)]
+        body = await complete(http, eng, second, max_tokens=8)
+        assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 64}
+        # the cached blocks hold what a prefill of those tokens gives: the same answer
+        reference = await complete(http, fresh, second, max_tokens=8)
+        assert body["choices"][0]["text"] == reference["choices"][0]["text"]
