@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from extproc.config import Config, DecisionMode, DispatchMode, PoolConfig
 from extproc.errors import NoHealthyDecode, NoHealthyPrefill
-from extproc.kvcache.routing import KvRouting
 from extproc.policies import Picker, PickRequest, build_picker
 from extproc.roles import Role
 from extproc.scheduling.admission import check_admission, role_saturation
@@ -28,6 +27,7 @@ from extproc.scheduling.decision import Decider
 from extproc.scheduling.pool import Counted, Pool
 
 if TYPE_CHECKING:
+    from extproc.kvcache.routing import KvRouting  # carried for the planner, never called here
     from extproc.metrics import Metrics
     from extproc.scheduling.subset_hint import Subset
 
