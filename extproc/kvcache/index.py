@@ -33,7 +33,7 @@ _EVICT_FRACTION = 64  # evict 1/64 of the bound at once
 _INT_BYTES = 32
 # The chain is a keyed hash with a key of this process's own: a client who cannot learn it
 # cannot craft a prompt whose blocks collide with another's (a faked cache hit).
-_CHAIN_KEY = os.urandom(16)
+_KEYED = hashlib.blake2b(digest_size=8, key=os.urandom(16))  # copied per block (cheaper)
 _TOKEN = "I"  # token ids as 4-byte unsigned ints (vocabularies stay far below 2**32)
 _TOKEN_BYTES = 4
 
@@ -52,11 +52,10 @@ def _chain(parent: int, token_ids: Sequence[int], block_size: int) -> Iterator[i
         return
     step = block_size * _TOKEN_BYTES
     digest = parent.to_bytes(8, "little")
-    blake2b = hashlib.blake2b
     for start in range(0, len(data) // step * step, step):
-        digest = blake2b(digest + data[start : start + step], digest_size=8,
-                         key=_CHAIN_KEY).digest()  # fmt: skip
-        key = int.from_bytes(digest, "little") & _KEY_MASK
+        hasher = _KEYED.copy()
+        hasher.update(digest + data[start : start + step])
+        key = int.from_bytes(hasher.digest(), "little") & _KEY_MASK
         digest = key.to_bytes(8, "little")
         yield key
 
