@@ -10,6 +10,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import orjson
+import yaml
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -218,3 +219,13 @@ def test_the_chain_is_keyed_per_process() -> None:
     keys = chain_keys(list(range(16)), 4)
     assert len(set(keys)) == 4 and all(0 <= k < 1 << 60 for k in keys)
     assert chain_keys([-1, 2, 3, 4], 4) == [] and chain_keys([1 << 40, 2, 3, 4], 4) == []
+
+
+def test_the_example_config_in_the_docs_loads(tokenizer_dir: Path) -> None:
+    text = (Path(__file__).parents[2] / "docs" / "kv-cache.md").read_text()
+    example = yaml.safe_load(text.split("```yaml\n", 1)[1].split("```", 1)[0])
+    example["tokenizer"] = str(tokenizer_dir)  # the tiny model may not be built here
+    cfg = parse_config(example)
+    assert (cfg.prefill.policy, cfg.decode.policy) == ("kv_cache", "kv_cache")
+    members = {"": {role: cfg.static_addresses(role) for role in Role}}
+    assert len(set(event_sources(cfg, members, {""}).values())) == 4  # a port pair each
