@@ -10,8 +10,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import orjson
-import yaml
 import pytest
+import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from extproc.config import ConfigError, DecisionConfig, parse_config
