@@ -13,8 +13,9 @@ RequestEnded
                          buffer once P's KV block list is spliced in (`processor`)
   LegError               a leg could not be run or failed; label "leg_error"
     PrefillFailed        P answered 4xx (passed on as is: P refused this request, its identity
-                         is kept); P answered 5xx, or with a body that is not JSON or
-                         kv_transfer_params that are unusable (502; its identity is dropped)
+                         is kept; the request counts as client_error, `is_client_error`); P
+                         answered 5xx, or with a body that is not JSON or kv_transfer_params
+                         that are unusable (502; its identity is dropped)
     PrefillUnreachable   Envoy could not connect to P, or P reset the connection (503,
                          retryable; P is marked unhealthy)
     PrefillTimeout       P did not answer within timeouts.prefill_s (504)
@@ -57,6 +58,7 @@ __all__ = [
     "PrefillUnreachable",
     "Shed",
     "error_body",
+    "is_client_error",
 ]
 
 _TYPES = {
@@ -72,6 +74,12 @@ _TYPES = {
     503: "ServiceUnavailable",
     504: "GatewayTimeout",
 }
+
+
+def is_client_error(status: int) -> bool:
+    """An engine's 4xx caused by the client's request (unknown model, prompt too long, bad
+    field, bad key): not a fault of the engines. 408 and 429 are the engine's load instead."""
+    return 400 <= status < 500 and status not in (408, 429)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:

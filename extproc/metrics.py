@@ -7,53 +7,76 @@ Names follow Prometheus conventions: `pd_extproc_` prefix, base units, `_total` 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import platform
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from extproc.roles import Role
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "package_version"]
 
-# Latency buckets from 0.1 ms (ext_proc work, skew) to 60 s (a queued prefill).
-_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+# No `*_created` series: a counter's start time is noise on every scrape (rate() does not use
+# it). The library's switch is process-wide, and this process exports only these registries.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in the library
+
+# Each histogram's buckets cover the range its durations live in (bucket count is what costs).
+# ext_proc work and dispatch skew: 0.1 ms to 5 s.
+_WORK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 5.0)  # fmt: skip
+# A P leg: a few ms (short prompt, idle P) to timeouts.prefill_s and beyond (a queued prefill).
+_PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0)  # fmt: skip
+# The client's first byte and whole request: a refusal in ms to a long generation (~30 min).
+_CLIENT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)  # fmt: skip
+
+
+def package_version() -> str:
+    """pd-extproc's version from its installed package metadata."""
+    try:
+        return importlib.metadata.version("pd-extproc")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.build_info = Info(
+            "pd_extproc_build",
+            "pd-extproc's version and the Python that runs it (always 1).",
+            registry=r,
+        )
+        self.build_info.info({"version": package_version(), "python": platform.python_version()})
         self.requests = Counter(
             "pd_extproc_requests",
-            "Client requests by outcome, by how their legs were dispatched, and by model.",
+            "Client requests by what the client got (outcome: ok; client_error: the request was "
+            "refused for itself, by the ext_proc, Envoy or an engine's 4xx; shed; cancelled: the "
+            "client left; decode_reset / decode_timeout: D's answer was cut after its 2xx, by a "
+            "reset or by no byte within timeouts.kv_wait_s; prefill_error, prefill_unreachable, "
+            "prefill_timeout, prefill_listener_unreachable, identity_changed, no_healthy_prefill, "
+            "no_healthy_decode, decode_4xx (408, 429), decode_5xx: a failure), by how its legs "
+            "were dispatched (strategy, reason), and by model.",
             ["outcome", "strategy", "reason", "model"],
             registry=r,
         )
-        # The client's side, from Envoy's access log of the ingress (`extproc.process.access_log`).
+        # The client's side, from Envoy's access log of the ingress (`extproc.request.access_log`).
         self.client_first_byte_seconds = Histogram(
             "pd_extproc_client_time_to_first_byte_seconds",
             "Time to first byte as the client sees it: from Envoy receiving the request's "
             "first byte to Envoy sending the response's first byte (Envoy's access log).",
             ["strategy", "model", "code"],
-            buckets=_BUCKETS,
+            buckets=_CLIENT_BUCKETS,
             registry=r,
         )
         self.client_duration_seconds = Histogram(
@@ -61,7 +84,7 @@ class Metrics:
             "Request duration as the client sees it: from Envoy receiving the request's first "
             "byte to Envoy sending the response's last byte (Envoy's access log).",
             ["strategy", "model", "code"],
-            buckets=_BUCKETS,
+            buckets=_CLIENT_BUCKETS,
             registry=r,
         )
         self.access_log_entries = Counter(
@@ -75,20 +98,20 @@ class Metrics:
             "pd_extproc_prefill_leg_seconds",
             "P leg latency, from sending to P's complete answer.",
             ["outcome"],
-            buckets=_BUCKETS,
+            buckets=_PREFILL_BUCKETS,
             registry=r,
         )
         self.skew_seconds = Histogram(
             "pd_extproc_dispatch_skew_seconds",
             "Parallel dispatch: |P leg leaving - decode body answer leaving Envoy's stream|.",
-            buckets=_BUCKETS,
+            buckets=_WORK_BUCKETS,
             registry=r,
         )
         self.processing_seconds = Histogram(
             "pd_extproc_processing_seconds",
             "ext_proc time per request from the body message to the body answer, "
             "not counting the wait for P in serial dispatch.",
-            buckets=_BUCKETS,
+            buckets=_WORK_BUCKETS,
             registry=r,
         )
         self.identity_events = Counter(
@@ -100,7 +123,8 @@ class Metrics:
         )
         self.inflight = Gauge(
             "pd_extproc_inflight_requests",
-            "Requests in flight per endpoint, as counted by this ext_proc.",
+            "Requests in flight per endpoint, as counted by this ext_proc: at a decode for the "
+            "whole request, at a prefill while its P leg runs only.",
             ["role", "endpoint"],
             registry=r,
         )
@@ -170,6 +194,53 @@ class Metrics:
             registry=r,
         )
 
+        # The KV-cache index (extproc.kvcache): what every engine's cache holds, from its events.
+        self.kv_index_blocks = Gauge(
+            "pd_extproc_kv_index_blocks",
+            "Blocks in the KV-cache index: (engine, block) entries, which its bound counts.",
+            registry=r,
+        )
+        self.kv_index_bytes = Gauge(
+            "pd_extproc_kv_index_bytes",
+            "The KV-cache index's memory, estimated from its tables and entries.",
+            registry=r,
+        )
+        self.kv_event_batches = Counter(
+            "pd_extproc_kv_event_batches",
+            "KV event batches received from an engine, by outcome: applied, replayed (applied "
+            "from the replay socket), malformed (skipped).",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.kv_event_gaps = Counter(
+            "pd_extproc_kv_event_gaps",
+            "Sequence gaps in an engine's KV events (batches lost between it and the sidecar).",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_event_replays = Counter(
+            "pd_extproc_kv_event_replays",
+            "Replays asked of an engine to fill a gap, by outcome: filled, short (the engine no "
+            "longer had every missing batch), failed (no answer in time, or a broken one), "
+            "skipped (no replay endpoint, or the gap too long to ask for).",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.kv_index_resets = Counter(
+            "pd_extproc_kv_index_resets",
+            "Times an engine's index entries were dropped, by why: gap (not filled by replay), "
+            "restart (its sequence went back), cleared (it sent AllBlocksCleared), malformed "
+            "(a batch that could not be decoded).",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.kv_event_lag_seconds = Histogram(
+            "pd_extproc_kv_event_lag_seconds",
+            "Age of a KV event batch when the sidecar applied it (now - the batch's timestamp).",
+            buckets=_WORK_BUCKETS,  # 0.1 ms (same host) to 5 s (a stalled publisher)
+            registry=r,
+        )
+
     def forget_endpoint(self, role: Role, address: str) -> None:
         """Drop the per-endpoint series of an endpoint that left its pool."""
         for gauge in (self.inflight, self.healthy):
@@ -178,6 +249,20 @@ class Metrics:
         if role == Role.DECODE:
             with contextlib.suppress(KeyError):
                 self.kv_transfer_share.remove(address)
+
+    def forget_kv_engine(self, endpoint: str) -> None:
+        """Drop the KV-event series of an engine that left the index."""
+        series = {
+            self.kv_event_batches: ("applied", "replayed", "malformed"),
+            self.kv_event_replays: ("filled", "short", "failed", "skipped"),
+            self.kv_index_resets: ("gap", "restart", "cleared", "malformed"),
+        }
+        for counter, values in series.items():
+            for value in values:
+                with contextlib.suppress(KeyError):
+                    counter.remove(endpoint, value)
+        with contextlib.suppress(KeyError):
+            self.kv_event_gaps.remove(endpoint)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

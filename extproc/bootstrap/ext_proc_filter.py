@@ -82,7 +82,7 @@ def ext_proc_filter(cfg: Config) -> dict[str, Any]:
             "max_message_timeout": duration(cfg.timeouts.prefill_s + 5),
             # streamed: the content-length the header answer sets reaches D (else removed)
             "allow_content_length_header": True,
-            # the request's labels, for the access log (`extproc.process.access_log`)
+            # the request's labels, for the access log (`extproc.request.access_log`)
             "metadata_options": {"receiving_namespaces": {"untyped": [LABELS_NAMESPACE]}},
             # with the response headers: did D answer, or Envoy without reaching it; and which
             # D answered (the fallback, after a refused connection, takes the in-flight count)

@@ -35,7 +35,7 @@ _HTTP_GRPC_LOG = (
 
 
 def client_latency_log(cfg: Config) -> dict[str, Any]:
-    """Envoy's access log streamed to the ext_proc (`extproc.process.access_log`): the client's own
+    """Envoy's access log streamed to the ext_proc (`extproc.request.access_log`): the client's own
     time to first byte and duration. Only requests the ext_proc labelled are sent."""
     labelled = {
         "matcher": {

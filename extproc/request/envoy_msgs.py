@@ -37,7 +37,7 @@ __all__ = [
 
 _OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The dynamic-metadata namespace of the request's labels, which Envoy's access log carries back
-# to the ext_proc (`extproc.process.access_log`); the ext_proc filter may write only this one.
+# to the ext_proc (`extproc.request.access_log`); the ext_proc filter may write only this one.
 LABELS_NAMESPACE = "pd_extproc"
 
 
@@ -108,26 +108,34 @@ def continue_request_headers() -> ep.ProcessingResponse:
 Labels = tuple[str, str]
 
 
-def continue_response_headers(labels: Labels | None = None) -> ep.ProcessingResponse:
+def continue_response_headers(
+    labels: Labels | None = None, reason: str | None = None
+) -> ep.ProcessingResponse:
+    """Let D's response headers pass; with `reason` (the dispatch's), the request's outcome is
+    left to its access-log entry (`extproc.request.access_log.answer_outcome`), which counts it."""
     if labels is None:
         return _CONTINUE_RESPONSE
-    return _continue_labelled(labels)
+    return _continue_labelled(labels, reason)
 
 
 @functools.lru_cache(maxsize=1024)  # built once per label pair, then shared (never modified)
-def _continue_labelled(labels: Labels) -> ep.ProcessingResponse:
+def _continue_labelled(labels: Labels, reason: str | None) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(
-        response_headers=ep.HeadersResponse(), dynamic_metadata=request_labels(labels)
+        response_headers=ep.HeadersResponse(), dynamic_metadata=request_labels(labels, reason)
     )
 
 
 @functools.lru_cache(maxsize=1024)
-def request_labels(labels: Labels) -> Struct:
+def request_labels(labels: Labels, reason: str | None = None) -> Struct:
     """The request's labels as the stream's dynamic metadata: Envoy puts them in the request's
-    access-log entry, so whichever ext_proc process receives the entry labels it right."""
+    access-log entry, so whichever ext_proc process receives the entry labels it right.
+    `reason` present: that entry decides and counts the request's outcome."""
     strategy, model = labels
+    fields = {"strategy": strategy, "model": model}
+    if reason is not None:
+        fields["reason"] = reason
     metadata = Struct()
-    metadata.update({LABELS_NAMESPACE: {"strategy": strategy, "model": model}})
+    metadata.update({LABELS_NAMESPACE: fields})
     return metadata
 
 

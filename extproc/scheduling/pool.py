@@ -113,20 +113,32 @@ class Pool:
 
     @contextmanager
     def track(self, state: EndpointState) -> Iterator[Counted]:
+        """Count one request in flight at `state` until the block ends (or its `release`)."""
         counted = Counted(self, state)
         self._count(state, +1)
         try:
             yield counted
         finally:
-            self._count(counted.state, -1)
+            self.release(counted)
+            counted.open = False
 
     def move(self, counted: Counted, address: str) -> None:
-        """Count `counted`'s request at `address` from now on (Envoy's fallback served it)."""
+        """Count `counted`'s request at `address` from now on: Envoy's fallback served it, or a
+        retry went there (counted again after its release). Nothing once its `track` ended."""
         state = self._endpoints.get(address)
-        if state is not None and state is not counted.state:
+        if not counted.open or state is None:
+            return
+        if state is counted.state and counted.counting:
+            return
+        self.release(counted)
+        self._count(state, +1)
+        counted.state, counted.counting = state, True
+
+    def release(self, counted: Counted) -> None:
+        """Stop counting `counted` (its leg ended before the request did); once only."""
+        if counted.counting:
+            counted.counting = False
             self._count(counted.state, -1)
-            self._count(state, +1)
-            counted.state = state
 
     def _count(self, state: EndpointState, change: int) -> None:
         state.in_flight += change
@@ -134,11 +146,17 @@ class Pool:
 
 
 class Counted:
-    """One request counted in flight at an endpoint of `pool` until its `track` ends."""
+    """One request counted in flight at an endpoint of `pool`, from its `track` until that
+    ends or, earlier, until `release` (a P leg is counted only while it runs)."""
 
     def __init__(self, pool: Pool, state: EndpointState) -> None:
         self.pool = pool
         self.state = state
+        self.counting = True  # counted at `state` now
+        self.open = True  # its `track` has not ended: it may be counted again
 
     def move_to(self, address: str) -> None:
         self.pool.move(self, address)
+
+    def release(self) -> None:
+        self.pool.release(self)

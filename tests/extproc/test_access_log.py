@@ -11,8 +11,8 @@ from google.protobuf.duration_pb2 import Duration
 from grpc import aio
 
 from extproc.metrics import Metrics
-from extproc.process.access_log import ClientLatency
 from extproc.request import envoy_msgs
+from extproc.request.access_log import ClientLatency
 
 
 def entry(first_s: float | None, last_s: float | None, code: int,
@@ -109,3 +109,33 @@ async def test_close_ends_envoys_open_streams() -> None:
             call.cancel()
     finally:
         await server.stop(0)
+
+
+def answer(flag: str | None, reason: str | None = "cache_hit") -> Any:
+    """A labelled 200 entry whose outcome the processor left to it (`reason` present)."""
+    log = entry(0.1, 0.2, 200, None)
+    struct = envoy_msgs.request_labels(("parallel", "m"), reason)
+    log.common_properties.metadata.filter_metadata[envoy_msgs.LABELS_NAMESPACE].CopyFrom(
+        struct.fields[envoy_msgs.LABELS_NAMESPACE].struct_value
+    )
+    if flag is not None:
+        setattr(log.common_properties.response_flags, flag, True)
+    return log
+
+
+async def test_an_answer_left_to_its_entry_is_counted_by_what_envoy_saw() -> None:
+    metrics = Metrics()
+    await send(
+        metrics,
+        answer(None),
+        answer("stream_idle_timeout"),  # no byte from D within kv_wait_s: its KV never came
+        answer("upstream_protocol_error"),  # D's connection reset mid-stream
+        answer("upstream_remote_reset"),
+        answer("downstream_connection_termination"),  # the client left
+        answer(None, reason=None),  # counted by the processor: not here
+    )
+    counts = {outcome: value(metrics, "pd_extproc_requests_total", outcome=outcome,
+                             strategy="parallel", reason="cache_hit", model="m")
+              for outcome in ("ok", "decode_timeout", "decode_reset", "cancelled")}  # fmt: skip
+    assert counts == {"ok": 1, "decode_timeout": 1, "decode_reset": 2, "cancelled": 1}
+    assert value(metrics, "pd_extproc_access_log_entries_total", result="observed") == 6

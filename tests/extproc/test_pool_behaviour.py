@@ -183,3 +183,19 @@ def test_each_configured_endpoint_is_in_the_metrics_under_its_role_from_the_star
         labels = {"role": role, "endpoint": address}
         assert registry.get_sample_value("pd_extproc_endpoint_healthy", labels) == 1
         assert registry.get_sample_value("pd_extproc_inflight_requests", labels) == 0
+
+
+def test_a_released_count_is_counted_again_only_where_it_moves_and_only_once() -> None:
+    pool = Pool(Role.PREFILL, [A, B], Last())
+    a, b = pool
+    with pool.track(a) as counted:
+        counted.release()  # the P leg answered
+        counted.release()
+        assert (a.in_flight, b.in_flight) == (0, 0)
+        counted.move_to(B)  # a retry there
+        assert (a.in_flight, b.in_flight) == (0, 1)
+        counted.move_to(B)
+        assert b.in_flight == 1
+    assert (a.in_flight, b.in_flight) == (0, 0)
+    counted.move_to(A)  # its request has ended: nothing is counted any more
+    assert (a.in_flight, b.in_flight) == (0, 0)

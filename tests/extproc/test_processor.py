@@ -16,7 +16,7 @@ from grpc import aio
 from extproc.config import parse_config
 from extproc.errors import PrefillFailed
 from extproc.protocol.identity import identity_from_params
-from extproc.request.prefill_leg import PrefillResult
+from extproc.request.prefill_client import PrefillResult
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime
@@ -419,3 +419,4 @@ async def test_stream_ending_while_decode_headers_are_held_cancels_the_prefill_l
     assert [m.WhichOneof("response") for m in envoy.sent] == [
         "request_headers", "request_body", None]  # fmt: skip
     assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
+    assert outcomes(rt) == {("cancelled", "parallel", "cache_hit"): 1.0}  # D's 200 never left

@@ -23,7 +23,7 @@ from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUn
 from extproc.policies import PickRequest
 from extproc.protocol.identity import identity_from_params
 from extproc.request import envoy_msgs
-from extproc.request.prefill_leg import PrefillResult
+from extproc.request.prefill_client import PrefillCall, PrefillResult
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.scheduling.pool import EndpointState
@@ -74,8 +74,9 @@ class Prefill:
         self.called = asyncio.Event()
         self.cancelled = False
 
-    async def send(self, *args: Any) -> PrefillResult:
-        self.calls.append(args)
+    async def send(self, call: PrefillCall) -> PrefillResult:
+        # (endpoint, path, body, request_id, timeout_s, headers)
+        self.calls.append(dataclasses.astuple(call))
         self.called.set()
         try:
             outcome = await self.outcome
@@ -121,10 +122,10 @@ class Request:
     """One request's run: the runtime, the scripted Envoy, the P leg and the trace."""
 
     def __init__(self, cached: bool = False, p_leg: Prefill | None = None,
-                 **config: Any) -> None:  # fmt: skip
+                 runtime: Runtime | None = None, **config: Any) -> None:  # fmt: skip
         config.setdefault("prefill", {"endpoints": [P]})
         config.setdefault("decode", {"endpoints": [D1, D2]})
-        self.rt = Runtime(parse_config(config), "unix:/nonexistent")
+        self.rt = runtime or Runtime(parse_config(config), "unix:/nonexistent")
         self.prefill = p_leg or Prefill()
         self.trace = Trace()
         deps = self.rt.request_deps
@@ -218,12 +219,12 @@ class FailsOnce(Prefill):
         super().__init__()
         self._error: Exception | None = error
 
-    async def send(self, *args: Any) -> PrefillResult:
+    async def send(self, call: PrefillCall) -> PrefillResult:
         if self._error is not None:
-            self.calls.append(args)
+            self.calls.append(dataclasses.astuple(call))
             error, self._error = self._error, None
             raise error
-        return await super().send(*args)
+        return await super().send(call)
 
 
 @pytest.mark.parametrize("error", [
@@ -512,7 +513,7 @@ async def test_d_4xx_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
     assert r.rt.identities.get(P) is not None
     await r.end()
     assert r.prefill.cancelled  # P's answer cannot change D's refusal
-    assert r.outcome("decode_4xx", "parallel", "cache_hit") == 1
+    assert r.outcome("client_error", "parallel", "cache_hit") == 1  # D refused the request
 
 
 async def test_d_below_400_is_held_until_p_answers_and_keeps_the_identity() -> None:
@@ -547,7 +548,7 @@ class Recorder:
 async def test_policies_see_the_model_session_and_prompt_start() -> None:
     r = Request(cached=True, dispatch={"session_header": "x-conversation"})
     decode, prefill = Recorder(), Recorder()
-    r.rt.groups[""].pickers.update(decode=decode, prefill=prefill)
+    r.rt.scheduler.groups[""].pickers.update(decode=decode, prefill=prefill)
     long_prompt = "x" * 5000
     await r.start(REQUEST | {"prompt": long_prompt}, x_conversation="conv-7")
     sent = await r.envoy.until_sent(2)
@@ -562,7 +563,7 @@ async def test_policies_see_the_model_session_and_prompt_start() -> None:
 async def test_chat_messages_are_the_prompt_start_and_no_session_is_none() -> None:
     r = Request()
     decode = Recorder()
-    r.rt.groups[""].pickers["decode"] = decode
+    r.rt.scheduler.groups[""].pickers["decode"] = decode
     await r.start({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
                   path="/v1/chat/completions")  # fmt: skip
     await r.envoy.until_sent(2)
@@ -667,6 +668,7 @@ async def test_request_log_line_names_the_request(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.INFO, logger="extproc.request.parse"):
         await r.start(x_request_id="client-9")
         sent = await r.envoy.until_sent(2)
+        r.prefill.answer(P_ANSWER)  # D's 200 passes (held until P answers, it would not)
         await r.send(response(200))
         await r.envoy.until_sent(3)
         await r.end()
@@ -815,6 +817,51 @@ async def test_watching_stops_after_request_s() -> None:
     assert r.prefill.cancelled and r.idle()
 
 
+def _reload(rt: Runtime, **timeouts: float) -> None:
+    rt.reload(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D1, D2]},
+                            "timeouts": timeouts}))  # fmt: skip
+
+
+async def test_a_reload_keeps_the_grace_of_a_request_in_flight_and_gives_the_next_its_own(
+) -> None:  # fmt: skip
+    r = Request(cached=True, timeouts={"decode_error_grace_s": 30})
+    await r.send(headers())
+    await r.envoy.until_sent(1)  # the headers passed; the body is on its way
+    _reload(r.rt, decode_error_grace_s=0.05)
+    await r.send(body(REQUEST))
+    await r.envoy.until_sent(2)
+    await r.send(response(503))
+    timer = (await r.envoy.until_sent(3))[2].override_message_timeout
+    assert (timer.seconds, timer.nanos) == (31, 0)  # the grace it started with, + 1
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(4)
+    await r.end()
+
+    after = Request(cached=True, runtime=r.rt)
+    await after.start()
+    await after.envoy.until_sent(2)
+    await after.send(response(503))
+    timer = (await after.envoy.until_sent(3))[2].override_message_timeout
+    assert (timer.seconds, timer.nanos) == (1, 50_000_000)  # the reloaded grace, + 1
+    await after.end()
+
+
+async def test_a_reload_keeps_the_request_s_of_a_request_in_flight() -> None:
+    r = Request(cached=True, timeouts={"request_s": 0.1})
+    await r.send(headers())
+    await r.envoy.until_sent(1)
+    _reload(r.rt, request_s=30)
+    after = Request(cached=True, runtime=r.rt)  # started after the reload: 30 s
+    await after.start()
+    await after.envoy.until_sent(2)  # watching P and D from here
+    await r.send(body(REQUEST))
+    await r.envoy.until_sent(2)
+    await asyncio.wait_for(r.task, WAIT_S)  # its own 0.1 s ended the watch
+    assert r.prefill.cancelled
+    assert not after.task.done()  # began watching first, and is still watching
+    await after.end()
+
+
 async def test_what_is_reported_for_a_stream_that_never_started() -> None:
     r = Request()
     await r.send(aio.EOF)
@@ -910,6 +957,33 @@ async def test_d_answer_carries_the_requests_labels_for_the_access_log() -> None
                     reason="cache_hit", model="m") == 1  # fmt: skip
 
 
+async def test_with_envoys_access_log_open_a_started_answer_is_left_to_its_entry() -> None:
+    r = Request(cached=True)
+    r.rt.access_log_streams.open = 1  # Envoy streams its access log to this process
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER)
+    await r.send(response(200))
+    sent = await r.envoy.until_sent(3)
+    await r.end()
+    # the entry will count it, by what Envoy saw of the stream (`extproc.request.access_log`)
+    assert labels(sent[2]) == {"strategy": "parallel", "model": "m", "reason": "cache_hit"}
+    assert r.sample("pd_extproc_requests_total", outcome="ok", strategy="parallel",
+                    reason="cache_hit", model="m") is None  # fmt: skip
+    assert r.rt.access_log_streams.awaiting == 1
+
+
+async def test_a_prefill_refusing_the_request_is_a_client_error() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.fail(PrefillFailed(404, "prefill endpoint p answered 404: no such model"))
+    sent = await r.envoy.until_sent(3)
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert error(sent[2])[0] == 404
+    assert r.outcome("client_error", "parallel", "cache_hit") == 1
+
+
 async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
     r = Request()
     await r.start(REQUEST | {"model": "invented"})
@@ -920,7 +994,7 @@ async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
     sent = await r.envoy.until_sent(4)
     await r.end()
     assert labels(sent[3]) == {"strategy": "serial", "model": "other"}
-    assert r.sample("pd_extproc_requests_total", outcome="decode_4xx", strategy="serial",
+    assert r.sample("pd_extproc_requests_total", outcome="client_error", strategy="serial",
                     reason="cache_miss", model="other") == 1  # fmt: skip
 
 

@@ -69,10 +69,12 @@ class Topology:
         """The sidecar's metrics once every finished request has been counted.
 
         A request is counted when Envoy closes its ext_proc stream, just after the client
-        got the answer; waiting for no open stream avoids reading too early.
+        got the answer, or, for an answer that started, when Envoy's access-log entry for it
+        arrives; waiting for no open stream and no awaited entry avoids reading too early.
         """
         for _ in range(100):
-            if (await self.ready())["active_streams"] == 0:
+            ready = await self.ready()
+            if ready["active_streams"] == 0 and ready.get("awaiting_access_log", 0) == 0:
                 break
             await asyncio.sleep(0.02)
         return await scrape(self.session, self.sidecar.metrics + "/metrics")

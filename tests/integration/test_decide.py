@@ -173,17 +173,24 @@ async def test_a_saturated_prefill_pool_sheds_only_requests_that_need_p() -> Non
     admission = {"enabled": True, "prefill": {"max_in_flight": 1}}
     decision = {"mode": "threshold", "max_prompt_tokens": 64}
     async with topology(admission=admission, decision=decision) as topo:
-        long_stream = {"model": MODEL, "prompt": LONG["prompt"], "max_tokens": 2000,
-                       "stream": True}  # fmt: skip
-        async with topo.session.post(topo.sidecar.url + "/v1/completions",
-                                     json=long_stream) as held:  # fmt: skip
-            assert held.status == 200, await held.text()
-            await asyncio.wait_for(held.content.readline(), 10)  # P's one slot is taken
+        # P's one slot is taken while a P leg runs (a P leg answers after 2 s)
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults", {"latency_ms": 2000})
+        first = asyncio.create_task(topo.post("/v1/completions", LONG))
+        try:
+
+            async def prefill_busy() -> bool:
+                prefills = (await topo.ready())["prefill"].values()
+                return [p["in_flight"] for p in prefills] == [1]
+
+            await until(prefill_busy, "the first request's P leg")
             status, body, _ = await topo.post("/v1/completions", LONG)
             assert status == 429, body
             assert "the prefill engines are saturated" in orjson.loads(body)["error"]["message"]
             status, body, _ = await topo.post("/v1/completions", SHORT)  # D alone: no P needed
             assert status == 200, body
+        finally:
+            status, body, _ = await asyncio.wait_for(first, 30)
+        assert status == 200, body
         metrics = await topo.metrics()
         assert metrics[requests_total("ok", "short_prompt", "decode_only")] == 1
 

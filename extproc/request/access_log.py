@@ -12,6 +12,15 @@ request is thus done by Envoy, per entry: with several ext_proc processes, an en
 the metric correctly whichever process receives it, and no table of pending requests is kept.
 An entry without those labels is a request the ext_proc did not process (a pass-through
 route); Envoy's access-log filter leaves such entries out, and any that arrive are skipped.
+
+Outcomes. Once D's 2xx headers have passed, only Envoy knows whether the client got the whole
+answer: a D that resets, or sends nothing for timeouts.kv_wait_s (its KV never arrived), cuts a
+stream the client already has a 200 for, and the ext_proc's stream ends the same way in every
+case. So while Envoy streams its access log to this process (`AccessLogStreams`), the processor
+leaves such a request's `pd_extproc_requests_total` to its entry (it writes the dispatch's
+`reason` into the labels to say so), and `answer_outcome` reads Envoy's response flags. Without
+an access log (an Envoy without the logger, `access_log.enabled: false`) the processor counts
+it itself, as `ok`.
 """
 
 from __future__ import annotations
@@ -26,7 +35,34 @@ from extproc.request.envoy_msgs import LABELS_NAMESPACE
 if TYPE_CHECKING:
     from extproc.metrics import Metrics
 
-__all__ = ["ClientLatency", "observe_entry"]
+__all__ = ["AccessLogStreams", "ClientLatency", "answer_outcome", "observe_entry"]
+
+
+class AccessLogStreams:
+    """Whether Envoy streams its access log to this process, so that an answer's outcome can
+    be left to its entry; and how many such requests this process still awaits (a count that
+    is exact with one process: with several, an entry may reach another)."""
+
+    def __init__(self) -> None:
+        self.open = 0  # Envoy's access-log streams to this process
+        self.awaiting = 0  # requests ended here whose entry has not been counted here
+
+    @property
+    def decide_outcomes(self) -> bool:
+        return self.open > 0
+
+
+def answer_outcome(entry: Any) -> str:
+    """What the client got of an answer whose 2xx headers had passed: all of it (ok), or a
+    stream Envoy cut (its response flags say why)."""
+    flags = entry.common_properties.response_flags
+    if flags.downstream_connection_termination:
+        return "cancelled"  # the client went away first
+    if flags.stream_idle_timeout:
+        return "decode_timeout"  # nothing from D within timeouts.kv_wait_s: KV never came
+    if flags.ListFields():
+        return "decode_reset"  # D reset or dropped the stream, or another upstream failure
+    return "ok"
 
 
 def _seconds(duration: Any) -> float:
@@ -38,8 +74,9 @@ def _code_class(code: int) -> str:
     return f"{code // 100}xx" if code else "0"
 
 
-def observe_entry(metrics: Metrics, entry: Any) -> bool:
-    """Count one HTTPAccessLogEntry; False (skipped) if it has no pd-extproc labels."""
+def observe_entry(metrics: Metrics, entry: Any, streams: AccessLogStreams | None = None) -> bool:
+    """Count one HTTPAccessLogEntry (and the request's outcome, when the processor left it to
+    the entry); False (skipped) if it has no pd-extproc labels."""
     common = entry.common_properties
     labels = common.metadata.filter_metadata.get(LABELS_NAMESPACE)
     if labels is None:
@@ -48,6 +85,11 @@ def observe_entry(metrics: Metrics, entry: Any) -> bool:
     fields = labels.fields
     strategy, model = fields["strategy"].string_value, fields["model"].string_value
     code = _code_class(entry.response.response_code.value)
+    if "reason" in fields:
+        outcome = answer_outcome(entry)
+        metrics.requests.labels(outcome, strategy, fields["reason"].string_value, model).inc()
+        if streams is not None:
+            streams.awaiting -= 1
     if common.HasField("time_to_first_downstream_tx_byte"):
         first = _seconds(common.time_to_first_downstream_tx_byte)
         metrics.client_first_byte_seconds.labels(strategy, model, code).observe(first)
@@ -61,8 +103,9 @@ def observe_entry(metrics: Metrics, entry: Any) -> bool:
 class ClientLatency(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Envoy's access-log streams (one per Envoy worker thread, open for Envoy's lifetime)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, streams: AccessLogStreams | None = None) -> None:
         self._metrics = metrics
+        self.streams = AccessLogStreams() if streams is None else streams
         self._closing = asyncio.Event()
 
     async def StreamAccessLogs(
@@ -70,6 +113,7 @@ class ClientLatency(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc
     ) -> als_pb2.StreamAccessLogsResponse:
         messages = aiter(request_iterator)
         closing = asyncio.ensure_future(self._closing.wait())
+        self.streams.open += 1
         try:
             while True:
                 read = asyncio.ensure_future(anext(messages, None))
@@ -81,8 +125,9 @@ class ClientLatency(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc
                 if message is None:  # Envoy closed its stream
                     break
                 for entry in message.http_logs.log_entry:
-                    observe_entry(self._metrics, entry)
+                    observe_entry(self._metrics, entry, self.streams)
         finally:
+            self.streams.open -= 1
             closing.cancel()
         return als_pb2.StreamAccessLogsResponse()
 
