@@ -4,6 +4,7 @@ and each turn of a conversation begins with the token ids of the turn before."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from bench.workload import MultiTurn, SharedPrefix, multi_turn, shared_prefix, turn_waves
 
-CORPUS = ["Prefill engines compute the KV cache; decode engines generate the rest of the answer.",
+CORPUS = ["Prefill engines compute the KV cache; decode engines generate the rest.",
           "Envoy hands the request body to an external processor over gRPC.",
-          "NIXL moves KV blocks between engines, pulled by decode or pushed by prefill."]  # fmt: skip
+          "NIXL moves KV blocks between engines, pulled by decode or pushed by prefill."]
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
 
@@ -74,8 +75,9 @@ def test_multi_turn_histories_grow_from_the_previous_turn(model_dir: Path) -> No
         assert [m["role"] for m in turns[-1]["messages"]] == [
             "system", "user", "assistant", "user", "assistant", "user", "assistant", "user"]
         growth = set()
-        for before, after in zip(turns, turns[1:], strict=False):
-            before_ids, after_ids = ids(model_dir, before["prompt"]), ids(model_dir, after["prompt"])
+        for before, after in itertools.pairwise(turns):
+            before_ids = ids(model_dir, before["prompt"])
+            after_ids = ids(model_dir, after["prompt"])
             assert after_ids[: len(before_ids)] == before_ids
             assert after["messages"][: len(before["messages"])] == before["messages"]
             growth.add(len(after_ids) - len(before_ids))
@@ -83,6 +85,11 @@ def test_multi_turn_histories_grow_from_the_previous_turn(model_dir: Path) -> No
         for turn in turns:
             assert turn["prompt_tokens"] == len(ids(model_dir, turn["prompt"]))
             assert turn["prompt"].endswith("assistant:")
+        sizes = {"system": 30, "user": 9, "assistant": 6}
+        for message in turns[-1]["messages"]:  # each message's own tokens, after "role: "
+            in_context = ids(model_dir, f"{message['role']}: {message['content']}\n")
+            header = ids(model_dir, f"{message['role']}:") + ids(model_dir, "\n")[1:]
+            assert len(in_context) - len(header) == sizes[message["role"]]
     waves = turn_waves(conversations)
     assert [[t["conversation"] for t in wave] for wave in waves] == [[0, 1, 2]] * 4
     assert all(t["turn"] == k for k, wave in enumerate(waves) for t in wave)
