@@ -190,8 +190,11 @@ async def running_config(config: Config, engines: Engines, events: EventPorts,
 
 def extproc_config(config: Config, engines: Engines, events: EventPorts) -> dict[str, Any]:
     assert config.sections is not None
-    return ephemeral_config(engines.addresses("prefill"), engines.addresses("decode"),
-                            dispatch={"mode": "push"}, **config.sections(engines, events))
+    out = ephemeral_config(engines.addresses("prefill"), engines.addresses("decode"),
+                           dispatch={"mode": "push"})  # fmt: skip
+    for key, value in config.sections(engines, events).items():  # one level deep, as theirs
+        out[key] = {**out[key], **value} if isinstance(out.get(key), dict) else value
+    return out
 
 
 def runnable(config: Config, engines: Engines, events: EventPorts, has_events: bool,
