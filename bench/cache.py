@@ -247,19 +247,21 @@ def cell_runs(cell: Cell, index: int, args: argparse.Namespace, url: str,
         runs.append(_file_run(tag, cell, index, url, work, rows, seed))
     else:
         shape = MultiTurn(**{**vars(args.chat), "conversations": max(8, 2 * conc)})
+        # each wave shuffled with a seed of its own: in a fixed order, round robin over an
+        # even pool would send every conversation to the same engines turn after turn
         for turn, wave in enumerate(turn_waves(multi_turn(tiny_model(), shape, seed, salt))):
-            runs.append(_file_run(f"{tag}-t{turn}", cell, index, url, work, wave, seed,
-                                  ("--disable-shuffle",)))  # fmt: skip
+            runs.append(_file_run(f"{tag}-t{turn}", cell, index, url, work, wave,
+                                  hash_seed(salt, f"turn {turn}")))  # fmt: skip
     return runs
 
 
 def _file_run(run_id: str, cell: Cell, index: int, url: str, work: Path, rows: list[dict],
-              seed: int, flags: tuple[str, ...] = ()) -> Run:  # fmt: skip
+              seed: int) -> Run:  # fmt: skip
     path = work / f"{run_id}.jsonl"
     write(path, [{"prompt": r["prompt"], "output_tokens": r["output_tokens"]} for r in rows])
     return Run(run_id, cell.key, cell.config, cell.concurrency, index, url,
-               work / f"{run_id}.json", path, num_prompts=len(rows), num_warmups=0, seed=seed,
-               flags=flags)  # fmt: skip
+               work / f"{run_id}.json", path, num_prompts=len(rows), num_warmups=0,
+               seed=seed)  # fmt: skip
 
 
 def hash_seed(*parts: str) -> int:
