@@ -58,7 +58,7 @@ import aiohttp
 from bench import report
 from bench.client import Run, run_plan, warmups
 from bench.engines import Engines, running_engines
-from bench.procs import free_port, pinned, run_bench
+from bench.procs import pinned, run_bench
 from bench.run import MODEL, RESULTS, _slim, commit, cpu_split
 from bench.targets import Target, running_router
 from bench.workload import MultiTurn, SharedPrefix, multi_turn, shared_prefix, turn_waves, write
@@ -74,12 +74,13 @@ ROUTERS = ("router-cache", "router-kv")
 AIM_VS_ROUTER, AIM_VS_BASELINE = 0.7, 1.02
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
-EventPorts = dict[str, str]  # engine URL → its KV events' PUB endpoint
+EventPorts = dict[str, str]  # engine URL → its KV events' PUB endpoint (ipc://…)
 
 
 def pd_cache_sections(engines: Engines, events: EventPorts) -> dict[str, Any]:
     """pd-extproc's cache-aware configuration, merged into its config: the lead fills this in
-    when the scorer lands (the pools' policy and options, where each engine's events are)."""
+    when the scorer lands (the pools' policy and options, where each engine's events are:
+    `events` maps each engine's URL, http://127.0.0.1:PORT, to its PUB socket, ipc://…)."""
     return {"prefill": {"policy": "kv_cache"}, "decode": {"policy": "kv_cache"}}
 
 
@@ -117,32 +118,39 @@ def engine_cache_flags(env: dict[str, str]) -> tuple[bool, str]:
     return True, "prefix caching and KV events on"
 
 
-def events_config(port: int, replay_port: int) -> str:
-    """vLLM's --kv-events-config: ZMQ PUB on `port`, the replay socket on `replay_port`."""
+def events_config(endpoint: str, replay_endpoint: str) -> str:
+    """vLLM's --kv-events-config: a ZMQ PUB on `endpoint`, the replay socket on the other."""
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                       "endpoint": f"tcp://127.0.0.1:{port}",
-                       "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})  # fmt: skip
+                       "endpoint": endpoint, "replay_endpoint": replay_endpoint})  # fmt: skip
 
 
 @dataclass
 class EventFlags:
-    """Each engine's KV-event ports, chosen before it starts (vllm-router needs them up front)."""
+    """Each engine's KV-event sockets, named before it starts (vllm-router needs them up front).
+
+    ipc:// sockets in the run's directory: vLLM's publisher binds only wildcard and ipc
+    endpoints (it connects to tcp://host:port, where a subscriber that connects as well, such
+    as vllm-router's, would never meet it), and a wildcard would listen on every interface.
+    """
 
     enabled: bool
-    by_slot: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    folder: Path
+    by_slot: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def __call__(self, role: str, index: int) -> list[str]:
         if not self.enabled:
             return []
-        ports = self.by_slot.setdefault((role, index), (free_port(), free_port()))
-        return ["--enable-prefix-caching", "--kv-events-config", events_config(*ports)]
+        base = f"ipc://{self.folder}/{role[0]}{index}"
+        self.by_slot[(role, index)] = base + ".pub"
+        return ["--enable-prefix-caching",
+                "--kv-events-config", events_config(base + ".pub", base + ".replay")]
 
     def endpoints(self, engines: Engines) -> EventPorts:
         out = {}
         for role, handles in (("prefill", engines.prefill), ("decode", engines.decode)):
             for index, handle in enumerate(handles):
                 if (role, index) in self.by_slot:
-                    out[handle.url] = f"tcp://127.0.0.1:{self.by_slot[(role, index)][0]}"
+                    out[handle.url] = self.by_slot[(role, index)]
         return out
 
 
@@ -299,7 +307,8 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path,
     n = int(topology[0])
     engine_cpus, proxy_cpus = cpu_split(args.pin)
     has_events, why = engine_cache_flags(args.engine_env)
-    flags = EventFlags(has_events)
+    flags = EventFlags(has_events, work / f"events-{topology}")
+    flags.folder.mkdir()
     async with contextlib.AsyncExitStack() as stack:
         engines = await stack.enter_async_context(running_engines(
             "push", n, n, MODEL, tiny_model(), ("--profile", args.profile), engine_cpus,
