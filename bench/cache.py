@@ -74,13 +74,23 @@ ROUTERS = ("router-cache", "router-kv")
 AIM_VS_ROUTER, AIM_VS_BASELINE = 0.7, 1.02
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
-EventPorts = dict[str, str]  # engine URL → its KV events' PUB endpoint (ipc://…)
+
+
+@dataclass(frozen=True)
+class EventSockets:
+    """Where one engine publishes its KV events (ZMQ PUB) and answers replays (ROUTER)."""
+
+    endpoint: str
+    replay_endpoint: str
+
+
+EventPorts = dict[str, EventSockets]  # engine URL (http://127.0.0.1:PORT) → its sockets
 
 
 def pd_cache_sections(engines: Engines, events: EventPorts) -> dict[str, Any]:
     """pd-extproc's cache-aware configuration, merged into its config: the lead fills this in
     when the scorer lands (the pools' policy and options, where each engine's events are:
-    `events` maps each engine's URL, http://127.0.0.1:PORT, to its PUB socket, ipc://…)."""
+    `events` maps each engine's URL to its ipc:// sockets; empty without events)."""
     return {"prefill": {"policy": "kv_cache"}, "decode": {"policy": "kv_cache"}}
 
 
@@ -135,15 +145,15 @@ class EventFlags:
 
     enabled: bool
     folder: Path
-    by_slot: dict[tuple[str, int], str] = field(default_factory=dict)
+    by_slot: dict[tuple[str, int], EventSockets] = field(default_factory=dict)
 
     def __call__(self, role: str, index: int) -> list[str]:
         if not self.enabled:
             return []
         base = f"ipc://{self.folder}/{role[0]}{index}"
-        self.by_slot[(role, index)] = base + ".pub"
-        return ["--enable-prefix-caching",
-                "--kv-events-config", events_config(base + ".pub", base + ".replay")]
+        sockets = self.by_slot[(role, index)] = EventSockets(base + ".pub", base + ".replay")
+        return ["--enable-prefix-caching", "--kv-events-config",
+                events_config(sockets.endpoint, sockets.replay_endpoint)]
 
     def endpoints(self, engines: Engines) -> EventPorts:
         out = {}
@@ -181,7 +191,7 @@ async def running_config(config: Config, engines: Engines, events: EventPorts,
         extra = []
         if config.needs_events:
             for handle in engines.prefill:
-                extra += ["--pd-kv-events", f"{handle.url}={events[handle.url]}"]
+                extra += ["--pd-kv-events", f"{handle.url}={events[handle.url].endpoint}"]
         async with running_router(engines, vllm_router_venv() / "bin" / "vllm-router", cpus,
                                   config.router_policy, config.name, extra) as target:  # fmt: skip
             yield target
