@@ -246,7 +246,7 @@ class Cell:
 
 def cell_runs(cell: Cell, index: int, args: argparse.Namespace, url: str,
               work: Path) -> list[Run]:  # fmt: skip
-    """A warm-up (random prompts: nothing they leave in a cache is ever asked again), then the
+    """A warm-up (random prompts, sharing next to nothing with the measured ones), then the
     cell's measured runs: one, or one per turn for multi-turn."""
     conc, tag = cell.concurrency, f"{cell.key}-{cell.config}-c{cell.concurrency}-r{index}"
     tag = tag.replace("/", "-")
