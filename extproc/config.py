@@ -98,11 +98,27 @@ def _off_as_written(value: Any) -> Any:
 OffAsWritten = BeforeValidator(_off_as_written)
 
 
-class KvEventPorts(_Strict):
-    """One engine's own KV event ports, where they differ from its pool's `kv_events`."""
+class EndpointKvEvents(_Strict):
+    """One engine's own KV event sockets, where they differ from its pool's `kv_events`: other
+    ports on its host, or whole ZMQ addresses (tcp://host:port, ipc:///path)."""
 
-    port: int = Field(gt=0, lt=65536)
+    port: int | None = Field(default=None, gt=0, lt=65536)
     replay_port: int | None = Field(default=None, gt=0, lt=65536)
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+
+    @model_validator(mode="after")
+    def _one_way(self) -> EndpointKvEvents:
+        if (self.port is None) == (self.endpoint is None):
+            raise ValueError("give port (and replay_port) or endpoint (and replay_endpoint)")
+        if self.port is not None and self.replay_endpoint is not None:
+            raise ValueError("with port, the replay socket is replay_port")
+        if self.endpoint is not None and self.replay_port is not None:
+            raise ValueError("with endpoint, the replay socket is replay_endpoint")
+        for value in (self.endpoint, self.replay_endpoint):
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"a ZMQ address: tcp://host:port or ipc:///path (got {value!r})")
+        return self
 
 
 class EndpointConfig(_Strict):
@@ -110,8 +126,8 @@ class EndpointConfig(_Strict):
 
     address: str
     mode: DispatchMode | None = None  # prefill only: overrides dispatch.mode for this endpoint
-    # Its KV event ports, for engines that share a host (its pool's kv_events must be set).
-    kv_events: KvEventPorts | None = None
+    # Its own KV event sockets, for engines that share a host (its pool's kv_events must be set).
+    kv_events: EndpointKvEvents | None = None
 
     @field_validator("address")
     @classmethod

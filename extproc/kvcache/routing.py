@@ -166,7 +166,9 @@ def event_sources(
 def _source(events: KvEventsConfig, pool: PoolConfig, address: str) -> EventSource:
     port, replay = events.port, events.replay_port
     own = next((e.kv_events for e in pool.endpoints if e.address == address), None)
-    if own is not None:
+    if own is not None and own.endpoint is not None:
+        return EventSource(own.endpoint, own.replay_endpoint, events.topic)
+    if own is not None and own.port is not None:
         port, replay = own.port, own.replay_port
     host, _ = parse_host_port(address)
     host = f"[{host}]" if ":" in host else host

@@ -64,14 +64,16 @@ def test_every_member_publishes_at_its_host_on_the_pools_ports(tokenizer_dir: Pa
     assert event_sources(cfg, members, set()) == {}  # the group has no tokenizer loaded
 
 
-def test_a_static_endpoint_may_name_its_own_ports(tokenizer_dir: Path) -> None:
+def test_a_static_endpoint_may_name_its_own_sockets(tokenizer_dir: Path) -> None:
     own = {"address": P2, "kv_events": {"port": 7100, "replay_port": 7101}}
+    ipc = {"address": D1, "kv_events": {"endpoint": "ipc:///run/d.pub"}}
     cfg = parse_config({"prefill": {"endpoints": [P1, own], "kv_events": {}},
-                        "decode": {"endpoints": [D1]},
+                        "decode": {"endpoints": [ipc], "kv_events": {"topic": "kv"}},
                         "tokenizer": str(tokenizer_dir)})  # fmt: skip
     sources = event_sources(cfg, {"": {Role.PREFILL: [P1, P2], Role.DECODE: [D1]}}, {""})
     assert sources == {P1: EventSource("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"),
-                       P2: EventSource("tcp://10.0.0.2:7100", "tcp://10.0.0.2:7101")}  # fmt: skip
+                       P2: EventSource("tcp://10.0.0.2:7100", "tcp://10.0.0.2:7101"),
+                       D1: EventSource("ipc:///run/d.pub", None, "kv")}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -82,6 +84,12 @@ def test_a_static_endpoint_may_name_its_own_ports(tokenizer_dir: Path) -> None:
           "decode": {"endpoints": [D1]}},
          "prefill: Value error, an endpoint's kv_events ports need the pool's kv_events"),
         (config(None, kv_events={"port": 0}), "prefill.kv_events.port: Input should be greater"),
+        ({"prefill": {"endpoints": [{"address": P1, "kv_events": {"endpoint": "udp://x"}}],
+                      "kv_events": {}}, "decode": {"endpoints": [D1]}},
+         "prefill.endpoints.0.kv_events: Value error, a ZMQ address: tcp://host:port or ipc"),
+        ({"prefill": {"endpoints": [{"address": P1, "kv_events": {"replay_port": 2}}],
+                      "kv_events": {}}, "decode": {"endpoints": [D1]}},
+         "prefill.endpoints.0.kv_events: Value error, give port (and replay_port) or endpoint"),
     ],
 )
 def test_bad_kv_settings_fail_at_load_in_one_line(data: dict[str, object], message: str) -> None:
