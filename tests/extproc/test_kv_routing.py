@@ -237,3 +237,45 @@ def test_the_example_config_in_the_docs_loads(tokenizer_dir: Path) -> None:
     assert (cfg.prefill.policy, cfg.decode.policy) == ("kv_cache", "kv_cache")
     members = {"": {role: cfg.static_addresses(role) for role in Role}}
     assert len(set(event_sources(cfg, members, {""}).values())) == 4  # a port pair each
+
+
+# ---- the follower --------------------------------------------------------------------------
+
+
+async def test_the_follower_subscribes_drops_leavers_clears_restarts_and_stops() -> None:
+    import asyncio
+
+    import zmq.asyncio
+
+    from extproc.kvcache.watchers import KvEventWatchers
+    from tests.extproc.test_kv_subscriber import FakeEngine, joined
+    from tests.integration.conftest import until
+
+    ctx = zmq.asyncio.Context()
+    engine = FakeEngine(ctx)
+    index, metrics = KvIndex(100), Metrics()
+    routing = KvRouting(index, metrics, KvEventWatchers(index, metrics, context=ctx))
+    try:
+        routing.start()
+        routing.follow({"a": EventSource(engine.endpoint, engine.replay_endpoint)})
+        async def subscribed() -> bool:
+            return "a" in routing.watchers.sources()
+        await until(subscribed, "the follower to subscribe")
+        events = routing.watchers._watching["a"][1]
+        await joined(engine, events)
+        events.applied.clear()
+        await engine.send(_batch(chain(1, [1, 2, 3, 4, 5, 6, 7, 8])))
+        await asyncio.wait_for(events.applied.wait(), 10)
+        assert index.blocks == 2
+        routing.engine_restarted("a")  # the restart detector saw a new start time
+        assert index.blocks == 0
+        assert 'reason="restart"} 1.0' in metrics.render().decode()
+        routing.engine_restarted("not-watched")  # nothing to clear, nothing counted
+        routing.follow({})  # it left the pool: out of the index at once
+        assert index.engines() == []
+        task = routing._task
+    finally:
+        await routing.stop()
+        await engine.close()
+        ctx.term()
+    assert task is not None and task.done() and routing.watchers.sources() == {}
