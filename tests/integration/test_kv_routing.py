@@ -25,8 +25,8 @@ from extproc.policies import PrefixPicker
 from extproc.request.parse import Api, parse_request
 from extproc.request.plan import pick_request
 from extproc.scheduling.pool import EndpointState
-from tests.integration.conftest import MODEL, Topology, address, topology, until
-from vllmsim.launcher import FAST, EngineHandle
+from tests.integration.conftest import MODEL, PUSH, Topology, address, topology, until
+from vllmsim.launcher import FAST, EngineHandle, running_engine
 
 BLOCK = 4
 WORDS = [f"w{i}" for i in range(400)]
@@ -64,7 +64,13 @@ def words(start: int, n: int) -> str:
 
 
 def kv_endpoint(engine: EngineHandle) -> dict[str, Any]:
-    """A static endpoint with its own KV event ports (every engine here shares 127.0.0.1)."""
+    """A static endpoint with its own KV event sockets (every engine here shares 127.0.0.1):
+    its ports, or its ipc:// addresses."""
+    if (engine.kv_events_endpoint or "").startswith("ipc://"):
+        return {"address": address(engine),
+                "kv_events": {"endpoint": engine.kv_events_endpoint,
+                              "replay_endpoint": engine.kv_events_replay_endpoint}}  # fmt: skip
+
     def port(endpoint: str | None) -> int | None:
         return None if endpoint is None else int(endpoint.rsplit(":", 1)[1])
 
@@ -229,12 +235,22 @@ async def fall_back(topo: Topology) -> None:
     assert "WARNING" not in topo.sidecar.log_text()  # quietly
 
 
-async def test_an_engine_removed_from_the_pool_leaves_the_index(model_dir: Path) -> None:
-    async with topology(2, 1, engine_flags=engine_flags(model_dir), endpoint=kv_endpoint,
-                        prefill=kv_pool(), decode=kv_pool(), tokenizer=str(model_dir)) as topo:
-        gone = topo.prefills[1]
+async def test_an_engine_removed_from_the_pool_leaves_the_index(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The engine that leaves publishes on ipc:// sockets (an endpoint's own addresses)."""
+    ipc = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": f"ipc://{tmp_path}/p.pub",
+                      "replay_endpoint": f"ipc://{tmp_path}/p.replay"})  # fmt: skip
+    flags = (*engine_flags(model_dir)[:-1], ipc)
+    async with running_engine("--kv-transfer-config", PUSH[0], *flags) as gone, topology(
+        1, 1, engine_flags=engine_flags(model_dir), endpoint=kv_endpoint, extra_prefills=[gone],
+        prefill=kv_pool(), decode=kv_pool(), tokenizer=str(model_dir),
+    ) as topo:  # fmt: skip
+        assert (gone.kv_events_endpoint or "").startswith("ipc://")
         await direct(topo, gone, "/v1/completions", completion_body(words(0, 40)))
         await held_by_index(topo, gone)
+        assert await metric(topo, "pd_extproc_kv_index_blocks") == 10  # 41 tokens
         series = (f'pd_extproc_kv_event_batches_total{{endpoint="{address(gone)}",'
                   'outcome="applied"}')
         config = yaml.safe_load(topo.sidecar.config_path.read_text())
