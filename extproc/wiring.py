@@ -286,6 +286,7 @@ class Runtime:
             self.kv_check.forget(address)
             self.scheduler.forget(address)
             self.restarts.forget(address)
+            self.kv.forget(address)
             self.metrics.forget_endpoint(role, address)
         for address in added:
             log.info("%s %s joined the pool", role, address)

@@ -104,6 +104,11 @@ class KvIndex:
     def engines(self) -> list[str]:
         return list(self._engines)
 
+    def heard_from(self, engine: str) -> bool:
+        """The engine's events have told what it holds (its block size is known)."""
+        state = self._engines.get(engine)
+        return state is not None and state.block_size > 0
+
     # -- events --------------------------------------------------------------------------------
 
     def apply(self, engine: str, events: Iterable[KvEvent]) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from extproc.config import Config, KvEventsConfig, PoolConfig, parse_host_port
 from extproc.kvcache.index import KvIndex
+from extproc.kvcache.routed import RoutedBlocks
 from extproc.kvcache.tokens import OffLoopTokenizer, RequestTokenizer, TokenizerFilesError
 from extproc.kvcache.watchers import EventSource, KvEventWatchers
 from extproc.metrics import Metrics
@@ -25,6 +26,7 @@ __all__ = ["KvRouting", "event_sources", "kv_groups"]
 log = logging.getLogger("extproc")
 
 _FOLLOW_WAIT_S = 5.0  # the follower's wake-up when nothing changes (every wait has a timeout)
+_ROUTED_BLOCKS = 65_536  # (engine, block) entries remembered for engines without events
 
 
 class KvRouting:
@@ -32,6 +34,7 @@ class KvRouting:
                  watchers: KvEventWatchers | None = None) -> None:  # fmt: skip
         self.index = index
         self.watchers = watchers or KvEventWatchers(index, metrics)
+        self.routed = RoutedBlocks(_ROUTED_BLOCKS)  # where prompts went, for silent engines
         self._metrics = metrics
         self._by_path: dict[str, OffLoopTokenizer] = {}
         self._by_group: dict[str, OffLoopTokenizer] = {}
@@ -86,8 +89,25 @@ class KvRouting:
         return bool(self._by_group)
 
     def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
-        """Per engine heard from: how many leading tokens of `token_ids` it holds."""
-        return self.index.cached_tokens(token_ids)
+        """Per engine: how many leading tokens of `token_ids` it holds, by its events; for an
+        engine not heard from, how many of them this sidecar routed to it (an estimate)."""
+        found = self.index.cached_tokens(token_ids)
+        silent = self.routed.engines() - found.keys()
+        if silent:
+            found |= self.routed.held(self.routed.keys(token_ids), silent)
+        return found
+
+    def remember(self, engines: Sequence[str], token_ids: Sequence[int]) -> None:
+        """The prompt was routed to `engines`: those not heard from probably hold it now."""
+        silent = [e for e in engines if not self.index.heard_from(e)]
+        if silent:
+            keys = self.routed.keys(token_ids)
+            for engine in silent:
+                self.routed.remember(engine, keys)
+
+    def forget(self, engine: str) -> None:
+        """The engine left its pool: what was routed to it no longer counts."""
+        self.routed.forget(engine)
 
     # -- subscribers ---------------------------------------------------------------------------
 
@@ -106,6 +126,7 @@ class KvRouting:
 
     def engine_restarted(self, engine: str) -> None:
         """The engine's process changed (the restart detector): what it held is gone."""
+        self.routed.forget(engine)
         if engine in self._wanted:
             self.index.clear_engine(engine)
             self._metrics.kv_index_resets.labels(engine, "restart").inc()

@@ -7,9 +7,10 @@ prompt held whole is worth `kv_cache_weight` requests of load: on P the prefill 
 the transfer (vLLM's connector asks P only for the blocks D lacks). Ties go to the prompt's
 rendezvous order, so equal candidates still spread by prompt.
 
-Where no candidate is known to hold any of the prompt (no events from them, no tokenizer, a
-new prompt), the pick is `prefix`'s: rendezvous hashing of the prompt's start with bounded
-load, an approximate affinity that needs no events.
+For an engine that publishes no events, `cached` counts the prompt's leading blocks this sidecar
+routed there (an estimate: evictions are not seen). Where no candidate is known to hold any of
+the prompt (no tokenizer, a new prompt), the pick is `prefix`'s: rendezvous hashing of the
+prompt's start with bounded load.
 """
 
 from __future__ import annotations

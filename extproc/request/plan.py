@@ -221,6 +221,9 @@ def plan_request(
     wanted = pick_request(request, headers.get(config.dispatch.session_header), priority,
                           tokens, scheduler.kv)  # fmt: skip
     picked = scheduler.pick(wanted, inflight, config, subset, fallbacks)
+    if tokens is not None and scheduler.kv is not None:  # KV-routed: where its blocks went
+        with_p = [picked.prefill] if isinstance(picked, WithPrefill) else []
+        scheduler.kv.remember([*with_p, picked.decodes[0]], tokens)
     request_id = str(uuid.uuid4())
     if isinstance(picked, DecodeAlone):
         d_body = decode_body(request.parts, None)  # the client's own, minus fields: it fits

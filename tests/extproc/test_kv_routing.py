@@ -279,3 +279,37 @@ async def test_the_follower_subscribes_drops_leavers_clears_restarts_and_stops()
         await engine.close()
         ctx.term()
     assert task is not None and task.done() and routing.watchers.sources() == {}
+
+
+# ---- engines without events: where prompts were routed -------------------------------------
+
+
+def test_routed_blocks_count_for_engines_not_heard_from_only() -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    prompt = list(range(40))  # two blocks of 16
+    routing.remember([P1, P2], prompt)
+    assert routing.cached_tokens(prompt) == {P1: 32, P2: 32}
+    assert routing.cached_tokens([*prompt[:16], 99, *prompt[17:]]) == {P1: 16, P2: 16}
+    routing.index.apply(P2, _decoded(chain(1, [1, 2, 3, 4])))  # P2 publishes: its events rule
+    assert routing.cached_tokens(prompt) == {P1: 32, P2: 0}
+    routing.remember([P2], list(range(100, 140)))  # not remembered for an engine heard from
+    assert routing.cached_tokens(list(range(100, 140))) == {P2: 0}
+    routing.forget(P1)  # it left the pool
+    assert routing.cached_tokens(prompt) == {P2: 0}
+    routing.remember([P1], prompt)
+    routing.engine_restarted(P1)  # a restart empties it
+    assert routing.cached_tokens(prompt) == {P2: 0}
+
+
+def test_routed_blocks_stay_within_their_bound() -> None:
+    from extproc.kvcache.routed import RoutedBlocks
+
+    routed = RoutedBlocks(max_blocks=640, block_size=4)
+    for n in range(1000):
+        routed.remember(P1 if n % 2 else P2, routed.keys(list(range(n * 8, n * 8 + 8))))
+        assert len(routed) <= 640
+    last = routed.keys(list(range(999 * 8, 999 * 8 + 8)))
+    assert routed.held(last, {P1, P2}) == {P1: 8}  # the newest kept, the oldest gone
+    assert routed.held(routed.keys(list(range(8))), {P1, P2}) == {}
+    routed.forget(P1)
+    assert routed.engines() == {P2} and len(routed) == sum(1 for _ in routed._routed)
