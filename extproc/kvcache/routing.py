@@ -35,6 +35,7 @@ class KvRouting:
         self.index = index
         self.watchers = watchers or KvEventWatchers(index, metrics)
         self.routed = RoutedBlocks(_ROUTED_BLOCKS)  # where prompts went, for silent engines
+        self._last_keys: tuple[Sequence[int] | None, list[int]] = (None, [])
         self._metrics = metrics
         self._by_path: dict[str, OffLoopTokenizer] = {}
         self._by_group: dict[str, OffLoopTokenizer] = {}
@@ -94,14 +95,20 @@ class KvRouting:
         found = self.index.cached_tokens(token_ids)
         silent = self.routed.engines() - found.keys()
         if silent:
-            found |= self.routed.held(self.routed.keys(token_ids), silent)
+            found |= self.routed.held(self._routed_keys(token_ids), silent)
         return found
+
+    def _routed_keys(self, token_ids: Sequence[int]) -> list[int]:
+        """The prompt's keys for `routed`, computed once for its lookup and its `remember`."""
+        if self._last_keys[0] is not token_ids:
+            self._last_keys = (token_ids, self.routed.keys(token_ids))
+        return self._last_keys[1]
 
     def remember(self, engines: Sequence[str], token_ids: Sequence[int]) -> None:
         """The prompt was routed to `engines`: those not heard from probably hold it now."""
         silent = [e for e in engines if not self.index.heard_from(e)]
         if silent:
-            keys = self.routed.keys(token_ids)
+            keys = self._routed_keys(token_ids)
             for engine in silent:
                 self.routed.remember(engine, keys)
 
