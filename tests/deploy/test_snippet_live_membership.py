@@ -28,7 +28,7 @@ from tests.deploy.test_snippet_dropin import (
     serving_process,
     users_envoy,
 )
-from tests.fakes.kube_api import fake_kube_api, pod
+from tests.support.kube_api import fake_kube_api, pod
 from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 # 20 ms steps: a request of 20 tokens stays in flight for about 0.4 s

@@ -11,15 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.integration.conftest import (
-    MODEL,
-    PULL,
-    Topology,
-    address,
-    generated_text,
-    requests_total,
-    topology,
-)
+from tests.support.engines import MODEL, PULL, address
+from tests.support.topology import Topology, generated_text, requests_total, topology
 
 COMPLETION = {
     "model": MODEL,

@@ -19,8 +19,8 @@ from extproc.process.envoy_process import envoy_binary
 from extproc.process.subprocesses import terminate
 from tests.deploy.test_example_pods import container, hook_command
 from tests.deploy.test_examples import config
-from tests.integration.conftest import MODEL
 from tests.integration.test_split_processes import poll, split_topology
+from tests.support.engines import MODEL
 
 DRAIN_TIME_S = "1"  # the example's 15 s, shortened
 TIMEOUT = aiohttp.ClientTimeout(total=5)

@@ -20,7 +20,7 @@ import yaml
 from extproc.bootstrap.render import render_bootstrap, render_yaml
 from extproc.config import parse_config
 from extproc.process.envoy_process import EnvoyProcess
-from tests.integration.conftest import MODEL
+from tests.support.engines import MODEL
 from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "split processes " * 10, "max_tokens": 4}
