@@ -12,8 +12,8 @@ from pathlib import Path
 import orjson
 import pytest_asyncio
 
-from tests.integration.test_dispatch import legs
 from tests.support.engines import MODEL, address
+from tests.support.legs import legs
 from tests.support.topology import Topology, requests_total, topology
 
 KEY = "sk-pd-test-7d1c"
