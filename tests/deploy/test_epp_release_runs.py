@@ -18,12 +18,12 @@ import yaml
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.deploy.test_gateway_inference_examples import release
-from tests.deploy.test_helm_chart import one
-from tests.deploy.test_kustomize import build
+from tests.support.deploy import one
 from tests.support.engines import MODEL
 from tests.support.epp import running_epp
+from tests.support.examples import build
 from tests.support.gateway import Variant, running_gateway
+from tests.support.helm import release
 from tests.support.kube_api import fake_kube_api, pod
 from tests.support.polling import until
 from vllmsim.launcher import FAST, PUSH_D, PUSH_P, running_engine

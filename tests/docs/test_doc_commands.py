@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from extproc.config import Config, parse_config
-from tests.deploy.helpers import envoy_validate
+from tests.support.deploy import envoy_validate
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -17,9 +17,8 @@ import aiohttp
 
 from extproc.process.envoy_process import envoy_binary
 from extproc.process.subprocesses import terminate
-from tests.deploy.test_example_pods import container, hook_command
-from tests.deploy.test_examples import config
 from tests.support.engines import MODEL
+from tests.support.examples import config, container, hook_command
 from tests.support.polling import until
 from tests.support.split import split_topology
 
