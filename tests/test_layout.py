@@ -62,3 +62,25 @@ def test_the_check_sees_every_form_of_import(tmp_path: Path) -> None:
         "tests.sub.test_c",
         "tests.deploy.test_examples",
     ]
+
+
+def conftest_library(path: Path) -> list[str]:
+    """What a conftest.py defines besides fixtures, pytest hooks and their private helpers."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            found.append(f"class {node.name}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            fixture = any("fixture" in ast.unparse(d) for d in node.decorator_list)
+            if not (fixture or node.name.startswith(("pytest_", "_"))):
+                found.append(f"def {node.name}")
+    return found
+
+
+def test_conftest_files_hold_fixtures_and_hooks_only() -> None:
+    found = {
+        str(path.relative_to(TESTS.parent)): library
+        for path in sorted(TESTS.rglob("conftest.py"))
+        if (library := conftest_library(path))
+    }
+    assert not found, f"move these into tests/support/: {found}"
