@@ -18,11 +18,18 @@ import yaml
 from multidict import CIMultiDict
 
 from extproc.process.subprocesses import terminate
-from tests.support.engines import PUSH, address, clear_engines, engine_requests, start_engines
+from tests.support.engines import (
+    MODEL,
+    PUSH,
+    address,
+    clear_engines,
+    engine_requests,
+    start_engines,
+)
 from tests.support.gateway import Variant, running_gateway
 from vllmsim.launcher import EngineHandle
 
-__all__ = ["GatewayTopology", "Picker", "epp_config", "epp_topology", "running_epp"]
+__all__ = ["MODEL", "GatewayTopology", "Picker", "epp_config", "epp_topology", "running_epp"]
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,19 @@ from multidict import CIMultiDict
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
 from tests.support.engines import (
     MODEL,
+    PULL,
     PUSH,
     address,
     clear_engines,
     engine_requests,
     start_engines,
 )
+from tests.support.polling import until
 from vllmsim.launcher import EngineHandle
+
+# A topology test's whole vocabulary from one module (the engines' and polling names too)
+__all__ = ["MODEL", "PULL", "PUSH", "Topology", "address", "generated_text", "identity_events",
+           "requests_total", "topology", "until"]  # fmt: skip
 
 
 @dataclass
