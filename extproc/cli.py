@@ -15,15 +15,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import orjson
-
 from extproc.config import SHARED_PREFILL_LISTENER, Config, ConfigError, load_config
 from extproc.logs import configure_logging
 from extproc.metrics import package_version
 from extproc.process.envoy_process import EnvoyError
 
 if TYPE_CHECKING:
-    from extproc.process.server import ExtProcServer
+    from extproc.process.lifecycle import Service
 
 __all__ = ["main"]
 
@@ -100,120 +98,34 @@ async def _until_signal(body: Callable[[asyncio.Event], Awaitable[int]]) -> int:
     return await body(stop)
 
 
-async def _up(
-    config: Config, config_path: Path, ready_file: Path | None, stop: asyncio.Event
-) -> int:
+def _configured_envoy_admin(config: Config) -> str:
+    """`serve`: the Envoy is the user's; envoy.admin says where its admin is (as `render-envoy`
+    renders it), when it names a port. A wildcard host is reached on loopback."""
+    admin = config.envoy.admin
+    if admin.port == 0 or admin.host.startswith("unix:"):
+        return ""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(admin.host, admin.host)
+    return f"http://[{host}]:{admin.port}" if ":" in host else f"http://{host}:{admin.port}"
+
+
+def _service(args: argparse.Namespace, config: Config) -> Service:
+    """What `up`, `serve` or `epp` runs (built inside the event loop that runs it)."""
     from extproc.process.app import Sidecar
-    from extproc.reload import HangupReloads
+    from extproc.process.extproc_service import NO_LISTENER, ExtProcService
 
-    sidecar = Sidecar(config)
-    addresses = await sidecar.start()
-    reloads = HangupReloads(lambda: sidecar.reload(config_path))
-    _write_ready(ready_file, addresses.to_json())
-    print(
-        f"pd-extproc is up: {addresses.url}/v1/completions "
-        f"(metrics {addresses.metrics}/metrics, Envoy admin {addresses.envoy_admin})",
-        flush=True,
-    )
-    envoy_exit = asyncio.create_task(sidecar.wait_envoy_exit())
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({envoy_exit, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    code = 0
-    if envoy_exit.done():
-        code = 1
-        log.error("Envoy exited (%s); see %s", envoy_exit.result(), sidecar.envoy.log_path)
-    envoy_exit.cancel()
-    reloads.close()
-    if code == 0:
-        await sidecar.drain()
-    await sidecar.stop()
-    return code
-
-
-def _write_ready(path: Path | None, payload: bytes) -> None:
-    """Atomically, so that a watcher never reads half a file."""
-    if path is not None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(payload)
-        tmp.rename(path)
-
-
-async def _start_or_stop(server: ExtProcServer) -> None:
-    """Bind the server's ports; if one cannot be bound, release what was (one line, no leak)."""
-    try:
-        await server.start()
-    except BaseException:
-        await server.stop(0)
-        raise
-
-
-async def _serve(
-    config: Config,
-    config_path: Path,
-    prefill_listener: str,
-    ready_file: Path | None,
-    stop: asyncio.Event,
-) -> int:
-    from extproc.process.server import ExtProcServer
-    from extproc.reload import HangupReloads, reload_runtime
-    from extproc.wiring import Runtime
-
-    runtime = Runtime(config, prefill_listener)
-    await runtime.discover()  # the first answer already knows every pool member
-    server = ExtProcServer(runtime)
-    await _start_or_stop(server)
-    reloads = HangupReloads(lambda: reload_runtime(runtime, config_path))
-    try:
-        await runtime.start()
-        await server.ready()
-        metrics = f"http://{config.metrics.host}:{server.metrics_port}"
-        _write_ready(ready_file, orjson.dumps({"extproc": server.address, "metrics": metrics}))
-        print(f"pd-extproc ext_proc on {server.address}, metrics {metrics}/metrics", flush=True)
-        await stop.wait()
-    finally:
-        reloads.close()
-        # Drain: health turns NOT_SERVING, new streams are refused (Envoy answers them with
-        # its JSON 503), streams in flight finish for up to timeouts.drain_s.
-        log.info("draining %d open requests", runtime.active_streams)
-        await server.stop(runtime.config.timeouts.drain_s)
-    return 0
-
-
-NO_LISTENER = "unix:/nonexistent"  # an endpoint picker's P legs go straight to the engines
-
-
-async def _epp(config: Config, config_path: Path, ready_file: Path | None,
-               stop: asyncio.Event) -> int:  # fmt: skip
-    """The endpoint picker: like `serve`, with P legs straight to the engines (a gateway's
-    Envoy has no prefill listener), TLS and the protocol's health services."""
-    from extproc.process.server import ExtProcServer
-    from extproc.reload import HangupReloads, reload_runtime
-    from extproc.wiring import Runtime
-
+    if args.command == "up":
+        return Sidecar(config)
+    if args.command == "serve":
+        listener = config.envoy.shared_prefill_listener(args.prefill_listener)
+        service = ExtProcService(config, listener)
+        service.server.envoy_admin = _configured_envoy_admin(config)
+        return service
+    # The endpoint picker: P legs straight to the engines (a gateway's Envoy has no prefill
+    # listener), TLS and the protocol's health services.
     if config.extproc.host in ("127.0.0.1", "::1", "localhost"):
         log.warning("the endpoint picker listens on %s only: a gateway in another pod cannot "
                     "reach it (set extproc.host: 0.0.0.0)", config.extproc.host)  # fmt: skip
-    runtime = Runtime(config, NO_LISTENER, endpoint_picker=True)
-    await runtime.discover()
-    server = ExtProcServer(runtime, endpoint_picker=True)
-    await _start_or_stop(server)
-    reloads = HangupReloads(lambda: reload_runtime(runtime, config_path))
-    try:
-        await runtime.start()
-        await server.ready()
-        metrics = f"http://{config.metrics.host}:{server.metrics_port}"
-        ready = {"extproc": server.address, "metrics": metrics, "health_port": server.health_port}
-        _write_ready(ready_file, orjson.dumps(ready))
-        print(f"pd-extproc endpoint picker on {server.address}, gRPC health on port "
-              f"{server.health_port or 'of the ext_proc'}, metrics {metrics}/metrics",
-              flush=True)  # fmt: skip
-        await stop.wait()
-    finally:
-        reloads.close()
-        log.info("draining %d open requests", runtime.active_streams)
-        await server.stop(runtime.config.timeouts.drain_s)
-    return 0
+    return ExtProcService(config, NO_LISTENER, endpoint_picker=True)
 
 
 def _render(
@@ -255,16 +167,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "render-envoy":
         listener = config.envoy.shared_prefill_listener(args.prefill_listener)
         return _render(config, args.extproc_address, listener, args.snippet)
-    if args.command == "epp":
-        return asyncio.run(
-            _until_signal(lambda stop: _epp(config, args.config, args.ready_file, stop))
-        )
-    if args.command == "serve":
-        listener = config.envoy.shared_prefill_listener(args.prefill_listener)
-        return asyncio.run(
-            _until_signal(lambda stop: _serve(config, args.config, listener, args.ready_file, stop))
-        )
-    return asyncio.run(_until_signal(lambda stop: _up(config, args.config, args.ready_file, stop)))
+    from extproc.process.lifecycle import run
+
+    return asyncio.run(
+        _until_signal(lambda stop: run(_service(args, config), args.config, args.ready_file, stop))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,6 +104,7 @@ async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) ->
             "envoy": {"listen": {"port": port}},
         })  # fmt: skip
         sidecar = Sidecar(config, listen_setting="--port")
+        await sidecar.bind()
         addresses = await sidecar.start()
         stack.push_async_callback(sidecar.stop)
         learned = sum(1 for i in sidecar.runtime.identities.snapshot().values() if i["engine_id"])

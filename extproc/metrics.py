@@ -194,6 +194,53 @@ class Metrics:
             registry=r,
         )
 
+        # The KV-cache index (extproc.kvcache): what every engine's cache holds, from its events.
+        self.kv_index_blocks = Gauge(
+            "pd_extproc_kv_index_blocks",
+            "Blocks in the KV-cache index: (engine, block) entries, which its bound counts.",
+            registry=r,
+        )
+        self.kv_index_bytes = Gauge(
+            "pd_extproc_kv_index_bytes",
+            "The KV-cache index's memory, estimated from its tables and entries.",
+            registry=r,
+        )
+        self.kv_event_batches = Counter(
+            "pd_extproc_kv_event_batches",
+            "KV event batches received from an engine, by outcome: applied, replayed (applied "
+            "from the replay socket), malformed (skipped).",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.kv_event_gaps = Counter(
+            "pd_extproc_kv_event_gaps",
+            "Sequence gaps in an engine's KV events (batches lost between it and the sidecar).",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_event_replays = Counter(
+            "pd_extproc_kv_event_replays",
+            "Replays asked of an engine to fill a gap, by outcome: filled, short (the engine no "
+            "longer had every missing batch), failed (no answer in time, or a broken one), "
+            "skipped (no replay endpoint, or the gap too long to ask for).",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.kv_index_resets = Counter(
+            "pd_extproc_kv_index_resets",
+            "Times an engine's index entries were dropped, by why: gap (not filled by replay), "
+            "restart (its sequence went back), cleared (it sent AllBlocksCleared), malformed "
+            "(a batch that could not be decoded).",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.kv_event_lag_seconds = Histogram(
+            "pd_extproc_kv_event_lag_seconds",
+            "Age of a KV event batch when the sidecar applied it (now - the batch's timestamp).",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+
     def forget_endpoint(self, role: Role, address: str) -> None:
         """Drop the per-endpoint series of an endpoint that left its pool."""
         for gauge in (self.inflight, self.healthy):
@@ -202,6 +249,20 @@ class Metrics:
         if role == Role.DECODE:
             with contextlib.suppress(KeyError):
                 self.kv_transfer_share.remove(address)
+
+    def forget_kv_engine(self, endpoint: str) -> None:
+        """Drop the KV-event series of an engine that left the index."""
+        series = {
+            self.kv_event_batches: ("applied", "replayed", "malformed"),
+            self.kv_event_replays: ("filled", "short", "failed", "skipped"),
+            self.kv_index_resets: ("gap", "restart", "cleared", "malformed"),
+        }
+        for counter, values in series.items():
+            for value in values:
+                with contextlib.suppress(KeyError):
+                    counter.remove(endpoint, value)
+        with contextlib.suppress(KeyError):
+            self.kv_event_gaps.remove(endpoint)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,6 +1,7 @@
 """SIGHUP: re-read the config file; new requests use it, requests in flight are untouched.
 
-Shared by `up` and `serve`, so that `kill -HUP` means the same in every mode.
+Taken by `extproc.process.lifecycle.run` for `up`, `serve` and `epp` alike, so that
+`kill -HUP` means the same in every mode.
 """
 
 from __future__ import annotations

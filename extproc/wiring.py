@@ -1,6 +1,7 @@
 """Config → the live objects one ext_proc process shares between its streams.
 
-This is the one module that builds the request path's and the background loops' objects;
+This is the one module that builds the request path's and the background loops' objects (the
+scheduler that picks a request's endpoints among them is `extproc.scheduling.scheduler`);
 everything else receives what it needs through its constructor (often a small Protocol the
 consumer declares) and imports nothing from here. A reload builds the config-derived state
 anew and swaps it in; `RELOAD` says how each setting is taken, and a setting that needs a
@@ -13,12 +14,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.config import Config, DispatchMode, PoolConfig
+from extproc.config import Config
 from extproc.engines.health import HealthChecker
 from extproc.engines.kv_check import KvCheck
 from extproc.engines.kv_compat import KvCompatibility
@@ -28,30 +27,31 @@ from extproc.engines.restarts import RestartDetector
 from extproc.engines.scrape_plan import scrape_plan
 from extproc.engines.scraper import EngineScraper
 from extproc.engines.startup_summary import startup_summary, summary_is_clean
-from extproc.errors import NoHealthyDecode, NoHealthyPrefill
 from extproc.membership.discovery import Discovery
 from extproc.membership.eds import Memberships, pool_cluster_name
 from extproc.metrics import Metrics
 from extproc.model_labels import ModelLabels
-from extproc.policies import Picker, PickRequest, build_picker
 from extproc.protocol.identity import IdentityCache
 from extproc.request.access_log import AccessLogStreams
-from extproc.request.prefill_direct import DirectPrefillClient
-from extproc.request.prefill_leg import PrefillClient, PrefillPaths
-from extproc.request.processor import Picked, RequestDeps
+from extproc.request.prefill_client import (
+    PrefillClient,
+    PrefillPaths,
+    ThroughListener,
+    ToEngine,
+    TrackedPrefillSender,
+)
+from extproc.request.processor import RequestDeps
 from extproc.request.strategies import LegServices
 from extproc.roles import Role
-from extproc.scheduling.admission import check_admission, role_saturation
-from extproc.scheduling.decision import Decider, TrackedPrefillSender
 from extproc.scheduling.pool import EndpointState, Pool
-from extproc.scheduling.subset_hint import Subset
+from extproc.scheduling.scheduler import Scheduler, pool_picker
 from extproc.tracing import Tracing
 
 __all__ = ["RELOAD", "Runtime"]
 
 log = logging.getLogger("extproc")
 
-LIVE = "live"  # read from the current config where it is used
+LIVE = "live"  # a request reads its snapshot, taken when it starts; the loops read it now
 REBUILT = "rebuilt"  # config-derived state, built anew by a reload and swapped in
 RESTART = "restart"  # fixed at start (Envoy's bootstrap, listeners, logging, the tracer)
 
@@ -107,49 +107,9 @@ def needs_restart(old: Config, new: Config) -> list[str]:
     return changed
 
 
-@dataclass
-class ModelGroup:
-    """One model's view of the shared pools: its members and its policies, per role."""
-
-    name: str
-    members: dict[Role, set[str]]
-    pickers: dict[Role, Picker]
-
-
-def _picker(pool: PoolConfig) -> Picker:
-    return build_picker(pool.policy, pool.options)
-
-
-def _model_groups(config: Config) -> dict[str, ModelGroup]:
-    return {
-        name: ModelGroup(
-            name,
-            {Role.PREFILL: set(group.prefill.addresses), Role.DECODE: set(group.decode.addresses)},
-            {Role.PREFILL: _picker(group.prefill), Role.DECODE: _picker(group.decode)},
-        )
-        for name, group in config.groups().items()
-    }
-
-
-def _endpoint_modes(config: Config) -> dict[str, DispatchMode]:
-    return {
-        endpoint.address: endpoint.mode
-        for pool in config.pool_configs(Role.PREFILL)
-        for endpoint in pool.endpoints
-        if endpoint.mode is not None
-    }
-
-
 def _endpoint_view(state: EndpointState) -> dict[str, object]:
     return {"healthy": state.healthy, "in_flight": state.in_flight,
             "waiting": state.waiting, "kv_usage": state.kv_usage}  # fmt: skip
-
-
-def _none_healthy(role: Role, subset: Subset | None) -> str:
-    if subset is None:
-        return f"no healthy {role} endpoint; retry later"
-    return (f"no healthy {role} endpoint among the {subset.listed} the gateway allowed "
-            "(its subset hint); retry later")  # fmt: skip
 
 
 class Runtime:
@@ -165,26 +125,25 @@ class Runtime:
             on_event=self._identity_event,
         )
         settings = self._current_config
-        self.groups = _model_groups(config)
-        self._modes = _endpoint_modes(config)
         self.prefill = Pool(
             Role.PREFILL,
             config.static_addresses(Role.PREFILL),
-            _picker(config.prefill),
+            pool_picker(config.prefill),
             on_change=self._endpoint_changed(Role.PREFILL),
         )
         self.decode = Pool(
             Role.DECODE,
             config.static_addresses(Role.DECODE),
-            _picker(config.decode),
+            pool_picker(config.decode),
             on_change=self._endpoint_changed(Role.DECODE),
         )
+        self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics)
         for pool in (self.prefill, self.decode):
             for state in pool:
                 self._endpoint_changed(pool.role)(state)
         self.prefill_client = PrefillPaths(
-            PrefillClient(prefill_listener, config.timeouts.connect_s),
-            DirectPrefillClient(config.timeouts.connect_s, self._direct_leg_key),
+            PrefillClient(ThroughListener(prefill_listener, config.timeouts.connect_s)),
+            PrefillClient(ToEngine(config.timeouts.connect_s, self._direct_leg_key)),
             # an endpoint picker has no prefill listener: its P legs go to the engine
             (lambda: "direct") if endpoint_picker else lambda: self.config.dispatch.prefill_leg,
         )
@@ -192,7 +151,7 @@ class Runtime:
         self.kv_compat = KvCompatibility()  # P/D pairs the probe saw fail to exchange KV
         prober = Prober(
             self.prefill_client, self.identities, self.decode,
-            lambda prefill: self.group_of(Role.PREFILL, prefill).members[Role.DECODE],
+            self.scheduler.decodes_of,
             self.metrics, settings, self.model_labels.served, self.kv_compat,
         )  # fmt: skip
         self.kv_check = KvCheck(
@@ -203,7 +162,7 @@ class Runtime:
             lambda: self._session,
             lambda: scrape_plan(
                 self.config,
-                {name: g.members for name, g in self.groups.items()},
+                {name: g.members for name, g in self.scheduler.groups.items()},
                 self.decode.addresses,
             ),
             lambda: self.config.health.timeout_s,
@@ -222,7 +181,6 @@ class Runtime:
         )
         self.discovery = Discovery(self, settings)
         self.tracing = Tracing(config.tracing)
-        self.decider = Decider(lambda: self.config.decision, self.metrics)
         self.access_log_streams = AccessLogStreams()  # Envoy's, which decide answers' outcomes
         self.request_deps = RequestDeps(
             LegServices(
@@ -233,11 +191,9 @@ class Runtime:
                 lambda prefill: self.prefill.set_healthy(prefill, False),
                 self.kv_check.note_dispatch,
                 self.metrics,
-                settings,
                 self.kv_check.note_decode_only,
             ),
-            self.pick,
-            self.prefill_mode,
+            self.scheduler,
             self.tracing.request,
             self.metrics,
             settings,
@@ -296,83 +252,8 @@ class Runtime:
 
         return record
 
-    def prefill_mode(self, address: str) -> DispatchMode:
-        """The endpoint's own `mode:` or dispatch.mode (precomputed: asked per request)."""
-        return self._modes.get(address, self.config.dispatch.mode)
-
-    def group(self, model: str) -> ModelGroup:
-        """The pools that serve `model` (the default group for models not configured)."""
-        return self.groups.get(model) or self.groups[""]
-
-    def pick(
-        self,
-        wanted: PickRequest,
-        inflight: ExitStack,
-        subset: Subset | None = None,
-        fallbacks: int = 1,
-        with_prefill: bool = True,
-    ) -> Picked:
-        """D (then up to `fallbacks` others) and P (then another, for a serial retry) for a
-        request, each counted in flight until `inflight` closes. Shed first when the pool is
-        saturated (admission); no P (decode-only) when the decision says so, or when none is
-        healthy and that is allowed. With a gateway's `subset`, both are picked inside it
-        only; no P `with_prefill` False."""
-        group = self.group(wanted.model)
-        members = group.members
-        if subset is not None:
-            members = {role: subset.restrict(among) for role, among in members.items()}
-        if self.config.admission.enabled:
-            self._admit(wanted, group, Role.DECODE)
-        decodes = self.decode.pick_with_fallback(
-            wanted, members[Role.DECODE], group.pickers[Role.DECODE], fallbacks
-        )
-        if not decodes:
-            raise NoHealthyDecode(503, _none_healthy(Role.DECODE, subset), retry_after_s=1)
-        counted = inflight.enter_context(self.decode.track(decodes[0]))
-        decode_addresses = [d.address for d in decodes]
-        if not with_prefill:
-            return Picked(decode_addresses, None, decode_counted=counted)
-        prefills = self.prefill.pick_with_fallback(
-            wanted, members[Role.PREFILL], group.pickers[Role.PREFILL]
-        )
-        if prefills:
-            prefill = prefills[0]
-            if self.decider.enabled:
-                decision = self.decider.decide(
-                    wanted.prompt_bytes, decodes[0].address, decodes[0], prefill
-                )
-                if decision.decode_only:
-                    return Picked(decode_addresses, None, alone=decision.reason,
-                                  decode_counted=counted)  # fmt: skip
-            if self.config.admission.enabled:  # only a request that will use P waits for one
-                self._admit(wanted, group, Role.PREFILL)
-            prefill_counted = inflight.enter_context(self.prefill.track(prefill))
-            fallback = prefills[1].address if len(prefills) > 1 else None
-            return Picked(decode_addresses, prefill.address, fallback, decode_counted=counted,
-                          prefill_counted=prefill_counted)  # fmt: skip
-        if self.config.dispatch.no_healthy_prefill == "decode_only":
-            return Picked(decode_addresses, None, decode_counted=counted)
-        raise NoHealthyPrefill(503, _none_healthy(Role.PREFILL, subset), retry_after_s=1)
-
-    def _admit(self, wanted: PickRequest, group: ModelGroup, role: Role) -> None:
-        """Shed (429) if the group's engines of `role` are saturated for the request's
-        priority; the saturation is exported either way."""
-        admission = self.config.admission
-        pool, limits = ((self.decode, admission.decode) if role is Role.DECODE
-                        else (self.prefill, admission.prefill))  # fmt: skip
-        healthy = [s for s in pool if s.healthy and s.address in group.members[role]]
-        if not healthy:
-            return  # nothing to measure: the pick answers 503 (or goes decode-only)
-        value = role_saturation(healthy, limits)
-        self.metrics.saturation.labels(role).set(value)
-        check_admission(wanted.priority, role, value, admission)
-
-    def group_of(self, role: Role, address: str) -> ModelGroup:
-        return next((g for g in self.groups.values() if address in g.members[role]),
-                    self.groups[""])  # fmt: skip
-
     def set_group_members(self, model: str, role: Role, members: list[str]) -> None:
-        self.groups[model].members[role] = set(members)
+        self.scheduler.set_group_members(model, role, members)
 
     def pool(self, role: Role) -> Pool:
         return self.prefill if role == Role.PREFILL else self.decode
@@ -386,7 +267,7 @@ class Runtime:
             self.identities.forget(address)
             self.kv_compat.forget(address)
             self.kv_check.forget(address)
-            self.decider.forget(address)
+            self.scheduler.forget(address)
             self.restarts.forget(address)
             self.metrics.forget_endpoint(role, address)
         for address in added:
@@ -416,12 +297,9 @@ class Runtime:
         Everything is built before anything is swapped, so a failure leaves the old state.
         """
         restart = needs_restart(self.config, config)
-        groups, modes = _model_groups(config), _endpoint_modes(config)
-        prefill_policy, decode_policy = _picker(config.prefill), _picker(config.decode)
+        self.scheduler.reload(config)  # builds everything before it swaps
         dispatch = config.dispatch
-        self.config, self.groups, self._modes = config, groups, modes
-        self.prefill.set_policy(prefill_policy)
-        self.decode.set_policy(decode_policy)
+        self.config = config
         self.identities.set_flap_limits(
             dispatch.flap_threshold, dispatch.flap_window_s, dispatch.serial_cooldown_s
         )
@@ -441,7 +319,7 @@ class Runtime:
     def _log_summary(self) -> None:
         summary = startup_summary(
             self.prefill, self.decode, self.health.reasons, self.identities.get,
-            lambda address: str(self.prefill_mode(address)), self.kv_compat,
+            lambda address: str(self.scheduler.prefill_mode(address)), self.kv_compat,
         )  # fmt: skip
         log.log(logging.INFO if summary_is_clean(summary) else logging.WARNING, "%s", summary)
 

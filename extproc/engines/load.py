@@ -12,21 +12,16 @@ that does not answer keeps its last values (the health checker decides whether i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from extproc.engines.scraper import Families
 
-__all__ = ["EngineLoad", "LoadState", "parse_load"]
+if TYPE_CHECKING:
+    from extproc.scheduling.pool import EndpointState
+
+__all__ = ["EngineLoad", "parse_load"]
 
 _KV_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 2nd: vLLM < 0.10
-
-
-class LoadState(Protocol):
-    in_flight: int
-    waiting: float
-    running: float
-    kv_usage: float
-    foreign: float
 
 
 def _values(families: Families, name: str) -> list[float]:
@@ -51,7 +46,7 @@ class EngineLoad:
 
     families = ("vllm:num_requests_waiting", "vllm:num_requests_running", *_KV_USAGE_NAMES)
 
-    def __init__(self, endpoint: Callable[[str], LoadState | None]) -> None:
+    def __init__(self, endpoint: Callable[[str], EndpointState | None]) -> None:
         self._endpoint = endpoint  # address → its state in a pool (None: not a member)
 
     def consume(self, address: str, families: Families) -> None:

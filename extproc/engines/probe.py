@@ -21,11 +21,12 @@ from extproc.engines.kv_compat import KvCompatibility, Mismatch
 from extproc.errors import LegError
 from extproc.protocol.bodies import members, prefill_body, prefill_kv_params
 from extproc.protocol.identity import PrefillIdentity, identity_from_params
+from extproc.request.prefill_client import PrefillCall
 
 if TYPE_CHECKING:
     from extproc.config import Config
     from extproc.metrics import Metrics
-    from extproc.request.prefill_leg import PrefillSender
+    from extproc.request.prefill_client import PrefillSender
     from extproc.scheduling.pool import EndpointState
 
 __all__ = ["Prober"]
@@ -115,9 +116,8 @@ class Prober:
             self._on_served(model)
             client_body = orjson.dumps({"model": model, "prompt": "probe", "temperature": 0})
             p_body = prefill_body(members(client_body), False, prefill_kv_params())
-            result = await self._prefill_client.send(
-                address, "/v1/completions", p_body, request_id, timeout_s, auth
-            )
+            call = PrefillCall(address, "/v1/completions", p_body, request_id, timeout_s, auth)
+            result = await self._prefill_client.send(call)
             identity = identity_from_params(result.kv_transfer_params)
         except (
             aiohttp.ClientError, TimeoutError, LegError, ValueError, KeyError, IndexError

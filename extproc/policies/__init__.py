@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from extproc.policies.base import Endpoint, NoOptions, Picker, PickRequest, hrw_order
+from extproc.policies.base import EndpointView, NoOptions, Picker, PickRequest, hrw_order
 from extproc.policies.least_request import LeastRequestPicker
 from extproc.policies.least_tokens import LeastTokensPicker
 from extproc.policies.power_of_two import PowerOfTwoOptions, PowerOfTwoPicker, load_score
@@ -26,7 +26,7 @@ from extproc.policies.session import SessionPicker
 
 __all__ = [
     "POLICIES",
-    "Endpoint",
+    "EndpointView",
     "LeastRequestPicker",
     "LeastTokensPicker",
     "NoOptions",

@@ -1,7 +1,9 @@
 """What every policy shares: the request it may look at, the endpoint state it reads, its shape.
 
-Policies read endpoint state through the small `Endpoint` protocol, not the pool's class, so the
-pool depends on the policies and never the other way round.
+`EndpointView` is the one description of an endpoint's load that the readers share: the
+policies, the decode-only decision and admission control (`extproc.scheduling`). It is a
+protocol over the pool's `EndpointState`, declared here, so that the pool depends on the
+policies and never the other way round.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Endpoint", "NoOptions", "PickRequest", "Picker", "hrw_order"]
+__all__ = ["EndpointView", "NoOptions", "PickRequest", "Picker", "hrw_order"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,20 +29,27 @@ class PickRequest:
     priority: int = 0  # admission control's priority (extproc.scheduling.admission)
 
 
-class Endpoint(Protocol):
-    """The state of one endpoint that policies read (the pool owns and updates it)."""
+class EndpointView(Protocol):
+    """One endpoint's load, read-only (the pool owns the state; the P leg's client and the
+    engine scraper update it)."""
 
     @property
     def address(self) -> str: ...
     @property
     def in_flight(self) -> int: ...  # requests this ext_proc has in flight there
     @property
+    def queued_tokens(self) -> int: ...  # prefill: prompt tokens of our P legs in flight there
+    @property
     def waiting(self) -> float: ...  # the engine's queue at the last scrape
     @property
+    def running(self) -> float: ...  # the engine's batch at the last scrape
+    @property
     def kv_usage(self) -> float: ...  # the engine's KV cache fill (0-1) at the last scrape
+    @property
+    def foreign(self) -> float: ...  # running + waiting beyond ours, at the last scrape
 
 
-E = TypeVar("E", bound=Endpoint)
+E = TypeVar("E", bound=EndpointView)
 
 
 class Picker(Protocol):

@@ -4,7 +4,7 @@ A prefill engine's wait is its queued prompt tokens, not its request count: behi
 4096-token prompt a new request waits as long as behind sixteen 256-token ones. This sidecar
 knows the tokens of every P leg it has in flight (estimated from the bodies, see
 `decision.bytes_per_token`); ties, such as idle engines, are broken round robin. Endpoints
-without the count (decode pools) tie at 0 and fall back to the fewest requests in flight.
+without the count (decode pools: always 0) tie and fall back to the fewest requests in flight.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from extproc.policies.base import E, NoOptions, PickRequest
+from extproc.policies.base import E, EndpointView, NoOptions, PickRequest
 
 __all__ = ["LeastTokensPicker"]
 
 
-def _load(endpoint: object) -> tuple[int, int]:
-    return getattr(endpoint, "queued_tokens", 0), getattr(endpoint, "in_flight", 0)
+def _load(endpoint: EndpointView) -> tuple[int, int]:
+    return endpoint.queued_tokens, endpoint.in_flight
 
 
 class LeastTokensPicker:

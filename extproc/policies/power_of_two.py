@@ -13,7 +13,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from extproc.durations import INTERVAL
-from extproc.policies.base import E, Endpoint, PickRequest
+from extproc.policies.base import E, EndpointView, PickRequest
 
 __all__ = ["PowerOfTwoOptions", "PowerOfTwoPicker", "load_score"]
 
@@ -28,7 +28,7 @@ class PowerOfTwoOptions(BaseModel):
     kv_usage_weight: float = Field(default=4.0, ge=0)
 
 
-def load_score(state: Endpoint, kv_usage_weight: float) -> float:
+def load_score(state: EndpointView, kv_usage_weight: float) -> float:
     """How busy an endpoint is, in units of "requests queued in front of a new one".
 
     score = in_flight + waiting + kv_usage_weight × kv_usage

@@ -2,7 +2,8 @@
 
 Order matters: the ext_proc binds first (Envoy's bootstrap names its port), Envoy starts and
 becomes ready, and only then do health checks and identity probes run (they go through
-Envoy's prefill listener).
+Envoy's prefill listener). `extproc.process.lifecycle.run` drives it, as it drives the ext_proc
+alone.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ import orjson
 from extproc.bootstrap.render import render_bootstrap, render_yaml
 from extproc.config import Config
 from extproc.process.envoy_process import EnvoyProcess
-from extproc.process.server import ExtProcServer
+from extproc.process.extproc_service import ExtProcService
 from extproc.process.workers import WorkerProcesses
-from extproc.reload import reload_runtime
-from extproc.wiring import Runtime
 
 __all__ = ["Sidecar", "SidecarAddresses"]
 
@@ -41,6 +40,11 @@ class SidecarAddresses:
     def to_json(self) -> bytes:
         return orjson.dumps(self.__dict__)
 
+    @property
+    def banner(self) -> str:
+        return (f"pd-extproc is up: {self.url}/v1/completions "
+                f"(metrics {self.metrics}/metrics, Envoy admin {self.envoy_admin})")  # fmt: skip
+
 
 class Sidecar:
     def __init__(
@@ -53,8 +57,8 @@ class Sidecar:
         self.prefill_listener = (
             config.envoy.prefill_listener or f"unix:{self.run_dir / 'prefill.sock'}"
         )
-        self.runtime = Runtime(config, self.prefill_listener)
-        self.server = ExtProcServer(self.runtime)
+        self.extproc = ExtProcService(config, self.prefill_listener)
+        self.runtime = self.extproc.runtime
         self.envoy = EnvoyProcess(
             self.run_dir / "envoy.yaml",
             self.run_dir,
@@ -68,43 +72,58 @@ class Sidecar:
         self.workers = WorkerProcesses(config, self.run_dir, self.prefill_listener)
         self.addresses: SidecarAddresses | None = None
 
-    async def start(self) -> SidecarAddresses:
-        cfg = self.config
+    async def bind(self) -> None:
+        """The ext_proc (its first membership, then its ports), its workers, then Envoy."""
+        await self.extproc.bind()  # Envoy's first EDS answer holds every member
         try:
-            await self.server.start()
-            await self.workers.start(cfg.extproc.workers - 1)
-            extproc = ",".join([self.server.address, *self.workers.addresses])
-            bootstrap = render_bootstrap(cfg, extproc, self.prefill_listener)
+            await self.workers.start(self.config.extproc.workers - 1)
+            extproc = self._extproc_addresses()
+            bootstrap = render_bootstrap(self.config, extproc, self.prefill_listener)
             self.envoy.config_path.write_text(render_yaml(bootstrap))
-            await self.runtime.discover()  # Envoy's first EDS answer holds every member
             await self.envoy.start()
+            self.extproc.server.envoy_admin = self.envoy.admin_url  # its stats, on our port
+        except BaseException:
+            await self._failed_start()
+            raise
+
+    async def start(self) -> SidecarAddresses:
+        """Health checks and probes (through Envoy's prefill listener), then readiness."""
+        try:
             await self.runtime.start()
-            await self.server.ready()
+            await self.extproc.server.ready()
             ingress = await self.envoy.listener_address("ingress")
         except BaseException:
-            self._own_run_dir = False  # keep Envoy's log for the user to read
-            await self.stop()
+            await self._failed_start()
             raise
         self.addresses = SidecarAddresses(
             url=f"http://{ingress}",
             envoy_admin=self.envoy.admin_url,
-            metrics=f"http://{cfg.metrics.host}:{self.server.metrics_port}",
-            extproc=extproc,
+            metrics=self.extproc.addresses().metrics,
+            extproc=self._extproc_addresses(),
             prefill_listener=self.prefill_listener,
             worker_metrics=self.workers.metrics,
         )
         return self.addresses
 
+    def _extproc_addresses(self) -> str:
+        return ",".join([self.extproc.server.address, *self.workers.addresses])
+
+    async def _failed_start(self) -> None:
+        self._own_run_dir = False  # keep Envoy's log for the user to read
+        await self.stop()
+
     async def reload(self, config_path: Path) -> None:
         """SIGHUP: new requests use the new config; requests in flight are untouched."""
-        config = await reload_runtime(self.runtime, config_path)
+        config = await self.extproc.reload(config_path)
         if config is None:
             return
         await self.workers.reload(config)  # they serve EDS too: same members everywhere
         self.config = config
 
-    async def wait_envoy_exit(self) -> int:
-        return await self.envoy.wait()
+    async def failed(self) -> str:
+        """Envoy exited by itself."""
+        code = await self.envoy.wait()
+        return f"Envoy exited ({code}); see {self.envoy.log_path}"
 
     async def drain(self) -> None:
         """Take no new requests; let those in flight finish, for at most timeouts.drain_s."""
@@ -122,7 +141,7 @@ class Sidecar:
     async def stop(self) -> None:
         grace = self.config.timeouts.drain_s
         await asyncio.gather(
-            self.envoy.stop(), self.server.stop(grace), self.workers.stop(grace),
+            self.envoy.stop(), self.extproc.stop(), self.workers.stop(grace),
             return_exceptions=True,
         )  # fmt: skip
         if self._own_run_dir:

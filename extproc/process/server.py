@@ -6,7 +6,9 @@ afterwards); the caller starts the runtime's health checks and probes once Envoy
 listener exists. `stop(grace)` lets in-flight streams finish for up to `grace` seconds.
 
 HTTP: `/metrics` (Prometheus), `/ready` (200 once serving, 503 while starting or draining;
-engine health in its JSON) and `/live` (200 while the process answers at all).
+engine health in its JSON), `/live` (200 while the process answers at all) and
+`/envoy/stats/prometheus`: the stats of the Envoy in this pod, whose admin port stays on loopback
+(a cluster's Prometheus scrapes them here, next to the sidecar's own).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import os
 from typing import Any
 
+import aiohttp
 import grpc
 import orjson
 from aiohttp import web
@@ -37,12 +40,15 @@ from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime
 
-__all__ = ["LIVE_PATH", "READY_PATH", "ExtProcServer"]
+__all__ = ["ENVOY_STATS_PATH", "LIVE_PATH", "READY_PATH", "ExtProcServer"]
 
 log = logging.getLogger("extproc.process.server")
 
 READY_PATH = "/ready"  # Kubernetes readinessProbe: this process can answer Envoy
 LIVE_PATH = "/live"  # livenessProbe: this process answers at all
+ENVOY_STATS_PATH = "/envoy/stats/prometheus"
+_ENVOY_STATS_TIMEOUT = aiohttp.ClientTimeout(total=5)
+_ENVOY_STATS_MAX_BYTES = 8 * 1024 * 1024  # far above the stats of the clusters pd-extproc renders
 
 # Whole bodies travel in one gRPC message; Python's default 4 MiB would cap prompts.
 _GRPC_OPTIONS = [
@@ -74,6 +80,14 @@ async def _credentials(cfg: Config, endpoint_picker: bool) -> grpc.ServerCredent
     return None
 
 
+async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit and (chunk := await stream.read(limit - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
 class ExtProcServer:
     """`endpoint_picker`: the ext_proc as a gateway's endpoint picker (`pd-extproc epp`):
     TLS by default, health services that follow readiness, a plaintext health port."""
@@ -83,6 +97,8 @@ class ExtProcServer:
         self.endpoint_picker = endpoint_picker
         self.address = ""  # "host:port" or "unix:/path", as Envoy's cluster should name it
         self.metrics_port = 0
+        # Envoy's admin ("http://host:port"), whose stats ENVOY_STATS_PATH serves; "": none known
+        self.envoy_admin = ""
         self.health_port = 0  # the plaintext health port of an endpoint picker (0: none)
         self._grpc: aio.Server | None = None
         self._health = HealthServices(gated=endpoint_picker)
@@ -154,6 +170,7 @@ class ExtProcServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get(READY_PATH, self._ready)
         app.router.add_get(LIVE_PATH, self._live)
+        app.router.add_get(ENVOY_STATS_PATH, self._envoy_stats)
         return app
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -171,6 +188,23 @@ class ExtProcServer:
 
     async def _live(self, request: web.Request) -> web.Response:
         return web.Response(body=b'{"live":true}', content_type="application/json")
+
+    async def _envoy_stats(self, request: web.Request) -> web.Response:
+        if not self.envoy_admin:
+            return web.Response(status=404, text="no Envoy admin address (config envoy.admin)\n")
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=_ENVOY_STATS_TIMEOUT) as session,
+                session.get(self.envoy_admin + "/stats/prometheus") as response,
+            ):
+                body = await _read_at_most(response.content, _ENVOY_STATS_MAX_BYTES + 1)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            why = str(error) or type(error).__name__
+            return web.Response(status=502, text=f"Envoy admin {self.envoy_admin}: {why}\n")
+        if response.status != 200 or len(body) > _ENVOY_STATS_MAX_BYTES:
+            text = f"Envoy admin {self.envoy_admin}: status {response.status}, {len(body)} bytes\n"
+            return web.Response(status=502, text=text)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def stop(self, grace_s: float) -> None:
         self.runtime.draining = True  # /ready turns 503 before anything is refused

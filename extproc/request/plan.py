@@ -15,23 +15,40 @@ Decode-only: D prefills the prompt itself, either by decision (`extproc.scheduli
 reason says why) or because no P is healthy and `no_healthy_prefill: decode_only`
 (reason `no_prefill`).
 
-`plan_dispatch` turns a request and what was picked into one of three plans, without I/O;
-`extproc.request.strategies` has the class that runs each.
+`plan_request` is the one call that plans a request: the scheduler's pick (`extproc.scheduling.
+scheduler`), the strategy, the legs' bodies and their size check, in one of three plans that
+also carry the request's in-flight counts; `extproc.request.strategies` has the class that runs
+each. `plan_legs` is its pure part: bodies and destinations, without I/O.
 """
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
 
 from extproc.config import DispatchMode
 from extproc.errors import ClientError
+from extproc.policies import PickRequest
 from extproc.protocol.bodies import buffer_bytes, decode_body, prefill_body, prefill_kv_params
 from extproc.protocol.identity import PrefillIdentity
 from extproc.request.parse import ClientRequest
+from extproc.scheduling.admission import request_priority
+from extproc.scheduling.scheduler import DecodeAlone, WithPrefill
+
+if TYPE_CHECKING:
+    from extproc.config import Config
+    from extproc.scheduling.pool import Counted
+    from extproc.scheduling.scheduler import Scheduler
+    from extproc.scheduling.subset_hint import Subset
 
 __all__ = [
+    "NOT_PLANNED",
     "DecodeOnlyPlan",
+    "NoPlan",
     "ParallelPlan",
     "Plan",
     "SerialPlan",
@@ -39,7 +56,9 @@ __all__ = [
     "check_fits",
     "check_plan_fits",
     "choose_strategy",
-    "plan_dispatch",
+    "pick_request",
+    "plan_legs",
+    "plan_request",
 ]
 
 
@@ -63,13 +82,37 @@ def choose_strategy(
     return Strategy.PARALLEL, "cache_hit"
 
 
+class KnownIdentities(Protocol):
+    """What planning reads of the identity cache."""
+
+    def get(self, endpoint: str) -> PrefillIdentity | None: ...
+    def serial_only(self, endpoint: str) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NoPlan:
+    """A request with no legs to run: ended before it was planned (refused, or the client left),
+    or passed through as it is (the endpoint picker's `passthrough`, counted at its D)."""
+
+    strategy: Strategy = Strategy.SERIAL
+    reason: str = "none"
+    decode_counted: Counted | None = None
+    request_id = ""
+    prefill = None
+
+
+NOT_PLANNED = NoPlan()
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeOnlyPlan:
     request_id: str
     decodes: list[str]  # the choice, then Envoy's connect-failure fallbacks
     d_body: bytes
-    reason: str = "no_prefill"
+    reason: str
+    decode_counted: Counted | None  # the in-flight count at D, moved if another served
     prefill = None
+    prefill_counted = None
     strategy = Strategy.DECODE_ONLY
 
 
@@ -82,6 +125,8 @@ class ParallelPlan:
     d_body: bytes  # carries `given`, P's cached identity
     given: PrefillIdentity
     reason: str
+    decode_counted: Counted | None = None
+    prefill_counted: Counted | None = None  # the count at P, which the P leg releases
     strategy = Strategy.PARALLEL
 
 
@@ -94,35 +139,76 @@ class SerialPlan:
     parts: list[tuple[str, bytes]]  # the client body's members, for D's body
     reason: str
     fallback: str | None = None  # another P for one retry if `prefill` fails to answer
+    decode_counted: Counted | None = None
+    prefill_counted: Counted | None = None
     strategy = Strategy.SERIAL
 
 
 Plan = DecodeOnlyPlan | ParallelPlan | SerialPlan
 
 
-def plan_dispatch(
+_PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash
+
+
+def pick_request(request: ClientRequest, session: str | None, priority: int = 0) -> PickRequest:
+    """What the policies and the decision see of the request."""
+    prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
+    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority)
+
+
+def plan_request(
+    request: ClientRequest,
+    headers: Mapping[str, str],
+    config: Config,
+    scheduler: Scheduler,
+    identities: KnownIdentities,
+    inflight: ExitStack,
+    subset: Subset | None = None,
+    fallbacks: int = 1,
+) -> Plan:
+    """The whole plan of one request, under its config snapshot `config`: the endpoints (each
+    counted in flight until `inflight` closes), decode-only or P/D, serial or parallel, the
+    bodies, checked to fit Envoy's buffer before any leg leaves. Raises what the scheduler
+    raises (Shed, NoHealthy*), ClientError for a bad priority header or an oversized body."""
+    priority = request_priority(headers, config.admission)
+    wanted = pick_request(request, headers.get(config.dispatch.session_header), priority)
+    picked = scheduler.pick(wanted, inflight, config, subset, fallbacks)
+    request_id = str(uuid.uuid4())
+    if isinstance(picked, DecodeAlone):
+        d_body = decode_body(request.parts, None)  # the client's own, minus fields: it fits
+        return DecodeOnlyPlan(request_id, picked.decodes, d_body, picked.reason,
+                              picked.decode_counted)  # fmt: skip
+    prefill = picked.prefill
+    identity = identities.get(prefill)
+    choice = choose_strategy(scheduler.prefill_mode(prefill), identity,
+                             identities.serial_only(prefill))  # fmt: skip
+    plan = plan_legs(request, request_id, picked, choice, identity)
+    check_plan_fits(plan, config.limits.max_body_bytes)
+    return plan
+
+
+def plan_legs(
     request: ClientRequest,
     request_id: str,
-    decodes: list[str],
-    prefill: str | None,
+    picked: WithPrefill,
     choice: tuple[Strategy, str],
     identity: PrefillIdentity | None,
-    fallback: str | None = None,
-) -> Plan:
+) -> ParallelPlan | SerialPlan:
     """The legs' bodies and destinations. `choice` is `choose_strategy`'s answer for
-    `prefill`, or (DECODE_ONLY, reason) without one. `fallback`: a second P a serial plan
-    may retry on. `check_plan_fits` checks the bodies' sizes."""
+    `picked.prefill`; `picked.fallback`: a second P a serial plan may retry on.
+    `check_plan_fits` checks the bodies' sizes."""
     strategy, reason = choice
-    if prefill is None:
-        return DecodeOnlyPlan(request_id, decodes, decode_body(request.parts, None), reason)
+    prefill = picked.prefill
     transfer_id = f"xfer-{request_id}"  # unique per request, one uuid4 fewer
     p_body = prefill_body(
         request.parts, request.has_max_completion_tokens, prefill_kv_params(transfer_id)
     )
     if strategy is Strategy.PARALLEL and identity is not None:
         d_body = decode_body(request.parts, identity.decode_params(request_id, transfer_id))
-        return ParallelPlan(request_id, decodes, prefill, p_body, d_body, identity, reason)
-    return SerialPlan(request_id, decodes, prefill, p_body, request.parts, reason, fallback)
+        return ParallelPlan(request_id, picked.decodes, prefill, p_body, d_body, identity,
+                            reason, picked.decode_counted, picked.prefill_counted)  # fmt: skip
+    return SerialPlan(request_id, picked.decodes, prefill, p_body, request.parts, reason,
+                      picked.fallback, picked.decode_counted, picked.prefill_counted)  # fmt: skip
 
 
 def check_plan_fits(plan: Plan, max_body_bytes: int) -> None:

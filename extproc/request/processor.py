@@ -1,8 +1,9 @@
 """One client request through its phases: headers → body (dispatch) → response → end.
 
 1. request headers: route check (404/405); Envoy holds the headers until they are answered
-2. request body, whole: parse once, pick P and D, choose the strategy, and turn them into a
-   plan (`extproc.request.plan`); its runner (`extproc.request.strategies`) sends the legs:
+2. request body, whole: parse once, then one call plans it (`extproc.request.plan`: P and D
+   from the scheduler, the strategy, the bodies); its runner (`extproc.request.strategies`)
+   sends the legs:
      parallel: start the P leg and write D's answers in the same loop turn
      serial:   await P, forward its params to D
    Streamed (FULL_DUPLEX_STREAMED, what the rendered LLM routes use): the chunks are gathered
@@ -26,11 +27,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
@@ -46,8 +46,16 @@ from extproc.errors import (
 from extproc.policies import PickRequest
 from extproc.request import envoy_msgs
 from extproc.request.access_log import AccessLogStreams
-from extproc.request.parse import ClientRequest, check_route, is_passthrough, parse_request
-from extproc.request.plan import Plan, Strategy, check_plan_fits, choose_strategy, plan_dispatch
+from extproc.request.parse import check_route, is_passthrough, parse_request
+from extproc.request.plan import (
+    NOT_PLANNED,
+    NoPlan,
+    ParallelPlan,
+    Plan,
+    SerialPlan,
+    Strategy,
+    plan_request,
+)
 from extproc.request.strategies import (
     NOT_DISPATCHED,
     Dispatch,
@@ -57,16 +65,15 @@ from extproc.request.strategies import (
 )
 from extproc.request.stream import EnvoyStream
 from extproc.request.upload import Upload, gather_body
-from extproc.scheduling.admission import request_priority
-from extproc.scheduling.pool import Counted
 from extproc.scheduling.subset_hint import Subset, subset_hint
 
 if TYPE_CHECKING:
-    from extproc.config import Config, DispatchMode, EndpointPickerConfig
+    from extproc.config import Config, EndpointPickerConfig
     from extproc.metrics import Metrics
+    from extproc.scheduling.scheduler import Scheduler
     from extproc.tracing import RequestTrace
 
-__all__ = ["Picked", "RequestDeps", "RequestProcessor"]
+__all__ = ["RequestDeps", "RequestProcessor"]
 
 log = logging.getLogger("extproc.request.parse")
 
@@ -75,36 +82,14 @@ _FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 @dataclass(frozen=True, slots=True)
-class Picked:
-    decodes: list[str]  # the choice, then Envoy's connect-failure fallbacks
-    prefill: str | None  # None: decode-only
-    fallback: str | None = None  # another prefill, for a serial dispatch's one retry
-    alone: str = "no_prefill"  # why decode-only (the decision's reason), when no prefill
-    decode_counted: Counted | None = None  # the in-flight count at D, moved if another served
-    prefill_counted: Counted | None = None  # the count at P, which the P leg releases
-
-
-class PickEndpoints(Protocol):
-    def __call__(
-        self, wanted: PickRequest, inflight: ExitStack, subset: Subset | None = None,
-        fallbacks: int = 1, with_prefill: bool = True,
-    ) -> Picked:  # fmt: skip
-        """The endpoints, and whether to go decode-only, inside the gateway's `subset` if
-        any; each chosen endpoint counted in flight until `inflight` closes; raises Shed
-        (admission) or NoHealthy*. No prefill is picked `with_prefill` False."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
 class RequestDeps:
     """What a request needs from the process; built once by the wiring."""
 
     legs: LegServices
-    pick: PickEndpoints
-    prefill_mode: Callable[[str], DispatchMode]  # the endpoint's own mode or dispatch.mode
+    scheduler: Scheduler  # picks the endpoints, admits, decides decode-only
     new_trace: Callable[[], RequestTrace]
     metrics: Metrics
-    config: Callable[[], Config]  # the current config: a reload swaps it
+    config: Callable[[], Config]  # the current config: a reload swaps it, read once a request
     # `pd-extproc epp`: read the gateway's subset hint, answer the destination as metadata too
     endpoint_picker: bool = False
     # the `model` label of a model name, whether D accepted the request (bounded by the wiring)
@@ -115,18 +100,7 @@ class RequestDeps:
     access_log: AccessLogStreams = field(default_factory=AccessLogStreams)
 
 
-@dataclass(frozen=True, slots=True)
-class _Unplanned:
-    """The log fields of a request that ended before it was planned."""
-
-    request_id: str = ""
-    strategy: Strategy = Strategy.SERIAL
-    reason: str = "none"
-    prefill: None = None
-
-
-_UNPLANNED = _Unplanned()
-_PASSED_THROUGH = _Unplanned(strategy=Strategy.DECODE_ONLY, reason="passthrough")
+_PASSED_THROUGH = NoPlan(Strategy.DECODE_ONLY, "passthrough")
 
 
 class RequestProcessor:
@@ -134,22 +108,21 @@ class RequestProcessor:
 
     def __init__(self, deps: RequestDeps, stream: EnvoyStream) -> None:
         self.deps = deps
+        # The request's config from start to end: a reload meanwhile is for the next requests.
+        self.config = deps.config()
         self.stream = stream
         self.trace = deps.new_trace()
         self.client_request_id = ""
-        self.opening: Any = None  # Envoy's first message: headers, attributes, metadata_context
         self.subset: Subset | None = None  # the gateway's subset hint (endpoint picker)
-        self.plan: Plan | _Unplanned = _UNPLANNED
+        self.plan: Plan | NoPlan = NOT_PLANNED
         self.dispatch: Dispatch = NOT_DISPATCHED
         # What happened, from which the outcome is decided once (`outcome`):
         self.error: RequestEnded | None = None
         self.envoy_replied = False  # Envoy answered the client itself (e.g. its 413)
         self.decode_status = 0  # D's response status, 0 until it arrives
         self.model = ""  # the client's model name, once the body is parsed
-        self.decode_counted: Counted | None = None  # the request's in-flight count at D
         self.counted_by_access_log = False  # D's 2xx passed: Envoy's entry tells the outcome
         self.withheld = False  # D's headers were never let through: the stream ended first
-        self.prefill_counted: Counted | None = None  # at P, while a P leg runs
 
     @property
     def outcome(self) -> str:
@@ -187,7 +160,7 @@ class RequestProcessor:
                 self.deps.metrics.requests.labels(*labels).inc()
             fields = self._log_fields(outcome)
             self.trace.finish(fields)
-            if self.deps.config().log.requests and plan.request_id:
+            if self.config.log.requests and plan.request_id:
                 log.info("request %s %s", plan.request_id, outcome, extra=fields)
 
     def _log_fields(self, outcome: str) -> dict[str, object]:
@@ -214,7 +187,7 @@ class RequestProcessor:
 
     def _labels(self) -> envoy_msgs.Labels:
         """The labels of the client-side metrics, for Envoy's access-log entry."""
-        strategy = "none" if isinstance(self.plan, _Unplanned) else str(self.plan.strategy)
+        strategy = "none" if isinstance(self.plan, NoPlan) else str(self.plan.strategy)
         return strategy, self._model_label()
 
     def _model_label(self) -> str:
@@ -224,11 +197,10 @@ class RequestProcessor:
         message = await self.stream.read(_BODY_WAIT_S)
         if message is None or message.WhichOneof("request") != "request_headers":
             return
-        self.opening = message
         headers = envoy_msgs.header_map(message.request_headers)
         self.client_request_id = headers.get("x-request-id", "")
         self.trace.join_client(headers.get("traceparent"), headers.get("tracestate"))
-        config = self.deps.config()
+        config = self.config
         picker = config.endpoint_picker if self.deps.endpoint_picker else None
         if picker is not None:
             self.subset = subset_hint(message, picker.subset_hint_namespace)
@@ -248,28 +220,30 @@ class RequestProcessor:
         started = time.perf_counter()
         request = parse_request(api, upload.body, config.limits.max_body_bytes)
         self.model = request.model
-        priority = request_priority(headers, config.admission)
-        wanted = _pick_request(request, headers.get(config.dispatch.session_header), priority)
-        self.plan = plan = self._plan(request, wanted, inflight, picker)
-        check_plan_fits(plan, config.limits.max_body_bytes)  # before any leg leaves
+        fallbacks = 1 if picker is None else picker.fallbacks
+        self.plan = plan = plan_request(request, headers, config, self.deps.scheduler,
+                                        self.deps.legs.identities, inflight, self.subset,
+                                        fallbacks)  # fmt: skip
         exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
-                            streamed, picker.destination_namespace if picker else None)  # fmt: skip
-        self.dispatch = start_dispatch(plan, self.deps.legs, exchange, self.prefill_counted)
+                            config, streamed,
+                            picker.destination_namespace if picker else None)  # fmt: skip
+        self.dispatch = start_dispatch(plan, self.deps.legs, exchange, plan.prefill_counted)
         if await self.dispatch.send(started):
             await self._watch()
 
     async def _pass_through(self, picker: EndpointPickerConfig, inflight: ExitStack) -> None:
         """Endpoint picker: an engine's own endpoint (GET /v1/models, POST /tokenize, ...), which
         the gateway routes through the picker too, goes to a decode as it is; its bodies pass."""
-        self.plan = _PASSED_THROUGH
-        picked = self.deps.pick(
-            PickRequest(), inflight, self.subset, picker.fallbacks, with_prefill=False
+        self.plan = _PASSED_THROUGH  # its labels, should no D be picked
+        picked = self.deps.scheduler.pick_decodes(
+            PickRequest(), inflight, self.config, self.subset, picker.fallbacks
         )
-        decodes, self.decode_counted = picked.decodes, picked.decode_counted
+        self.plan = NoPlan(Strategy.DECODE_ONLY, picked.reason, picked.decode_counted)
+        decodes = picked.decodes
         answer = envoy_msgs.destination_answer(decodes)
         envoy_msgs.with_destination_metadata(answer, decodes, picker.destination_namespace)
         await self.stream.write(answer)
-        timeout_s = self.deps.config().timeouts.request_s
+        timeout_s = self.config.timeouts.request_s
         while (message := await self.stream.read(timeout_s)) is not None:
             kind = message.WhichOneof("request")
             if kind == "request_body":
@@ -292,7 +266,7 @@ class RequestProcessor:
 
     async def _streamed_body(self) -> Upload | None:
         """Gather the streamed body while the headers wait for their answer (None: no body)."""
-        config = self.deps.config()
+        config = self.config
         upload = await gather_body(
             self.stream, config.limits.max_body_bytes, config.timeouts.upload_idle_s
         )
@@ -313,26 +287,6 @@ class RequestProcessor:
         await self._on_message(message)
         self.envoy_replied = True
 
-    def _plan(
-        self, request: ClientRequest, wanted: PickRequest, inflight: ExitStack,
-        picker: EndpointPickerConfig | None,
-    ) -> Plan:  # fmt: skip
-        fallbacks = 1 if picker is None else picker.fallbacks
-        picked = self.deps.pick(wanted, inflight, self.subset, fallbacks)
-        self.decode_counted, self.prefill_counted = picked.decode_counted, picked.prefill_counted
-        request_id, prefill = str(uuid.uuid4()), picked.prefill
-        if prefill is None:
-            choice, identity = (Strategy.DECODE_ONLY, picked.alone), None
-        else:
-            identities = self.deps.legs.identities
-            identity = identities.get(prefill)
-            choice = choose_strategy(
-                self.deps.prefill_mode(prefill), identity, identities.serial_only(prefill)
-            )
-        return plan_dispatch(
-            request, request_id, picked.decodes, prefill, choice, identity, picked.fallback
-        )
-
     async def _watch(self) -> None:
         """Until the stream ends: P leg outcome and D's response headers, whichever first."""
         while not self.stream.ended:
@@ -340,7 +294,7 @@ class RequestProcessor:
             read = self.stream.next_message()
             done, _ = await asyncio.wait(
                 {read} if leg is None else {read, leg},
-                timeout=self.deps.config().timeouts.request_s,
+                timeout=self.config.timeouts.request_s,
                 return_when=asyncio.FIRST_COMPLETED,
             )
             if not done:
@@ -360,8 +314,9 @@ class RequestProcessor:
             return
         status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
         served = envoy_msgs.served_endpoint(message)
-        if served and self.decode_counted is not None:
-            self.decode_counted.move_to(served)  # a fallback served it: count it there
+        counted = self.plan.decode_counted
+        if served and counted is not None:
+            counted.move_to(served)  # a fallback served it: count it there
         self.decode_status = status
         self.trace.decode_answered(status)
         if envoy_msgs.decode_was_reached(message):
@@ -379,16 +334,8 @@ class RequestProcessor:
     def _check_kv_mismatch(self, status: int, served: str | None) -> None:
         """D failed a pair known not to exchange KV: the client learns why, not a bare 500."""
         plan = self.plan
-        if status < 500 or isinstance(plan, _Unplanned) or plan.prefill is None:
+        if status < 500 or not isinstance(plan, ParallelPlan | SerialPlan):
             return
         message = self.deps.kv_mismatch(plan.prefill, served or plan.decodes[0])
         if message is not None:
             raise KvMismatch(502, message)
-
-
-_PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash
-
-
-def _pick_request(request: ClientRequest, session: str | None, priority: int = 0) -> PickRequest:
-    prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
-    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority)

@@ -46,13 +46,14 @@ from extproc.protocol.bodies import decode_body
 from extproc.protocol.identity import PrefillIdentity, identity_from_params
 from extproc.request import envoy_msgs
 from extproc.request.plan import DecodeOnlyPlan, ParallelPlan, Plan, SerialPlan, check_fits
+from extproc.request.prefill_client import PrefillCall
 
 if TYPE_CHECKING:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
     from extproc.config import Config
     from extproc.metrics import Metrics
-    from extproc.request.prefill_leg import PrefillResult, PrefillSender
+    from extproc.request.prefill_client import PrefillResult, PrefillSender
     from extproc.request.stream import EnvoyStream
     from extproc.tracing import RequestTrace
 
@@ -105,7 +106,6 @@ class LegServices:
     mark_unreachable: Callable[[str], None]  # a prefill endpoint Envoy could not reach
     note_dispatch: Callable[[str], None]  # a disaggregated request went to this decode
     metrics: Metrics
-    config: Callable[[], Config]  # the current config: a reload swaps it
     # a decode-only request went to this decode, with a body of this many bytes
     note_decode_only: Callable[[str, int], None] = lambda decode, body_bytes: None
 
@@ -119,6 +119,7 @@ class Exchange:
     path: str  # the API path, the same for P
     forwarded: dict[str, str]  # client headers the P leg carries too
     client_request_id: str
+    config: Config  # the request's snapshot, taken when its stream opened
     streamed: bool = False  # the body streamed in (FULL_DUPLEX_STREAMED), else buffered
     # endpoint picker: the destination goes out as dynamic metadata in this namespace too
     destination_namespace: str | None = None
@@ -197,17 +198,13 @@ class _PrefillLeg:
         self._counted = counted
         self.started = time.perf_counter()
         exchange.trace.prefill_started()
-        timeout_s = services.config().timeouts.prefill_s if timeout_s is None else timeout_s
-        self.task: asyncio.Task[PrefillResult] = asyncio.create_task(
-            self._sent(body, request_id, exchange, timeout_s)
-        )
+        timeout_s = exchange.config.timeouts.prefill_s if timeout_s is None else timeout_s
+        call = PrefillCall(prefill, exchange.path, body, request_id, timeout_s, exchange.forwarded)
+        self.task: asyncio.Task[PrefillResult] = asyncio.create_task(self._sent(call))
 
-    async def _sent(self, body: bytes, request_id: str, exchange: Exchange,
-                    timeout_s: float) -> PrefillResult:  # fmt: skip
+    async def _sent(self, call: PrefillCall) -> PrefillResult:
         try:
-            return await self._services.prefill_client.send(
-                self.prefill, exchange.path, body, request_id, timeout_s, exchange.forwarded
-            )
+            return await self._services.prefill_client.send(call)
         finally:
             self._counted.release()  # P's answer is complete (or the leg failed)
 
@@ -263,66 +260,73 @@ def _refused_request(error: LegError) -> bool:
     return isinstance(error, PrefillFailed) and 400 <= error.status < 500
 
 
-class _Answering:
-    """The body answer every strategy ends its `send` with."""
+async def _answer(
+    plan: Plan, body: bytes, started: float, services: LegServices, exchange: Exchange
+) -> None:
+    """The body answer every strategy ends its `send` with: D's body goes out."""
+    for answer in decode_answers(plan, body, exchange):
+        await exchange.stream.write(answer)
+    exchange.trace.decode_started()
+    if plan.prefill is not None:
+        services.note_dispatch(plan.decodes[0])
+    else:
+        services.note_decode_only(plan.decodes[0], len(body))
+    services.metrics.processing_seconds.observe(time.perf_counter() - started)
+    log.debug(
+        "request %s (client id %r): %s/%s P=%s D=%s",
+        plan.request_id,
+        exchange.client_request_id,
+        plan.strategy,
+        plan.reason,
+        plan.prefill,
+        plan.decodes[0],
+    )
 
-    def __init__(self, plan: Plan, services: LegServices, exchange: Exchange) -> None:
+
+class DecodeOnlyDispatch:
+    """D's body is the client's: one answer, then nothing to watch or cancel."""
+
+    def __init__(self, plan: DecodeOnlyPlan, services: LegServices, exchange: Exchange) -> None:
+        self._plan = plan
         self._services = services
         self._exchange = exchange
-        self._answer_plan = plan
-
-    async def _answer(self, body: bytes, started: float) -> None:
-        plan, services = self._answer_plan, self._services
-        for answer in decode_answers(plan, body, self._exchange):
-            await self._exchange.stream.write(answer)
-        self._exchange.trace.decode_started()
-        if plan.prefill is not None:
-            services.note_dispatch(plan.decodes[0])
-        else:
-            services.note_decode_only(plan.decodes[0], len(body))
-        services.metrics.processing_seconds.observe(time.perf_counter() - started)
-        log.debug(
-            "request %s (client id %r): %s/%s P=%s D=%s",
-            plan.request_id,
-            self._exchange.client_request_id,
-            plan.strategy,
-            plan.reason,
-            plan.prefill,
-            plan.decodes[0],
-        )
-
-
-class DecodeOnlyDispatch(_NotDispatched, _Answering):
-    def __init__(self, plan: DecodeOnlyPlan, services: LegServices, exchange: Exchange) -> None:
-        _Answering.__init__(self, plan, services, exchange)
-        self._plan = plan
 
     async def send(self, started: float) -> bool:
-        await self._answer(self._plan.d_body, started)
+        await _answer(self._plan, self._plan.d_body, started, self._services, self._exchange)
         return True
 
+    def watch(self) -> None:
+        return None
 
-class SerialDispatch(_Answering):
+    async def on_decode_headers(self, status: int, reached: bool) -> bool:
+        return True
+
+    def close(self, client_gone: bool) -> None:
+        pass
+
+
+class SerialDispatch:
     def __init__(self, plan: SerialPlan, services: LegServices, exchange: Exchange,
                  counted: InFlight) -> None:  # fmt: skip
-        super().__init__(plan, services, exchange)
         self._plan = plan
+        self._services = services
+        self._exchange = exchange
         self._counted = counted
         self._prefill = plan.prefill  # the P that answered (the fallback after a retry)
 
     async def send(self, started: float) -> bool:
-        plan, services, stream = self._plan, self._services, self._exchange.stream
-        prefill_s = services.config().timeouts.prefill_s
-        if not self._exchange.streamed:  # a streamed body's answer has no Envoy timer
-            await stream.write(envoy_msgs.extend_timeout(prefill_s + 1))
+        plan, exchange = self._plan, self._exchange
+        prefill_s = exchange.config.timeouts.prefill_s
+        if not exchange.streamed:  # a streamed body's answer has no Envoy timer
+            await exchange.stream.write(envoy_msgs.extend_timeout(prefill_s + 1))
         waited = time.perf_counter()
         kv_params = await self._prefilled(waited + prefill_s)
         if kv_params is None:
             return False
         started += time.perf_counter() - waited
         d_body = decode_body(plan.parts, kv_params)
-        check_fits(services.config().limits.max_body_bytes, d_body)  # P's params known now
-        await self._answer(d_body, started)
+        check_fits(exchange.config.limits.max_body_bytes, d_body)  # P's params known now
+        await _answer(plan, d_body, started, self._services, exchange)
         return True
 
     async def _prefilled(self, deadline: float) -> dict[str, Any] | None:
@@ -367,20 +371,21 @@ class SerialDispatch(_Answering):
         pass  # `send` settled or cancelled its leg
 
 
-class ParallelDispatch(_Answering):
+class ParallelDispatch:
     """P and D leave in one event-loop turn; D carries P's cached identity (`plan.given`)."""
 
     def __init__(self, plan: ParallelPlan, services: LegServices, exchange: Exchange,
                  counted: InFlight) -> None:  # fmt: skip
-        super().__init__(plan, services, exchange)
         self._plan = plan
+        self._services = services
+        self._exchange = exchange
         # Created before the answer is written: both leave in this event-loop turn.
         self._leg = _PrefillLeg(plan.prefill, plan.p_body, plan.request_id, services, exchange,
                                 counted)  # fmt: skip
         self._settled = False  # P's outcome is known (or no longer matters)
 
     async def send(self, started: float) -> bool:
-        await self._answer(self._plan.d_body, started)
+        await _answer(self._plan, self._plan.d_body, started, self._services, self._exchange)
         self._services.metrics.skew_seconds.observe(abs(time.perf_counter() - self._leg.started))
         return True
 
@@ -422,7 +427,7 @@ class ParallelDispatch(_Answering):
             return True
         task, stream = self._leg.task, self._exchange.stream
         if not task.done():
-            wait_s = self._services.config().timeouts.prefill_s  # the leg's own timeout is sooner
+            wait_s = self._exchange.config.timeouts.prefill_s  # the leg's own timeout is sooner
             await stream.write(envoy_msgs.extend_timeout(wait_s + 1))
             read = stream.next_message()
             await asyncio.wait({task, read}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
@@ -451,7 +456,7 @@ class ParallelDispatch(_Answering):
         """
         task = self._leg.task
         if not self._settled and not task.done():
-            grace = self._services.config().timeouts.decode_error_grace_s
+            grace = self._exchange.config.timeouts.decode_error_grace_s
             await self._exchange.stream.write(envoy_msgs.extend_timeout(grace + 1))
             await asyncio.wait({task}, timeout=grace)
         still_running = self.watch() is not None  # raises a restart P revealed meanwhile

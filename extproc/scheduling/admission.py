@@ -16,10 +16,10 @@ priorities are shed first, and the highest keep some headroom.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Protocol
 
 from extproc.config import AdmissionConfig, AdmissionLimits
 from extproc.errors import ClientError, Shed
+from extproc.policies.base import EndpointView
 
 __all__ = [
     "check_admission",
@@ -30,15 +30,6 @@ __all__ = [
 ]
 
 _MAX_PRIORITY = 100  # far beyond any useful level; bounds the arithmetic
-
-
-class EndpointLoad(Protocol):
-    @property
-    def in_flight(self) -> int: ...
-    @property
-    def waiting(self) -> float: ...
-    @property
-    def kv_usage(self) -> float: ...
 
 
 def request_priority(headers: Mapping[str, str], config: AdmissionConfig) -> int:
@@ -59,7 +50,7 @@ def parse_priority(value: str | None, header: str) -> int:
     return max(-_MAX_PRIORITY, min(_MAX_PRIORITY, priority))
 
 
-def saturation(state: EndpointLoad, limits: AdmissionLimits) -> float:
+def saturation(state: EndpointView, limits: AdmissionLimits) -> float:
     """The endpoint's highest load / limit ratio (0 with no limit set)."""
     ratios = [0.0]
     if limits.max_in_flight is not None:
@@ -71,7 +62,7 @@ def saturation(state: EndpointLoad, limits: AdmissionLimits) -> float:
     return max(ratios)
 
 
-def role_saturation(states: Iterable[EndpointLoad], limits: AdmissionLimits) -> float:
+def role_saturation(states: Iterable[EndpointView], limits: AdmissionLimits) -> float:
     """The least saturated member's saturation (0 with no member: the pick refuses then)."""
     return min((saturation(s, limits) for s in states), default=0.0)
 

@@ -15,9 +15,9 @@ The prompt's size is estimated from its JSON bytes (`bytes_per_token`, ~4 for En
 with BPE tokenizers): no tokenizer runs on the request path, and the decision only needs the
 size to within tens of percent. The load of both sides comes from this ext_proc's own counts
 (exact and instantaneous: requests in flight per D, prompt tokens of P legs in flight per P,
-kept on the pool's endpoint state by `TrackedPrefillSender`)
-and the engines' scraped metrics (queue, running requests, KV usage; up to one scrape old).
-The step cost they imply is the engines' step model (`decision.step_*`):
+kept on the pool's endpoint state by the P leg's client) and the engines' scraped metrics
+(queue, running requests, KV usage; up to one scrape old). The step cost they imply is the
+engines' step model (`decision.step_*`):
 step = base + prefill tokens × per_token + running sequences × per_seq.
 
 The stall budget is kept per decode engine as a bucket of milliseconds: it refills at
@@ -30,21 +30,18 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from extproc.config import DecisionConfig, DecisionMode
+from extproc.policies.base import EndpointView
 
 if TYPE_CHECKING:
     from extproc.metrics import Metrics
-    from extproc.request.prefill_leg import PrefillResult, PrefillSender
 
 __all__ = [
     "Decider",
     "Decision",
-    "EngineLoad",
-    "TrackedPrefillSender",
     "decide",
     "estimate_tokens",
 ]
@@ -55,27 +52,6 @@ DECODE_ONLY = "decode_only"
 
 def estimate_tokens(prompt_bytes: int, bytes_per_token: float) -> int:
     return math.ceil(prompt_bytes / bytes_per_token)
-
-
-class EngineLoad(Protocol):
-    """What the decision reads of an endpoint (the pool's state)."""
-
-    @property
-    def in_flight(self) -> int: ...
-    @property
-    def waiting(self) -> float: ...
-    @property
-    def running(self) -> float: ...
-    @property
-    def kv_usage(self) -> float: ...
-    @property
-    def queued_tokens(self) -> int: ...  # prompt tokens of P legs in flight there
-    @property
-    def foreign(self) -> float: ...  # running + waiting beyond ours, at the last scrape
-
-
-class QueuedTokens(Protocol):
-    queued_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,18 +118,15 @@ class _DecodeState:
 class Decider:
     """The decision's state: per-D stall buckets and pending prompts."""
 
-    def __init__(self, settings: Callable[[], DecisionConfig], metrics: Metrics) -> None:
-        self._settings = settings
+    def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         self._decodes: dict[str, _DecodeState] = {}
 
-    @property
-    def enabled(self) -> bool:
-        return self._settings().mode is not DecisionMode.OFF
-
-    def decide(self, prompt_bytes: int, decode: str, d: EngineLoad, p: EngineLoad) -> Decision:
-        """Decode-only or not, for a request already counted in flight on `decode`."""
-        cfg, now = self._settings(), time.monotonic()
+    def decide(self, cfg: DecisionConfig, prompt_bytes: int, decode: str, d: EndpointView,
+               p: EndpointView) -> Decision:  # fmt: skip
+        """Decode-only or not, for a request already counted in flight on `decode`; `cfg`:
+        the request's config snapshot."""
+        now = time.monotonic()
         tokens = estimate_tokens(prompt_bytes, cfg.bytes_per_token)
         # Ours exactly (this request not counted), plus what others sent as of the last scrape:
         # the scrape alone is up to an interval old, and a request ends in less.
@@ -185,39 +158,3 @@ class Decider:
     def forget(self, address: str) -> None:
         """The endpoint left its pool."""
         self._decodes.pop(address, None)
-
-
-class TrackedPrefillSender:
-    """A PrefillSender that keeps each prefill endpoint's `queued_tokens` (the prompt tokens
-    of the P legs in flight there, estimated from the bodies) exact."""
-
-    def __init__(self, inner: PrefillSender, state: Callable[[str], QueuedTokens | None],
-                 settings: Callable[[], DecisionConfig]) -> None:  # fmt: skip
-        self._inner = inner
-        self._state = state  # address → its state in the prefill pool (None: not a member)
-        self._settings = settings
-
-    def send(self, endpoint: str, path: str, body: bytes, request_id: str, timeout_s: float,
-             extra_headers: dict[str, str] | None = None
-             ) -> Coroutine[Any, Any, PrefillResult]:  # fmt: skip
-        return self._tracked(endpoint, path, body, request_id, timeout_s, extra_headers)
-
-    async def _tracked(
-        self,
-        endpoint: str,
-        path: str,
-        body: bytes,
-        request_id: str,
-        timeout_s: float,
-        extra_headers: dict[str, str] | None,
-    ) -> PrefillResult:
-        tokens = estimate_tokens(len(body), self._settings().bytes_per_token)
-        state = self._state(endpoint)
-        if state is not None:
-            state.queued_tokens += tokens
-        try:
-            return await self._inner.send(endpoint, path, body, request_id, timeout_s,
-                                          extra_headers)  # fmt: skip
-        finally:
-            if state is not None:
-                state.queued_tokens -= tokens

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 
 from extproc.testing import scrape
 from scripts.local_docker import BASE_IMAGE, PRODUCT_IMAGE
+from tests.support import grafana
 
 pytestmark = pytest.mark.compose
 
@@ -32,6 +34,9 @@ SERVICES = ("envoy", "pd-extproc", "prefill-1", "prefill-2", "decode-1", "decode
 DECODES = ("172.28.0.21:8000", "172.28.0.22:8000")  # docker-compose.yml's static addresses
 UP_WITHIN_S = 180.0
 REQUESTS = 8
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pd-extproc.json"
+# the sidecar's kv_check window is 10 s: the transfer share needs two with traffic between
+PANELS_WITHIN_S = 90.0
 
 
 def free_port() -> int:
@@ -94,6 +99,30 @@ async def poll(check: Callable[[], Awaitable[bool]], what: str, within_s: float)
     return time.monotonic() - started
 
 
+def scrape_interval_s() -> float:
+    interval = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())["global"]
+    return float(str(interval["scrape_interval"]).removesuffix("s"))
+
+
+async def every_panel_gets_data(session: aiohttp.ClientSession, compose: Compose) -> None:
+    """Each query of each panel, as Grafana sends it (variables at All, then at each value),
+    returns data from the compose Prometheus while requests keep coming."""
+    body = {"model": "sim-model", "prompt": "dashboard " * 64, "max_tokens": 8}
+    prometheus = grafana.Prometheus(session, compose.prometheus)
+    started = time.monotonic()
+    async with grafana.traffic(session, compose.url, body) as statuses:
+        found = await grafana.wait_for_every_panel(
+            prometheus, grafana.load(DASHBOARD), scrape_interval_s(), PANELS_WITHIN_S,
+            with_values=("model",),
+        )  # fmt: skip
+    assert statuses and set(statuses) == {200}, statuses
+    queries = len(grafana.panel_queries(grafana.load(DASHBOARD)))
+    took = time.monotonic() - started
+    print(f"compose: all {queries} dashboard queries had data after {took:.1f} s "
+          f"({len(statuses)} requests; variables {found})")  # fmt: skip
+
+
+@pytest.mark.timeout(UP_WITHIN_S + 30 + 60 + PANELS_WITHIN_S + 60)
 async def test_compose_topology_serves_push_parallel_and_prometheus_scrapes_it() -> None:
     timeout = aiohttp.ClientTimeout(total=10)
     async with compose_up() as compose, aiohttp.ClientSession(timeout=timeout) as session:
@@ -148,3 +177,4 @@ async def test_compose_topology_serves_push_parallel_and_prometheus_scrapes_it()
         scraped_s = await poll(prometheus_has_it, "Prometheus scraping the sidecar", 60)
         print(f"compose: {REQUESTS + 1} requests served push-parallel; Prometheus had them "
               f"{scraped_s:.1f} s later")  # fmt: skip
+        await every_panel_gets_data(session, compose)

@@ -18,7 +18,7 @@ _KEYWORDS = {
     "by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
     "and", "or", "unless", "inf", "nan",
 }  # fmt: skip
-_GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)")
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
 _SELECTOR = re.compile(rf"({_IDENT})?\s*\{{([^}}]*)\}}")
 _MATCHER = re.compile(rf"({_IDENT})\s*(?:=~|!~|!=|=)")
 
@@ -61,6 +61,20 @@ def dashboard_queries(path: Path) -> list[Query]:
     """Every PromQL expression of every panel (rows and nested panels included)."""
     dashboard = json.loads(path.read_text())
     return [parse(expr) for expr in _exprs(dashboard.get("panels", []))]
+
+
+def variable_queries(path: Path) -> list[Query]:
+    """The selectors of the template variables' label_values(selector, label) queries."""
+    variables = json.loads(path.read_text()).get("templating", {}).get("list", [])
+    found = []
+    for variable in variables:
+        if variable.get("type") == "query":
+            match = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", variable["definition"].strip())
+            assert match, f"variable {variable['name']}: not label_values(selector, label)"
+            query = parse(match.group(1))
+            query.grouping_labels.add(match.group(2))  # the label must exist on the selector
+            found.append(query)
+    return found
 
 
 def _exprs(panels: list[dict[str, Any]]) -> list[str]:

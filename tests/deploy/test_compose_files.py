@@ -134,8 +134,12 @@ def test_prometheus_scrapes_every_exporter() -> None:
     assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
     assert targets["envoy"] == {f"envoy:{cfg.envoy.admin.port}"}
     assert targets["pd-extproc"] == {f"envoy:{cfg.metrics.port}"}  # Envoy's namespace
-    engines = {*_engines("prefill"), *_engines("decode")}
-    assert targets["vllm"] == {f"{name}:{ENGINE_PORT}" for name in engines}
+    # by the addresses the sidecar's `endpoint` label holds: the dashboard joins the two
+    for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        [static] = [s for s in jobs["vllm"]["static_configs"] if s["labels"]["role"] == role]
+        assert set(static["targets"]) == {e.address for e in pool.endpoints}
+        ips = {f"{_ip(s)}:{ENGINE_PORT}" for s in _engines(role).values()}
+        assert ips == set(static["targets"])
 
 
 def test_grafana_provisioning_points_at_the_dashboard() -> None:

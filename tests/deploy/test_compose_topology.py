@@ -6,57 +6,42 @@ references a metric nobody exports fails here rather than showing "No data" in p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
 
-from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar
-from tests.deploy.promql import Query, dashboard_queries
-from vllmsim.launcher import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
+from tests.deploy.promql import Query, dashboard_queries, variable_queries
+from tests.support.compose_topology import (
+    COMPLETION,
+    DASHBOARD,
+    TIMEOUT,
+    Topology,
+    compose_topology,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pd-extproc.json"
 PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
-COMPLETION = {"model": "sim-model", "prompt": "The quick brown fox " * 20, "max_tokens": 4}
-TIMEOUT = aiohttp.ClientTimeout(total=10)
+KV_SHARE = "pd_extproc_decode_kv_transfer_share"  # needs a second kv_check window
 
 
-@dataclass
-class Topology:
-    prefills: list[EngineHandle]
-    decodes: list[EngineHandle]
-    sidecar: SidecarHandle
 
 
-def address(engine: EngineHandle) -> str:
-    return f"127.0.0.1:{engine.port}"
 
 
-@contextlib.asynccontextmanager
-async def compose_topology() -> AsyncIterator[Topology]:
-    async with contextlib.AsyncExitStack() as stack:
-        prefills = [
-            await stack.enter_async_context(running_engine("--kv-transfer-config", PUSH_P, *FAST))
-            for _ in range(2)
-        ]
-        decodes = [
-            await stack.enter_async_context(running_engine("--kv-transfer-config", PUSH_D, *FAST))
-            for _ in range(2)
-        ]
-        config = ephemeral_config([address(e) for e in prefills], [address(e) for e in decodes])
-        sidecar = await stack.enter_async_context(running_sidecar(config))
-        yield Topology(prefills, decodes, sidecar)
+
+
+# What the Prometheus Operator attaches on Kubernetes and the dashboard's variables select on;
+# in docker compose they are absent, and the variables' "All" (.*) matches an absent label.
+KUBERNETES_TARGET_LABELS = {"namespace", "pod"}
 
 
 def prometheus_added_labels() -> set[str]:
-    """Labels Prometheus attaches at scrape time (job, instance, static_configs labels)."""
-    added = {"job", "instance"}
+    """Labels Prometheus attaches at scrape time (job, instance, static_configs labels, and on
+    Kubernetes the Operator's target labels)."""
+    added = {"job", "instance", *KUBERNETES_TARGET_LABELS}
     for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]:
         for static in job.get("static_configs", []):
             added |= set(static.get("labels", {}))
@@ -102,12 +87,14 @@ async def scrape_all(session: aiohttp.ClientSession, topo: Topology) -> dict[str
 async def scrape_until_logged(
     session: aiohttp.ClientSession, topo: Topology, timeout_s: float = 10.0
 ) -> dict[str, set[str]]:
-    """Scrape until the client-latency histograms exist: Envoy flushes its access-log entries
-    every 0.1 s, so they may trail the responses; the last scrape is returned either way."""
+    """Scrape until the client-latency histograms and the KV-transfer share exist: Envoy flushes
+    its access-log entries every 0.1 s, so they may trail the responses, and the share needs a
+    second kv_check window; the last scrape is returned either way."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         metrics = await scrape_all(session, topo)
-        logged = "pd_extproc_client_duration_seconds_bucket" in metrics
+        wanted = ("pd_extproc_client_duration_seconds_bucket", KV_SHARE)
+        logged = all(name in metrics for name in wanted)
         if logged or asyncio.get_running_loop().time() > deadline:
             return metrics
         await asyncio.sleep(0.1)
@@ -138,13 +125,19 @@ def test_dashboard_queries_were_found() -> None:
         "pd_extproc_identity_events_total",
         "pd_extproc_inflight_requests",
         "pd_extproc_endpoint_healthy",
+        "pd_extproc_prefill_leg_seconds_count",
+        "pd_extproc_decode_kv_transfer_share",
+        "vllm:prompt_tokens_by_source_total",
     ):
         assert wanted in names
 
 
 @pytest.mark.timeout(120)
 async def test_every_dashboard_metric_is_exported() -> None:
-    async with compose_topology() as topo, aiohttp.ClientSession() as session:
+    async with (
+        compose_topology(kv_check={"interval_s": 0.5}) as topo,
+        aiohttp.ClientSession() as session,
+    ):
         for _ in range(6):
             async with session.post(
                 topo.sidecar.url + "/v1/completions", json=COMPLETION, timeout=TIMEOUT
@@ -152,7 +145,8 @@ async def test_every_dashboard_metric_is_exported() -> None:
                 assert response.status == 200, await response.text()
         metrics = await scrape_until_logged(session, topo)
     added = prometheus_added_labels()
-    found = [p for q in dashboard_queries(DASHBOARD) for p in problems(q, metrics, added)]
+    queries = dashboard_queries(DASHBOARD) + variable_queries(DASHBOARD)
+    found = [p for q in queries for p in problems(q, metrics, added)]
     assert not found, "the dashboard queries what nobody exports:\n" + "\n".join(found)
 
 
@@ -169,7 +163,8 @@ def test_the_client_latency_panels_query_what_the_sidecar_exports_by_strategy() 
     assert {name for q in queries for name in q.metrics} == set(exported)
     for query in queries:
         assert "strategy" in query.grouping_labels, query.expr
-        assert not problems(query, exported, set()), problems(query, exported, set())
+        found = problems(query, exported, KUBERNETES_TARGET_LABELS)
+        assert not found, found
 
 
 def test_a_query_on_something_nobody_exports_is_reported() -> None:

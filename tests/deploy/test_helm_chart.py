@@ -164,9 +164,10 @@ def test_probes_ask_what_the_sidecar_serves(docs: list[dict[str, Any]], mode: st
         assert health in ports(extproc).values() and health != cfg.extproc.port
     annotations = one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(cfg.metrics.port)
-    [monitor] = one(docs, "ServiceMonitor")["spec"]["endpoints"]
-    [metrics] = [p for p in one(docs, "Service")["spec"]["ports"] if p["name"] == monitor["port"]]
-    assert ports(extproc)[metrics["targetPort"]] == cfg.metrics.port
+    service_ports = one(docs, "Service")["spec"]["ports"]
+    for monitor in one(docs, "ServiceMonitor")["spec"]["endpoints"]:  # gateway: + Envoy's stats
+        [metrics] = [p for p in service_ports if p["name"] == monitor["port"]]
+        assert ports(extproc)[metrics["targetPort"]] == cfg.metrics.port
 
 
 def test_rbac_lets_discovery_watch_pods_and_inferencepools(docs: list[dict[str, Any]]) -> None:

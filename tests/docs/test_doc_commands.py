@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,14 @@ def _get_json(url: str) -> Any:
         return json.loads(response.read())
 
 
+def _get_json_any(url: str) -> Any:
+    """The JSON body whatever the status (/ready answers 503 while it starts)."""
+    try:
+        return _get_json(url)
+    except urllib.error.HTTPError as error:
+        return json.loads(error.read())
+
+
 def test_up_with_hand_started_vllmsim_engines(tmp_path: Path) -> None:
     readme = README.read_text()
     recipe, ports = _on_free_ports(block_after(readme, RECIPE_MARKER))
@@ -160,7 +169,21 @@ def test_up_with_hand_started_vllmsim_engines(tmp_path: Path) -> None:
             if '"choices"' not in answer:
                 time.sleep(0.5)  # polling the ingress until the engines are healthy
         assert '"choices"' in answer, (tmp_path / "recipe.log").read_text()[-3000:]
+        # A prefill whose identity is not learnt yet is served serially by design: once the
+        # probes know both, the README's request is served push-parallel.
+        ready = f"http://127.0.0.1:{ports['9464']}/ready"
+        deadline = time.monotonic() + 60
+        while len(_get_json_any(ready).get("identities", {})) < 2:
+            assert time.monotonic() < deadline, _get_json_any(ready)
+            time.sleep(0.2)  # polling /ready until the probes have learnt both identities
         decodes = [ports["8201"], ports["8202"]]
+        for port in decodes:
+            urllib.request.urlopen(
+                urllib.request.Request(f"http://127.0.0.1:{port}/sim/requests", method="DELETE"),
+                timeout=5,
+            ).close()
+        answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=30)
+        assert '"choices"' in answer.stdout, answer
         records = [r for p in decodes for r in _get_json(f"http://127.0.0.1:{p}/sim/requests")]
         served = [r for r in records if (r["body"] or {}).get("prompt") == "Hello"]
         assert [r["kv"] for r in served] == ["push-parallel"], served

@@ -22,7 +22,7 @@ MINIMAL = {
 def test_minimal_config_gets_defaults() -> None:
     cfg = parse_config(MINIMAL)
     assert cfg.dispatch.mode is DispatchMode.AUTO and cfg.dispatch.probe
-    assert Runtime(cfg, "unix:/x").prefill_mode("127.0.0.1:8100") is DispatchMode.AUTO
+    assert Runtime(cfg, "unix:/x").scheduler.prefill_mode("127.0.0.1:8100") is DispatchMode.AUTO
 
 
 def test_per_endpoint_mode() -> None:
@@ -35,8 +35,8 @@ def test_per_endpoint_mode() -> None:
         }
     )
     runtime = Runtime(cfg, "unix:/x")
-    assert runtime.prefill_mode("127.0.0.1:8100") is DispatchMode.PULL
-    assert runtime.prefill_mode("127.0.0.1:8101") is DispatchMode.AUTO
+    assert runtime.scheduler.prefill_mode("127.0.0.1:8100") is DispatchMode.PULL
+    assert runtime.scheduler.prefill_mode("127.0.0.1:8101") is DispatchMode.AUTO
 
 
 def test_every_problem_is_one_line() -> None:

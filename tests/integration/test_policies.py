@@ -20,7 +20,7 @@ import orjson
 
 from extproc.policies import Picker, PickRequest, PrefixPicker, SessionPicker
 from extproc.request.parse import Api, parse_request
-from extproc.request.processor import _pick_request
+from extproc.request.plan import pick_request
 from extproc.scheduling.pool import EndpointState
 from tests.support.engines import MODEL, address
 from tests.support.polling import until
@@ -114,7 +114,7 @@ async def test_prefix_affinity_on_prefill() -> None:
     async with topology(2, 2, engine_flags=FAST, prefill={"policy": "prefix"}) as topo:
         places: dict[int, tuple[str, ...]] = {}
         for g in range(100):  # where the sidecar's own key for the body sends each group
-            wanted = _pick_request(parse_request(*group_request(g, 0), 1 << 20), None)
+            wanted = pick_request(parse_request(*group_request(g, 0), 1 << 20), None)
             places[g] = (choice(PrefixPicker(), topo.prefills, wanted),)
         groups = first_spread(11, places)  # odd: round robin would move a group's next request
         for i in range(3):

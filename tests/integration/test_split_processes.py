@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 
 import aiohttp
 import orjson
 import yaml
 
+from extproc.process.server import ENVOY_STATS_PATH
 from tests.support.engines import MODEL
 from tests.support.polling import until
 from tests.support.split import split_topology
@@ -135,3 +137,24 @@ async def test_serve_drains_open_streams_on_sigterm_and_is_not_ready_meanwhile()
         assert response.status == 200
         assert b"data: [DONE]\n" in events  # the open stream finished whole
         assert await asyncio.wait_for(split.extproc.wait(), 15) == 0
+
+
+async def test_serve_passes_on_the_stats_of_the_envoy_its_config_names() -> None:
+    """The chart's Envoy keeps its admin on loopback: a cluster's Prometheus reads its stats
+    from the sidecar's metrics port (the ServiceMonitor's second endpoint)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        admin = int(probe.getsockname()[1])
+    envoy = {"listen": {"port": 0}, "admin": {"host": "127.0.0.1", "port": admin}}
+    async with split_topology(envoy=envoy) as split, aiohttp.ClientSession() as session:
+        assert (await post(split.url))[0] == 200
+        stats = split.metrics + ENVOY_STATS_PATH
+        async with session.get(stats, timeout=aiohttp.ClientTimeout(total=10)) as got:
+            assert got.status == 200, await got.text()
+            text = await got.text()
+        assert 'envoy_cluster_upstream_rq_total{envoy_cluster_name="decode_pool"} 1' in text
+        assert split.envoy is not None
+        await split.envoy.stop()
+        async with session.get(stats, timeout=aiohttp.ClientTimeout(total=10)) as got:
+            assert got.status == 502
+            assert (await got.text()).startswith(f"Envoy admin http://127.0.0.1:{admin}: ")

@@ -12,7 +12,7 @@ import orjson
 
 from extproc.config import parse_config
 from extproc.protocol.identity import identity_from_params
-from extproc.request.prefill_leg import PrefillResult
+from extproc.request.prefill_client import PrefillCall, PrefillResult
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime
@@ -28,8 +28,9 @@ class Prefill:
         self.called = asyncio.Event()
         self.cancelled = False
 
-    async def send(self, *args: Any) -> PrefillResult:
-        self.calls.append(args)
+    async def send(self, call: PrefillCall) -> PrefillResult:
+        # (endpoint, path, body, request_id, timeout_s, headers)
+        self.calls.append(dataclasses.astuple(call))
         self.called.set()
         try:
             outcome = await self.outcome

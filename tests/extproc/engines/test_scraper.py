@@ -212,7 +212,7 @@ async def test_power_of_two_in_a_models_group_sees_engine_load(engines: Engines)
         "decode": {"endpoints": [engines.served, engines.missing], "policy": "power_of_two"},
     }
     rt = await scraped_runtime(CONFIG | {"models": {"m": group}})  # top level: round_robin
-    model = rt.group("m")
+    model = rt.scheduler.group("m")
     picked = [
         rt.decode.pick(PickRequest(model="m"), model.members["decode"], model.pickers["decode"])
         for _ in range(20)

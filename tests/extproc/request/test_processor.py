@@ -20,7 +20,7 @@ from extproc.config import parse_config
 from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUnreachable
 from extproc.policies import PickRequest
 from extproc.protocol.identity import identity_from_params
-from extproc.request.prefill_leg import PrefillResult
+from extproc.request.prefill_client import PrefillCall, PrefillResult
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.scheduling.pool import EndpointState
@@ -72,10 +72,10 @@ class Request:
     """One request's run: the runtime, the scripted Envoy, the P leg and the trace."""
 
     def __init__(self, cached: bool = False, p_leg: Prefill | None = None,
-                 **config: Any) -> None:  # fmt: skip
+                 runtime: Runtime | None = None, **config: Any) -> None:  # fmt: skip
         config.setdefault("prefill", {"endpoints": [P]})
         config.setdefault("decode", {"endpoints": [D1, D2]})
-        self.rt = Runtime(parse_config(config), "unix:/nonexistent")
+        self.rt = runtime or Runtime(parse_config(config), "unix:/nonexistent")
         self.prefill = p_leg or Prefill()
         self.trace = Trace()
         deps = self.rt.request_deps
@@ -128,12 +128,12 @@ class FailsOnce(Prefill):
         super().__init__()
         self._error: Exception | None = error
 
-    async def send(self, *args: Any) -> PrefillResult:
+    async def send(self, call: PrefillCall) -> PrefillResult:
         if self._error is not None:
-            self.calls.append(args)
+            self.calls.append(dataclasses.astuple(call))
             error, self._error = self._error, None
             raise error
-        return await super().send(*args)
+        return await super().send(call)
 
 
 @pytest.mark.parametrize("error", [
@@ -457,7 +457,7 @@ class Recorder:
 async def test_policies_see_the_model_session_and_prompt_start() -> None:
     r = Request(cached=True, dispatch={"session_header": "x-conversation"})
     decode, prefill = Recorder(), Recorder()
-    r.rt.groups[""].pickers.update(decode=decode, prefill=prefill)
+    r.rt.scheduler.groups[""].pickers.update(decode=decode, prefill=prefill)
     long_prompt = "x" * 5000
     await r.start(REQUEST | {"prompt": long_prompt}, x_conversation="conv-7")
     sent = await r.envoy.until_sent(2)
@@ -472,7 +472,7 @@ async def test_policies_see_the_model_session_and_prompt_start() -> None:
 async def test_chat_messages_are_the_prompt_start_and_no_session_is_none() -> None:
     r = Request()
     decode = Recorder()
-    r.rt.groups[""].pickers["decode"] = decode
+    r.rt.scheduler.groups[""].pickers["decode"] = decode
     await r.start({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
                   path="/v1/chat/completions")  # fmt: skip
     await r.envoy.until_sent(2)
@@ -724,6 +724,51 @@ async def test_watching_stops_after_request_s() -> None:
     await r.envoy.until_sent(2)
     await asyncio.wait_for(r.task, WAIT_S)  # neither P nor D ever answers
     assert r.prefill.cancelled and r.idle()
+
+
+def _reload(rt: Runtime, **timeouts: float) -> None:
+    rt.reload(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D1, D2]},
+                            "timeouts": timeouts}))  # fmt: skip
+
+
+async def test_a_reload_keeps_the_grace_of_a_request_in_flight_and_gives_the_next_its_own(
+) -> None:  # fmt: skip
+    r = Request(cached=True, timeouts={"decode_error_grace_s": 30})
+    await r.send(headers())
+    await r.envoy.until_sent(1)  # the headers passed; the body is on its way
+    _reload(r.rt, decode_error_grace_s=0.05)
+    await r.send(body(REQUEST))
+    await r.envoy.until_sent(2)
+    await r.send(response_headers(503))
+    timer = (await r.envoy.until_sent(3))[2].override_message_timeout
+    assert (timer.seconds, timer.nanos) == (31, 0)  # the grace it started with, + 1
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(4)
+    await r.end()
+
+    after = Request(cached=True, runtime=r.rt)
+    await after.start()
+    await after.envoy.until_sent(2)
+    await after.send(response_headers(503))
+    timer = (await after.envoy.until_sent(3))[2].override_message_timeout
+    assert (timer.seconds, timer.nanos) == (1, 50_000_000)  # the reloaded grace, + 1
+    await after.end()
+
+
+async def test_a_reload_keeps_the_request_s_of_a_request_in_flight() -> None:
+    r = Request(cached=True, timeouts={"request_s": 0.1})
+    await r.send(headers())
+    await r.envoy.until_sent(1)
+    _reload(r.rt, request_s=30)
+    after = Request(cached=True, runtime=r.rt)  # started after the reload: 30 s
+    await after.start()
+    await after.envoy.until_sent(2)  # watching P and D from here
+    await r.send(body(REQUEST))
+    await r.envoy.until_sent(2)
+    await asyncio.wait_for(r.task, WAIT_S)  # its own 0.1 s ended the watch
+    assert r.prefill.cancelled
+    assert not after.task.done()  # began watching first, and is still watching
+    await after.end()
 
 
 async def test_what_is_reported_for_a_stream_that_never_started() -> None:

@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc import aio
 
 from extproc.errors import PrefillFailed
-from extproc.request.prefill_leg import PrefillResult
+from extproc.request.prefill_client import PrefillResult
 from tests.support.scripted_envoy import (
     D1,
     IDENTITY,

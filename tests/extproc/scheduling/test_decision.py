@@ -79,9 +79,10 @@ class Load:
 
 def test_the_stall_bucket_empties_and_counts_decisions() -> None:
     metrics = Metrics()
-    decider = Decider(lambda: LOAD_AWARE.model_copy(update={"bytes_per_token": 1.0}), metrics)
+    decider = Decider(metrics)
+    cfg = LOAD_AWARE.model_copy(update={"bytes_per_token": 1.0})
     busy = Load(in_flight=5)
-    made = [decider.decide(200, "d", busy, Load()).reason for _ in range(3)]
+    made = [decider.decide(cfg, 200, "d", busy, Load()).reason for _ in range(3)]
     assert made == ["faster_alone", "faster_alone", "stall_budget"]  # 11.6 ms each, 30 ms bucket
     text = metrics.render().decode()
     assert 'pd_extproc_dispatch_decisions_total{decision="decode_only",reason="faster_alone"} 2.0' in text  # noqa: E501
@@ -131,8 +132,8 @@ def test_d_counts_ours_exactly_and_others_as_last_scraped() -> None:
     page = "vllm:num_requests_running 3\nvllm:num_requests_waiting 1\n"
     EngineLoad(lambda address: state).consume("d", parse_families(page))
     assert state.foreign == 2  # 4 at the engine, 2 of them ours
-    decider = Decider(lambda: LOAD_AWARE, Metrics())
+    decider = Decider(Metrics())
     alone = Load(in_flight=1)  # only this request of ours, and nothing foreign
-    assert decider.decide(4096, "d", alone, Load()).decode_only
+    assert decider.decide(LOAD_AWARE, 4096, "d", alone, Load()).decode_only
     others = Load(in_flight=1, foreign=2)  # another router's requests run there
-    assert decider.decide(4096, "d2", others, Load()).reason == "stall_budget"
+    assert decider.decide(LOAD_AWARE, 4096, "d2", others, Load()).reason == "stall_budget"

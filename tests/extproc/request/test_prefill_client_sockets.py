@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from extproc.errors import ListenerUnreachable, PrefillTimeout
-from extproc.request.prefill_leg import PrefillClient
+from extproc.request.prefill_client import PrefillCall, PrefillClient, ThroughListener
 
 CONNECT_S = 0.2
 PREFILL_S = 3.0
@@ -26,7 +26,7 @@ def address(sock: socket.socket) -> str:
 
 @contextlib.asynccontextmanager
 async def client(listener: str) -> AsyncIterator[PrefillClient]:
-    prefill = PrefillClient(listener, CONNECT_S)
+    prefill = PrefillClient(ThroughListener(listener, CONNECT_S))
     try:
         yield prefill
     finally:
@@ -36,7 +36,7 @@ async def client(listener: str) -> AsyncIterator[PrefillClient]:
 async def send(prefill: PrefillClient) -> tuple[BaseException, float]:
     started = time.perf_counter()
     with pytest.raises((ListenerUnreachable, PrefillTimeout)) as caught:
-        await prefill.send("127.0.0.1:8100", "/v1/completions", b"{}", "rid", PREFILL_S)
+        await prefill.send(PrefillCall("127.0.0.1:8100", "/v1/completions", b"{}", "r", PREFILL_S))
     return caught.value, time.perf_counter() - started
 
 

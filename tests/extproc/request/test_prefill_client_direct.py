@@ -5,15 +5,24 @@ kept-alive connection per engine, and how failures become the client's status.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
 
+from extproc.config import DecisionConfig
 from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
-from extproc.request.prefill_direct import DirectPrefillClient
-from extproc.request.prefill_leg import PrefillClient, PrefillPaths
+from extproc.request.prefill_client import (
+    PrefillCall,
+    PrefillClient,
+    PrefillPaths,
+    ThroughListener,
+    ToEngine,
+    TrackedPrefillSender,
+)
+from extproc.scheduling.pool import EndpointState
 
 PARAMS = {"remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 5600}
 KEY = {"authorization": "Bearer engine-key"}
@@ -26,10 +35,12 @@ class FakeEngine:
         self.status = 200
         self.hold = asyncio.Event()
         self.hold.set()
+        self.arrived = asyncio.Event()  # a request came in
         self.address = ""
 
     async def dispatch(self, request: web.Request) -> web.Response:
         self.received.append((request, await request.read()))
+        self.arrived.set()
         self.peers.append(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
         await self.hold.wait()
         if self.status != 200:
@@ -53,19 +64,19 @@ async def engine() -> AsyncIterator[FakeEngine]:
 
 
 @pytest.fixture
-async def client() -> AsyncIterator[DirectPrefillClient]:
-    direct = DirectPrefillClient(connect_timeout_s=2, auth_headers=lambda: dict(KEY))
+async def client() -> AsyncIterator[PrefillClient]:
+    direct = PrefillClient(ToEngine(connect_timeout_s=2, auth_headers=lambda: dict(KEY)))
     yield direct
     await direct.close()
 
 
 async def test_p_gets_the_body_the_request_id_and_the_engines_key(
-    engine: FakeEngine, client: DirectPrefillClient
+    engine: FakeEngine, client: PrefillClient
 ) -> None:
-    result = await client.send(
+    result = await client.send(PrefillCall(
         engine.address, "/v1/completions", b'{"prompt":"p"}', "rid-1", 5,
-        extra_headers={"traceparent": "00-abc-def-01"},
-    )  # fmt: skip
+        headers={"traceparent": "00-abc-def-01"},
+    ))  # fmt: skip
     assert result.kv_transfer_params == PARAMS and result.status == 200
     [(request, body)] = engine.received
     assert (request.method, request.path, body) == ("POST", "/v1/completions", b'{"prompt":"p"}')
@@ -77,60 +88,82 @@ async def test_p_gets_the_body_the_request_id_and_the_engines_key(
 
 
 async def test_a_forwarded_client_key_wins_over_the_engines_key(
-    engine: FakeEngine, client: DirectPrefillClient
+    engine: FakeEngine, client: PrefillClient
 ) -> None:
-    await client.send(engine.address, "/v1/completions", b"{}", "rid", 5,
-                      extra_headers={"authorization": "Bearer client"})  # fmt: skip
+    await client.send(PrefillCall(engine.address, "/v1/completions", b"{}", "rid", 5,
+                                  headers={"authorization": "Bearer client"}))  # fmt: skip
     assert engine.received[0][0].headers["authorization"] == "Bearer client"
 
 
 async def test_requests_to_one_engine_share_a_kept_alive_connection(
-    engine: FakeEngine, client: DirectPrefillClient
+    engine: FakeEngine, client: PrefillClient
 ) -> None:
     for n in range(3):
-        await client.send(engine.address, "/v1/completions", b"{}", f"rid-{n}", 5)
+        await client.send(PrefillCall(engine.address, "/v1/completions", b"{}", f"rid-{n}", 5))
     assert len(set(engine.peers)) == 1, engine.peers
 
 
-async def test_an_unreachable_engine_is_503_with_retry_after(client: DirectPrefillClient) -> None:
+async def test_an_unreachable_engine_is_503_with_retry_after(client: PrefillClient) -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
     with pytest.raises(PrefillUnreachable) as caught:
-        await client.send(address, "/v1/completions", b"{}", "rid", 5)
+        await client.send(PrefillCall(address, "/v1/completions", b"{}", "rid", 5))
     assert (caught.value.status, caught.value.retry_after_s) == (503, 1)
     assert address in caught.value.message
 
 
 @pytest.mark.parametrize(("answered", "status"), [(500, 502), (400, 400)])
 async def test_p_errors_become_the_clients_status(
-    engine: FakeEngine, client: DirectPrefillClient, answered: int, status: int
+    engine: FakeEngine, client: PrefillClient, answered: int, status: int
 ) -> None:
     engine.status = answered
     with pytest.raises(PrefillFailed) as caught:
-        await client.send(engine.address, "/v1/completions", b"{}", "rid", 5)
+        await client.send(PrefillCall(engine.address, "/v1/completions", b"{}", "rid", 5))
     assert caught.value.status == status and "nope" in caught.value.message
 
 
 async def test_a_silent_engine_is_a_504_within_the_timeout(
-    engine: FakeEngine, client: DirectPrefillClient
+    engine: FakeEngine, client: PrefillClient
 ) -> None:
     engine.hold.clear()
     with pytest.raises(PrefillTimeout) as caught:
-        await asyncio.wait_for(client.send(engine.address, "/v1/completions", b"{}", "rid", 0.2), 2)
+        leg = PrefillCall(engine.address, "/v1/completions", b"{}", "rid", 0.2)
+        await asyncio.wait_for(client.send(leg), 2)
     assert caught.value.status == 504
 
 
 async def test_the_path_is_chosen_per_request(engine: FakeEngine) -> None:
     path = ["direct"]
-    listener = PrefillClient("127.0.0.1:1", connect_timeout_s=0.5)  # would fail: no listener
-    direct = DirectPrefillClient(connect_timeout_s=2, auth_headers=dict)
+    # would fail: no listener
+    listener = PrefillClient(ThroughListener("127.0.0.1:1", connect_timeout_s=0.5))
+    direct = PrefillClient(ToEngine(connect_timeout_s=2, auth_headers=dict))
     paths = PrefillPaths(listener, direct, lambda: path[0])
     try:
-        result = await paths.send(engine.address, "/v1/completions", b"{}", "rid", 5)
+        result = await paths.send(PrefillCall(engine.address, "/v1/completions", b"{}", "rid", 5))
         assert result.kv_transfer_params == PARAMS
         path[0] = "listener"
         with pytest.raises(Exception, match="prefill listener"):
-            await paths.send(engine.address, "/v1/completions", b"{}", "rid", 5)
+            await paths.send(PrefillCall(engine.address, "/v1/completions", b"{}", "rid", 5))
     finally:
         await paths.close()
+
+
+@pytest.mark.parametrize("status", [200, 500])
+async def test_a_tracked_leg_counts_its_prompt_tokens_at_p_only_while_it_runs(
+    engine: FakeEngine, client: PrefillClient, status: int
+) -> None:
+    state = EndpointState(engine.address)
+    tracked = TrackedPrefillSender(
+        client, {engine.address: state}.get, lambda: DecisionConfig(bytes_per_token=4)
+    )
+    engine.hold.clear()
+    engine.status = status
+    leg = asyncio.create_task(tracked.send(PrefillCall(engine.address, "/v1/completions",
+                                                       b"x" * 41, "rid", 5)))  # fmt: skip
+    await asyncio.wait_for(engine.arrived.wait(), 5)
+    assert state.queued_tokens == 11  # ceil(41 / 4)
+    engine.hold.set()
+    with contextlib.suppress(PrefillFailed):
+        await asyncio.wait_for(leg, 5)
+    assert state.queued_tokens == 0

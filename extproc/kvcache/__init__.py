@@ -1,0 +1,1 @@
+"""What each engine's KV cache holds, from vLLM's KV events, looked up by a request's tokens."""

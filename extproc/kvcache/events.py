@@ -1,0 +1,172 @@
+"""vLLM's KV event batches, decoded from the bytes its ZMQ publisher sends.
+
+A batch is a msgpack array `[ts, events, data_parallel_rank?]`; each event is a tagged struct,
+written by vLLM as a map with a `type` field (or, by older releases, as an array whose first item
+is the tag). Only what the index needs is kept; unknown tags and extra fields are ignored, and a
+payload that is not a batch raises `MalformedBatch`, which the subscriber counts and skips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+__all__ = [
+    "AllCleared",
+    "BlocksRemoved",
+    "BlocksStored",
+    "EventBatch",
+    "KvEvent",
+    "MalformedBatch",
+    "decode_batch",
+    "engine_hash",
+]
+
+# Bounds on one payload, far above what an engine sends (a batch is one scheduler step).
+MAX_EVENTS_PER_BATCH = 65_536
+_MAX_ARRAY = 1 << 20  # the longest array: token ids of one BlockStored
+_MAX_STR = 4096
+_MAX_BIN = 1024  # a block hash is 32 bytes
+_MAX_MAP = 64
+_HASH_MASK = (1 << 60) - 1  # of vLLM's 64: below 2**60 a Python int is 32 bytes, above it 36
+_INDEXED_MEDIA = (None, "GPU")  # blocks an engine can prefix-hit at once; CPU/storage tiers are not
+
+
+class MalformedBatch(ValueError):
+    """A payload that is not a KV event batch; `reason` names what was wrong, for a metric label."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """Consecutive full blocks of one request, each `block_size` tokens of `token_ids`."""
+
+    engine_hashes: tuple[int, ...]
+    parent_engine_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    plain: bool  # no LoRA, multimodal input, cache salt or secondary group: keyed by tokens alone
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksRemoved:
+    engine_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllCleared:
+    pass
+
+
+KvEvent = BlocksStored | BlocksRemoved | AllCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    ts: float
+    events: tuple[KvEvent, ...]
+    skipped: int  # events of unknown tags or of media the index does not keep
+
+
+def engine_hash(value: object) -> int:
+    """An engine's block hash as an int of 60 bits: vLLM sends 32 bytes or (with
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) their low 64 bits, and both give the same int here."""
+    if isinstance(value, bytes):
+        if not value:
+            raise MalformedBatch("empty_hash")
+        return int.from_bytes(value, "big") & _HASH_MASK
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value & _HASH_MASK
+    raise MalformedBatch("hash_type")
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    try:
+        raw = msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=_MAX_ARRAY,
+            max_map_len=_MAX_MAP,
+            max_str_len=_MAX_STR,
+            max_bin_len=_MAX_BIN,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # ExtraData is a ValueError
+        raise MalformedBatch("msgpack") from exc
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise MalformedBatch("not_a_batch")
+    ts, items = raw[0], raw[1]
+    if not isinstance(ts, int | float) or isinstance(ts, bool) or not isinstance(items, list):
+        raise MalformedBatch("not_a_batch")
+    if len(items) > MAX_EVENTS_PER_BATCH:
+        raise MalformedBatch("too_many_events")
+    events: list[KvEvent] = []
+    for item in items:
+        event = _decode_event(item)
+        if event is not None:
+            events.append(event)
+    return EventBatch(float(ts), tuple(events), len(items) - len(events))
+
+
+def _decode_event(item: object) -> KvEvent | None:
+    if isinstance(item, dict):
+        fields: dict[str, Any] = item
+        tag = fields.get("type")
+    elif isinstance(item, list) and item and isinstance(item[0], str):
+        tag = item[0]
+        fields = dict(zip(_ARRAY_FIELDS.get(tag, ()), item[1:], strict=False))
+    else:
+        raise MalformedBatch("event_shape")
+    if tag == "BlockStored":
+        return _stored(fields)
+    if tag == "BlockRemoved":
+        if fields.get("medium") not in _INDEXED_MEDIA or fields.get("group_idx") not in (None, 0):
+            return None
+        return BlocksRemoved(_hashes(fields.get("block_hashes")))
+    if tag == "AllBlocksCleared":
+        return AllCleared()
+    return None  # a tag this version does not know: skipped, not an error
+
+
+def _stored(fields: dict[str, Any]) -> BlocksStored | None:
+    if fields.get("medium") not in _INDEXED_MEDIA:
+        return None
+    hashes = _hashes(fields.get("block_hashes"))
+    tokens, block_size = fields.get("token_ids"), fields.get("block_size")
+    if not isinstance(tokens, list) or not isinstance(block_size, int) or block_size <= 0:
+        raise MalformedBatch("stored_fields")
+    if len(tokens) != len(hashes) * block_size or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise MalformedBatch("stored_tokens")
+    parent = fields.get("parent_block_hash")
+    extra = fields.get("extra_keys")
+    plain = (
+        fields.get("lora_name") is None
+        and fields.get("lora_id") is None
+        and fields.get("group_idx") in (None, 0)
+        and (not extra or all(e is None for e in extra))
+    )
+    return BlocksStored(
+        hashes, None if parent is None else engine_hash(parent), tuple(tokens), block_size, plain
+    )
+
+
+def _hashes(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise MalformedBatch("block_hashes")
+    return tuple(engine_hash(v) for v in value)
+
+
+# Older vLLM wrote events as arrays in field order: the names of the fields the index reads.
+_ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys", "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+}

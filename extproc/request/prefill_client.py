@@ -1,0 +1,318 @@
+"""The P leg's HTTP client: one POST (`PrefillCall`) to a prefill engine, along one of two routes.
+
+`ThroughListener` goes through Envoy's loopback prefill listener, which keeps connection
+pooling, stats and override_host's check that the endpoint is a member of prefill_pool. Envoy
+marks its own local replies (connect failure, reset) with `LOCAL_REPLY_HEADER`, so that "P is
+unreachable" (503, retryable, mark unhealthy) can be told from "P answered 503".
+
+`ToEngine` goes straight to the engine, for where no prefill listener exists (an endpoint
+picker behind someone else's gateway) or where its latency and CPU matter more. It gives up
+Envoy's pooling, retries, per-cluster stats and the pool check (the ext_proc's own pool is the
+only check then). Its connections are kept alive per engine, shorter than the engines' own
+keep-alive (vLLM closes idle connections after 5 s), so that a request never goes out on a
+connection the engine is closing.
+
+`PrefillPaths` chooses the route per request (dispatch.prefill_leg); `TrackedPrefillSender`
+keeps each prefill endpoint's `queued_tokens` exact around the legs it sends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+import orjson
+
+from extproc.errors import (
+    LegError,
+    ListenerUnreachable,
+    PrefillBusy,
+    PrefillFailed,
+    PrefillTimeout,
+    PrefillUnreachable,
+)
+from extproc.headers import DESTINATION_HEADER, LOCAL_REPLY_HEADER
+from extproc.scheduling.decision import estimate_tokens
+
+if TYPE_CHECKING:
+    from extproc.config import DecisionConfig
+    from extproc.scheduling.pool import EndpointState
+
+__all__ = [
+    "PrefillCall",
+    "PrefillClient",
+    "PrefillPaths",
+    "PrefillResult",
+    "PrefillSender",
+    "ThroughListener",
+    "ToEngine",
+    "TrackedPrefillSender",
+    "prefill_error",
+]
+
+# Envoy response flags that mean the upstream was never reached or dropped the connection.
+_UNREACHABLE_FLAGS = {"UF", "UH", "URX", "UO", "UC", "UR", "NR", "LR"}
+_KEEPALIVE_S = 4.0  # straight to the engine: below vLLM's (uvicorn's) 5 s idle close
+
+
+@dataclass(slots=True)  # not frozen: built per P leg, and a frozen init costs ~7x (~1.5 µs)
+class PrefillCall:
+    """One P leg: the prefill endpoint ("host:port"), the API path, P's body, and the headers
+    it carries beyond the route's own (the client's forwarded ones, or the probe's key)."""
+
+    endpoint: str
+    path: str
+    body: bytes
+    request_id: str
+    timeout_s: float
+    headers: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    status: int
+    kv_transfer_params: Any
+    started_at: float  # perf_counter when the request left the sidecar
+    elapsed_s: float
+
+
+def prefill_error(status: int, flags: str | None, body: bytes, endpoint: str) -> Exception:
+    """The error for a non-2xx answer of P (`flags`: Envoy's response flags, when it replied)."""
+    if flags is not None and _UNREACHABLE_FLAGS & set(flags.split(",")):
+        return PrefillUnreachable(
+            503, f"prefill endpoint {endpoint} is unreachable ({flags}); retry", retry_after_s=1
+        )
+    message = f"prefill endpoint {endpoint} answered {status}"
+    try:
+        detail = orjson.loads(body)["error"]
+        # OpenAI-style {"error": {"message": ...}}, or vLLM's 401 {"error": "Unauthorized"}
+        message += f": {detail if isinstance(detail, str) else detail['message']}"
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        pass
+    # 4xx from P means the request is bad for the engine: pass it on; 5xx becomes 502.
+    if status == 503:
+        return PrefillBusy(502, message)  # serial dispatch may retry it elsewhere
+    return PrefillFailed(status if 400 <= status < 500 else 502, message)
+
+
+def prefill_result(
+    status: int, flags: str | None, payload: bytes, endpoint: str, started: float
+) -> PrefillResult:
+    """P's answer as a result (its kv_transfer_params), or the LegError it means."""
+    elapsed = time.perf_counter() - started
+    if status >= 300:
+        raise prefill_error(status, flags, payload, endpoint)
+    try:
+        params = orjson.loads(payload).get("kv_transfer_params")
+    except (orjson.JSONDecodeError, AttributeError):
+        raise PrefillFailed(502, f"prefill endpoint {endpoint} sent a non-JSON body") from None
+    return PrefillResult(status, params, started, elapsed)
+
+
+class Route(Protocol):
+    """What differs between the two routes: where the POST goes, what it carries, who is
+    blamed when no connection is had."""
+
+    connect_timeout_s: float
+
+    def connector(self) -> aiohttp.BaseConnector: ...
+    def url(self, call: PrefillCall) -> str: ...
+    def headers(self, call: PrefillCall) -> dict[str, str]: ...
+    def flags(self, response: aiohttp.ClientResponse) -> str | None: ...
+    # `error` None: no connection within connect_timeout_s
+    def not_connected(
+        self, call: PrefillCall, error: aiohttp.ClientConnectorError | None
+    ) -> LegError: ...
+    def broke(self, call: PrefillCall, error: aiohttp.ClientError) -> LegError: ...
+
+
+class ThroughListener:
+    """Envoy's prefill listener ("unix:/path" or "host:port"), which routes by the
+    destination header."""
+
+    def __init__(self, listener: str, connect_timeout_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._listener = listener
+        unix = listener.startswith("unix:")
+        self._base = "http://prefill" if unix else f"http://{listener}"
+
+    def connector(self) -> aiohttp.BaseConnector:
+        if self._listener.startswith("unix:"):
+            return aiohttp.UnixConnector(path=self._listener.removeprefix("unix:"), limit=0)
+        return aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+
+    def url(self, call: PrefillCall) -> str:
+        return self._base + call.path
+
+    def headers(self, call: PrefillCall) -> dict[str, str]:
+        return {
+            "content-type": "application/json",
+            DESTINATION_HEADER: call.endpoint,
+            "x-request-id": call.request_id,
+            **(call.headers or {}),
+        }
+
+    def flags(self, response: aiohttp.ClientResponse) -> str | None:
+        return response.headers.get(LOCAL_REPLY_HEADER)
+
+    # Not getting a connection to Envoy's own listener is not P's fault: ListenerUnreachable
+    # leaves P's health alone.
+    def not_connected(
+        self, call: PrefillCall, error: aiohttp.ClientConnectorError | None
+    ) -> LegError:
+        if error is None:
+            why = f"did not accept a connection within {self.connect_timeout_s:g} s"
+        else:
+            why = f"is unreachable ({error.strerror})"
+        return ListenerUnreachable(503, f"the prefill listener {why}; retry", retry_after_s=1)
+
+    def broke(self, call: PrefillCall, error: aiohttp.ClientError) -> LegError:
+        return PrefillUnreachable(
+            503, f"the prefill leg's connection broke ({error}); retry", retry_after_s=1
+        )
+
+
+class ToEngine:
+    """The prefill engine itself, one kept-alive connection pool per engine.
+
+    `auth_headers` gives the engines' key (engines.api_key_file) where the wiring wants it
+    sent; a client key forwarded by dispatch.forward_headers wins over it.
+    """
+
+    def __init__(
+        self, connect_timeout_s: float, auth_headers: Callable[[], dict[str, str]]
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._auth_headers = auth_headers
+
+    def connector(self) -> aiohttp.BaseConnector:
+        return aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S)
+
+    def url(self, call: PrefillCall) -> str:
+        return f"http://{call.endpoint}{call.path}"
+
+    def headers(self, call: PrefillCall) -> dict[str, str]:
+        return {
+            "content-type": "application/json",
+            **self._auth_headers(),
+            **(call.headers or {}),
+            "x-request-id": call.request_id,
+        }
+
+    def flags(self, response: aiohttp.ClientResponse) -> None:
+        return None  # no Envoy in between: every answer is the engine's
+
+    def not_connected(
+        self, call: PrefillCall, error: aiohttp.ClientConnectorError | None
+    ) -> LegError:
+        if error is None:
+            return _unreachable(call, f"no connection within {self.connect_timeout_s:g} s")
+        return _unreachable(call, error.strerror or "connection refused")
+
+    def broke(self, call: PrefillCall, error: aiohttp.ClientError) -> LegError:
+        return _unreachable(call, f"the connection broke: {error}")
+
+
+def _unreachable(call: PrefillCall, why: str) -> PrefillUnreachable:
+    return PrefillUnreachable(
+        503, f"prefill endpoint {call.endpoint} is unreachable ({why}); retry", retry_after_s=1
+    )
+
+
+class PrefillClient:
+    """Sends P legs along `route`; its connections open on first use."""
+
+    def __init__(self, route: Route) -> None:
+        self._route = route
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=self._route.connector(), skip_auto_headers=("User-Agent",)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def send(self, call: PrefillCall) -> PrefillResult:
+        """POST P's body; PrefillResult on 2xx, else a LegError subclass is raised."""
+        route, session = self._route, self.session
+        started = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(total=call.timeout_s, sock_connect=route.connect_timeout_s)
+        try:
+            async with session.post(
+                route.url(call), data=call.body, headers=route.headers(call), timeout=timeout
+            ) as response:
+                payload = await response.read()
+                status, flags = response.status, route.flags(response)
+        except aiohttp.ConnectionTimeoutError:  # a TimeoutError too: it comes first
+            raise route.not_connected(call, None) from None
+        except aiohttp.ClientConnectorError as error:
+            raise route.not_connected(call, error) from None
+        except TimeoutError:
+            raise PrefillTimeout(
+                504, f"prefill endpoint {call.endpoint} did not answer within {call.timeout_s:g} s"
+            ) from None
+        except aiohttp.ClientError as error:
+            raise route.broke(call, error) from None
+        return prefill_result(status, flags, payload, call.endpoint, started)
+
+
+class PrefillSender(Protocol):
+    """What sends a P leg: a PrefillClient, PrefillPaths, or a wrapper of one (dispatch and
+    the identity probe need only this)."""
+
+    def send(self, call: PrefillCall) -> Coroutine[Any, Any, PrefillResult]: ...
+
+
+class PrefillPaths:
+    """The P leg's route for each request: dispatch.prefill_leg, read live (a reload switches
+    it). Each client opens its connections on first use only."""
+
+    def __init__(
+        self, listener: PrefillClient, direct: PrefillClient, path: Callable[[], str]
+    ) -> None:
+        self._clients = {"listener": listener, "direct": direct}
+        self._path = path
+
+    def send(self, call: PrefillCall) -> Coroutine[Any, Any, PrefillResult]:
+        return self._clients[self._path()].send(call)
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+
+
+class TrackedPrefillSender:
+    """A PrefillSender that keeps each prefill endpoint's `queued_tokens` (the prompt tokens
+    of the P legs in flight there, estimated from the bodies) exact, for the decode-only
+    decision (`extproc.scheduling.decision`)."""
+
+    def __init__(
+        self,
+        inner: PrefillSender,
+        state: Callable[[str], EndpointState | None],
+        settings: Callable[[], DecisionConfig],
+    ) -> None:
+        self._inner = inner
+        self._state = state  # address → its state in the prefill pool (None: not a member)
+        self._settings = settings
+
+    async def send(self, call: PrefillCall) -> PrefillResult:
+        tokens = estimate_tokens(len(call.body), self._settings().bytes_per_token)
+        state = self._state(call.endpoint)
+        if state is not None:
+            state.queued_tokens += tokens
+        try:
+            return await self._inner.send(call)
+        finally:
+            if state is not None:
+                state.queued_tokens -= tokens

@@ -1,0 +1,215 @@
+"""The scheduler: which decode and prefill endpoints serve a request, or none (shed, 503).
+
+Per request, in this order: the model's group of endpoints (narrowed to the gateway's subset
+hint, if any); admission for the decode role (429 when saturated for the request's priority);
+D and its fallbacks, counted in flight; P (and another, for a serial retry), unless the
+decision (`extproc.scheduling.decision`) lets D prefill the prompt itself; admission for the
+prefill role only for a request that will use P. The answer says which way by its type:
+`WithPrefill` or `DecodeAlone` (with the reason).
+
+Per-endpoint dispatch modes and the groups' members and policies are built from the config
+here and rebuilt by `reload`; the settings a request reads (admission, decision, dispatch) come
+from that request's own config snapshot, passed in.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from extproc.config import Config, DecisionMode, DispatchMode, PoolConfig
+from extproc.errors import NoHealthyDecode, NoHealthyPrefill
+from extproc.policies import Picker, PickRequest, build_picker
+from extproc.roles import Role
+from extproc.scheduling.admission import check_admission, role_saturation
+from extproc.scheduling.decision import Decider
+from extproc.scheduling.pool import Counted, Pool
+
+if TYPE_CHECKING:
+    from extproc.metrics import Metrics
+    from extproc.scheduling.subset_hint import Subset
+
+__all__ = ["DecodeAlone", "ModelGroup", "Picked", "Scheduler", "WithPrefill"]
+
+
+@dataclass(frozen=True, slots=True)
+class WithPrefill:
+    """Disaggregated: P computes the prompt, D decodes."""
+
+    decodes: list[str]  # the choice, then Envoy's connect-failure fallbacks
+    decode_counted: Counted  # the in-flight count at D, moved if another served
+    prefill: str
+    prefill_counted: Counted  # the count at P, which the P leg releases
+    fallback: str | None = None  # another prefill, for a serial dispatch's one retry
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAlone:
+    """Decode-only: D prefills the prompt itself."""
+
+    decodes: list[str]
+    decode_counted: Counted
+    reason: str = "no_prefill"  # the decision's reason, or no healthy P ("no_prefill")
+
+
+Picked = WithPrefill | DecodeAlone
+
+
+@dataclass
+class ModelGroup:
+    """One model's view of the shared pools: its members and its policies, per role."""
+
+    name: str
+    members: dict[Role, set[str]]
+    pickers: dict[Role, Picker]
+
+
+def pool_picker(pool: PoolConfig) -> Picker:
+    return build_picker(pool.policy, pool.options)
+
+
+def _model_groups(config: Config) -> dict[str, ModelGroup]:
+    return {
+        name: ModelGroup(
+            name,
+            {Role.PREFILL: set(group.prefill.addresses), Role.DECODE: set(group.decode.addresses)},
+            {Role.PREFILL: pool_picker(group.prefill), Role.DECODE: pool_picker(group.decode)},
+        )
+        for name, group in config.groups().items()
+    }
+
+
+def _endpoint_modes(config: Config) -> dict[str, DispatchMode]:
+    return {
+        endpoint.address: endpoint.mode
+        for pool in config.pool_configs(Role.PREFILL)
+        for endpoint in pool.endpoints
+        if endpoint.mode is not None
+    }
+
+
+def _none_healthy(role: Role, subset: Subset | None) -> str:
+    if subset is None:
+        return f"no healthy {role} endpoint; retry later"
+    return (f"no healthy {role} endpoint among the {subset.listed} the gateway allowed "
+            "(its subset hint); retry later")  # fmt: skip
+
+
+class Scheduler:
+    """Picking, admission and the decode-only decision over the two shared pools."""
+
+    def __init__(self, config: Config, prefill: Pool, decode: Pool, metrics: Metrics) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.decider = Decider(metrics)
+        self._metrics = metrics
+        self.groups = _model_groups(config)
+        self._modes = _endpoint_modes(config)
+        self._default_mode = config.dispatch.mode
+
+    def reload(self, config: Config) -> None:
+        """Groups, modes and policies from `config`; all built before any is swapped."""
+        groups, modes = _model_groups(config), _endpoint_modes(config)
+        prefill_policy, decode_policy = pool_picker(config.prefill), pool_picker(config.decode)
+        self.groups, self._modes, self._default_mode = groups, modes, config.dispatch.mode
+        self.prefill.set_policy(prefill_policy)
+        self.decode.set_policy(decode_policy)
+
+    def prefill_mode(self, address: str) -> DispatchMode:
+        """The endpoint's own `mode:` or dispatch.mode (precomputed: asked per request)."""
+        return self._modes.get(address, self._default_mode)
+
+    def group(self, model: str) -> ModelGroup:
+        """The pools that serve `model` (the default group for models not configured)."""
+        return self.groups.get(model) or self.groups[""]
+
+    def group_of(self, role: Role, address: str) -> ModelGroup:
+        return next((g for g in self.groups.values() if address in g.members[role]),
+                    self.groups[""])  # fmt: skip
+
+    def decodes_of(self, prefill: str) -> set[str]:
+        """The decode endpoints `prefill` is paired with (its group's)."""
+        return self.group_of(Role.PREFILL, prefill).members[Role.DECODE]
+
+    def set_group_members(self, model: str, role: Role, members: list[str]) -> None:
+        self.groups[model].members[role] = set(members)
+
+    def forget(self, address: str) -> None:
+        """The endpoint left its pool."""
+        self.decider.forget(address)
+
+    def pick(self, wanted: PickRequest, inflight: ExitStack, config: Config,
+             subset: Subset | None = None, fallbacks: int = 1) -> Picked:  # fmt: skip
+        """D (then up to `fallbacks` others) and P (then another, for a serial retry) for a
+        request, each counted in flight until `inflight` closes. Shed first when the pool is
+        saturated (admission); no P (decode-only) when the decision says so, or when none is
+        healthy and that is allowed. With a gateway's `subset`, both are picked inside it
+        only. `config`: the request's snapshot."""
+        group, members = self._members(wanted, subset)
+        decodes, counted = self._pick_decodes(wanted, inflight, config, group, members,
+                                              subset, fallbacks)  # fmt: skip
+        prefills = self.prefill.pick_with_fallback(
+            wanted, members[Role.PREFILL], group.pickers[Role.PREFILL]
+        )
+        if prefills:
+            prefill = prefills[0]
+            if config.decision.mode is not DecisionMode.OFF:
+                decode = counted.state  # decodes[0]'s
+                decision = self.decider.decide(
+                    config.decision, wanted.prompt_bytes, decode.address, decode, prefill
+                )
+                if decision.decode_only:
+                    return DecodeAlone(decodes, counted, decision.reason)
+            if config.admission.enabled:  # only a request that will use P waits for one
+                self._admit(wanted, group, Role.PREFILL, config)
+            prefill_counted = inflight.enter_context(self.prefill.track(prefill))
+            fallback = prefills[1].address if len(prefills) > 1 else None
+            return WithPrefill(decodes, counted, prefill.address, prefill_counted, fallback)
+        if config.dispatch.no_healthy_prefill == "decode_only":
+            return DecodeAlone(decodes, counted)
+        raise NoHealthyPrefill(503, _none_healthy(Role.PREFILL, subset), retry_after_s=1)
+
+    def pick_decodes(self, wanted: PickRequest, inflight: ExitStack, config: Config,
+                     subset: Subset | None = None, fallbacks: int = 1) -> DecodeAlone:  # fmt: skip
+        """D and its fallbacks only, for a request no prefill takes part in (an engine's own
+        endpoint the endpoint picker passes through)."""
+        group, members = self._members(wanted, subset)
+        decodes, counted = self._pick_decodes(wanted, inflight, config, group, members,
+                                              subset, fallbacks)  # fmt: skip
+        return DecodeAlone(decodes, counted, "passthrough")
+
+    def _members(self, wanted: PickRequest, subset: Subset | None
+                 ) -> tuple[ModelGroup, dict[Role, set[str]]]:  # fmt: skip
+        group = self.group(wanted.model)
+        members = group.members
+        if subset is not None:
+            members = {role: subset.restrict(among) for role, among in members.items()}
+        return group, members
+
+    def _pick_decodes(
+        self, wanted: PickRequest, inflight: ExitStack, config: Config, group: ModelGroup,
+        members: dict[Role, set[str]], subset: Subset | None, fallbacks: int,
+    ) -> tuple[list[str], Counted]:  # fmt: skip
+        if config.admission.enabled:
+            self._admit(wanted, group, Role.DECODE, config)
+        decodes = self.decode.pick_with_fallback(
+            wanted, members[Role.DECODE], group.pickers[Role.DECODE], fallbacks
+        )
+        if not decodes:
+            raise NoHealthyDecode(503, _none_healthy(Role.DECODE, subset), retry_after_s=1)
+        counted = inflight.enter_context(self.decode.track(decodes[0]))
+        return [d.address for d in decodes], counted
+
+    def _admit(self, wanted: PickRequest, group: ModelGroup, role: Role, config: Config) -> None:
+        """Shed (429) if the group's engines of `role` are saturated for the request's
+        priority; the saturation is exported either way."""
+        admission = config.admission
+        pool, limits = ((self.decode, admission.decode) if role is Role.DECODE
+                        else (self.prefill, admission.prefill))  # fmt: skip
+        healthy = [s for s in pool if s.healthy and s.address in group.members[role]]
+        if not healthy:
+            return  # nothing to measure: the pick answers 503 (or goes decode-only)
+        value = role_saturation(healthy, limits)
+        self._metrics.saturation.labels(role).set(value)
+        check_admission(wanted.priority, role, value, admission)

@@ -1,0 +1,84 @@
+"""Decoding vLLM's KV event batches: both encodings, tolerance of the unknown, and rejection of
+what is not a batch."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from extproc.kvcache.events import (
+    MAX_EVENTS_PER_BATCH,
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    MalformedBatch,
+    decode_batch,
+)
+from tests.extproc.kvcache.kv_events_helpers import batch, cleared, removed, stored
+
+
+def test_a_batch_decodes_to_its_blocks() -> None:
+    decoded = decode_batch(batch(stored([b"\x01" * 32, 7], None, list(range(8))),
+                                 removed([7]), cleared(), ts=12.5))
+    assert decoded.ts == 12.5
+    assert decoded.events == (
+        BlocksStored((0x0101010101010101 & (2**60 - 1), 7), None, tuple(range(8)), 4, True),
+        BlocksRemoved((7,)),
+        AllCleared(),
+    )
+
+
+def test_bytes_and_int_hashes_name_the_same_block() -> None:
+    # vLLM's int form is the low 64 bits of the bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    digest = bytes(range(32))
+    as_int = int.from_bytes(digest, "big") & (2**64 - 1)
+    (a,) = decode_batch(batch(removed([digest]))).events
+    (b,) = decode_batch(batch(removed([as_int]))).events
+    assert a == b
+
+
+def test_older_array_encoding_decodes_too() -> None:
+    payload = msgpack.packb([3.0, [["BlockStored", [5, 6], 4, list(range(8)), 4, None, "GPU"],
+                                   ["BlockRemoved", [5], "GPU"], ["AllBlocksCleared"]]])
+    assert decode_batch(payload).events == (
+        BlocksStored((5, 6), 4, tuple(range(8)), 4, True), BlocksRemoved((5,)), AllCleared())
+
+
+def test_unknown_tags_and_fields_are_skipped_not_errors() -> None:
+    decoded = decode_batch(batch({"type": "BlockMoved", "x": 1},
+                                 stored([1], None, [1, 2, 3, 4], session_id="s", future=[1, 2]),
+                                 stored([2], None, [1, 2, 3, 4], medium="CPU")))
+    assert decoded.events == (BlocksStored((1,), None, (1, 2, 3, 4), 4, True),)
+    assert decoded.skipped == 2
+
+
+def test_blocks_keyed_by_more_than_tokens_are_marked() -> None:
+    decoded = decode_batch(batch(stored([1], None, [1, 2, 3, 4], lora_name="a"),
+                                 stored([2], None, [1, 2, 3, 4], extra_keys=[["salt"]])))
+    lora, salted = decoded.events
+    assert isinstance(lora, BlocksStored) and not lora.plain
+    assert isinstance(salted, BlocksStored) and not salted.plain
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\xc1garbage", "msgpack"),
+        (msgpack.packb({"ts": 1}), "not_a_batch"),
+        (msgpack.packb([1.0]), "not_a_batch"),
+        (msgpack.packb(["x", []]), "not_a_batch"),
+        (msgpack.packb([1.0, [7]]), "event_shape"),
+        (batch(stored([1], None, [1, 2, 3])), "stored_tokens"),
+        (batch(stored([1], None, [1, 2, 3, "x"])), "stored_tokens"),
+        (batch(stored([1.5], None, [1, 2, 3, 4])), "hash_type"),
+        (batch(stored([], None, [])), "block_hashes"),
+        (batch(stored([1], None, [1, 2, 3, 4], block_size=0)), "stored_fields"),
+        (msgpack.packb([1.0, [cleared()] * (MAX_EVENTS_PER_BATCH + 1)]), "too_many_events"),
+        (batch(removed([b"\x01" * 2000])), "msgpack"),  # a bin longer than any hash
+        (batch() + b"\x00", "msgpack"),  # trailing bytes
+    ],
+)
+def test_what_is_not_a_batch_is_rejected_with_a_reason(payload: bytes, reason: str) -> None:
+    with pytest.raises(MalformedBatch) as raised:
+        decode_batch(payload)
+    assert raised.value.reason == reason

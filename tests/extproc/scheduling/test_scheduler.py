@@ -1,0 +1,99 @@
+"""The scheduler: which D and P serve a request, decided under the request's own config."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+
+from extproc.config import Config, parse_config
+from extproc.errors import NoHealthyDecode, Shed
+from extproc.metrics import Metrics
+from extproc.policies import PickRequest, build_picker
+from extproc.roles import Role
+from extproc.scheduling.pool import Pool
+from extproc.scheduling.scheduler import DecodeAlone, Scheduler, WithPrefill
+
+P1, P2, D1, D2 = "127.0.0.1:8100", "127.0.0.1:8101", "127.0.0.1:8200", "127.0.0.1:8201"
+POOLS = {"prefill": {"endpoints": [P1, P2]}, "decode": {"endpoints": [D1, D2]}}
+THRESHOLD = {"decision": {"mode": "threshold", "max_prompt_tokens": 10}}
+SHORT, LONG = PickRequest("m", prompt_bytes=40), PickRequest("m", prompt_bytes=41)  # 4 B/token
+
+
+def config(**sections: Any) -> Config:
+    return parse_config(POOLS | sections)
+
+
+def scheduler(cfg: Config) -> Scheduler:
+    prefill, decode = (Pool(role, cfg.static_addresses(role), build_picker("round_robin"))
+                       for role in (Role.PREFILL, Role.DECODE))  # fmt: skip
+    return Scheduler(cfg, prefill, decode, Metrics())
+
+
+def in_flight(s: Scheduler) -> dict[str, int]:
+    return {e.address: e.in_flight for e in (*s.prefill, *s.decode) if e.in_flight}
+
+
+def test_a_disaggregated_pick_counts_d_and_p_and_names_a_fallback_p() -> None:
+    s = scheduler(config())
+    with ExitStack() as inflight:
+        picked = s.pick(LONG, inflight, config())
+        assert isinstance(picked, WithPrefill)
+        assert (picked.decodes, picked.prefill, picked.fallback) == ([D1, D2], P1, P2)
+        assert in_flight(s) == {P1: 1, D1: 1}
+        assert picked.decode_counted.state.address == D1
+    assert in_flight(s) == {}
+
+
+def test_the_decision_is_a_type_with_its_reason_and_counts_no_p() -> None:
+    cfg = config(**THRESHOLD)
+    s = scheduler(cfg)
+    with ExitStack() as inflight:
+        alone = s.pick(SHORT, inflight, cfg)
+        assert isinstance(alone, DecodeAlone) and alone.reason == "short_prompt"
+        assert in_flight(s) == {D1: 1}
+        assert isinstance(s.pick(LONG, inflight, cfg), WithPrefill)
+
+
+def test_the_settings_are_the_callers_snapshot_not_the_schedulers_config() -> None:
+    s = scheduler(config())  # built with the decision off
+    with ExitStack() as inflight:
+        assert isinstance(s.pick(SHORT, inflight, config(**THRESHOLD)), DecodeAlone)
+        assert isinstance(s.pick(SHORT, inflight, config()), WithPrefill)
+
+
+def test_prefill_admission_sheds_only_a_request_that_uses_p() -> None:
+    limits = {"prefill": {"max_in_flight": 1}}
+    cfg = config(admission={"enabled": True} | limits, **THRESHOLD)
+    s = scheduler(cfg)
+    for state in s.prefill:
+        state.in_flight = 1  # both prefills at their limit
+    with ExitStack() as inflight:
+        assert isinstance(s.pick(SHORT, inflight, cfg), DecodeAlone)
+        with pytest.raises(Shed, match="the prefill engines are saturated"):
+            s.pick(LONG, inflight, cfg)
+
+
+def test_decodes_only_for_a_passthrough_and_503_without_a_healthy_one() -> None:
+    cfg = config()
+    s = scheduler(cfg)
+    with ExitStack() as inflight:
+        picked = s.pick_decodes(PickRequest(), inflight, cfg, fallbacks=0)
+        assert (picked.decodes, picked.reason) == ([D1], "passthrough")
+        assert in_flight(s) == {D1: 1}
+    for address in (D1, D2):
+        s.decode.set_healthy(address, False)
+    with ExitStack() as inflight, pytest.raises(NoHealthyDecode, match="no healthy decode"):
+        s.pick(LONG, inflight, cfg)
+
+
+def test_a_reload_swaps_the_groups_and_modes() -> None:
+    s = scheduler(config())
+    P3, D3 = "127.0.0.1:8102", "127.0.0.1:8202"
+    s.reload(config(dispatch={"mode": "pull"}, models={"m": {
+        "prefill": {"endpoints": [P3]}, "decode": {"endpoints": [D3]}}}))  # fmt: skip
+    assert str(s.prefill_mode(P1)) == "pull"
+    assert s.group("m").members == {Role.PREFILL: {P3}, Role.DECODE: {D3}}
+    assert s.group("other") is s.group("") and s.decodes_of(P1) == {D1, D2}
+    assert s.decodes_of(P3) == {D3}
