@@ -7,7 +7,7 @@ tokens `vllm bench serve` counts (the client replaces its prompt lengths by the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,22 +41,28 @@ class Engines:
 async def running_engines(
     kind: str, n_prefill: int, n_decode: int, model: str, tokenizer: Path | None,
     cost_flags: Sequence[str] = (), cpus: set[int] | None = None,
+    own_flags: Callable[[str, int], Sequence[str]] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[Engines]:  # fmt: skip
+    """`own_flags(role, index)`: flags of one engine (its KV events' ports); `env`: the
+    engines' environment additions."""
     p_cfg, d_cfg = CONNECTORS[kind]
     common = ["--served-model-name", model, "--log-level", "warning", *cost_flags]
     if tokenizer is not None:
         common += ["--tokenizer", str(tokenizer)]
+    mine = own_flags or (lambda role, index: ())
     async with contextlib.AsyncExitStack() as stack:
         with pinned(cpus):
-            prefill = [await stack.enter_async_context(_engine(p_cfg, common))
-                       for _ in range(n_prefill)]  # fmt: skip
-            decode = [await stack.enter_async_context(_engine(d_cfg, common))
-                      for _ in range(n_decode)]  # fmt: skip
+            prefill = [await stack.enter_async_context(
+                _engine(p_cfg, [*common, *mine("prefill", i)], env)) for i in range(n_prefill)]
+            decode = [await stack.enter_async_context(
+                _engine(d_cfg, [*common, *mine("decode", i)], env)) for i in range(n_decode)]
         yield Engines(kind, prefill, decode)
 
 
-def _engine(kv_config: str, flags: list[str]) -> contextlib.AbstractAsyncContextManager:
-    return running_engine("--kv-transfer-config", kv_config, *flags, start_timeout=30)
+def _engine(kv_config: str, flags: list[str],
+            env: Mapping[str, str] | None) -> contextlib.AbstractAsyncContextManager:  # fmt: skip
+    return running_engine("--kv-transfer-config", kv_config, *flags, env=env, start_timeout=30)
 
 
 async def sim_requests(http: aiohttp.ClientSession, engine: EngineHandle) -> list[dict]:

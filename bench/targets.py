@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,14 +38,16 @@ class Target:
 @contextlib.asynccontextmanager
 async def running_router(
     engines: Engines, router_bin: Path, cpus: set[int] | None = None,
-    policy: str = "round_robin", name: str = "vllm-router",
+    policy: str = "round_robin", name: str = "vllm-router", extra: Sequence[str] = (),
 ) -> AsyncIterator[Target]:  # fmt: skip
+    """`extra`: more of the router's flags (a prefill policy, KV event sources)."""
     port = free_port()
     argv = [str(router_bin), "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--policy", policy, "--log-level", "warning",
             # its default polls workers every 30 s at start-up
-            "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60"]
+            "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60",
+            *extra]
     for engine in engines.prefill:
         argv += ["--prefill", engine.url]
     for engine in engines.decode:

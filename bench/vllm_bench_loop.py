@@ -7,14 +7,20 @@ Run only by bench/client.py, with the vllm venv's python:
 
     python vllm_bench_loop.py PLAN.json      # PLAN: [{"id": ..., "argv": [flags...]}, ...]
 
+An entry with "gate": PATH starts only once PATH exists (the harness reads the engines'
+counters between runs), or fails after GATE_TIMEOUT_S.
+
 Prints one line "BENCH-DONE <id> ok|error: ..." per entry, for the harness to follow.
 """
 
 import importlib.metadata
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
+
+GATE_TIMEOUT_S = 120.0
 
 
 def _patch_version() -> None:
@@ -45,6 +51,14 @@ def _patch_custom_dataset() -> None:
     datasets.CustomDataset.load_data = load_data
 
 
+def _wait_for_gate(gate: str | None) -> None:
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while gate is not None and not Path(gate).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the harness did not open {gate} within {GATE_TIMEOUT_S:g} s")
+        time.sleep(0.02)
+
+
 def main() -> int:
     plan = json.loads(Path(sys.argv[1]).read_text())
     _patch_version()
@@ -54,6 +68,7 @@ def main() -> int:
     for entry in plan:
         sys.argv = ["vllm", "bench", "serve", *entry["argv"]]
         try:
+            _wait_for_gate(entry.get("gate"))
             vllm_main()
             status = "ok"
         except (Exception, SystemExit) as error:  # one failed run must not end the plan

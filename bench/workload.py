@@ -12,7 +12,20 @@ drawn length, as `vllm bench serve`'s own random dataset builds its prompts (so 
 have the same bytes per token). The file is JSONL: {"prompt", "output_tokens"} per line;
 the client shuffles it with each run's seed.
 
+Two more seeded workloads exercise the engines' prefix caches (bench/cache.py), built from
+words that are one token each with their leading space, so that every text of n words is n
+tokens wherever it is put, and prompts are token-exact by construction (checked as generated):
+
+  shared-prefix  G groups, each with a system prompt of S tokens; each request is its group's
+                 system prompt and a question of Q fresh tokens, O output tokens (1 + S + Q
+                 prompt tokens with the BOS)
+  multi-turn     N conversations of T turns, each with its own system prompt of S tokens; turn
+                 k is the chat template's rendering of the system prompt, the k - 1 previous
+                 user messages and answers (A tokens each, fixed up front) and a new user
+                 message of U tokens, so turn k's token ids begin with turn k - 1's
+
     python bench/workload.py OUT.jsonl [--count 4096] [--seed 14]
+    python bench/workload.py OUT.jsonl --kind shared-prefix|multi-turn [--seed 14]
 """
 
 from __future__ import annotations
@@ -22,7 +35,9 @@ import json
 import math
 import random
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 INPUT_MEDIAN, INPUT_SIGMA, INPUT_RANGE = 256, 1.2, (16, 4096)
 OUTPUT_MEDIAN, OUTPUT_SIGMA, OUTPUT_RANGE = 48, 1.0, (8, 512)
@@ -50,6 +65,124 @@ def heavy_tailed(tokenizer_dir: Path, count: int = COUNT, seed: int = SEED) -> l
     return rows
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    groups: int = 8
+    system_tokens: int = 1024
+    question_tokens: int = 64
+    output_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class MultiTurn:
+    conversations: int = 16
+    turns: int = 6
+    system_tokens: int = 256
+    user_tokens: int = 96
+    answer_tokens: int = 64  # the fixed previous answers in the history, and each turn's output
+
+
+class Words:
+    """Texts of an exact token count, from the words of the vocabulary that are one token with
+    their leading space (" prefill"): a byte-level pre-tokenizer splits before every space, so
+    n such words are n tokens alone, after a BOS, after ": " or before a newline."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        self.ids = sorted(i for text, i in vocab.items() if text.startswith("\u0120")
+                          and text[1:].isalpha() and self._one_token(i))  # fmt: skip
+        if len(self.ids) < 8:
+            raise ValueError(f"the tokenizer has only {len(self.ids)} one-token words")
+
+    def _one_token(self, token_id: int) -> bool:
+        text = self.tokenizer.decode([token_id])
+        return bool(self.tokenizer.encode(text, add_special_tokens=False).ids == [token_id])
+
+    def text(self, rng: random.Random, count: int) -> str:
+        """`count` tokens of text, starting with a space."""
+        return str(self.tokenizer.decode([rng.choice(self.ids) for _ in range(count)]))
+
+
+def _tokenizer(tokenizer_dir: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+
+def _rngs(seed: int, salt: str) -> tuple[random.Random, random.Random]:
+    """(structure, words): the salt changes the words only, so that runs which must not share
+    cached blocks (another configuration, another repetition) get the same shape of workload."""
+    return random.Random(seed), random.Random(f"{seed}/{salt}")
+
+
+def shared_prefix(tokenizer_dir: Path, shape: SharedPrefix = SharedPrefix(), count: int = 256,
+                  seed: int = SEED, salt: str = "") -> list[dict]:  # fmt: skip
+    """Each request: its group's system prompt, then a fresh question (groups drawn uniformly)."""
+    tokenizer = _tokenizer(tokenizer_dir)
+    words, (shape_rng, word_rng) = Words(tokenizer), _rngs(seed, salt)
+    systems = [words.text(word_rng, shape.system_tokens) for _ in range(shape.groups)]
+    expected = 1 + shape.system_tokens + shape.question_tokens  # the BOS the engine adds
+    rows = []
+    for _ in range(count):
+        group = shape_rng.randrange(shape.groups)
+        prompt = systems[group] + words.text(word_rng, shape.question_tokens)
+        _check(tokenizer, prompt, expected)
+        rows.append({"prompt": prompt, "output_tokens": shape.output_tokens,
+                     "prompt_tokens": expected, "group": group})  # fmt: skip
+    return rows
+
+
+def multi_turn(tokenizer_dir: Path, shape: MultiTurn = MultiTurn(), seed: int = SEED,
+               salt: str = "") -> list[list[dict]]:  # fmt: skip
+    """Conversations, each a list of turns: {"conversation", "turn", "messages", "prompt" (the
+    messages rendered with the model's chat template, generation prompt added, as vLLM renders
+    a chat request), "prompt_tokens", "output_tokens"}."""
+    tokenizer = _tokenizer(tokenizer_dir)
+    words, (_, word_rng), template = Words(tokenizer), _rngs(seed, salt), _chat_template(
+        tokenizer_dir)  # fmt: skip
+    message = lambda n: words.text(word_rng, n)[1:]  # noqa: E731 (the template adds ": ")
+    out = []
+    for conversation in range(shape.conversations):
+        messages = [{"role": "system", "content": message(shape.system_tokens)}]
+        turns = []
+        for turn in range(shape.turns):
+            if turn:
+                messages.append({"role": "assistant", "content": message(shape.answer_tokens)})
+            messages.append({"role": "user", "content": message(shape.user_tokens)})
+            prompt = template.render(messages=messages, add_generation_prompt=True)
+            ids = tokenizer.encode(prompt).ids
+            turns.append({"conversation": conversation, "turn": turn, "messages": list(messages),
+                          "prompt": prompt, "prompt_tokens": len(ids),
+                          "output_tokens": shape.answer_tokens})  # fmt: skip
+        out.append(turns)
+    return out
+
+
+def turn_waves(conversations: list[list[dict]]) -> list[list[dict]]:
+    """Turn k of every conversation, for k = 0, 1, ...: the order in which they may be sent."""
+    return [[c[k] for c in conversations if k < len(c)]
+            for k in range(max(map(len, conversations), default=0))]  # fmt: skip
+
+
+def _chat_template(tokenizer_dir: Path) -> Any:
+    """The folder's chat template, in a Jinja environment set up as Hugging Face's."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise SystemExit("the multi-turn workload renders the chat template with jinja2: "
+                         "pip install jinja2") from None  # fmt: skip
+    source = (tokenizer_dir / "chat_template.jinja").read_text()
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(source)
+
+
+def _check(tokenizer: Any, prompt: str, expected: int) -> None:
+    got = len(tokenizer.encode(prompt).ids)
+    if got != expected:
+        raise AssertionError(f"prompt is {got} tokens, not {expected}")
+
+
 def write(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
@@ -75,13 +208,20 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--count", type=int, default=COUNT)
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--kind", choices=("heavy-tailed", "shared-prefix", "multi-turn"),
+                        default="heavy-tailed", help="multi-turn: every turn, waves in order")
     args = parser.parse_args()
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from scripts.cached_envs import tiny_model
 
-    rows = heavy_tailed(tiny_model(), args.count, args.seed)
+    if args.kind == "heavy-tailed":
+        rows = heavy_tailed(tiny_model(), args.count, args.seed)
+    elif args.kind == "shared-prefix":
+        rows = shared_prefix(tiny_model(), count=args.count, seed=args.seed)
+    else:
+        rows = [t for wave in turn_waves(multi_turn(tiny_model(), seed=args.seed)) for t in wave]
     write(args.out, rows)
     print(summary(rows))
 

@@ -237,7 +237,7 @@ class Metrics:
         self.kv_event_lag_seconds = Histogram(
             "pd_extproc_kv_event_lag_seconds",
             "Age of a KV event batch when the sidecar applied it (now - the batch's timestamp).",
-            buckets=_BUCKETS,
+            buckets=_WORK_BUCKETS,  # 0.1 ms (same host) to 5 s (a stalled publisher)
             registry=r,
         )
 

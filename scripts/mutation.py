@@ -49,7 +49,7 @@ COLUMNS = ("mutants", "killed", "timeout", "survived", "no_tests", "equivalent",
 
 def core_modules() -> list[str]:
     """The modules of pyproject's [tool.mutmut] only_mutate (globs allowed), relative to
-    extproc/ and dotted: "bodies", "policies.prefix"."""
+    extproc/ and dotted: "protocol.bodies", "policies.prefix"."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
     found = [path for pattern in config["only_mutate"] for path in sorted(ROOT.glob(pattern))]
     return [".".join(path.relative_to(ROOT / "extproc").with_suffix("").parts) for path in found]

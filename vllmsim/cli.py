@@ -1,7 +1,9 @@
 """`vllmsim`: start one simulated vLLM 0.33 engine.
 
 Flags follow `vllm serve` where they mean the same thing (--host, --port, --model,
---served-model-name, --kv-transfer-config, --tokenizer, --api-key; VLLM_API_KEY,
+--served-model-name, --kv-transfer-config, --tokenizer, --api-key, --block-size,
+--enable-prefix-caching / --no-enable-prefix-caching, --enable-prompt-tokens-details,
+--kv-events-config; VLLM_API_KEY,
 VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT). Cost-model and fault flags are the
 simulator's own.
 
@@ -25,14 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from vllmsim.config import (
+    BLOCK_SIZE,
     PULL_CONNECTORS,
     PUSH_CONNECTORS,
     ROLES,
+    CacheConfig,
     CostModel,
     Faults,
     KVTransferConfig,
     SimConfig,
 )
+from vllmsim.kv_events import KVEventsSocketError
+from vllmsim.kv_events import parse_config as parse_kv_events_config
 from vllmsim.nixl.side_channel import SideChannelBindError
 from vllmsim.profiles import DEFAULT_PROFILE, PROFILES
 
@@ -81,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 = ephemeral")
     p.add_argument("--kv-transfer-config", help="JSON, as for vllm serve")
     p.add_argument("--tokenizer", help="local HF tokenizer folder, for exact token counts")
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                   help=f"tokens per KV block (default {BLOCK_SIZE}, as vLLM on GPUs)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="keep and reuse full blocks (default on, as vLLM)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
+    p.add_argument("--kv-events-config", help="JSON, as for vllm serve (ZMQ KV cache events)")
     p.add_argument("--api-key", nargs="+", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (one of these keys) on the API; "
                         "default: $VLLM_API_KEY")  # fmt: skip
@@ -124,10 +137,28 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
                     kv_truncate_blocks=args.kv_truncate_blocks)  # fmt: skip
     if args.tokenizer and not Path(args.tokenizer).exists():
         raise ConfigError(f"--tokenizer {args.tokenizer}: no such file or directory")
+    tokenizer = args.tokenizer or _model_folder_tokenizer(args.model or args.model_tag)
     keys = tuple(k for k in (args.api_key or [env.get("VLLM_API_KEY", "")]) if k)
+    if args.block_size < 1:
+        raise ConfigError(f"--block-size must be a positive integer, got {args.block_size}")
+    events = None
+    if args.kv_events_config:
+        try:
+            events = parse_kv_events_config(args.kv_events_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
     return SimConfig(args.host, args.port, names, kv,
                      env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"), side_port,
-                     args.tokenizer, args.port_file, cost, faults, keys)  # fmt: skip
+                     tokenizer, args.port_file, cost, faults, keys,
+                     CacheConfig(args.block_size, args.enable_prefix_caching),
+                     events, args.enable_prompt_tokens_details)  # fmt: skip
+
+
+def _model_folder_tokenizer(model: str | None) -> str | None:
+    """As vLLM: without --tokenizer, a local model folder's own tokenizer."""
+    if model and (Path(model) / "tokenizer.json").is_file():
+        return model
+    return None
 
 
 def write_port_file(path: str, info: dict[str, Any]) -> None:
@@ -149,7 +180,7 @@ async def serve(cfg: SimConfig) -> None:
     try:
         gen = sim.current
         info = {"port": sim.http_port, "side_channel_port": sim.side.port,
-                "engine_id": gen.engine_id, "pid": os.getpid()}  # fmt: skip
+                "engine_id": gen.engine_id, "pid": os.getpid(), **sim.kv_events_endpoints()}
         if cfg.port_file:
             write_port_file(cfg.port_file, info)
         kv = cfg.kv
@@ -175,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllmsim: error: the NIXL side channel cannot listen on {exc.host}:{exc.port} "
               f"({exc.strerror}): give each engine on one host its own "
               "VLLM_NIXL_SIDE_CHANNEL_PORT (0: any free port)", file=sys.stderr)  # fmt: skip
+        return 1
+    except KVEventsSocketError as exc:
+        print(f"vllmsim: error: {exc} (fix --kv-events-config)", file=sys.stderr)
         return 1
     except OSError as exc:  # port in use, bad host, ...
         print(f"vllmsim: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllmsim.kv_events import KVEventsConfig
+
 BLOCK_SIZE = 16  # tokens per KV block, vLLM's default on CUDA
 
 PUSH_CONNECTORS = frozenset({"NixlPushConnector"})
@@ -95,3 +97,14 @@ class SimConfig:
     cost: CostModel = field(default_factory=CostModel)
     faults: Faults = field(default_factory=Faults)
     api_keys: tuple[str, ...] = ()  # --api-key / VLLM_API_KEY: bearer tokens the API requires
+    cache: CacheConfig = field(default_factory=lambda: CacheConfig())
+    kv_events: KVEventsConfig | None = None  # --kv-events-config
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """vLLM's --block-size and --enable-prefix-caching (on by default in vLLM v1)."""
+
+    block_size: int = BLOCK_SIZE
+    enable_prefix_caching: bool = True

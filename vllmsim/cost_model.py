@@ -26,5 +26,5 @@ def message_seconds(cost: CostModel) -> float:
     return cost.kv_message_latency_ms / 1000.0
 
 
-def blocks_for(num_tokens: int) -> int:
-    return max(1, math.ceil(num_tokens / BLOCK_SIZE))
+def blocks_for(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return max(1, math.ceil(num_tokens / block_size))

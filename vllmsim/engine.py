@@ -30,21 +30,25 @@ import enum
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from vllmsim.config import CostModel
+from vllmsim.config import BLOCK_SIZE, CacheConfig, CostModel
 from vllmsim.cost_model import blocks_for, step_seconds
 from vllmsim.kv_cache import BlockPool
 from vllmsim.kv_content import (
     LOCAL,
     BlockContent,
     Evidence,
+    block_fingerprint,
     context_seed,
     fingerprints,
     num_prompt_blocks,
 )
+from vllmsim.kv_events import KVEvent
 from vllmsim.metrics import Metrics
+from vllmsim.prefix_cache import block_hashes, extend_hashes
 from vllmsim.tokens import output_token
 
 log = logging.getLogger(__name__)
@@ -111,6 +115,23 @@ class SimRequest:
     # (event, engine step, time.time()): when the request met each step-aligned event; the
     # P side keeps adding to it after the response has left (the WRITE comes later).
     timeline: list[tuple[str, int, float]] = field(default_factory=list)
+    block_size: int = BLOCK_SIZE  # the engine's, set on submit
+    block_hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks
+    num_cached_blocks: int = 0  # prompt blocks found in this engine's prefix cache
+    num_hashed_blocks: int = 0  # prompt blocks entered into the prefix cache so far
+    chain: list[bytes] = field(default_factory=list)  # the prompt's KV fingerprints (lazy)
+    kv_from_transfer: bool = False  # the prompt's KV (past the cached blocks) came over NIXL
+    output_ids: list[int] = field(default_factory=list)  # generated tokens (prefix caching)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the local prefix cache (they are never computed)."""
+        return self.num_cached_blocks * self.block_size
+
+    @property
+    def num_external_tokens(self) -> int:
+        """Prompt tokens a transfer brought (a remote-prefilled request)."""
+        return self.prompt_tokens - self.num_cached_tokens if self.kv_from_transfer else 0
 
     def note(self, event: str, step: int) -> None:
         self.timeline.append((event, step, time.time()))
@@ -121,7 +142,7 @@ class SimRequest:
 
     @property
     def num_prompt_blocks(self) -> int:
-        return num_prompt_blocks(self.prompt_tokens)
+        return num_prompt_blocks(self.prompt_tokens, self.block_size)
 
     @property
     def prefill_left(self) -> int:
@@ -150,11 +171,19 @@ class _Batch:
 
 
 class Engine:
-    def __init__(self, cost: CostModel, metrics: Metrics, engine_id: str) -> None:
+    def __init__(self, cost: CostModel, metrics: Metrics, engine_id: str,
+                 cache: CacheConfig | None = None,
+                 publish: Callable[[list[KVEvent]], None] | None = None,
+                 token_ids: Callable[[str], list[int]] | None = None) -> None:  # fmt: skip
         self.cost = cost
         self.engine_id = engine_id
         self.metrics = metrics
-        self.pool = BlockPool(cost.num_gpu_blocks)
+        self.cache = cache or CacheConfig()
+        self.block_size = self.cache.block_size
+        self.pool = BlockPool(cost.num_gpu_blocks, self.cache.enable_prefix_caching,
+                              self.block_size)  # fmt: skip
+        self._publish = publish  # KV events, one batch per step (kv_events.py)
+        self._token_ids = token_ids  # an output token's ids: the blocks decoding fills
         self.connector: KVConnector | None = None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -167,6 +196,9 @@ class Engine:
     def submit(self, req: SimRequest) -> None:
         if req.mode in (KVMode.PULL, KVMode.PUSH):
             req.fetch_stage = "waiting_to_start"
+        req.block_size = self.block_size
+        if self.pool.caching:
+            req.block_hashes = block_hashes(req.prompt_ids, self.block_size)
         self.waiting.append(req)
         self._wake.set()
 
@@ -207,11 +239,11 @@ class Engine:
         self.remote_wait.discard(req)
         req.fetch_stage = "completed_waiting"
         req.num_computed = req.prompt_tokens
+        req.kv_from_transfer = True
         req.state = State.RUNNING
         self.running.append(req)
-        self.metrics.lbl(self.metrics.prompt_by_source, source="external_kv_transfer").inc(
-            req.prompt_tokens
-        )
+        self._cache_full_blocks(req)  # vLLM caches the received blocks too
+        self._count_prompt_sources(req)
         self._wake.set()
 
     def kv_failed(self, req: SimRequest, message: str, recompute: bool) -> None:
@@ -252,6 +284,13 @@ class Engine:
             if self.connector is not None:
                 for req in self.connector.end_step():
                     self.kv_ready(req)
+            self._publish_events()
+
+    def _publish_events(self) -> None:
+        """What the step stored and evicted, as one KV event batch (as vLLM's scheduler)."""
+        events = self.pool.take_events()
+        if events and self._publish is not None:
+            self._publish(events)
 
     def _must_step(self) -> bool:
         """An empty step is due when the connector has something a step hands over or sees.
@@ -271,11 +310,19 @@ class Engine:
             if len(self.running) + len(self.remote_wait) >= self.cost.max_num_seqs:
                 return
             req = self.waiting[0]
-            blocks = self.pool.allocate(blocks_for(req.prompt_tokens + req.max_tokens))
+            # The last prompt token is always computed (its logits give the first token).
+            hit = self.pool.lookup(req.block_hashes, (req.prompt_tokens - 1) // self.block_size)
+            need = blocks_for(req.prompt_tokens + req.max_tokens, self.block_size) - len(hit)
+            blocks = self.pool.allocate(need, hit)
             if blocks is None:
                 return
             self.waiting.popleft()
             req.blocks = blocks
+            req.num_cached_blocks = req.num_hashed_blocks = len(hit)
+            req.num_computed = req.num_cached_tokens
+            if self.pool.caching:
+                self.metrics.lbl(self.metrics.prefix_cache_queries).inc(req.prompt_tokens)
+                self.metrics.lbl(self.metrics.prefix_cache_hits).inc(req.num_cached_tokens)
             req.note("allocated", self.steps + 1)
             if req.mode in (KVMode.PULL, KVMode.PUSH) and self.connector is not None:
                 req.state = State.WAITING_FOR_REMOTE_KVS
@@ -305,31 +352,79 @@ class Engine:
         for req, chunk in batch.prefill:
             if req.state is not State.RUNNING:
                 continue  # aborted during the step
+            self._compute_kv(req, req.num_computed, req.num_computed + chunk)
             req.num_computed += chunk
-            self.metrics.lbl(self.metrics.prompt_tokens).inc(chunk)
+            self._cache_full_blocks(req)
             if req.prefill_left == 0:
-                self._compute_kv(req)
-                self.metrics.lbl(self.metrics.prompt_by_source, source="local_compute").inc(
-                    req.prompt_tokens
-                )
+                self._count_prompt_sources(req)
                 done.append(req)
         done.extend(r for r in batch.decode if r.state is State.RUNNING)
         for req in done:
             self._emit_token(req)
 
-    def _compute_kv(self, req: SimRequest) -> None:
-        """A local prefill: the prompt blocks get the prompt's fingerprint chain."""
-        chain = fingerprints(req.prompt_ids)
-        self.pool.write(req.blocks, [BlockContent(fp, LOCAL, self.engine_id) for fp in chain])
+    def _compute_kv(self, req: SimRequest, start: int, end: int) -> None:
+        """A prefill chunk (prompt tokens [start, end)): the blocks it touches get the
+        prompt's fingerprint chain. Blocks before it (cached or earlier chunks) keep theirs."""
+        bs = self.block_size
+        first, last = start // bs, -(-end // bs)
+        if not req.chain:  # once per request, however many chunks its prefill takes
+            req.chain = fingerprints(req.prompt_ids, bs)
+        self.pool.write(req.blocks[first:last],
+                        [BlockContent(fp, LOCAL, self.engine_id)
+                         for fp in req.chain[first:last]])  # fmt: skip
+
+    def _cache_full_blocks(self, req: SimRequest) -> None:
+        """Enter the prompt blocks that are now full and computed into the prefix cache."""
+        full = min(req.num_computed // self.block_size, len(req.block_hashes))
+        if full > req.num_hashed_blocks:
+            self.pool.cache(req.blocks[:full], req.block_hashes[:full], req.num_hashed_blocks,
+                            req.prompt_ids)  # fmt: skip
+            req.num_hashed_blocks = full
+
+    def _cache_generated(self, req: SimRequest, token: str) -> None:
+        """As vLLM, blocks that generated tokens fill are cached too (the next turn of a
+        conversation finds them). Each gets the content a prefill of its tokens would give.
+        A token's KV is computed in the step after it is sampled, as the next input: the step
+        that samples `token` completes the KV of the tokens before it."""
+        if not self.pool.caching or self._token_ids is None:
+            return
+        bs, num_tokens = self.block_size, req.prompt_tokens + len(req.output_ids)
+        req.output_ids += self._token_ids(token)
+        full = min(num_tokens // bs, len(req.blocks))
+        if full <= len(req.block_hashes):
+            return
+        all_ids = [*req.prompt_ids, *req.output_ids][:num_tokens]
+        for index in range(len(req.block_hashes), full):
+            [before] = self.pool.read([req.blocks[index - 1]]) if index else [None]
+            fingerprint = block_fingerprint(index, before, all_ids[index * bs : (index + 1) * bs])
+            self.pool.write([req.blocks[index]], [BlockContent(fingerprint, LOCAL, self.engine_id)])
+        extend_hashes(req.block_hashes, all_ids[: full * bs], bs)
+        self.pool.cache(req.blocks[:full], req.block_hashes, req.num_hashed_blocks, all_ids)
+        req.num_hashed_blocks = full
+
+    def _count_prompt_sources(self, req: SimRequest) -> None:
+        """vllm:prompt_tokens and prompt_tokens_by_source, once the prompt's KV is complete."""
+        m, cached, external = self.metrics, req.num_cached_tokens, req.num_external_tokens
+        m.lbl(m.prompt_tokens).inc(req.prompt_tokens)  # all of them, as vLLM (D's included)
+        m.lbl(m.prompt_tokens_cached).inc(cached + external)
+        m.lbl(m.prompt_by_source, source="local_cache_hit").inc(cached)
+        m.lbl(m.prompt_by_source, source="external_kv_transfer").inc(external)
+        m.lbl(m.prompt_by_source, source="local_compute").inc(
+            req.prompt_tokens - cached - external
+        )
 
     def _read_kv(self, req: SimRequest) -> None:
         """Decoding starts: read the prompt blocks, whatever they hold and wherever it came
-        from. The output follows the content; the label follows the evidence."""
+        from. The output follows the content (cached blocks included); the label follows the
+        evidence of the blocks this request filled."""
         held = self.pool.read(req.blocks[: req.num_prompt_blocks])
         req.context = context_seed(held)
-        evidence = Evidence.of(held)
+        # The label says how this request filled its blocks: prefix-cache hits came earlier.
+        evidence = Evidence.of(held[req.num_cached_blocks :])
         req.kv_label = evidence.label(_COMPUTED_HERE.get(req.mode, "recompute"))
         req.kv_evidence = evidence.as_dict()
+        if req.num_cached_blocks:
+            req.kv_evidence["cached_blocks"] = req.num_cached_blocks
 
     def _emit_token(self, req: SimRequest) -> None:
         if req.num_output == 0:
@@ -338,6 +433,7 @@ class Engine:
             req.fetch_stage = None
             self._read_kv(req)
         token = output_token(req.context, req.num_output)
+        self._cache_generated(req, token)
         req.events.put_nowait(TokenEvent(req.num_output, token))
         req.num_output += 1
         self.metrics.lbl(self.metrics.generation_tokens).inc()

@@ -20,7 +20,14 @@ from vllmsim import shapes
 from vllmsim.engine import ErrorEvent, Event, FinishEvent, SimRequest, TokenEvent
 from vllmsim.faults import apply_request_faults
 from vllmsim.metrics import FETCH_STAGES
-from vllmsim.requests import ApiError, ParsedRequest, base_request_id, invalid_json, parse
+from vllmsim.requests import (
+    ApiError,
+    ParsedRequest,
+    base_request_id,
+    invalid_json,
+    parse,
+    prompt_ids,
+)
 from vllmsim.server import SIM_KEY, SimServer
 
 log = logging.getLogger(__name__)
@@ -111,6 +118,14 @@ async def _events(req: SimRequest, rec: dict[str, Any]) -> AsyncIterator[Event]:
             return
 
 
+def _cached(request: web.Request, req: SimRequest) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens (with --enable-prompt-tokens-details): the
+    prompt tokens not computed here, from the prefix cache or a transfer, as vLLM counts."""
+    if not request.app[SIM_KEY].cfg.enable_prompt_tokens_details:
+        return None
+    return req.num_cached_tokens + req.num_external_tokens
+
+
 def _reset(request: web.Request, rec: dict[str, Any]) -> None:
     """A simulated restart: the peer sees its connection reset, like a dead process."""
     rec["outcome"] = "aborted"
@@ -133,7 +148,8 @@ async def _complete(request: web.Request, req: SimRequest, parsed: ParsedRequest
             build = shapes.chat_completion if parsed.chat else shapes.completion
             return json_response(build(external, created, parsed.model, "".join(text),
                                        event.finish_reason, parsed.prompt_tokens, len(text),
-                                       event.kv_transfer_params))  # fmt: skip
+                                       event.kv_transfer_params,
+                                       _cached(request, req)))  # fmt: skip
     raise RuntimeError("event stream ended without a finish")
 
 
@@ -160,7 +176,8 @@ async def _stream(request: web.Request, req: SimRequest, parsed: ParsedRequest,
         await resp.write(_chunk(parsed, external, created, pending.text, event))
         if parsed.include_usage:
             make = shapes.chat_usage_chunk if parsed.chat else shapes.completion_usage_chunk
-            await resp.write(shapes.sse(make(external, created, model, parsed.prompt_tokens, n)))
+            await resp.write(shapes.sse(make(external, created, model, parsed.prompt_tokens, n,
+                                             _cached(request, req))))  # fmt: skip
     await resp.write(shapes.DONE)
     await resp.write_eof()
     return resp
@@ -254,9 +271,10 @@ async def tokenize(request: web.Request) -> web.Response:
     sim = request.app[SIM_KEY]
     body = await request.json()
     if "messages" in body:
-        from vllmsim.tokens import chat_prompt_text
-
-        ids = sim.tokens.encode(chat_prompt_text(body["messages"]))
+        try:
+            ids = prompt_ids(body, True, sim.tokens)
+        except ApiError as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.kind)
     elif isinstance(body.get("prompt"), str):
         ids = sim.tokens.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
     else:

@@ -35,16 +35,27 @@ class BlockContent:
     engine_id: str  # the engine whose prefill computed the fingerprint
 
 
-def fingerprints(token_ids: Sequence[int]) -> list[bytes]:
+def fingerprints(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
     """The chained fingerprint of every (full or partial) block of a prompt."""
-    raw, step = _token_bytes(token_ids), BLOCK_SIZE * 8
+    raw, step = _token_bytes(token_ids), block_size * 8
     chain: list[bytes] = []
     previous = b""
     for start in range(0, len(raw), step):
-        block = previous + raw[start : start + step]
-        previous = hashlib.blake2b(block, digest_size=_FINGERPRINT_BYTES).digest()
+        previous = _fingerprint(previous, raw[start : start + step])
         chain.append(previous)
     return chain
+
+
+def block_fingerprint(index: int, before: BlockContent | None, token_ids: Sequence[int]) -> bytes:
+    """The fingerprint of block `index` computed after `before` (what the block before it
+    holds; an unwritten one reads as zeros): a block that decoding filled gets what a prefill
+    of the same tokens gives it."""
+    previous = b"" if index == 0 else (before.fingerprint if before else bytes(_FINGERPRINT_BYTES))
+    return _fingerprint(previous, _token_bytes(token_ids))
+
+
+def _fingerprint(previous: bytes, block: bytes) -> bytes:
+    return hashlib.blake2b(previous + block, digest_size=_FINGERPRINT_BYTES).digest()
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -55,8 +66,8 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
         return array("Q", [t % 2**64 for t in token_ids]).tobytes()
 
 
-def num_prompt_blocks(num_tokens: int) -> int:
-    return -(-num_tokens // BLOCK_SIZE)
+def num_prompt_blocks(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-num_tokens // block_size)
 
 
 def context_seed(held: Sequence[BlockContent | None]) -> bytes:

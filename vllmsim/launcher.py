@@ -39,6 +39,8 @@ class EngineHandle:
     engine_id: str
     pid: int
     log_path: Path
+    kv_events_endpoint: str | None = None  # with --kv-events-config: where the PUB socket is
+    kv_events_replay_endpoint: str | None = None
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -72,7 +74,8 @@ def _read_port_file(path: Path) -> dict[str, Any] | None:
 def _handle(info: dict[str, Any], log_path: Path) -> EngineHandle:
     return EngineHandle(f"http://127.0.0.1:{info['port']}", int(info["port"]),
                         int(info["side_channel_port"]), str(info["engine_id"]),
-                        int(info["pid"]), log_path)  # fmt: skip
+                        int(info["pid"]), log_path, info.get("kv_events_endpoint"),
+                        info.get("kv_events_replay_endpoint"))  # fmt: skip
 
 
 @contextlib.asynccontextmanager

@@ -61,9 +61,21 @@ class Metrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Generation tokens processed", labels, registry=reg
         )
+        self.prompt_tokens_cached = Counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+            labels, registry=reg,
+        )  # fmt: skip
         self.prompt_by_source = Counter(
             "vllm:prompt_tokens_by_source", "Prompt tokens by where they came from",
             [*labels, "source"], registry=reg,
+        )  # fmt: skip
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.", labels, registry=reg,
+        )  # fmt: skip
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+            labels, registry=reg,
         )  # fmt: skip
         self.nixl_xfer_time = Histogram(
             "vllm:nixl_xfer_time_seconds", "NIXL transfer time", labels, registry=reg
@@ -88,7 +100,8 @@ class Metrics:
         )  # fmt: skip
         self.process_start.set(self.start_time)
         for m in (self.running, self.waiting, self.kv_usage, self.ttft, self.prompt_tokens,
-                  self.generation_tokens, self.nixl_xfer_time, self.nixl_bytes,
+                  self.generation_tokens, self.prompt_tokens_cached, self.prefix_cache_queries,
+                  self.prefix_cache_hits, self.nixl_xfer_time, self.nixl_bytes,
                   self.nixl_failed_transfers, self.nixl_failed_notifs, self.nixl_expired):
             m.labels(**self._labels)  # fmt: skip
         for source in TOKEN_SOURCES:  # export zeros so scrapers see every series

@@ -12,10 +12,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from vllmsim.chat_template import ChatTemplateError
 from vllmsim.config import SimConfig
 from vllmsim.engine import KVMode
 from vllmsim.nixl.params import PULL_REQUIRED, PUSH_REQUIRED, missing_keys
-from vllmsim.tokens import TokenCounter, chat_prompt_text
+from vllmsim.tokens import TokenCounter
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +75,33 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _prompt(body: dict[str, Any], chat: bool, tokens: TokenCounter) -> list[int]:
+def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name}: Input should be a valid boolean")
+    return value
+
+
+def prompt_ids(body: dict[str, Any], chat: bool, tokens: TokenCounter) -> list[int]:
     """The prompt's token ids (their count is usage.prompt_tokens; they fill the KV)."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages: Field required")
-        return tokens.encode(chat_prompt_text(messages))
+        if not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "messages: each message must be an object")
+        kwargs = body.get("chat_template_kwargs")
+        try:
+            return tokens.chat_ids(messages, _bool_field(body, "add_generation_prompt", True),
+                                   _bool_field(body, "add_special_tokens", False),
+                                   kwargs if isinstance(kwargs, dict) else None)  # fmt: skip
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc)) from exc
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tokens.encode(prompt)
+        return tokens.encode(prompt, _bool_field(body, "add_special_tokens", True))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return prompt  # token ids count exactly
     if prompt is None:
@@ -179,8 +195,8 @@ def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> Parsed
         aliases = ", ".join(cfg.served_model_names)
         raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {aliases}.",
                        "model")
-    prompt_ids = _prompt(body, chat, tokens)
-    max_tokens = _max_tokens(body, chat, len(prompt_ids), cfg.cost.max_model_len)
+    ids = prompt_ids(body, chat, tokens)
+    max_tokens = _max_tokens(body, chat, len(ids), cfg.cost.max_model_len)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream: Input should be a valid boolean")
@@ -188,7 +204,7 @@ def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> Parsed
     if opts and not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.")
     params = body.get("kv_transfer_params")
-    return ParsedRequest(chat, str(model), prompt_ids, max_tokens, stream,
+    return ParsedRequest(chat, str(model), ids, max_tokens, stream,
                          bool(isinstance(opts, dict) and opts.get("include_usage")),
                          kv_mode(cfg, params),
                          params if isinstance(params, dict) else None)  # fmt: skip

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from vllmsim.config import SimConfig
 from vllmsim.engine import Engine
+from vllmsim.kv_events import EventPublisher
 from vllmsim.metrics import Metrics
 from vllmsim.nixl.base import ConnectorBase
 from vllmsim.nixl.params import Identity
@@ -61,6 +62,7 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._relisten: asyncio.Task[None] | None = None
+        self.events: EventPublisher | None = None  # --kv-events-config
 
     @property
     def current(self) -> Generation:
@@ -77,6 +79,9 @@ class SimServer:
         await self._runner.setup()
         await self._listen(self.cfg.port)
         await self.side.start(_bind_host(self.cfg.side_channel_host), self.cfg.side_channel_port)
+        if self.cfg.kv_events is not None and self.cfg.kv_events.enabled:
+            self.events = EventPublisher(self.cfg.kv_events)
+            self.events.start()
         self.gen = self._new_generation()
 
     async def stop(self) -> None:
@@ -85,6 +90,8 @@ class SimServer:
         if self.gen is not None:
             await self._end_generation(self.gen)
         await self.side.stop()
+        if self.events is not None:
+            await self.events.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -93,6 +100,8 @@ class SimServer:
         if down_for_s > 0:
             await self.set_refuse(True, down_for_s)
         old = self.current
+        if self.events is not None:  # a new process: sequence from 0, nothing to replay
+            self.events.restart()
         self.gen = self._new_generation()
         await self._end_generation(old)
         log.info("simulated restart: engine_id %s -> %s", old.engine_id, self.gen.engine_id)
@@ -102,7 +111,9 @@ class SimServer:
         engine_id = (kv.engine_id if kv and kv.engine_id else None) or str(uuid.uuid4())
         start = time.time()
         metrics = Metrics(self.model, start)
-        engine = Engine(self.cfg.cost, metrics, engine_id)
+        engine = Engine(self.cfg.cost, metrics, engine_id, self.cfg.cache,
+                        self.events.publish if self.events is not None else None,
+                        self.tokens.output_ids)
         connector: ConnectorBase | None = None
         if kv is not None:
             ident = Identity(engine_id, self.cfg.side_channel_host, self.side.port)
@@ -167,6 +178,13 @@ class SimServer:
         return await connector.handle(msg)
 
     # -- admin views ------------------------------------------------------------------------
+    def kv_events_endpoints(self) -> dict[str, str | None]:
+        """Where KV events go (the bound ports of port-0 endpoints)."""
+        if self.events is None:
+            return {}
+        return {"kv_events_endpoint": self.events.endpoint,
+                "kv_events_replay_endpoint": self.events.replay_endpoint}  # fmt: skip
+
     def state(self) -> dict[str, Any]:
         gen, kv = self.current, self.cfg.kv
         engine = gen.engine
@@ -179,6 +197,9 @@ class SimServer:
             "side_channel_port": self.side.port,
             "blocks_total": engine.pool.total,
             "blocks_used": engine.pool.used,
+            "blocks_cached": engine.pool.cached_blocks,
+            "block_size": engine.block_size,
+            **self.kv_events_endpoints(),
             "leases": gen.connector.leases.blocks_held if gen.connector else 0,
             "running": len(engine.running),
             "waiting": engine.num_waiting,

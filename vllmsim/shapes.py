@@ -56,12 +56,18 @@ def error_body(message: str, status: int, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def usage(prompt: int, completion: int, details: bool = True) -> dict[str, Any]:
+def usage(prompt: int, completion: int, details: bool = True,
+          cached: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """`cached`: prompt tokens whose KV was not computed (local hits and transferred), given
+    only with --enable-prompt-tokens-details; vLLM reports them only when there are some."""
     body: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                             "completion_tokens": completion}  # fmt: skip
-    if details:  # non-streamed answers only; the stream's usage chunk has the three counts
-        body["prompt_tokens_details"] = None
+    cached_details = {"cached_tokens": cached} if cached else None
+    if details:  # non-streamed answers; the stream's usage chunk has the counts (and details)
+        body["prompt_tokens_details"] = cached_details
         body["completion_tokens_details"] = None
+    elif cached_details is not None:
+        body["prompt_tokens_details"] = cached_details
     return body
 
 
@@ -79,14 +85,15 @@ def _finish(chunk: dict[str, Any], kv_params: dict[str, Any] | None,
 # -- /v1/completions ---------------------------------------------------------------------
 def completion(rid: str, created: int, model: str, text: str, finish: str | None,
                prompt_tokens: int, completion_tokens: int,
-               kv_params: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+               kv_params: dict[str, Any] | None, cached: int | None = None
+               ) -> dict[str, Any]:  # fmt: skip
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
                      "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
                      "prompt_token_ids": None, "routed_experts": None}],
         "service_tier": None, "system_fingerprint": FINGERPRINT,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached=cached),
         "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None,
     }  # fmt: skip
 
@@ -103,16 +110,18 @@ def completion_chunk(rid: str, created: int, model: str, text: str, finish: str 
 
 
 def completion_usage_chunk(rid: str, created: int, model: str, prompt: int,
-                           completion_tokens: int) -> dict[str, Any]:  # fmt: skip
+                           completion_tokens: int, cached: int | None = None
+                           ) -> dict[str, Any]:  # fmt: skip
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [], "usage": usage(prompt, completion_tokens, details=False),
+            "choices": [], "usage": usage(prompt, completion_tokens, details=False, cached=cached),
             "system_fingerprint": FINGERPRINT}  # fmt: skip
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------
 def chat_completion(rid: str, created: int, model: str, text: str, finish: str | None,
                     prompt_tokens: int, completion_tokens: int,
-                    kv_params: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+                    kv_params: dict[str, Any] | None, cached: int | None = None
+                    ) -> dict[str, Any]:  # fmt: skip
     message = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
                "audio": None, "function_call": None, "reasoning": None}  # fmt: skip
     return {
@@ -120,7 +129,7 @@ def chat_completion(rid: str, created: int, model: str, text: str, finish: str |
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
                      "stop_reason": None, "token_ids": None, "routed_experts": None}],
         "service_tier": None, "system_fingerprint": FINGERPRINT,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached=cached),
         "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
         "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None,
     }  # fmt: skip
@@ -148,7 +157,8 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any], finish
 
 
 def chat_usage_chunk(rid: str, created: int, model: str, prompt: int,
-                     completion_tokens: int) -> dict[str, Any]:  # fmt: skip
+                     completion_tokens: int, cached: int | None = None
+                     ) -> dict[str, Any]:  # fmt: skip
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [], "usage": usage(prompt, completion_tokens, details=False),
+            "choices": [], "usage": usage(prompt, completion_tokens, details=False, cached=cached),
             "system_fingerprint": FINGERPRINT}  # fmt: skip

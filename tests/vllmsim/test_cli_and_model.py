@@ -82,8 +82,12 @@ def test_startup_time_rss_and_sigterm(tmp_path: Path) -> None:
             proc.wait()
 
 
+_FIRST_TOKENS = itertools.count(100)  # a new first token per prompt: no prefix-cache hit
+
+
 async def _ttft(http: aiohttp.ClientSession, url: str, tokens: int) -> tuple[float, list[float]]:
-    body = {"prompt": [7] * tokens, "max_tokens": 12, "stream": True}
+    body = {"prompt": [next(_FIRST_TOKENS)] + [7] * (tokens - 1), "max_tokens": 12,
+            "stream": True}
     started = time.monotonic()
     stamps: list[float] = []
     async with http.post(url + "/v1/completions", json=body) as resp:

@@ -53,11 +53,16 @@ class Engines:
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[Engines]:
+    """The tests send the same prompts again and again: without prefix caching every transfer
+    covers the whole prompt (test_prefix_cache.py covers a D that holds part of it)."""
     configs = (None, PULL_P, PULL_D, PUSH_P, PUSH_D, RECOMPUTE_PULL_D, RECOMPUTE_PUSH_D)
     with contextlib.ExitStack() as stack:
         handles = [
             stack.enter_context(
-                running_engine_sync(*FAST, *(("--kv-transfer-config", c) if c else ()))
+                running_engine_sync(
+                    *FAST, "--no-enable-prefix-caching",
+                    *(("--kv-transfer-config", c) if c else ()),
+                )
             )
             for c in configs
         ]

@@ -63,9 +63,9 @@ class PullConnector(ConnectorBase):
         block_ids = block_group(msg.get("remote_block_ids"))
         if block_ids is None:
             return {"ok": False, "error": "remote_block_ids is not a list of block id lists"}
-        seconds = transfer_seconds(self.engine.cost, len(lease.blocks))
+        seconds = transfer_seconds(self.engine.cost, len(block_ids))
         await asyncio.sleep(seconds)
-        self.record_transfer(len(lease.blocks), seconds)
+        self.record_transfer(len(block_ids), seconds)
         blocks = to_wire(self.engine.pool.read(self.transfer_block_ids(block_ids)))
         self.leases.release(lease.request_id)
         return {"ok": True, "num_blocks": len(blocks), "engine_id": self.ident.engine_id,
@@ -73,13 +73,19 @@ class PullConnector(ConnectorBase):
 
     async def _recv(self, req: SimRequest) -> None:
         p = req.remote or {}
+        # As vLLM's pull connector: blocks D's prefix cache holds are not read; D reads P's
+        # blocks past them into its own uncached blocks.
+        skip = req.num_cached_blocks
+        remote = p["remote_block_ids"]
+        if skip and isinstance(remote, list):
+            remote = [g[skip:] if isinstance(g, list) else g for g in remote]
         msg = {
             "type": "pull_read",
             "request_id": req.internal_id,
             "decode_engine_id": self.ident.engine_id,
             "remote_engine_id": p["remote_engine_id"],
             "remote_request_id": p["remote_request_id"],
-            "remote_block_ids": p["remote_block_ids"],
+            "remote_block_ids": remote,
         }
         started = time.monotonic()
         req.note("read_sent", self.engine.step_now)
@@ -91,7 +97,7 @@ class PullConnector(ConnectorBase):
         if reply.get("ok"):
             log.debug("pulled %s in %.1f ms", req.internal_id, 1e3 * (time.monotonic() - started))
             received = from_wire(reply.get("blocks"), "pull", str(reply.get("engine_id")))
-            self.engine.pool.write(req.blocks, received)
+            self.engine.pool.write(req.blocks[skip:], received)
             req.note("read_done", self.engine.step_now)
             self._read_done.add(req)
             self.engine.wake()

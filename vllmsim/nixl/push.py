@@ -33,7 +33,7 @@ from typing import Any
 from vllmsim.cost_model import transfer_seconds
 from vllmsim.engine import SimRequest, State
 from vllmsim.kv_cache import Lease
-from vllmsim.kv_content import from_wire, to_wire
+from vllmsim.kv_content import from_wire, num_prompt_blocks, to_wire
 from vllmsim.nixl import side_channel
 from vllmsim.nixl.base import ConnectorBase
 from vllmsim.nixl.params import (
@@ -205,14 +205,15 @@ class PushConnector(ConnectorBase):
             log.error("P->D handshake failed for %s: %s", reg.request_id, exc)
             self.engine.metrics.lbl(self.engine.metrics.nixl_failed_notifs).inc()
             return
-        seconds = transfer_seconds(self.engine.cost, len(lease.blocks))
+        d_blocks = block_group(reg.msg.get("local_block_ids")) or []
+        sources = _suffix_for(lease, d_blocks, self.engine.block_size)
+        seconds = transfer_seconds(self.engine.cost, len(sources))
         await asyncio.sleep(seconds)  # the NIXL WRITE into D's blocks
-        self.record_transfer(len(lease.blocks), seconds)
-        blocks = to_wire(self.engine.pool.read(lease.blocks))
+        self.record_transfer(len(sources), seconds)
+        blocks = to_wire(self.engine.pool.read(sources))
         self.leases.release(lease.request_id)
         self._note(lease.request_id, "write_done")
         self._timelines.pop(lease.request_id, None)
-        d_blocks = block_group(reg.msg.get("local_block_ids")) or []
         targets = self.transfer_block_ids(d_blocks[: len(blocks)])
         notif = {"type": "write_done", "request_id": reg.request_id, "scenario": scenario,
                  "engine_id": self.ident.engine_id, "local_block_ids": [targets],
@@ -300,7 +301,8 @@ class PushConnector(ConnectorBase):
             "decode_host": self.ident.host,
             "decode_port": self.ident.port,
             "decode_tp_size": self.ident.tp_size,
-            "local_block_ids": [list(req.blocks)],
+            # D's prefix-cache hits are not written: D registers only its uncached blocks
+            "local_block_ids": [list(req.blocks[req.num_cached_blocks : req.num_prompt_blocks])],
             "remote_engine_id": p["remote_engine_id"],
             "remote_host": p["remote_host"],
             "remote_port": p["remote_port"],
@@ -310,3 +312,10 @@ class PushConnector(ConnectorBase):
         if (tid := transfer_id(p)) is not None:
             msg["transfer_id"] = tid
         return msg
+
+
+def _suffix_for(lease: Lease, d_blocks: list[int], block_size: int) -> list[int]:
+    """P's blocks to WRITE: as vLLM's push connector, when D registered fewer blocks than P
+    holds for the prompt (D had a prefix-cache hit), P writes only the matching tail."""
+    prompt = lease.blocks[: num_prompt_blocks(lease.num_tokens, block_size)]
+    return prompt[max(0, len(prompt) - len(d_blocks)) :]

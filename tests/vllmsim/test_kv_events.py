@@ -1,0 +1,163 @@
+"""KV events as vLLM's --kv-events-config publishes them: ZMQ PUB frames (topic, sequence
+number, msgpack KVEventBatch), one batch per step, the replay socket, and a restart."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import subprocess
+from typing import Any
+
+import aiohttp
+import msgpack
+
+from tests.vllmsim.kv_event_helpers import (
+    LOOPBACK_ENV,
+    Subscriber,
+    events_flag,
+    events_of,
+    replay,
+    subscriber,
+)
+from tests.vllmsim.vsim_helpers import post
+from vllmsim.launcher import FAST, EngineHandle, running_engine, vllmsim_command
+
+
+def tokens(first: int, n: int) -> list[int]:
+    return [first, *range(1000, 1000 + n - 1)]
+
+
+async def complete(http: aiohttp.ClientSession, eng: EngineHandle, prompt: list[int]) -> Any:
+    status, body = await post(http, eng, "/v1/completions",
+                              {"model": "sim-model", "prompt": prompt, "max_tokens": 2})
+    assert status == 200, body
+    return body
+
+
+async def first_batch(http: aiohttp.ClientSession, eng: EngineHandle,
+                      sub: Subscriber) -> tuple[int, list[Any]]:  # fmt: skip
+    """ZMQ drops what a PUB sends before the subscription arrives: send new prompts until one
+    batch gets through."""
+    for first in range(1, 60):
+        await complete(http, eng, tokens(first, 40))
+        if (got := sub.next(timeout=0.2)) is not None:
+            assert got[0] == b"kv"
+            return got[1], got[2]
+    raise AssertionError("no KV event batch reached the subscriber")
+
+
+def full_hash(parent: bytes, ids: list[int]) -> bytes:
+    """vLLM's default block hash: sha256 over the pickled (parent, ids, extra keys)."""
+    return hashlib.sha256(pickle.dumps((parent, tuple(ids), None), protocol=5)).digest()
+
+
+def vllm_hash(parent: bytes, ids: list[int]) -> int:
+    """The block hash as an event carries it (the low 64 bits)."""
+    return int.from_bytes(full_hash(parent, ids), "big") & (2**64 - 1)
+
+
+async def test_batches_carry_vllm_chain_hashes_in_sequence(http: aiohttp.ClientSession) -> None:
+    async with running_engine(*FAST, *events_flag(), env=LOOPBACK_ENV) as eng:
+        assert eng.kv_events_endpoint is not None
+        assert eng.kv_events_endpoint.startswith("tcp://127.0.0.1:")
+        with subscriber(eng.kv_events_endpoint) as sub:
+            seq, _ = await first_batch(http, eng, sub)
+            prompt = tokens(500, 40)  # 2 full blocks and a partial one
+            await complete(http, eng, prompt)
+            got = sub.next()
+            assert got is not None and got[1] == seq + 1  # the next batch, no gap
+            batch = got[2]
+            assert isinstance(batch[0], float) and batch[2] == 0  # [ts, events, dp rank]
+            [stored] = events_of(batch, "BlockStored")
+            root = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+            first = full_hash(root, prompt[:16])
+            assert stored == {"type": "BlockStored",
+                              "block_hashes": [vllm_hash(root, prompt[:16]),
+                                               vllm_hash(first, prompt[16:32])],
+                              "parent_block_hash": None, "token_ids": prompt[:32],
+                              "block_size": 16, "lora_id": None, "medium": "GPU",
+                              "lora_name": None, "group_idx": 0}  # fmt: skip
+            # A prompt sharing the two blocks and adding one: only the new block is stored,
+            # chained to the cached one.
+            longer = [*prompt[:32], *range(7000, 7017)]
+            await complete(http, eng, longer)
+            got = sub.next()
+            assert got is not None and got[1] == seq + 2
+            [more] = events_of(got[2], "BlockStored")
+            assert more["parent_block_hash"] == stored["block_hashes"][1]
+            assert more["token_ids"] == longer[32:48] and len(more["block_hashes"]) == 1
+
+
+async def test_replay_returns_buffered_batches_then_the_end_marker(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with running_engine(*FAST, *events_flag(buffer_steps=3), env=LOOPBACK_ENV) as eng:
+        assert eng.kv_events_replay_endpoint is not None
+        for first in range(1, 6):  # five batches: the buffer keeps the last three
+            await complete(http, eng, tokens(first, 40))
+        got = replay(eng.kv_events_replay_endpoint, 0)
+        assert [seq for _, seq, _ in got] == [2, 3, 4]
+        assert all(topic == b"kv" for topic, _, _ in got)
+        last = msgpack.unpackb(got[-1][2])
+        assert events_of(last, "BlockStored")[0]["token_ids"][0] == 5
+        assert [seq for _, seq, _ in replay(eng.kv_events_replay_endpoint, 4)] == [4]
+        assert replay(eng.kv_events_replay_endpoint, 9) == []
+
+
+async def test_restart_starts_the_sequence_again_with_an_empty_cache(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with running_engine(*FAST, *events_flag(), env=LOOPBACK_ENV) as eng:
+        assert eng.kv_events_replay_endpoint is not None
+        prompt = tokens(42, 40)
+        for first in range(1, 4):
+            await complete(http, eng, tokens(first, 40))
+        await complete(http, eng, prompt)
+        assert [s for _, s, _ in replay(eng.kv_events_replay_endpoint, 0)] == [0, 1, 2, 3]
+        async with http.post(eng.url + "/sim/restart", json={}) as resp:
+            assert resp.status == 200
+        assert replay(eng.kv_events_replay_endpoint, 0) == []  # a new process: nothing kept
+        body = await complete(http, eng, prompt)  # the new engine holds nothing: stored again
+        [(_, seq, payload)] = replay(eng.kv_events_replay_endpoint, 0)
+        batch = msgpack.unpackb(payload)
+        assert seq == 0 and [e["type"] for e in batch[1]] == ["BlockStored"]  # no AllBlocksCleared
+        assert events_of(batch, "BlockStored")[0]["token_ids"] == prompt[:32]
+        assert body["usage"]["prompt_tokens"] == 40
+
+
+async def test_eviction_is_published_as_block_removed(http: aiohttp.ClientSession) -> None:
+    # 8 blocks: A (64 tokens + 16 to generate) takes 5 and leaves 4 cached; B's 5 evict one.
+    async with running_engine(*FAST, "--num-gpu-blocks", "8", *events_flag(),
+                              env=LOOPBACK_ENV) as eng:  # fmt: skip
+        assert eng.kv_events_replay_endpoint is not None
+        a, b = tokens(1, 64), tokens(2, 64)
+        for prompt in (a, b):
+            await post(http, eng, "/v1/completions", {"prompt": prompt, "max_tokens": 16})
+        batches = [msgpack.unpackb(p) for _, _, p in replay(eng.kv_events_replay_endpoint, 0)]
+        stored = [e for batch in batches for e in events_of(batch, "BlockStored")]
+        removed = [h for batch in batches for e in events_of(batch, "BlockRemoved")
+                   for h in e["block_hashes"]]  # fmt: skip
+        a_hashes = stored[0]["block_hashes"]
+        assert len(a_hashes) == 4
+        assert removed == [a_hashes[3]]  # the tail block of the least recently used prompt
+
+
+def test_bad_kv_events_config_is_one_line() -> None:
+    proc = subprocess.run([*vllmsim_command(), "--kv-events-config", '{"endpoint": 5}'],
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "vllmsim: error: --kv-events-config: endpoint must be a string"
+
+
+async def test_block_size_sets_the_blocks_hashed(http: aiohttp.ClientSession) -> None:
+    async with running_engine(*FAST, "--block-size", "32", *events_flag(),
+                              env=LOOPBACK_ENV) as eng:  # fmt: skip
+        assert eng.kv_events_replay_endpoint is not None
+        prompt = tokens(9, 70)  # two full 32-token blocks
+        await complete(http, eng, prompt)
+        [(_, _, payload)] = replay(eng.kv_events_replay_endpoint, 0)
+        [stored] = events_of(msgpack.unpackb(payload), "BlockStored")
+        root = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+        assert stored["block_size"] == 32 and stored["token_ids"] == prompt[:64]
+        assert stored["block_hashes"] == [vllm_hash(root, prompt[:32]),
+                                          vllm_hash(full_hash(root, prompt[:32]), prompt[32:64])]
