@@ -151,12 +151,8 @@ def _render(
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-        from extproc.demo import INSTALL_SIM, missing_sim_modules, run_demo
+        from extproc.demo import run_demo
 
-        if missing := missing_sim_modules():
-            print(f"pd-extproc demo: the simulated engines need {', '.join(missing)}, "
-                  f"from the simulator's extra: {INSTALL_SIM}", file=sys.stderr)  # fmt: skip
-            return 1
         return asyncio.run(
             _until_signal(
                 lambda stop: run_demo(stop, once=args.once, requests=args.requests, port=args.port)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import sys
 import time
 from typing import Any
@@ -21,12 +20,7 @@ from extproc.config import parse_config
 from extproc.process.app import Sidecar
 from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
-__all__ = ["INSTALL_SIM", "missing_sim_modules", "run_demo"]
-
-# The simulated engines are `vllmsim` processes; their NIXL side channel speaks msgpack, which
-# only the [sim] extra installs (a sidecar alone does not need it).
-_SIM_MODULES = ("msgpack",)
-INSTALL_SIM = "pip install 'pd-extproc[sim]'"
+__all__ = ["run_demo"]
 
 PROMPT = "Explain prefill/decode disaggregation in one paragraph. " * 40  # ~400 tokens
 
@@ -71,17 +65,6 @@ def _timeline(records: Records, ttfts: list[float], prefills: int) -> list[str]:
             f"      {d_kind:<16} {ttfts[n] * 1e3:>6.1f} ms"
         )
     return lines
-
-
-def missing_sim_modules() -> list[str]:
-    """The simulator's modules that cannot be imported here."""
-    missing = []
-    for name in _SIM_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
-    return missing
 
 
 # The simulator's 8B-on-H100 profile, checked against vllm-project/router PR #187's push results.

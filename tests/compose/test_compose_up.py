@@ -24,7 +24,7 @@ import yaml
 
 from extproc.testing import scrape
 from scripts.local_docker import BASE_IMAGE, PRODUCT_IMAGE
-from tests.deploy import grafana
+from tests.support import grafana
 
 pytestmark = pytest.mark.compose
 

@@ -22,7 +22,7 @@ import yaml
 from extproc.cli import main as cli_main
 from extproc.config import load_config
 from extproc.process.envoy_process import envoy_binary
-from tests.deploy.helpers import ROOT, envoy_validate
+from tests.support.deploy import ROOT, envoy_validate
 
 COMPOSE = ROOT / "docker-compose.yml"
 DEPLOY = ROOT / "deploy"

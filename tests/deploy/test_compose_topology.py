@@ -6,57 +6,31 @@ references a metric nobody exports fails here rather than showing "No data" in p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 import yaml
 
-from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar
 from tests.deploy.promql import Query, dashboard_queries, variable_queries
-from vllmsim.launcher import FAST, PUSH_D, PUSH_P, EngineHandle, running_engine
+from tests.support.compose_topology import (
+    COMPLETION,
+    DASHBOARD,
+    TIMEOUT,
+    Topology,
+    compose_topology,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pd-extproc.json"
 PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
-COMPLETION = {"model": "sim-model", "prompt": "The quick brown fox " * 20, "max_tokens": 4}
-TIMEOUT = aiohttp.ClientTimeout(total=10)
 KV_SHARE = "pd_extproc_decode_kv_transfer_share"  # needs a second kv_check window
 
 
-@dataclass
-class Topology:
-    prefills: list[EngineHandle]
-    decodes: list[EngineHandle]
-    sidecar: SidecarHandle
 
 
-def address(engine: EngineHandle) -> str:
-    return f"127.0.0.1:{engine.port}"
 
 
-@contextlib.asynccontextmanager
-async def compose_topology(**extra: Any) -> AsyncIterator[Topology]:
-    """`extra`: config sections for the sidecar (`ephemeral_config`)."""
-    async with contextlib.AsyncExitStack() as stack:
-        prefills = [
-            await stack.enter_async_context(running_engine("--kv-transfer-config", PUSH_P, *FAST))
-            for _ in range(2)
-        ]
-        decodes = [
-            await stack.enter_async_context(running_engine("--kv-transfer-config", PUSH_D, *FAST))
-            for _ in range(2)
-        ]
-        config = ephemeral_config(
-            [address(e) for e in prefills], [address(e) for e in decodes], **extra
-        )
-        sidecar = await stack.enter_async_context(running_sidecar(config))
-        yield Topology(prefills, decodes, sidecar)
 
 
 # What the Prometheus Operator attaches on Kubernetes and the dashboard's variables select on;

@@ -16,17 +16,18 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.deploy import grafana
 from tests.deploy.prometheus_binary import prometheus_binary, running_prometheus
-from tests.deploy.test_compose_topology import (
+from tests.support import grafana
+from tests.support.compose_topology import (
     COMPLETION,
     DASHBOARD,
     TIMEOUT,
     Topology,
-    address,
     compose_topology,
 )
-from tests.deploy.test_helm_chart import one, render
+from tests.support.deploy import one
+from tests.support.engines import address
+from tests.support.helm import render
 
 SCRAPE_S = 1.0
 NAMESPACE = "llm"  # the chart tests' release namespace

@@ -1,7 +1,7 @@
 """The endpoint-picker release of examples/gateway-api-inference, run for real: the config the
 chart writes into its ConfigMap (only hosts and ports moved to loopback and ephemeral ones, the
 Kubernetes API to a fake) runs `pd-extproc epp`; the InferencePool the chart renders and pods
-labelled like the example's engines are served by the fake API (tests/fakes/kube_api.py);
+labelled like the example's engines are served by the fake API (tests/support/kube_api.py);
 vllmsim engines play the pods. The chart's probes get SERVING from the health services they
 name, and a request through an Envoy configured as Envoy Gateway routes an InferencePool (an
 ORIGINAL_DST cluster on the destination header) is served prefill then decode by the pods of
@@ -18,13 +18,14 @@ import yaml
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.deploy.test_gateway_inference_examples import release
-from tests.deploy.test_helm_chart import one
-from tests.deploy.test_kustomize import build
-from tests.epp.conftest import running_epp
-from tests.epp.gateway import Variant, running_gateway
-from tests.fakes.kube_api import fake_kube_api, pod
-from tests.integration.conftest import MODEL, until
+from tests.support.deploy import one
+from tests.support.engines import MODEL
+from tests.support.epp import running_epp
+from tests.support.examples import build
+from tests.support.gateway import Variant, running_gateway
+from tests.support.helm import release
+from tests.support.kube_api import fake_kube_api, pod
+from tests.support.polling import until
 from vllmsim.launcher import FAST, PUSH_D, PUSH_P, running_engine
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

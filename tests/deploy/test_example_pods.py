@@ -15,44 +15,35 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.config import Config
-from extproc.process.server import LIVE_PATH, READY_PATH, ExtProcServer
-from extproc.wiring import Runtime
-from tests.deploy.helpers import by_kind, documents
-from tests.deploy.test_examples import EXAMPLES, KUSTOMIZATIONS, _seconds, config, kustomized
+from extproc.process.server import LIVE_PATH, READY_PATH
+from tests.support.deploy import by_kind, documents
+from tests.support.examples import (
+    EXAMPLES,
+    KUSTOMIZATIONS,
+    config,
+    container,
+    hook_command,
+    kustomized,
+    pod,
+    seconds,
+    sidecar_paths,
+)
 
 ISTIO_ADMIN_PORT = 15000  # the admin port of Istio's Envoy, inside the gateway pod
 
 
-def deployment(example: str, name: str | None = None) -> dict[str, Any]:
-    found = [d for d in by_kind(kustomized(example), "Deployment")
-             if name is None or d["metadata"]["name"] == name]  # fmt: skip
-    assert len(found) == 1, (example, name)
-    return found[0]
 
 
-def pod(example: str, name: str | None = None) -> dict[str, Any]:
-    return deployment(example, name)["spec"]["template"]
 
 
-def container(example: str, name: str, deployment_name: str | None = None) -> dict[str, Any]:
-    [found] = [c for c in pod(example, deployment_name)["spec"]["containers"] if c["name"] == name]
-    return found
 
 
-def hook_command(example: str, name: str) -> list[str]:
-    """The exec command of a container's preStop hook."""
-    return list(container(example, name)["lifecycle"]["preStop"]["exec"]["command"])
 
 
 def flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-def sidecar_paths(cfg: Config) -> set[str]:
-    """The GET paths the sidecar's metrics port really serves."""
-    app = ExtProcServer(Runtime(cfg, "127.0.0.1:10001"))._http_app()
-    return {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
 
 
 @pytest.mark.parametrize("example", KUSTOMIZATIONS)
@@ -81,7 +72,7 @@ def _before_draining_s(example: str) -> float:
         return float(flag(container(example, "envoy")["command"], "--drain-time-s"))
     if example == "istio":
         proxy = yaml.safe_load(pod(example)["metadata"]["annotations"]["proxy.istio.io/config"])
-        return _seconds(proxy["proxyMetadata"]["MINIMUM_DRAIN_DURATION"])
+        return seconds(proxy["proxyMetadata"]["MINIMUM_DRAIN_DURATION"])
     return float(container(example, "pd-extproc")["lifecycle"]["preStop"]["sleep"]["seconds"])
 
 
@@ -210,4 +201,4 @@ def test_envoy_gateway_envoys_drain_for_the_longest_generation() -> None:
                          "name": proxy["metadata"]["name"]}  # fmt: skip
     drain = proxy["spec"]["shutdown"]["drainTimeout"]
     assert re.fullmatch(r"\d+s", drain), drain
-    assert _seconds(drain) >= config("envoy-gateway").timeouts.drain_s
+    assert seconds(drain) >= config("envoy-gateway").timeouts.drain_s

@@ -15,20 +15,19 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from extproc.config import Config, load_config
 from extproc.headers import DESTINATION_HEADER
 from extproc.protocol.bodies import buffer_bytes
-from tests.deploy.helpers import (
+from tests.support.deploy import (
+    K8S_VERSION,
     ROOT,
     by_kind,
     documents,
     envoy_validate,
     envoy_validate_dict,
 )
+from tests.support.examples import EXAMPLES, KUSTOMIZATIONS, config, kustomized, seconds
 
-EXAMPLES = ROOT / "examples"
 GOLDEN = ROOT / "envoy"
-K8S_VERSION = "1.30.0"
 CORE_KINDS = {
     "ConfigMap",
     "Deployment",
@@ -48,8 +47,6 @@ def regenerate() -> ModuleType:
     return module
 
 
-def config(example: str) -> Config:
-    return load_config(EXAMPLES / example / "pd-extproc.yaml")
 
 
 def test_generated_files_are_current() -> None:
@@ -208,7 +205,7 @@ def test_envoy_gateway_resources_match_the_config() -> None:
     assert ext_proc["backendRefs"] == [{"name": "pd-extproc", "port": cfg.extproc.port}]
     assert ext_proc["processingMode"] == {"request": {"body": "Buffered"}, "response": {}}
     assert ext_proc["failOpen"] is False
-    assert _seconds(ext_proc["messageTimeout"]) > cfg.timeouts.prefill_s
+    assert seconds(ext_proc["messageTimeout"]) > cfg.timeouts.prefill_s
     override = _eg("BackendTrafficPolicy")["spec"]["loadBalancer"]["endpointOverride"]
     assert override["extractFrom"] == [{"header": DESTINATION_HEADER}]
     limit = _eg("ClientTrafficPolicy")["spec"]["connection"]["bufferLimit"]
@@ -225,10 +222,6 @@ def test_envoy_gateway_extproc_service_serves_grpc() -> None:
     assert grpc["port"] == config("envoy-gateway").extproc.port
 
 
-def _seconds(duration: str) -> float:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", duration)
-    assert match, duration
-    return float(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60}[match.group(2)]
 
 
 def _bytes(quantity: str) -> int:
@@ -239,7 +232,6 @@ def _bytes(quantity: str) -> int:
 
 # --- Kubernetes manifests (all three Kubernetes examples) -----------------------------------
 
-KUSTOMIZATIONS = ["kubernetes", "istio", "envoy-gateway"]
 # Custom resources: (apiVersion, kind) → the spec fields their CRDs require.
 CUSTOM_KINDS = {
     ("networking.istio.io/v1alpha3", "EnvoyFilter"): ["configPatches"],
@@ -255,19 +247,6 @@ CUSTOM_KINDS = {
 }
 
 
-def kustomized(example: str) -> list[dict[str, Any]]:
-    """The resources `kubectl apply -k` would create, ConfigMaps built from their files."""
-    folder = EXAMPLES / example
-    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    docs = [doc for name in kustomization["resources"] for doc in documents(folder / name)]
-    for generator in kustomization.get("configMapGenerator", []):
-        data = {}
-        for entry in generator["files"]:
-            key, _, source = entry.rpartition("=") if "=" in entry else ("", "", entry)
-            data[key or Path(source).name] = (folder / source).read_text()
-        docs.append({"apiVersion": "v1", "kind": "ConfigMap",
-                     "metadata": {"name": generator["name"]}, "data": data})  # fmt: skip
-    return docs
 
 
 @pytest.mark.parametrize("example", KUSTOMIZATIONS)

@@ -7,31 +7,20 @@ its DestinationRule; Envoy Gateway's values make InferencePool v1 a backend kind
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
 from extproc.roles import Role
-from tests.deploy.helpers import ROOT, by_kind
-from tests.deploy.test_helm_chart import CHART, NAMESPACE, chart_config, helm, one
-from tests.deploy.test_kustomize import build
+from tests.support.deploy import by_kind, one
+from tests.support.examples import build
+from tests.support.helm import CHART, EXAMPLE, NAMESPACE, chart_config, helm, release, values_files
 
-EXAMPLE = ROOT / "examples" / "gateway-api-inference"
 GATEWAYS = {"envoy-gateway": "eg", "istio": "istio", "kgateway": "kgateway"}
 
 
-def values_files(gateway: str) -> list[Path]:
-    extra = EXAMPLE / gateway / "values.yaml"
-    return [EXAMPLE / "values.yaml", *([extra] if extra.exists() else [])]
 
 
-def release(kube_bin: Path, gateway: str, **values: str) -> list[dict[str, Any]]:
-    files = [f"--values={path}" for path in values_files(gateway)]
-    sets = [f"--set={key}={value}" for key, value in values.items()]
-    result = helm(kube_bin, "template", "llm", str(CHART), "--namespace", NAMESPACE, *files, *sets)
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
 @pytest.mark.parametrize("gateway", GATEWAYS)

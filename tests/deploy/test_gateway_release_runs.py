@@ -21,11 +21,13 @@ import aiohttp
 import yaml
 
 from extproc.process.envoy_process import EnvoyProcess
-from tests.deploy.test_helm_chart import container, one, render
-from tests.deploy.test_kustomize import build
-from tests.deploy.test_snippet_dropin import serving_process
-from tests.fakes.kube_api import fake_kube_api, pod
-from tests.integration.conftest import MODEL, until
+from tests.support.deploy import one
+from tests.support.engines import MODEL
+from tests.support.examples import build
+from tests.support.helm import container, render
+from tests.support.kube_api import fake_kube_api, pod
+from tests.support.polling import until
+from tests.support.snippet import serving_process
 from vllmsim.launcher import FAST, PUSH_D, PUSH_P, running_engine
 
 PREFILL, DECODE_1, DECODE_2 = "127.0.0.2", "127.0.0.3", "127.0.0.4"

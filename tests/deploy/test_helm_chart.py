@@ -17,16 +17,22 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from extproc.config import Config, PoolConfig, parse_config
+from extproc.config import PoolConfig
 from extproc.process.grpc_health import LIVENESS, READINESS
 from extproc.process.server import LIVE_PATH, READY_PATH
-from tests.deploy.helpers import ROOT, by_kind, envoy_validate
-from tests.deploy.test_example_pods import sidecar_paths
-from tests.deploy.test_examples import K8S_VERSION
+from tests.support.deploy import K8S_VERSION, by_kind, envoy_validate, one
+from tests.support.examples import sidecar_paths
+from tests.support.helm import (
+    CHART,
+    CORE_KINDS,
+    MODES,
+    NAMESPACE,
+    chart_config,
+    container,
+    helm,
+    render,
+)
 
-CHART = ROOT / "deploy" / "helm" / "pd-extproc"
-NAMESPACE = "llm"
-MODES = ["gateway", "epp"]
 # Everything optional switched on, so that every template is rendered and checked.
 EVERYTHING = {
     "httpRoute.create": "true",
@@ -37,36 +43,16 @@ EVERYTHING = {
     "networkPolicy.extprocFrom[0].podSelector.matchLabels.gateway": "llm",
     "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name": "monitoring",
 }
-CORE_KINDS = {"ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
-              "NetworkPolicy", "PodDisruptionBudget"}  # fmt: skip
 
 
-def helm(kube_bin: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(kube_bin / "helm"), *args], capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
 
 
-def render(kube_bin: Path, mode: str, **values: str) -> list[dict[str, Any]]:
-    sets = [f"--set={key}={value}" for key, value in {"mode": mode, **values}.items()]
-    result = helm(kube_bin, "template", "llm", str(CHART), "--namespace", NAMESPACE, *sets)
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    [doc] = by_kind(docs, kind)
-    return doc
 
 
-def chart_config(docs: list[dict[str, Any]]) -> Config:
-    text = one(docs, "ConfigMap")["data"]["pd-extproc.yaml"]
-    return parse_config(yaml.safe_load(text), "the chart's ConfigMap")
 
 
-def container(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
-    [found] = [c for c in pod["containers"] + pod.get("initContainers", []) if c["name"] == name]
-    return found
 
 
 def ports(each: dict[str, Any]) -> dict[str, int]:

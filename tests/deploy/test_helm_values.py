@@ -19,9 +19,8 @@ import yaml
 
 from scripts import chart_schema
 from scripts.local_docker import PRODUCT_IMAGE
-from tests.deploy.helpers import ROOT
-from tests.deploy.test_examples import K8S_VERSION
-from tests.deploy.test_helm_chart import CHART, CORE_KINDS, MODES, container, helm, render
+from tests.support.deploy import K8S_VERSION, ROOT
+from tests.support.helm import CHART, CORE_KINDS, MODES, container, helm, render
 
 VALUES = CHART / "values.yaml"
 SCHEMA = CHART / "values.schema.json"

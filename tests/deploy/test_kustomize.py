@@ -6,16 +6,14 @@ RoleBindings bind a ServiceAccount of the build, and the core objects pass their
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.helpers import ROOT, by_kind
-from tests.deploy.test_examples import K8S_VERSION
+from tests.support.deploy import K8S_VERSION, ROOT, by_kind
+from tests.support.examples import build
 
 EXAMPLES = ROOT / "examples"
 FOLDERS = sorted(p.parent.relative_to(EXAMPLES).as_posix()
@@ -25,11 +23,6 @@ CORE_KINDS = {"ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "R
 CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "GatewayClass", "Namespace"}
 
 
-def build(kube_bin: Path, folder: str) -> list[dict[str, Any]]:
-    result = subprocess.run([str(kube_bin / "kubectl"), "kustomize", str(EXAMPLES / folder)],
-                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
-    assert result.returncode == 0, f"kubectl kustomize examples/{folder}:\n{result.stderr}"
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
 def namespace_of(folder: str) -> str | None:

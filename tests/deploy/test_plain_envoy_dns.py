@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from extproc.config import load_config
-from tests.deploy.helpers import ROOT, envoy_validate
+from tests.support.deploy import ROOT, envoy_validate
 
 EXAMPLE = ROOT / "examples" / "plain-envoy-dns" / "pd-extproc.yaml"
 

@@ -12,7 +12,7 @@ import pytest
 import trustme
 import yaml
 
-from tests.deploy.helpers import ROOT, envoy_validate
+from tests.support.deploy import ROOT, envoy_validate
 
 POOLS = {"prefill": {"endpoints": ["127.0.0.1:8100"]}, "decode": {"endpoints": ["127.0.0.1:8200"]}}
 

@@ -21,14 +21,9 @@ import pytest
 import yaml
 
 from extproc.process.envoy_process import EnvoyProcess
-from tests.deploy.test_snippet_dropin import (
-    address,
-    render,
-    requests_seen,
-    serving_process,
-    users_envoy,
-)
-from tests.fakes.kube_api import fake_kube_api, pod
+from tests.support.engines import address, engine_requests
+from tests.support.kube_api import fake_kube_api, pod
+from tests.support.snippet import render, serving_process, users_envoy
 from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 # 20 ms steps: a request of 20 tokens stays in flight for about 0.4 s
@@ -105,7 +100,7 @@ class Stage:
     serve_pid: int
 
     async def seen(self, engine: EngineHandle) -> list[dict[str, Any]]:
-        return await requests_seen(self.session, engine)
+        return await engine_requests(self.session, engine)
 
     async def post(self, body: dict[str, Any]) -> tuple[int, Any]:
         async with self.session.post(self.url + "/v1/completions", json=body,

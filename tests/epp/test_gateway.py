@@ -12,9 +12,10 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.epp.conftest import MODEL, Topology, epp_topology
-from tests.epp.gateway import SUBSET_TEST_HEADER, Variant
-from tests.integration.conftest import PULL, address, generated_text
+from tests.support.engines import MODEL, PULL, address
+from tests.support.epp import GatewayTopology, epp_topology
+from tests.support.gateway import SUBSET_TEST_HEADER, Variant
+from tests.support.topology import generated_text
 
 COMPLETION = {"model": MODEL, "prompt": "Tell me a story " * 20, "max_tokens": 8}
 # ORIGINAL_DST reads one address from the header: a list of fallbacks does not parse there.
@@ -26,7 +27,7 @@ def picker_settings(variant: Variant) -> dict[str, Any]:
     return {"endpoint_picker": {"fallbacks": FALLBACKS[variant]}}
 
 
-async def legs(topo: Topology) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+async def legs(topo: GatewayTopology) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(P record, D record) of each user request, oldest first; each record gains the engine
     id and address of the engine that received it (`engine_id`, `engine`)."""
     prefill_seen = {r["x_request_id"]: r | {"engine_id": e.engine_id, "engine": address(e)}
@@ -37,13 +38,13 @@ async def legs(topo: Topology) -> list[tuple[dict[str, Any], dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module", params=list(Variant))
-async def push_2p2d(request: pytest.FixtureRequest) -> AsyncIterator[Topology]:
+async def push_2p2d(request: pytest.FixtureRequest) -> AsyncIterator[GatewayTopology]:
     variant: Variant = request.param
     async with epp_topology(variant, 2, 2, **picker_settings(variant)) as topo:
         yield topo
 
 
-async def test_push_parallel_legs_reach_the_engines_within_5_ms(push_2p2d: Topology) -> None:
+async def test_push_parallel_legs_reach_the_engines_within_5_ms(push_2p2d: GatewayTopology) -> None:
     topo = push_2p2d
     await topo.clear()
     for _ in range(20):
@@ -61,7 +62,7 @@ async def test_push_parallel_legs_reach_the_engines_within_5_ms(push_2p2d: Topol
     assert statistics.median(skews) < 0.005, skews
 
 
-async def test_decode_gets_an_exact_content_length(push_2p2d: Topology) -> None:
+async def test_decode_gets_an_exact_content_length(push_2p2d: GatewayTopology) -> None:
     topo = push_2p2d
     await topo.clear()
     status, body, _ = await topo.post("/v1/completions", COMPLETION)
@@ -71,7 +72,7 @@ async def test_decode_gets_an_exact_content_length(push_2p2d: Topology) -> None:
     assert int(d["headers"]["content-length"]) == d["body_bytes"]
 
 
-async def test_subset_hint_is_honoured_for_both_legs(push_2p2d: Topology) -> None:
+async def test_subset_hint_is_honoured_for_both_legs(push_2p2d: GatewayTopology) -> None:
     topo = push_2p2d
     await topo.clear()
     allowed = [address(topo.prefills[1]), address(topo.decodes[1])]
@@ -85,7 +86,7 @@ async def test_subset_hint_is_honoured_for_both_legs(push_2p2d: Topology) -> Non
     assert len(await topo.seen(topo.decodes[1])) == 6
 
 
-async def test_nothing_in_the_subset_can_serve_gives_503(push_2p2d: Topology) -> None:
+async def test_nothing_in_the_subset_can_serve_gives_503(push_2p2d: GatewayTopology) -> None:
     topo = push_2p2d
     await topo.clear()
     only_prefills = ",".join(address(e) for e in topo.prefills)  # no decode among them
@@ -100,7 +101,7 @@ async def test_nothing_in_the_subset_can_serve_gives_503(push_2p2d: Topology) ->
 
 
 async def test_client_routing_header_and_kv_params_never_reach_an_engine(
-    push_2p2d: Topology,
+    push_2p2d: GatewayTopology,
 ) -> None:
     topo = push_2p2d
     await topo.clear()
@@ -153,7 +154,7 @@ async def test_pull_is_served_serially(variant: Variant) -> None:
             assert d["body"]["kv_transfer_params"]["transfer_mode"] == "pull"
 
 
-async def test_a_streamed_answer_passes_through_the_picker(push_2p2d: Topology) -> None:
+async def test_a_streamed_answer_passes_through_the_picker(push_2p2d: GatewayTopology) -> None:
     """The gateway streams D's answer through the picker (FULL_DUPLEX_STREAMED response)."""
     topo = push_2p2d
     await topo.clear()
@@ -167,7 +168,7 @@ async def test_a_streamed_answer_passes_through_the_picker(push_2p2d: Topology) 
 
 
 async def test_engine_endpoints_pass_through_and_other_paths_are_refused(
-    push_2p2d: Topology,
+    push_2p2d: GatewayTopology,
 ) -> None:
     topo = push_2p2d
     async with topo.session.get(topo.url + "/v1/models") as response:

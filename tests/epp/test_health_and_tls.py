@@ -19,8 +19,9 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.process.grpc_health import EXTPROC_SERVICE, HealthServices, health_server
-from tests.epp.conftest import Picker, epp_config, running_epp
-from tests.integration.conftest import PUSH, address, until
+from tests.support.engines import PUSH, address
+from tests.support.epp import Picker, epp_config, running_epp
+from tests.support.polling import until
 from vllmsim.launcher import running_engine
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -8,10 +8,9 @@ from pathlib import Path
 
 from extproc.request.parse import Api
 from extproc.testing import scrape
-from tests.epp.conftest import epp_topology
-from tests.epp.gateway import Variant
-from tests.integration.conftest import address, until
-from tests.integration.test_kv_routing import (
+from tests.support.epp import epp_topology
+from tests.support.gateway import Variant
+from tests.support.kv_routing import (
     completion_body,
     engine_flags,
     fallback_choice,
@@ -20,6 +19,7 @@ from tests.integration.test_kv_routing import (
     model_dir,
     words,
 )
+from tests.support.topology import address, until
 
 __all__ = ["loopback_events", "model_dir"]  # the fixtures, shared with the sidecar's tests
 

@@ -19,17 +19,17 @@ from extproc.protocol.identity import PrefillIdentity, identity_from_params
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime
-from tests.extproc.test_processor_behaviour import (
+from tests.support.scripted_envoy import (
     IDENTITY,
     P_ANSWER,
-    REQUEST,
     WAIT_S,
-    Envoy,
-    Prefill,
+    ScriptedEnvoy,
     error,
     headers,
-    response,
+    response_headers,
 )
+from tests.support.scripted_envoy import STREAMED_REQUEST as REQUEST
+from tests.support.scripted_prefill import Prefill
 
 P1, P2 = "127.0.0.1:8100", "127.0.0.1:8101"
 D1, D2, D3 = "127.0.0.1:8200", "127.0.0.1:8201", "127.0.0.1:8202"
@@ -45,7 +45,7 @@ class PickerRequest:
         deps = self.rt.request_deps
         legs = dataclasses.replace(deps.legs, prefill_client=self.prefill)
         self.rt.request_deps = dataclasses.replace(deps, legs=legs)
-        self.envoy = Envoy()
+        self.envoy = ScriptedEnvoy()
         stream = EnvoyStream(self.envoy)  # type: ignore[arg-type]
         self.task = asyncio.create_task(RequestProcessor(self.rt.request_deps, stream).run())
 
@@ -131,7 +131,7 @@ async def test_d_body_arriving_while_its_headers_are_held_follows_them() -> None
     r.rt.identities.learn(P1, _identity())
     await r.start()
     await r.envoy.until_sent(2)  # headers (destination), then the body
-    await r.send(response(200), response_chunk(b"data: 1\n\n", False))
+    await r.send(response_headers(200), response_chunk(b"data: 1\n\n", False))
     await until(lambda: r.envoy.inbox.empty(), "the processor reading both")
     assert [m.WhichOneof("response") for m in r.envoy.sent[2:]] == [None]  # "wait longer"
     r.prefill.answer(P_ANSWER)
@@ -168,7 +168,7 @@ async def test_an_engine_endpoint_goes_to_a_decode_in_the_subset_as_it_is() -> N
     assert header == metadata == D2
     echoed = [m.request_body.response.body_mutation.streamed_response for m in sent[1:]]
     assert [(e.body, e.end_of_stream) for e in echoed] == [(b'{"prompt":', False), (b'"hi"}', True)]
-    await r.send(response(200), response_chunk(b'{"tokens":[1]}', True))
+    await r.send(response_headers(200), response_chunk(b'{"tokens":[1]}', True))
     sent = await r.envoy.until_sent(5)
     assert [m.WhichOneof("response") for m in sent[3:]] == ["response_headers", "response_body"]
     await r.end()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -68,15 +66,3 @@ def test_a_prefill_listener_off_loopback_is_refused_in_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "--prefill-listener 10.1.2.3:10001: must be a loopback address or " \
         "unix:/path (it has no auth)"  # fmt: skip
-
-
-def test_demo_without_the_simulators_dependencies_says_how_to_get_them() -> None:
-    # msgpack made unimportable, as in an install without the [sim] extra
-    code = ("import sys; sys.modules['msgpack'] = None; from extproc.cli import main; "
-            "sys.exit(main(['demo', '--once', '--port', '0']))")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stderr.strip().splitlines() == [
-        "pd-extproc demo: the simulated engines need msgpack, from the simulator's extra: "
-        "pip install 'pd-extproc[sim]'"
-    ]

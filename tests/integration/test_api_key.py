@@ -12,8 +12,9 @@ from pathlib import Path
 import orjson
 import pytest_asyncio
 
-from tests.integration.conftest import MODEL, Topology, address, requests_total, topology
-from tests.integration.test_dispatch import legs
+from tests.support.engines import MODEL, address
+from tests.support.legs import legs
+from tests.support.topology import Topology, requests_total, topology
 
 KEY = "sk-pd-test-7d1c"
 # Default step times: with FAST ones P finishes before D asks, and vllmsim calls that serial.

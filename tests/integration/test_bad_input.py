@@ -14,7 +14,8 @@ import pytest
 import pytest_asyncio
 
 from extproc.protocol.bodies import buffer_bytes
-from tests.integration.conftest import MODEL, Topology, topology
+from tests.support.engines import MODEL
+from tests.support.topology import Topology, topology
 from vllmsim.launcher import FAST
 
 LIMIT = 64 * 1024

@@ -23,7 +23,9 @@ import pytest_asyncio
 from aiohttp import web
 
 from extproc.testing import scrape
-from tests.integration.conftest import MODEL, Topology, topology, until
+from tests.support.engines import MODEL
+from tests.support.polling import until
+from tests.support.topology import Topology, topology
 
 TTFB = "pd_extproc_client_time_to_first_byte_seconds"
 DURATION = "pd_extproc_client_duration_seconds"

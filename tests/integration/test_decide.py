@@ -12,16 +12,9 @@ import orjson
 import pytest
 
 from extproc.testing import scrape
-from tests.integration.conftest import (
-    MODEL,
-    PULL,
-    PUSH,
-    Topology,
-    address,
-    requests_total,
-    topology,
-    until,
-)
+from tests.support.engines import MODEL, PULL, PUSH, address
+from tests.support.polling import until
+from tests.support.topology import Topology, requests_total, topology
 
 SHORT = {"model": MODEL, "prompt": "Say hi " * 10, "max_tokens": 2}  # ~20 tokens
 LONG = {"model": MODEL, "prompt": "The quick brown fox jumps " * 200, "max_tokens": 2}  # ~1000

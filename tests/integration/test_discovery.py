@@ -12,8 +12,10 @@ import aiohttp
 import yaml
 
 from extproc.testing import ephemeral_config, running_sidecar
-from tests.fakes.kube_api import fake_kube_api, pod
-from tests.integration.conftest import MODEL, Topology, address, topology, until
+from tests.support.engines import MODEL, address
+from tests.support.kube_api import fake_kube_api, pod
+from tests.support.polling import until
+from tests.support.topology import Topology, topology
 from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "discovered " * 10, "max_tokens": 2}

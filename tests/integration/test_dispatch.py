@@ -6,27 +6,14 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from typing import Any
 
 import orjson
 import pytest
 
-from tests.integration.conftest import (
-    MODEL,
-    PULL,
-    Topology,
-    address,
-    generated_text,
-    requests_total,
-    topology,
-)
+from tests.support.engines import MODEL, PULL, address
+from tests.support.legs import COMPLETION, SKEW_BOUND_S, assert_kv_pushed_by, legs
+from tests.support.topology import Topology, generated_text, requests_total, topology
 
-COMPLETION = {
-    "model": MODEL,
-    "prompt": "The quick brown fox " * 20,
-    "max_tokens": 8,
-    "temperature": 0,
-}
 CHAT = {
     "model": MODEL,
     "messages": [{"role": "user", "content": "Tell me a story " * 10}],
@@ -35,9 +22,6 @@ CHAT = {
 }
 
 
-# One request's skew on a busy 2-core host can exceed the 5 ms target by a scheduling slice;
-# the target itself is asserted on the median below, this bound catches serial dispatch.
-SKEW_BOUND_S = 0.03
 # The P leg is started before D's body answer is written, yet the engines may see D first:
 # P goes through aiohttp and Envoy's prefill listener, D through the gRPC answer and Envoy's
 # router, and each engine stamps arrival on its own event loop. Measured D - P medians over
@@ -47,28 +31,10 @@ SKEW_BOUND_S = 0.03
 PATH_DIFFERENCE_S = 0.002
 
 
-def by_request_id(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {r["x_request_id"]: r for r in records}
 
 
-async def legs(topo: Topology) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(P record, D record) pairs of the user requests the engines saw, oldest first."""
-    prefill_seen: dict[str, dict[str, Any]] = {}
-    for engine in topo.prefills:
-        prefill_seen |= by_request_id(await topo.seen(engine))
-    pairs = []
-    for engine in topo.decodes:
-        for record in await topo.seen(engine):
-            pairs.append((prefill_seen.get(record["x_request_id"]), record))
-    return sorted(pairs, key=lambda pair: pair[1]["received_at"])
 
 
-def assert_kv_pushed_by(d: dict[str, Any], prefill_engine_id: str) -> None:
-    """D's prompt blocks were all written by a push from that P while P was still computing
-    (vllmsim records where each block's content came from)."""
-    assert d["kv"] == "push-parallel"
-    assert list(d["kv_evidence"]["blocks"]) == ["push-parallel"]
-    assert d["kv_evidence"]["engine_ids"] == [prefill_engine_id]
 
 
 async def test_probe_makes_the_first_request_parallel() -> None:

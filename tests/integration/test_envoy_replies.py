@@ -14,8 +14,8 @@ import orjson
 from extproc.bootstrap.render import render_bootstrap, render_yaml
 from extproc.config import parse_config
 from extproc.process.envoy_process import EnvoyProcess
-from tests.integration.conftest import MODEL
-from tests.integration.test_split_processes import split_topology
+from tests.support.engines import MODEL
+from tests.support.split import split_topology
 
 COMPLETION = {"model": MODEL, "prompt": "a reply from Envoy itself " * 20, "max_tokens": 2}
 

@@ -17,10 +17,10 @@ import aiohttp
 
 from extproc.process.envoy_process import envoy_binary
 from extproc.process.subprocesses import terminate
-from tests.deploy.test_example_pods import container, hook_command
-from tests.deploy.test_examples import config
-from tests.integration.conftest import MODEL
-from tests.integration.test_split_processes import poll, split_topology
+from tests.support.engines import MODEL
+from tests.support.examples import config, container, hook_command
+from tests.support.polling import until
+from tests.support.split import split_topology
 
 DRAIN_TIME_S = "1"  # the example's 15 s, shortened
 TIMEOUT = aiohttp.ClientTimeout(total=5)
@@ -68,7 +68,7 @@ async def example_envoy(bootstrap: Path, run_dir: Path) -> AsyncIterator[tuple[s
                         return response.status == 200
                 return False
 
-            await poll(ready, "the example's Envoy ready", within_s=20)
+            await until(ready, "the example's Envoy ready", timeout_s=20)
             admin = admin_path.read_text().strip()
             url = f"http://{admin}/listeners?format=json"
             async with session.get(url, timeout=TIMEOUT) as response:
@@ -109,7 +109,7 @@ async def test_kubernetes_hooks_finish_the_open_stream_then_stop_envoy_then_the_
                 async def ingress_closed() -> bool:
                     return await refused(url + "/v1/models")
 
-                await poll(ingress_closed, "the ingress closed after the drain time", within_s=5)
+                await until(ingress_closed, "the ingress closed after the drain time", timeout_s=5)
                 assert draining.returncode is None  # the stream is still open
                 rest = await response.read()
             assert response.status == 200 and b"data: [DONE]" in first + rest

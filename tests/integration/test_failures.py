@@ -10,10 +10,9 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.integration.conftest import (
-    MODEL,
+from tests.support.engines import MODEL, address
+from tests.support.topology import (
     Topology,
-    address,
     generated_text,
     identity_events,
     requests_total,

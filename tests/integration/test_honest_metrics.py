@@ -14,7 +14,9 @@ import pytest
 import pytest_asyncio
 
 from extproc.testing import scrape
-from tests.integration.conftest import MODEL, PULL, PUSH, Topology, address, topology, until
+from tests.support.engines import MODEL, PULL, PUSH, address
+from tests.support.polling import until
+from tests.support.topology import Topology, topology
 
 SLOW = ("--step-base-ms", "50")  # 1000 tokens: a stream open for ~50 s, far longer than a test
 LONG = {"model": MODEL, "prompt": "Once upon a time " * 20, "max_tokens": 1000, "stream": True}

@@ -1,7 +1,7 @@
 """An InferencePool and its pods, watched through the fake Kubernetes API, steer real traffic.
 
 `pd-extproc up` (Envoy + ext_proc) discovers its engines from an InferencePool served by
-tests/fakes/kube_api.py; vllmsim engines play the pods. Every pod of a pool shares the pool's
+tests/support/kube_api.py; vllmsim engines play the pods. Every pod of a pool shares the pool's
 target port and differs by IP, so each simulated pod listens on its own loopback address
 (127.0.0.2, .3, ...; nothing leaves the host) and one shared port. Each step (the pool
 created, a pod joining, turning not ready, terminating, leaving) is checked in routing: which
@@ -20,8 +20,9 @@ from typing import Any
 import aiohttp
 
 from extproc.testing import ephemeral_config, running_sidecar
-from tests.fakes.kube_api import fake_kube_api, inference_pool, pod
-from tests.integration.conftest import MODEL, until
+from tests.support.engines import MODEL
+from tests.support.kube_api import fake_kube_api, inference_pool, pod
+from tests.support.polling import until
 from vllmsim.launcher import FAST, PUSH_D, PUSH_P, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "watched " * 10, "max_tokens": 2}

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
-from tests.integration.conftest import MODEL
+from tests.support.engines import MODEL
 from vllmsim.launcher import PUSH_D, PUSH_P, EngineHandle, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "A prompt that should travel by KV " * 10, "max_tokens": 2}

@@ -7,7 +7,8 @@ import asyncio
 import aiohttp
 
 from extproc.testing import ephemeral_config, running_sidecar
-from tests.integration.conftest import Topology, address
+from tests.support.engines import address
+from tests.support.topology import Topology
 from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 

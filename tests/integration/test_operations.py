@@ -11,7 +11,9 @@ import aiohttp
 import pytest
 
 from extproc.testing import scrape
-from tests.integration.conftest import MODEL, topology, until
+from tests.support.engines import MODEL
+from tests.support.polling import until
+from tests.support.topology import topology
 
 SLOW = ("--step-base-ms", "40")
 

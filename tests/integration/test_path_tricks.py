@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 import orjson
 import pytest_asyncio
 
-from tests.integration.conftest import MODEL, Topology, topology
+from tests.support.engines import MODEL
+from tests.support.topology import Topology, topology
 from vllmsim.launcher import FAST
 
 # kind → request targets. Each one aims, one way or another, at a completion path through a

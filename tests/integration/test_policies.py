@@ -22,7 +22,9 @@ from extproc.policies import Picker, PickRequest, PrefixPicker, SessionPicker
 from extproc.request.parse import Api, parse_request
 from extproc.request.plan import pick_request
 from extproc.scheduling.pool import EndpointState
-from tests.integration.conftest import MODEL, Topology, address, topology, until
+from tests.support.engines import MODEL, address
+from tests.support.polling import until
+from tests.support.topology import Topology, topology
 from vllmsim.launcher import FAST, EngineHandle
 
 FILLER = "The history of the lighthouse keepers on the northern coast is long. " * 6

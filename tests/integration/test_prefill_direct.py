@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest_asyncio
 
-from tests.integration.conftest import PULL, Topology, requests_total, topology
-from tests.integration.test_dispatch import COMPLETION, SKEW_BOUND_S, assert_kv_pushed_by, legs
+from tests.support.engines import PULL
+from tests.support.legs import COMPLETION, SKEW_BOUND_S, assert_kv_pushed_by, legs
+from tests.support.topology import Topology, requests_total, topology
 
 DIRECT = {"prefill_leg": "direct"}
 

@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 
 from extproc.testing import ephemeral_config, running_sidecar
-from tests.integration.conftest import MODEL, address
+from tests.support.engines import MODEL, address
 from vllmsim.launcher import PUSH_P, running_engine
 
 TIMEOUT = aiohttp.ClientTimeout(total=5)

@@ -11,7 +11,8 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.integration.conftest import MODEL, topology
+from tests.support.engines import MODEL
+from tests.support.topology import topology
 
 COMPLETION = {"model": MODEL, "prompt": "secure " * 10, "max_tokens": 2}
 

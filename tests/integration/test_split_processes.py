@@ -4,133 +4,27 @@ either can die and come back without the other being restarted."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import signal
 import socket
-import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import orjson
 import yaml
 
-from extproc.bootstrap.render import render_bootstrap, render_yaml
-from extproc.config import parse_config
-from extproc.process.envoy_process import EnvoyProcess
 from extproc.process.server import ENVOY_STATS_PATH
-from tests.integration.conftest import MODEL
-from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
+from tests.support.engines import MODEL
+from tests.support.polling import until
+from tests.support.split import split_topology
+from vllmsim.launcher import PUSH_D, running_engine
 
 COMPLETION = {"model": MODEL, "prompt": "split processes " * 10, "max_tokens": 4}
 
 
-class Split:
-    def __init__(self, tmp: Path, config: dict) -> None:
-        self.tmp = tmp
-        self.config_path = tmp / "config.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.cfg = parse_config(config)
-        self.extproc: asyncio.subprocess.Process | None = None
-        self.envoy: EnvoyProcess | None = None
-        self.url = ""
-        self.metrics = ""  # the ext_proc's /metrics and /ready base URL
-
-    async def start_extproc(self) -> None:
-        ready = self.tmp / "ready.json"
-        ready.unlink(missing_ok=True)
-        log = (self.tmp / "extproc.log").open("ab")
-        self.extproc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "extproc", "serve", "--config", str(self.config_path),
-            "--prefill-listener", f"unix:{self.tmp / 'prefill.sock'}",
-            "--ready-file", str(ready), stdout=log, stderr=log, start_new_session=True,
-        )  # fmt: skip
-        for _ in range(200):
-            if ready.exists():
-                self.metrics = orjson.loads(ready.read_bytes())["metrics"]
-                return
-            await asyncio.sleep(0.05)
-        raise TimeoutError((self.tmp / "extproc.log").read_text())
-
-    def kill_extproc(self) -> None:
-        assert self.extproc is not None
-        os.killpg(self.extproc.pid, signal.SIGKILL)
-
-    async def start_envoy(self, buffered: bool = False) -> None:
-        bootstrap = render_bootstrap(
-            self.cfg, self.cfg.extproc.address, f"unix:{self.tmp / 'prefill.sock'}"
-        )
-        if buffered:
-            bootstrap = as_buffered(bootstrap)
-        (self.tmp / "envoy.yaml").write_text(render_yaml(bootstrap))
-        self.envoy = EnvoyProcess(self.tmp / "envoy.yaml", self.tmp, "warning", 1)
-        await self.envoy.start()
-        self.url = "http://" + await self.envoy.listener_address("ingress")
-
-    async def stop(self) -> None:
-        if self.envoy is not None:
-            await self.envoy.stop()
-        if self.extproc is not None and self.extproc.returncode is None:
-            self.extproc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.extproc.wait(), 10)
-            except TimeoutError:
-                self.kill_extproc()
-
-    def log_text(self) -> str:
-        return (self.tmp / "extproc.log").read_text(errors="replace")
-
-    async def ready_state(self) -> dict:
-        return (await self.ready())[1]
-
-    async def ready(self) -> tuple[int, dict]:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(self.metrics + "/ready", timeout=aiohttp.ClientTimeout(total=5)) as got,
-        ):
-            return got.status, orjson.loads(await got.read())
 
 
-def as_buffered(bootstrap: dict) -> dict:
-    """The bootstrap as rendered before the LLM routes streamed their body (what an older
-    snippet in a user's Envoy still has): the filter's buffered mode on every route."""
-    for listener in bootstrap["static_resources"]["listeners"]:
-        for network_filter in listener["filter_chains"][0]["filters"]:
-            routes = network_filter["typed_config"].get("route_config", {})
-            for host in routes.get("virtual_hosts", []):
-                for route in host["routes"]:
-                    per_filter = route.get("typed_per_filter_config", {})
-                    if "overrides" in per_filter.get("envoy.filters.http.ext_proc", {}):
-                        del route["typed_per_filter_config"]
-    return bootstrap
 
 
-@contextlib.asynccontextmanager
-async def split_topology(
-    decode_dns: str | None = None, buffered: bool = False, **overrides: dict
-) -> AsyncIterator[Split]:
-    async with (
-        running_engine("--kv-transfer-config", PUSH_P) as p,
-        running_engine("--kv-transfer-config", PUSH_D, "--step-base-ms", "20") as d,
-    ):
-        with tempfile.TemporaryDirectory(prefix="pd-split-") as tmp:
-            split = Split(Path(tmp), {
-                "prefill": {"endpoints": [f"127.0.0.1:{p.port}"]},
-                "decode": {"endpoints": [f"127.0.0.1:{d.port}"], "dns": decode_dns},
-                "extproc": {"host": f"unix:{tmp}/extproc.sock"},
-                "metrics": {"port": 0},
-                "envoy": {"listen": {"port": 0}},
-                **overrides,
-            })  # fmt: skip
-            try:
-                await split.start_extproc()
-                await split.start_envoy(buffered)
-                yield split
-            finally:
-                await split.stop()
 
 
 async def post(url: str) -> tuple[int, dict]:
@@ -188,14 +82,6 @@ async def test_envoy_restart_is_served_by_the_running_extproc() -> None:
         assert split.extproc.returncode is None and split.extproc.pid == extproc_pid
 
 
-async def poll(check, what: str, within_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.perf_counter() + within_s
-    while not await check():
-        if time.perf_counter() > deadline:
-            raise AssertionError(f"not seen within {within_s} s: {what}")
-        await asyncio.sleep(0.05)
-
-
 async def test_serve_reloads_its_config_on_sighup_and_keeps_serving() -> None:
     async with split_topology() as split:
         config = yaml.safe_load(split.config_path.read_text())
@@ -207,7 +93,7 @@ async def test_serve_reloads_its_config_on_sighup_and_keeps_serving() -> None:
         async def reloaded() -> bool:
             return "configuration reloaded" in split.log_text()
 
-        await poll(reloaded, "the reload log line")
+        await until(reloaded, "the reload log line")
         assert split.extproc.returncode is None
         assert (await post(split.url))[0] == 200
         split.config_path.write_text("decode: [not, a, pool]\n")
@@ -216,7 +102,7 @@ async def test_serve_reloads_its_config_on_sighup_and_keeps_serving() -> None:
         async def refused() -> bool:
             return "reload refused" in split.log_text()
 
-        await poll(refused, "the refused reload")
+        await until(refused, "the refused reload")
         assert (await post(split.url))[0] == 200  # the running config was kept
 
 
@@ -245,7 +131,7 @@ async def test_serve_drains_open_streams_on_sigterm_and_is_not_ready_meanwhile()
                 status, state = await split.ready()
                 return status == 503 and state["draining"] is True
 
-            await poll(not_ready, "/ready answering 503 while the stream drains", within_s=5)
+            await until(not_ready, "/ready answering 503 while the stream drains", timeout_s=5)
             async for line in response.content:
                 events.append(line)
         assert response.status == 200

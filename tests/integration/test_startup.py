@@ -19,7 +19,9 @@ import yaml
 
 from extproc.process.subprocesses import terminate
 from extproc.testing import ephemeral_config, running_sidecar
-from tests.integration.conftest import MODEL, address, topology, until
+from tests.support.engines import MODEL, address
+from tests.support.polling import until
+from tests.support.topology import topology
 from vllmsim.launcher import PULL_D, PULL_P, PUSH_D, PUSH_P, running_engine
 
 

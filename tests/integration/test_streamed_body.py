@@ -11,7 +11,9 @@ from urllib.parse import urlsplit
 import orjson
 import pytest_asyncio
 
-from tests.integration.conftest import MODEL, Topology, requests_total, topology, until
+from tests.support.engines import MODEL
+from tests.support.polling import until
+from tests.support.topology import Topology, requests_total, topology
 
 LIMIT = 4096
 IDLE_S = 0.5

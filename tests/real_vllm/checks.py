@@ -7,14 +7,7 @@ import itertools
 
 from extproc.testing import scrape
 from tests.real_vllm.clients import PROMPTS, ask, log_problems
-from tests.real_vllm.conftest import (
-    EXPIRED,
-    LEASE_S,
-    Setup,
-    by_source,
-    counter,
-    engine_metrics,
-)
+from tests.support.real_vllm import EXPIRED, LEASE_S, Setup, by_source, counter, engine_metrics
 
 KINDS = ("completions", "chat")
 

@@ -26,7 +26,7 @@ import pytest
 
 from scripts.cached_envs import tiny_model
 from tests.real_vllm.clients import MODEL, PATHS, body, sse_events
-from tests.real_vllm.conftest import LEASE_S, EnginePool
+from tests.support.real_vllm import LEASE_S, EnginePool
 from vllmsim.launcher import PULL_D, PULL_P, PUSH_D, PUSH_P, running_engine
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]

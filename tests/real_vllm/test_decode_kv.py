@@ -13,7 +13,7 @@ import pytest
 
 from extproc.testing import scrape
 from tests.real_vllm.clients import PROMPTS, ask
-from tests.real_vllm.conftest import EnginePool, Setup, sidecar_for
+from tests.support.real_vllm import EnginePool, Setup, sidecar_for
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 

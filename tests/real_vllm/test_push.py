@@ -13,7 +13,7 @@ from tests.real_vllm.checks import (
     check_engine_logs_clean,
     check_no_expired_leases,
 )
-from tests.real_vllm.conftest import EnginePool, Setup, sidecar_for
+from tests.support.real_vllm import EnginePool, Setup, sidecar_for
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.pair("push"), pytest.mark.timeout(900)]
 

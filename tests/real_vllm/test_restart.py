@@ -25,7 +25,7 @@ import pytest
 
 from scripts.real_vllm import restart_engine, start_again, stop_engine
 from tests.real_vllm.clients import PATHS, PROMPTS, ask, body, parse, sse_events
-from tests.real_vllm.conftest import EnginePool, Setup, by_source, engine_metrics, sidecar_for
+from tests.support.real_vllm import EnginePool, Setup, by_source, engine_metrics, sidecar_for
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.pair("push_restart"), pytest.mark.timeout(900)]
 

@@ -13,11 +13,14 @@ import pytest
 from tests.vllmsim.vsim_helpers import (
     IDENTITY_KEYS,
     PROMPT,
+    d_body,
     eventually,
     get_json,
+    identity,
     metric,
     p_body,
     post,
+    record,
 )
 from vllmsim.launcher import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
@@ -34,26 +37,10 @@ ENGINE_DEAD = {"error": {"message": "EngineCore encountered an issue. See stack 
                          "param": None, "code": 500}}  # fmt: skip
 
 
-def identity(p: EngineHandle, placeholder: str) -> dict[str, Any]:
-    """What a parallel router gives D: P's identity plus a placeholder request id."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p.engine_id,
-            "remote_host": "127.0.0.1", "remote_port": p.side_channel_port, "tp_size": 1,
-            "pp_size": 1, "dcp_size": 1, "remote_request_id": placeholder}  # fmt: skip
 
 
-def d_body(params: dict[str, Any] | str | None, stream: bool = False,
-           **extra: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 8,
-                            "stream": stream, "kv_transfer_params": params, **extra}  # fmt: skip
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
 
 
-async def record(http: aiohttp.ClientSession, eng: EngineHandle, rid: str) -> dict[str, Any]:
-    recs = [r for r in await get_json(http, eng, "/sim/requests") if r["x_request_id"] == rid]
-    assert len(recs) == 1
-    return recs[0]
 
 
 async def stream_text(http: aiohttp.ClientSession, eng: EngineHandle, body: dict[str, Any],

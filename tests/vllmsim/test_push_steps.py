@@ -8,8 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.vllmsim.test_pd import d_body, identity, record
-from tests.vllmsim.vsim_helpers import eventually, p_body, post
+from tests.vllmsim.vsim_helpers import d_body, eventually, identity, p_body, post, record
 from vllmsim.launcher import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
 Timeline = dict[str, tuple[int, float]]  # event -> (engine step, wall time)

@@ -1,4 +1,4 @@
-"""Small request/polling helpers shared by the vllmsim tests."""
+"""Small request/polling helpers and P/D bodies shared by the vllmsim tests."""
 
 from __future__ import annotations
 
@@ -56,3 +56,25 @@ def p_body(prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
 
 IDENTITY_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "pp_size",
                  "dcp_size")  # fmt: skip
+
+
+def identity(p: EngineHandle, placeholder: str) -> dict[str, Any]:
+    """What a parallel router gives D: P's identity plus a placeholder request id."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p.engine_id,
+            "remote_host": "127.0.0.1", "remote_port": p.side_channel_port, "tp_size": 1,
+            "pp_size": 1, "dcp_size": 1, "remote_request_id": placeholder}  # fmt: skip
+
+
+def d_body(params: dict[str, Any] | str | None, stream: bool = False,
+           **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 8,
+                            "stream": stream, "kv_transfer_params": params, **extra}  # fmt: skip
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def record(http: aiohttp.ClientSession, eng: EngineHandle, rid: str) -> dict[str, Any]:
+    recs = [r for r in await get_json(http, eng, "/sim/requests") if r["x_request_id"] == rid]
+    assert len(recs) == 1
+    return recs[0]

@@ -12,9 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
 import pytest
-from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc import aio
 
@@ -22,80 +20,32 @@ from extproc.config import parse_config
 from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUnreachable
 from extproc.policies import PickRequest
 from extproc.protocol.identity import identity_from_params
-from extproc.request import envoy_msgs
 from extproc.request.prefill_client import PrefillCall, PrefillResult
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.scheduling.pool import EndpointState
 from extproc.tracing import RequestTrace
 from extproc.wiring import Runtime
-
-P, D1, D2 = "127.0.0.1:8100", "127.0.0.1:8200", "127.0.0.1:8201"
-P2 = "127.0.0.1:8101"
-IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
-            "tp_size": 1, "transfer_mode": "push"}  # fmt: skip
-P_ANSWER = IDENTITY | {"do_remote_prefill": True, "remote_block_ids": [[1, 2]],
-                       "remote_request_id": "cmpl-x"}  # fmt: skip
-REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 4, "stream": True}
-WAIT_S = 5
-
-
-class Envoy:
-    """A grpc.aio ServicerContext stand-in: the test feeds messages, answers are recorded."""
-
-    def __init__(self) -> None:
-        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
-        self.sent: list[ep.ProcessingResponse] = []
-        self._wrote = asyncio.Event()
-
-    async def read(self) -> Any:
-        return await self.inbox.get()
-
-    async def write(self, message: ep.ProcessingResponse) -> None:
-        self.sent.append(message)
-        self._wrote.set()
-
-    async def until_sent(self, count: int) -> list[ep.ProcessingResponse]:
-        while len(self.sent) < count:
-            self._wrote.clear()
-            await asyncio.wait_for(self._wrote.wait(), WAIT_S)
-        return self.sent
-
-    def kinds(self) -> list[str | None]:
-        return [m.WhichOneof("response") for m in self.sent]
-
-
-class Prefill:
-    """The P leg: each call waits for the test's `answer` or `fail`; cancellation is seen."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.called = asyncio.Event()
-        self.cancelled = False
-
-    async def send(self, call: PrefillCall) -> PrefillResult:
-        # (endpoint, path, body, request_id, timeout_s, headers)
-        self.calls.append(dataclasses.astuple(call))
-        self.called.set()
-        try:
-            outcome = await self.outcome
-        except asyncio.CancelledError:
-            self.cancelled = True
-            raise
-        if isinstance(outcome, Exception):
-            raise outcome
-        return PrefillResult(200, outcome, 0.0, 0.125)
-
-    def answer(self, params: Any) -> None:
-        self.outcome.set_result(params)
-
-    def fail(self, error: Exception) -> None:
-        self.outcome.set_exception(error)
-
-    @property
-    def body(self) -> dict[str, Any]:
-        return orjson.loads(self.calls[0][2])
+from tests.support.scripted_envoy import (
+    D1,
+    D2,
+    IDENTITY,
+    P2,
+    P_ANSWER,
+    WAIT_S,
+    P,
+    ScriptedEnvoy,
+    body,
+    error,
+    headers,
+    labels,
+    response_headers,
+    routed,
+)
+from tests.support.scripted_envoy import (
+    STREAMED_REQUEST as REQUEST,
+)
+from tests.support.scripted_prefill import Prefill
 
 
 class Trace(RequestTrace):
@@ -133,7 +83,7 @@ class Request:
         self.rt.request_deps = dataclasses.replace(deps, legs=legs, new_trace=lambda: self.trace)
         if cached:
             self.rt.identities.learn(P, identity_from_params(IDENTITY))
-        self.envoy = Envoy()
+        self.envoy = ScriptedEnvoy()
         stream = EnvoyStream(self.envoy)  # type: ignore[arg-type]
         self.processor = RequestProcessor(self.rt.request_deps, stream)
         self.task = asyncio.create_task(self.processor.run())
@@ -166,47 +116,6 @@ class Request:
 
     def idle(self) -> bool:
         return all(s.in_flight == 0 for s in [*self.rt.prefill, *self.rt.decode])
-
-
-def headers(path: str = "/v1/completions", end: bool = False, **extra: str) -> Any:
-    pairs = [(":method", "POST"), (":path", path), ("content-type", "application/json"),
-             *((k.replace("_", "-"), v) for k, v in extra.items())]  # fmt: skip
-    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(
-        headers=core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode())
-                                        for k, v in pairs]),
-        end_of_stream=end))  # fmt: skip
-
-
-def labels(message: Any) -> dict[str, Any]:
-    """The request's labels a ProcessingResponse gives Envoy (its dynamic metadata)."""
-    namespace = message.dynamic_metadata.fields[envoy_msgs.LABELS_NAMESPACE].struct_value
-    return {key: value.string_value for key, value in namespace.fields.items()}
-
-
-def body(doc: dict[str, Any]) -> Any:
-    return ep.ProcessingRequest(
-        request_body=ep.HttpBody(body=orjson.dumps(doc), end_of_stream=True)
-    )
-
-
-def response(status: int) -> Any:
-    return ep.ProcessingRequest(response_headers=ep.HttpHeaders(
-        headers=core.HeaderMap(headers=[core.HeaderValue(key=":status", raw_value=str(status)
-                                                         .encode())])))  # fmt: skip
-
-
-def routed(message: ep.ProcessingResponse) -> tuple[dict[str, Any], dict[str, str]]:
-    """The body answer's new body and the headers it sets."""
-    answer = message.request_body.response
-    set_headers = {h.header.key: h.header.raw_value.decode()
-                   for h in answer.header_mutation.set_headers}  # fmt: skip
-    return orjson.loads(answer.body_mutation.body), set_headers
-
-
-def error(message: ep.ProcessingResponse) -> tuple[int, str, str | None]:
-    reply = message.immediate_response
-    retry = {h.header.key: h.header.raw_value.decode() for h in reply.headers.set_headers}
-    return reply.status.code, orjson.loads(reply.body)["error"]["message"], retry.get("retry-after")
 
 
 # ---- serial -------------------------------------------------------------------------------
@@ -248,7 +157,7 @@ async def test_serial_retries_a_failed_p_once_on_the_fallback_within_the_prefill
     assert r.sample("pd_extproc_prefill_retries_total", reason=reason) == 1
     healthy = {s.address: s.healthy for s in r.rt.prefill}
     assert healthy[first] is not isinstance(error, PrefillUnreachable) and healthy[second]
-    await r.send(response(200))
+    await r.send(response_headers(200))
     await r.envoy.until_sent(4)
     await r.end()
     assert r.outcome("ok", "serial", "serial_only") == 1
@@ -281,7 +190,7 @@ async def test_serial_dispatch_waits_for_p_and_forwards_its_params() -> None:
     assert r.rt.identities.get(P) == identity_from_params(P_ANSWER)
     assert r.processor.client_request_id == "c-1"
 
-    await r.send(response(200))
+    await r.send(response_headers(200))
     await r.envoy.until_sent(4)
     assert r.envoy.kinds()[3] == "response_headers"
     await r.end()
@@ -400,7 +309,7 @@ async def test_parallel_dispatch_sends_both_legs_at_once() -> None:
     assert d_body == REQUEST | {"kv_transfer_params": d_params}
     assert r.sample("pd_extproc_dispatch_skew_seconds_count") == 1
     r.prefill.answer(P_ANSWER)  # the same engine: nothing to say
-    await r.send(response(200))
+    await r.send(response_headers(200))
     await r.envoy.until_sent(3)
     await r.end()
     assert r.envoy.kinds()[2:] == ["response_headers"]
@@ -450,7 +359,7 @@ async def test_d_5xx_drops_the_identity_it_was_given_and_cancels_p() -> None:
     r = Request(cached=True, timeouts={"decode_error_grace_s": 0.1})
     await r.start()
     await r.envoy.until_sent(2)
-    await r.send(response(503))  # P has not answered within the grace
+    await r.send(response_headers(503))  # P has not answered within the grace
     sent = await r.envoy.until_sent(4)
     timer = sent[2].override_message_timeout
     assert (timer.seconds, timer.nanos) == (1, 100_000_000)  # grace + 1
@@ -466,7 +375,7 @@ async def test_d_5xx_then_p_answers_the_same_engine_in_the_grace() -> None:
     r = Request(cached=True, timeouts={"decode_error_grace_s": 30})
     await r.start()
     await r.envoy.until_sent(2)
-    await r.send(response(500))
+    await r.send(response_headers(500))
     await r.envoy.until_sent(3)  # the grace has begun
     r.prefill.answer(P_ANSWER)
     await r.envoy.until_sent(4)
@@ -480,7 +389,7 @@ async def test_d_5xx_then_p_answers_a_new_engine_in_the_grace() -> None:
     r = Request(cached=True, timeouts={"decode_error_grace_s": 30})
     await r.start()
     await r.envoy.until_sent(2)
-    await r.send(response(500))
+    await r.send(response_headers(500))
     await r.envoy.until_sent(3)
     r.prefill.answer(P_ANSWER | {"remote_engine_id": "e2"})
     sent = await r.envoy.until_sent(4)
@@ -495,7 +404,7 @@ async def test_d_5xx_in_serial_drops_the_identity_p_gave() -> None:
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
     r.prefill.answer(P_ANSWER)
     await r.envoy.until_sent(3)
-    await r.send(response(502))
+    await r.send(response_headers(502))
     await r.envoy.until_sent(4)
     assert r.envoy.kinds()[3] == "response_headers"
     assert r.rt.identities.get(P) is None
@@ -507,7 +416,7 @@ async def test_d_4xx_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
     r = Request(cached=True)
     await r.start()
     await r.envoy.until_sent(2)
-    await r.send(response(400))
+    await r.send(response_headers(400))
     await r.envoy.until_sent(3)
     assert r.envoy.kinds()[2] == "response_headers"  # D's refusal is the answer: not held
     assert r.rt.identities.get(P) is not None
@@ -520,7 +429,7 @@ async def test_d_below_400_is_held_until_p_answers_and_keeps_the_identity() -> N
     r = Request(cached=True, timeouts={"prefill_s": 7})
     await r.start()
     await r.envoy.until_sent(2)
-    await r.send(response(399))
+    await r.send(response_headers(399))
     sent = await r.envoy.until_sent(3)
     assert r.envoy.kinds()[2] is None  # held: Envoy's timer extended for P's answer
     assert sent[2].override_message_timeout.seconds == 8  # prefill_s + 1
@@ -613,7 +522,7 @@ async def test_no_healthy_prefill_can_fall_back_to_decode_only() -> None:
     d_body, set_headers = routed(sent[1])
     assert d_body == REQUEST  # the client's own kv_transfer_params never reach D
     assert set_headers["x-gateway-destination-endpoint"] == f"{D1},{D2}"
-    await r.send(response(500))
+    await r.send(response_headers(500))
     await r.envoy.until_sent(3)
     await r.end()
     assert r.prefill.calls == []
@@ -638,7 +547,7 @@ async def test_bad_body_is_refused_with_400_before_any_leg() -> None:
 
 async def test_envoys_own_reply_in_the_body_phase_is_let_through() -> None:
     r = Request()
-    await r.send(headers(), response(413))  # Envoy refused an oversized body itself
+    await r.send(headers(), response_headers(413))  # Envoy refused an oversized body itself
     sent = await r.envoy.until_sent(2)
     assert r.envoy.kinds() == ["request_headers", "response_headers"]
     assert sent[1].response_headers == ep.HeadersResponse()
@@ -669,7 +578,7 @@ async def test_request_log_line_names_the_request(caplog: pytest.LogCaptureFixtu
         await r.start(x_request_id="client-9")
         sent = await r.envoy.until_sent(2)
         r.prefill.answer(P_ANSWER)  # D's 200 passes (held until P answers, it would not)
-        await r.send(response(200))
+        await r.send(response_headers(200))
         await r.envoy.until_sent(3)
         await r.end()
     request_id = routed(sent[1])[1]["x-request-id"]
@@ -772,7 +681,7 @@ async def test_a_stale_d_failure_does_not_evict_a_newer_identity() -> None:
     await r.envoy.until_sent(2)
     newer = identity_from_params(IDENTITY | {"remote_engine_id": "e2"})
     r.rt.identities.learn(P, newer)  # another request learned P's new engine meanwhile
-    await r.send(response(503))
+    await r.send(response_headers(503))
     await r.envoy.until_sent(4)
     assert r.rt.identities.get(P) == newer
     await r.end()
@@ -830,7 +739,7 @@ async def test_a_reload_keeps_the_grace_of_a_request_in_flight_and_gives_the_nex
     _reload(r.rt, decode_error_grace_s=0.05)
     await r.send(body(REQUEST))
     await r.envoy.until_sent(2)
-    await r.send(response(503))
+    await r.send(response_headers(503))
     timer = (await r.envoy.until_sent(3))[2].override_message_timeout
     assert (timer.seconds, timer.nanos) == (31, 0)  # the grace it started with, + 1
     r.prefill.answer(P_ANSWER)
@@ -840,7 +749,7 @@ async def test_a_reload_keeps_the_grace_of_a_request_in_flight_and_gives_the_nex
     after = Request(cached=True, runtime=r.rt)
     await after.start()
     await after.envoy.until_sent(2)
-    await after.send(response(503))
+    await after.send(response_headers(503))
     timer = (await after.envoy.until_sent(3))[2].override_message_timeout
     assert (timer.seconds, timer.nanos) == (1, 50_000_000)  # the reloaded grace, + 1
     await after.end()
@@ -925,7 +834,7 @@ async def test_no_stream_ended_line_once_d_has_answered(caplog: pytest.LogCaptur
     with caplog.at_level(logging.INFO, logger="extproc.request.parse"):
         await r.start()
         await r.envoy.until_sent(2)
-        await r.send(response(200))  # D answered; P is still running
+        await r.send(response_headers(200))  # D answered; P is still running
         await r.envoy.until_sent(3)
         await r.end()
     assert caplog.records == [] and r.prefill.cancelled
@@ -949,7 +858,7 @@ async def test_d_answer_carries_the_requests_labels_for_the_access_log() -> None
     await r.start()
     await r.envoy.until_sent(2)
     r.prefill.answer(P_ANSWER)
-    await r.send(response(200))
+    await r.send(response_headers(200))
     sent = await r.envoy.until_sent(3)
     await r.end()
     assert labels(sent[2]) == {"strategy": "parallel", "model": "m"}  # D accepted "m"
@@ -963,7 +872,7 @@ async def test_with_envoys_access_log_open_a_started_answer_is_left_to_its_entry
     await r.start()
     await r.envoy.until_sent(2)
     r.prefill.answer(P_ANSWER)
-    await r.send(response(200))
+    await r.send(response_headers(200))
     sent = await r.envoy.until_sent(3)
     await r.end()
     # the entry will count it, by what Envoy saw of the stream (`extproc.request.access_log`)
@@ -990,7 +899,7 @@ async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
     r.prefill.answer(P_ANSWER)
     await r.envoy.until_sent(3)
-    await r.send(response(404))  # vLLM: the model does not exist
+    await r.send(response_headers(404))  # vLLM: the model does not exist
     sent = await r.envoy.until_sent(4)
     await r.end()
     assert labels(sent[3]) == {"strategy": "serial", "model": "other"}

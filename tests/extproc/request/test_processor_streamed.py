@@ -16,19 +16,15 @@ from grpc import aio
 
 from extproc.errors import PrefillFailed
 from extproc.request.prefill_client import PrefillResult
-from tests.extproc.test_processor import (
+from tests.support.scripted_envoy import (
+    D1,
     IDENTITY,
     REQUEST,
-    D,
-    FakePrefill,
-    GatedPrefill,
     ScriptedEnvoy,
     headers,
     response_headers,
-    run,
-    runtime,
-    until_sent,
 )
+from tests.support.scripted_prefill import FakePrefill, GatedPrefill, run, runtime
 
 
 class StartedPrefill(GatedPrefill):
@@ -85,13 +81,13 @@ async def test_headers_are_answered_once_the_body_is_in_then_the_new_body() -> N
     rt = runtime(FakePrefill(0.05, timeline), cached=True)
     task = await run(rt, envoy)
     await upload(envoy, REQUEST | {"kv_transfer_params": {"remote_host": "evil"}})
-    await until_sent(envoy, 2)
+    await envoy.until_sent(2)
     # P leaves before D's answers are written (parallel), and nothing is answered earlier
     assert timeline[:4] == ["P leg created", "P leg sent", "request_headers", "request_body"]
     routing = set_headers(envoy.sent[0])
     streamed = envoy.sent[1].request_body.response.body_mutation.streamed_response
     assert streamed.end_of_stream
-    assert routing["x-gateway-destination-endpoint"] == D  # the client's value overwritten
+    assert routing["x-gateway-destination-endpoint"] == D1  # the client's value overwritten
     assert int(routing["content-length"]) == len(streamed.body)
     params = orjson.loads(streamed.body)["kv_transfer_params"]
     assert params["remote_engine_id"] == "e1" and "evil" not in streamed.body.decode()
@@ -110,7 +106,7 @@ async def test_serial_awaits_p_before_the_headers_answer_and_sets_no_envoy_timer
     await asyncio.wait_for(prefill.started.wait(), 2)
     assert envoy.sent == []  # no override_message_timeout: Envoy runs no timer here
     prefill.gate.set()
-    await until_sent(envoy, 2)
+    await envoy.until_sent(2)
     assert kinds(envoy) == ["request_headers", "request_body"]
     body = envoy.sent[1].request_body.response.body_mutation.streamed_response.body
     assert orjson.loads(body)["kv_transfer_params"]["remote_engine_id"] == "e1"
@@ -200,9 +196,9 @@ async def test_response_trailers_are_let_through() -> None:
     task = await run(runtime(FakePrefill(0.0), cached=True), envoy)
     await upload(envoy, REQUEST)
     await envoy.inbox.put(response_headers(200))
-    await until_sent(envoy, 3)
+    await envoy.until_sent(3)
     await envoy.inbox.put(ep.ProcessingRequest(response_trailers=ep.HttpTrailers()))
-    await until_sent(envoy, 4)
+    await envoy.until_sent(4)
     assert kinds(envoy)[-1] == "response_trailers"
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)

@@ -26,8 +26,8 @@ from extproc.roles import Role
 from extproc.scheduling.decision import Sides, decide
 from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import Scheduler, WithPrefill, pool_picker
-from tests.extproc.kv_events_helpers import BLOCK, chain
-from tests.extproc.kv_events_helpers import batch as _batch
+from tests.extproc.kvcache.kv_events_helpers import BLOCK, chain
+from tests.extproc.kvcache.kv_events_helpers import batch as _batch
 
 LOAD_AWARE = DecisionConfig(mode="load_aware", pd_overhead_ms=0)
 IDLE = Sides(0, 0, 0, 0, 0, 0)
@@ -230,7 +230,7 @@ def test_the_chain_is_keyed_per_process() -> None:
 
 
 def test_the_example_config_in_the_docs_loads(tokenizer_dir: Path) -> None:
-    text = (Path(__file__).parents[2] / "docs" / "kv-cache.md").read_text()
+    text = (Path(__file__).parents[3] / "docs" / "kv-cache.md").read_text()
     example = yaml.safe_load(text.split("```yaml\n", 1)[1].split("```", 1)[0])
     example["tokenizer"] = str(tokenizer_dir)  # the tiny model may not be built here
     cfg = parse_config(example)
@@ -248,8 +248,8 @@ async def test_the_follower_subscribes_drops_leavers_clears_restarts_and_stops()
     import zmq.asyncio
 
     from extproc.kvcache.watchers import KvEventWatchers
-    from tests.extproc.test_kv_subscriber import FakeEngine, joined
-    from tests.integration.conftest import until
+    from tests.extproc.kvcache.kv_events_helpers import FakeEngine, joined
+    from tests.support.topology import until
 
     ctx = zmq.asyncio.Context()
     engine = FakeEngine(ctx)

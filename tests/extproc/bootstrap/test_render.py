@@ -25,7 +25,7 @@ from extproc.bootstrap.pieces import envoy_pieces
 from extproc.bootstrap.render import render_bootstrap, render_snippet
 from extproc.config import Config, load_config
 
-EXAMPLES = sorted(Path(__file__).resolve().parents[2].glob("examples/*/pd-extproc.yaml"))
+EXAMPLES = sorted(Path(__file__).resolve().parents[3].glob("examples/*/pd-extproc.yaml"))
 
 
 def _register_types(document: Any) -> None:

@@ -1,5 +1,5 @@
 """pd-extproc as the endpoint picker (`pd-extproc epp`) of vllmsim engines, behind an Envoy
-configured as a GIE gateway (tests/epp/gateway.py); all processes on ephemeral loopback ports."""
+configured as a GIE gateway (tests/support/gateway.py); processes on ephemeral loopback ports."""
 
 from __future__ import annotations
 
@@ -18,13 +18,18 @@ import yaml
 from multidict import CIMultiDict
 
 from extproc.process.subprocesses import terminate
-from tests.epp.gateway import Variant, running_gateway
-from tests.integration.conftest import PUSH, address
-from vllmsim.launcher import EngineHandle, running_engine
+from tests.support.engines import (
+    MODEL,
+    PUSH,
+    address,
+    clear_engines,
+    engine_requests,
+    start_engines,
+)
+from tests.support.gateway import Variant, running_gateway
+from vllmsim.launcher import EngineHandle
 
-__all__ = ["Picker", "epp_topology", "running_epp"]
-
-MODEL = "sim-model"
+__all__ = ["MODEL", "GatewayTopology", "Picker", "epp_config", "epp_topology", "running_epp"]
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ async def running_epp(config: dict[str, Any]) -> AsyncIterator[Picker]:
 
 
 @dataclass
-class Topology:
+class GatewayTopology:
     prefills: list[EngineHandle]
     decodes: list[EngineHandle]
     picker: Picker
@@ -110,14 +115,10 @@ class Topology:
 
     async def seen(self, engine: EngineHandle) -> list[dict[str, Any]]:
         """What `engine` received, identity probes excluded."""
-        async with self.session.get(engine.url + "/sim/requests") as response:
-            records = await response.json()
-        return [r for r in records if not (r["x_request_id"] or "").startswith("pd-extproc-probe-")]
+        return await engine_requests(self.session, engine)
 
     async def clear(self) -> None:
-        for engine in self.engines:
-            async with self.session.delete(engine.url + "/sim/requests"):
-                pass
+        await clear_engines(self.session, self.engines)
 
 
 @contextlib.asynccontextmanager
@@ -129,19 +130,11 @@ async def epp_topology(
     engine_flags: Sequence[str] = (),
     endpoint: Callable[[EngineHandle], Any] = address,
     **config: Any,
-) -> AsyncIterator[Topology]:
+) -> AsyncIterator[GatewayTopology]:
     """`endpoint`: an engine's entry in its pool's `endpoints` (its address, or a mapping)."""
     async with contextlib.AsyncExitStack() as stack:
-        engines = {}
-        for role, count, connector in (("prefill", n_prefill, connectors[0]),
-                                       ("decode", n_decode, connectors[1])):  # fmt: skip
-            engines[role] = [
-                await stack.enter_async_context(
-                    running_engine("--kv-transfer-config", connector, *engine_flags)
-                )
-                for _ in range(count)
-            ]
-        prefills, decodes = engines["prefill"], engines["decode"]
+        prefills = await start_engines(stack, n_prefill, connectors[0], engine_flags)
+        decodes = await start_engines(stack, n_decode, connectors[1], engine_flags)
         addresses = [address(e) for e in [*prefills, *decodes]]
         picker = await stack.enter_async_context(running_epp(
             epp_config([endpoint(e) for e in prefills], [endpoint(e) for e in decodes], **config)
@@ -151,4 +144,4 @@ async def epp_topology(
             running_gateway(variant, picker.extproc, addresses)
         )
         session = await stack.enter_async_context(aiohttp.ClientSession())
-        yield Topology(prefills, decodes, picker, url, session)
+        yield GatewayTopology(prefills, decodes, picker, url, session)

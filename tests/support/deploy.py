@@ -38,3 +38,11 @@ def documents(path: Path) -> list[dict[str, Any]]:
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [doc for doc in docs if doc.get("kind") == kind]
+
+
+K8S_VERSION = "1.30.0"
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    [doc] = by_kind(docs, kind)
+    return doc

@@ -14,7 +14,7 @@ from extproc.kvcache.events import (
     MalformedBatch,
     decode_batch,
 )
-from tests.extproc.kv_events_helpers import batch, cleared, removed, stored
+from tests.extproc.kvcache.kv_events_helpers import batch, cleared, removed, stored
 
 
 def test_a_batch_decodes_to_its_blocks() -> None:

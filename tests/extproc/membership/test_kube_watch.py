@@ -18,7 +18,7 @@ from extproc.membership.kube_api import PODS, KubeApi, Query
 from extproc.membership.kube_sources import is_ready
 from extproc.membership.kube_watch import Watched
 from extproc.roles import Role
-from tests.fakes.kube_api import FakeKubeApi, fake_kube_api, inference_pool, pod
+from tests.support.kube_api import FakeKubeApi, fake_kube_api, inference_pool, pod
 
 
 async def until(check: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:

@@ -3,109 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from collections.abc import Coroutine
 from typing import Any
 
 import orjson
 import pytest
-from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc import aio
 
-from extproc.config import parse_config
 from extproc.errors import PrefillFailed
-from extproc.protocol.identity import identity_from_params
-from extproc.request.prefill_client import PrefillResult
-from extproc.request.processor import RequestProcessor
-from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime
-
-P, D, D2 = "127.0.0.1:8100", "127.0.0.1:8200", "127.0.0.1:8201"
-IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
-            "tp_size": 1, "transfer_mode": "push"}  # fmt: skip
-
-
-class ScriptedEnvoy:
-    """A grpc.aio ServicerContext stand-in: messages in from a queue, answers recorded.
-
-    `timeline` records each answer's kind once written; a FakePrefill sharing it adds its leg.
-    """
-
-    def __init__(self, timeline: list[str] | None = None) -> None:
-        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
-        self.sent: list[ep.ProcessingResponse] = []
-        self.answered = asyncio.Event()
-        self.timeline = [] if timeline is None else timeline
-
-    async def read(self) -> Any:
-        return await self.inbox.get()
-
-    async def write(self, message: ep.ProcessingResponse) -> None:
-        await asyncio.sleep(0)  # like grpc.aio's write: other tasks run while it flushes
-        self.sent.append(message)
-        self.timeline.append(message.WhichOneof("response"))
-        self.answered.set()
-
-
-class FakePrefill:
-    def __init__(self, outcome: Any, timeline: list[str] | None = None) -> None:
-        self.outcome = outcome
-        self.calls = 0
-        self.timeline = [] if timeline is None else timeline
-
-    def send(self, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, PrefillResult]:
-        """Called when the processor creates the leg; the returned coroutine is the request."""
-        self.calls += 1
-        self.timeline.append("P leg created")
-        return self._answer()
-
-    async def _answer(self) -> PrefillResult:
-        self.timeline.append("P leg sent")
-        if isinstance(self.outcome, Exception):
-            raise self.outcome
-        await asyncio.sleep(self.outcome)  # P's compute time
-        return PrefillResult(200, IDENTITY | {"remote_request_id": "x"}, 0.0, self.outcome)
-
-
-def headers(path: str = "/v1/completions", end: bool = False) -> ep.ProcessingRequest:
-    pairs = [(":method", "POST"), (":path", path), ("content-type", "application/json")]
-    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(
-        headers=core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode())
-                                        for k, v in pairs]),
-        end_of_stream=end))  # fmt: skip
-
-
-def body(doc: dict[str, Any]) -> ep.ProcessingRequest:
-    return ep.ProcessingRequest(
-        request_body=ep.HttpBody(body=orjson.dumps(doc), end_of_stream=True)
-    )
-
-
-def runtime(
-    prefill: FakePrefill, cached: bool, decodes: tuple[str, ...] = (D,), **settings: Any
-) -> Runtime:
-    """A runtime over one P and `decodes`; `settings`: more config sections (timeouts, ...)."""
-    pools = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": list(decodes)}}
-    rt = use_prefill(Runtime(parse_config(pools | settings), "unix:/nonexistent"), prefill)
-    if cached:
-        rt.identities.learn(P, identity_from_params(IDENTITY))
-    return rt
-
-
-def use_prefill(rt: Runtime, prefill: Any) -> Runtime:
-    """The runtime with its P legs sent to a fake instead of Envoy's prefill listener."""
-    legs = dataclasses.replace(rt.request_deps.legs, prefill_client=prefill)
-    rt.request_deps = dataclasses.replace(rt.request_deps, legs=legs)
-    return rt
-
-
-REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 4}
-
-
-async def run(rt: Runtime, envoy: ScriptedEnvoy) -> asyncio.Task[None]:
-    stream = EnvoyStream(envoy)  # type: ignore[arg-type]
-    return asyncio.create_task(RequestProcessor(rt.request_deps, stream).run())
+from tests.support.scripted_envoy import (
+    D1,
+    D2,
+    IDENTITY,
+    REQUEST,
+    P,
+    ScriptedEnvoy,
+    body,
+    headers,
+    response_headers,
+)
+from tests.support.scripted_prefill import FakePrefill, GatedPrefill, run, runtime
 
 
 async def send_request(envoy: ScriptedEnvoy, doc: dict[str, Any]) -> None:
@@ -117,28 +35,7 @@ async def send_request(envoy: ScriptedEnvoy, doc: dict[str, Any]) -> None:
 async def dispatched(envoy: ScriptedEnvoy, doc: dict[str, Any]) -> None:
     """Send the request and wait until the processor has answered its body."""
     await send_request(envoy, doc)
-    await until_sent(envoy, 2)
-
-
-async def until_sent(envoy: ScriptedEnvoy, count: int) -> None:
-    """Wait (bounded) until the processor has written `count` answers."""
-    while len(envoy.sent) < count:
-        envoy.answered.clear()
-        await asyncio.wait_for(envoy.answered.wait(), 2)
-
-
-async def until_kind(envoy: ScriptedEnvoy, kind: str) -> None:
-    """Wait (bounded) until the processor has written an answer of this kind."""
-    while kind not in envoy.timeline:
-        envoy.answered.clear()
-        await asyncio.wait_for(envoy.answered.wait(), 2)
-
-
-def response_headers(status: int) -> ep.ProcessingRequest:
-    header = core.HeaderValue(key=":status", raw_value=str(status).encode())
-    return ep.ProcessingRequest(
-        response_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=[header]))
-    )
+    await envoy.until_sent(2)
 
 
 async def test_prefill_failing_while_the_answer_is_written_still_ends_the_request() -> None:
@@ -163,7 +60,7 @@ async def test_parallel_answer_carries_identity_routing_and_content_length() -> 
     new_body = answer.body_mutation.body
     set_headers = {h.header.key: h.header.raw_value.decode()
                    for h in answer.header_mutation.set_headers}  # fmt: skip
-    assert set_headers["x-gateway-destination-endpoint"] == D
+    assert set_headers["x-gateway-destination-endpoint"] == D1
     assert int(set_headers["content-length"]) == len(new_body)
     params = orjson.loads(new_body)["kv_transfer_params"]
     assert params["remote_engine_id"] == "e1" and params["remote_request_id"] == set_headers[
@@ -186,23 +83,6 @@ async def test_refusals_at_the_headers_phase(message: ep.ProcessingRequest, stat
     await asyncio.wait_for(task, timeout=2)
     assert envoy.sent[-1].immediate_response.status.code == status
     assert prefill.calls == 0
-
-
-class GatedPrefill:
-    """P answers `params` only once the test opens the gate."""
-
-    def __init__(self, params: dict[str, Any]) -> None:
-        self.params = params
-        self.gate = asyncio.Event()
-        self.cancelled = asyncio.Event()
-
-    async def send(self, *args: Any, **kwargs: Any) -> PrefillResult:
-        try:
-            await self.gate.wait()
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
-        return PrefillResult(200, self.params, 0.0, 0.0)
 
 
 RESTARTED = IDENTITY | {"remote_engine_id": "e2", "remote_request_id": "x"}
@@ -241,11 +121,11 @@ async def test_decode_headers_before_prefill_answers_are_held_until_it_settles(
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST | {"stream": True})
     await envoy.inbox.put(response_headers(200))  # a streaming D answers at once
-    await until_sent(envoy, 3)
+    await envoy.until_sent(3)
     held = envoy.sent[2]
     assert held.WhichOneof("response") is None and held.override_message_timeout.seconds > 1
     prefill.gate.set()
-    await until_sent(envoy, 4)
+    await envoy.until_sent(4)
     assert envoy.sent[3].WhichOneof("response") == answer
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
@@ -274,7 +154,7 @@ async def test_decode_refusal_passes_at_once_and_cancels_the_prefill_leg() -> No
     task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
     await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(400))
-    await until_sent(envoy, 3)
+    await envoy.until_sent(3)
     assert envoy.sent[2].WhichOneof("response") == "response_headers"  # not held for P
     await asyncio.wait_for(prefill.cancelled.wait(), 2)  # nor reset later by P's outcome
     await envoy.inbox.put(aio.EOF)
@@ -295,13 +175,13 @@ async def test_parallel_prefill_leaves_before_the_decode_answer_is_written() -> 
 
 async def test_answer_names_a_fallback_decode_for_envoys_connect_retry() -> None:
     envoy = ScriptedEnvoy()
-    rt = runtime(FakePrefill(0.05), cached=True, decodes=(D, D2))
+    rt = runtime(FakePrefill(0.05), cached=True, decodes=(D1, D2))
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)
     answer = envoy.sent[1].request_body.response
     set_headers = {h.header.key: h.header.raw_value.decode()
                    for h in answer.header_mutation.set_headers}  # fmt: skip
-    assert set_headers["x-gateway-destination-endpoint"] == f"{D},{D2}"
+    assert set_headers["x-gateway-destination-endpoint"] == f"{D1},{D2}"
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
 
@@ -312,7 +192,7 @@ async def test_decode_5xx_drops_the_identity_it_was_given() -> None:
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(503))
-    await until_kind(envoy, "response_headers")  # D's 503 goes on to the client
+    await envoy.until_kind("response_headers")  # D's 503 goes on to the client
     assert rt.identities.get(P) is None  # P answered as usual, yet D failed: learn it again
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
@@ -335,7 +215,7 @@ async def test_decode_failing_before_a_restarted_prefill_answers_gives_503() -> 
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(500))
-    await until_sent(envoy, 3)  # the message timer extended for the grace
+    await envoy.until_sent(3)  # the message timer extended for the grace
     assert envoy.sent[2].override_message_timeout.seconds >= 1
     prefill.gate.set()
     await asyncio.wait_for(task, timeout=2)
@@ -352,7 +232,7 @@ async def test_decode_failing_with_prefill_silent_past_the_grace_cancels_it() ->
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(502))
-    await until_kind(envoy, "response_headers")  # D's own error goes on to the client
+    await envoy.until_kind("response_headers")  # D's own error goes on to the client
     await asyncio.wait_for(prefill.cancelled.wait(), 2)
     assert rt.identities.get(P) is None  # the identity D was given failed it: learn again
     await envoy.inbox.put(aio.EOF)
@@ -412,7 +292,7 @@ async def test_stream_ending_while_decode_headers_are_held_cancels_the_prefill_l
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST | {"stream": True})
     await envoy.inbox.put(response_headers(200))
-    await until_sent(envoy, 3)  # the hold: Envoy's timer extended, nothing answered
+    await envoy.until_sent(3)  # the hold: Envoy's timer extended, nothing answered
     await envoy.inbox.put(aio.EOF)  # the client went away
     await asyncio.wait_for(task, timeout=2)
     await asyncio.wait_for(prefill.cancelled.wait(), 2)

@@ -19,56 +19,16 @@ from extproc.kvcache.index import KvIndex
 from extproc.kvcache.subscriber import EngineEvents, SubscriberLimits
 from extproc.kvcache.watchers import EventSource, KvEventWatchers
 from extproc.metrics import Metrics
-from extproc.stopping import cancel_and_wait
-from tests.extproc.kv_events_helpers import batch, chain, cleared, removed
+from tests.extproc.kvcache.kv_events_helpers import (
+    FakeEngine,
+    batch,
+    chain,
+    cleared,
+    joined,
+    removed,
+)
 
 TOKENS = list(range(1, 33))
-END = (-1).to_bytes(8, "big", signed=True)
-
-
-class FakeEngine:
-    """A publisher as vLLM's ZmqEventPublisher: PUB plus a ROUTER replaying its kept batches."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, keep: int = 100) -> None:
-        self.pub = ctx.socket(zmq.PUB)
-        self.pub.bind("tcp://127.0.0.1:*")
-        self.router = ctx.socket(zmq.ROUTER)
-        self.router.bind("tcp://127.0.0.1:*")
-        self.endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.replay_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.kept: list[tuple[int, bytes]] = []
-        self.keep = keep
-        self.seq = 0
-        self.replays: list[int] = []
-        self.answer_replays = True
-        self._server = asyncio.create_task(self._serve_replays())
-
-    async def send(self, payload: bytes, *, lost: bool = False) -> int:
-        """Publish the next batch (or, `lost`, only keep it for replay: the PUB lost it)."""
-        seq, self.seq = self.seq, self.seq + 1
-        self.kept = [*self.kept, (seq, payload)][-self.keep :]
-        if not lost:
-            await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-        return seq
-
-    async def _serve_replays(self) -> None:
-        while True:
-            client, _, start = await self.router.recv_multipart()
-            self.replays.append(int.from_bytes(start, "big"))
-            if not self.answer_replays:
-                continue
-            for seq, payload in self.kept:
-                if seq >= int.from_bytes(start, "big"):
-                    await self.router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"),
-                                                      payload])
-            await self.router.send_multipart([client, b"", b"", END, b""])
-
-    async def close(self) -> None:
-        await cancel_and_wait([self._server])
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
-
-
 @pytest_asyncio.fixture
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
@@ -94,15 +54,6 @@ async def subscribed(engine: FakeEngine, ctx: zmq.asyncio.Context, **kw: Any
         yield events, index, metrics
     finally:
         await events.stop()
-
-
-async def joined(engine: FakeEngine, events: EngineEvents) -> None:
-    """Publish empty batches until the subscriber has one (a SUB joins a PUB late)."""
-    async with asyncio.timeout(10):
-        while not events.applied.is_set():
-            await engine.send(batch())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(events.applied.wait(), 0.05)
 
 
 async def applied(events: EngineEvents, metrics: Metrics, n: float) -> None:
