@@ -75,7 +75,6 @@ AIM_VS_ROUTER, AIM_VS_BASELINE = 0.7, 1.02
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
-
 @dataclass(frozen=True)
 class EventSockets:
     """Where one engine publishes its KV events (ZMQ PUB) and answers replays (ROUTER)."""
@@ -106,13 +105,16 @@ class Config:
     needs_events: bool = False
 
 
-CONFIGS = {c.name: c for c in (
-    Config("pd-rr", _pools("round_robin")),
-    Config("pd-prefix", _pools("prefix")),
-    Config("pd-cache", pd_cache_sections),
-    Config("router-cache", router_policy="cache_aware"),
-    Config("router-kv", router_policy="kv_aware", needs_events=True),
-)}  # fmt: skip
+CONFIGS = {
+    c.name: c
+    for c in (
+        Config("pd-rr", _pools("round_robin")),
+        Config("pd-prefix", _pools("prefix")),
+        Config("pd-cache", pd_cache_sections),
+        Config("router-cache", router_policy="cache_aware"),
+        Config("router-kv", router_policy="kv_aware", needs_events=True),
+    )
+}
 
 
 # ------------------------------------------------------------------------------ engines
@@ -120,8 +122,14 @@ CONFIGS = {c.name: c for c in (
 
 def engine_cache_flags(env: dict[str, str]) -> tuple[bool, str]:
     """(whether the installed vllmsim takes vLLM's prefix-caching and KV-events flags, why)."""
-    proc = subprocess.run([*vllmsim_command(), "--help"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **env}, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [*vllmsim_command(), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+        check=False,
+    )
     missing = [f for f in ("--enable-prefix-caching", "--kv-events-config") if f not in proc.stdout]
     if missing:
         return False, f"this vllmsim has no {' or '.join(missing)} (no prefix cache, no events)"
@@ -130,8 +138,14 @@ def engine_cache_flags(env: dict[str, str]) -> tuple[bool, str]:
 
 def events_config(endpoint: str, replay_endpoint: str) -> str:
     """vLLM's --kv-events-config: a ZMQ PUB on `endpoint`, the replay socket on the other."""
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                       "endpoint": endpoint, "replay_endpoint": replay_endpoint})  # fmt: skip
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay_endpoint,
+        }
+    )
 
 
 @dataclass
@@ -152,8 +166,11 @@ class EventFlags:
             return []
         base = f"ipc://{self.folder}/{role[0]}{index}"
         sockets = self.by_slot[(role, index)] = EventSockets(base + ".pub", base + ".replay")
-        return ["--enable-prefix-caching", "--kv-events-config",
-                events_config(sockets.endpoint, sockets.replay_endpoint)]
+        return [
+            "--enable-prefix-caching",
+            "--kv-events-config",
+            events_config(sockets.endpoint, sockets.replay_endpoint),
+        ]
 
     def endpoints(self, engines: Engines) -> EventPorts:
         out = {}
@@ -185,15 +202,22 @@ async def cache_counters(http: aiohttp.ClientSession, engines: Engines) -> dict[
 
 
 @contextlib.asynccontextmanager
-async def running_config(config: Config, engines: Engines, events: EventPorts,
-                         cpus: set[int] | None) -> AsyncIterator[Target]:  # fmt: skip
+async def running_config(
+    config: Config, engines: Engines, events: EventPorts, cpus: set[int] | None
+) -> AsyncIterator[Target]:
     if config.router_policy is not None:
         extra = []
         if config.needs_events:
             for handle in engines.prefill:
                 extra += ["--pd-kv-events", f"{handle.url}={events[handle.url].endpoint}"]
-        async with running_router(engines, vllm_router_venv() / "bin" / "vllm-router", cpus,
-                                  config.router_policy, config.name, extra) as target:  # fmt: skip
+        async with running_router(
+            engines,
+            vllm_router_venv() / "bin" / "vllm-router",
+            cpus,
+            config.router_policy,
+            config.name,
+            extra,
+        ) as target:
             yield target
         return
     assert config.sections is not None
@@ -208,15 +232,17 @@ async def running_config(config: Config, engines: Engines, events: EventPorts,
 
 def extproc_config(config: Config, engines: Engines, events: EventPorts) -> dict[str, Any]:
     assert config.sections is not None
-    out = ephemeral_config(engines.addresses("prefill"), engines.addresses("decode"),
-                           dispatch={"mode": "push"})  # fmt: skip
+    out = ephemeral_config(
+        engines.addresses("prefill"), engines.addresses("decode"), dispatch={"mode": "push"}
+    )
     for key, value in config.sections(engines, events).items():  # one level deep, as theirs
         out[key] = {**out[key], **value} if isinstance(out.get(key), dict) else value
     return out
 
 
-def runnable(config: Config, engines: Engines, events: EventPorts, has_events: bool,
-             why_not: str) -> str | None:  # fmt: skip
+def runnable(
+    config: Config, engines: Engines, events: EventPorts, has_events: bool, why_not: str
+) -> str | None:
     """None when the configuration can run here, else the one-line reason it is skipped."""
     if config.needs_events and not has_events:
         return f"{config.name} skipped: {why_not}"
@@ -244,42 +270,76 @@ class Cell:
         return f"{self.workload}/{self.topology}"
 
 
-def cell_runs(cell: Cell, index: int, args: argparse.Namespace, url: str,
-              work: Path) -> list[Run]:  # fmt: skip
+def cell_runs(cell: Cell, index: int, args: argparse.Namespace, url: str, work: Path) -> list[Run]:
     """A warm-up (random prompts, sharing next to nothing with the measured ones), then the
     cell's measured runs: one, or one per turn for multi-turn."""
     conc, tag = cell.concurrency, f"{cell.key}-{cell.config}-c{cell.concurrency}-r{index}"
     tag = tag.replace("/", "-")
     salt = f"{cell.config}/{conc}/{index}/{cell.topology}"
     seed = args.seed + index
-    warm = Run(f"{tag}-warm", cell.key, cell.config, conc, index, url, work / f"{tag}-warm.json",
-               num_prompts=warmups(conc), num_warmups=0,
-               seed=hash_seed(salt, "warm"))  # fmt: skip
+    warm = Run(
+        f"{tag}-warm",
+        cell.key,
+        cell.config,
+        conc,
+        index,
+        url,
+        work / f"{tag}-warm.json",
+        num_prompts=warmups(conc),
+        num_warmups=0,
+        seed=hash_seed(salt, "warm"),
+    )
     runs = [warm]
     if cell.workload == "random":
-        runs.append(Run(tag, cell.key, cell.config, conc, index, url, work / f"{tag}.json",
-                        num_warmups=0, seed=hash_seed(salt, "random")))  # fmt: skip
+        runs.append(
+            Run(
+                tag,
+                cell.key,
+                cell.config,
+                conc,
+                index,
+                url,
+                work / f"{tag}.json",
+                num_warmups=0,
+                seed=hash_seed(salt, "random"),
+            )
+        )
     elif cell.workload == "shared-prefix":
-        rows = shared_prefix(tiny_model(), args.shared, max(32, args.requests_per_c * conc),
-                             seed, salt)  # fmt: skip
+        rows = shared_prefix(
+            tiny_model(), args.shared, max(32, args.requests_per_c * conc), seed, salt
+        )
         runs.append(_file_run(tag, cell, index, url, work, rows, seed))
     else:
         shape = MultiTurn(**{**vars(args.chat), "conversations": max(8, 2 * conc)})
         # each wave shuffled with a seed of its own: in a fixed order, round robin over an
         # even pool would send every conversation to the same engines turn after turn
         for turn, wave in enumerate(turn_waves(multi_turn(tiny_model(), shape, seed, salt))):
-            runs.append(_file_run(f"{tag}-t{turn}", cell, index, url, work, wave,
-                                  hash_seed(salt, f"turn {turn}")))  # fmt: skip
+            runs.append(
+                _file_run(
+                    f"{tag}-t{turn}", cell, index, url, work, wave, hash_seed(salt, f"turn {turn}")
+                )
+            )
     return runs
 
 
-def _file_run(run_id: str, cell: Cell, index: int, url: str, work: Path, rows: list[dict],
-              seed: int) -> Run:  # fmt: skip
+def _file_run(
+    run_id: str, cell: Cell, index: int, url: str, work: Path, rows: list[dict], seed: int
+) -> Run:
     path = work / f"{run_id}.jsonl"
     write(path, [{"prompt": r["prompt"], "output_tokens": r["output_tokens"]} for r in rows])
-    return Run(run_id, cell.key, cell.config, cell.concurrency, index, url,
-               work / f"{run_id}.json", path, num_prompts=len(rows), num_warmups=0,
-               seed=seed)  # fmt: skip
+    return Run(
+        run_id,
+        cell.key,
+        cell.config,
+        cell.concurrency,
+        index,
+        url,
+        work / f"{run_id}.json",
+        path,
+        num_prompts=len(rows),
+        num_warmups=0,
+        seed=seed,
+    )
 
 
 def hash_seed(*parts: str) -> int:
@@ -289,8 +349,9 @@ def hash_seed(*parts: str) -> int:
     return int.from_bytes(hashlib.sha256("/".join(parts).encode()).digest()[:4], "big")
 
 
-def plan(topology: str, targets: dict[str, Target], args: argparse.Namespace,
-         work: Path) -> tuple[list[Run], dict[str, Cell]]:  # fmt: skip
+def plan(
+    topology: str, targets: dict[str, Target], args: argparse.Namespace, work: Path
+) -> tuple[list[Run], dict[str, Cell]]:
     """Interleaved per (repetition, workload, C), the configuration order rotating; returns
     the runs and, for every measured run, its cell."""
     names, runs, cells = list(targets), [], {}
@@ -312,17 +373,28 @@ def plan(topology: str, targets: dict[str, Target], args: argparse.Namespace,
 Counters = dict[str, dict[str, float]]  # cell id → the engines' cache counters over its runs
 
 
-async def bench_topology(topology: str, args: argparse.Namespace, work: Path,
-                         notes: list[str]) -> tuple[list[dict], Counters]:  # fmt: skip
+async def bench_topology(
+    topology: str, args: argparse.Namespace, work: Path, notes: list[str]
+) -> tuple[list[dict], Counters]:
     n = int(topology[0])
     engine_cpus, proxy_cpus = cpu_split(args.pin)
     has_events, why = engine_cache_flags(args.engine_env)
     flags = EventFlags(has_events, work / f"events-{topology}")
     flags.folder.mkdir()
     async with contextlib.AsyncExitStack() as stack:
-        engines = await stack.enter_async_context(running_engines(
-            "push", n, n, MODEL, tiny_model(), ("--profile", args.profile), engine_cpus,
-            flags, args.engine_env))  # fmt: skip
+        engines = await stack.enter_async_context(
+            running_engines(
+                "push",
+                n,
+                n,
+                MODEL,
+                tiny_model(),
+                ("--profile", args.profile),
+                engine_cpus,
+                flags,
+                args.engine_env,
+            )
+        )
         events = flags.endpoints(engines)
         notes.append(f"{topology}: engines: {why}")
         targets = {}
@@ -332,7 +404,8 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path,
                 notes.append(f"{topology}: {reason}")
                 continue
             targets[name] = await stack.enter_async_context(
-                running_config(CONFIGS[name], engines, events, proxy_cpus))
+                running_config(CONFIGS[name], engines, events, proxy_cpus)
+            )
         runs, cells = plan(topology, targets, args, work)
         print(f"{topology}: {len(runs)} runs over {', '.join(targets)}", flush=True)
         deltas: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -348,8 +421,17 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path,
                 last = now
 
             results = await run_plan(runs, MODEL, tiny_model(), work, engine_cpus, between)
-    records = [{"topology": r.topology, "config": r.config, "concurrency": r.concurrency,
-                "index": r.index, **_slim(results[r.id])} for r in runs if r.id in cells]
+    records = [
+        {
+            "topology": r.topology,
+            "config": r.config,
+            "concurrency": r.concurrency,
+            "index": r.index,
+            **_slim(results[r.id]),
+        }
+        for r in runs
+        if r.id in cells
+    ]
     return records, {k: dict(v) for k, v in deltas.items()}
 
 
@@ -370,8 +452,10 @@ def cache_columns(counters: dict[str, float]) -> list[str]:
     for role in ("P", "D"):
         by_source = [counters.get(f"{role} {s}") for s in SOURCES]
         total = sum(v for v in by_source if v is not None)
-        hit, queries = counters.get(f"{role} prefix_cache_hits"), counters.get(
-            f"{role} prefix_cache_queries")  # fmt: skip
+        hit, queries = (
+            counters.get(f"{role} prefix_cache_hits"),
+            counters.get(f"{role} prefix_cache_queries"),
+        )
         if total and by_source[1] is not None:
             out.append(f"{100 * by_source[1] / total:.1f}")
         elif queries:
@@ -384,36 +468,71 @@ def cache_columns(counters: dict[str, float]) -> list[str]:
     return out
 
 
-def section(table: dict, deltas: Counters, workload: str, topology: str,
-            args: argparse.Namespace, configs: list[str]) -> tuple[list[str], list[str]]:
+def section(
+    table: dict,
+    deltas: Counters,
+    workload: str,
+    topology: str,
+    args: argparse.Namespace,
+    configs: list[str],
+) -> tuple[list[str], list[str]]:
     """(the table's lines, the aim's misses) of one workload on one topology."""
     key = f"{workload}/{topology}"
-    head = ["C", "config", "TTFT p50", "TTFT p99", "TPOT p99", "P cached %", "D cached %",
-            "P computed", "D computed", "p50 / best router", "p99 / best router", "aim"]
+    head = [
+        "C",
+        "config",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p99",
+        "P cached %",
+        "D cached %",
+        "P computed",
+        "D computed",
+        "p50 / best router",
+        "p99 / best router",
+        "aim",
+    ]
     lines, misses = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)], []
     for conc in args.concurrency:
+
         def get(config: str, metric: str, conc: int = conc) -> float | None:
             return table.get((key, config, conc), {}).get(metric)
 
-        best = {m: min((v for r in ROUTERS if (v := get(r, m)) is not None), default=None)
-                for m in ("median_ttft_ms", "p99_ttft_ms")}  # fmt: skip
+        best = {
+            m: min((v for r in ROUTERS if (v := get(r, m)) is not None), default=None)
+            for m in ("median_ttft_ms", "p99_ttft_ms")
+        }
         for config in configs:
-            ratios = [get(config, m) / best[m] if get(config, m) and best[m] else None
-                      for m in ("median_ttft_ms", "p99_ttft_ms")]  # fmt: skip
+            ratios = [
+                get(config, m) / best[m] if get(config, m) and best[m] else None
+                for m in ("median_ttft_ms", "p99_ttft_ms")
+            ]
             verdict = ""
             if config == "pd-cache":
                 verdict, missed = aim(get, workload, best)
                 misses += [f"{topology} C={conc}: {m}" for m in missed]
-            lines.append("| " + " | ".join([
-                str(conc), config, _f(get(config, "median_ttft_ms")),
-                _f(get(config, "p99_ttft_ms")), _f(get(config, "p99_tpot_ms"), 2),
-                *cache_columns(deltas.get(f"{key}|{config}|{conc}", {})),
-                *(_f(r, 2) for r in ratios), verdict]) + " |")  # fmt: skip
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        str(conc),
+                        config,
+                        _f(get(config, "median_ttft_ms")),
+                        _f(get(config, "p99_ttft_ms")),
+                        _f(get(config, "p99_tpot_ms"), 2),
+                        *cache_columns(deltas.get(f"{key}|{config}|{conc}", {})),
+                        *(_f(r, 2) for r in ratios),
+                        verdict,
+                    ]
+                )
+                + " |"
+            )
     return lines, misses
 
 
-def aim(get: Callable[[str, str], float | None], workload: str,
-        best: dict[str, float | None]) -> tuple[str, list[str]]:  # fmt: skip
+def aim(
+    get: Callable[[str, str], float | None], workload: str, best: dict[str, float | None]
+) -> tuple[str, list[str]]:
     """pd-cache against the aim of this workload: (verdict, what missed)."""
     if workload in CACHE_WORKLOADS:
         limit, against, name = AIM_VS_ROUTER, best, "best router"
@@ -430,36 +549,55 @@ def aim(get: Callable[[str, str], float | None], workload: str,
     return ("met" if not missed else "MISSED " + "; ".join(missed)), missed
 
 
-def write_outputs(records: list[dict], deltas: dict, args: argparse.Namespace, meta: dict,
-                  notes: list[str]) -> None:  # fmt: skip
+def write_outputs(
+    records: list[dict], deltas: dict, args: argparse.Namespace, meta: dict, notes: list[str]
+) -> None:
     table = report.cells(records)
     ran = list(dict.fromkeys(r["config"] for r in records))
-    lines = ["# Routing by the KV cache: pd-extproc against vllm-router, vllmsim engines",
-             "", f"Profile {args.profile}; {meta['when']}; {args.runs} run(s) per cell, pooled; "
-             f"{meta['duration_s']:.0f} s; load average before {meta['load_before']}, after "
-             f"{meta['load_after']}; pinning: {meta['pinning']}; commit {meta['commits']}. TTFT "
-             "and TPOT in ms; cached % = prompt tokens found in the engines' prefix caches "
-             "over all prompt tokens of that role (vllm:prompt_tokens_by_source_total), "
-             "computed = prompt tokens the role prefilled itself. Best router: per cell, the "
-             f"lower of {', '.join(ROUTERS)}. Aim (pd-cache): TTFT p50 and p99 ≤ "
-             f"{AIM_VS_ROUTER} × best router on {', '.join(CACHE_WORKLOADS)}, ≤ "
-             f"{AIM_VS_BASELINE} × pd-rr on random.",
-             "", f"Workloads: shared-prefix {vars(args.shared)}, {args.requests_per_c} × C "
-             f"requests (at least 32); multi-turn {vars(args.chat)}, max(8, 2 × C) "
-             "conversations; random 1024 / 64, 2 × C prompts; seed "
-             f"{args.seed}.", "", *(f"- {n}" for n in notes), ""]  # fmt: skip
+    lines = [
+        "# Routing by the KV cache: pd-extproc against vllm-router, vllmsim engines",
+        "",
+        f"Profile {args.profile}; {meta['when']}; {args.runs} run(s) per cell, pooled; "
+        f"{meta['duration_s']:.0f} s; load average before {meta['load_before']}, after "
+        f"{meta['load_after']}; pinning: {meta['pinning']}; commit {meta['commits']}. TTFT "
+        "and TPOT in ms; cached % = prompt tokens found in the engines' prefix caches "
+        "over all prompt tokens of that role (vllm:prompt_tokens_by_source_total), "
+        "computed = prompt tokens the role prefilled itself. Best router: per cell, the "
+        f"lower of {', '.join(ROUTERS)}. Aim (pd-cache): TTFT p50 and p99 ≤ "
+        f"{AIM_VS_ROUTER} × best router on {', '.join(CACHE_WORKLOADS)}, ≤ "
+        f"{AIM_VS_BASELINE} × pd-rr on random.",
+        "",
+        f"Workloads: shared-prefix {vars(args.shared)}, {args.requests_per_c} × C "
+        f"requests (at least 32); multi-turn {vars(args.chat)}, max(8, 2 × C) "
+        "conversations; random 1024 / 64, 2 × C prompts; seed "
+        f"{args.seed}.",
+        "",
+        *(f"- {n}" for n in notes),
+        "",
+    ]
     all_misses = []
     for topology in args.topologies:
         for workload in args.workloads:
             body, misses = section(table, deltas, workload, topology, args, ran)
             all_misses += [f"{workload} {m}" for m in misses]
             lines += [f"## {workload}, {topology}", "", *body, ""]
-    lines += ["## Aim", "", ("pd-cache did not run." if "pd-cache" not in ran else
-              "Misses: " + ("; ".join(all_misses) if all_misses else "none")), ""]  # fmt: skip
+    lines += [
+        "## Aim",
+        "",
+        (
+            "pd-cache did not run."
+            if "pd-cache" not in ran
+            else "Misses: " + ("; ".join(all_misses) if all_misses else "none")
+        ),
+        "",
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cache.md").write_text("\n".join(lines))
-    (args.out / "cache.json").write_text(json.dumps(
-        {"meta": meta, "notes": notes, "cache_counters": deltas, "runs": records}, indent=1))
+    (args.out / "cache.json").write_text(
+        json.dumps(
+            {"meta": meta, "notes": notes, "cache_counters": deltas, "runs": records}, indent=1
+        )
+    )
     plot(table, args, ran, args.out / "cache.png")
     print("\n".join(lines))
 
@@ -470,15 +608,19 @@ def plot(table: dict, args: argparse.Namespace, configs: list[str], path: Path) 
     columns = [(w, t) for t in args.topologies for w in args.workloads]
     fig, axes = plt.subplots(2, len(columns), figsize=(5 * len(columns), 8), squeeze=False)
     for column, (workload, topology) in enumerate(columns):
-        for row, (metric, label) in enumerate((("median_ttft_ms", "TTFT p50 (ms)"),
-                                               ("p99_ttft_ms", "TTFT p99 (ms)"))):  # fmt: skip
+        for row, (metric, label) in enumerate(
+            (("median_ttft_ms", "TTFT p50 (ms)"), ("p99_ttft_ms", "TTFT p99 (ms)"))
+        ):
             ax = axes[row][column]
             for index, config in enumerate(configs):
-                points = [(c, v) for c in args.concurrency if (v := table.get(
-                    (f"{workload}/{topology}", config, c), {}).get(metric)) is not None]
+                points = [
+                    (c, v)
+                    for c in args.concurrency
+                    if (v := table.get((f"{workload}/{topology}", config, c), {}).get(metric))
+                    is not None
+                ]
                 if points:
-                    ax.plot(*zip(*points, strict=True), marker="o", label=config,
-                            color=f"C{index}")  # fmt: skip
+                    ax.plot(*zip(*points, strict=True), marker="o", label=config, color=f"C{index}")
             ax.set_xscale("log", base=2)
             ax.set_xticks(args.concurrency, [str(c) for c in args.concurrency])
             ax.set_yscale("log")
@@ -506,16 +648,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--question-tokens", type=int, default=SharedPrefix.question_tokens)
     parser.add_argument("--turns", type=int, default=MultiTurn.turns)
     parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
-    parser.add_argument("--vllmsim-from", type=Path, metavar="DIR",
-                        help="run the engines' vllmsim package from this checkout")
+    parser.add_argument(
+        "--vllmsim-from",
+        type=Path,
+        metavar="DIR",
+        help="run the engines' vllmsim package from this checkout",
+    )
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.topologies = args.topologies.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.workloads, args.configs = args.workloads.split(","), args.configs.split(",")
-    for name, given, known in (("workloads", args.workloads, WORKLOADS),
-                               ("configs", args.configs, tuple(CONFIGS))):  # fmt: skip
+    for name, given, known in (
+        ("workloads", args.workloads, WORKLOADS),
+        ("configs", args.configs, tuple(CONFIGS)),
+    ):
         if unknown := sorted(set(given) - set(known)):
             parser.error(f"unknown {name} {unknown}; choose from {', '.join(known)}")
     if bad := [t for t in args.topologies if not re.fullmatch(r"([1-9])P\1D", t)]:
@@ -540,13 +688,18 @@ async def main() -> None:
             deltas |= counters
             commits.append(commit())
     engine_cpus, proxy_cpus = cpu_split(args.pin)
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "duration_s": time.monotonic() - started,
-            "load_before": " ".join(f"{x:.2f}" for x in load_before),
-            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
-                       f"{sorted(proxy_cpus or ())}" if engine_cpus else "none",
-            "argv": sys.argv[1:], "commits": " → ".join(dict.fromkeys(commits))}  # fmt: skip
+    meta = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "duration_s": time.monotonic() - started,
+        "load_before": " ".join(f"{x:.2f}" for x in load_before),
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
+        f"{sorted(proxy_cpus or ())}"
+        if engine_cpus
+        else "none",
+        "argv": sys.argv[1:],
+        "commits": " → ".join(dict.fromkeys(commits)),
+    }
     write_outputs(records, deltas, args, meta, notes)
 
 

@@ -53,28 +53,64 @@ def warmups(concurrency: int) -> int:
 
 def dataset_flags(workload: Path | None) -> list[str]:
     if workload is None:
-        return ["--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
-                "--random-output-len", str(OUTPUT_LEN), "--random-range-ratio", "0"]  # fmt: skip
+        return [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(INPUT_LEN),
+            "--random-output-len",
+            str(OUTPUT_LEN),
+            "--random-range-ratio",
+            "0",
+        ]
     # each line's own output_tokens; the prompts are raw text, sent as they are
-    return ["--dataset-name", "custom", "--dataset-path", str(workload),
-            "--custom-output-len", "-1", "--skip-chat-template"]  # fmt: skip
+    return [
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(workload),
+        "--custom-output-len",
+        "-1",
+        "--skip-chat-template",
+    ]
 
 
 def bench_flags(run: Run, model: str, tokenizer: Path) -> list[str]:
     return [
-        "--base-url", run.url, "--endpoint", "/v1/completions", "--backend", "openai",
-        "--model", model, "--tokenizer", str(tokenizer),
-        *dataset_flags(run.workload), "--ignore-eos", *run.flags,
-        "--num-prompts", str(run.num_prompts or 2 * run.concurrency),
-        "--max-concurrency", str(run.concurrency),
-        "--num-warmups", str(warmups(run.concurrency) if run.num_warmups is None
-                             else run.num_warmups),
-        "--seed", str(1000 + run.index if run.seed is None else run.seed),
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--base-url",
+        run.url,
+        "--endpoint",
+        "/v1/completions",
+        "--backend",
+        "openai",
+        "--model",
+        model,
+        "--tokenizer",
+        str(tokenizer),
+        *dataset_flags(run.workload),
+        "--ignore-eos",
+        *run.flags,
+        "--num-prompts",
+        str(run.num_prompts or 2 * run.concurrency),
+        "--max-concurrency",
+        str(run.concurrency),
+        "--num-warmups",
+        str(warmups(run.concurrency) if run.num_warmups is None else run.num_warmups),
+        "--seed",
+        str(1000 + run.index if run.seed is None else run.seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
         # the harness waits for every target itself: no extra 64-token test request per run
-        "--disable-tqdm", "--ready-check-timeout-sec", "0",
-        "--save-result", "--save-detailed", "--result-filename", str(run.result),
-    ]  # fmt: skip
+        "--disable-tqdm",
+        "--ready-check-timeout-sec",
+        "0",
+        "--save-result",
+        "--save-detailed",
+        "--result-filename",
+        str(run.result),
+    ]
 
 
 def time_budget_s(runs: list[Run]) -> float:
@@ -88,9 +124,13 @@ StepHook = Callable[[str | None, str | None], Awaitable[None]]
 
 
 async def run_plan(
-    runs: list[Run], model: str, tokenizer: Path, work: Path, cpus: set[int] | None = None,
+    runs: list[Run],
+    model: str,
+    tokenizer: Path,
+    work: Path,
+    cpus: set[int] | None = None,
     between: StepHook | None = None,
-) -> dict[str, dict]:  # fmt: skip
+) -> dict[str, dict]:
     """Run every entry in one client process; return {run id: result JSON or {'error': ...}}.
 
     With `between`, each run starts only once the hook for it has returned (a gate file), so
@@ -114,8 +154,13 @@ async def run_plan(
     return {r.id: _load(r, log_path) for r in runs}
 
 
-async def _follow(process: asyncio.subprocess.Process, log_path: Path, plan: list[dict],
-                  budget_s: float, between: StepHook | None) -> None:  # fmt: skip
+async def _follow(
+    process: asyncio.subprocess.Process,
+    log_path: Path,
+    plan: list[dict],
+    budget_s: float,
+    between: StepHook | None,
+) -> None:
     """Print progress as runs finish, open each run's gate after the hook; stop at the budget."""
     deadline, seen, total = time.monotonic() + budget_s, 0, len(plan)
     if between is not None and plan:

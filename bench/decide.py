@@ -52,11 +52,16 @@ DECISION = {"mode": "load_aware", "bytes_per_token": 2.75}
 
 
 @contextlib.asynccontextmanager
-async def running_pd_extproc(name: str, engines: Engines, cpus: set[int] | None,
-                             **sections: dict) -> AsyncIterator[Target]:  # fmt: skip
+async def running_pd_extproc(
+    name: str, engines: Engines, cpus: set[int] | None, **sections: dict
+) -> AsyncIterator[Target]:
     """pd-extproc in push mode, prefill policy least_tokens, decode policy least_request."""
-    config = ephemeral_config(engines.addresses("prefill"), engines.addresses("decode"),
-                              dispatch={"mode": "push"}, **sections)  # fmt: skip
+    config = ephemeral_config(
+        engines.addresses("prefill"),
+        engines.addresses("decode"),
+        dispatch={"mode": "push"},
+        **sections,
+    )
     config["decode"]["policy"] = "least_request"
     config["prefill"]["policy"] = "least_tokens"
     with pinned(cpus):
@@ -68,23 +73,33 @@ async def running_pd_extproc(name: str, engines: Engines, cpus: set[int] | None,
         await runner.__aexit__(None, None, None)
 
 
-async def start_targets(stack: contextlib.AsyncExitStack, engines: Engines,
-                        proxy_cpus: set[int] | None) -> dict[str, Target]:  # fmt: skip
+async def start_targets(
+    stack: contextlib.AsyncExitStack, engines: Engines, proxy_cpus: set[int] | None
+) -> dict[str, Target]:
     router = vllm_router_venv() / "bin" / "vllm-router"
     return {
-        "decide": await stack.enter_async_context(running_pd_extproc(
-            "decide", engines, proxy_cpus, decision=DECISION)),
-        "always": await stack.enter_async_context(running_pd_extproc(
-            "always", engines, proxy_cpus)),
-        "router-rr": await stack.enter_async_context(running_router(
-            engines, router, proxy_cpus, "round_robin", "router-rr")),
-        "router-p2": await stack.enter_async_context(running_router(
-            engines, router, proxy_cpus, "power_of_two", "router-p2")),
-    }  # fmt: skip
+        "decide": await stack.enter_async_context(
+            running_pd_extproc("decide", engines, proxy_cpus, decision=DECISION)
+        ),
+        "always": await stack.enter_async_context(
+            running_pd_extproc("always", engines, proxy_cpus)
+        ),
+        "router-rr": await stack.enter_async_context(
+            running_router(engines, router, proxy_cpus, "round_robin", "router-rr")
+        ),
+        "router-p2": await stack.enter_async_context(
+            running_router(engines, router, proxy_cpus, "power_of_two", "router-p2")
+        ),
+    }
 
 
-def plan(workload: str, path: Path | None, targets: dict[str, Target], args: argparse.Namespace,
-         work: Path) -> list[Run]:  # fmt: skip
+def plan(
+    workload: str,
+    path: Path | None,
+    targets: dict[str, Target],
+    args: argparse.Namespace,
+    work: Path,
+) -> list[Run]:
     names, out = list(targets), []
     for index in range(max(runs_at(c, args.runs, args.min_requests) for c in args.concurrency)):
         for conc in args.concurrency:
@@ -93,8 +108,18 @@ def plan(workload: str, path: Path | None, targets: dict[str, Target], args: arg
             shift = (index + conc) % len(names)
             for name in names[shift:] + names[:shift]:
                 run_id = f"{workload}-{name}-c{conc}-r{index}"
-                out.append(Run(run_id, workload, name, conc, index, targets[name].url,
-                               work / f"{run_id}.json", path))  # fmt: skip
+                out.append(
+                    Run(
+                        run_id,
+                        workload,
+                        name,
+                        conc,
+                        index,
+                        targets[name].url,
+                        work / f"{run_id}.json",
+                        path,
+                    )
+                )
     return out
 
 
@@ -115,7 +140,8 @@ async def bench(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict]
     records: list[dict] = []
     async with contextlib.AsyncExitStack() as stack:
         engines = await stack.enter_async_context(
-            running_engines("push", 2, 2, MODEL, tokenizer, cpus=engine_cpus))
+            running_engines("push", 2, 2, MODEL, tokenizer, cpus=engine_cpus)
+        )
         targets = await start_targets(stack, engines, proxy_cpus)
         for workload in args.workloads:
             before = await decision_counts(targets["decide"])
@@ -124,8 +150,16 @@ async def bench(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict]
             results = await run_plan(runs, MODEL, tokenizer, work, engine_cpus)
             after = await decision_counts(targets["decide"])
             info["decisions"][workload] = {k: v - before.get(k, 0) for k, v in after.items()}
-            records += [{"topology": r.topology, "config": r.config, "concurrency": r.concurrency,
-                         "index": r.index, **_slim(results[r.id])} for r in runs]  # fmt: skip
+            records += [
+                {
+                    "topology": r.topology,
+                    "config": r.config,
+                    "concurrency": r.concurrency,
+                    "index": r.index,
+                    **_slim(results[r.id]),
+                }
+                for r in runs
+            ]
     return records, info
 
 
@@ -133,19 +167,30 @@ def _f(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def workload_section(table: dict, workload: str, concurrencies: list[int]) -> tuple[list[str], list[str]]:  # noqa: E501
+def workload_section(
+    table: dict, workload: str, concurrencies: list[int]
+) -> tuple[list[str], list[str]]:
     """(the table lines, the misses)."""
+
     def get(config: str, conc: int, key: str) -> float | None:
         return table.get((workload, config, conc), {}).get(key)
 
-    head = ["C", *(f"{c} p50 / p99 TTFT, p99 TPOT" for c in CONFIGS),
-            "decide / best router p50", "decide / best router p99", "decide / always TPOT p99",
-            "verdict"]  # fmt: skip
+    head = [
+        "C",
+        *(f"{c} p50 / p99 TTFT, p99 TPOT" for c in CONFIGS),
+        "decide / best router p50",
+        "decide / best router p99",
+        "decide / always TPOT p99",
+        "verdict",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     misses = []
     for conc in concurrencies:
-        cells = [f"{_f(get(c, conc, 'median_ttft_ms'))} / {_f(get(c, conc, 'p99_ttft_ms'))}, "
-                 f"{_f(get(c, conc, 'p99_tpot_ms'), 2)}" for c in CONFIGS]  # fmt: skip
+        cells = [
+            f"{_f(get(c, conc, 'median_ttft_ms'))} / {_f(get(c, conc, 'p99_ttft_ms'))}, "
+            f"{_f(get(c, conc, 'p99_tpot_ms'), 2)}"
+            for c in CONFIGS
+        ]
         ratios = []
         for key in ("median_ttft_ms", "p99_ttft_ms"):
             mine = get("decide", conc, key)
@@ -153,41 +198,63 @@ def workload_section(table: dict, workload: str, concurrencies: list[int]) -> tu
             ratios.append(mine / best if mine and best else None)
         tpot, always = get("decide", conc, "p99_tpot_ms"), get("always", conc, "p99_tpot_ms")
         ratios.append(tpot / always if tpot and always else None)
-        bad = [name for name, value, limit in zip(("p50", "p99", "TPOT"), ratios,
-                                                   (0.90, 0.90, 1.05), strict=True)
-               if value is None or value > limit]  # fmt: skip
+        bad = [
+            name
+            for name, value, limit in zip(
+                ("p50", "p99", "TPOT"), ratios, (0.90, 0.90, 1.05), strict=True
+            )
+            if value is None or value > limit
+        ]
         if bad:
             misses.append(f"C={conc}: {', '.join(bad)}")
         verdict = "met" if not bad else "MISSED " + ", ".join(bad)
-        lines.append("| " + " | ".join([str(conc), *cells, *(_f(r, 2) for r in ratios),
-                                         verdict]) + " |")  # fmt: skip
+        lines.append(
+            "| " + " | ".join([str(conc), *cells, *(_f(r, 2) for r in ratios), verdict]) + " |"
+        )
     return lines, misses
 
 
 def write_outputs(records: list[dict], info: dict, args: argparse.Namespace, meta: dict) -> None:
     table = report.cells(records)
-    lines = ["# Decode-only decision: pd-extproc (decide) vs vllm-router vs always-disaggregate",
-             "", "2P2D vllmsim push engines (default costs); `vllm bench serve`, 2 × C prompts at "
-             f"concurrency C; {args.runs} run(s) per cell, more at low C so that a cell has at "
-             f"least {args.min_requests} requests, pooled. {meta['when']}; {meta['duration_s']:.0f}"
-             f" s; load average before {meta['load_before']}, after {meta['load_after']} (other "
-             f"helpers were running on the machine); pinning: {meta['pinning']}; commit "
-             f"{meta['commits']}. TTFT and TPOT in ms (TPOT: the client's (latency − TTFT) / "
-             "(tokens − 1)). Best router: per cell, the lower of router-rr and router-p2.",
-             "", f"Heavy-tailed workload (bench/workload.py, seed 14): {info.get('heavy', '')}.",
-             ""]  # fmt: skip
+    lines = [
+        "# Decode-only decision: pd-extproc (decide) vs vllm-router vs always-disaggregate",
+        "",
+        "2P2D vllmsim push engines (default costs); `vllm bench serve`, 2 × C prompts at "
+        f"concurrency C; {args.runs} run(s) per cell, more at low C so that a cell has at "
+        f"least {args.min_requests} requests, pooled. {meta['when']}; {meta['duration_s']:.0f}"
+        f" s; load average before {meta['load_before']}, after {meta['load_after']} (other "
+        f"helpers were running on the machine); pinning: {meta['pinning']}; commit "
+        f"{meta['commits']}. TTFT and TPOT in ms (TPOT: the client's (latency − TTFT) / "
+        "(tokens − 1)). Best router: per cell, the lower of router-rr and router-p2.",
+        "",
+        f"Heavy-tailed workload (bench/workload.py, seed 14): {info.get('heavy', '')}.",
+        "",
+    ]
     for workload in args.workloads:
         section, misses = workload_section(table, workload, args.concurrency)
-        lines += [f"## {workload}", "", *section, "",
-                  f"Decisions of `decide` over this workload: {info['decisions'].get(workload)}",
-                  "", "Misses: " + ("; ".join(misses) if misses else "none"), ""]  # fmt: skip
-        lines += ["<details><summary>every cell</summary>", "",
-                  *report.detail_table(table, workload, list(CONFIGS), args.concurrency), "",
-                  "</details>", ""]  # fmt: skip
+        lines += [
+            f"## {workload}",
+            "",
+            *section,
+            "",
+            f"Decisions of `decide` over this workload: {info['decisions'].get(workload)}",
+            "",
+            "Misses: " + ("; ".join(misses) if misses else "none"),
+            "",
+        ]
+        lines += [
+            "<details><summary>every cell</summary>",
+            "",
+            *report.detail_table(table, workload, list(CONFIGS), args.concurrency),
+            "",
+            "</details>",
+            "",
+        ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decide.md").write_text("\n".join(lines))
-    (args.out / "decide.json").write_text(json.dumps({"meta": meta, "info": info,
-                                                      "runs": records}, indent=1))  # fmt: skip
+    (args.out / "decide.json").write_text(
+        json.dumps({"meta": meta, "info": info, "runs": records}, indent=1)
+    )
     plot(table, args, args.out / "decide.png")
     print("\n".join(lines))
 
@@ -195,19 +262,26 @@ def write_outputs(records: list[dict], info: dict, args: argparse.Namespace, met
 def plot(table: dict, args: argparse.Namespace, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, len(args.workloads), figsize=(6 * len(args.workloads), 11),
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        3, len(args.workloads), figsize=(6 * len(args.workloads), 11), squeeze=False
+    )
     for column, workload in enumerate(args.workloads):
-        for row, (key, label) in enumerate((("median_ttft_ms", "TTFT p50 (ms)"),
-                                            ("p99_ttft_ms", "TTFT p99 (ms)"),
-                                            ("p99_tpot_ms", "TPOT p99 (ms)"))):  # fmt: skip
+        for row, (key, label) in enumerate(
+            (
+                ("median_ttft_ms", "TTFT p50 (ms)"),
+                ("p99_ttft_ms", "TTFT p99 (ms)"),
+                ("p99_tpot_ms", "TPOT p99 (ms)"),
+            )
+        ):
             ax = axes[row][column]
             for index, config in enumerate(CONFIGS):
-                points = [(c, v) for c in args.concurrency
-                          if (v := table.get((workload, config, c), {}).get(key)) is not None]
+                points = [
+                    (c, v)
+                    for c in args.concurrency
+                    if (v := table.get((workload, config, c), {}).get(key)) is not None
+                ]
                 if points:
-                    ax.plot(*zip(*points, strict=True), marker="o", label=config,
-                            color=f"C{index}")  # fmt: skip
+                    ax.plot(*zip(*points, strict=True), marker="o", label=config, color=f"C{index}")
             ax.set_xscale("log", base=2)
             ax.set_xticks(args.concurrency, [str(c) for c in args.concurrency])
             if row < 2:
@@ -244,13 +318,18 @@ async def main() -> None:
         records, info = await bench(args, Path(tmp))
     commits.append(commit())
     engine_cpus, proxy_cpus = cpu_split(args.pin)
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "duration_s": time.monotonic() - started,
-            "load_before": " ".join(f"{x:.2f}" for x in load_before),
-            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
-                       f"{sorted(proxy_cpus or ())}" if engine_cpus else "none",
-            "argv": sys.argv[1:], "commits": " → ".join(dict.fromkeys(commits))}  # fmt: skip
+    meta = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "duration_s": time.monotonic() - started,
+        "load_before": " ".join(f"{x:.2f}" for x in load_before),
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
+        f"{sorted(proxy_cpus or ())}"
+        if engine_cpus
+        else "none",
+        "argv": sys.argv[1:],
+        "commits": " → ".join(dict.fromkeys(commits)),
+    }
     write_outputs(records, info, args, meta)
 
 

@@ -18,8 +18,16 @@ from vllmsim.launcher import PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, runni
 
 CONNECTORS = {"push": (PUSH_P, PUSH_D), "pull": (PULL_P, PULL_D)}
 # Near-instant steps: what is measured is the proxy, not the model.
-INSTANT = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0",
-           "--api-overhead-ms", "0")
+INSTANT = (
+    "--step-base-ms",
+    "1",
+    "--prefill-per-token-ms",
+    "0.001",
+    "--decode-per-seq-ms",
+    "0",
+    "--api-overhead-ms",
+    "0",
+)
 
 
 @dataclass(frozen=True)
@@ -39,11 +47,16 @@ class Engines:
 
 @contextlib.asynccontextmanager
 async def running_engines(
-    kind: str, n_prefill: int, n_decode: int, model: str, tokenizer: Path | None,
-    cost_flags: Sequence[str] = (), cpus: set[int] | None = None,
+    kind: str,
+    n_prefill: int,
+    n_decode: int,
+    model: str,
+    tokenizer: Path | None,
+    cost_flags: Sequence[str] = (),
+    cpus: set[int] | None = None,
     own_flags: Callable[[str, int], Sequence[str]] | None = None,
     env: Mapping[str, str] | None = None,
-) -> AsyncIterator[Engines]:  # fmt: skip
+) -> AsyncIterator[Engines]:
     """`own_flags(role, index)`: flags of one engine (its KV events' ports); `env`: the
     engines' environment additions."""
     p_cfg, d_cfg = CONNECTORS[kind]
@@ -53,15 +66,20 @@ async def running_engines(
     mine = own_flags or (lambda role, index: ())
     async with contextlib.AsyncExitStack() as stack:
         with pinned(cpus):
-            prefill = [await stack.enter_async_context(
-                _engine(p_cfg, [*common, *mine("prefill", i)], env)) for i in range(n_prefill)]
-            decode = [await stack.enter_async_context(
-                _engine(d_cfg, [*common, *mine("decode", i)], env)) for i in range(n_decode)]
+            prefill = [
+                await stack.enter_async_context(_engine(p_cfg, [*common, *mine("prefill", i)], env))
+                for i in range(n_prefill)
+            ]
+            decode = [
+                await stack.enter_async_context(_engine(d_cfg, [*common, *mine("decode", i)], env))
+                for i in range(n_decode)
+            ]
         yield Engines(kind, prefill, decode)
 
 
-def _engine(kv_config: str, flags: list[str],
-            env: Mapping[str, str] | None) -> contextlib.AbstractAsyncContextManager:  # fmt: skip
+def _engine(
+    kv_config: str, flags: list[str], env: Mapping[str, str] | None
+) -> contextlib.AbstractAsyncContextManager:
     return running_engine("--kv-transfer-config", kv_config, *flags, env=env, start_timeout=30)
 
 

@@ -63,8 +63,9 @@ async def timed(session: aiohttp.ClientSession, url: str) -> float:
     """One plain request through `url`, with a fresh X-Request-Id (both proxies may keep it)."""
     headers = {"content-type": "application/json", "x-request-id": str(uuid.uuid4())}
     started = time.perf_counter()
-    async with session.post(url + "/v1/completions", data=orjson.dumps(BODY),
-                            headers=headers) as resp:  # fmt: skip
+    async with session.post(
+        url + "/v1/completions", data=orjson.dumps(BODY), headers=headers
+    ) as resp:
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}")
@@ -73,11 +74,15 @@ async def timed(session: aiohttp.ClientSession, url: str) -> float:
 
 async def leg_skews(session: aiohttp.ClientSession, engines: Engines) -> list[float]:
     """|D arrival − P arrival| per P/D request pair seen by the engines since the last clear."""
-    p_seen = {r["x_request_id"]: r["received_at"] for r in await sim_requests(session,
-                                                                             engines.prefill[0])}
+    p_seen = {
+        r["x_request_id"]: r["received_at"] for r in await sim_requests(session, engines.prefill[0])
+    }
     d_seen = await sim_requests(session, engines.decode[0])
-    return [abs(r["received_at"] - p_seen[r["x_request_id"]]) for r in d_seen
-            if r["x_request_id"] in p_seen]  # fmt: skip
+    return [
+        abs(r["received_at"] - p_seen[r["x_request_id"]])
+        for r in d_seen
+        if r["x_request_id"] in p_seen
+    ]
 
 
 def proxy_pids(targets: dict[str, Target]) -> dict[str, dict[str, int]]:
@@ -100,8 +105,9 @@ def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
     return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
 
-async def measured(run: Callable[[], Awaitable[float]], n: int, stats: PathStats,
-                   pids: dict[str, int]) -> None:  # fmt: skip
+async def measured(
+    run: Callable[[], Awaitable[float]], n: int, stats: PathStats, pids: dict[str, int]
+) -> None:
     """n sequential requests; their latencies and the CPU the path's processes spent."""
     before = cpu_snapshot(pids)
     for _ in range(n):
@@ -110,9 +116,14 @@ async def measured(run: Callable[[], Awaitable[float]], n: int, stats: PathStats
         stats.cpu[name] = stats.cpu.get(name, 0.0) + value - before[name]
 
 
-async def sequential(paths: dict[str, Callable[[], Awaitable[float]]], engines: Engines,
-                     session: aiohttp.ClientSession, pids: dict[str, dict[str, int]],
-                     requests: int, rounds: int) -> dict[str, PathStats]:  # fmt: skip
+async def sequential(
+    paths: dict[str, Callable[[], Awaitable[float]]],
+    engines: Engines,
+    session: aiohttp.ClientSession,
+    pids: dict[str, dict[str, int]],
+    requests: int,
+    rounds: int,
+) -> dict[str, PathStats]:
     stats = {name: PathStats() for name in paths}
     for _ in range(rounds):
         for name, run in paths.items():
@@ -135,8 +146,12 @@ class RateRow:
     errors: dict[str, int]
 
 
-async def rate_steps(paths: dict[str, Callable[[], Awaitable[float]]], rates: list[float],
-                     step_s: float, pids: dict[str, dict[str, int]]) -> list[RateRow]:  # fmt: skip
+async def rate_steps(
+    paths: dict[str, Callable[[], Awaitable[float]]],
+    rates: list[float],
+    step_s: float,
+    pids: dict[str, dict[str, int]],
+) -> list[RateRow]:
     rows = []
     for rate in rates:
         achieved, p50, p99, cpu, errors = {}, {}, {}, {}, {}
@@ -150,15 +165,18 @@ async def rate_steps(paths: dict[str, Callable[[], Awaitable[float]]], rates: li
             cpu[name] = spent / max(1, len(result.latencies)) * 1e3
             await asyncio.sleep(0.5)  # let queues drain between paths
         rows.append(RateRow(rate, achieved, p50, p99, cpu, errors))
-        print(f"  rate {rate:g}/s: " + ", ".join(f"{n} p99 {p99[n]:.1f} ms" for n in paths),
-              flush=True)
+        print(
+            f"  rate {rate:g}/s: " + ", ".join(f"{n} p99 {p99[n]:.1f} ms" for n in paths),
+            flush=True,
+        )
         if all(p99[n] > 1000 for n in paths):
             break  # everything, the client-sent legs too, is saturated: the rig's limit
     return rows
 
 
-async def profile(pid: int, run: Callable[[], Awaitable[float]], rate: float, seconds: float,
-                  out: Path) -> Path | None:  # fmt: skip
+async def profile(
+    pid: int, run: Callable[[], Awaitable[float]], rate: float, seconds: float, out: Path
+) -> Path | None:
     """py-spy the ext_proc while an open loop keeps it busy."""
     recording = asyncio.create_task(pyspy.record(pid, seconds, out))
     await asyncio.sleep(0.5)  # py-spy attaches
@@ -188,8 +206,13 @@ def _through(session: aiohttp.ClientSession, url: str) -> Callable[[], Awaitable
 
 def versions() -> str:
     router = vllm_router_venv() / "bin" / "pip"
-    shown = subprocess.run([str(router), "show", "vllm-router"], capture_output=True, text=True,
-                           timeout=60, check=False).stdout  # fmt: skip
+    shown = subprocess.run(
+        [str(router), "show", "vllm-router"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    ).stdout
     line = next((x for x in shown.splitlines() if x.startswith("Version:")), "Version: ?")
     return f"vllm-router {line.split(': ', 1)[1]}"
 
@@ -199,26 +222,37 @@ async def main(args: argparse.Namespace) -> None:
     router_bin = vllm_router_venv() / "bin" / "vllm-router"
     load_before, started = " ".join(f"{x:.2f}" for x in os.getloadavg()), time.time()
     async with contextlib.AsyncExitStack() as stack:
-        engines = await stack.enter_async_context(running_engines(
-            "push", 1, 1, "sim-model", None, INSTANT, engine_cpus))
-        targets = {"pd-extproc": await stack.enter_async_context(
-                       running_target("push", engines, router_bin, proxy_cpus)),
-                   "vllm-router": await stack.enter_async_context(
-                       running_target("vllm-router", engines, router_bin, proxy_cpus))}
+        engines = await stack.enter_async_context(
+            running_engines("push", 1, 1, "sim-model", None, INSTANT, engine_cpus)
+        )
+        targets = {
+            "pd-extproc": await stack.enter_async_context(
+                running_target("push", engines, router_bin, proxy_cpus)
+            ),
+            "vllm-router": await stack.enter_async_context(
+                running_target("vllm-router", engines, router_bin, proxy_cpus)
+            ),
+        }
         if args.baseline is not None:  # the A side of an A/B: another version, same run
             PROXIES.insert(1, "pd-extproc (baseline)")
-            targets[PROXIES[1]] = await stack.enter_async_context(running_extproc(
-                "push", engines, proxy_cpus, baseline=args.baseline))
+            targets[PROXIES[1]] = await stack.enter_async_context(
+                running_extproc("push", engines, proxy_cpus, baseline=args.baseline)
+            )
         if args.listener_leg:  # the P leg through Envoy's prefill listener, beside the default
             PROXIES.insert(1, LISTENER_LEG)
-            targets[LISTENER_LEG] = await stack.enter_async_context(running_extproc(
-                "push", engines, proxy_cpus, dispatch={"prefill_leg": "listener"}))
+            targets[LISTENER_LEG] = await stack.enter_async_context(
+                running_extproc("push", engines, proxy_cpus, dispatch={"prefill_leg": "listener"})
+            )
         for n in args.workers:
             PROXIES.append(f"pd-extproc ×{n}")
-            targets[PROXIES[-1]] = await stack.enter_async_context(running_extproc(
-                "push", engines, proxy_cpus, extproc={"workers": n}))
-        session = await stack.enter_async_context(aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)))
+            targets[PROXIES[-1]] = await stack.enter_async_context(
+                running_extproc("push", engines, proxy_cpus, extproc={"workers": n})
+            )
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)
+            )
+        )
         p, d = engines.prefill[0], engines.decode[0]
         identity = await learn_identity(session, p)
         paths: dict[str, Callable[[], Awaitable[float]]] = {
@@ -236,24 +270,38 @@ async def main(args: argparse.Namespace) -> None:
             async with wire.wire_capture([p.port, d.port, *ports.values()]) as records:
                 seq = await sequential(paths, engines, session, pids, args.requests, args.rounds)
             for name, st in seq.items():
-                st.wire_skews = [s for w in st.windows
-                                 for s in wire.leg_skews(records, p.port, d.port, w)]
+                st.wire_skews = [
+                    s for w in st.windows for s in wire.leg_skews(records, p.port, d.port, w)
+                ]
                 if name in ports:
-                    st.to_prefill = [s for w in st.windows for s in
-                                     wire.dispatch_delays(records, ports[name], p.port, w)]
+                    st.to_prefill = [
+                        s
+                        for w in st.windows
+                        for s in wire.dispatch_delays(records, ports[name], p.port, w)
+                    ]
             print("open-loop rate steps", flush=True)
             loaded = {k: v for k, v in paths.items() if k != "aggregated (client → D)"}
             rows = await rate_steps(loaded, args.rates, args.step_s, pids)
             print("profile", flush=True)
-            raw = await profile(pids["pd-extproc"]["ext_proc"], paths["pd-extproc"],
-                                args.profile_rate, args.profile_s,
-                                args.out / f"profile-extproc{args.tag}.txt")
+            raw = await profile(
+                pids["pd-extproc"]["ext_proc"],
+                paths["pd-extproc"],
+                args.profile_rate,
+                args.profile_s,
+                args.out / f"profile-extproc{args.tag}.txt",
+            )
             counters = await envoy_counters(session, targets["pd-extproc"].envoy_admin)
-    meta = {"load_before": load_before, "duration_s": time.time() - started,
-            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
-                       f"{sorted(proxy_cpus)}" if engine_cpus and proxy_cpus else "none",
-            "versions": versions(), "envoy": counters}  # fmt: skip
+    meta = {
+        "load_before": load_before,
+        "duration_s": time.time() - started,
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
+        f"{sorted(proxy_cpus)}"
+        if engine_cpus and proxy_cpus
+        else "none",
+        "versions": versions(),
+        "envoy": counters,
+    }
     write_report(seq, rows, raw, args, meta)
 
 
@@ -264,46 +312,80 @@ def _ms(values: list[float], q: float) -> float:
 def sequential_lines(seq: dict[str, PathStats]) -> list[str]:
     lines = ["| path | p50 | p90 | p99 | mean | requests |", "|---|---|---|---|---|---|"]
     for name, st in seq.items():
-        lines.append(f"| {name} | {_ms(st.latencies, 50):.2f} | {_ms(st.latencies, 90):.2f} | "
-                     f"{_ms(st.latencies, 99):.2f} | {statistics.mean(st.latencies) * 1e3:.2f} | "
-                     f"{len(st.latencies)} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {_ms(st.latencies, 50):.2f} | {_ms(st.latencies, 90):.2f} | "
+            f"{_ms(st.latencies, 99):.2f} | {statistics.mean(st.latencies) * 1e3:.2f} | "
+            f"{len(st.latencies)} |"
+        )
     direct = seq["direct P/D"].latencies
-    lines += ["", "| proxy | added p50 (ms) | added p99 (ms) | skew p50 (ms) | skew p99 (ms) | "
-              "skew max (ms) | wire skew p50 (ms) | wire skew p99 (ms) | wire skew max (ms) | "
-              "wire D − P p50 (ms) | client → P leg p50 (ms) | client → P leg p99 (ms) | "
-              "CPU per request (ms) |", "|" + "---|" * 13]
+    lines += [
+        "",
+        "| proxy | added p50 (ms) | added p99 (ms) | skew p50 (ms) | skew p99 (ms) | "
+        "skew max (ms) | wire skew p50 (ms) | wire skew p99 (ms) | wire skew max (ms) | "
+        "wire D − P p50 (ms) | client → P leg p50 (ms) | client → P leg p99 (ms) | "
+        "CPU per request (ms) |",
+        "|" + "---|" * 13,
+    ]
     for name in ("direct P/D", *PROXIES):
         st = seq[name]
-        added = (f"{_ms(st.latencies, 50) - _ms(direct, 50):+.2f} | "
-                 f"{_ms(st.latencies, 99) - _ms(direct, 99):+.2f}") if name in PROXIES else "— | —"
-        skew = (f"{_ms(st.skews, 50):.3f} | {_ms(st.skews, 99):.3f} | {max(st.skews) * 1e3:.3f}"
-                if st.skews else "— | — | —")  # fmt: skip
+        added = (
+            (
+                f"{_ms(st.latencies, 50) - _ms(direct, 50):+.2f} | "
+                f"{_ms(st.latencies, 99) - _ms(direct, 99):+.2f}"
+            )
+            if name in PROXIES
+            else "— | —"
+        )
+        skew = (
+            f"{_ms(st.skews, 50):.3f} | {_ms(st.skews, 99):.3f} | {max(st.skews) * 1e3:.3f}"
+            if st.skews
+            else "— | — | —"
+        )
         apart = [abs(s) for s in st.wire_skews]
-        wire_skew = (f"{_ms(apart, 50):.3f} | {_ms(apart, 99):.3f} | {max(apart) * 1e3:.3f} | "
-                     f"{_ms(st.wire_skews, 50):+.3f}" if apart else "— | — | — | —")
+        wire_skew = (
+            f"{_ms(apart, 50):.3f} | {_ms(apart, 99):.3f} | {max(apart) * 1e3:.3f} | "
+            f"{_ms(st.wire_skews, 50):+.3f}"
+            if apart
+            else "— | — | — | —"
+        )
         n = max(1, len(st.latencies))
         cpu = " + ".join(f"{k} {v / n * 1e3:.2f}" for k, v in st.cpu.items()) or "—"
         if len(st.cpu) > 1:
             cpu += f" = {sum(st.cpu.values()) / n * 1e3:.2f}"
-        to_p = (f"{_ms(st.to_prefill, 50):.3f} | {_ms(st.to_prefill, 99):.3f}"
-                if st.to_prefill else "— | —")  # fmt: skip
+        to_p = (
+            f"{_ms(st.to_prefill, 50):.3f} | {_ms(st.to_prefill, 99):.3f}"
+            if st.to_prefill
+            else "— | —"
+        )
         lines.append(f"| {name} | {added} | {skew} | {wire_skew} | {to_p} | {cpu} |")
     return lines
 
 
 def rate_lines(rows: list[RateRow]) -> list[str]:
-    head = ["rate (req/s)", "direct P/D p99", *(f"{n} p99 (added)" for n in PROXIES),
-            *(f"CPU/req {n}" for n in PROXIES), "sent/s (lowest path)"]  # fmt: skip
+    head = [
+        "rate (req/s)",
+        "direct P/D p99",
+        *(f"{n} p99 (added)" for n in PROXIES),
+        *(f"CPU/req {n}" for n in PROXIES),
+        "sent/s (lowest path)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         base = row.p99_ms["direct P/D"]
         cells = [f"{row.p99_ms[n]:.2f} ({row.p99_ms[n] - base:+.2f})" for n in PROXIES]
         cpu = [f"{row.cpu_ms[n]:.2f}" for n in PROXIES]
         sent = min(row.achieved.values())
-        lines.append(f"| {row.rate:g} | {base:.2f} | " + " | ".join([*cells, *cpu]) +
-                     f" | {sent:.0f} |")  # fmt: skip
-    lines += ["", *(f"- highest rate with p99 added < {ADDED_P99_LIMIT_MS:g} ms, {name}: "
-                    f"{_highest(rows, name)}" for name in PROXIES)]  # fmt: skip
+        lines.append(
+            f"| {row.rate:g} | {base:.2f} | " + " | ".join([*cells, *cpu]) + f" | {sent:.0f} |"
+        )
+    lines += [
+        "",
+        *(
+            f"- highest rate with p99 added < {ADDED_P99_LIMIT_MS:g} ms, {name}: "
+            f"{_highest(rows, name)}"
+            for name in PROXIES
+        ),
+    ]
     return lines
 
 
@@ -316,15 +398,23 @@ def _highest(rows: list[RateRow], name: str) -> str:
         ok = row
     if ok is None:
         return f"none (already over at {rows[0].rate:g} req/s)"
-    limited = f" (client sent only {ok.achieved[name]:.0f}/s)" \
-        if ok.achieved[name] < 0.9 * ok.rate else ""
+    limited = (
+        f" (client sent only {ok.achieved[name]:.0f}/s)"
+        if ok.achieved[name] < 0.9 * ok.rate
+        else ""
+    )
     return f"{ok.rate:g} req/s{limited}"
 
 
 def workers_option() -> str:
     """Whether `pd-extproc up` can run N ext_proc processes (the lead may add it)."""
-    shown = subprocess.run([sys.executable, "-m", "extproc", "up", "--help"], capture_output=True,
-                           text=True, timeout=60, check=False).stdout  # fmt: skip
+    shown = subprocess.run(
+        [sys.executable, "-m", "extproc", "up", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    ).stdout
     found = [line.strip() for line in shown.splitlines() if "worker" in line.lower()]
     return "; ".join(found) if found else ""
 
@@ -333,8 +423,12 @@ def profile_lines(raw: Path | None) -> list[str]:
     if raw is None:
         return ["py-spy is not installed (`.venv/bin/pip install py-spy`): no profile."]
     total, self_top, incl_top = pyspy.summarize(raw)
-    lines = [f"{total} samples of the ext_proc's threads (raw stacks: `{raw.name}`).", "",
-             "| top self cost | share |", "|---|---|"]  # fmt: skip
+    lines = [
+        f"{total} samples of the ext_proc's threads (raw stacks: `{raw.name}`).",
+        "",
+        "| top self cost | share |",
+        "|---|---|",
+    ]
     lines += [f"| `{frame}` | {count / total:.1%} |" for frame, count in self_top]
     lines += ["", "| top inclusive cost | share |", "|---|---|"]
     lines += [f"| `{frame}` | {count / total:.1%} |" for frame, count in incl_top]
@@ -344,8 +438,13 @@ def profile_lines(raw: Path | None) -> list[str]:
     return lines
 
 
-def write_report(seq: dict[str, PathStats], rows: list[RateRow], raw: Path | None,
-                 args: argparse.Namespace, meta: dict) -> None:  # fmt: skip
+def write_report(
+    seq: dict[str, PathStats],
+    rows: list[RateRow],
+    raw: Path | None,
+    args: argparse.Namespace,
+    meta: dict,
+) -> None:
     workers = workers_option()
     lines = [
         "# Proxy overhead and hot path: pd-extproc (push) vs vllm-router, instant vllmsim 1P1D",
@@ -353,7 +452,9 @@ def write_report(seq: dict[str, PathStats], rows: list[RateRow], raw: Path | Non
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {meta['versions']}; "
         f"{meta['duration_s']:.0f} s; load average before {meta['load_before']}, after "
         f"{meta['load_after']}; pinning: {meta['pinning']}. Engines: `{' '.join(INSTANT)}`.",
-        "", "## Sequential requests (ms)", "",
+        "",
+        "## Sequential requests (ms)",
+        "",
         "Added latency = proxy − direct P/D (the client sending both legs itself) at the same "
         "percentile. Skew = |D arrival − P arrival| on the engines' clocks (it includes the "
         "engines' own scheduling: P and D share a CPU). Wire skew = the same difference between "
@@ -361,20 +462,36 @@ def write_report(seq: dict[str, PathStats], rows: list[RateRow], raw: Path | Non
         "where the proxy let the legs go, the dispatch skew proper; D − P > 0 means P left "
         "first. Client → P leg = from the client's request reaching the proxy's port to the P "
         "leg leaving for P, on the same kernel clock: the proxy's share of TTFT. CPU = "
-        "user+system of the proxy's processes over the measured requests.", "",
-        *sequential_lines(seq), "",
-        f"## Open-loop rate steps ({args.step_s:g} s per rate and path, latencies in ms)", "",
-        *rate_lines(rows), "",
-        "## N ext_proc processes behind Envoy", "",
-        (f"Measured above as `pd-extproc ×N` (config `extproc.workers: N`, Envoy spreads streams "
-         f"by least requests); N = 1 is `pd-extproc`. With pinning all workers share the proxies' "
-         f"one CPU. `up --help` workers flag: {workers or 'none (config key only)'}."
-         if args.workers else "Not measured (`--workers ''`)."), "",
-        f"## py-spy profile of the ext_proc at {args.profile_rate:g} req/s open loop", "",
-        *profile_lines(raw), "",
-        "## Envoy totals of the pd-extproc path at the end (all phases)", "",
-        "```", *meta["envoy"], "```", "",
-    ]  # fmt: skip
+        "user+system of the proxy's processes over the measured requests.",
+        "",
+        *sequential_lines(seq),
+        "",
+        f"## Open-loop rate steps ({args.step_s:g} s per rate and path, latencies in ms)",
+        "",
+        *rate_lines(rows),
+        "",
+        "## N ext_proc processes behind Envoy",
+        "",
+        (
+            f"Measured above as `pd-extproc ×N` (config `extproc.workers: N`, Envoy spreads "
+            f"streams by least requests); N = 1 is `pd-extproc`. With pinning all workers share "
+            f"the proxies' one CPU. `up --help` workers flag: "
+            f"{workers or 'none (config key only)'}."
+            if args.workers
+            else "Not measured (`--workers ''`)."
+        ),
+        "",
+        f"## py-spy profile of the ext_proc at {args.profile_rate:g} req/s open loop",
+        "",
+        *profile_lines(raw),
+        "",
+        "## Envoy totals of the pd-extproc path at the end (all phases)",
+        "",
+        "```",
+        *meta["envoy"],
+        "```",
+        "",
+    ]
     (args.out / f"hotpath{args.tag}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
@@ -389,14 +506,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-s", type=float, default=15.0)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--tag", default="", help="suffix of the output files, e.g. -nopin")
-    parser.add_argument("--baseline", type=Path, default=None,
-                        help="also measure the extproc package found in this directory (e.g. "
-                             "`git archive BASE extproc | tar -x -C DIR`): before/after in one run")
-    parser.add_argument("--no-listener-leg", dest="listener_leg", action="store_false",
-                        help="do not measure pd-extproc with dispatch.prefill_leg: listener")
-    parser.add_argument("--workers", default="2",
-                        help="also measure pd-extproc with extproc.workers = each N (comma list; "
-                             "'' for none)")  # fmt: skip
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="also measure the extproc package found in this directory (e.g. "
+        "`git archive BASE extproc | tar -x -C DIR`): before/after in one run",
+    )
+    parser.add_argument(
+        "--no-listener-leg",
+        dest="listener_leg",
+        action="store_false",
+        help="do not measure pd-extproc with dispatch.prefill_leg: listener",
+    )
+    parser.add_argument(
+        "--workers",
+        default="2",
+        help="also measure pd-extproc with extproc.workers = each N (comma list; '' for none)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]

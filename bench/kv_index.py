@@ -47,8 +47,10 @@ def measure_memory(blocks: int, engines: int) -> None:
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    print(f"| {index.blocks:,} | {engines} | {used / 2**20:.1f} | {used / index.blocks:.0f} | "
-          f"{index.bytes_estimate() / 2**20:.1f} |")
+    print(
+        f"| {index.blocks:,} | {engines} | {used / 2**20:.1f} | {used / index.blocks:.0f} | "
+        f"{index.bytes_estimate() / 2**20:.1f} |"
+    )
 
 
 def _timed(fn: Callable[[], object], repeat: int) -> float:
@@ -67,8 +69,10 @@ def _loop_cpu_ms(off: OffLoopTokenizer, text: str, repeat: int) -> tuple[float, 
         cpu, wall = time.thread_time(), time.perf_counter()
         for _ in range(repeat):
             await off.completion(text)
-        return ((time.thread_time() - cpu) / repeat * 1e3,
-                (time.perf_counter() - wall) / repeat * 1e3)
+        return (
+            (time.thread_time() - cpu) / repeat * 1e3,
+            (time.perf_counter() - wall) / repeat * 1e3,
+        )
 
     return asyncio.run(run())
 
@@ -80,12 +84,15 @@ def measure_request_cost(tokenizer_dir: Path | None, engines: int) -> None:
     print("|---|---:|")
     if tokenizer_dir is not None:
         tok = RequestTokenizer.from_path(tokenizer_dir)
-        text = tok.decode(tok.completion(" ".join(f"w{rng.randrange(5000)}" for _ in range(4000)))
-                          [1:1024])
+        text = tok.decode(
+            tok.completion(" ".join(f"w{rng.randrange(5000)}" for _ in range(4000)))[1:1024]
+        )
         ids = tok.completion(text)[:1024]
         half = len(text) // 2
-        messages = [{"role": "system", "content": text[:half]},
-                    {"role": "user", "content": text[half:]}]
+        messages = [
+            {"role": "system", "content": text[:half]},
+            {"role": "user", "content": text[half:]},
+        ]
         rows = {
             f"completion: tokenize on the loop ({len(ids)} ids)": lambda: tok.completion(text),
             "chat: render the template": lambda: tok.render_chat(messages),
@@ -104,8 +111,9 @@ def measure_request_cost(tokenizer_dir: Path | None, engines: int) -> None:
     for i in range(engines):  # engine i holds the first (i + 1) / engines of the prompt
         n = held * (i + 1) // engines
         hashes = tuple(range(1 + i * 1000, 1 + i * 1000 + n))
-        index.apply(f"engine-{i}", [BlocksStored(hashes, None, tuple(ids[: n * _BLOCK]),
-                                                 _BLOCK, True)])
+        index.apply(
+            f"engine-{i}", [BlocksStored(hashes, None, tuple(ids[: n * _BLOCK]), _BLOCK, True)]
+        )
     name = f"longest prefix, {engines} engines (one holds it all)"
     print(f"| {name} | {_timed(lambda: index.longest_prefix(ids), 500):.3f} |")
 
@@ -114,8 +122,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--engines", type=int, default=4)
-    parser.add_argument("--tokenizer", type=Path,
-                        default=Path.home() / ".cache/pd-extproc/tiny-llama")
+    parser.add_argument(
+        "--tokenizer", type=Path, default=Path.home() / ".cache/pd-extproc/tiny-llama"
+    )
     args = parser.parse_args()
     measure_memory(args.blocks, args.engines)
     tok = args.tokenizer if (args.tokenizer / "tokenizer.json").is_file() else None

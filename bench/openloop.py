@@ -20,8 +20,9 @@ class LoadResult:
     errors: int
 
 
-async def open_loop(run: Callable[[], Awaitable[float]], rate: float, seconds: float,
-                    timeout_s: float = 30.0) -> LoadResult:  # fmt: skip
+async def open_loop(
+    run: Callable[[], Awaitable[float]], rate: float, seconds: float, timeout_s: float = 30.0
+) -> LoadResult:
     """Start `run()` every 1/rate s for `seconds`; each returns its own latency in seconds."""
     count = max(1, int(rate * seconds))
     start = time.perf_counter() + 0.02

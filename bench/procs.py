@@ -103,9 +103,12 @@ async def running_process(
     """Start argv in its own session (so its whole group can be stopped), log to log_path."""
     with log_path.open("wb") as log:
         process = await asyncio.create_subprocess_exec(
-            *argv, stdout=log, stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, **(env or {})}, start_new_session=True,
-        )  # fmt: skip
+            *argv,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
     try:
         yield process
     finally:

@@ -26,10 +26,22 @@ async def record(pid: int, seconds: float, out: Path, rate_hz: int = 200) -> Pat
     if binary is None:
         return None
     process = await asyncio.create_subprocess_exec(
-        binary, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
-        str(rate_hz), "--format", "raw", "--output", str(out), "--nonblocking",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        binary,
+        "record",
+        "--pid",
+        str(pid),
+        "--duration",
+        str(int(seconds)),
+        "--rate",
+        str(rate_hz),
+        "--format",
+        "raw",
+        "--output",
+        str(out),
+        "--nonblocking",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         _, err = await asyncio.wait_for(process.communicate(), seconds + 30)
     except TimeoutError:
@@ -41,8 +53,9 @@ async def record(pid: int, seconds: float, out: Path, rate_hz: int = 200) -> Pat
     return out
 
 
-def summarize(raw: Path, top: int = 15, only: str = ""
-              ) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:  # fmt: skip
+def summarize(
+    raw: Path, top: int = 15, only: str = ""
+) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:
     """(total samples, top self frames, top inclusive frames) of a raw py-spy file; `only`
     keeps inclusive frames whose location contains it (e.g. "extproc/")."""
     self_cost: Counter[str] = Counter()

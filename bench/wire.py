@@ -74,9 +74,11 @@ def capture(ports: set[int], out: Path) -> None:
             found = parse(packet, ports)
             if found is None:
                 continue
-            seconds, nanos = next(struct.unpack("qq", data[:16]) for level, kind, data
-                                  in ancillary if level == socket.SOL_SOCKET
-                                  and kind == _SO_TIMESTAMPNS)  # fmt: skip
+            seconds, nanos = next(
+                struct.unpack("qq", data[:16])
+                for level, kind, data in ancillary
+                if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS
+            )
             sink.write(f"{seconds + nanos / 1e9:.9f} {found[0]} {found[1]}\n")
 
 
@@ -92,8 +94,13 @@ async def wire_capture(ports: Iterable[int]) -> AsyncIterator[list[Record]]:
         return
     out = Path(f"/tmp/pd-extproc-wire-{os.getpid()}.txt")
     process = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, ",".join(map(str, ports)), str(out),
-        stderr=asyncio.subprocess.PIPE, start_new_session=True)  # fmt: skip
+        sys.executable,
+        __file__,
+        ",".join(map(str, ports)),
+        str(out),
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
     assert process.stderr is not None
     try:
         ready = await asyncio.wait_for(process.stderr.readline(), 10)
@@ -116,25 +123,33 @@ def _read_and_remove(path: Path) -> list[Record]:
     return records
 
 
-def leg_skews(records: list[Record], p_port: int, d_port: int,
-              window: tuple[float, float]) -> list[float]:  # fmt: skip
+def leg_skews(
+    records: list[Record], p_port: int, d_port: int, window: tuple[float, float]
+) -> list[float]:
     """D − P (signed: > 0 when P left first) per request id seen on both ports inside
     `window`, from the first segment of each."""
     first: dict[tuple[int, str], float] = {}
     for ts, port, request_id in records:
         if window[0] <= ts <= window[1]:
             first.setdefault((port, request_id), ts)
-    return [ts - first[(p_port, rid)] for (port, rid), ts in first.items()
-            if port == d_port and (p_port, rid) in first]  # fmt: skip
+    return [
+        ts - first[(p_port, rid)]
+        for (port, rid), ts in first.items()
+        if port == d_port and (p_port, rid) in first
+    ]
 
 
-def dispatch_delays(records: list[Record], proxy_port: int, p_port: int,
-                    window: tuple[float, float]) -> list[float]:  # fmt: skip
+def dispatch_delays(
+    records: list[Record], proxy_port: int, p_port: int, window: tuple[float, float]
+) -> list[float]:
     """For one-at-a-time requests: from the client's request reaching the proxy's port to the
     proxy's P leg leaving for P (the next P request on the wire). Proxies may replace the
     request id, so the pairing is by order, not by id."""
-    events = sorted((ts, port) for ts, port, _ in records
-                    if window[0] <= ts <= window[1] and port in (proxy_port, p_port))  # fmt: skip
+    events = sorted(
+        (ts, port)
+        for ts, port, _ in records
+        if window[0] <= ts <= window[1] and port in (proxy_port, p_port)
+    )
     delays, arrived = [], None
     for ts, port in events:
         if port == proxy_port:

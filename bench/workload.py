@@ -60,8 +60,13 @@ def heavy_tailed(tokenizer_dir: Path, count: int = COUNT, seed: int = SEED) -> l
         output_len = _draw(rng, OUTPUT_MEDIAN, OUTPUT_SIGMA, OUTPUT_RANGE)
         text = tokenizer.decode([rng.randrange(vocab) for _ in range(prompt_len)])
         ids = tokenizer.encode(text, add_special_tokens=False).ids[:prompt_len]
-        rows.append({"prompt": tokenizer.decode(ids), "output_tokens": output_len,
-                     "prompt_tokens": len(ids)})  # fmt: skip
+        rows.append(
+            {
+                "prompt": tokenizer.decode(ids),
+                "output_tokens": output_len,
+                "prompt_tokens": len(ids),
+            }
+        )
     return rows
 
 
@@ -90,8 +95,11 @@ class Words:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         vocab = tokenizer.get_vocab()
-        self.ids = sorted(i for text, i in vocab.items() if text.startswith("\u0120")
-                          and text[1:].isalpha() and self._one_token(i))  # fmt: skip
+        self.ids = sorted(
+            i
+            for text, i in vocab.items()
+            if text.startswith("\u0120") and text[1:].isalpha() and self._one_token(i)
+        )
         if len(self.ids) < 8:
             raise ValueError(f"the tokenizer has only {len(self.ids)} one-token words")
 
@@ -116,8 +124,13 @@ def _rngs(seed: int, salt: str) -> tuple[random.Random, random.Random]:
     return random.Random(seed), random.Random(f"{seed}/{salt}")
 
 
-def shared_prefix(tokenizer_dir: Path, shape: SharedPrefix = SharedPrefix(), count: int = 256,
-                  seed: int = SEED, salt: str = "") -> list[dict]:  # fmt: skip
+def shared_prefix(
+    tokenizer_dir: Path,
+    shape: SharedPrefix = SharedPrefix(),
+    count: int = 256,
+    seed: int = SEED,
+    salt: str = "",
+) -> list[dict]:
     """Each request: its group's system prompt, then a fresh question (groups drawn uniformly)."""
     tokenizer = _tokenizer(tokenizer_dir)
     words, (shape_rng, word_rng) = Words(tokenizer), _rngs(seed, salt)
@@ -128,19 +141,29 @@ def shared_prefix(tokenizer_dir: Path, shape: SharedPrefix = SharedPrefix(), cou
         group = shape_rng.randrange(shape.groups)
         prompt = systems[group] + words.text(word_rng, shape.question_tokens)
         _check(tokenizer, prompt, expected)
-        rows.append({"prompt": prompt, "output_tokens": shape.output_tokens,
-                     "prompt_tokens": expected, "group": group})  # fmt: skip
+        rows.append(
+            {
+                "prompt": prompt,
+                "output_tokens": shape.output_tokens,
+                "prompt_tokens": expected,
+                "group": group,
+            }
+        )
     return rows
 
 
-def multi_turn(tokenizer_dir: Path, shape: MultiTurn = MultiTurn(), seed: int = SEED,
-               salt: str = "") -> list[list[dict]]:  # fmt: skip
+def multi_turn(
+    tokenizer_dir: Path, shape: MultiTurn = MultiTurn(), seed: int = SEED, salt: str = ""
+) -> list[list[dict]]:
     """Conversations, each a list of turns: {"conversation", "turn", "messages", "prompt" (the
     messages rendered with the model's chat template, generation prompt added, as vLLM renders
     a chat request), "prompt_tokens", "output_tokens"}."""
     tokenizer = _tokenizer(tokenizer_dir)
-    words, (_, word_rng), template = Words(tokenizer), _rngs(seed, salt), _chat_template(
-        tokenizer_dir)  # fmt: skip
+    words, (_, word_rng), template = (
+        Words(tokenizer),
+        _rngs(seed, salt),
+        _chat_template(tokenizer_dir),
+    )
     message = lambda n: words.text(word_rng, n)[1:]  # noqa: E731 (the template adds ": ")
     out = []
     for conversation in range(shape.conversations):
@@ -152,17 +175,26 @@ def multi_turn(tokenizer_dir: Path, shape: MultiTurn = MultiTurn(), seed: int = 
             messages.append({"role": "user", "content": message(shape.user_tokens)})
             prompt = template.render(messages=messages, add_generation_prompt=True)
             ids = tokenizer.encode(prompt).ids
-            turns.append({"conversation": conversation, "turn": turn, "messages": list(messages),
-                          "prompt": prompt, "prompt_tokens": len(ids),
-                          "output_tokens": shape.answer_tokens})  # fmt: skip
+            turns.append(
+                {
+                    "conversation": conversation,
+                    "turn": turn,
+                    "messages": list(messages),
+                    "prompt": prompt,
+                    "prompt_tokens": len(ids),
+                    "output_tokens": shape.answer_tokens,
+                }
+            )
         out.append(turns)
     return out
 
 
 def turn_waves(conversations: list[list[dict]]) -> list[list[dict]]:
     """Turn k of every conversation, for k = 0, 1, ...: the order in which they may be sent."""
-    return [[c[k] for c in conversations if k < len(c)]
-            for k in range(max(map(len, conversations), default=0))]  # fmt: skip
+    return [
+        [c[k] for c in conversations if k < len(c)]
+        for k in range(max(map(len, conversations), default=0))
+    ]
 
 
 def _chat_template(tokenizer_dir: Path) -> Any:
@@ -170,8 +202,9 @@ def _chat_template(tokenizer_dir: Path) -> Any:
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        raise SystemExit("the multi-turn workload renders the chat template with jinja2: "
-                         "pip install jinja2") from None  # fmt: skip
+        raise SystemExit(
+            "the multi-turn workload renders the chat template with jinja2: pip install jinja2"
+        ) from None
     source = (tokenizer_dir / "chat_template.jinja").read_text()
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     return env.from_string(source)
@@ -193,14 +226,18 @@ def summary(rows: list[dict]) -> str:
     def describe(values: list[int]) -> str:
         ordered = sorted(values)
         pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-        return (f"median {statistics.median(ordered):.0f}, mean {statistics.fmean(ordered):.0f}, "
-                f"p90 {pick(0.9)}, p99 {pick(0.99)}, max {ordered[-1]}")  # fmt: skip
+        return (
+            f"median {statistics.median(ordered):.0f}, mean {statistics.fmean(ordered):.0f}, "
+            f"p90 {pick(0.9)}, p99 {pick(0.99)}, max {ordered[-1]}"
+        )
 
     prompt_bytes = sum(len(json.dumps(r["prompt"])) for r in rows)
     prompt_tokens = sum(r["prompt_tokens"] for r in rows)
-    return (f"{len(rows)} requests; prompt tokens {describe([r['prompt_tokens'] for r in rows])}; "
-            f"output tokens {describe([r['output_tokens'] for r in rows])}; "
-            f"{prompt_bytes / prompt_tokens:.2f} JSON bytes per prompt token")  # fmt: skip
+    return (
+        f"{len(rows)} requests; prompt tokens {describe([r['prompt_tokens'] for r in rows])}; "
+        f"output tokens {describe([r['output_tokens'] for r in rows])}; "
+        f"{prompt_bytes / prompt_tokens:.2f} JSON bytes per prompt token"
+    )
 
 
 def main() -> None:
@@ -208,8 +245,12 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--count", type=int, default=COUNT)
     parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--kind", choices=("heavy-tailed", "shared-prefix", "multi-turn"),
-                        default="heavy-tailed", help="multi-turn: every turn, waves in order")
+    parser.add_argument(
+        "--kind",
+        choices=("heavy-tailed", "shared-prefix", "multi-turn"),
+        default="heavy-tailed",
+        help="multi-turn: every turn, waves in order",
+    )
     args = parser.parse_args()
     import sys
 

@@ -83,8 +83,11 @@ def _pieces(cfg: Config) -> EnvoyPieces:
 
 
 def _istio_patch(apply_to: str, match: dict[str, Any], operation: str, value: Any) -> dict:
-    return {"applyTo": apply_to, "match": {"context": "GATEWAY", **match},
-            "patch": {"operation": operation, "value": value}}  # fmt: skip
+    return {
+        "applyTo": apply_to,
+        "match": {"context": "GATEWAY", **match},
+        "patch": {"operation": operation, "value": value},
+    }
 
 
 _GATEWAY_HCM = {"filter": {"name": HCM_FILTER, "subFilter": {"name": "envoy.filters.http.router"}}}
@@ -93,12 +96,17 @@ _GATEWAY_HCM = {"filter": {"name": HCM_FILTER, "subFilter": {"name": "envoy.filt
 def istio_envoyfilter(config: Path) -> dict[str, Any]:
     cfg = load_config(config)
     pieces = _pieces(cfg)  # the pd-extproc container is in the gateway pod
-    on_gateway_http = {"listener": {"portNumber": ISTIO_GATEWAY_POD_PORT,
-                                    "filterChain": _GATEWAY_HCM}}  # fmt: skip
+    on_gateway_http = {
+        "listener": {"portNumber": ISTIO_GATEWAY_POD_PORT, "filterChain": _GATEWAY_HCM}
+    }
     vhost = {"name": "pd-extproc-llm", "domains": ISTIO_HOSTS, "routes": pieces.ingress_routes}
     on_gateway_routes = {"routeConfiguration": {"portNumber": ISTIO_GATEWAY_SERVER_PORT}}
-    on_gateway_hcm = {"listener": {"portNumber": ISTIO_GATEWAY_POD_PORT,
-                                   "filterChain": {"filter": {"name": HCM_FILTER}}}}  # fmt: skip
+    on_gateway_hcm = {
+        "listener": {
+            "portNumber": ISTIO_GATEWAY_POD_PORT,
+            "filterChain": {"filter": {"name": HCM_FILTER}},
+        }
+    }
     path_handling = {"typed_config": {"@type": HCM_TYPE, **pieces.ingress_hcm_settings}}
     # An EnvoyFilter's clusters arrive over CDS, and Envoy takes EDS only through a bootstrap
     # cluster: the pools here are the config's static lists.

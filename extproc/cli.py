@@ -123,8 +123,11 @@ def _service(args: argparse.Namespace, config: Config) -> Service:
     # The endpoint picker: P legs straight to the engines (a gateway's Envoy has no prefill
     # listener), TLS and the protocol's health services.
     if config.extproc.host in ("127.0.0.1", "::1", "localhost"):
-        log.warning("the endpoint picker listens on %s only: a gateway in another pod cannot "
-                    "reach it (set extproc.host: 0.0.0.0)", config.extproc.host)  # fmt: skip
+        log.warning(
+            "the endpoint picker listens on %s only: a gateway in another pod cannot "
+            "reach it (set extproc.host: 0.0.0.0)",
+            config.extproc.host,
+        )
     return ExtProcService(config, NO_LISTENER, endpoint_picker=True)
 
 

@@ -136,8 +136,9 @@ class EndpointConfig(_Strict):
         try:  # Envoy's pools take IP addresses only, and override_host matches by address
             ipaddress.ip_address(host)
         except ValueError:
-            raise ValueError(f"an IP address, not a name (got {value!r}); "
-                             "give names with dns: (or kubernetes:)") from None  # fmt: skip
+            raise ValueError(
+                f"an IP address, not a name (got {value!r}); give names with dns: (or kubernetes:)"
+            ) from None
         return value
 
     @property
@@ -644,8 +645,10 @@ def _tokenizer_path(value: str | None) -> str | None:
         return value
     path = Path(value).expanduser()
     if not (path.is_file() or (path / "tokenizer.json").is_file()):
-        raise ValueError(f"{value}: no tokenizer.json there; give the model's folder "
-                         "(as for vllm serve --tokenizer) or its tokenizer.json")  # fmt: skip
+        raise ValueError(
+            f"{value}: no tokenizer.json there; give the model's folder "
+            "(as for vllm serve --tokenizer) or its tokenizer.json"
+        )
     return value
 
 

@@ -27,8 +27,13 @@ PROMPT = "Explain prefill/decode disaggregation in one paragraph. " * 40  # ~400
 
 async def _first_token_time(session: aiohttp.ClientSession, url: str, i: int) -> float:
     """Stream one completion; seconds from sending to the first content chunk."""
-    body = {"model": "sim-model", "prompt": f"Request {i}: {PROMPT}", "max_tokens": 16,
-            "stream": True, "temperature": 0}  # fmt: skip
+    body = {
+        "model": "sim-model",
+        "prompt": f"Request {i}: {PROMPT}",
+        "max_tokens": 16,
+        "stream": True,
+        "temperature": 0,
+    }
     started = time.perf_counter()
     first = None
     async with session.post(url + "/v1/completions", json=body) as response:
@@ -73,19 +78,25 @@ DEMO_PROFILE = "gpu-8b"
 
 async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) -> int:
     async with contextlib.AsyncExitStack() as stack:
-        print("starting 2 prefill + 2 decode simulated vLLM engines (NixlPushConnector, "
-              f"cost profile {DEMO_PROFILE})...")
+        print(
+            "starting 2 prefill + 2 decode simulated vLLM engines (NixlPushConnector, "
+            f"cost profile {DEMO_PROFILE})..."
+        )
         engines = [
             await stack.enter_async_context(
-                running_engine("--kv-transfer-config", connector, "--profile", DEMO_PROFILE))
+                running_engine("--kv-transfer-config", connector, "--profile", DEMO_PROFILE)
+            )
             for connector in (PUSH_P, PUSH_P, PUSH_D, PUSH_D)
         ]
-        config = parse_config({
-            "prefill": {"endpoints": [f"127.0.0.1:{e.port}" for e in engines[:2]]},
-            "decode": {"endpoints": [f"127.0.0.1:{e.port}" for e in engines[2:]]},
-            "extproc": {"port": 0}, "metrics": {"port": 0},
-            "envoy": {"listen": {"port": port}},
-        })  # fmt: skip
+        config = parse_config(
+            {
+                "prefill": {"endpoints": [f"127.0.0.1:{e.port}" for e in engines[:2]]},
+                "decode": {"endpoints": [f"127.0.0.1:{e.port}" for e in engines[2:]]},
+                "extproc": {"port": 0},
+                "metrics": {"port": 0},
+                "envoy": {"listen": {"port": port}},
+            }
+        )
         sidecar = Sidecar(config, listen_setting="--port")
         await sidecar.bind()
         addresses = await sidecar.start()
@@ -99,9 +110,12 @@ async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) ->
         ttfts = [await _first_token_time(session, addresses.url, i) for i in range(requests)]
         records = await _records(session, engines)
         if len(records) < requests:  # answered by something else on the port: say so, fail
-            print(f"pd-extproc demo: only {len(records)} of {requests} requests reached this "
-                  f"demo's engines; is another process serving {addresses.url}? Stop it, or "
-                  "choose another port with --port", file=sys.stderr)  # fmt: skip
+            print(
+                f"pd-extproc demo: only {len(records)} of {requests} requests reached this "
+                f"demo's engines; is another process serving {addresses.url}? Stop it, or "
+                "choose another port with --port",
+                file=sys.stderr,
+            )
             return 1
         print("\nEach request: both legs reach their engines together (skew), and D registers its")
         print("KV blocks with P while P is still computing (push-parallel = scenario 1).\n")

@@ -30,14 +30,62 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in the lib
 
 # Each histogram's buckets cover the range its durations live in (bucket count is what costs).
 # ext_proc work and dispatch skew: 0.1 ms to 5 s.
-_WORK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                 0.5, 1.0, 5.0)  # fmt: skip
+_WORK_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    5.0,
+)
 # A P leg: a few ms (short prompt, idle P) to timeouts.prefill_s and beyond (a queued prefill).
-_PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                    120.0, 300.0)  # fmt: skip
+_PREFILL_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 # The client's first byte and whole request: a refusal in ms to a long generation (~30 min).
-_CLIENT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                   120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)  # fmt: skip
+_CLIENT_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1200.0,
+    1800.0,
+    3600.0,
+)
 
 
 def package_version() -> str:

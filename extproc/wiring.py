@@ -112,13 +112,18 @@ def needs_restart(old: Config, new: Config) -> list[str]:
 
 
 def _endpoint_view(state: EndpointState) -> dict[str, object]:
-    return {"healthy": state.healthy, "in_flight": state.in_flight,
-            "waiting": state.waiting, "kv_usage": state.kv_usage}  # fmt: skip
+    return {
+        "healthy": state.healthy,
+        "in_flight": state.in_flight,
+        "waiting": state.waiting,
+        "kv_usage": state.kv_usage,
+    }
 
 
 class Runtime:
-    def __init__(self, config: Config, prefill_listener: str, endpoint_picker: bool = False
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self, config: Config, prefill_listener: str, endpoint_picker: bool = False
+    ) -> None:
         self.config = config
         self.metrics = Metrics()
         dispatch = config.dispatch
@@ -157,10 +162,15 @@ class Runtime:
         self.model_labels = ModelLabels(lambda: self.config.models.keys())
         self.kv_compat = KvCompatibility()  # P/D pairs the probe saw fail to exchange KV
         prober = Prober(
-            self.prefill_client, self.identities, self.decode,
+            self.prefill_client,
+            self.identities,
+            self.decode,
             self.scheduler.decodes_of,
-            self.metrics, settings, self.model_labels.served, self.kv_compat,
-        )  # fmt: skip
+            self.metrics,
+            settings,
+            self.model_labels.served,
+            self.kv_compat,
+        )
         self.kv_check = KvCheck(
             lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses
         )
@@ -256,8 +266,9 @@ class Runtime:
         self.kv.follow(event_sources(self.config, members, self.kv.routed_groups))
 
     def _endpoint_state(self, address: str) -> EndpointState | None:
-        return next((s for pool in (self.prefill, self.decode) for s in pool
-                     if s.address == address), None)  # fmt: skip
+        return next(
+            (s for pool in (self.prefill, self.decode) for s in pool if s.address == address), None
+        )
 
     def _prefill_state(self, address: str) -> EndpointState | None:
         return next((s for s in self.prefill if s.address == address), None)
@@ -340,9 +351,13 @@ class Runtime:
 
     def _log_summary(self) -> None:
         summary = startup_summary(
-            self.prefill, self.decode, self.health.reasons, self.identities.get,
-            lambda address: str(self.scheduler.prefill_mode(address)), self.kv_compat,
-        )  # fmt: skip
+            self.prefill,
+            self.decode,
+            self.health.reasons,
+            self.identities.get,
+            lambda address: str(self.scheduler.prefill_mode(address)),
+            self.kv_compat,
+        )
         log.log(logging.INFO if summary_is_clean(summary) else logging.WARNING, "%s", summary)
 
     async def stop(self) -> None:

@@ -41,10 +41,13 @@ CLIENT_DEADLINE_S = 300.0
 def body(megabytes: float) -> bytes:
     size = int(megabytes * 1e6)
     image = base64.b64encode(b"\x89PNG" + bytes(size * 3 // 4))[:size]
-    message = {"role": "user", "content": [
-        {"type": "text", "text": "describe this image"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image.decode()}},
-    ]}  # fmt: skip
+    message = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "describe this image"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image.decode()}},
+        ],
+    }
     return orjson.dumps({"model": "sim-model", "messages": [message], "max_tokens": 4})
 
 
@@ -52,9 +55,11 @@ async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[st
     started = time.perf_counter()
     try:
         async with session.post(
-            url + "/v1/chat/completions", data=data, headers={"content-type": "application/json"},
+            url + "/v1/chat/completions",
+            data=data,
+            headers={"content-type": "application/json"},
             timeout=aiohttp.ClientTimeout(total=CLIENT_DEADLINE_S),
-        ) as response:  # fmt: skip
+        ) as response:
             payload = await response.read()
             outcome = "200" if response.status == 200 else _error(response.status, payload)
     except (TimeoutError, aiohttp.ClientError) as error:
@@ -87,9 +92,12 @@ async def burst(url: str, n: int, megabytes: float, admin: str | None = None) ->
     outcomes = Counter(outcome for outcome, _ in results)
     times = sorted(elapsed for _, elapsed in results)
     failed = n - outcomes["200"]
-    print(f"{n} x {megabytes:g} MB ({len(data) / 1e6:.2f} MB bodies): {outcomes['200']} passed, "
-          f"{failed} failed; latency median {times[n // 2]:.2f} s, "
-          f"max {times[-1]:.2f} s", flush=True)  # fmt: skip
+    print(
+        f"{n} x {megabytes:g} MB ({len(data) / 1e6:.2f} MB bodies): {outcomes['200']} passed, "
+        f"{failed} failed; latency median {times[n // 2]:.2f} s, "
+        f"max {times[-1]:.2f} s",
+        flush=True,
+    )
     for outcome, count in outcomes.items():
         if outcome != "200":
             print(f"    {count} x {outcome}")
@@ -122,8 +130,10 @@ async def main() -> None:
         config = ephemeral_config([f"127.0.0.1:{p.port}"], [f"127.0.0.1:{d.port}"], **extra)
         sidecar = await stack.enter_async_context(running_sidecar(config, log_level="WARNING"))
         timeout = extproc_message_timeout_s(parse_config(config))
-        print(f"Envoy's ext_proc message timeout: {timeout:g} s "
-              f"(limits.max_body_bytes {args.max_body_mb:g} MiB)")  # fmt: skip
+        print(
+            f"Envoy's ext_proc message timeout: {timeout:g} s "
+            f"(limits.max_body_bytes {args.max_body_mb:g} MiB)"
+        )
         for n, megabytes in args.bursts:
             await burst(sidecar.url, n, megabytes, sidecar.envoy_admin)
 

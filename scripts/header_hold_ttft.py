@@ -32,8 +32,9 @@ async def streamed(http: aiohttp.ClientSession, url: str, body: bytes) -> tuple[
     """(seconds to the response headers, seconds to the first content chunk)."""
     started = time.perf_counter()
     first = None
-    async with http.post(url + "/v1/completions", data=body,
-                         headers={"content-type": "application/json"}) as response:  # fmt: skip
+    async with http.post(
+        url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+    ) as response:
         headers_at = time.perf_counter() - started
         response.raise_for_status()
         async for line in response.content:
@@ -50,19 +51,23 @@ def line(name: str, samples: list[tuple[float, float]]) -> str:
     ttfts = sorted(s[1] * 1000 for s in samples)
     p90 = ttfts[int(0.9 * (len(ttfts) - 1))]
     ttft = statistics.median(ttfts)
-    return (f"{name:<10} headers median {heads:6.1f} ms   TTFT median {ttft:6.1f} ms"
-            f"  p90 {p90:6.1f} ms  (n={len(samples)})")  # fmt: skip
+    return (
+        f"{name:<10} headers median {heads:6.1f} ms   TTFT median {ttft:6.1f} ms"
+        f"  p90 {p90:6.1f} ms  (n={len(samples)})"
+    )
 
 
 async def run(args: argparse.Namespace) -> None:
     prompt = [1000 + i % 30000 for i in range(args.prompt_tokens)]
-    body = orjson.dumps({"model": "sim-model", "prompt": prompt,
-                         "max_tokens": args.output_tokens, "stream": True})  # fmt: skip
+    body = orjson.dumps(
+        {"model": "sim-model", "prompt": prompt, "max_tokens": args.output_tokens, "stream": True}
+    )
     async with contextlib.AsyncExitStack() as stack:
         p = await stack.enter_async_context(running_engine("--kv-transfer-config", PUSH_P))
         d = await stack.enter_async_context(running_engine("--kv-transfer-config", PUSH_D))
-        config = ephemeral_config([f"127.0.0.1:{p.port}"], [f"127.0.0.1:{d.port}"],
-                                  health={"interval_s": 5})  # fmt: skip
+        config = ephemeral_config(
+            [f"127.0.0.1:{p.port}"], [f"127.0.0.1:{d.port}"], health={"interval_s": 5}
+        )
         # PYTHONSAFEPATH: the working directory (maybe this checkout) must not come first
         baseline = {"PYTHONPATH": str(args.baseline.resolve()), "PYTHONSAFEPATH": "1"}
         sidecars: dict[str, SidecarHandle] = {
@@ -80,17 +85,23 @@ async def run(args: argparse.Namespace) -> None:
                 samples[name].append(await streamed(http, sidecar.url, body))
         async with http.get(d.url + "/sim/requests") as response:
             kinds = [r["kv"] for r in await response.json()]
-    print(f"1P1D push (vllmsim default cost model), {args.prompt_tokens}-token prompt, "
-          f"{args.output_tokens} output tokens, streamed; D saw "
-          f"{kinds.count('push-parallel')} of {len(kinds)} requests as push-parallel")  # fmt: skip
+    print(
+        f"1P1D push (vllmsim default cost model), {args.prompt_tokens}-token prompt, "
+        f"{args.output_tokens} output tokens, streamed; D saw "
+        f"{kinds.count('push-parallel')} of {len(kinds)} requests as push-parallel"
+    )
     for name, got in samples.items():
         print(line(name, got))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", type=Path, required=True,
-                        help="a directory holding the baseline's extproc package")  # fmt: skip
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        required=True,
+        help="a directory holding the baseline's extproc package",
+    )
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--output-tokens", type=int, default=8)

@@ -39,8 +39,13 @@ BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "prometheus")
 # Bump when BASE_PACKAGES or the trimming change, so that cached root file systems are rebuilt.
 BASE_RECIPE = "bookworm-minbase-v1"
 # Not needed in a container, and copied whole per layer by the vfs storage driver.
-_TRIM = ("usr/share/doc", "usr/share/man", "usr/share/locale", "usr/share/javascript",
-         "var/cache/apt/archives")  # fmt: skip
+_TRIM = (
+    "usr/share/doc",
+    "usr/share/man",
+    "usr/share/locale",
+    "usr/share/javascript",
+    "var/cache/apt/archives",
+)
 _PIDFILE = CACHE_DIR / "dockerd.pid"
 _DAEMON_WAIT_S = 60.0
 
@@ -58,9 +63,11 @@ def start_daemon() -> None:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         daemon = subprocess.Popen(
-            ["dockerd", "--storage-driver", "vfs"], stdout=out, stderr=out,
+            ["dockerd", "--storage-driver", "vfs"],
+            stdout=out,
+            stderr=out,
             start_new_session=True,
-        )  # fmt: skip
+        )
     _PIDFILE.write_text(str(daemon.pid))
     deadline = time.monotonic() + _DAEMON_WAIT_S
     while not docker_answers():
@@ -99,9 +106,17 @@ def _build_rootfs(target: Path) -> None:
     target.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="pd-rootfs-") as tmp:
         rootfs = Path(tmp) / "rootfs"
-        run_step("debootstrap", ["debootstrap", "--variant=minbase",
-                             f"--include={','.join(BASE_PACKAGES)}", "bookworm", str(rootfs),
-                             DEBIAN_MIRROR])  # fmt: skip
+        run_step(
+            "debootstrap",
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(BASE_PACKAGES)}",
+                "bookworm",
+                str(rootfs),
+                DEBIAN_MIRROR,
+            ],
+        )
         for path in _TRIM:
             shutil.rmtree(rootfs / path, ignore_errors=True)
         run_step("pack", ["tar", "-C", str(rootfs), "-cf", str(target / "rootfs.tar"), "."])
@@ -123,10 +138,33 @@ def product_image() -> float:
     shutil.rmtree(wheelhouse, ignore_errors=True)
     try:
         # setuptools and wheel too: the image builds the project offline (--no-index).
-        run_step("wheels", [sys.executable, "-m", "pip", "wheel", "--quiet", "-w", str(wheelhouse),
-                        f"{ROOT}[sim]", "setuptools>=68", "wheel"])  # fmt: skip
-        build = [DOCKER, "build", "--quiet", "--build-arg", f"BASE={BASE_IMAGE}",
-                 "--build-arg", "WHEELS=1", "-t", PRODUCT_IMAGE, str(ROOT)]  # fmt: skip
+        run_step(
+            "wheels",
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--quiet",
+                "-w",
+                str(wheelhouse),
+                f"{ROOT}[sim]",
+                "setuptools>=68",
+                "wheel",
+            ],
+        )
+        build = [
+            DOCKER,
+            "build",
+            "--quiet",
+            "--build-arg",
+            f"BASE={BASE_IMAGE}",
+            "--build-arg",
+            "WHEELS=1",
+            "-t",
+            PRODUCT_IMAGE,
+            str(ROOT),
+        ]
         run_step("docker build", build)
     finally:
         shutil.rmtree(wheelhouse, ignore_errors=True)

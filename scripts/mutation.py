@@ -40,11 +40,30 @@ MUTANTS = ROOT / "mutants"
 EQUIVALENT_FILE = ROOT / "scripts" / "mutation_equivalent.toml"
 
 # mutmut's exit codes per mutant (mutmut.stats.status_by_exit_code), grouped for the report.
-_STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests",
-           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
-           37: "killed", None: "not_checked"}  # fmt: skip
-COLUMNS = ("mutants", "killed", "timeout", "survived", "no_tests", "equivalent", "other",
-           "not_checked")  # fmt: skip
+_STATUS = {
+    1: "killed",
+    3: "killed",
+    0: "survived",
+    5: "no_tests",
+    33: "no_tests",
+    36: "timeout",
+    24: "timeout",
+    -24: "timeout",
+    152: "timeout",
+    255: "timeout",
+    37: "killed",
+    None: "not_checked",
+}
+COLUMNS = (
+    "mutants",
+    "killed",
+    "timeout",
+    "survived",
+    "no_tests",
+    "equivalent",
+    "other",
+    "not_checked",
+)
 
 
 def core_modules() -> list[str]:
@@ -161,8 +180,11 @@ def explanation(mutant: Mutant, known: list[dict[str, str]]) -> dict[str, str] |
     """The recorded entry for this survivor (matched by module, function and text), if any."""
     for entry in known:
         if (entry["module"], entry["function"], entry["before"], entry["after"]) == (
-            mutant.module, mutant.function, mutant.before, mutant.after
-        ):  # fmt: skip
+            mutant.module,
+            mutant.function,
+            mutant.before,
+            mutant.after,
+        ):
             return entry
     return None
 
@@ -172,8 +194,9 @@ def run_mutmut(names: list[str], time_box: float | None) -> None:
     command = [sys.executable, "-m", "mutmut", "run", "--max-children", "1", *names]
     print("$", " ".join(command), flush=True)
     started = time.monotonic()
-    with subprocess.Popen(command, cwd=ROOT, start_new_session=True,
-                          stdout=subprocess.DEVNULL) as process:  # fmt: skip
+    with subprocess.Popen(
+        command, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL
+    ) as process:
         try:
             process.wait(timeout=time_box)
         except subprocess.TimeoutExpired:
@@ -244,8 +267,12 @@ def main() -> int:
     if args.resume:
         run_mutmut([], args.time_box)
     elif args.survivors:
-        names = [m.name for module in modules for m in load_module(module)
-                 if m.status in ("survived", "no_tests", "not_checked")]  # fmt: skip
+        names = [
+            m.name
+            for module in modules
+            for m in load_module(module)
+            if m.status in ("survived", "no_tests", "not_checked")
+        ]
         if names:
             run_mutmut(names, args.time_box)
     elif not args.report:

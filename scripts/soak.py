@@ -32,8 +32,10 @@ from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar
 from vllmsim.launcher import EngineHandle, running_engine
 
 LEASE_S = 5
-PREFILL = f'{{"kv_connector":"NixlPushConnector","kv_role":"kv_producer",' \
-          f'"kv_connector_extra_config":{{"kv_lease_duration":{LEASE_S}}}}}'  # fmt: skip
+PREFILL = (
+    f'{{"kv_connector":"NixlPushConnector","kv_role":"kv_producer",'
+    f'"kv_connector_extra_config":{{"kv_lease_duration":{LEASE_S}}}}}'
+)
 DECODE = '{"kv_connector":"NixlPushConnector","kv_role":"kv_consumer"}'
 CLIENT_DEADLINE_S = 60.0  # the sidecar bounds everything well below this (see CONFIG)
 CONFIG = {"timeouts": {"prefill_s": 5, "kv_wait_s": 10}, "health": {"interval_s": 1}}
@@ -48,8 +50,12 @@ def rss_mib(pid: int) -> float:
 
 async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Random) -> str:
     stream = rng.random() < 0.5
-    body = {"model": "sim-model", "prompt": "soak " * rng.randint(5, 400),
-            "max_tokens": rng.randint(1, 40), "stream": stream}  # fmt: skip
+    body = {
+        "model": "sim-model",
+        "prompt": "soak " * rng.randint(5, 400),
+        "max_tokens": rng.randint(1, 40),
+        "stream": stream,
+    }
     hang_up = rng.random() < 0.05
     try:
         async with asyncio.timeout(CLIENT_DEADLINE_S):
@@ -73,8 +79,13 @@ async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Rand
         return "cut"  # an error after the 200 went out: Envoy resets the stream
 
 
-async def inject(session: aiohttp.ClientSession, engines: list[EngineHandle],
-                 rng: random.Random, stop: asyncio.Event, log: Counter[str]) -> None:  # fmt: skip
+async def inject(
+    session: aiohttp.ClientSession,
+    engines: list[EngineHandle],
+    rng: random.Random,
+    stop: asyncio.Event,
+    log: Counter[str],
+) -> None:
     prefills, decodes = engines[:2], engines[2:]
     faults = [
         ("prefill_fail", prefills, {"fail_next": 3, "fail_status": 500}),
@@ -94,8 +105,9 @@ async def inject(session: aiohttp.ClientSession, engines: list[EngineHandle],
         engine = rng.choice(targets)
         path = "/sim/restart" if body is None else "/sim/faults"
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with session.post(engine.url + path, json=body or {},
-                                    timeout=aiohttp.ClientTimeout(total=5)):  # fmt: skip
+            async with session.post(
+                engine.url + path, json=body or {}, timeout=aiohttp.ClientTimeout(total=5)
+            ):
                 log[name] += 1
             if name in ("prefill_slow", "drop_registrations"):  # lift them again later
                 await asyncio.sleep(rng.uniform(1, 4))
@@ -103,8 +115,9 @@ async def inject(session: aiohttp.ClientSession, engines: list[EngineHandle],
                     pass
 
 
-async def settle(session: aiohttp.ClientSession, sidecar: SidecarHandle,
-                 engines: list[EngineHandle]) -> tuple[int, int]:  # fmt: skip
+async def settle(
+    session: aiohttp.ClientSession, sidecar: SidecarHandle, engines: list[EngineHandle]
+) -> tuple[int, int]:
     """Clear faults, wait out the leases; (in-flight count, blocks still held)."""
     for engine in engines:
         with contextlib.suppress(aiohttp.ClientError):
@@ -126,11 +139,15 @@ async def main(seconds: float, concurrency: int, seed: int) -> int:
     flags = [("--kv-transfer-config", PREFILL)] * 2 + [("--kv-transfer-config", DECODE)] * 2
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(running_engine(*f)) for f in flags]
-        config = ephemeral_config([f"127.0.0.1:{e.port}" for e in engines[:2]],
-                                  [f"127.0.0.1:{e.port}" for e in engines[2:]], **CONFIG)
+        config = ephemeral_config(
+            [f"127.0.0.1:{e.port}" for e in engines[:2]],
+            [f"127.0.0.1:{e.port}" for e in engines[2:]],
+            **CONFIG,
+        )
         sidecar = await stack.enter_async_context(running_sidecar(config, log_level="WARNING"))
         session = await stack.enter_async_context(
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        )
         rss_start, results, faults = rss_mib(sidecar.pid), Counter[str](), Counter[str]()
         stop, deadline = asyncio.Event(), time.monotonic() + seconds
 
@@ -145,12 +162,14 @@ async def main(seconds: float, concurrency: int, seed: int) -> int:
         inflight, blocks = await settle(session, sidecar, engines)
         rss_end = rss_mib(sidecar.pid)
     sent = sum(results.values())
-    print(f"soak {seconds:g} s, concurrency {concurrency}: sent {sent}, ok {results['ok']}, "
-          f"clear errors {results['clear_error']}, cut mid-stream {results['cut']}, "
-          f"client hang-ups {results['hung_up']}, unclear errors {results['unclear_error']}, "
-          f"hung {results['hung']}; in-flight after {inflight}; ext_proc RSS "
-          f"{rss_start:.1f} -> {rss_end:.1f} MiB; blocks held after leases {blocks}; "
-          f"faults {dict(faults)}")  # fmt: skip
+    print(
+        f"soak {seconds:g} s, concurrency {concurrency}: sent {sent}, ok {results['ok']}, "
+        f"clear errors {results['clear_error']}, cut mid-stream {results['cut']}, "
+        f"client hang-ups {results['hung_up']}, unclear errors {results['unclear_error']}, "
+        f"hung {results['hung']}; in-flight after {inflight}; ext_proc RSS "
+        f"{rss_start:.1f} -> {rss_end:.1f} MiB; blocks held after leases {blocks}; "
+        f"faults {dict(faults)}"
+    )
     return 0 if results["hung"] == 0 and inflight == 0 and blocks == 0 else 1
 
 

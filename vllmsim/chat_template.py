@@ -21,16 +21,29 @@ class ChatTemplateError(Exception):
     """The template failed for this request (vLLM answers 400 with the message)."""
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
     out = {}
-    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
-                 "mask_token"):  # fmt: skip
+    for name in (
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "sep_token",
+        "cls_token",
+        "mask_token",
+    ):
         value = config.get(name)
         if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
             value = value.get("content")
@@ -58,8 +71,9 @@ class ChatTemplate:
         def raise_exception(message: str) -> None:
             raise jinja2.exceptions.TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])  # fmt: skip
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -77,11 +91,20 @@ class ChatTemplate:
         text = _template_text(folder, config)
         return cls(text, _special_tokens(config)) if text is not None else None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               extra: dict[str, Any] | None = None) -> str:  # fmt: skip
-        variables = {**(extra or {}), **self._special, "messages": messages,
-                     "add_generation_prompt": add_generation_prompt, "tools": None,
-                     "documents": None}  # fmt: skip
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        variables = {
+            **(extra or {}),
+            **self._special,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": None,
+            "documents": None,
+        }
         try:
             return str(self._template.render(**variables))
         except self._errors as exc:
@@ -95,8 +118,11 @@ def text_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for msg in messages:
         content = msg.get("content")
         if isinstance(content, list):
-            texts = [p.get("text", "") for p in content
-                     if isinstance(p, dict) and p.get("type", "text") == "text"]  # fmt: skip
+            texts = [
+                p.get("text", "")
+                for p in content
+                if isinstance(p, dict) and p.get("type", "text") == "text"
+            ]
             msg = {**msg, "content": "\n".join(texts)}
         out.append(msg)
     return out

@@ -78,8 +78,9 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vllmsim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="vllmsim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("model_tag", nargs="?", help="model, as in `vllm serve MODEL`")
     p.add_argument("--model", help="model name (default: sim-model)")
     p.add_argument("--served-model-name", nargs="+", help="names the API accepts")
@@ -87,36 +88,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 = ephemeral")
     p.add_argument("--kv-transfer-config", help="JSON, as for vllm serve")
     p.add_argument("--tokenizer", help="local HF tokenizer folder, for exact token counts")
-    p.add_argument("--block-size", type=int, default=BLOCK_SIZE,
-                   help=f"tokens per KV block (default {BLOCK_SIZE}, as vLLM on GPUs)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="keep and reuse full blocks (default on, as vLLM)")
-    p.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="report usage.prompt_tokens_details.cached_tokens")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=BLOCK_SIZE,
+        help=f"tokens per KV block (default {BLOCK_SIZE}, as vLLM on GPUs)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep and reuse full blocks (default on, as vLLM)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens",
+    )
     p.add_argument("--kv-events-config", help="JSON, as for vllm serve (ZMQ KV cache events)")
-    p.add_argument("--api-key", nargs="+", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (one of these keys) on the API; "
-                        "default: $VLLM_API_KEY")  # fmt: skip
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (one of these keys) on the API; "
+        "default: $VLLM_API_KEY",
+    )
     p.add_argument("--port-file", help="write {port, side_channel_port, engine_id, pid} here")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     cost = p.add_argument_group("cost model (default profile: gpu-8b, an 8B model on one H100)")
-    cost.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
-                      help="named cost model (vllmsim/profiles.py); the flags below override it")
+    cost.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=DEFAULT_PROFILE,
+        help="named cost model (vllmsim/profiles.py); the flags below override it",
+    )
     for f in dataclasses.fields(CostModel):
         flag = "--" + f.name.replace("_", "-")
-        cost.add_argument(flag, type=type(f.default), default=None, dest=f.name,
-                          help=f"gpu-8b: {getattr(PROFILES[DEFAULT_PROFILE], f.name)}, "
-                               f"cpu-tiny: {getattr(PROFILES['cpu-tiny'], f.name)}")  # fmt: skip
+        cost.add_argument(
+            flag,
+            type=type(f.default),
+            default=None,
+            dest=f.name,
+            help=f"gpu-8b: {getattr(PROFILES[DEFAULT_PROFILE], f.name)}, "
+            f"cpu-tiny: {getattr(PROFILES['cpu-tiny'], f.name)}",
+        )
     faults = p.add_argument_group("faults (also settable at run time: POST /sim/faults)")
     faults.add_argument("--fail-next", type=int, default=0, help="fail the next N requests")
     faults.add_argument("--fail-status", type=int, default=500, help="status for --fail-next")
     faults.add_argument("--hang-next", type=int, default=0, help="accept N requests, never answer")
     faults.add_argument("--latency-ms", type=float, default=0.0, help="delay before each answer")
     faults.add_argument("--drop-registrations", action="store_true", help="P ignores PUSH_REG")
-    faults.add_argument("--kv-block-offset", type=int, default=0,
-                        help="KV this engine sends goes from/to block ids shifted by N")
-    faults.add_argument("--kv-truncate-blocks", type=int, default=0,
-                        help="KV transfers this engine serves leave out their last N blocks")
+    faults.add_argument(
+        "--kv-block-offset",
+        type=int,
+        default=0,
+        help="KV this engine sends goes from/to block ids shifted by N",
+    )
+    faults.add_argument(
+        "--kv-truncate-blocks",
+        type=int,
+        default=0,
+        help="KV transfers this engine serves leave out their last N blocks",
+    )
     return p
 
 
@@ -127,14 +160,23 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
         side_port = int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
     except ValueError as exc:
         raise ConfigError("VLLM_NIXL_SIDE_CHANNEL_PORT must be an integer") from exc
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(CostModel)
-             if getattr(args, f.name) is not None}  # fmt: skip
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(CostModel)
+        if getattr(args, f.name) is not None
+    }
     cost = dataclasses.replace(PROFILES[args.profile], **given)
     if cost.max_num_batched_tokens < 1 or cost.num_gpu_blocks < 1 or cost.kv_bandwidth_gbps <= 0:
         raise ConfigError("cost model values must be positive")
-    faults = Faults(args.fail_next, args.fail_status, args.hang_next, args.latency_ms,
-                    args.drop_registrations, kv_block_offset=args.kv_block_offset,
-                    kv_truncate_blocks=args.kv_truncate_blocks)  # fmt: skip
+    faults = Faults(
+        args.fail_next,
+        args.fail_status,
+        args.hang_next,
+        args.latency_ms,
+        args.drop_registrations,
+        kv_block_offset=args.kv_block_offset,
+        kv_truncate_blocks=args.kv_truncate_blocks,
+    )
     if args.tokenizer and not Path(args.tokenizer).exists():
         raise ConfigError(f"--tokenizer {args.tokenizer}: no such file or directory")
     tokenizer = args.tokenizer or _model_folder_tokenizer(args.model or args.model_tag)
@@ -147,11 +189,22 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
             events = parse_kv_events_config(args.kv_events_config)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-    return SimConfig(args.host, args.port, names, kv,
-                     env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"), side_port,
-                     tokenizer, args.port_file, cost, faults, keys,
-                     CacheConfig(args.block_size, args.enable_prefix_caching),
-                     events, args.enable_prompt_tokens_details)  # fmt: skip
+    return SimConfig(
+        args.host,
+        args.port,
+        names,
+        kv,
+        env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),
+        side_port,
+        tokenizer,
+        args.port_file,
+        cost,
+        faults,
+        keys,
+        CacheConfig(args.block_size, args.enable_prefix_caching),
+        events,
+        args.enable_prompt_tokens_details,
+    )
 
 
 def _model_folder_tokenizer(model: str | None) -> str | None:
@@ -179,14 +232,25 @@ async def serve(cfg: SimConfig) -> None:
     await sim.start(build_app(sim))
     try:
         gen = sim.current
-        info = {"port": sim.http_port, "side_channel_port": sim.side.port,
-                "engine_id": gen.engine_id, "pid": os.getpid(), **sim.kv_events_endpoints()}
+        info = {
+            "port": sim.http_port,
+            "side_channel_port": sim.side.port,
+            "engine_id": gen.engine_id,
+            "pid": os.getpid(),
+            **sim.kv_events_endpoints(),
+        }
         if cfg.port_file:
             write_port_file(cfg.port_file, info)
         kv = cfg.kv
-        log.info("vllmsim ready on http://%s:%d side channel %s:%d engine_id %s mode %s",
-                 cfg.host, sim.http_port, cfg.side_channel_host, sim.side.port, gen.engine_id,
-                 kv.transfer_mode if kv else "aggregated")  # fmt: skip
+        log.info(
+            "vllmsim ready on http://%s:%d side channel %s:%d engine_id %s mode %s",
+            cfg.host,
+            sim.http_port,
+            cfg.side_channel_host,
+            sim.side.port,
+            gen.engine_id,
+            kv.transfer_mode if kv else "aggregated",
+        )
         await stop.wait()
     finally:
         await sim.stop()
@@ -194,8 +258,11 @@ async def serve(cfg: SimConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         cfg = config_from_args(args, dict(os.environ))
         asyncio.run(serve(cfg))
@@ -203,9 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllmsim: error: {exc}", file=sys.stderr)
         return 2
     except SideChannelBindError as exc:  # a second engine on this host, same default port
-        print(f"vllmsim: error: the NIXL side channel cannot listen on {exc.host}:{exc.port} "
-              f"({exc.strerror}): give each engine on one host its own "
-              "VLLM_NIXL_SIDE_CHANNEL_PORT (0: any free port)", file=sys.stderr)  # fmt: skip
+        print(
+            f"vllmsim: error: the NIXL side channel cannot listen on {exc.host}:{exc.port} "
+            f"({exc.strerror}): give each engine on one host its own "
+            "VLLM_NIXL_SIDE_CHANNEL_PORT (0: any free port)",
+            file=sys.stderr,
+        )
         return 1
     except KVEventsSocketError as exc:
         print(f"vllmsim: error: {exc} (fix --kv-events-config)", file=sys.stderr)
@@ -216,5 +286,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
-
-

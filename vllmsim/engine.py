@@ -171,17 +171,23 @@ class _Batch:
 
 
 class Engine:
-    def __init__(self, cost: CostModel, metrics: Metrics, engine_id: str,
-                 cache: CacheConfig | None = None,
-                 publish: Callable[[list[KVEvent]], None] | None = None,
-                 token_ids: Callable[[str], list[int]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cost: CostModel,
+        metrics: Metrics,
+        engine_id: str,
+        cache: CacheConfig | None = None,
+        publish: Callable[[list[KVEvent]], None] | None = None,
+        token_ids: Callable[[str], list[int]] | None = None,
+    ) -> None:
         self.cost = cost
         self.engine_id = engine_id
         self.metrics = metrics
         self.cache = cache or CacheConfig()
         self.block_size = self.cache.block_size
-        self.pool = BlockPool(cost.num_gpu_blocks, self.cache.enable_prefix_caching,
-                              self.block_size)  # fmt: skip
+        self.pool = BlockPool(
+            cost.num_gpu_blocks, self.cache.enable_prefix_caching, self.block_size
+        )
         self._publish = publish  # KV events, one batch per step (kv_events.py)
         self._token_ids = token_ids  # an output token's ids: the blocks decoding fills
         self.connector: KVConnector | None = None
@@ -276,8 +282,11 @@ class Engine:
                 continue
             self.steps += 1
             self._in_step = True
-            seconds = (step_seconds(self.cost, batch.num_prefill_tokens, len(batch.decode))
-                       if busy else self.cost.idle_step_ms / 1000.0)  # fmt: skip
+            seconds = (
+                step_seconds(self.cost, batch.num_prefill_tokens, len(batch.decode))
+                if busy
+                else self.cost.idle_step_ms / 1000.0
+            )
             await asyncio.sleep(seconds)
             self._in_step = False
             self._apply(batch)
@@ -369,16 +378,18 @@ class Engine:
         first, last = start // bs, -(-end // bs)
         if not req.chain:  # once per request, however many chunks its prefill takes
             req.chain = fingerprints(req.prompt_ids, bs)
-        self.pool.write(req.blocks[first:last],
-                        [BlockContent(fp, LOCAL, self.engine_id)
-                         for fp in req.chain[first:last]])  # fmt: skip
+        self.pool.write(
+            req.blocks[first:last],
+            [BlockContent(fp, LOCAL, self.engine_id) for fp in req.chain[first:last]],
+        )
 
     def _cache_full_blocks(self, req: SimRequest) -> None:
         """Enter the prompt blocks that are now full and computed into the prefix cache."""
         full = min(req.num_computed // self.block_size, len(req.block_hashes))
         if full > req.num_hashed_blocks:
-            self.pool.cache(req.blocks[:full], req.block_hashes[:full], req.num_hashed_blocks,
-                            req.prompt_ids)  # fmt: skip
+            self.pool.cache(
+                req.blocks[:full], req.block_hashes[:full], req.num_hashed_blocks, req.prompt_ids
+            )
             req.num_hashed_blocks = full
 
     def _cache_generated(self, req: SimRequest, token: str) -> None:
@@ -409,9 +420,7 @@ class Engine:
         m.lbl(m.prompt_tokens_cached).inc(cached + external)
         m.lbl(m.prompt_by_source, source="local_cache_hit").inc(cached)
         m.lbl(m.prompt_by_source, source="external_kv_transfer").inc(external)
-        m.lbl(m.prompt_by_source, source="local_compute").inc(
-            req.prompt_tokens - cached - external
-        )
+        m.lbl(m.prompt_by_source, source="local_compute").inc(req.prompt_tokens - cached - external)
 
     def _read_kv(self, req: SimRequest) -> None:
         """Decoding starts: read the prompt blocks, whatever they hold and wherever it came

@@ -37,8 +37,9 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=shapes.dumps(obj), status=status, content_type="application/json")
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   kind: str | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, param: str | None = None, kind: str | None = None
+) -> web.Response:
     return json_response(shapes.error_body(message, status, param, kind), status)
 
 
@@ -53,12 +54,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     sim = request.app[SIM_KEY]
     rec: dict[str, Any] = {
-        "x_request_id": request.headers.get("X-Request-Id"), "internal_id": None,
-        "path": request.path, "received_at": time.time(), "body": None,
+        "x_request_id": request.headers.get("X-Request-Id"),
+        "internal_id": None,
+        "path": request.path,
+        "received_at": time.time(),
+        "body": None,
         "headers": {k.lower(): v for k, v in request.headers.items()},
-        "status": None, "outcome": "running", "kv": None, "kv_evidence": None,
-        "first_token_at": None, "body_bytes": None, "events": [],
-    }  # fmt: skip
+        "status": None,
+        "outcome": "running",
+        "kv": None,
+        "kv_evidence": None,
+        "first_token_at": None,
+        "body_bytes": None,
+        "events": [],
+    }
     sim.records.append(rec)
     try:
         response = await _serve(request, sim, rec, chat)
@@ -93,8 +102,9 @@ async def _serve(
     external, internal = shapes.request_ids(base_request_id(request.headers, body), chat)
     rec["internal_id"] = internal
     engine = sim.current.engine
-    req = SimRequest(internal, parsed.prompt_ids, parsed.max_tokens, mode=parsed.mode,
-                     remote=parsed.kv_params)  # fmt: skip
+    req = SimRequest(
+        internal, parsed.prompt_ids, parsed.max_tokens, mode=parsed.mode, remote=parsed.kv_params
+    )
     rec["events"] = req.timeline  # the same list: P's push events arrive after its answer
     if sim.cfg.cost.api_overhead_ms > 0:  # vLLM's API server: parse, tokenize, IPC
         await asyncio.sleep(sim.cfg.cost.api_overhead_ms / 1000.0)
@@ -134,8 +144,9 @@ def _reset(request: web.Request, rec: dict[str, Any]) -> None:
     raise asyncio.CancelledError
 
 
-async def _complete(request: web.Request, req: SimRequest, parsed: ParsedRequest,
-                    external: str, rec: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+async def _complete(
+    request: web.Request, req: SimRequest, parsed: ParsedRequest, external: str, rec: dict[str, Any]
+) -> web.StreamResponse:
     created, text = int(time.time()), []
     async for event in _events(req, rec):
         if isinstance(event, TokenEvent):
@@ -146,15 +157,25 @@ async def _complete(request: web.Request, req: SimRequest, parsed: ParsedRequest
             return error_response(event.status, event.message)
         else:
             build = shapes.chat_completion if parsed.chat else shapes.completion
-            return json_response(build(external, created, parsed.model, "".join(text),
-                                       event.finish_reason, parsed.prompt_tokens, len(text),
-                                       event.kv_transfer_params,
-                                       _cached(request, req)))  # fmt: skip
+            return json_response(
+                build(
+                    external,
+                    created,
+                    parsed.model,
+                    "".join(text),
+                    event.finish_reason,
+                    parsed.prompt_tokens,
+                    len(text),
+                    event.kv_transfer_params,
+                    _cached(request, req),
+                )
+            )
     raise RuntimeError("event stream ended without a finish")
 
 
-async def _stream(request: web.Request, req: SimRequest, parsed: ParsedRequest,
-                  external: str, rec: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+async def _stream(
+    request: web.Request, req: SimRequest, parsed: ParsedRequest, external: str, rec: dict[str, Any]
+) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": shapes.SSE_CONTENT_TYPE})
     await resp.prepare(request)
     created, model, pending, n = int(time.time()), parsed.model, None, 0
@@ -176,15 +197,19 @@ async def _stream(request: web.Request, req: SimRequest, parsed: ParsedRequest,
         await resp.write(_chunk(parsed, external, created, pending.text, event))
         if parsed.include_usage:
             make = shapes.chat_usage_chunk if parsed.chat else shapes.completion_usage_chunk
-            await resp.write(shapes.sse(make(external, created, model, parsed.prompt_tokens, n,
-                                             _cached(request, req))))  # fmt: skip
+            await resp.write(
+                shapes.sse(
+                    make(external, created, model, parsed.prompt_tokens, n, _cached(request, req))
+                )
+            )
     await resp.write(shapes.DONE)
     await resp.write_eof()
     return resp
 
 
-async def _stream_error(request: web.Request, exc: ApiError,
-                        rec: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+async def _stream_error(
+    request: web.Request, exc: ApiError, rec: dict[str, Any]
+) -> web.StreamResponse:
     """A stream that fails before its first token: 200, the error event, [DONE]."""
     rec["outcome"] = "error"
     resp = web.StreamResponse(headers={"Content-Type": shapes.SSE_CONTENT_TYPE})
@@ -195,17 +220,28 @@ async def _stream_error(request: web.Request, exc: ApiError,
     return resp
 
 
-def _chunk(parsed: ParsedRequest, rid: str, created: int, text: str,
-           finish: FinishEvent | None) -> bytes:  # fmt: skip
+def _chunk(
+    parsed: ParsedRequest, rid: str, created: int, text: str, finish: FinishEvent | None
+) -> bytes:
     reason = finish.finish_reason if finish else None
     params = finish.kv_transfer_params if finish else None
     last = finish is not None and not parsed.include_usage  # no usage chunk follows
     if parsed.chat:
-        return shapes.sse(shapes.chat_chunk(rid, created, parsed.model, {"content": text}, reason,
-                                            final=finish is not None, kv_params=params,
-                                            last=last))  # fmt: skip
-    return shapes.sse(shapes.completion_chunk(rid, created, parsed.model, text, reason, params,
-                                              last=last))  # fmt: skip
+        return shapes.sse(
+            shapes.chat_chunk(
+                rid,
+                created,
+                parsed.model,
+                {"content": text},
+                reason,
+                final=finish is not None,
+                kv_params=params,
+                last=last,
+            )
+        )
+    return shapes.sse(
+        shapes.completion_chunk(rid, created, parsed.model, text, reason, params, last=last)
+    )
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -222,13 +258,23 @@ async def record_unrouted(request: web.Request, handler: Handler) -> web.StreamR
         body = orjson.loads(raw) if raw else None
     except orjson.JSONDecodeError:
         body = raw.decode(errors="replace")
-    request.app[SIM_KEY].records.append({
-        "x_request_id": request.headers.get("X-Request-Id"), "internal_id": None,
-        "method": request.method, "path": request.raw_path, "received_at": time.time(),
-        "body": body, "headers": {k.lower(): v for k, v in request.headers.items()},
-        "status": refusal.status, "outcome": "unrouted", "kv": None, "kv_evidence": None,
-        "first_token_at": None, "body_bytes": len(raw),
-    })  # fmt: skip
+    request.app[SIM_KEY].records.append(
+        {
+            "x_request_id": request.headers.get("X-Request-Id"),
+            "internal_id": None,
+            "method": request.method,
+            "path": request.raw_path,
+            "received_at": time.time(),
+            "body": body,
+            "headers": {k.lower(): v for k, v in request.headers.items()},
+            "status": refusal.status,
+            "outcome": "unrouted",
+            "kv": None,
+            "kv_evidence": None,
+            "first_token_at": None,
+            "body_bytes": len(raw),
+        }
+    )
     raise refusal
 
 
@@ -236,9 +282,18 @@ async def record_unrouted(request: web.Request, handler: Handler) -> web.StreamR
 async def models(request: web.Request) -> web.Response:
     sim = request.app[SIM_KEY]
     created = int(sim.current.start_time)
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "vllm",
-             "root": name, "parent": None, "max_model_len": sim.cfg.cost.max_model_len}
-            for name in sim.cfg.served_model_names]  # fmt: skip
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": name,
+            "parent": None,
+            "max_model_len": sim.cfg.cost.max_model_len,
+        }
+        for name in sim.cfg.served_model_names
+    ]
     return json_response({"object": "list", "data": data})
 
 
@@ -279,8 +334,14 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = sim.tokens.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
     else:
         return error_response(400, "prompt or messages is required")
-    return json_response({"count": len(ids), "max_model_len": sim.cfg.cost.max_model_len,
-                          "tokens": ids, "token_strs": None})  # fmt: skip
+    return json_response(
+        {
+            "count": len(ids),
+            "max_model_len": sim.cfg.cost.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+    )
 
 
 async def detokenize(request: web.Request) -> web.Response:

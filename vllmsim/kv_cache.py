@@ -96,8 +96,9 @@ class BlockPool:
             self._free[block_id] = None
             self._free.move_to_end(block_id, last=False)
 
-    def cache(self, blocks: Sequence[int], hashes: Sequence[bytes], start: int,
-              token_ids: Sequence[int]) -> None:  # fmt: skip
+    def cache(
+        self, blocks: Sequence[int], hashes: Sequence[bytes], start: int, token_ids: Sequence[int]
+    ) -> None:
         """Blocks [start, len(hashes)) became full: record their hashes, queue a BlockStored."""
         if not self.caching or start >= len(hashes):
             return
@@ -106,10 +107,14 @@ class BlockPool:
             self._blocks_of.setdefault(block_hash, {})[block_id] = None
         bs = self.block_size
         parent = external_hash(hashes[start - 1]) if start > 0 else None
-        self.events.append(BlockStored(
-            [external_hash(h) for h in hashes[start:]], parent,
-            list(token_ids[start * bs : len(hashes) * bs]), bs,
-        ))  # fmt: skip
+        self.events.append(
+            BlockStored(
+                [external_hash(h) for h in hashes[start:]],
+                parent,
+                list(token_ids[start * bs : len(hashes) * bs]),
+                bs,
+            )
+        )
 
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []

@@ -116,5 +116,6 @@ def from_wire(blocks: Any, origin: str, engine_id: str) -> list[BlockContent]:
     if not isinstance(blocks, list):
         return []
     zeros = bytes(_FINGERPRINT_BYTES)
-    return [BlockContent(fp if isinstance(fp, bytes) else zeros, origin, engine_id)
-            for fp in blocks]  # fmt: skip
+    return [
+        BlockContent(fp if isinstance(fp, bytes) else zeros, origin, engine_id) for fp in blocks
+    ]

@@ -42,10 +42,17 @@ class BlockStored:
     def as_wire(self) -> dict[str, Any]:
         # vLLM's fields in order; lora_id..lora_name have no default (always sent), the later
         # ones are left out at their default (None) except group_idx, which vLLM sets.
-        return {"type": "BlockStored", "block_hashes": self.block_hashes,
-                "parent_block_hash": self.parent_block_hash, "token_ids": self.token_ids,
-                "block_size": self.block_size, "lora_id": None, "medium": MEDIUM_GPU,
-                "lora_name": None, "group_idx": 0}  # fmt: skip
+        return {
+            "type": "BlockStored",
+            "block_hashes": self.block_hashes,
+            "parent_block_hash": self.parent_block_hash,
+            "token_ids": self.token_ids,
+            "block_size": self.block_size,
+            "lora_id": None,
+            "medium": MEDIUM_GPU,
+            "lora_name": None,
+            "group_idx": 0,
+        }
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,12 @@ class BlockRemoved:
     block_hashes: list[int]
 
     def as_wire(self) -> dict[str, Any]:
-        return {"type": "BlockRemoved", "block_hashes": self.block_hashes,
-                "medium": MEDIUM_GPU, "group_idx": 0}  # fmt: skip
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": self.block_hashes,
+            "medium": MEDIUM_GPU,
+            "group_idx": 0,
+        }
 
 
 @dataclass(frozen=True)
@@ -95,8 +106,9 @@ def parse_config(text: str) -> KVEventsConfig:
         raise ValueError("--kv-events-config must be a JSON object")
     known = {f.name: f for f in fields(KVEventsConfig)}
     if unknown := sorted(set(raw) - set(known)):
-        raise ValueError(f"--kv-events-config: unknown key(s) {', '.join(unknown)} "
-                         f"(known: {', '.join(known)})")  # fmt: skip
+        raise ValueError(
+            f"--kv-events-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})"
+        )
     if raw.get("publisher") not in (None, "null", "zmq"):
         raise ValueError("--kv-events-config: publisher must be 'zmq' or 'null'")
     for key in ("buffer_steps", "hwm", "max_queue_size"):
@@ -192,8 +204,9 @@ class EventPublisher:
         seq = next(self._seq)
         payload = encode_batch(time.time(), events)
         with contextlib.suppress(zmq.Again):
-            self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload],
-                                     flags=zmq.NOBLOCK)  # fmt: skip
+            self._pub.send_multipart(
+                [self._topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
+            )
         self._buffer.append((seq, payload))
 
     async def _serve_replay(self) -> None:

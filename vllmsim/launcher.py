@@ -27,8 +27,16 @@ PUSH_D = '{"kv_connector":"NixlPushConnector","kv_role":"kv_consumer"}'
 PULL_P = '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'
 PULL_D = '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'
 # Timing-insensitive tests: fast steps and transfers keep the suite short.
-FAST = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0",
-        "--api-overhead-ms", "0")
+FAST = (
+    "--step-base-ms",
+    "1",
+    "--prefill-per-token-ms",
+    "0.001",
+    "--decode-per-seq-ms",
+    "0",
+    "--api-overhead-ms",
+    "0",
+)
 
 
 @dataclass(frozen=True)
@@ -72,10 +80,16 @@ def _read_port_file(path: Path) -> dict[str, Any] | None:
 
 
 def _handle(info: dict[str, Any], log_path: Path) -> EngineHandle:
-    return EngineHandle(f"http://127.0.0.1:{info['port']}", int(info["port"]),
-                        int(info["side_channel_port"]), str(info["engine_id"]),
-                        int(info["pid"]), log_path, info.get("kv_events_endpoint"),
-                        info.get("kv_events_replay_endpoint"))  # fmt: skip
+    return EngineHandle(
+        f"http://127.0.0.1:{info['port']}",
+        int(info["port"]),
+        int(info["side_channel_port"]),
+        str(info["engine_id"]),
+        int(info["pid"]),
+        log_path,
+        info.get("kv_events_endpoint"),
+        info.get("kv_events_replay_endpoint"),
+    )
 
 
 @contextlib.asynccontextmanager
@@ -86,10 +100,18 @@ async def running_engine(
         port_file, log_path = Path(tmp) / "port.json", Path(tmp) / "engine.log"
         with log_path.open("wb") as log:
             proc = await asyncio.create_subprocess_exec(
-                *vllmsim_command(), "--host", "127.0.0.1", "--port", "0",
-                "--port-file", str(port_file), *flags,
-                env=_env(env), stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                *vllmsim_command(),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                *flags,
+                env=_env(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             deadline = time.monotonic() + start_timeout
             while (info := _read_port_file(port_file)) is None:
@@ -116,10 +138,20 @@ def running_engine_sync(
         port_file, log_path = Path(tmp) / "port.json", Path(tmp) / "engine.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                [*vllmsim_command(), "--host", "127.0.0.1", "--port", "0",
-                 "--port-file", str(port_file), *flags],
-                env=_env(env), stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    *vllmsim_command(),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--port-file",
+                    str(port_file),
+                    *flags,
+                ],
+                env=_env(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             deadline = time.monotonic() + start_timeout
             while (info := _read_port_file(port_file)) is None:

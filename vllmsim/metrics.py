@@ -24,9 +24,29 @@ _Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
 
 # vLLM's TTFT buckets (v1/metrics/loggers.py).
 _TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 FETCH_STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
 TOKEN_SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
 
@@ -38,45 +58,62 @@ class Metrics:
         labels = ["model_name", "engine"]
         self._labels = {"model_name": model_name, "engine": "0"}
         reg = self.registry
-        self.running = Gauge("vllm:num_requests_running", "Requests in the batch", labels,
-                             registry=reg)  # fmt: skip
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", labels,
-                             registry=reg)  # fmt: skip
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests in the batch", labels, registry=reg
+        )
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", labels, registry=reg)
         self.waiting_by_reason = Gauge(
-            "vllm:num_requests_waiting_by_reason", "Waiting requests by reason",
-            [*labels, "reason"], registry=reg,
-        )  # fmt: skip
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", labels,
-                              registry=reg)  # fmt: skip
+            "vllm:num_requests_waiting_by_reason",
+            "Waiting requests by reason",
+            [*labels, "reason"],
+            registry=reg,
+        )
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV cache usage (0-1)", labels, registry=reg
+        )
         self.fetch_by_stage = Gauge(
-            "vllm:num_requests_kv_fetch_by_stage", "Consumer requests by KV fetch stage",
-            [*labels, "stage"], registry=reg,
-        )  # fmt: skip
+            "vllm:num_requests_kv_fetch_by_stage",
+            "Consumer requests by KV fetch stage",
+            [*labels, "stage"],
+            registry=reg,
+        )
         self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token", labels,
-            buckets=_TTFT_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels,
-                                     registry=reg)  # fmt: skip
+            "vllm:time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prefill tokens processed", labels, registry=reg
+        )
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Generation tokens processed", labels, registry=reg
         )
         self.prompt_tokens_cached = Counter(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
-            labels, registry=reg,
-        )  # fmt: skip
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            labels,
+            registry=reg,
+        )
         self.prompt_by_source = Counter(
-            "vllm:prompt_tokens_by_source", "Prompt tokens by where they came from",
-            [*labels, "source"], registry=reg,
-        )  # fmt: skip
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by where they came from",
+            [*labels, "source"],
+            registry=reg,
+        )
         self.prefix_cache_queries = Counter(
             "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.", labels, registry=reg,
-        )  # fmt: skip
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels,
+            registry=reg,
+        )
         self.prefix_cache_hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-            labels, registry=reg,
-        )  # fmt: skip
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels,
+            registry=reg,
+        )
         self.nixl_xfer_time = Histogram(
             "vllm:nixl_xfer_time_seconds", "NIXL transfer time", labels, registry=reg
         )
@@ -87,23 +124,40 @@ class Metrics:
             "vllm:nixl_num_failed_transfers", "Failed NIXL transfers", labels, registry=reg
         )
         self.nixl_failed_notifs = Counter(
-            "vllm:nixl_num_failed_notifications", "Failed NIXL notifications", labels,
+            "vllm:nixl_num_failed_notifications",
+            "Failed NIXL notifications",
+            labels,
             registry=reg,
-        )  # fmt: skip
+        )
         self.nixl_expired = Counter(
-            "vllm:nixl_num_kv_expired_reqs", "P requests whose KV lease expired", labels,
+            "vllm:nixl_num_kv_expired_reqs",
+            "P requests whose KV lease expired",
+            labels,
             registry=reg,
-        )  # fmt: skip
+        )
         self.process_start = Gauge(
-            "process_start_time_seconds", "Start time of the process since unix epoch",
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch",
             registry=reg,
-        )  # fmt: skip
+        )
         self.process_start.set(self.start_time)
-        for m in (self.running, self.waiting, self.kv_usage, self.ttft, self.prompt_tokens,
-                  self.generation_tokens, self.prompt_tokens_cached, self.prefix_cache_queries,
-                  self.prefix_cache_hits, self.nixl_xfer_time, self.nixl_bytes,
-                  self.nixl_failed_transfers, self.nixl_failed_notifs, self.nixl_expired):
-            m.labels(**self._labels)  # fmt: skip
+        for m in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.ttft,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prompt_tokens_cached,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.nixl_xfer_time,
+            self.nixl_bytes,
+            self.nixl_failed_transfers,
+            self.nixl_failed_notifs,
+            self.nixl_expired,
+        ):
+            m.labels(**self._labels)
         for source in TOKEN_SOURCES:  # export zeros so scrapers see every series
             self.prompt_by_source.labels(**self._labels, source=source)
         for stage in FETCH_STAGES:

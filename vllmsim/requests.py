@@ -30,8 +30,14 @@ class ApiError(Exception):
     error vLLM meets while generating, which a streamed request gets after its 200 as an error
     event (validation errors come before the stream and keep their status)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str | None = None, in_stream: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str | None = None,
+        in_stream: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -92,9 +98,12 @@ def prompt_ids(body: dict[str, Any], chat: bool, tokens: TokenCounter) -> list[i
             raise ApiError(400, "messages: each message must be an object")
         kwargs = body.get("chat_template_kwargs")
         try:
-            return tokens.chat_ids(messages, _bool_field(body, "add_generation_prompt", True),
-                                   _bool_field(body, "add_special_tokens", False),
-                                   kwargs if isinstance(kwargs, dict) else None)  # fmt: skip
+            return tokens.chat_ids(
+                messages,
+                _bool_field(body, "add_generation_prompt", True),
+                _bool_field(body, "add_special_tokens", False),
+                kwargs if isinstance(kwargs, dict) else None,
+            )
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc)) from exc
     prompt = body.get("prompt")
@@ -116,17 +125,24 @@ def _max_tokens(body: dict[str, Any], chat: bool, prompt_tokens: int, max_len: i
     if value is None:
         value = max_len - prompt_tokens if chat else 16  # vLLM's defaults
     if value < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {value}. "
-                            f"(parameter=max_tokens, value={value})", "max_tokens")
+        raise ApiError(
+            400,
+            f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, value={value})",
+            "max_tokens",
+        )
     if prompt_tokens + value > max_len:
-        raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, "
-                            f"you requested {prompt_tokens + value} tokens ({prompt_tokens} in the "
-                            f"messages, {value} in the completion). Please reduce the length of "
-                            "the messages or completion.")  # fmt: skip
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_len} tokens. However, "
+            f"you requested {prompt_tokens + value} tokens ({prompt_tokens} in the "
+            f"messages, {value} in the completion). Please reduce the length of "
+            "the messages or completion.",
+        )
     min_tokens = _int_field(body, "min_tokens") or 0
     if min_tokens < 0 or min_tokens > value:
-        raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={value}, "
-                            f"got {min_tokens}.")  # fmt: skip
+        raise ApiError(
+            400, f"min_tokens must be less than or equal to max_tokens={value}, got {min_tokens}."
+        )
     return value
 
 
@@ -158,8 +174,9 @@ def _summarised(value: Any) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def validation_error(kind: str, loc: str, msg: str, value: Any,
-                     ctx: dict[str, Any] | None = None) -> ApiError:  # fmt: skip
+def validation_error(
+    kind: str, loc: str, msg: str, value: Any, ctx: dict[str, Any] | None = None
+) -> ApiError:
     """A request-model validation error worded as vLLM words pydantic's (400, "Bad Request")."""
     detail: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": _summarised(value)}
     if ctx is not None:
@@ -172,8 +189,9 @@ def invalid_json(raw: bytes) -> ApiError:
     try:
         json.loads(raw)
     except json.JSONDecodeError as exc:
-        return validation_error("json_invalid", f"body.{exc.pos}", "JSON decode error", {},
-                                {"error": exc.msg})  # fmt: skip
+        return validation_error(
+            "json_invalid", f"body.{exc.pos}", "JSON decode error", {}, {"error": exc.msg}
+        )
     except ValueError:  # not UTF-8/16/32 at all
         pass
     return validation_error("json_invalid", "body", "JSON decode error", {})
@@ -182,8 +200,9 @@ def invalid_json(raw: bytes) -> ApiError:
 def _check_kv_params_type(params: Any) -> None:
     """vLLM's request model types kv_transfer_params as an object."""
     if params is not None and not isinstance(params, dict):
-        raise validation_error("dict_type", "body.kv_transfer_params",
-                               "Input should be a valid dictionary", params)
+        raise validation_error(
+            "dict_type", "body.kv_transfer_params", "Input should be a valid dictionary", params
+        )
 
 
 def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> ParsedRequest:
@@ -193,8 +212,9 @@ def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> Parsed
     model = body.get("model") or cfg.served_model_names[0]
     if model not in cfg.served_model_names:
         aliases = ", ".join(cfg.served_model_names)
-        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {aliases}.",
-                       "model")
+        raise ApiError(
+            404, f"The model `{model}` does not exist. Valid aliases: {aliases}.", "model"
+        )
     ids = prompt_ids(body, chat, tokens)
     max_tokens = _max_tokens(body, chat, len(ids), cfg.cost.max_model_len)
     stream = body.get("stream", False)
@@ -204,7 +224,13 @@ def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> Parsed
     if opts and not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.")
     params = body.get("kv_transfer_params")
-    return ParsedRequest(chat, str(model), ids, max_tokens, stream,
-                         bool(isinstance(opts, dict) and opts.get("include_usage")),
-                         kv_mode(cfg, params),
-                         params if isinstance(params, dict) else None)  # fmt: skip
+    return ParsedRequest(
+        chat,
+        str(model),
+        ids,
+        max_tokens,
+        stream,
+        bool(isinstance(opts, dict) and opts.get("include_usage")),
+        kv_mode(cfg, params),
+        params if isinstance(params, dict) else None,
+    )

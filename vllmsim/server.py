@@ -111,9 +111,14 @@ class SimServer:
         engine_id = (kv.engine_id if kv and kv.engine_id else None) or str(uuid.uuid4())
         start = time.time()
         metrics = Metrics(self.model, start)
-        engine = Engine(self.cfg.cost, metrics, engine_id, self.cfg.cache,
-                        self.events.publish if self.events is not None else None,
-                        self.tokens.output_ids)
+        engine = Engine(
+            self.cfg.cost,
+            metrics,
+            engine_id,
+            self.cfg.cache,
+            self.events.publish if self.events is not None else None,
+            self.tokens.output_ids,
+        )
         connector: ConnectorBase | None = None
         if kv is not None:
             ident = Identity(engine_id, self.cfg.side_channel_host, self.side.port)
@@ -182,8 +187,10 @@ class SimServer:
         """Where KV events go (the bound ports of port-0 endpoints)."""
         if self.events is None:
             return {}
-        return {"kv_events_endpoint": self.events.endpoint,
-                "kv_events_replay_endpoint": self.events.replay_endpoint}  # fmt: skip
+        return {
+            "kv_events_endpoint": self.events.endpoint,
+            "kv_events_replay_endpoint": self.events.replay_endpoint,
+        }
 
     def state(self) -> dict[str, Any]:
         gen, kv = self.current, self.cfg.kv

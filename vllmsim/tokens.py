@@ -49,16 +49,19 @@ class TokenCounter:
             if path.is_dir():
                 self.template = ChatTemplate.from_folder(path)
 
-    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                 add_special_tokens: bool = False,
-                 template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+    def chat_ids(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """A chat prompt's token ids: with the model's template as vLLM renders it, tokenized
         without special tokens (the template writes them); without one, the stand-in below
         (role headers, a BOS)."""
         if self.template is None:
             return self.encode(chat_prompt_text(messages))
-        text = self.template.render(text_content(messages), add_generation_prompt,
-                                    template_kwargs)  # fmt: skip
+        text = self.template.render(text_content(messages), add_generation_prompt, template_kwargs)
         return self.encode(text, add_special_tokens)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

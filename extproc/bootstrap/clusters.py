@@ -62,8 +62,12 @@ def _pool_base(name: str, cfg: Config) -> dict[str, Any]:
 
 def pool_cluster(name: str, cfg: Config) -> dict[str, Any]:
     """A pool cluster whose members the ext_proc serves over EDS (resource name = `name`)."""
-    grpc = {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER,
-                           "retry_policy": {"retry_back_off": _EDS_RETRY_BACKOFF}}}  # fmt: skip
+    grpc = {
+        "envoy_grpc": {
+            "cluster_name": EXTPROC_CLUSTER,
+            "retry_policy": {"retry_back_off": _EDS_RETRY_BACKOFF},
+        }
+    }
     source = {
         "api_config_source": {
             "api_type": "GRPC",
@@ -74,8 +78,11 @@ def pool_cluster(name: str, cfg: Config) -> dict[str, Any]:
         "initial_fetch_timeout": duration(_EDS_INITIAL_FETCH_S),
         "resource_api_version": "V3",
     }
-    return {**_pool_base(name, cfg), "type": "EDS",
-            "eds_cluster_config": {"service_name": name, "eds_config": source}}  # fmt: skip
+    return {
+        **_pool_base(name, cfg),
+        "type": "EDS",
+        "eds_cluster_config": {"service_name": name, "eds_config": source},
+    }
 
 
 def static_pool_cluster(name: str, addresses: list[str], cfg: Config) -> dict[str, Any]:
@@ -83,8 +90,11 @@ def static_pool_cluster(name: str, addresses: list[str], cfg: Config) -> dict[st
     over CDS (an Istio EnvoyFilter): Envoy refuses an EDS source through a cluster that did
     not come from its bootstrap, and the ext_proc's cluster would be one."""
     endpoints = [{"lb_endpoints": _endpoints(addresses)}]
-    return {**_pool_base(name, cfg), "type": "STATIC",
-            "load_assignment": {"cluster_name": name, "endpoints": endpoints}}  # fmt: skip
+    return {
+        **_pool_base(name, cfg),
+        "type": "STATIC",
+        "load_assignment": {"cluster_name": name, "endpoints": endpoints},
+    }
 
 
 def _named_host(address: str) -> bool:
@@ -136,12 +146,17 @@ def extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:
             "endpoints": [{"lb_endpoints": _endpoints(addresses)}],
         },
         # the gRPC health service of the ext_proc (NOT_SERVING while it drains)
-        "health_checks": [{
-            "timeout": "1s", "interval": "5s", "unhealthy_threshold": 2, "healthy_threshold": 1,
-            "grpc_health_check": {"service_name": EXTPROC_SERVICE},
-        }],
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": "5s",
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": EXTPROC_SERVICE},
+            }
+        ],
         **_extproc_tls(cfg),
-    }  # fmt: skip
+    }
 
 
 def _extproc_tls(cfg: Config) -> dict[str, Any]:
@@ -150,13 +165,18 @@ def _extproc_tls(cfg: Config) -> dict[str, Any]:
     if tls is None:
         return {}
     name = {"san_type": "DNS", "matcher": {"exact": tls.server_name}}
-    common: dict[str, Any] = {"validation_context": {
-        "trusted_ca": {"filename": tls.ca_file}, "match_typed_subject_alt_names": [name],
-    }}  # fmt: skip
+    common: dict[str, Any] = {
+        "validation_context": {
+            "trusted_ca": {"filename": tls.ca_file},
+            "match_typed_subject_alt_names": [name],
+        }
+    }
     if tls.client_cert_file and tls.client_key_file:
-        common["tls_certificates"] = [{
-            "certificate_chain": {"filename": tls.client_cert_file},
-            "private_key": {"filename": tls.client_key_file},
-        }]  # fmt: skip
+        common["tls_certificates"] = [
+            {
+                "certificate_chain": {"filename": tls.client_cert_file},
+                "private_key": {"filename": tls.client_key_file},
+            }
+        ]
     context = {TYPED: _TLS_CONTEXT, "sni": tls.server_name, "common_tls_context": common}
     return {"transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": context}}

@@ -71,15 +71,23 @@ def ingress_local_replies(cfg: Config) -> dict[str, Any]:
         },
         "content_type": "application/json",
     }
-    return {"mappers": [
-        _json_reply(413, f"request body exceeds the limit of {limit} bytes", envoys_own),
-        _json_reply(400, _BAD_PATH, "response.code_details == 'path_normalization_failed'"),
-        _json_reply(504, "the pd-extproc ext_proc did not answer within its message timeout "
-                    "(timeouts.extproc_message_s); retry", extproc_failed),
-        _json_reply(503, "the pd-extproc ext_proc is unavailable; retry", extproc_failed),
-        {"filter": _cel(f"response.code >= 400 && {envoys_own} && {not_a_route_reply}"),
-         "body_format_override": wrapped},
-    ]}  # fmt: skip
+    return {
+        "mappers": [
+            _json_reply(413, f"request body exceeds the limit of {limit} bytes", envoys_own),
+            _json_reply(400, _BAD_PATH, "response.code_details == 'path_normalization_failed'"),
+            _json_reply(
+                504,
+                "the pd-extproc ext_proc did not answer within its message timeout "
+                "(timeouts.extproc_message_s); retry",
+                extproc_failed,
+            ),
+            _json_reply(503, "the pd-extproc ext_proc is unavailable; retry", extproc_failed),
+            {
+                "filter": _cel(f"response.code >= 400 && {envoys_own} && {not_a_route_reply}"),
+                "body_format_override": wrapped,
+            },
+        ]
+    }
 
 
 # On the prefill listener: Envoy's own replies (connect failure, reset) carry their response

@@ -36,11 +36,14 @@ def _decode_route(cfg: Config) -> dict[str, Any]:
 def llm_routes(cfg: Config) -> list[dict[str, Any]]:
     """The OpenAI paths: through the ext_proc, the body streamed to it, to decode_pool."""
     return [
-        {"match": {"path": path}, "route": _decode_route(cfg),
-         "request_body_buffer_limit": buffer_limit(cfg),
-         "typed_per_filter_config": {"envoy.filters.http.ext_proc": streamed_body_route()}}
+        {
+            "match": {"path": path},
+            "route": _decode_route(cfg),
+            "request_body_buffer_limit": buffer_limit(cfg),
+            "typed_per_filter_config": {"envoy.filters.http.ext_proc": streamed_body_route()},
+        }
         for path in sorted(PATHS)
-    ]  # fmt: skip
+    ]
 
 
 def _method(method: str) -> dict[str, Any]:
@@ -50,10 +53,13 @@ def _method(method: str) -> dict[str, Any]:
 def passthrough_routes() -> list[dict[str, Any]]:
     """The engines' read-only endpoints, by exact path and method, without the ext_proc."""
     return [
-        {"match": {"path": path, "headers": [_method(method)]},
-         "route": {"cluster": "decode_pool", "timeout": "60s"}, **without_extproc()}
+        {
+            "match": {"path": path, "headers": [_method(method)]},
+            "route": {"cluster": "decode_pool", "timeout": "60s"},
+            **without_extproc(),
+        }
         for path, method in PASSTHROUGH.items()
-    ]  # fmt: skip
+    ]
 
 
 def catch_all_route(cfg: Config) -> dict[str, Any]:

@@ -92,8 +92,9 @@ class HealthChecker:
 
     async def _check(self, pool: Pool, state: EndpointState, unhealthy_after: int) -> None:
         prefill = pool is self._prefill
-        reason = await (self._scrape_metrics(state.address) if prefill
-                        else self._get_health(state.address))  # fmt: skip
+        reason = await (
+            self._scrape_metrics(state.address) if prefill else self._get_health(state.address)
+        )
         healthy = reason is None
         if reason is None:
             self.reasons.pop(state.address, None)

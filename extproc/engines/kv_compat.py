@@ -54,9 +54,12 @@ class Mismatch:
         )
 
     def view(self) -> dict[str, object]:
-        return {"prefill": self.prefill, "decode": self.decode,
-                "prefill_reports": self.prefill_reports,
-                "decode_answer": self.decode_answer}  # fmt: skip
+        return {
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "prefill_reports": self.prefill_reports,
+            "decode_answer": self.decode_answer,
+        }
 
 
 class KvCompatibility:

@@ -120,8 +120,13 @@ class Prober:
             result = await self._prefill_client.send(call)
             identity = identity_from_params(result.kv_transfer_params)
         except (
-            aiohttp.ClientError, TimeoutError, LegError, ValueError, KeyError, IndexError
-        ) as err:  # fmt: skip
+            aiohttp.ClientError,
+            TimeoutError,
+            LegError,
+            ValueError,
+            KeyError,
+            IndexError,
+        ) as err:
             self._metrics.probes.labels(address, "failed").inc()
             status = _status(err)
             if status not in (401, 403):
@@ -139,8 +144,12 @@ class Prober:
         if failure is not None:  # P is fine (its identity is kept); the exchange is not
             self._metrics.probes.labels(address, "failed").inc()
             said, repeated = failure
-            log.log(logging.DEBUG if repeated else logging.WARNING,
-                    "identity probe of prefill %s failed: %s", address, said)  # fmt: skip
+            log.log(
+                logging.DEBUG if repeated else logging.WARNING,
+                "identity probe of prefill %s failed: %s",
+                address,
+                said,
+            )
             return False
         self._metrics.probes.labels(address, "learned").inc()
         return True

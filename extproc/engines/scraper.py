@@ -92,8 +92,11 @@ class EngineScraper:
     async def scrape_due(self) -> None:
         """Scrape every planned engine whose interval is (about) up."""
         plan, now, tick = self._plan(), time.monotonic(), self._tick_s()
-        due = [a for a, interval in plan.items()
-               if now - self._last.get(a, -interval) >= interval - tick / 2]  # fmt: skip
+        due = [
+            a
+            for a, interval in plan.items()
+            if now - self._last.get(a, -interval) >= interval - tick / 2
+        ]
         await asyncio.gather(*(self.scrape(a, min(plan[a], self._timeout_s())) for a in due))
         for address in set(self._last) - set(plan):
             del self._last[address]

@@ -37,18 +37,18 @@ def _prefill_line(
     if pulls and mode in ("push", "serial_push"):
         line += " (MISMATCH: P transfers by pull; set dispatch.mode: auto or pull)"
     bad = compat.involving(state.address)
-    return line + (f", cannot exchange KV with decode {', '.join(m.decode for m in bad)}"
-                   if bad else "")  # fmt: skip
+    return line + (
+        f", cannot exchange KV with decode {', '.join(m.decode for m in bad)}" if bad else ""
+    )
 
 
-def _decode_line(
-    state: EndpointState, reasons: Mapping[str, str], compat: KvCompatibility
-) -> str:
+def _decode_line(state: EndpointState, reasons: Mapping[str, str], compat: KvCompatibility) -> str:
     bad = compat.involving(state.address)
     connector = (
-        f"KV exchange FAILED with prefill {', '.join(m.prefill for m in bad)}" if bad
+        f"KV exchange FAILED with prefill {', '.join(m.prefill for m in bad)}"
+        if bad
         else "connector not reported by vLLM (a KV exchange shows a mismatch)"
-    )  # fmt: skip
+    )
     return f"  decode {state.address}: {_reachable(state, reasons)}, {connector}"
 
 
@@ -61,8 +61,10 @@ def startup_summary(
     compat: KvCompatibility,
 ) -> str:
     lines = ["engines at start-up:"]
-    lines += [_prefill_line(s, reasons, identity_of(s.address), mode_of(s.address), compat)
-              for s in prefill]  # fmt: skip
+    lines += [
+        _prefill_line(s, reasons, identity_of(s.address), mode_of(s.address), compat)
+        for s in prefill
+    ]
     lines += [_decode_line(s, reasons, compat) for s in decode]
     return "\n".join(lines)
 

@@ -166,7 +166,16 @@ def _hashes(value: object) -> tuple[int, ...]:
 
 # Older vLLM wrote events as arrays in field order: the names of the fields the index reads.
 _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium", "lora_name", "extra_keys", "group_idx"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+    ),
     "BlockRemoved": ("block_hashes", "medium", "group_idx"),
 }

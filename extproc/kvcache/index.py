@@ -189,12 +189,16 @@ class KvIndex:
         """Per engine whose events have told its block size, how many leading tokens of
         `token_ids` it holds (full blocks × block size). Engines not yet heard from are left
         out: what they hold is unknown, not nothing."""
-        sizes = {name: state.block_size for name, state in self._engines.items()
-                 if state.block_size}  # fmt: skip
+        sizes = {
+            name: state.block_size for name, state in self._engines.items() if state.block_size
+        }
         if not sizes:
             return {}
-        return {name: blocks * sizes[name] for name, blocks in
-                self.longest_prefix(token_ids).items() if name in sizes}  # fmt: skip
+        return {
+            name: blocks * sizes[name]
+            for name, blocks in self.longest_prefix(token_ids).items()
+            if name in sizes
+        }
 
     def _walk(self, token_ids: Sequence[int], size: int, slots: list[int]) -> dict[int, int]:
         alive = sum(1 << slot for slot in slots)

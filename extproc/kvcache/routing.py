@@ -30,8 +30,9 @@ _ROUTED_BLOCKS = 65_536  # (engine, block) entries remembered for engines withou
 
 
 class KvRouting:
-    def __init__(self, index: KvIndex, metrics: Metrics,
-                 watchers: KvEventWatchers | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, index: KvIndex, metrics: Metrics, watchers: KvEventWatchers | None = None
+    ) -> None:
         self.index = index
         self.watchers = watchers or KvEventWatchers(index, metrics)
         self.routed = RoutedBlocks(_ROUTED_BLOCKS)  # where prompts went, for silent engines
@@ -54,9 +55,12 @@ class KvRouting:
             if not events:
                 continue
             if path is None:
-                self._warn_once(group, f"{_name(group)}: kv_events are set but no tokenizer; "
-                                       "it routes without the KV cache. Set `tokenizer:` (the "
-                                       "model's folder or tokenizer.json)")  # fmt: skip
+                self._warn_once(
+                    group,
+                    f"{_name(group)}: kv_events are set but no tokenizer; "
+                    "it routes without the KV cache. Set `tokenizer:` (the "
+                    "model's folder or tokenizer.json)",
+                )
                 continue
             tokenizer = self._load(path)
             if tokenizer is not None:
@@ -168,12 +172,15 @@ def _name(group: str) -> str:
 
 def kv_groups(config: Config) -> dict[str, tuple[bool, str | None]]:
     """Model group → (a pool of it has kv_events, its tokenizer), for `KvRouting.configure`."""
-    return {model: (group.kv_events, config.tokenizer_of(model))
-            for model, group in config.groups().items()}  # fmt: skip
+    return {
+        model: (group.kv_events, config.tokenizer_of(model))
+        for model, group in config.groups().items()
+    }
 
 
 def event_sources(
-    config: Config, members: Mapping[str, Mapping[Role, Collection[str]]],
+    config: Config,
+    members: Mapping[str, Mapping[Role, Collection[str]]],
     routed: Collection[str],
 ) -> dict[str, EventSource]:
     """Where every member of a pool with kv_events publishes: its host, the pool's ports (or
@@ -200,5 +207,6 @@ def _source(events: KvEventsConfig, pool: PoolConfig, address: str) -> EventSour
         port, replay = own.port, own.replay_port
     host, _ = parse_host_port(address)
     host = f"[{host}]" if ":" in host else host
-    return EventSource(f"tcp://{host}:{port}",
-                       None if replay is None else f"tcp://{host}:{replay}", events.topic)
+    return EventSource(
+        f"tcp://{host}:{port}", None if replay is None else f"tcp://{host}:{replay}", events.topic
+    )

@@ -94,8 +94,9 @@ class EngineEvents:
                 if await sub.poll(timeout=int(self._limits.poll_s * 1000)):
                     await self.on_message(await sub.recv_multipart())
         except Exception:
-            log.exception("KV events of %s: subscriber failed; its index entries dropped",
-                          self.engine)
+            log.exception(
+                "KV events of %s: subscriber failed; its index entries dropped", self.engine
+            )
             self._index.clear_engine(self.engine)
             raise
         finally:
@@ -119,8 +120,12 @@ class EngineEvents:
         if expected is None and seq > 0:  # joined late: learn what the engine's buffer still has
             await self._catch_up(max(0, seq - self._limits.max_replay_batches), seq, exact=False)
         elif expected is not None and seq < expected:
-            log.info("KV events of %s: sequence went back (%d after %d): engine restarted",
-                     self.engine, seq, expected - 1)
+            log.info(
+                "KV events of %s: sequence went back (%d after %d): engine restarted",
+                self.engine,
+                seq,
+                expected - 1,
+            )
             self._reset("restart")
         elif expected is not None and seq > expected:
             self._metrics.kv_event_gaps.labels(self.engine).inc()
@@ -171,8 +176,12 @@ class EngineEvents:
                 await dealer.send_multipart([b"", start.to_bytes(_SEQ_BYTES, "big")])
                 return await self._receive_replay(dealer, start, stop, exact=exact)
         except TimeoutError:
-            log.warning("KV events of %s: no replay from %s within %g s", self.engine,
-                        self.replay_endpoint, self._limits.replay_timeout_s)
+            log.warning(
+                "KV events of %s: no replay from %s within %g s",
+                self.engine,
+                self.replay_endpoint,
+                self._limits.replay_timeout_s,
+            )
             return "failed"
         finally:
             dealer.close(linger=0)

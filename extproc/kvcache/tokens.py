@@ -28,8 +28,15 @@ from tokenizers import Tokenizer
 
 __all__ = ["ChatTemplateError", "OffLoopTokenizer", "RequestTokenizer", "TokenizerFilesError"]
 
-_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
-                        "cls_token", "mask_token")
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class TokenizerFilesError(ValueError):
@@ -49,8 +56,8 @@ class RequestTokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._special_tokens = dict(special_tokens or {})
-        self._template = None if chat_template is None else _environment().from_string(
-            chat_template
+        self._template = (
+            None if chat_template is None else _environment().from_string(chat_template)
         )
 
     @classmethod
@@ -71,7 +78,8 @@ class RequestTokenizer:
             ) from exc
         config = _read_json(folder / "tokenizer_config.json")
         template = (
-            _read_text(Path(chat_template).expanduser()) if chat_template is not None
+            _read_text(Path(chat_template).expanduser())
+            if chat_template is not None
             else _model_template(folder, config)
         )
         return cls(tokenizer, template, _special_tokens(config))
@@ -160,10 +168,16 @@ class _GenerationBlock(Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: str) -> None:
@@ -213,8 +227,6 @@ def _read_text(path: Path) -> str:
         raise TokenizerFilesError(f"cannot read the chat template {path}: {exc}") from exc
 
 
-
-
 class OffLoopTokenizer:
     """A `RequestTokenizer` whose encoding runs on its own threads, for the event loop.
 
@@ -246,8 +258,9 @@ class OffLoopTokenizer:
         return await self._encode(prompt, add_special_tokens=True)
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int] | None:
-        return await self._encode(self.tokenizer.render_chat(messages, **options),
-                                  add_special_tokens=False)
+        return await self._encode(
+            self.tokenizer.render_chat(messages, **options), add_special_tokens=False
+        )
 
     async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int] | None:
         if len(text) < self._inline_below:

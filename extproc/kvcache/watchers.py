@@ -57,9 +57,14 @@ class KvEventWatchers:
         for engine, source in sources.items():
             if engine not in self._watching:
                 events = EngineEvents(
-                    engine, source.endpoint, self.index, self._metrics,
-                    replay_endpoint=source.replay_endpoint, topic=source.topic,
-                    limits=self._limits, context=self._context,
+                    engine,
+                    source.endpoint,
+                    self.index,
+                    self._metrics,
+                    replay_endpoint=source.replay_endpoint,
+                    topic=source.topic,
+                    limits=self._limits,
+                    context=self._context,
                 )
                 events.start()
                 self._watching[engine] = (source, events)

@@ -128,8 +128,9 @@ class Discovery:
                 try:
                     self._dns[where] = await asyncio.wait_for(resolve_dns(pool.dns), timeout=15)
                 except (OSError, TimeoutError, ValueError) as error:
-                    log.warning("%s discovery (dns) failed, keeping the last members: %s",
-                                where, error)  # fmt: skip
+                    log.warning(
+                        "%s discovery (dns) failed, keeping the last members: %s", where, error
+                    )
 
     async def _follow_watches(self) -> None:
         sources = (s for _, _, p in self._pools() for s in (p.kubernetes, p.inference_pool))
@@ -150,8 +151,11 @@ class Discovery:
                 _FIRST_SYNC_S,
             )
         except TimeoutError:
-            log.warning("Kubernetes discovery: no answer within %.0f s; going on, the pools "
-                        "fill as the watches catch up", _FIRST_SYNC_S)  # fmt: skip
+            log.warning(
+                "Kubernetes discovery: no answer within %.0f s; going on, the pools "
+                "fill as the watches catch up",
+                _FIRST_SYNC_S,
+            )
 
     def _watch(
         self, source: KubernetesSource | InferencePoolSource
@@ -165,10 +169,16 @@ class Discovery:
             self._api = KubeApi(self._config().discovery)
             self._api_settings = self._api_settings_now()
         if isinstance(source, KubernetesSource):
-            return PodsBySelector(self._api, source.namespace, source.label_selector,
-                                  self._publish, self._watch_timeout_s)  # fmt: skip
-        return InferencePoolPods(self._api, source.namespace, source.name, self._publish,
-                                 self._watch_timeout_s)  # fmt: skip
+            return PodsBySelector(
+                self._api,
+                source.namespace,
+                source.label_selector,
+                self._publish,
+                self._watch_timeout_s,
+            )
+        return InferencePoolPods(
+            self._api, source.namespace, source.name, self._publish, self._watch_timeout_s
+        )
 
     def _api_settings_now(self) -> tuple[str, str, str]:
         settings = self._config().discovery

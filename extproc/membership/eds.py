@@ -99,8 +99,9 @@ class _EdsStream:
     it asks for, ignore ACKs and requests that answer an older response (a newer one is on its
     way), and log a NACK without resending what was refused."""
 
-    def __init__(self, memberships: Memberships, context: aio.ServicerContext[Any, Any],
-                 metrics: Metrics) -> None:  # fmt: skip
+    def __init__(
+        self, memberships: Memberships, context: aio.ServicerContext[Any, Any], metrics: Metrics
+    ) -> None:
         self._memberships = memberships
         self._context = context
         self._metrics = metrics
@@ -140,15 +141,20 @@ class _EdsStream:
             return  # answers an older response; the newest one is on its way
         if request.HasField("error_detail"):
             self._metrics.eds_responses.labels("rejected").inc()
-            log.warning("Envoy %s rejected endpoints version %s: %s", self._peer,
-                        request.version_info, request.error_detail.message)  # fmt: skip
+            log.warning(
+                "Envoy %s rejected endpoints version %s: %s",
+                self._peer,
+                request.version_info,
+                request.error_detail.message,
+            )
         names = tuple(sorted(request.resource_names))
         if names != self._names:  # the first request, or a changed subscription
             self._names = names
             log.info("Envoy %s subscribed to the endpoints of %s", self._peer, ", ".join(names))
             for unknown in (n for n in names if self._memberships.get(n) is None):
-                log.warning("Envoy %s asked for the endpoints of %s: not a pool", self._peer,
-                            unknown)  # fmt: skip
+                log.warning(
+                    "Envoy %s asked for the endpoints of %s: not a pool", self._peer, unknown
+                )
             await self._send()
 
     async def _push_changes(self) -> None:
@@ -198,8 +204,11 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
             with self._metrics.eds_streams.track_inprogress():
                 await _EdsStream(self._memberships, context, self._metrics).run(inbox)
         except TimeoutError:
-            log.warning("EDS: Envoy %s took no answer for %g s; stream ended", context.peer(),
-                        _WRITE_TIMEOUT_S)  # fmt: skip
+            log.warning(
+                "EDS: Envoy %s took no answer for %g s; stream ended",
+                context.peer(),
+                _WRITE_TIMEOUT_S,
+            )
         finally:
             self._inboxes.discard(inbox)
 

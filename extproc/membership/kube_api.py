@@ -103,9 +103,13 @@ class KubeApi:
         The client's own deadline is a little later than the server's, so a connection that
         died silently ends too."""
         response = await self._call(
-            query, watch=True, resource_version=resource_version, timeout_seconds=timeout_s,
-            allow_watch_bookmarks=True, _request_timeout=timeout_s + 15,
-        )  # fmt: skip
+            query,
+            watch=True,
+            resource_version=resource_version,
+            timeout_seconds=timeout_s,
+            allow_watch_bookmarks=True,
+            _request_timeout=timeout_s + 15,
+        )
         async with response:
             if response.status != 200:
                 raise _error(response.status, await response.read())

@@ -53,9 +53,13 @@ class PodsBySelector:
     """The ready pods that match a label selector in a namespace, watched."""
 
     def __init__(
-        self, api: KubeApi, namespace: str, selector: str, on_change: Callable[[], None],
+        self,
+        api: KubeApi,
+        namespace: str,
+        selector: str,
+        on_change: Callable[[], None],
         watch_timeout_s: Callable[[], int],
-    ) -> None:  # fmt: skip
+    ) -> None:
         query = Query(PODS, namespace, label_selector=selector)
         self._watched = Watched(api, query, on_change, watch_timeout_s)
 
@@ -86,9 +90,13 @@ class InferencePoolPods:
     """
 
     def __init__(
-        self, api: KubeApi, namespace: str, name: str, on_change: Callable[[], None],
+        self,
+        api: KubeApi,
+        namespace: str,
+        name: str,
+        on_change: Callable[[], None],
         watch_timeout_s: Callable[[], int],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.name = f"{namespace}/{name}"
         self.ports: list[int] = []
         self._api, self._namespace = api, namespace
@@ -133,9 +141,12 @@ class InferencePoolPods:
             self._next = None
             if selector:
                 self._next = PodsBySelector(
-                    self._api, self._namespace, selector, self._pods_changed,
+                    self._api,
+                    self._namespace,
+                    selector,
+                    self._pods_changed,
                     self._watch_timeout_s,
-                )  # fmt: skip
+                )
                 self._next.start()
             else:
                 log.warning("InferencePool %s: %s, no members", self.name, why_none)

@@ -39,13 +39,19 @@ class KvCachePicker:
 
     def pick(self, candidates: Sequence[E], request: PickRequest) -> E:
         cached = request.cached
-        if not cached or request.prompt_tokens <= 0 or not any(
-            cached.get(c.address, 0) for c in candidates
+        if (
+            not cached
+            or request.prompt_tokens <= 0
+            or not any(cached.get(c.address, 0) for c in candidates)
         ):
             return self._fallback.pick(candidates, request)
         per_token = self._weight / request.prompt_tokens
         order = hrw_order(request.prefix, candidates)
         rank = {id(c): i for i, c in enumerate(order)}
-        return max(candidates, key=lambda c: (
-            per_token * cached.get(c.address, 0) - c.in_flight - c.waiting, -rank[id(c)]
-        ))  # fmt: skip
+        return max(
+            candidates,
+            key=lambda c: (
+                per_token * cached.get(c.address, 0) - c.in_flight - c.waiting,
+                -rank[id(c)],
+            ),
+        )

@@ -42,8 +42,10 @@ class SidecarAddresses:
 
     @property
     def banner(self) -> str:
-        return (f"pd-extproc is up: {self.url}/v1/completions "
-                f"(metrics {self.metrics}/metrics, Envoy admin {self.envoy_admin})")  # fmt: skip
+        return (
+            f"pd-extproc is up: {self.url}/v1/completions "
+            f"(metrics {self.metrics}/metrics, Envoy admin {self.envoy_admin})"
+        )
 
 
 class Sidecar:
@@ -141,8 +143,10 @@ class Sidecar:
     async def stop(self) -> None:
         grace = self.config.timeouts.drain_s
         await asyncio.gather(
-            self.envoy.stop(), self.extproc.stop(), self.workers.stop(grace),
+            self.envoy.stop(),
+            self.extproc.stop(),
+            self.workers.stop(grace),
             return_exceptions=True,
-        )  # fmt: skip
+        )
         if self._own_run_dir:
             await asyncio.to_thread(shutil.rmtree, self.run_dir, ignore_errors=True)

@@ -56,8 +56,14 @@ def _read_if_exists(path: Path) -> str:
 
 
 class EnvoyProcess:
-    def __init__(self, config_path: Path, run_dir: Path, log_level: str, concurrency: int,
-                 listen_settings: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config_path: Path,
+        run_dir: Path,
+        log_level: str,
+        concurrency: int,
+        listen_settings: dict[str, str] | None = None,
+    ) -> None:
         self.config_path = config_path
         # "host:port" of a listener → the setting that moves it, to word a port in use
         self.listen_settings = listen_settings or {}

@@ -48,8 +48,9 @@ class HealthServices:
     async def draining(self) -> None:
         await self.servicer.enter_graceful_shutdown()  # every service NOT_SERVING, for good
 
-    async def _set(self, services: list[str], status: health_pb2.HealthCheckResponse.ServingStatus
-                   ) -> None:  # fmt: skip
+    async def _set(
+        self, services: list[str], status: health_pb2.HealthCheckResponse.ServingStatus
+    ) -> None:
         for service in services:
             await self.servicer.set(service, status)
 

@@ -73,11 +73,23 @@ class WorkerProcesses:
         ready = self.run_dir / f"worker-{index}.ready"
         config_path.write_text(yaml.safe_dump(_worker_config(self.config, index)))
         with (self.run_dir / f"worker-{index}.log").open("wb") as log:
-            self.processes.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "extproc", "serve", "--config", str(config_path),
-                "--prefill-listener", self.prefill_listener, "--ready-file", str(ready),
-                stdout=log, stderr=log, start_new_session=True,
-            ))  # fmt: skip
+            self.processes.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "extproc",
+                    "serve",
+                    "--config",
+                    str(config_path),
+                    "--prefill-listener",
+                    self.prefill_listener,
+                    "--ready-file",
+                    str(ready),
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                )
+            )
         return ready
 
     async def reload(self, config: Config) -> None:

@@ -28,13 +28,18 @@ PATHS = frozenset(api.value for api in Api)
 # method it serves. Matched exactly, on the normalised path and that method, so that no other
 # target and no client body meant for a completion reaches an engine past the ext_proc.
 PASSTHROUGH = {
-    "/v1/models": "GET", "/health": "GET", "/metrics": "GET", "/version": "GET",
-    "/tokenize": "POST", "/detokenize": "POST",
-}  # fmt: skip
+    "/v1/models": "GET",
+    "/health": "GET",
+    "/metrics": "GET",
+    "/version": "GET",
+    "/tokenize": "POST",
+    "/detokenize": "POST",
+}
 
 
 def is_passthrough(method: str, path: str) -> bool:
     return PASSTHROUGH.get(path.split("?", 1)[0]) == method
+
 
 # Integer fields and their least value (`n` has its own check: it must be 1).
 _INT_FIELDS = {"max_tokens": 1, "max_completion_tokens": 1, "min_tokens": 0}

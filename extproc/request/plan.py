@@ -156,16 +156,27 @@ Plan = DecodeOnlyPlan | ParallelPlan | SerialPlan
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash
 
 
-def pick_request(request: ClientRequest, session: str | None, priority: int = 0,
-                 tokens: list[int] | None = None,
-                 kv: KvRouting | None = None) -> PickRequest:  # fmt: skip
+def pick_request(
+    request: ClientRequest,
+    session: str | None,
+    priority: int = 0,
+    tokens: list[int] | None = None,
+    kv: KvRouting | None = None,
+) -> PickRequest:
     """What the policies and the decision see of the request; with its `tokens`, what each
     engine holds of them (KV-cache routing), looked up now, just before the pick."""
     prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
     if tokens is None or kv is None:
         return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority)
-    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority,
-                       len(tokens), kv.cached_tokens(tokens))  # fmt: skip
+    return PickRequest(
+        request.model,
+        session,
+        prompt[:_PREFIX_BYTES],
+        len(prompt),
+        priority,
+        len(tokens),
+        kv.cached_tokens(tokens),
+    )
 
 
 async def request_tokens(request: ClientRequest, scheduler: Scheduler) -> list[int] | None:
@@ -218,8 +229,9 @@ def plan_request(
     answer. Raises what the scheduler raises (Shed, NoHealthy*), ClientError for a bad
     priority header or an oversized body."""
     priority = request_priority(headers, config.admission)
-    wanted = pick_request(request, headers.get(config.dispatch.session_header), priority,
-                          tokens, scheduler.kv)  # fmt: skip
+    wanted = pick_request(
+        request, headers.get(config.dispatch.session_header), priority, tokens, scheduler.kv
+    )
     picked = scheduler.pick(wanted, inflight, config, subset, fallbacks)
     if tokens is not None and scheduler.kv is not None:  # KV-routed: where its blocks went
         with_p = [picked.prefill] if isinstance(picked, WithPrefill) else []
@@ -227,12 +239,14 @@ def plan_request(
     request_id = str(uuid.uuid4())
     if isinstance(picked, DecodeAlone):
         d_body = decode_body(request.parts, None)  # the client's own, minus fields: it fits
-        return DecodeOnlyPlan(request_id, picked.decodes, d_body, picked.reason,
-                              picked.decode_counted)  # fmt: skip
+        return DecodeOnlyPlan(
+            request_id, picked.decodes, d_body, picked.reason, picked.decode_counted
+        )
     prefill = picked.prefill
     identity = identities.get(prefill)
-    choice = choose_strategy(scheduler.prefill_mode(prefill), identity,
-                             identities.serial_only(prefill))  # fmt: skip
+    choice = choose_strategy(
+        scheduler.prefill_mode(prefill), identity, identities.serial_only(prefill)
+    )
     plan = plan_legs(request, request_id, picked, choice, identity)
     check_plan_fits(plan, config.limits.max_body_bytes)
     return plan
@@ -256,10 +270,28 @@ def plan_legs(
     )
     if strategy is Strategy.PARALLEL and identity is not None:
         d_body = decode_body(request.parts, identity.decode_params(request_id, transfer_id))
-        return ParallelPlan(request_id, picked.decodes, prefill, p_body, d_body, identity,
-                            reason, picked.decode_counted, picked.prefill_counted)  # fmt: skip
-    return SerialPlan(request_id, picked.decodes, prefill, p_body, request.parts, reason,
-                      picked.fallback, picked.decode_counted, picked.prefill_counted)  # fmt: skip
+        return ParallelPlan(
+            request_id,
+            picked.decodes,
+            prefill,
+            p_body,
+            d_body,
+            identity,
+            reason,
+            picked.decode_counted,
+            picked.prefill_counted,
+        )
+    return SerialPlan(
+        request_id,
+        picked.decodes,
+        prefill,
+        p_body,
+        request.parts,
+        reason,
+        picked.fallback,
+        picked.decode_counted,
+        picked.prefill_counted,
+    )
 
 
 def check_plan_fits(plan: Plan, max_body_bytes: int) -> None:

@@ -205,8 +205,9 @@ class RequestProcessor:
         picker = config.endpoint_picker if self.deps.endpoint_picker else None
         if picker is not None:
             self.subset = subset_hint(message, picker.subset_hint_namespace)
-        forwarded = {name: headers[name] for name in config.dispatch.forward_headers
-                     if name in headers}  # fmt: skip
+        forwarded = {
+            name: headers[name] for name in config.dispatch.forward_headers if name in headers
+        }
         method, path = headers.get(":method", ""), headers.get(":path", "")
         if picker is not None and is_passthrough(method, path):
             await self._pass_through(picker, inflight)
@@ -223,12 +224,27 @@ class RequestProcessor:
         self.model = request.model
         fallbacks = 1 if picker is None else picker.fallbacks
         tokens = await request_tokens(request, self.deps.scheduler)  # None: not KV-routed
-        self.plan = plan = plan_request(request, headers, config, self.deps.scheduler,
-                                        self.deps.legs.identities, inflight, self.subset,
-                                        fallbacks, tokens)  # fmt: skip
-        exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
-                            config, streamed,
-                            picker.destination_namespace if picker else None)  # fmt: skip
+        self.plan = plan = plan_request(
+            request,
+            headers,
+            config,
+            self.deps.scheduler,
+            self.deps.legs.identities,
+            inflight,
+            self.subset,
+            fallbacks,
+            tokens,
+        )
+        exchange = Exchange(
+            self.stream,
+            self.trace,
+            api.value,
+            forwarded,
+            self.client_request_id,
+            config,
+            streamed,
+            picker.destination_namespace if picker else None,
+        )
         self.dispatch = start_dispatch(plan, self.deps.legs, exchange, plan.prefill_counted)
         if await self.dispatch.send(started):
             await self._watch()
@@ -331,7 +347,6 @@ class RequestProcessor:
             self.counted_by_access_log = by_log
         else:
             self.withheld = True  # the stream ended while they were held: the client left
-
 
     def _check_kv_mismatch(self, status: int, served: str | None) -> None:
         """D failed a pair known not to exchange KV: the client learns why, not a bare 500."""

@@ -171,8 +171,9 @@ class _NotDispatched:
 NOT_DISPATCHED = _NotDispatched()
 
 
-def start_dispatch(plan: Plan, services: LegServices, exchange: Exchange,
-                   counted: InFlight | None = None) -> Dispatch:  # fmt: skip
+def start_dispatch(
+    plan: Plan, services: LegServices, exchange: Exchange, counted: InFlight | None = None
+) -> Dispatch:
     """The runner of `plan`. A parallel plan's P leg leaves here, before D's answer is written.
     `counted`: the request's in-flight count at `plan.prefill`, which its P legs release."""
     counted = _NOT_COUNTED if counted is None else counted
@@ -189,9 +190,16 @@ class _PrefillLeg:
     """One P request in flight, owned by the strategy that started it; `counted` (the
     request's count at `prefill`) is released as soon as the leg ends, however it ends."""
 
-    def __init__(self, prefill: str, body: bytes, request_id: str, services: LegServices,
-                 exchange: Exchange, counted: InFlight,
-                 timeout_s: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        prefill: str,
+        body: bytes,
+        request_id: str,
+        services: LegServices,
+        exchange: Exchange,
+        counted: InFlight,
+        timeout_s: float | None = None,
+    ) -> None:
         self.prefill = prefill
         self._services = services
         self._trace = exchange.trace
@@ -306,8 +314,9 @@ class DecodeOnlyDispatch:
 
 
 class SerialDispatch:
-    def __init__(self, plan: SerialPlan, services: LegServices, exchange: Exchange,
-                 counted: InFlight) -> None:  # fmt: skip
+    def __init__(
+        self, plan: SerialPlan, services: LegServices, exchange: Exchange, counted: InFlight
+    ) -> None:
         self._plan = plan
         self._services = services
         self._exchange = exchange
@@ -336,8 +345,15 @@ class SerialDispatch:
         fallback, timeout_s = plan.fallback, None
         while True:
             self._counted.move_to(self._prefill)  # a retry is counted at its fallback
-            leg = _PrefillLeg(self._prefill, plan.p_body, plan.request_id, services,
-                              self._exchange, self._counted, timeout_s)  # fmt: skip
+            leg = _PrefillLeg(
+                self._prefill,
+                plan.p_body,
+                plan.request_id,
+                services,
+                self._exchange,
+                self._counted,
+                timeout_s,
+            )
             try:
                 read = stream.next_message()
                 await asyncio.wait({leg.task, read}, return_when=asyncio.FIRST_COMPLETED)
@@ -353,8 +369,13 @@ class SerialDispatch:
                         raise
                     reason = "busy" if isinstance(error, PrefillBusy) else "unreachable"
                     services.metrics.prefill_retries.labels(reason).inc()
-                    log.info("request %s: prefill %s %s, retrying on %s", plan.request_id,
-                             self._prefill, reason, fallback)  # fmt: skip
+                    log.info(
+                        "request %s: prefill %s %s, retrying on %s",
+                        plan.request_id,
+                        self._prefill,
+                        reason,
+                        fallback,
+                    )
                     self._prefill, fallback = fallback, None
             finally:
                 leg.cancel()  # the client went away while P computed (or this task was cancelled)
@@ -374,14 +395,16 @@ class SerialDispatch:
 class ParallelDispatch:
     """P and D leave in one event-loop turn; D carries P's cached identity (`plan.given`)."""
 
-    def __init__(self, plan: ParallelPlan, services: LegServices, exchange: Exchange,
-                 counted: InFlight) -> None:  # fmt: skip
+    def __init__(
+        self, plan: ParallelPlan, services: LegServices, exchange: Exchange, counted: InFlight
+    ) -> None:
         self._plan = plan
         self._services = services
         self._exchange = exchange
         # Created before the answer is written: both leave in this event-loop turn.
-        self._leg = _PrefillLeg(plan.prefill, plan.p_body, plan.request_id, services, exchange,
-                                counted)  # fmt: skip
+        self._leg = _PrefillLeg(
+            plan.prefill, plan.p_body, plan.request_id, services, exchange, counted
+        )
         self._settled = False  # P's outcome is known (or no longer matters)
 
     async def send(self, started: float) -> bool:

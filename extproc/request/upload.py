@@ -39,9 +39,10 @@ async def gather_body(stream: EnvoyStream, limit: int, idle_s: float) -> Upload 
             if stream.ended:
                 return None
             raise ClientError(
-                408, f"the request body stalled: nothing arrived for {idle_s:g} s "
+                408,
+                f"the request body stalled: nothing arrived for {idle_s:g} s "
                 f"after {size} bytes; send the whole body without pausing",
-            )  # fmt: skip
+            )
         kind = message.WhichOneof("request")
         if kind == "request_trailers":
             return Upload(b"".join(chunks), trailers=True)

@@ -88,8 +88,14 @@ def stall_ms(cfg: DecisionConfig, tokens: int, running_d: float) -> float:
     return tokens * cfg.prefill_per_token_ms + extra_steps * cfg.step_base_ms
 
 
-def decide(cfg: DecisionConfig, tokens: int, sides: Sides, stall_credit_ms: float,
-           d_cached: int = 0, p_cached: int = 0) -> Decision:  # fmt: skip
+def decide(
+    cfg: DecisionConfig,
+    tokens: int,
+    sides: Sides,
+    stall_credit_ms: float,
+    d_cached: int = 0,
+    p_cached: int = 0,
+) -> Decision:
     """The decision for a prompt of `tokens` (estimated, or counted by the tokenizer), of which
     D already holds the first `d_cached` and P the first `p_cached` (KV-cache routing; neither
     is computed again); pure."""
@@ -99,8 +105,11 @@ def decide(cfg: DecisionConfig, tokens: int, sides: Sides, stall_credit_ms: floa
         return Decision(short, "short_prompt" if short else "long_prompt")
     tokens_p = max(0, tokens - p_cached)
     decode_step = cfg.decode_per_seq_ms * sides.running_d
-    alone = (sides.waiting_d * cfg.step_base_ms
-             + prefill_ms(cfg, sides.pending_d_tokens + tokens_d) + decode_step)  # fmt: skip
+    alone = (
+        sides.waiting_d * cfg.step_base_ms
+        + prefill_ms(cfg, sides.pending_d_tokens + tokens_d)
+        + decode_step
+    )
     p_tokens = sides.queued_p_tokens + round(sides.waiting_p * tokens) + tokens_p
     pd = prefill_ms(cfg, p_tokens) + cfg.pd_overhead_ms + decode_step
     if sides.kv_usage_d >= cfg.max_kv_usage:
@@ -127,9 +136,17 @@ class Decider:
         self._metrics = metrics
         self._decodes: dict[str, _DecodeState] = {}
 
-    def decide(self, cfg: DecisionConfig, prompt_bytes: int, decode: str, d: EndpointView,
-               p: EndpointView, prompt_tokens: int = 0, d_cached: int = 0,
-               p_cached: int = 0) -> Decision:  # fmt: skip
+    def decide(
+        self,
+        cfg: DecisionConfig,
+        prompt_bytes: int,
+        decode: str,
+        d: EndpointView,
+        p: EndpointView,
+        prompt_tokens: int = 0,
+        d_cached: int = 0,
+        p_cached: int = 0,
+    ) -> Decision:
         """Decode-only or not, for a request already counted in flight on `decode`; `cfg`:
         the request's config snapshot. `prompt_tokens`: the count, where the request was
         tokenized (else estimated from its bytes); `d_cached`/`p_cached`: its leading tokens
@@ -140,8 +157,14 @@ class Decider:
         # the scrape alone is up to an interval old, and a request ends in less.
         running_d = max(0.0, d.in_flight - 1 + d.foreign)
         state = self._decode_state(decode, cfg, running_d, now)
-        sides = Sides(running_d, d.waiting, d.kv_usage, sum(t for _, t in state.pending),
-                      p.queued_tokens, p.foreign)  # fmt: skip
+        sides = Sides(
+            running_d,
+            d.waiting,
+            d.kv_usage,
+            sum(t for _, t in state.pending),
+            p.queued_tokens,
+            p.foreign,
+        )
         decision = decide(cfg, tokens, sides, state.credit_ms, d_cached, p_cached)
         if decision.decode_only:
             uncached = max(0, tokens - d_cached)
@@ -152,8 +175,9 @@ class Decider:
         ).inc()
         return decision
 
-    def _decode_state(self, decode: str, cfg: DecisionConfig, running_d: float,
-                      now: float) -> _DecodeState:  # fmt: skip
+    def _decode_state(
+        self, decode: str, cfg: DecisionConfig, running_d: float, now: float
+    ) -> _DecodeState:
         state = self._decodes.get(decode)
         if state is None:
             state = self._decodes[decode] = _DecodeState(cfg.max_stall_ms, now)

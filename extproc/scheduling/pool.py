@@ -81,8 +81,11 @@ class Pool:
         policy: Picker | None = None,
     ) -> EndpointState | None:
         """A healthy endpoint (of `among`, a model's members, if given) chosen by `policy`."""
-        healthy = [e for e in self._endpoints.values()
-                   if e.healthy and (among is None or e.address in among)]  # fmt: skip
+        healthy = [
+            e
+            for e in self._endpoints.values()
+            if e.healthy and (among is None or e.address in among)
+        ]
         return (policy or self._policy).pick(healthy, request) if healthy else None
 
     def pick_with_fallback(

@@ -93,15 +93,23 @@ def _endpoint_modes(config: Config) -> dict[str, DispatchMode]:
 def _none_healthy(role: Role, subset: Subset | None) -> str:
     if subset is None:
         return f"no healthy {role} endpoint; retry later"
-    return (f"no healthy {role} endpoint among the {subset.listed} the gateway allowed "
-            "(its subset hint); retry later")  # fmt: skip
+    return (
+        f"no healthy {role} endpoint among the {subset.listed} the gateway allowed "
+        "(its subset hint); retry later"
+    )
 
 
 class Scheduler:
     """Picking, admission and the decode-only decision over the two shared pools."""
 
-    def __init__(self, config: Config, prefill: Pool, decode: Pool, metrics: Metrics,
-                 kv: KvRouting | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Config,
+        prefill: Pool,
+        decode: Pool,
+        metrics: Metrics,
+        kv: KvRouting | None = None,
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.decider = Decider(metrics)
@@ -128,8 +136,9 @@ class Scheduler:
         return self.groups.get(model) or self.groups[""]
 
     def group_of(self, role: Role, address: str) -> ModelGroup:
-        return next((g for g in self.groups.values() if address in g.members[role]),
-                    self.groups[""])  # fmt: skip
+        return next(
+            (g for g in self.groups.values() if address in g.members[role]), self.groups[""]
+        )
 
     def decodes_of(self, prefill: str) -> set[str]:
         """The decode endpoints `prefill` is paired with (its group's)."""
@@ -142,16 +151,23 @@ class Scheduler:
         """The endpoint left its pool."""
         self.decider.forget(address)
 
-    def pick(self, wanted: PickRequest, inflight: ExitStack, config: Config,
-             subset: Subset | None = None, fallbacks: int = 1) -> Picked:  # fmt: skip
+    def pick(
+        self,
+        wanted: PickRequest,
+        inflight: ExitStack,
+        config: Config,
+        subset: Subset | None = None,
+        fallbacks: int = 1,
+    ) -> Picked:
         """D (then up to `fallbacks` others) and P (then another, for a serial retry) for a
         request, each counted in flight until `inflight` closes. Shed first when the pool is
         saturated (admission); no P (decode-only) when the decision says so, or when none is
         healthy and that is allowed. With a gateway's `subset`, both are picked inside it
         only. `config`: the request's snapshot."""
         group, members = self._members(wanted, subset)
-        decodes, counted = self._pick_decodes(wanted, inflight, config, group, members,
-                                              subset, fallbacks)  # fmt: skip
+        decodes, counted = self._pick_decodes(
+            wanted, inflight, config, group, members, subset, fallbacks
+        )
         prefills = self.prefill.pick_with_fallback(
             wanted, members[Role.PREFILL], group.pickers[Role.PREFILL]
         )
@@ -161,8 +177,13 @@ class Scheduler:
             if config.decision.mode is not DecisionMode.OFF:
                 decode = counted.state  # decodes[0]'s
                 decision = self.decider.decide(
-                    config.decision, wanted.prompt_bytes, decode.address, decode, prefill,
-                    wanted.prompt_tokens, cached.get(decode.address, 0),
+                    config.decision,
+                    wanted.prompt_bytes,
+                    decode.address,
+                    decode,
+                    prefill,
+                    wanted.prompt_tokens,
+                    cached.get(decode.address, 0),
                     cached.get(prefill.address, 0),
                 )
                 if decision.decode_only:
@@ -190,17 +211,25 @@ class Scheduler:
             min(wanted.prompt_tokens, wanted.cached.get(address, 0))
         )
 
-    def pick_decodes(self, wanted: PickRequest, inflight: ExitStack, config: Config,
-                     subset: Subset | None = None, fallbacks: int = 1) -> DecodeAlone:  # fmt: skip
+    def pick_decodes(
+        self,
+        wanted: PickRequest,
+        inflight: ExitStack,
+        config: Config,
+        subset: Subset | None = None,
+        fallbacks: int = 1,
+    ) -> DecodeAlone:
         """D and its fallbacks only, for a request no prefill takes part in (an engine's own
         endpoint the endpoint picker passes through)."""
         group, members = self._members(wanted, subset)
-        decodes, counted = self._pick_decodes(wanted, inflight, config, group, members,
-                                              subset, fallbacks)  # fmt: skip
+        decodes, counted = self._pick_decodes(
+            wanted, inflight, config, group, members, subset, fallbacks
+        )
         return DecodeAlone(decodes, counted, "passthrough")
 
-    def _members(self, wanted: PickRequest, subset: Subset | None
-                 ) -> tuple[ModelGroup, dict[Role, set[str]]]:  # fmt: skip
+    def _members(
+        self, wanted: PickRequest, subset: Subset | None
+    ) -> tuple[ModelGroup, dict[Role, set[str]]]:
         group = self.group(wanted.model)
         members = group.members
         if subset is not None:
@@ -208,9 +237,15 @@ class Scheduler:
         return group, members
 
     def _pick_decodes(
-        self, wanted: PickRequest, inflight: ExitStack, config: Config, group: ModelGroup,
-        members: dict[Role, set[str]], subset: Subset | None, fallbacks: int,
-    ) -> tuple[list[str], Counted]:  # fmt: skip
+        self,
+        wanted: PickRequest,
+        inflight: ExitStack,
+        config: Config,
+        group: ModelGroup,
+        members: dict[Role, set[str]],
+        subset: Subset | None,
+        fallbacks: int,
+    ) -> tuple[list[str], Counted]:
         if config.admission.enabled:
             self._admit(wanted, group, Role.DECODE, config)
         decodes = self.decode.pick_with_fallback(
@@ -225,8 +260,11 @@ class Scheduler:
         """Shed (429) if the group's engines of `role` are saturated for the request's
         priority; the saturation is exported either way."""
         admission = config.admission
-        pool, limits = ((self.decode, admission.decode) if role is Role.DECODE
-                        else (self.prefill, admission.prefill))  # fmt: skip
+        pool, limits = (
+            (self.decode, admission.decode)
+            if role is Role.DECODE
+            else (self.prefill, admission.prefill)
+        )
         healthy = [s for s in pool if s.healthy and s.address in group.members[role]]
         if not healthy:
             return  # nothing to measure: the pick answers 503 (or goes decode-only)

@@ -55,8 +55,9 @@ def libc_syscall(number: int, first: int, second: int) -> int:
     return int(ctypes.CDLL(None, use_errno=True).syscall(number, first, second))
 
 
-def request_amx_permission(flags: Iterable[str] | None = None,
-                           syscall: Syscall | None = None) -> bool:
+def request_amx_permission(
+    flags: Iterable[str] | None = None, syscall: Syscall | None = None
+) -> bool:
     """Ask Linux for AMX tile data when the CPU has AMX; True only if it was granted.
 
     Never raises: an engine that cannot get the permission still starts (and then fails where it
@@ -64,8 +65,9 @@ def request_amx_permission(flags: Iterable[str] | None = None,
     if AMX_FLAG not in (cpu_flags() if flags is None else frozenset(flags)):
         return False
     try:
-        return (syscall or libc_syscall)(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM,
-                                         XFEATURE_XTILEDATA) == 0
+        return (syscall or libc_syscall)(
+            SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+        ) == 0
     except Exception:  # a start-up hook must not stop the engine
         return False
 
@@ -103,8 +105,9 @@ class NixlDelayHook(importlib.abc.MetaPathFinder):
     def __init__(self, delay_us: int) -> None:
         self.delay_us = delay_us
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in ("nixl_cu12._api", "nixl_cu13._api"):
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)

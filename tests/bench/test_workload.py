@@ -12,11 +12,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from bench.workload import MultiTurn, SharedPrefix, multi_turn, shared_prefix, turn_waves
 
-CORPUS = ["Prefill engines compute the KV cache; decode engines generate the rest.",
-          "Envoy hands the request body to an external processor over gRPC.",
-          "NIXL moves KV blocks between engines, pulled by decode or pushed by prefill."]
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
+CORPUS = [
+    "Prefill engines compute the KV cache; decode engines generate the rest.",
+    "Envoy hands the request body to an external processor over gRPC.",
+    "NIXL moves KV blocks between engines, pulled by decode or pushed by prefill.",
+]
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +30,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS * 10, trainer=trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    tok.train_from_iterator(
+        CORPUS * 10,
+        trainer=trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
     tok.save(str(out / "tokenizer.json"))
     (out / "chat_template.jinja").write_text(TEMPLATE)
     return out
@@ -73,7 +83,15 @@ def test_multi_turn_histories_grow_from_the_previous_turn(model_dir: Path) -> No
     for turns in conversations:
         assert [t["turn"] for t in turns] == [0, 1, 2, 3]
         assert [m["role"] for m in turns[-1]["messages"]] == [
-            "system", "user", "assistant", "user", "assistant", "user", "assistant", "user"]
+            "system",
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+            "user",
+        ]
         growth = set()
         for before, after in itertools.pairwise(turns):
             before_ids = ids(model_dir, before["prompt"])

@@ -63,9 +63,14 @@ class Compose:
 
     def run(self, *args: str, timeout_s: float = 300) -> str:
         done = subprocess.run(
-            ["docker-compose", "-p", PROJECT, *args], cwd=ROOT, env=self.env,
-            capture_output=True, text=True, timeout=timeout_s, check=False,
-        )  # fmt: skip
+            ["docker-compose", "-p", PROJECT, *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
         if done.returncode != 0:
             raise AssertionError(f"docker-compose {' '.join(args)}: {done.stderr[-2000:]}")
         return done.stdout
@@ -74,10 +79,14 @@ class Compose:
 @contextlib.asynccontextmanager
 async def compose_up() -> AsyncIterator[Compose]:
     ports = ("PD_EXTPROC_PORT", "PD_EXTPROC_METRICS_PORT", "ENVOY_ADMIN_PORT", "PROMETHEUS_PORT")
-    compose = Compose({
-        **os.environ, **{name: str(free_port()) for name in ports},
-        "ENVOY_IMAGE": PRODUCT_IMAGE, "PROMETHEUS_IMAGE": BASE_IMAGE,
-    })  # fmt: skip
+    compose = Compose(
+        {
+            **os.environ,
+            **{name: str(free_port()) for name in ports},
+            "ENVOY_IMAGE": PRODUCT_IMAGE,
+            "PROMETHEUS_IMAGE": BASE_IMAGE,
+        }
+    )
     compose.run("down", "-v", "--remove-orphans")  # what an interrupted run left behind
     started = time.monotonic()
     try:
@@ -112,14 +121,19 @@ async def every_panel_gets_data(session: aiohttp.ClientSession, compose: Compose
     started = time.monotonic()
     async with grafana.traffic(session, compose.url, body) as statuses:
         found = await grafana.wait_for_every_panel(
-            prometheus, grafana.load(DASHBOARD), scrape_interval_s(), PANELS_WITHIN_S,
+            prometheus,
+            grafana.load(DASHBOARD),
+            scrape_interval_s(),
+            PANELS_WITHIN_S,
             with_values=("model",),
-        )  # fmt: skip
+        )
     assert statuses and set(statuses) == {200}, statuses
     queries = len(grafana.panel_queries(grafana.load(DASHBOARD)))
     took = time.monotonic() - started
-    print(f"compose: all {queries} dashboard queries had data after {took:.1f} s "
-          f"({len(statuses)} requests; variables {found})")  # fmt: skip
+    print(
+        f"compose: all {queries} dashboard queries had data after {took:.1f} s "
+        f"({len(statuses)} requests; variables {found})"
+    )
 
 
 @pytest.mark.timeout(UP_WITHIN_S + 30 + 60 + PANELS_WITHIN_S + 60)
@@ -161,9 +175,10 @@ async def test_compose_topology_serves_push_parallel_and_prometheus_scrapes_it()
         assert kv.count("push-parallel") >= REQUESTS, kv  # the probes are not counted here
         samples = await scrape(session, compose.metrics + "/metrics")
         parallel = sum(
-            v for k, v in samples.items()
+            v
+            for k, v in samples.items()
             if k.startswith("pd_extproc_requests_total") and 'strategy="parallel"' in k
-        )  # fmt: skip
+        )
         assert parallel >= REQUESTS, samples
 
         async def prometheus_has_it() -> bool:
@@ -175,6 +190,8 @@ async def test_compose_topology_serves_push_parallel_and_prometheus_scrapes_it()
             return False
 
         scraped_s = await poll(prometheus_has_it, "Prometheus scraping the sidecar", 60)
-        print(f"compose: {REQUESTS + 1} requests served push-parallel; Prometheus had them "
-              f"{scraped_s:.1f} s later")  # fmt: skip
+        print(
+            f"compose: {REQUESTS + 1} requests served push-parallel; Prometheus had them "
+            f"{scraped_s:.1f} s later"
+        )
         await every_panel_gets_data(session, compose)

@@ -44,10 +44,13 @@ async def running_prometheus(
     url = f"http://127.0.0.1:{_free_port()}"
     log = (workdir / "prometheus.log").open("wb")
     process = await asyncio.create_subprocess_exec(
-        prometheus_binary(), f"--config.file={workdir / 'prometheus.yml'}",
-        f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address={url[7:]}",
-        stdout=log, stderr=log,
-    )  # fmt: skip
+        prometheus_binary(),
+        f"--config.file={workdir / 'prometheus.yml'}",
+        f"--storage.tsdb.path={workdir / 'data'}",
+        f"--web.listen-address={url[7:]}",
+        stdout=log,
+        stderr=log,
+    )
     try:
         await _wait_ready(url, process, ready_within_s, workdir / "prometheus.log")
         yield url

@@ -15,9 +15,20 @@ from typing import Any
 
 _IDENT = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _KEYWORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
-    "and", "or", "unless", "inf", "nan",
-}  # fmt: skip
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "offset",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "inf",
+    "nan",
+}
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
 _SELECTOR = re.compile(rf"({_IDENT})?\s*\{{([^}}]*)\}}")
 _MATCHER = re.compile(rf"({_IDENT})\s*(?:=~|!~|!=|=)")

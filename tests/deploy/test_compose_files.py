@@ -108,8 +108,10 @@ def test_sidecar_shares_envoys_network_namespace() -> None:
 def test_envoy_image_matches_the_tested_envoy() -> None:
     version = subprocess.run(
         [envoy_binary(), "--version"],
-        capture_output=True, text=True, timeout=30,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
     major_minor = re.search(r"/(\d+\.\d+)\.\d+/", version)
     assert major_minor, version
     image = compose()["services"]["envoy"]["image"]  # ${ENVOY_IMAGE:-default}
@@ -125,8 +127,10 @@ def test_mounted_files_exist() -> None:
 
 def test_prometheus_scrapes_every_exporter() -> None:
     cfg = load_config(CONFIG)
-    jobs = {j["job_name"]: j for j in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())[
-        "scrape_configs"]}  # fmt: skip
+    jobs = {
+        j["job_name"]: j
+        for j in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]
+    }
     targets = {
         name: {t for static in job["static_configs"] for t in static["targets"]}
         for name, job in jobs.items()
@@ -174,8 +178,13 @@ def _compose_command() -> list[str] | None:
     if found := shutil.which("docker-compose"):
         return [found]
     docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True,
-                                 timeout=30).returncode == 0:  # fmt: skip
+    if (
+        docker
+        and subprocess.run(
+            [docker, "compose", "version"], capture_output=True, timeout=30
+        ).returncode
+        == 0
+    ):
         return [docker, "compose"]
     return None
 
@@ -189,8 +198,11 @@ def test_docker_compose_config_accepts_the_file() -> None:
         )
     result = subprocess.run(
         [*command, "-f", str(COMPOSE), "config", "--quiet"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -27,12 +27,6 @@ PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
 KV_SHARE = "pd_extproc_decode_kv_transfer_share"  # needs a second kv_check window
 
 
-
-
-
-
-
-
 # What the Prometheus Operator attaches on Kubernetes and the dashboard's variables select on;
 # in docker compose they are absent, and the variables' "All" (.*) matches an absent label.
 KUBERNETES_TARGET_LABELS = {"namespace", "pod"}

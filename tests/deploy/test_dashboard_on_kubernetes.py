@@ -63,20 +63,32 @@ def kubernetes_scrape_config(
     for i, endpoint in enumerate(monitor):
         assert endpoint["port"] == "metrics", endpoint  # the sidecar's port: topo.sidecar.metrics
         sidecar = static(
-            topo.sidecar.metrics, job=service, service=service, endpoint=endpoint["port"],
-            container="pd-extproc", pod=SIDECAR_POD,
-        )  # fmt: skip
-        jobs.append(job(
-            f"serviceMonitor/{NAMESPACE}/{service}/{i}", [sidecar],
-            metrics_path=endpoint.get("path", "/metrics"),
-            honor_labels=endpoint.get("honorLabels", False),
-        ))  # fmt: skip
+            topo.sidecar.metrics,
+            job=service,
+            service=service,
+            endpoint=endpoint["port"],
+            container="pd-extproc",
+            pod=SIDECAR_POD,
+        )
+        jobs.append(
+            job(
+                f"serviceMonitor/{NAMESPACE}/{service}/{i}",
+                [sidecar],
+                metrics_path=endpoint.get("path", "/metrics"),
+                honor_labels=endpoint.get("honorLabels", False),
+            )
+        )
     for role, engines in (("prefill", topo.prefills), ("decode", topo.decodes)):
         pods = [
-            static(f"http://{address(e)}", job=f"{NAMESPACE}/vllm-{role}", pod=f"vllm-{role}-{i}",
-                   container="vllm", endpoint="http")
+            static(
+                f"http://{address(e)}",
+                job=f"{NAMESPACE}/vllm-{role}",
+                pod=f"vllm-{role}-{i}",
+                container="vllm",
+                endpoint="http",
+            )
             for i, e in enumerate(engines)
-        ]  # fmt: skip
+        ]
         jobs.append(job(f"podMonitor/{NAMESPACE}/vllm-{role}/0", pods))
     return {"global": {"scrape_interval": f"{SCRAPE_S:g}s"}, "scrape_configs": jobs}
 

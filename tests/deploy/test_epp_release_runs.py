@@ -45,8 +45,11 @@ def _loopback(config: dict[str, Any], kube_url: str, token: Path) -> dict[str, A
     config["extproc"] |= {"host": "127.0.0.1", "port": 0}
     config["metrics"] |= {"host": "127.0.0.1", "port": 0}
     config["endpoint_picker"] |= {"health_port": 0}
-    config["discovery"] = {"kubernetes_api": kube_url, "token_file": str(token),
-                           "ca_file": "/nonexistent"}  # fmt: skip
+    config["discovery"] = {
+        "kubernetes_api": kube_url,
+        "token_file": str(token),
+        "ca_file": "/nonexistent",
+    }
     config["health"] = {"interval_s": 0.5, "timeout_s": 0.5}
     return config
 
@@ -71,8 +74,10 @@ async def test_release_config_picks_for_the_example_pool_behind_a_gateway(
     docs = release(kube_bin, "envoy-gateway", **{"engines.port": str(port)})
     config = yaml.safe_load(one(docs, "ConfigMap")["data"]["pd-extproc.yaml"])
     probes = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    labels = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
-              for d in build(kube_bin, "gateway-api-inference/engines")}  # fmt: skip
+    labels = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in build(kube_bin, "gateway-api-inference/engines")
+    }
     token = tmp_path / "token"
     token.write_text("sa-token")
     async with fake_kube_api() as kube, aiohttp.ClientSession() as session:
@@ -82,15 +87,18 @@ async def test_release_config_picks_for_the_example_pool_behind_a_gateway(
                 kube.put_pod(pod(f"{deployment}-{n}", ip, labels[deployment], namespace="llm"))
         prefill, *decodes = [f"{ip}:{port}" for ips in PODS.values() for ip in ips]
         async with (
-            running_engine("--kv-transfer-config", PUSH_P, *FAST, "--host", "127.0.0.2",
-                           "--port", str(port)),
-            running_engine("--kv-transfer-config", PUSH_D, *FAST, "--host", "127.0.0.3",
-                           "--port", str(port)),
-            running_engine("--kv-transfer-config", PUSH_D, *FAST, "--host", "127.0.0.4",
-                           "--port", str(port)),
+            running_engine(
+                "--kv-transfer-config", PUSH_P, *FAST, "--host", "127.0.0.2", "--port", str(port)
+            ),
+            running_engine(
+                "--kv-transfer-config", PUSH_D, *FAST, "--host", "127.0.0.3", "--port", str(port)
+            ),
+            running_engine(
+                "--kv-transfer-config", PUSH_D, *FAST, "--host", "127.0.0.4", "--port", str(port)
+            ),
             running_epp(_loopback(config, kube.url, token)) as picker,
             running_gateway(Variant.ORIGINAL_DST, picker.extproc, [prefill, *decodes]) as url,
-        ):  # fmt: skip
+        ):
 
             async def serving(probe: str) -> bool:
                 return await _status(picker.health_port, probes[probe]) == SERVING

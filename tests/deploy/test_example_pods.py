@@ -32,18 +32,8 @@ from tests.support.examples import (
 ISTIO_ADMIN_PORT = 15000  # the admin port of Istio's Envoy, inside the gateway pod
 
 
-
-
-
-
-
-
-
-
 def flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
-
-
 
 
 @pytest.mark.parametrize("example", KUSTOMIZATIONS)
@@ -144,8 +134,10 @@ def test_envoy_gateway_tls_certificate_is_mounted_where_the_config_reads_it() ->
     certificate = _eg_security("Certificate")["spec"]
     assert tls.server_name in certificate["dnsNames"]
     volumes = {v["name"]: v for v in pod("envoy-gateway")["spec"]["volumes"]}
-    mounts = {m["mountPath"]: volumes[m["name"]]
-              for m in container("envoy-gateway", "pd-extproc")["volumeMounts"]}  # fmt: skip
+    mounts = {
+        m["mountPath"]: volumes[m["name"]]
+        for m in container("envoy-gateway", "pd-extproc")["volumeMounts"]
+    }
     for path in (tls.cert_file, tls.key_file, tls.ca_file):
         directory, _, name = path.rpartition("/")
         assert mounts[directory]["secret"]["secretName"] == certificate["secretName"], path
@@ -160,9 +152,14 @@ def test_envoy_gateway_dials_the_extproc_over_tls() -> None:
     service = _eg_extproc_service()
     port = config("envoy-gateway").extproc.port
     [grpc] = [p for p in service["spec"]["ports"] if p["port"] == port]
-    assert policy["spec"]["targetRefs"] == [{"group": "", "kind": "Service",
-                                             "name": service["metadata"]["name"],
-                                             "sectionName": grpc["name"]}]  # fmt: skip
+    assert policy["spec"]["targetRefs"] == [
+        {
+            "group": "",
+            "kind": "Service",
+            "name": service["metadata"]["name"],
+            "sectionName": grpc["name"],
+        }
+    ]
     assert grpc.get("appProtocol") != "kubernetes.io/h2c"  # TLS, not HTTP/2 cleartext
     validation = policy["spec"]["validation"]
     assert validation["hostname"] == tls.server_name
@@ -197,8 +194,11 @@ def test_envoy_gateway_networkpolicy_admits_only_the_gateway_and_prometheus() ->
 def test_envoy_gateway_envoys_drain_for_the_longest_generation() -> None:
     proxy = _eg_gateway("EnvoyProxy")
     reference = _eg_gateway("Gateway")["spec"]["infrastructure"]["parametersRef"]
-    assert reference == {"group": "gateway.envoyproxy.io", "kind": "EnvoyProxy",
-                         "name": proxy["metadata"]["name"]}  # fmt: skip
+    assert reference == {
+        "group": "gateway.envoyproxy.io",
+        "kind": "EnvoyProxy",
+        "name": proxy["metadata"]["name"],
+    }
     drain = proxy["spec"]["shutdown"]["drainTimeout"]
     assert re.fullmatch(r"\d+s", drain), drain
     assert seconds(drain) >= config("envoy-gateway").timeouts.drain_s

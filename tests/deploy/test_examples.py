@@ -47,8 +47,6 @@ def regenerate() -> ModuleType:
     return module
 
 
-
-
 def test_generated_files_are_current() -> None:
     stale = [
         str(path.relative_to(ROOT))
@@ -60,30 +58,46 @@ def test_generated_files_are_current() -> None:
 
 @pytest.mark.parametrize(
     "path",
-    ["envoy/bootstrap.yaml", "examples/kubernetes/envoy.yaml",
-     "examples/envoy-gateway/prefill-envoy.yaml"],
-)  # fmt: skip
+    [
+        "envoy/bootstrap.yaml",
+        "examples/kubernetes/envoy.yaml",
+        "examples/envoy-gateway/prefill-envoy.yaml",
+    ],
+)
 def test_envoy_bootstraps_validate(path: str) -> None:
     envoy_validate(ROOT / path)
 
 
-def _hcm_listener(name: str, port: int, filters: list[Any], vhosts: list[Any],
-                  **merged: Any) -> dict:  # fmt: skip
+def _hcm_listener(
+    name: str, port: int, filters: list[Any], vhosts: list[Any], **merged: Any
+) -> dict:
     hcm = {
         **merged,
         "@type": "type.googleapis.com/envoy.extensions.filters.network."
         "http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": name,
         "route_config": {"name": name, "virtual_hosts": vhosts},
-        "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
-    }  # fmt: skip
+        "http_filters": [
+            *filters,
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            },
+        ],
+    }
     return {
         "name": name,
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
-        "filter_chains": [{"filters": [
-            {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
-    }  # fmt: skip
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
 
 
 def _bootstrap(listeners: list[Any], clusters: list[Any]) -> dict[str, Any]:
@@ -92,27 +106,47 @@ def _bootstrap(listeners: list[Any], clusters: list[Any]) -> dict[str, Any]:
 
 def test_snippet_pasted_into_an_existing_envoy_validates(tmp_path: Path) -> None:
     snippet = yaml.safe_load((GOLDEN / "snippet.yaml").read_text())
-    assert set(snippet) == {"node", "http_connection_manager", "http_filters", "routes",
-                            "every_other_route", "clusters", "listeners"}  # fmt: skip
+    assert set(snippet) == {
+        "node",
+        "http_connection_manager",
+        "http_filters",
+        "routes",
+        "every_other_route",
+        "clusters",
+        "listeners",
+    }
     assert [c["name"] for c in snippet["clusters"]] == ["pd_extproc", "decode_pool", "prefill_pool"]
     assert [f["name"] for f in snippet["http_filters"]] == ["envoy.filters.http.ext_proc"]
     # the user's own listener with the snippet's routes first, then one of their own
-    mine = {"match": {"prefix": "/"}, "direct_response": {"status": 200},
-            **snippet["every_other_route"]}  # fmt: skip
+    mine = {
+        "match": {"prefix": "/"},
+        "direct_response": {"status": 200},
+        **snippet["every_other_route"],
+    }
     vhost = {"name": "mine", "domains": ["*"], "routes": [*snippet["routes"], mine]}
-    listener = _hcm_listener("my_ingress", 8080, snippet["http_filters"], [vhost],
-                             **snippet["http_connection_manager"])  # fmt: skip
+    listener = _hcm_listener(
+        "my_ingress", 8080, snippet["http_filters"], [vhost], **snippet["http_connection_manager"]
+    )
     bootstrap = _bootstrap([listener, *snippet["listeners"]], snippet["clusters"])
     bootstrap["node"] = snippet["node"]
     envoy_validate_dict(bootstrap, tmp_path, "existing-envoy")
 
 
 def test_snippet_header_says_where_each_piece_goes() -> None:
-    header = [line for line in (GOLDEN / "snippet.yaml").read_text()
-              .splitlines() if line.startswith("#")]  # fmt: skip
+    header = [
+        line for line in (GOLDEN / "snippet.yaml").read_text().splitlines() if line.startswith("#")
+    ]
     text = "\n".join(header)
-    for where in ("http_filters:", "http_connection_manager:", "clusters:", "listeners:",
-                  "routes:", "every_other_route:", "loopback", "exact path"):  # fmt: skip
+    for where in (
+        "http_filters:",
+        "http_connection_manager:",
+        "clusters:",
+        "listeners:",
+        "routes:",
+        "every_other_route:",
+        "loopback",
+        "exact path",
+    ):
         assert where in text
 
 
@@ -134,8 +168,9 @@ def test_istio_envoyfilter_patches_assemble_into_a_valid_envoy(tmp_path: Path) -
     clusters = [p["patch"]["value"] for p in _patches("CLUSTER")]
     listeners = [p["patch"]["value"] for p in _patches("LISTENER")]
     [hcm] = [p["patch"]["value"]["typed_config"] for p in _patches("NETWORK_FILTER")]
-    gateway = _hcm_listener("gateway_8080", 8080, [ext_proc], [vhost],
-                            **{k: v for k, v in hcm.items() if k != "@type"})  # fmt: skip
+    gateway = _hcm_listener(
+        "gateway_8080", 8080, [ext_proc], [vhost], **{k: v for k, v in hcm.items() if k != "@type"}
+    )
     envoy_validate_dict(_bootstrap([gateway, *listeners], clusters), tmp_path, "istio")
 
 
@@ -162,8 +197,9 @@ def test_istio_envoyfilter_structure() -> None:
 
 def test_istio_gateway_matches_the_envoyfilter() -> None:
     docs = documents(EXAMPLES / "istio" / "gateway.yaml")
-    [deployment], [service], [gateway] = (by_kind(docs, k) for k in
-                                          ("Deployment", "Service", "Gateway"))  # fmt: skip
+    [deployment], [service], [gateway] = (
+        by_kind(docs, k) for k in ("Deployment", "Service", "Gateway")
+    )
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     selector = _envoyfilter()["spec"]["workloadSelector"]["labels"]
     assert selector.items() <= pod_labels.items()
@@ -176,8 +212,9 @@ def test_istio_gateway_matches_the_envoyfilter() -> None:
     assert http_filter["match"]["listener"]["portNumber"] == port["targetPort"]
     assert port["port"] == server["port"]["number"]
     assert set(server["hosts"]) <= set(routes["patch"]["value"]["domains"])
-    assert any(c["name"] == "istio-proxy" for c in deployment["spec"]["template"]["spec"][
-        "containers"])  # fmt: skip
+    assert any(
+        c["name"] == "istio-proxy" for c in deployment["spec"]["template"]["spec"]["containers"]
+    )
 
 
 # --- Envoy Gateway ---------------------------------------------------------------------------
@@ -200,7 +237,9 @@ def test_envoy_gateway_resources_match_the_config() -> None:
     [rule] = _eg("HTTPRoute")["spec"]["rules"]
     assert rule["backendRefs"] == [{"name": decode["metadata"]["name"], "port": port["port"]}]
     assert {m["path"]["value"] for m in rule["matches"]} == {
-        "/v1/completions", "/v1/chat/completions"}  # fmt: skip
+        "/v1/completions",
+        "/v1/chat/completions",
+    }
     [ext_proc] = _eg("EnvoyExtensionPolicy")["spec"]["extProc"]
     assert ext_proc["backendRefs"] == [{"name": "pd-extproc", "port": cfg.extproc.port}]
     assert ext_proc["processingMode"] == {"request": {"body": "Buffered"}, "response": {}}
@@ -216,12 +255,11 @@ def test_envoy_gateway_resources_match_the_config() -> None:
 
 
 def test_envoy_gateway_extproc_service_serves_grpc() -> None:
-    [service] = by_kind(documents(EXAMPLES / "envoy-gateway" / "extproc-deployment.yaml"),
-                        "Service")  # fmt: skip
+    [service] = by_kind(
+        documents(EXAMPLES / "envoy-gateway" / "extproc-deployment.yaml"), "Service"
+    )
     [grpc] = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
     assert grpc["port"] == config("envoy-gateway").extproc.port
-
-
 
 
 def _bytes(quantity: str) -> int:
@@ -245,8 +283,6 @@ CUSTOM_KINDS = {
     ("gateway.networking.k8s.io/v1", "BackendTLSPolicy"): ["targetRefs", "validation"],
     ("cert-manager.io/v1", "Certificate"): ["secretName", "dnsNames", "issuerRef"],
 }
-
-
 
 
 @pytest.mark.parametrize("example", KUSTOMIZATIONS)
@@ -274,11 +310,13 @@ def test_pods_mount_their_configs_where_the_commands_read_them(example: str) -> 
     config_maps = {d["metadata"]["name"]: d for d in by_kind(docs, "ConfigMap")}
     for deployment in by_kind(docs, "Deployment"):
         pod = deployment["spec"]["template"]["spec"]
-        volumes = {v["name"]: v["configMap"]["name"]
-                   for v in pod.get("volumes", []) if "configMap" in v}  # fmt: skip
+        volumes = {
+            v["name"]: v["configMap"]["name"] for v in pod.get("volumes", []) if "configMap" in v
+        }
         for container in pod["containers"]:
-            mounts = {m["mountPath"]: volumes.get(m["name"])
-                      for m in container.get("volumeMounts", [])}  # fmt: skip
+            mounts = {
+                m["mountPath"]: volumes.get(m["name"]) for m in container.get("volumeMounts", [])
+            }
             command = container.get("command", [])
             for flag in ("--config", "-c"):
                 if flag in command:
@@ -319,9 +357,14 @@ def test_examples_discover_their_engines_with_the_rbac_they_ship(example: str) -
     assert [a["metadata"]["name"] for a in _namespaced(docs, "ServiceAccount")] == [account]
     (binding,) = _namespaced(docs, "RoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
-    (role,) = [r for r in _namespaced(docs, "Role")
-               if r["metadata"]["name"] == binding["roleRef"]["name"]]  # fmt: skip
-    granted = {(group, resource): set(rule["verbs"]) for rule in role["rules"]
-               for group in rule["apiGroups"] for resource in rule["resources"]}  # fmt: skip
+    (role,) = [
+        r for r in _namespaced(docs, "Role") if r["metadata"]["name"] == binding["roleRef"]["name"]
+    ]
+    granted = {
+        (group, resource): set(rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
     for wanted in (("", "pods"), ("inference.networking.k8s.io", "inferencepools")):
         assert granted[wanted] >= {"get", "list", "watch"}, wanted

@@ -19,10 +19,6 @@ from tests.support.helm import CHART, EXAMPLE, NAMESPACE, chart_config, helm, re
 GATEWAYS = {"envoy-gateway": "eg", "istio": "istio", "kgateway": "kgateway"}
 
 
-
-
-
-
 @pytest.mark.parametrize("gateway", GATEWAYS)
 def test_release_values_lint(kube_bin: Path, gateway: str) -> None:
     files = [f"--values={path}" for path in values_files(gateway)]
@@ -43,12 +39,14 @@ def test_pool_selects_the_engines_and_splits_them_by_role(kube_bin: Path, gatewa
         assert pool["selector"]["matchLabels"].items() <= labels.items()
         [engine] = template["spec"]["containers"]
         assert [p["number"] for p in pool["targetPorts"]] == [
-            p["containerPort"] for p in engine["ports"]]  # fmt: skip
+            p["containerPort"] for p in engine["ports"]
+        ]
         role = Role.PREFILL if deployment["metadata"]["name"] == "vllm-prefill" else Role.DECODE
         for each, pool_config in ((Role.PREFILL, cfg.prefill), (Role.DECODE, cfg.decode)):
             source = pool_config.inference_pool
-            assert source is not None and source.name == one(docs, "InferencePool")["metadata"][
-                "name"]  # fmt: skip
+            assert (
+                source is not None and source.name == one(docs, "InferencePool")["metadata"]["name"]
+            )
             assert source.takes(each, labels) == (each == role), (deployment["metadata"], each)
 
 
@@ -78,6 +76,9 @@ def test_picker_sends_one_address_for_an_original_dst_route(kube_bin: Path, gate
 def test_envoy_gateway_values_make_inferencepool_v1_a_backend() -> None:
     values = yaml.safe_load((EXAMPLE / "envoy-gateway" / "envoy-gateway-values.yaml").read_text())
     manager = values["config"]["envoyGateway"]["extensionManager"]
-    assert {"group": "inference.networking.k8s.io", "kind": "InferencePool",
-            "version": "v1"} in manager["backendResources"]  # fmt: skip
+    assert {
+        "group": "inference.networking.k8s.io",
+        "kind": "InferencePool",
+        "version": "v1",
+    } in manager["backendResources"]
     assert manager["service"]["fqdn"]["hostname"].endswith(".svc.cluster.local")

@@ -52,11 +52,20 @@ async def test_gateway_release_follows_pods_without_restarting_envoy(
 ) -> None:
     [engine_port] = _free_ports(PREFILL, 1)
     http, admin, extproc, prefill_listener, metrics = _free_ports("127.0.0.1", 5)
-    docs = render(kube_bin, "gateway", **{
-        "ports.http": str(http), "ports.envoyAdmin": str(admin), "ports.extproc": str(extproc),
-        "ports.prefillListener": str(prefill_listener), "ports.metrics": str(metrics),
-        "engines.port": str(engine_port), "config.envoy.listen.host": "127.0.0.1",
-        "config.metrics.host": "127.0.0.1"})  # fmt: skip
+    docs = render(
+        kube_bin,
+        "gateway",
+        **{
+            "ports.http": str(http),
+            "ports.envoyAdmin": str(admin),
+            "ports.extproc": str(extproc),
+            "ports.prefillListener": str(prefill_listener),
+            "ports.metrics": str(metrics),
+            "engines.port": str(engine_port),
+            "config.envoy.listen.host": "127.0.0.1",
+            "config.metrics.host": "127.0.0.1",
+        },
+    )
     config = yaml.safe_load(one(docs, "ConfigMap")["data"]["pd-extproc.yaml"])
     (tmp_path / "pd-extproc.yaml").write_text(yaml.safe_dump(config))
     _, _, script = container(docs, "render-envoy")["command"]
@@ -67,14 +76,19 @@ async def test_gateway_release_follows_pods_without_restarting_envoy(
         subprocess.run, argv, capture_output=True, text=True, check=True, timeout=60
     )
     (tmp_path / "envoy.yaml").write_text(rendered.stdout)
-    labels = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
-              for d in build(kube_bin, "gateway-api-inference/engines")}  # fmt: skip
+    labels = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in build(kube_bin, "gateway-api-inference/engines")
+    }
     token = tmp_path / "token"
     token.write_text("sa-token")
     body = {"model": MODEL, "prompt": "through the release " * 8, "max_tokens": 2}
     async with fake_kube_api() as kube, aiohttp.ClientSession() as session:
-        config["discovery"] = {"kubernetes_api": kube.url, "token_file": str(token),
-                               "ca_file": "/nonexistent"}  # fmt: skip
+        config["discovery"] = {
+            "kubernetes_api": kube.url,
+            "token_file": str(token),
+            "ca_file": "/nonexistent",
+        }
         config["health"] = {"interval_s": 0.5, "timeout_s": 0.5}
         (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
 
@@ -87,15 +101,31 @@ async def test_gateway_release_follows_pods_without_restarting_envoy(
         run_dir.mkdir()
         envoy = EnvoyProcess(tmp_path / "envoy.yaml", run_dir, "warning", 1)
         async with (
-            running_engine("--kv-transfer-config", PUSH_P, *FAST, "--host", PREFILL,
-                           "--port", str(engine_port)),
-            running_engine("--kv-transfer-config", PUSH_D, *FAST, "--host", DECODE_1,
-                           "--port", str(engine_port)),
-            running_engine("--kv-transfer-config", PUSH_D, *FAST, "--host", DECODE_2,
-                           "--port", str(engine_port)),
-            serving_process(tmp_path / "serve.yaml", config["envoy"]["prefill_listener"],
-                            tmp_path / "serve.log"),
-        ):  # fmt: skip
+            running_engine(
+                "--kv-transfer-config", PUSH_P, *FAST, "--host", PREFILL, "--port", str(engine_port)
+            ),
+            running_engine(
+                "--kv-transfer-config",
+                PUSH_D,
+                *FAST,
+                "--host",
+                DECODE_1,
+                "--port",
+                str(engine_port),
+            ),
+            running_engine(
+                "--kv-transfer-config",
+                PUSH_D,
+                *FAST,
+                "--host",
+                DECODE_2,
+                "--port",
+                str(engine_port),
+            ),
+            serving_process(
+                tmp_path / "serve.yaml", config["envoy"]["prefill_listener"], tmp_path / "serve.log"
+            ),
+        ):
             await envoy.start()
             try:
                 url = f"http://127.0.0.1:{http}/v1/completions"

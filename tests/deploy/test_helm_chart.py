@@ -45,16 +45,6 @@ EVERYTHING = {
 }
 
 
-
-
-
-
-
-
-
-
-
-
 def ports(each: dict[str, Any]) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in each["ports"]}
 
@@ -79,8 +69,9 @@ def test_an_unknown_mode_is_refused_in_one_line(kube_bin: Path) -> None:
     result = helm(kube_bin, "template", "llm", str(CHART), "--set=mode=sidecar")
     assert result.returncode != 0
     assert "at '/mode': value must be one of 'gateway', 'epp'" in result.stderr  # the schema
-    unchecked = helm(kube_bin, "template", "llm", str(CHART), "--set=mode=sidecar",
-                     "--skip-schema-validation")  # fmt: skip
+    unchecked = helm(
+        kube_bin, "template", "llm", str(CHART), "--set=mode=sidecar", "--skip-schema-validation"
+    )
     assert 'mode must be gateway or epp (got "sidecar")' in unchecked.stderr  # the template
 
 
@@ -132,15 +123,23 @@ def test_a_pool_source_in_config_replaces_the_charts(kube_bin: Path) -> None:
 
 
 def test_config_values_win_over_the_charts_defaults(kube_bin: Path) -> None:
-    docs = render(kube_bin, "epp", **{"config.extproc.port": "9002",
-                                      "config.decode.inference_pool.name": "other",
-                                      "config.decode.inference_pool.namespace": "engines",
-                                      "tls.secretName": "mine"})  # fmt: skip
+    docs = render(
+        kube_bin,
+        "epp",
+        **{
+            "config.extproc.port": "9002",
+            "config.decode.inference_pool.name": "other",
+            "config.decode.inference_pool.namespace": "engines",
+            "tls.secretName": "mine",
+        },
+    )
     cfg = chart_config(docs)
     assert cfg.extproc.port == 9002 and cfg.extproc.tls is not None
     assert cfg.decode.inference_pool is not None
     assert (cfg.decode.inference_pool.name, cfg.decode.inference_pool.namespace) == (
-        "other", "engines")  # fmt: skip
+        "other",
+        "engines",
+    )
     assert ports(container(docs, "pd-extproc"))["grpc"] == 9002
     pool = one(docs, "InferencePool")["spec"]["endpointPickerRef"]
     assert pool["port"]["number"] == 9002
@@ -171,19 +170,26 @@ def test_probes_ask_what_the_sidecar_serves(docs: list[dict[str, Any]], mode: st
 
 
 def test_rbac_lets_discovery_watch_pods_and_inferencepools(docs: list[dict[str, Any]]) -> None:
-    rules = {(group, resource): set(rule["verbs"])
-             for rule in one(docs, "Role")["rules"]
-             for group in rule["apiGroups"] for resource in rule["resources"]}  # fmt: skip
+    rules = {
+        (group, resource): set(rule["verbs"])
+        for rule in one(docs, "Role")["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
     assert rules == {
         ("", "pods"): {"get", "list", "watch"},
         ("inference.networking.k8s.io", "inferencepools"): {"get", "list", "watch"},
     }
     binding = one(docs, "RoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": one(docs, "Role")["metadata"]["name"]}  # fmt: skip
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": one(docs, "Role")["metadata"]["name"],
+    }
     account = one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account,
-                                    "namespace": NAMESPACE}]  # fmt: skip
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    ]
     assert one(docs, "ServiceAccount")["metadata"]["name"] == account
 
 
@@ -256,8 +262,9 @@ def test_epp_serves_tls_with_the_mounted_certificate(epp: list[dict[str, Any]]) 
     assert tls.server_name in certificate["dnsNames"]
     pod = one(epp, "Deployment")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
-    mounts = {m["mountPath"]: volumes[m["name"]]
-              for m in container(epp, "pd-extproc")["volumeMounts"]}  # fmt: skip
+    mounts = {
+        m["mountPath"]: volumes[m["name"]] for m in container(epp, "pd-extproc")["volumeMounts"]
+    }
     for path in (tls.cert_file, tls.key_file, tls.ca_file):
         directory, _, name = path.rpartition("/")
         assert mounts[directory]["secret"]["secretName"] == certificate["secretName"], path
@@ -310,8 +317,10 @@ def test_gateway_envoy_bootstrap_from_the_init_container_validates(
     envoy_validate(tmp_path / "envoy.yaml")
     bootstrap = yaml.safe_load(rendered.stdout)
     cfg = chart_config(docs)
-    listeners = {x["name"]: x["address"]["socket_address"]
-                 for x in bootstrap["static_resources"]["listeners"]}  # fmt: skip
+    listeners = {
+        x["name"]: x["address"]["socket_address"]
+        for x in bootstrap["static_resources"]["listeners"]
+    }
     assert listeners["ingress"]["port_value"] == ports(envoy)["http"] == cfg.envoy.listen.port
     prefill = listeners["prefill"]
     assert f"{prefill['address']}:{prefill['port_value']}" == cfg.envoy.prefill_listener
@@ -347,21 +356,26 @@ def test_disruption_budget_covers_the_pods_one_at_a_time(docs: list[dict[str, An
 
 
 def test_disruption_budget_min_available_replaces_max_unavailable(kube_bin: Path) -> None:
-    budget = one(render(kube_bin, "epp", **{"podDisruptionBudget.minAvailable": "50%"}),
-                 "PodDisruptionBudget")["spec"]  # fmt: skip
+    budget = one(
+        render(kube_bin, "epp", **{"podDisruptionBudget.minAvailable": "50%"}),
+        "PodDisruptionBudget",
+    )["spec"]
     assert budget["minAvailable"] == "50%" and "maxUnavailable" not in budget
-    assert not by_kind(render(kube_bin, "epp", **{"podDisruptionBudget.create": "false"}),
-                       "PodDisruptionBudget")  # fmt: skip
+    assert not by_kind(
+        render(kube_bin, "epp", **{"podDisruptionBudget.create": "false"}), "PodDisruptionBudget"
+    )
 
 
 def test_topology_spread_selects_the_releases_own_pods(kube_bin: Path) -> None:
-    spread = {"topologySpreadConstraints[0].maxSkew": "1",
-              "topologySpreadConstraints[0].topologyKey": "topology.kubernetes.io/zone",
-              "topologySpreadConstraints[0].whenUnsatisfiable": "ScheduleAnyway",
-              "topologySpreadConstraints[1].maxSkew": "2",
-              "topologySpreadConstraints[1].topologyKey": "kubernetes.io/hostname",
-              "topologySpreadConstraints[1].whenUnsatisfiable": "DoNotSchedule",
-              "topologySpreadConstraints[1].labelSelector.matchLabels.tier": "gw"}  # fmt: skip
+    spread = {
+        "topologySpreadConstraints[0].maxSkew": "1",
+        "topologySpreadConstraints[0].topologyKey": "topology.kubernetes.io/zone",
+        "topologySpreadConstraints[0].whenUnsatisfiable": "ScheduleAnyway",
+        "topologySpreadConstraints[1].maxSkew": "2",
+        "topologySpreadConstraints[1].topologyKey": "kubernetes.io/hostname",
+        "topologySpreadConstraints[1].whenUnsatisfiable": "DoNotSchedule",
+        "topologySpreadConstraints[1].labelSelector.matchLabels.tier": "gw",
+    }
     docs = render(kube_bin, "gateway", **spread)
     zone, host = one(docs, "Deployment")["spec"]["template"]["spec"]["topologySpreadConstraints"]
     assert zone["topologyKey"] == "topology.kubernetes.io/zone" and zone["maxSkew"] == 1
@@ -373,16 +387,20 @@ def test_topology_spread_selects_the_releases_own_pods(kube_bin: Path) -> None:
 def test_engine_api_key_secret_mounts_where_the_config_reads_it(kube_bin: Path, mode: str) -> None:
     """env, extraVolumes and extraVolumeMounts: the engines' API key from a Secret, at the path
     of `config.engines.api_key_file`, in every container that loads the config."""
-    extras = {"extraVolumes[0].name": "engine-key",
-              "extraVolumes[0].secret.secretName": "vllm-api-key",
-              "extraVolumeMounts[0].name": "engine-key",
-              "extraVolumeMounts[0].mountPath": "/etc/engine-key",
-              "extraVolumeMounts[0].readOnly": "true",
-              "config.engines.api_key_file": "/etc/engine-key/api-key",
-              "env[0].name": "OTEL_SERVICE_NAME", "env[0].value": "pd-extproc"}  # fmt: skip
+    extras = {
+        "extraVolumes[0].name": "engine-key",
+        "extraVolumes[0].secret.secretName": "vllm-api-key",
+        "extraVolumeMounts[0].name": "engine-key",
+        "extraVolumeMounts[0].mountPath": "/etc/engine-key",
+        "extraVolumeMounts[0].readOnly": "true",
+        "config.engines.api_key_file": "/etc/engine-key/api-key",
+        "env[0].name": "OTEL_SERVICE_NAME",
+        "env[0].value": "pd-extproc",
+    }
     docs = render(kube_bin, mode, **extras)
     key_file = yaml.safe_load(one(docs, "ConfigMap")["data"]["pd-extproc.yaml"])["engines"][
-        "api_key_file"]  # fmt: skip
+        "api_key_file"
+    ]
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     readers = ["pd-extproc", "render-envoy"] if mode == "gateway" else ["pd-extproc"]
@@ -391,5 +409,6 @@ def test_engine_api_key_secret_mounts_where_the_config_reads_it(kube_bin: Path, 
         directory = str(Path(key_file).parent)
         assert volumes[mounts[directory]]["secret"] == {"secretName": "vllm-api-key"}, name
     assert {"name": "OTEL_SERVICE_NAME", "value": "pd-extproc"} in container(docs, "pd-extproc")[
-        "env"]  # fmt: skip
+        "env"
+    ]
     kubernetes_validate.validate(one(docs, "Deployment"), K8S_VERSION, strict=True)

@@ -58,8 +58,16 @@ def test_one_default_image_for_the_chart_compose_and_ci(kube_bin: Path) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_install_notes_name_the_image_to_build(kube_bin: Path, mode: str) -> None:
     """`helm install --dry-run=client` (no API server here) renders NOTES.txt too."""
-    result = helm(kube_bin, "install", "llm", str(CHART), "-n", "llm", "--dry-run=client",
-                  f"--set=mode={mode}")  # fmt: skip
+    result = helm(
+        kube_bin,
+        "install",
+        "llm",
+        str(CHART),
+        "-n",
+        "llm",
+        "--dry-run=client",
+        f"--set=mode={mode}",
+    )
     assert result.returncode == 0, result.stderr
     notes = result.stdout.partition("NOTES:")[2]
     assert f"Image: {PRODUCT_IMAGE} (build and push it" in notes, notes
@@ -67,8 +75,9 @@ def test_install_notes_name_the_image_to_build(kube_bin: Path, mode: str) -> Non
 
 def test_every_file_naming_the_image_names_the_default_tag() -> None:
     """Examples, Dockerfile, compose, scripts and tests: no second tag for the same image."""
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                             check=True, timeout=30).stdout.split()  # fmt: skip
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
+    ).stdout.split()
     tag = PRODUCT_IMAGE.partition(":")[2]
     others = []
     for name in tracked:
@@ -78,8 +87,11 @@ def test_every_file_naming_the_image_names_the_default_tag() -> None:
         if not path.is_file():
             continue
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            others += [f"{name}:{number}: {m.group(0)}" for m in IMAGE_REF.finditer(line)
-                       if m.group(1) != tag]  # fmt: skip
+            others += [
+                f"{name}:{number}: {m.group(0)}"
+                for m in IMAGE_REF.finditer(line)
+                if m.group(1) != tag
+            ]
     assert not others, f"image tags other than {PRODUCT_IMAGE}: {others}"
 
 
@@ -142,10 +154,14 @@ def test_helm_refuses_a_typo_or_a_wrong_type(
 
 # The defaults in each mode, then each values file as its comment says to install it.
 ACCEPTED = [["--set=mode=gateway"], ["--set=mode=epp"]] + [
-    (["-f", str(ROOT / "examples/gateway-api-inference/values.yaml")]
-     if name.endswith("istio/values.yaml") else []) + ["-f", str(ROOT / name)]
+    (
+        ["-f", str(ROOT / "examples/gateway-api-inference/values.yaml")]
+        if name.endswith("istio/values.yaml")
+        else []
+    )
+    + ["-f", str(ROOT / name)]
     for name in chart_values_files()
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("values", ACCEPTED, ids=lambda args: args[-1].rpartition("examples/")[2])

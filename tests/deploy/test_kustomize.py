@@ -16,13 +16,20 @@ from tests.support.deploy import K8S_VERSION, ROOT, by_kind
 from tests.support.examples import build
 
 EXAMPLES = ROOT / "examples"
-FOLDERS = sorted(p.parent.relative_to(EXAMPLES).as_posix()
-                 for p in EXAMPLES.rglob("kustomization.yaml"))  # fmt: skip
-CORE_KINDS = {"ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
-              "NetworkPolicy", "Secret"}  # fmt: skip
+FOLDERS = sorted(
+    p.parent.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.rglob("kustomization.yaml")
+)
+CORE_KINDS = {
+    "ConfigMap",
+    "Deployment",
+    "Service",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "NetworkPolicy",
+    "Secret",
+}
 CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "GatewayClass", "Namespace"}
-
-
 
 
 def namespace_of(folder: str) -> str | None:

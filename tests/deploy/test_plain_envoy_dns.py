@@ -24,8 +24,13 @@ def test_config_names_its_engines_by_dns_only() -> None:
 
 def test_rendered_bootstrap_validates(tmp_path: Path) -> None:
     pd_extproc = str(Path(sys.executable).parent / "pd-extproc")
-    rendered = subprocess.run([pd_extproc, "render-envoy", "--config", str(EXAMPLE)],
-                              capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    rendered = subprocess.run(
+        [pd_extproc, "render-envoy", "--config", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     (tmp_path / "envoy.yaml").write_text(rendered.stdout)
     envoy_validate(tmp_path / "envoy.yaml")
     clusters = {

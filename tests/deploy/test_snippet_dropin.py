@@ -30,24 +30,12 @@ from vllmsim.launcher import FAST, PUSH_D, PUSH_P, running_engine
 COMPLETION = {"model": "sim-model", "prompt": "hello " * 50, "max_tokens": 4}
 
 
-
-
-
-
-
-
-
-
 def rendered_envoy(bootstrap: dict[str, Any]) -> dict[str, Any]:
     """The complete bootstrap, its ingress on an ephemeral port."""
     for listener in bootstrap["static_resources"]["listeners"]:
         if listener["name"] == "ingress":
             listener["address"]["socket_address"]["port_value"] = 0
     return bootstrap
-
-
-
-
 
 
 async def sidecar_metrics(session: aiohttp.ClientSession, log: Path) -> dict[str, float]:
@@ -62,9 +50,10 @@ async def raw_post(url: str, target: bytes, body: bytes) -> int:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
-        writer.write(b"POST " + target + b" HTTP/1.1\r\nhost: pd\r\nconnection: close\r\n"
-                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                     % len(body) + body)  # fmt: skip
+        writer.write(
+            b"POST " + target + b" HTTP/1.1\r\nhost: pd\r\nconnection: close\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+        )
         response = await asyncio.wait_for(reader.read(), 10)
     finally:
         writer.close()
@@ -79,11 +68,18 @@ async def test_drop_in_behaves_like_the_rendered_bootstrap(tmp_path: Path, envoy
         p = await stack.enter_async_context(running_engine("--kv-transfer-config", PUSH_P, *FAST))
         d = await stack.enter_async_context(running_engine("--kv-transfer-config", PUSH_D, *FAST))
         config = tmp_path / "pd-extproc.yaml"
-        config.write_text(yaml.safe_dump({
-            "prefill": {"endpoints": [address(p)]}, "decode": {"endpoints": [address(d)]},
-            "extproc": {"host": "127.0.0.1", "port": 0}, "metrics": {"port": 0},
-            "health": {"interval_s": 0.5, "timeout_s": 0.5}, "timeouts": {"kv_wait_s": 1.5},
-        }))  # fmt: skip
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "prefill": {"endpoints": [address(p)]},
+                    "decode": {"endpoints": [address(d)]},
+                    "extproc": {"host": "127.0.0.1", "port": 0},
+                    "metrics": {"port": 0},
+                    "health": {"interval_s": 0.5, "timeout_s": 0.5},
+                    "timeouts": {"kv_wait_s": 1.5},
+                }
+            )
+        )
         extproc = await stack.enter_async_context(serving(config, sock, tmp_path / "serve.log"))
         if envoy_kind == "snippet":
             envoy_config = users_envoy(render(config, extproc, sock, "--snippet"))
@@ -106,9 +102,12 @@ async def test_drop_in_behaves_like_the_rendered_bootstrap(tmp_path: Path, envoy
                 assert response.status == 404
         statuses = []
         for _ in range(3):
-            async with session.post(url + "/v1/completions", json=COMPLETION,
-                                    headers={DESTINATION_HEADER: "203.0.113.9:80"},
-                                    timeout=timeout) as response:  # fmt: skip
+            async with session.post(
+                url + "/v1/completions",
+                json=COMPLETION,
+                headers={DESTINATION_HEADER: "203.0.113.9:80"},
+                timeout=timeout,
+            ) as response:
                 statuses.append((response.status, await response.text()))
         assert all(status == 200 for status, _ in statuses), statuses
         prefill_ids = {r["x_request_id"] for r in await engine_requests(session, p)}
@@ -117,14 +116,20 @@ async def test_drop_in_behaves_like_the_rendered_bootstrap(tmp_path: Path, envoy
         for record in decoded:  # the client's destination header never reaches an engine
             assert "203.0.113.9" not in record["headers"].get(DESTINATION_HEADER, "")
         metrics = await sidecar_metrics(session, tmp_path / "serve.log")
-        parallel = ('pd_extproc_requests_total{model="sim-model",outcome="ok",reason="cache_hit",'
-                    'strategy="parallel"}')  # fmt: skip
+        parallel = (
+            'pd_extproc_requests_total{model="sim-model",outcome="ok",reason="cache_hit",'
+            'strategy="parallel"}'
+        )
         assert metrics.get(parallel, 0) >= 1, metrics
 
         # path tricks: no spelling of an OpenAI path dodges the ext_proc
         evil = orjson.dumps(COMPLETION | {"kv_transfer_params": {"remote_engine_id": "evil"}})
-        for target in (b"/health/../v1/completions", b"/v1/models%2F..%2Fcompletions",
-                       b"//v1//completions", b"/v1/models/%2e%2e/completions"):  # fmt: skip
+        for target in (
+            b"/health/../v1/completions",
+            b"/v1/models%2F..%2Fcompletions",
+            b"//v1//completions",
+            b"/v1/models/%2e%2e/completions",
+        ):
             await raw_post(url, target, evil)
         for engine in (p, d):
             seen = orjson.dumps(await engine_requests(session, engine))
@@ -134,8 +139,9 @@ async def test_drop_in_behaves_like_the_rendered_bootstrap(tmp_path: Path, envoy
         async with session.post(p.url + "/sim/faults", json={"drop_registrations": True}):
             pass
         started = time.perf_counter()
-        async with session.post(url + "/v1/completions", json=COMPLETION,
-                                timeout=timeout) as response:  # fmt: skip
+        async with session.post(
+            url + "/v1/completions", json=COMPLETION, timeout=timeout
+        ) as response:
             status, body = response.status, await response.read()
         assert status == 504, body
         assert orjson.loads(body)["error"]["code"] == 504

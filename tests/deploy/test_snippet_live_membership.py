@@ -45,8 +45,9 @@ class Load:
 
     async def _client(self) -> None:
         while not self._stop.is_set():
-            async with self.session.post(self.url + "/v1/completions", json=SHORT,
-                                         timeout=TIMEOUT) as response:  # fmt: skip
+            async with self.session.post(
+                self.url + "/v1/completions", json=SHORT, timeout=TIMEOUT
+            ) as response:
                 self.statuses.append((response.status, await response.text()))
 
     @contextlib.asynccontextmanager
@@ -84,8 +85,11 @@ async def envoy_hosts(
     """The members of `cluster` as Envoy's admin lists them."""
     async with session.get(envoy.admin_url + "/clusters") as response:
         lines = (await response.text()).splitlines()
-    return {line.split("::")[1] for line in lines if line.startswith(cluster + "::")
-            and line.split("::")[2] == "cx_active"}  # fmt: skip
+    return {
+        line.split("::")[1]
+        for line in lines
+        if line.startswith(cluster + "::") and line.split("::")[2] == "cx_active"
+    }
 
 
 @dataclass
@@ -103,8 +107,9 @@ class Stage:
         return await engine_requests(self.session, engine)
 
     async def post(self, body: dict[str, Any]) -> tuple[int, Any]:
-        async with self.session.post(self.url + "/v1/completions", json=body,
-                                     timeout=TIMEOUT) as response:  # fmt: skip
+        async with self.session.post(
+            self.url + "/v1/completions", json=body, timeout=TIMEOUT
+        ) as response:
             return response.status, await response.json()
 
     async def envoy_uptime(self) -> int:
@@ -114,21 +119,24 @@ class Stage:
 
 
 @contextlib.asynccontextmanager
-async def stage(tmp_path: Path, config: Callable[[EngineHandle, EngineHandle, EngineHandle],
-                dict[str, Any]]) -> AsyncIterator[Stage]:  # fmt: skip
+async def stage(
+    tmp_path: Path, config: Callable[[EngineHandle, EngineHandle, EngineHandle], dict[str, Any]]
+) -> AsyncIterator[Stage]:
     sock = f"unix:{tmp_path}/prefill.sock"
     async with contextlib.AsyncExitStack() as stack:
-        p, d1, d2 = [await stack.enter_async_context(running_engine("--kv-transfer-config", kv,
-                                                                    *ENGINE))
-                     for kv in (PUSH_P, PUSH_D, PUSH_D)]  # fmt: skip
+        p, d1, d2 = [
+            await stack.enter_async_context(running_engine("--kv-transfer-config", kv, *ENGINE))
+            for kv in (PUSH_P, PUSH_D, PUSH_D)
+        ]
         config_path = tmp_path / "pd-extproc.yaml"
         config_path.write_text(yaml.safe_dump(config(p, d1, d2)))
         extproc, pid = await stack.enter_async_context(
             serving_process(config_path, sock, tmp_path / "serve.log")
         )
         bootstrap = tmp_path / "envoy.yaml"
-        bootstrap.write_text(yaml.safe_dump(users_envoy(render(config_path, extproc, sock,
-                                                               "--snippet"))))  # fmt: skip
+        bootstrap.write_text(
+            yaml.safe_dump(users_envoy(render(config_path, extproc, sock, "--snippet")))
+        )
         envoy = EnvoyProcess(bootstrap, tmp_path, "warning", 1)
         await envoy.start()
         stack.push_async_callback(envoy.stop)
@@ -141,10 +149,11 @@ def base_config(p: EngineHandle, d1: EngineHandle) -> dict[str, Any]:
     return {
         "prefill": {"endpoints": [address(p)]},
         "decode": {"endpoints": [address(d1)], "policy": "round_robin"},
-        "extproc": {"host": "127.0.0.1", "port": 0}, "metrics": {"port": 0},
+        "extproc": {"host": "127.0.0.1", "port": 0},
+        "metrics": {"port": 0},
         "health": {"interval_s": 0.5, "timeout_s": 0.5},
         "discovery": {"interval_s": 0.3},
-    }  # fmt: skip
+    }
 
 
 async def joins_and_leaves(
@@ -174,8 +183,11 @@ async def joins_and_leaves(
         async def long_one_on_d2() -> bool:
             if len(long_requests) < 8:
                 long_requests.append(asyncio.create_task(stage.post(LONG)))
-            return any(r["outcome"] == "running" and "long-running" in r["body"]["prompt"]
-                       for r in await stage.seen(stage.d2) if r["body"])  # fmt: skip
+            return any(
+                r["outcome"] == "running" and "long-running" in r["body"]["prompt"]
+                for r in await stage.seen(stage.d2)
+                if r["body"]
+            )
 
         await until(long_one_on_d2, "a long request running on the leaving engine")
         left_at = time.time()
@@ -207,8 +219,11 @@ async def test_kubernetes_pods_reach_the_users_envoy(tmp_path: Path) -> None:
         def config(p: EngineHandle, d1: EngineHandle, d2: EngineHandle) -> dict[str, Any]:
             cfg = base_config(p, d1)
             cfg["decode"]["kubernetes"] = {"label_selector": "app=decode", "port": d2.port}
-            cfg["discovery"] |= {"kubernetes_api": kube.url, "token_file": "/nonexistent",
-                                 "ca_file": "/nonexistent"}  # fmt: skip
+            cfg["discovery"] |= {
+                "kubernetes_api": kube.url,
+                "token_file": "/nonexistent",
+                "ca_file": "/nonexistent",
+            }
             return cfg
 
         async with stage(tmp_path, config) as s:
@@ -250,9 +265,10 @@ async def test_envoy_keeps_the_pools_while_the_extproc_restarts(tmp_path: Path) 
     fast = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0")
     config_path = tmp_path / "pd-extproc.yaml"
     async with contextlib.AsyncExitStack() as stack:
-        p, d1, d2 = [await stack.enter_async_context(running_engine("--kv-transfer-config", kv,
-                                                                    *fast))
-                     for kv in (PUSH_P, PUSH_D, PUSH_D)]  # fmt: skip
+        p, d1, d2 = [
+            await stack.enter_async_context(running_engine("--kv-transfer-config", kv, *fast))
+            for kv in (PUSH_P, PUSH_D, PUSH_D)
+        ]
         config = base_config(p, d1)
         config["extproc"] = {"host": extproc_sock}
         config["timeouts"] = {"drain_s": 10}
@@ -262,8 +278,9 @@ async def test_envoy_keeps_the_pools_while_the_extproc_restarts(tmp_path: Path) 
             serving_process(config_path, sock, tmp_path / "serve-1.log")
         )
         bootstrap = tmp_path / "envoy.yaml"
-        bootstrap.write_text(yaml.safe_dump(users_envoy(render(config_path, extproc, sock,
-                                                               "--snippet"))))  # fmt: skip
+        bootstrap.write_text(
+            yaml.safe_dump(users_envoy(render(config_path, extproc, sock, "--snippet")))
+        )
         envoy = EnvoyProcess(bootstrap, tmp_path, "warning", 1)
         await envoy.start()
         stack.push_async_callback(envoy.stop)
@@ -288,8 +305,10 @@ async def test_envoy_keeps_the_pools_while_the_extproc_restarts(tmp_path: Path) 
                 } and await envoy_hosts(session, envoy, "prefill_pool") == {address(p)}
 
             await until(envoy_follows, "Envoy to take the restarted ext_proc's members")
-            print(f"Envoy had the new members {time.perf_counter() - restarted:.2f} s after "
-                  "the ext_proc restarted")  # fmt: skip
+            print(
+                f"Envoy had the new members {time.perf_counter() - restarted:.2f} s after "
+                "the ext_proc restarted"
+            )
             status, body = await s.post(SHORT)
             assert status == 200, body
             assert len(await s.seen(d2)) == 1
@@ -303,13 +322,16 @@ async def test_an_envoy_started_before_the_extproc_waits_at_most_seconds(tmp_pat
     fast = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.001", "--decode-per-seq-ms", "0")
     config_path = tmp_path / "pd-extproc.yaml"
     async with contextlib.AsyncExitStack() as stack:
-        p, d = [await stack.enter_async_context(running_engine("--kv-transfer-config", kv, *fast))
-                for kv in (PUSH_P, PUSH_D)]  # fmt: skip
+        p, d = [
+            await stack.enter_async_context(running_engine("--kv-transfer-config", kv, *fast))
+            for kv in (PUSH_P, PUSH_D)
+        ]
         config = base_config(p, d) | {"extproc": {"host": extproc_sock}}
         config_path.write_text(yaml.safe_dump(config))
         bootstrap = tmp_path / "envoy.yaml"
-        bootstrap.write_text(yaml.safe_dump(users_envoy(render(config_path, extproc_sock, sock,
-                                                               "--snippet"))))  # fmt: skip
+        bootstrap.write_text(
+            yaml.safe_dump(users_envoy(render(config_path, extproc_sock, sock, "--snippet")))
+        )
         envoy = EnvoyProcess(bootstrap, tmp_path, "warning", 1)
         started = time.perf_counter()
         await envoy.start()  # returns once Envoy is ready: its pools' first fetch settled

@@ -30,10 +30,16 @@ def picker_settings(variant: Variant) -> dict[str, Any]:
 async def legs(topo: GatewayTopology) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(P record, D record) of each user request, oldest first; each record gains the engine
     id and address of the engine that received it (`engine_id`, `engine`)."""
-    prefill_seen = {r["x_request_id"]: r | {"engine_id": e.engine_id, "engine": address(e)}
-                    for e in topo.prefills for r in await topo.seen(e)}  # fmt: skip
-    pairs = [(prefill_seen[r["x_request_id"]], r | {"engine": address(e)})
-             for e in topo.decodes for r in await topo.seen(e)]  # fmt: skip
+    prefill_seen = {
+        r["x_request_id"]: r | {"engine_id": e.engine_id, "engine": address(e)}
+        for e in topo.prefills
+        for r in await topo.seen(e)
+    }
+    pairs = [
+        (prefill_seen[r["x_request_id"]], r | {"engine": address(e)})
+        for e in topo.decodes
+        for r in await topo.seen(e)
+    ]
     return sorted(pairs, key=lambda pair: pair[1]["received_at"])
 
 
@@ -193,8 +199,9 @@ async def test_a_prefill_longer_than_the_gateways_message_timeout_is_served() ->
     """The gateway times ext_proc messages at 5 s; D's headers wait for a 6 s P meanwhile."""
     variant = Variant.OVERRIDE_HOST
     slow = ("--prefill-per-token-ms", "75")  # about 80 prompt tokens: 6 s
-    async with epp_topology(variant, engine_flags=slow, timeouts={"probe_s": 30},
-                            **picker_settings(variant)) as topo:  # fmt: skip
+    async with epp_topology(
+        variant, engine_flags=slow, timeouts={"probe_s": 30}, **picker_settings(variant)
+    ) as topo:
         status, body, _ = await topo.post("/v1/completions", {**COMPLETION, "stream": True})
         assert status == 200, body
         assert body.endswith(b"data: [DONE]\n\n")
@@ -209,8 +216,9 @@ async def test_sigterm_lets_an_open_streamed_answer_finish() -> None:
     async with epp_topology(variant, engine_flags=slow, **settings) as topo:
         body = orjson.dumps({**COMPLETION, "max_tokens": 40, "stream": True})
         headers = {"content-type": "application/json"}
-        async with topo.session.post(topo.url + "/v1/completions", data=body,
-                                     headers=headers) as response:  # fmt: skip
+        async with topo.session.post(
+            topo.url + "/v1/completions", data=body, headers=headers
+        ) as response:
             events = [await response.content.readline()]
             os.kill(topo.picker.pid, signal.SIGTERM)
             async for line in response.content:

@@ -49,8 +49,9 @@ async def picker() -> AsyncIterator[Picker]:
     async with (
         running_engine("--kv-transfer-config", PUSH[0]) as prefill,
         running_engine("--kv-transfer-config", PUSH[1]) as decode,
-        running_epp(epp_config([address(prefill)], [address(decode)],
-                               timeouts={"drain_s": 5})) as picker,  # fmt: skip
+        running_epp(
+            epp_config([address(prefill)], [address(decode)], timeouts={"drain_s": 5})
+        ) as picker,
     ):
         yield picker
 
@@ -79,10 +80,12 @@ async def test_draining_turns_readiness_off_while_a_request_is_open(picker: Pick
         aio.insecure_channel(f"127.0.0.1:{picker.health_port}") as health,
     ):
         stream = ep_grpc.ExternalProcessorStub(tls).Process()
-        headers = core.HeaderMap(headers=[
-            core.HeaderValue(key=":method", value="POST"),
-            core.HeaderValue(key=":path", value="/v1/completions"),
-        ])  # fmt: skip
+        headers = core.HeaderMap(
+            headers=[
+                core.HeaderValue(key=":method", value="POST"),
+                core.HeaderValue(key=":path", value="/v1/completions"),
+            ]
+        )
         await stream.write(ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=headers)))
         await until(lambda: open_streams(picker, 1), "the picker holding the request open")
         os.kill(picker.pid, signal.SIGTERM)
@@ -127,8 +130,11 @@ async def test_readiness_waits_for_ready_and_only_the_picker_gates_the_extproc_s
 async def test_the_configured_certificate_is_served_when_given(tmp_path: Path) -> None:
     ca = trustme.CA()
     server = ca.issue_cert("epp.example")
-    files = {"ca_file": tmp_path / "ca.pem", "cert_file": tmp_path / "server.pem",
-             "key_file": tmp_path / "server.key"}  # fmt: skip
+    files = {
+        "ca_file": tmp_path / "ca.pem",
+        "cert_file": tmp_path / "server.pem",
+        "key_file": tmp_path / "server.key",
+    }
     ca.cert_pem.write_to_path(files["ca_file"])
     server.cert_chain_pems[0].write_to_path(files["cert_file"])
     server.private_key_pem.write_to_path(files["key_file"])
@@ -136,8 +142,9 @@ async def test_the_configured_certificate_is_served_when_given(tmp_path: Path) -
     async with (
         running_engine("--kv-transfer-config", PUSH[0]) as prefill,
         running_engine("--kv-transfer-config", PUSH[1]) as decode,
-        running_epp(epp_config([address(prefill)], [address(decode)],
-                               extproc={"tls": tls})) as picker,  # fmt: skip
+        running_epp(
+            epp_config([address(prefill)], [address(decode)], extproc={"tls": tls})
+        ) as picker,
     ):
         credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
         options = (("grpc.ssl_target_name_override", "epp.example"),)

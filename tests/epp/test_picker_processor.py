@@ -38,8 +38,12 @@ DESTINATION = "x-gateway-destination-endpoint"
 
 class PickerRequest:
     def __init__(self, **config: Any) -> None:
-        config = {"prefill": {"endpoints": [P1, P2]}, "decode": {"endpoints": [D1, D2, D3]},
-                  "dispatch": {"probe": False}, **config}  # fmt: skip
+        config = {
+            "prefill": {"endpoints": [P1, P2]},
+            "decode": {"endpoints": [D1, D2, D3]},
+            "dispatch": {"probe": False},
+            **config,
+        }
         self.rt = Runtime(parse_config(config), "", endpoint_picker=True)
         self.prefill = Prefill()
         deps = self.rt.request_deps
@@ -84,8 +88,9 @@ def strings(*values: str) -> struct_pb2.Value:
 def destination(answer: ep.ProcessingResponse) -> tuple[str, str]:
     """(the header, the envoy.lb metadata) of the headers' answer."""
     mutation = answer.request_headers.response.header_mutation
-    header = next(h.header.raw_value.decode() for h in mutation.set_headers
-                  if h.header.key == DESTINATION)  # fmt: skip
+    header = next(
+        h.header.raw_value.decode() for h in mutation.set_headers if h.header.key == DESTINATION
+    )
     lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value.fields
     return header, lb[DESTINATION].string_value
 
@@ -161,7 +166,8 @@ async def test_an_engine_endpoint_goes_to_a_decode_in_the_subset_as_it_is() -> N
     r = PickerRequest()
     opening = headers(path="/tokenize")
     opening.metadata_context.filter_metadata["envoy.lb.subset_hint"].fields[
-        "x-gateway-destination-endpoint-subset"].string_value = D2  # fmt: skip
+        "x-gateway-destination-endpoint-subset"
+    ].string_value = D2
     await r.send(opening, chunk(b'{"prompt":', False), chunk(b'"hi"}', True))
     sent = await r.envoy.until_sent(3)
     header, metadata = destination(sent[0])

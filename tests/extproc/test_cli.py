@@ -12,10 +12,15 @@ from extproc.cli import main
 
 def write_config(tmp_path: Path, **envoy: object) -> Path:
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump({
-        "prefill": {"endpoints": ["127.0.0.1:8100"]}, "decode": {"endpoints": ["127.0.0.1:8200"]},
-        "envoy": envoy,
-    }))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "prefill": {"endpoints": ["127.0.0.1:8100"]},
+                "decode": {"endpoints": ["127.0.0.1:8200"]},
+                "envoy": envoy,
+            }
+        )
+    )
     return path
 
 
@@ -64,5 +69,7 @@ def test_a_prefill_listener_off_loopback_is_refused_in_one_line(
     argv = ["render-envoy", "--config", str(write_config(tmp_path))]
     assert main([*argv, "--prefill-listener", "10.1.2.3:10001"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "--prefill-listener 10.1.2.3:10001: must be a loopback address or " \
-        "unix:/path (it has no auth)"  # fmt: skip
+    assert (
+        err[-1] == "--prefill-listener 10.1.2.3:10001: must be a loopback address or "
+        "unix:/path (it has no auth)"
+    )

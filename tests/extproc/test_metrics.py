@@ -40,8 +40,9 @@ def test_no_created_series() -> None:
         "m.client_duration_seconds.labels('parallel', 'm', '2xx').observe(1.0)\n"
         "print(m.render().decode())\n"
     )
-    text = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          check=True, timeout=60).stdout  # fmt: skip
+    text = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     assert "pd_extproc_requests_total" in names
     assert [name for name in names if name.endswith("_created")] == []
@@ -50,8 +51,10 @@ def test_no_created_series() -> None:
 def test_build_info_names_the_version_and_python() -> None:
     [(labels, value)] = exposed(Metrics())["pd_extproc_build_info"]
     assert value == 1
-    assert labels == {"version": importlib.metadata.version("pd-extproc"),
-                      "python": platform.python_version()}  # fmt: skip
+    assert labels == {
+        "version": importlib.metadata.version("pd-extproc"),
+        "python": platform.python_version(),
+    }
 
 
 def buckets(metrics: Metrics, name: str) -> list[float]:
@@ -63,11 +66,17 @@ def test_client_durations_reach_long_generations_and_work_keeps_sub_ms_buckets()
     duration = buckets(metrics, "pd_extproc_client_duration_seconds")
     assert max(b for b in duration if b != float("inf")) >= 1800
     # a 25-minute generation lands in a finite bucket, not only in +Inf
-    counts = dict(zip(duration, (v for _, v in
-                                 exposed(metrics)["pd_extproc_client_duration_seconds_bucket"]),
-                      strict=True))  # fmt: skip
+    counts = dict(
+        zip(
+            duration,
+            (v for _, v in exposed(metrics)["pd_extproc_client_duration_seconds_bucket"]),
+            strict=True,
+        )
+    )
     assert counts[1800.0] == 1 and counts[1200.0] == 0
     assert min(buckets(metrics, "pd_extproc_processing_seconds")) <= 0.0001
     assert min(buckets(metrics, "pd_extproc_dispatch_skew_seconds")) <= 0.0001
-    assert max(b for b in buckets(metrics, "pd_extproc_prefill_leg_seconds")
-               if b != float("inf")) >= 300  # fmt: skip
+    assert (
+        max(b for b in buckets(metrics, "pd_extproc_prefill_leg_seconds") if b != float("inf"))
+        >= 300
+    )

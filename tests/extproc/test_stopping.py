@@ -49,8 +49,11 @@ async def test_patience_bounds_the_wait_and_says_which_task(
     await asyncio.wait_for(cancel_and_wait([stubborn, done, None], 0.02, patience_s=0.2), 5)
     assert not stubborn.done()
     assert loop.cancels >= 2  # cancelled again and again until patience ran out
-    assert any("'stubborn' did not end within 0.2 s" in r.getMessage()
-               for r in caplog.records if r.levelno == logging.ERROR)  # fmt: skip
+    assert any(
+        "'stubborn' did not end within 0.2 s" in r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.ERROR
+    )
     loop.lost = 0  # the test's own clean-up: the next cancel ends it
     stubborn.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -66,7 +66,9 @@ def test_a_direct_p_leg_carries_the_engines_key_only_without_the_clients(
 ) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("engine-key\n")
-    settings = {"engines": {"api_key_file": str(key_file)},
-                "dispatch": {"forward_headers": forward}}  # fmt: skip
+    settings = {
+        "engines": {"api_key_file": str(key_file)},
+        "dispatch": {"forward_headers": forward},
+    }
     runtime = Runtime(parse_config(MINIMAL | settings), "unix:/nonexistent")
     assert runtime._direct_leg_key() == sent

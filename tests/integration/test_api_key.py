@@ -44,8 +44,10 @@ async def test_the_clients_key_reaches_both_legs_and_it_is_served_in_parallel(
 ) -> None:
     await keyed.clear()
     before = (await keyed.metrics()).get(requests_total("ok", "cache_hit", "parallel"), 0)
-    headers = AUTHORIZED | {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01",
-                            "x-not-forwarded": "1"}  # fmt: skip
+    headers = AUTHORIZED | {
+        "traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01",
+        "x-not-forwarded": "1",
+    }
     status, body, _ = await keyed.post("/v1/completions", COMPLETION, headers=headers)
     assert status == 200, body
     [(p, d)] = await legs(keyed)

@@ -32,48 +32,105 @@ async def topo() -> AsyncIterator[Topology]:
 
 async def send(topo: Topology, method: str, path: str, data: bytes) -> tuple[int, bytes, str]:
     async with topo.session.request(
-        method, topo.sidecar.url + path, data=data,
-        headers={"content-type": "application/json"}, timeout=aiohttp.ClientTimeout(total=10),
-    ) as response:  # fmt: skip
+        method,
+        topo.sidecar.url + path,
+        data=data,
+        headers={"content-type": "application/json"},
+        timeout=aiohttp.ClientTimeout(total=10),
+    ) as response:
         return response.status, await response.read(), response.headers.get("content-type", "")
 
 
 CASES = [
     ("invalid JSON", "POST", "/v1/completions", b'{"model": "m", "prompt": ', 400, "JSON"),
     ("non-object", "POST", "/v1/completions", b'["a", "b"]', 400, "JSON object"),
-    ("wrong type", "POST", "/v1/completions",
-     b'{"model":"m","prompt":"p","max_tokens":"8"}', 400, "max_tokens"),
+    (
+        "wrong type",
+        "POST",
+        "/v1/completions",
+        b'{"model":"m","prompt":"p","max_tokens":"8"}',
+        400,
+        "max_tokens",
+    ),
     ("missing model", "POST", "/v1/completions", b'{"prompt":"p"}', 400, "model"),
     ("n > 1", "POST", "/v1/completions", b'{"model":"m","prompt":"p","n":3}', 400, "'n'"),
     ("n = 0", "POST", "/v1/completions", b'{"model":"m","prompt":"p","n":0}', 400, "'n' is 0"),
-    ("list of prompts", "POST", "/v1/completions",
-     b'{"model":"m","prompt":["a","b"]}', 400, "list of 2 prompts"),
-    ("empty prompt list", "POST", "/v1/completions",
-     b'{"model":"m","prompt":[]}', 400, "empty list"),
+    (
+        "list of prompts",
+        "POST",
+        "/v1/completions",
+        b'{"model":"m","prompt":["a","b"]}',
+        400,
+        "list of 2 prompts",
+    ),
+    (
+        "empty prompt list",
+        "POST",
+        "/v1/completions",
+        b'{"model":"m","prompt":[]}',
+        400,
+        "empty list",
+    ),
     ("non-UTF-8", "POST", "/v1/completions", b'{"model":"m","prompt":"\xc3\x28"}', 400, "UTF-8"),
-    ("gzip body", "POST", "/v1/completions",
-     gzip.compress(b'{"model":"m","prompt":"p"}'), 400, "gzip-compressed"),
-    ("max_tokens beyond 64 bits", "POST", "/v1/completions",
-     b'{"model":"m","prompt":"p","max_tokens":%d}' % 2**70, 400, "too large"),
-    ("stream_options without stream", "POST", "/v1/chat/completions",
-     b'{"model":"m","messages":[{"role":"user","content":"x"}],'
-     b'"stream_options":{"include_usage":true}}', 400, "stream_options"),
-    ("unsupported path", "POST", "/v1/embeddings",
-     b'{"model":"m","input":"x"}', 404, "not served here"),
+    (
+        "gzip body",
+        "POST",
+        "/v1/completions",
+        gzip.compress(b'{"model":"m","prompt":"p"}'),
+        400,
+        "gzip-compressed",
+    ),
+    (
+        "max_tokens beyond 64 bits",
+        "POST",
+        "/v1/completions",
+        b'{"model":"m","prompt":"p","max_tokens":%d}' % 2**70,
+        400,
+        "too large",
+    ),
+    (
+        "stream_options without stream",
+        "POST",
+        "/v1/chat/completions",
+        b'{"model":"m","messages":[{"role":"user","content":"x"}],'
+        b'"stream_options":{"include_usage":true}}',
+        400,
+        "stream_options",
+    ),
+    (
+        "unsupported path",
+        "POST",
+        "/v1/embeddings",
+        b'{"model":"m","input":"x"}',
+        404,
+        "not served here",
+    ),
     ("unsupported method", "GET", "/v1/completions", b"", 405, "GET"),
     ("empty body", "POST", "/v1/completions", b"", 400, "no body"),
-    ("over the limit", "POST", "/v1/completions",
-     b'{"model":"m","prompt":"' + b"x" * LIMIT + b'"}', 413, f"{LIMIT} bytes"),
-    ("over Envoy's buffer", "POST", "/v1/completions",
-     b'{"model":"m","prompt":"' + b"x" * buffer_bytes(LIMIT) + b'"}', 413,
-     f"{LIMIT} bytes"),
-]  # fmt: skip
+    (
+        "over the limit",
+        "POST",
+        "/v1/completions",
+        b'{"model":"m","prompt":"' + b"x" * LIMIT + b'"}',
+        413,
+        f"{LIMIT} bytes",
+    ),
+    (
+        "over Envoy's buffer",
+        "POST",
+        "/v1/completions",
+        b'{"model":"m","prompt":"' + b"x" * buffer_bytes(LIMIT) + b'"}',
+        413,
+        f"{LIMIT} bytes",
+    ),
+]
 
 
 @pytest.mark.parametrize(
     ("method", "path", "data", "status", "fragment"),
-    [case[1:] for case in CASES], ids=[case[0] for case in CASES],
-)  # fmt: skip
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
 async def test_bad_input_gets_a_clear_error_and_reaches_no_engine(
     topo: Topology, method: str, path: str, data: bytes, status: int, fragment: str
 ) -> None:
@@ -182,7 +239,7 @@ def random_value(rng: random.Random, depth: int = 0) -> object:
     if kind == "int":
         return rng.choice([-1, 0, 1, 2, 7, 2**40])
     if kind == "str":
-        return "".join(rng.choice("ab \"\\{}[],:é\u2028\x00") for _ in range(rng.randint(0, 12)))
+        return "".join(rng.choice('ab "\\{}[],:é\u2028\x00') for _ in range(rng.randint(0, 12)))
     if kind == "bool":
         return rng.random() < 0.5
     if kind == "float":
@@ -194,8 +251,20 @@ def random_value(rng: random.Random, depth: int = 0) -> object:
     return {f"k{i}": random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
 
 
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "min_tokens",
-          "stream", "stream_options", "n", "temperature", "kv_transfer_params", "request_id"]
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "stream",
+    "stream_options",
+    "n",
+    "temperature",
+    "kv_transfer_params",
+    "request_id",
+]
 
 
 def random_body(rng: random.Random) -> bytes:
@@ -203,8 +272,11 @@ def random_body(rng: random.Random) -> bytes:
     roll = rng.random()
     if roll < 0.05:
         return bytes(rng.randrange(256) for _ in range(rng.randint(0, 40)))
-    doc: dict[str, object] = {"model": MODEL, "prompt": "fuzz " * rng.randint(1, 20),
-                              "max_tokens": rng.randint(1, 4)}  # fmt: skip
+    doc: dict[str, object] = {
+        "model": MODEL,
+        "prompt": "fuzz " * rng.randint(1, 20),
+        "max_tokens": rng.randint(1, 4),
+    }
     if rng.random() < 0.3:
         doc = {"model": MODEL, "messages": [{"role": "user", "content": "fuzz"}], "max_tokens": 2}
     for _ in range(rng.randint(0, 3)):

@@ -107,8 +107,15 @@ async def timed_post(
     return response.status, first, last
 
 
-async def observed(urls: list[str], name: str, strategy: str, model: str, code: str,
-                   count: float, session: aiohttp.ClientSession) -> float:  # fmt: skip
+async def observed(
+    urls: list[str],
+    name: str,
+    strategy: str,
+    model: str,
+    code: str,
+    count: float,
+    session: aiohttp.ClientSession,
+) -> float:
     """The histogram's sum over every process once its count reached `count` (polled)."""
     total: dict[str, float] = {}
 
@@ -140,14 +147,18 @@ async def check_latency_matches(topo: Topology, strategy: str, stream: bool) -> 
             status, first, last = await timed_post(session, url, body, {})
             assert status == 200
             ttfb = await observed(urls, TTFB, strategy, MODEL, "2xx", before[0] + 1, session)
-            duration = await observed(urls, DURATION, strategy, MODEL, "2xx", before[1] + 1,
-                                      session)  # fmt: skip
+            duration = await observed(
+                urls, DURATION, strategy, MODEL, "2xx", before[1] + 1, session
+            )
             if attempt:
                 first_diffs.append(ttfb - before[2] - first)
                 last_diffs.append(duration - before[3] - last)
-    print(f"{strategy} stream={stream} metric - client, ms: first byte",
-          [round(d * 1e3, 2) for d in first_diffs], "last byte",
-          [round(d * 1e3, 2) for d in last_diffs])  # fmt: skip
+    print(
+        f"{strategy} stream={stream} metric - client, ms: first byte",
+        [round(d * 1e3, 2) for d in first_diffs],
+        "last byte",
+        [round(d * 1e3, 2) for d in last_diffs],
+    )
     assert abs(statistics.median(first_diffs)) <= TOLERANCE_S, first_diffs
     assert abs(statistics.median(last_diffs)) <= TOLERANCE_S, last_diffs
 
@@ -160,8 +171,12 @@ async def scrape_counts(
     for url in urls:
         for key, value in (await scrape(session, url + "/metrics")).items():
             merged[key] = merged.get(key, 0.0) + value
-    keys = [sample(TTFB, "count", strategy), sample(DURATION, "count", strategy),
-            sample(TTFB, "sum", strategy), sample(DURATION, "sum", strategy)]  # fmt: skip
+    keys = [
+        sample(TTFB, "count", strategy),
+        sample(DURATION, "count", strategy),
+        sample(TTFB, "sum", strategy),
+        sample(DURATION, "sum", strategy),
+    ]
     count_ttfb, count_duration, sum_ttfb, sum_duration = (merged.get(k, 0.0) for k in keys)
     return count_ttfb, count_duration, sum_ttfb, sum_duration
 

@@ -31,8 +31,9 @@ async def was_disaggregated(topo: Topology) -> list[bool]:
 
 
 @contextlib.asynccontextmanager
-async def held_streams(topo: Topology, count: int,
-                       headers: dict[str, str] | None = None) -> AsyncIterator[None]:  # fmt: skip
+async def held_streams(
+    topo: Topology, count: int, headers: dict[str, str] | None = None
+) -> AsyncIterator[None]:
     """`count` streaming requests in flight (their first chunk read) until the block ends."""
     body = {"model": MODEL, "prompt": "Keep going", "max_tokens": 2000, "stream": True}
     async with contextlib.AsyncExitStack() as stack:
@@ -54,8 +55,7 @@ async def test_threshold_sends_short_prompts_alone_and_long_ones_through_p(
     mode: str, connectors: tuple[str, str]
 ) -> None:
     decision = {"mode": "threshold", "max_prompt_tokens": 64}
-    async with topology(connectors=connectors, dispatch={"mode": mode},
-                        decision=decision) as topo:  # fmt: skip
+    async with topology(connectors=connectors, dispatch={"mode": mode}, decision=decision) as topo:
         for body in (SHORT, LONG):
             status, payload, _ = await topo.post("/v1/completions", body)
             assert status == 200, payload
@@ -102,9 +102,11 @@ async def test_deliberate_decode_only_raises_no_recompute_alert() -> None:
 
         local = f'pd_extproc_decode_prompt_tokens{{endpoint="{d}",source="local_compute"}}'
         engine = await scrape(topo.session, topo.decodes[0].url + "/metrics")
-        computed = sum(v for k, v in engine.items()
-                       if k.startswith("vllm:prompt_tokens_by_source_total")
-                       and 'source="local_compute"' in k)  # fmt: skip
+        computed = sum(
+            v
+            for k, v in engine.items()
+            if k.startswith("vllm:prompt_tokens_by_source_total") and 'source="local_compute"' in k
+        )
         assert computed > 0
 
         async def judged() -> bool:  # a window closed after every request was counted
@@ -122,8 +124,7 @@ async def test_deliberate_decode_only_raises_no_recompute_alert() -> None:
 ADMISSION = {"enabled": True, "decode": {"max_in_flight": 4}}
 
 
-async def post_with_priority(topo: Topology, priority: str | None
-                             ) -> tuple[int, bytes, Any]:  # fmt: skip
+async def post_with_priority(topo: Topology, priority: str | None) -> tuple[int, bytes, Any]:
     headers = {} if priority is None else {"x-request-priority": priority}
     return await topo.post("/v1/completions", SHORT, headers=headers)
 
@@ -158,8 +159,12 @@ async def test_lower_priorities_are_shed_first() -> None:
                     if status == 429:
                         shed_at.setdefault(held, set()).add(priority)
             await topo.released()
-        assert shed_at == {1: {"-3"}, 2: {"-3", "-2"}, 3: {"-3", "-2", "-1"},
-                           4: {"-3", "-2", "-1", "0"}}  # fmt: skip
+        assert shed_at == {
+            1: {"-3"},
+            2: {"-3", "-2"},
+            3: {"-3", "-2", "-1"},
+            4: {"-3", "-2", "-1", "0"},
+        }
 
 
 async def test_a_saturated_prefill_pool_sheds_only_requests_that_need_p() -> None:

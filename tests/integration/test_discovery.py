@@ -49,8 +49,11 @@ async def test_kubernetes_pods_join_and_leave(tmp_path: Path) -> None:
         config = ephemeral_config([], [])
         config["prefill"] = {"kubernetes": {"label_selector": "role=prefill", "port": p.port}}
         config["decode"] = {"kubernetes": {"label_selector": "role=decode", "port": d.port}}
-        config["discovery"] = {"kubernetes_api": kube.url,
-                               "token_file": str(token), "ca_file": "/nonexistent"}  # fmt: skip
+        config["discovery"] = {
+            "kubernetes_api": kube.url,
+            "token_file": str(token),
+            "ca_file": "/nonexistent",
+        }
         async with running_sidecar(config) as sidecar, aiohttp.ClientSession() as session:
             topo = Topology([p], [d], sidecar, session)
             status, body, _ = await topo.post("/v1/completions", COMPLETION)

@@ -31,12 +31,6 @@ CHAT = {
 PATH_DIFFERENCE_S = 0.002
 
 
-
-
-
-
-
-
 async def test_probe_makes_the_first_request_parallel() -> None:
     async with topology() as topo:
         status, body, _ = await topo.post("/v1/completions", COMPLETION)

@@ -23,8 +23,11 @@ COMPLETION = {"model": MODEL, "prompt": "a reply from Envoy itself " * 20, "max_
 async def post(url: str, prompt: str = COMPLETION["prompt"]) -> tuple[int, dict]:
     async with (
         aiohttp.ClientSession() as session,
-        session.post(url + "/v1/completions", json={**COMPLETION, "prompt": prompt},
-                     timeout=aiohttp.ClientTimeout(total=20)) as response,  # fmt: skip
+        session.post(
+            url + "/v1/completions",
+            json={**COMPLETION, "prompt": prompt},
+            timeout=aiohttp.ClientTimeout(total=20),
+        ) as response,
     ):
         return response.status, orjson.loads(await response.read())
 
@@ -35,10 +38,13 @@ async def envoy_without_its_extproc(tmp: Path) -> AsyncIterator[str]:
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         extproc = f"127.0.0.1:{closed.getsockname()[1]}"
-        cfg = parse_config({
-            "prefill": {"endpoints": ["127.0.0.1:9"]}, "decode": {"endpoints": ["127.0.0.1:11"]},
-            "envoy": {"listen": {"port": 0}},
-        })  # fmt: skip
+        cfg = parse_config(
+            {
+                "prefill": {"endpoints": ["127.0.0.1:9"]},
+                "decode": {"endpoints": ["127.0.0.1:11"]},
+                "envoy": {"listen": {"port": 0}},
+            }
+        )
         bootstrap = render_bootstrap(cfg, extproc, f"unix:{tmp / 'prefill.sock'}")
         (tmp / "envoy.yaml").write_text(render_yaml(bootstrap))
         envoy = EnvoyProcess(tmp / "envoy.yaml", tmp, "warning", 1)

@@ -53,9 +53,15 @@ async def example_envoy(bootstrap: Path, run_dir: Path) -> AsyncIterator[tuple[s
     admin_path = run_dir / "example-envoy-admin"
     with (run_dir / "example-envoy.log").open("wb") as log:
         process = await asyncio.create_subprocess_exec(
-            envoy_binary(), *command[1:], "--admin-address-path", str(admin_path),
-            "--disable-hot-restart", stdout=log, stderr=log, start_new_session=True,
-        )  # fmt: skip
+            envoy_binary(),
+            *command[1:],
+            "--admin-address-path",
+            str(admin_path),
+            "--disable-hot-restart",
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
     try:
         async with aiohttp.ClientSession() as session:
 
@@ -73,8 +79,9 @@ async def example_envoy(bootstrap: Path, run_dir: Path) -> AsyncIterator[tuple[s
             url = f"http://{admin}/listeners?format=json"
             async with session.get(url, timeout=TIMEOUT) as response:
                 listeners = (await response.json())["listener_statuses"]
-        [ingress] = [x["local_address"]["socket_address"] for x in listeners
-                     if x["name"] == "ingress"]  # fmt: skip
+        [ingress] = [
+            x["local_address"]["socket_address"] for x in listeners if x["name"] == "ingress"
+        ]
         yield admin, f"http://{ingress['address']}:{ingress['port_value']}"
     finally:
         await terminate(process, 10)
@@ -93,10 +100,14 @@ async def test_kubernetes_hooks_finish_the_open_stream_then_stop_envoy_then_the_
         await split.envoy.stop()  # replaced by an Envoy with the example's flags
         async with example_envoy(split.tmp / "envoy.yaml", split.tmp) as (admin, url):
             envoy_port = admin.rpartition(":")[2]
-            envoy_hook = with_port(hook_command("kubernetes", "envoy"),
-                                   "127.0.0.1/9901", f"127.0.0.1/{envoy_port}")  # fmt: skip
-            extproc_hook = with_port(hook_command("kubernetes", "pd-extproc"),
-                                     '"127.0.0.1", 9901', f'"127.0.0.1", {envoy_port}')  # fmt: skip
+            envoy_hook = with_port(
+                hook_command("kubernetes", "envoy"), "127.0.0.1/9901", f"127.0.0.1/{envoy_port}"
+            )
+            extproc_hook = with_port(
+                hook_command("kubernetes", "pd-extproc"),
+                '"127.0.0.1", 9901',
+                f'"127.0.0.1", {envoy_port}',
+            )
             body = {"model": MODEL, "prompt": "finish me", "max_tokens": 200, "stream": True}
             async with (
                 aiohttp.ClientSession() as session,
@@ -122,8 +133,13 @@ async def test_envoy_gateway_prefill_hook_returns_once_the_extproc_port_closes()
     server = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     metrics = config("envoy-gateway").metrics.port
-    hook = await run_hook(with_port(hook_command("envoy-gateway", "prefill-envoy"),
-                                    f"127.0.0.1/{metrics}", f"127.0.0.1/{port}"))  # fmt: skip
+    hook = await run_hook(
+        with_port(
+            hook_command("envoy-gateway", "prefill-envoy"),
+            f"127.0.0.1/{metrics}",
+            f"127.0.0.1/{port}",
+        )
+    )
     try:
         assert await still_running(hook)
         server.close()

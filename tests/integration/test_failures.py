@@ -219,8 +219,9 @@ async def test_envoys_own_503_for_an_unreachable_decode_keeps_the_prefills_ident
     parallel (before, Envoy's own reply dropped P's identity like a failure of D's)."""
     async with topology(health={"interval_s": 30}) as topo:  # the sidecar keeps picking D
         prefill = address(topo.prefills[0])
-        await topo.sim(topo.decodes[0], "POST", "/sim/faults",
-                       {"refuse_connections": True, "refuse_for_s": 30})  # fmt: skip
+        await topo.sim(
+            topo.decodes[0], "POST", "/sim/faults", {"refuse_connections": True, "refuse_for_s": 30}
+        )
         status, body, _ = await topo.post("/v1/completions", COMPLETION)
         assert status == 503, body
         assert await topo.seen(topo.decodes[0]) == []  # Envoy's own reply: D was not reached
@@ -252,8 +253,9 @@ async def test_decode_refusing_connections_is_replaced_by_envoys_retry_on_the_fa
 async def test_a_request_served_by_the_fallback_decode_is_counted_there() -> None:
     async with topology(n_decode=2, health={"interval_s": 30}) as topo:
         down, up = topo.decodes
-        await topo.sim(down, "POST", "/sim/faults",
-                       {"refuse_connections": True, "refuse_for_s": 30})  # fmt: skip
+        await topo.sim(
+            down, "POST", "/sim/faults", {"refuse_connections": True, "refuse_for_s": 30}
+        )
         body = {**COMPLETION, "max_tokens": 2000, "stream": True}
         async with contextlib.AsyncExitStack() as held:
             for _ in range(2):  # round robin: one of them picks the refusing engine first
@@ -353,8 +355,9 @@ async def test_prefill_down_at_start_up_is_used_once_it_comes_up() -> None:
 
 async def take_only_prefill_down(topo: Topology) -> None:
     """P refuses connections until the sidecar's health check has marked it down."""
-    await topo.sim(topo.prefills[0], "POST", "/sim/faults",
-                   {"refuse_connections": True, "refuse_for_s": 30})  # fmt: skip
+    await topo.sim(
+        topo.prefills[0], "POST", "/sim/faults", {"refuse_connections": True, "refuse_for_s": 30}
+    )
     await wait_healthy(topo, "prefill", f"127.0.0.1:{topo.prefills[0].port}", False)
 
 

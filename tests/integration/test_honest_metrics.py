@@ -73,8 +73,9 @@ async def test_a_serial_retry_is_counted_at_the_fallback_while_it_runs_only() ->
     config = {"dispatch": {"probe": False}, "health": {"interval_s": 30}}
     async with topology(n_prefill=2, engine_flags=SLOW, **config) as topo:
         down, up = topo.prefills
-        await topo.sim(down, "POST", "/sim/faults", {"refuse_connections": True,
-                                                      "refuse_for_s": 30})  # fmt: skip
+        await topo.sim(
+            down, "POST", "/sim/faults", {"refuse_connections": True, "refuse_for_s": 30}
+        )
         for _ in range(2):  # round robin: one of them picks the refusing engine first
             await held_stream_releases_the_prefill(topo)
         retries = (await topo.metrics())['pd_extproc_prefill_retries_total{reason="unreachable"}']

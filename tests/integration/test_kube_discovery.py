@@ -62,8 +62,11 @@ async def _seen(session: aiohttp.ClientSession, address: str) -> int:
 
 async def test_inference_pool_pods_join_turn_unready_terminate_and_leave(tmp_path: Path) -> None:
     port = _shared_port()
-    prefill, d1, d2 = Pod("p-0", "127.0.0.2", "prefill"), Pod("d-1", "127.0.0.3", "decode"), \
-        Pod("d-2", "127.0.0.4", "decode")  # fmt: skip
+    prefill, d1, d2 = (
+        Pod("p-0", "127.0.0.2", "prefill"),
+        Pod("d-1", "127.0.0.3", "decode"),
+        Pod("d-2", "127.0.0.4", "decode"),
+    )
     token = tmp_path / "token"
     token.write_text("sa-token")
     async with (
@@ -81,8 +84,11 @@ async def test_inference_pool_pods_join_turn_unready_terminate_and_leave(tmp_pat
         source = {"inference_pool": {"name": "llama"}}
         config = ephemeral_config([], [])
         config["prefill"], config["decode"] = source, {**source, "policy": "round_robin"}
-        config["discovery"] = {"kubernetes_api": kube.url, "token_file": str(token),
-                               "ca_file": "/nonexistent"}  # fmt: skip
+        config["discovery"] = {
+            "kubernetes_api": kube.url,
+            "token_file": str(token),
+            "ca_file": "/nonexistent",
+        }
         async with running_sidecar(config) as sidecar, aiohttp.ClientSession() as session:
 
             async def post() -> int:

@@ -40,16 +40,24 @@ __all__ = ["loopback_events", "model_dir"]  # the fixtures, from tests/support
 
 @pytest.fixture
 async def topo_2p2d(model_dir: Path) -> AsyncIterator[Topology]:
-    async with topology(2, 2, engine_flags=engine_flags(model_dir), endpoint=kv_endpoint,
-                        prefill=kv_pool(), decode=kv_pool(), tokenizer=str(model_dir),
-                        decision={"mode": "load_aware", "pd_overhead_ms": 0}) as topo:
+    async with topology(
+        2,
+        2,
+        engine_flags=engine_flags(model_dir),
+        endpoint=kv_endpoint,
+        prefill=kv_pool(),
+        decode=kv_pool(),
+        tokenizer=str(model_dir),
+        decision={"mode": "load_aware", "pd_overhead_ms": 0},
+    ) as topo:
         yield topo
 
 
 async def direct(topo: Topology, engine: EngineHandle, path: str, body: bytes) -> dict[str, Any]:
     """A request sent to the engine itself (as another router would): it fills its cache."""
-    async with topo.session.post(engine.url + path, data=body,
-                                 headers={"content-type": "application/json"}) as response:
+    async with topo.session.post(
+        engine.url + path, data=body, headers={"content-type": "application/json"}
+    ) as response:
         assert response.status == 200, await response.text()
         answer: dict[str, Any] = await response.json()
         return answer
@@ -61,16 +69,20 @@ async def metric(topo: Topology, name: str) -> float:
 
 async def served(topo: Topology, engines: list[EngineHandle], marker: str) -> list[str]:
     """Addresses of the engines whose request log has a request containing `marker`."""
-    return [address(e) for e in engines
-            if any(marker in json.dumps(r["body"]) for r in await topo.seen(e))]  # fmt: skip
+    return [
+        address(e)
+        for e in engines
+        if any(marker in json.dumps(r["body"]) for r in await topo.seen(e))
+    ]
 
 
 async def held_by_index(topo: Topology, engine: EngineHandle, at_least: int = 1) -> None:
     """Wait until the sidecar has applied `at_least` of the engine's event batches."""
-    name = (f'pd_extproc_kv_event_batches_total{{endpoint="{address(engine)}",'
-            'outcome="applied"}')
+    name = f'pd_extproc_kv_event_batches_total{{endpoint="{address(engine)}",outcome="applied"}}'
+
     async def applied() -> bool:
         return await metric(topo, name) >= at_least
+
     await until(applied, f"KV events of {address(engine)} applied")
 
 
@@ -98,12 +110,16 @@ async def test_the_next_turn_goes_decode_only_to_the_decode_that_holds_it(
     system = {"role": "system", "content": words(50, 200)}
     turn1 = [system, {"role": "user", "content": "w1 w2 w3"}]
     first = orjson.dumps({"model": MODEL, "messages": turn1, "max_tokens": 8, "temperature": 0})
-    turn2 = [*turn1, {"role": "assistant", "content": "w8 w9"},
-             {"role": "user", "content": "marker-b w4"}]  # fmt: skip
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": "w8 w9"},
+        {"role": "user", "content": "marker-b w4"},
+    ]
     second = orjson.dumps({"model": MODEL, "messages": turn2, "max_tokens": 4, "temperature": 0})
     # The conversation started on the decode the fallback would not pick for its next turn.
-    holder = next(d for d in topo.decodes
-                  if address(d) != fallback_choice(topo.decodes, Api.CHAT, second))  # fmt: skip
+    holder = next(
+        d for d in topo.decodes if address(d) != fallback_choice(topo.decodes, Api.CHAT, second)
+    )
     await direct(topo, holder, "/v1/chat/completions", first)  # its first turn, served there
     await held_by_index(topo, holder)
 
@@ -111,8 +127,9 @@ async def test_the_next_turn_goes_decode_only_to_the_decode_that_holds_it(
     assert status == 200, text
     assert await served(topo, topo.decodes, "marker-b") == [address(holder)]
     assert await served(topo, topo.prefills, "marker-b") == []  # D prefilled the rest alone
-    decode_only = ('pd_extproc_dispatch_decisions_total{decision="decode_only",'
-                   'reason="faster_alone"}')
+    decode_only = (
+        'pd_extproc_dispatch_decisions_total{decision="decode_only",reason="faster_alone"}'
+    )
     assert await metric(topo, decode_only) == 1
 
 
@@ -128,10 +145,17 @@ async def test_an_engine_restart_drops_its_entries(model_dir: Path) -> None:
     """A decode engine, whose pool reads no load (round_robin) and with the KV check off: only
     the KV events' own scrape sees its new start time, before it publishes anything again
     (nothing is sent after the restart)."""
-    async with topology(1, 1, engine_flags=engine_flags(model_dir), endpoint=kv_endpoint,
-                        prefill=kv_pool(), decode=kv_pool("round_robin"),
-                        tokenizer=str(model_dir), kv_check={"enabled": False},
-                        health={"interval_s": 0.2}) as topo:  # fmt: skip
+    async with topology(
+        1,
+        1,
+        engine_flags=engine_flags(model_dir),
+        endpoint=kv_endpoint,
+        prefill=kv_pool(),
+        decode=kv_pool("round_robin"),
+        tokenizer=str(model_dir),
+        kv_check={"enabled": False},
+        health={"interval_s": 0.2},
+    ) as topo:
         decode = topo.decodes[0]
         await direct(topo, decode, "/v1/completions", completion_body(words(3, 60)))
         await held_by_index(topo, decode)
@@ -139,11 +163,13 @@ async def test_an_engine_restart_drops_its_entries(model_dir: Path) -> None:
         before = await metric(topo, blocks)
         assert before >= 15  # its 15 full blocks (61 tokens)
         await topo.sim(decode, "POST", "/sim/restart", {})
-        restart = (f'pd_extproc_kv_index_resets_total{{endpoint="{address(decode)}",'
-                   'reason="restart"}')
+        restart = (
+            f'pd_extproc_kv_index_resets_total{{endpoint="{address(decode)}",reason="restart"}}'
+        )
 
         async def dropped() -> bool:
             return await metric(topo, restart) >= 1 and await metric(topo, blocks) == 0
+
         await until(dropped, "the restarted engine's entries to be dropped")
 
 
@@ -153,10 +179,13 @@ async def test_engines_without_events_fall_back_quietly(model_dir: Path) -> None
     quiet_flags = (*FAST, "--tokenizer", str(model_dir), "--block-size", str(BLOCK))
     with socket.socket() as nobody:  # a port that refuses: where no engine publishes
         nobody.bind(("127.0.0.1", 0))
-        silent = {"policy": "kv_cache", "kv_events": {"port": nobody.getsockname()[1],
-                                                      "replay_port": None}}  # fmt: skip
-        async with topology(2, 1, engine_flags=quiet_flags, prefill=silent, decode=silent,
-                            tokenizer=str(model_dir)) as topo:
+        silent = {
+            "policy": "kv_cache",
+            "kv_events": {"port": nobody.getsockname()[1], "replay_port": None},
+        }
+        async with topology(
+            2, 1, engine_flags=quiet_flags, prefill=silent, decode=silent, tokenizer=str(model_dir)
+        ) as topo:
             await fall_back(topo)
 
 
@@ -178,20 +207,35 @@ async def test_an_engine_removed_from_the_pool_leaves_the_index(
     model_dir: Path, tmp_path: Path
 ) -> None:
     """The engine that leaves publishes on ipc:// sockets (an endpoint's own addresses)."""
-    ipc = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                      "endpoint": f"ipc://{tmp_path}/p.pub",
-                      "replay_endpoint": f"ipc://{tmp_path}/p.replay"})  # fmt: skip
+    ipc = json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"ipc://{tmp_path}/p.pub",
+            "replay_endpoint": f"ipc://{tmp_path}/p.replay",
+        }
+    )
     flags = (*engine_flags(model_dir)[:-1], ipc)
-    async with running_engine("--kv-transfer-config", PUSH[0], *flags) as gone, topology(
-        1, 1, engine_flags=engine_flags(model_dir), endpoint=kv_endpoint, extra_prefills=[gone],
-        prefill=kv_pool(), decode=kv_pool(), tokenizer=str(model_dir),
-    ) as topo:  # fmt: skip
+    async with (
+        running_engine("--kv-transfer-config", PUSH[0], *flags) as gone,
+        topology(
+            1,
+            1,
+            engine_flags=engine_flags(model_dir),
+            endpoint=kv_endpoint,
+            extra_prefills=[gone],
+            prefill=kv_pool(),
+            decode=kv_pool(),
+            tokenizer=str(model_dir),
+        ) as topo,
+    ):
         assert (gone.kv_events_endpoint or "").startswith("ipc://")
         await direct(topo, gone, "/v1/completions", completion_body(words(0, 40)))
         await held_by_index(topo, gone)
         assert await metric(topo, "pd_extproc_kv_index_blocks") == 10  # 41 tokens
-        series = (f'pd_extproc_kv_event_batches_total{{endpoint="{address(gone)}",'
-                  'outcome="applied"}')
+        series = (
+            f'pd_extproc_kv_event_batches_total{{endpoint="{address(gone)}",outcome="applied"}}'
+        )
         config = yaml.safe_load(topo.sidecar.config_path.read_text())
         config["prefill"]["endpoints"] = config["prefill"]["endpoints"][:1]
         topo.sidecar.config_path.write_text(yaml.safe_dump(config))
@@ -200,4 +244,5 @@ async def test_an_engine_removed_from_the_pool_leaves_the_index(
         async def left() -> bool:
             samples = await topo.metrics()
             return series not in samples and samples.get("pd_extproc_kv_index_blocks", 1) == 0
+
         await until(left, "the removed engine's entries and series to go")

@@ -17,12 +17,18 @@ async def test_each_model_uses_its_own_pools() -> None:
         return running_engine("--kv-transfer-config", connector, "--served-model-name", model)
 
     async with (
-        engine(PUSH_P, "model-a") as pa, engine(PUSH_D, "model-a") as da,
-        engine(PUSH_P, "model-b") as pb, engine(PUSH_D, "model-b") as db,
-    ):  # fmt: skip
+        engine(PUSH_P, "model-a") as pa,
+        engine(PUSH_D, "model-a") as da,
+        engine(PUSH_P, "model-b") as pb,
+        engine(PUSH_D, "model-b") as db,
+    ):
         config = ephemeral_config([address(pa)], [address(da)])  # the default group: model-a
-        config["models"] = {"model-b": {"prefill": {"endpoints": [address(pb)]},
-                                        "decode": {"endpoints": [address(db)]}}}  # fmt: skip
+        config["models"] = {
+            "model-b": {
+                "prefill": {"endpoints": [address(pb)]},
+                "decode": {"endpoints": [address(db)]},
+            }
+        }
         async with running_sidecar(config) as sidecar, aiohttp.ClientSession() as session:
             topo = Topology([pa, pb], [da, db], sidecar, session)
             for model in ["model-a", "model-b"] * 3:
@@ -30,8 +36,12 @@ async def test_each_model_uses_its_own_pools() -> None:
                 status, text, _ = await topo.post("/v1/completions", body)
                 assert status == 200, text
             await asyncio.sleep(0)
-            for engine_handle, model in ((pa, "model-a"), (da, "model-a"),
-                                         (pb, "model-b"), (db, "model-b")):  # fmt: skip
+            for engine_handle, model in (
+                (pa, "model-a"),
+                (da, "model-a"),
+                (pb, "model-b"),
+                (db, "model-b"),
+            ):
                 seen = await topo.seen(engine_handle)
                 assert len(seen) == 3 and {r["body"]["model"] for r in seen} == {model}
             # the probes learned both prefills and completed their transfers on the right model

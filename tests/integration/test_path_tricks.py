@@ -27,15 +27,24 @@ from vllmsim.launcher import FAST
 # kind → request targets. Each one aims, one way or another, at a completion path through a
 # route that has no ext_proc (the pass-through routes /health, /v1/models, ...).
 TRICKS: dict[str, list[str]] = {
-    "dot segments": ["/health/../v1/completions", "/v1/models/../completions",
-                     "/tokenize/../v1/chat/completions"],
+    "dot segments": [
+        "/health/../v1/completions",
+        "/v1/models/../completions",
+        "/tokenize/../v1/chat/completions",
+    ],
     "encoded dots": ["/v1/models/%2e%2e/completions", "/health/%2E%2E/v1/completions"],
-    "encoded slash": ["/v1/models%2F..%2Fcompletions", "/v1/models%2f..%2fcompletions",
-                      "/health/..%2Fv1/completions"],
+    "encoded slash": [
+        "/v1/models%2F..%2Fcompletions",
+        "/v1/models%2f..%2fcompletions",
+        "/health/..%2Fv1/completions",
+    ],
     "backslash": ["/v1/models\\..\\completions", "/health\\..\\v1\\completions"],
     "encoded backslash": ["/v1/models%5C..%5Ccompletions", "/health%5c..%5cv1/completions"],
-    "double slashes": ["//health/..//v1/completions", "/v1/models//..//completions",
-                       "//v1//models"],
+    "double slashes": [
+        "//health/..//v1/completions",
+        "/v1/models//..//completions",
+        "//v1//models",
+    ],
     "trailing dots": ["/v1/models/.", "/health/.", "/metrics/./"],
     "mixed case": ["/V1/Models/../completions", "/HEALTH/../v1/completions", "/V1/MODELS"],
     "query string": ["/v1/models?/../completions", "/health?x=/../v1/completions"],
@@ -44,8 +53,10 @@ TRICKS: dict[str, list[str]] = {
     "prefix extension": ["/healthz", "/v1/modelsX/../completions", "/metrics-extra"],
     "encoded letters": ["/v1/%6dodels/../completions", "/%68ealth/../v1/completions"],
     "nul byte": ["/health%00/../v1/completions"],
-    "absolute form": ["http://pd.test/health/../v1/completions",
-                      "http://pd.test/v1/models%2F..%2Fcompletions"],
+    "absolute form": [
+        "http://pd.test/health/../v1/completions",
+        "http://pd.test/v1/models%2F..%2Fcompletions",
+    ],
     "exact pass-through path": ["/v1/models", "/health", "/version"],
 }
 
@@ -61,9 +72,11 @@ async def raw_request(url: str, target: str, body: bytes, request_id: str) -> tu
     address = urlsplit(url)
     reader, writer = await asyncio.open_connection(address.hostname, address.port)
     try:
-        head = (f"POST {target} HTTP/1.1\r\nhost: pd.test\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\nx-request-id: {request_id}\r\n"
-                "connection: close\r\n\r\n")  # fmt: skip
+        head = (
+            f"POST {target} HTTP/1.1\r\nhost: pd.test\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nx-request-id: {request_id}\r\n"
+            "connection: close\r\n\r\n"
+        )
         writer.write(head.encode() + body)
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(), 20)  # until Envoy closes
@@ -103,12 +116,21 @@ def answer_problem(status: int, payload: bytes) -> str | None:
 
 def client_body(marker: str, index: int) -> bytes:
     """A body for either API, with kv_transfer_params only this client could have written."""
-    params = {"do_remote_prefill": True, "remote_engine_id": f"{marker}-{index}",
-              "remote_host": "10.9.9.9", "remote_port": 5600}  # fmt: skip
-    return orjson.dumps({
-        "model": MODEL, "prompt": f"{marker} says hello", "max_tokens": 2,
-        "messages": [{"role": "user", "content": marker}], "kv_transfer_params": params,
-    })  # fmt: skip
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": f"{marker}-{index}",
+        "remote_host": "10.9.9.9",
+        "remote_port": 5600,
+    }
+    return orjson.dumps(
+        {
+            "model": MODEL,
+            "prompt": f"{marker} says hello",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": marker}],
+            "kv_transfer_params": params,
+        }
+    )
 
 
 async def test_no_path_trick_carries_the_clients_body_to_an_engine(topo: Topology) -> None:

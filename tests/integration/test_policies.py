@@ -79,9 +79,13 @@ def first_spread(count: int, places: dict[int, tuple[str, ...]]) -> range:
 async def test_session_sticks_to_one_prefill_and_one_decode() -> None:
     policy = {"policy": "session"}
     async with topology(2, 2, engine_flags=FAST, prefill=policy, decode=policy) as topo:
-        places = {k: tuple(choice(SessionPicker(), engines, PickRequest(session=f"c-{k}"))
-                           for engines in (topo.prefills, topo.decodes))
-                  for k in range(100)}  # fmt: skip
+        places = {
+            k: tuple(
+                choice(SessionPicker(), engines, PickRequest(session=f"c-{k}"))
+                for engines in (topo.prefills, topo.decodes)
+            )
+            for k in range(100)
+        }
         sessions = first_spread(12, places)
         for turn in range(3):  # interleaved turns, as concurrent conversations arrive
             for k in sessions:

@@ -59,8 +59,9 @@ async def test_an_unreachable_prefill_is_a_503_with_retry_after_and_marked_down(
         assert status == 503, body
         assert headers["retry-after"] == "1"
         error = orjson.loads(body)["error"]
-        assert error["code"] == 503 and f"127.0.0.1:{prefill.port} is unreachable" in error[
-            "message"], error  # fmt: skip
+        assert (
+            error["code"] == 503 and f"127.0.0.1:{prefill.port} is unreachable" in error["message"]
+        ), error
         assert (await topo.ready())["prefill"][f"127.0.0.1:{prefill.port}"]["healthy"] is False
 
 

@@ -20,8 +20,11 @@ COMPLETION = {"model": MODEL, "prompt": "secure " * 10, "max_tokens": 2}
 def tls_files(tmp_path: Path, mutual: bool) -> dict[str, str]:
     ca = trustme.CA()
     server = ca.issue_cert("localhost")
-    files = {"ca_file": tmp_path / "ca.pem", "cert_file": tmp_path / "server.pem",
-             "key_file": tmp_path / "server.key"}  # fmt: skip
+    files = {
+        "ca_file": tmp_path / "ca.pem",
+        "cert_file": tmp_path / "server.pem",
+        "key_file": tmp_path / "server.key",
+    }
     ca.cert_pem.write_to_path(files["ca_file"])
     server.cert_chain_pems[0].write_to_path(files["cert_file"])
     server.private_key_pem.write_to_path(files["key_file"])
@@ -78,8 +81,11 @@ async def test_json_logs_carry_request_fields() -> None:
         status, _, _ = await topo.post("/v1/completions", COMPLETION)
         assert status == 200
         await topo.metrics()  # waits for the request to be fully counted (and logged)
-        lines = [orjson.loads(line) for line in topo.sidecar.log_text().splitlines()
-                 if line.startswith("{")]  # fmt: skip
+        lines = [
+            orjson.loads(line)
+            for line in topo.sidecar.log_text().splitlines()
+            if line.startswith("{")
+        ]
         done = [line for line in lines if line.get("outcome") == "ok"]
         assert done, lines[-5:]
         assert done[0]["strategy"] == "parallel" and done[0]["reason"] == "cache_hit"

@@ -21,12 +21,6 @@ from vllmsim.launcher import PUSH_D, running_engine
 COMPLETION = {"model": MODEL, "prompt": "split processes " * 10, "max_tokens": 4}
 
 
-
-
-
-
-
-
 async def post(url: str) -> tuple[int, dict]:
     async with (
         aiohttp.ClientSession() as session,

@@ -55,9 +55,12 @@ def port_is_free(port: int) -> bool:
 
 def write_config(tmp_path: Path, **sections: Any) -> Path:
     config: dict[str, Any] = {
-        "prefill": {"endpoints": ["127.0.0.1:9"]}, "decode": {"endpoints": ["127.0.0.1:10"]},
-        "extproc": {"port": 0}, "metrics": {"port": 0}, "envoy": {"listen": {"port": 0}},
-    }  # fmt: skip
+        "prefill": {"endpoints": ["127.0.0.1:9"]},
+        "decode": {"endpoints": ["127.0.0.1:10"]},
+        "extproc": {"port": 0},
+        "metrics": {"port": 0},
+        "envoy": {"listen": {"port": 0}},
+    }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config | sections))
     return path
@@ -66,9 +69,15 @@ def write_config(tmp_path: Path, **sections: Any) -> Path:
 async def run_cli(*argv: str, timeout_s: float = 60) -> tuple[int, str]:
     """`pd-extproc argv...` to its end (killed, and the test failed, if it outlives timeout_s)."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "extproc", *argv, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "extproc",
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         _, stderr = await asyncio.wait_for(process.communicate(), timeout_s)
     except TimeoutError:
@@ -93,8 +102,12 @@ async def test_up_on_a_clients_port_in_use_fails_in_one_line(
 ) -> None:
     extproc, metrics = free_port(), free_port()
     with held_port(reuse_port) as port:
-        config = write_config(tmp_path, extproc={"port": extproc}, metrics={"port": metrics},
-                              envoy={"listen": {"port": port}})  # fmt: skip
+        config = write_config(
+            tmp_path,
+            extproc={"port": extproc},
+            metrics={"port": metrics},
+            envoy={"listen": {"port": port}},
+        )
         code, stderr = await run_cli("up", "--config", str(config))
     assert code == 1
     assert_one_line(stderr, f"127.0.0.1:{port}", "envoy.listen.port")
@@ -127,8 +140,9 @@ def probes_total(endpoint: str, outcome: str) -> str:
     return f'pd_extproc_identity_probes_total{{endpoint="{endpoint}",outcome="{outcome}"}}'
 
 
-async def test_a_pull_prefill_with_push_decodes_is_named_in_the_log_on_ready_and_to_clients(
-) -> None:  # fmt: skip
+async def test_a_pull_prefill_with_push_decodes_is_named_in_the_log_on_ready_and_to_clients() -> (
+    None
+):
     async with topology(connectors=(PULL_P, PUSH_D)) as topo:
         p, d = address(topo.prefills[0]), address(topo.decodes[0])
         status, body, headers = await topo.post(
@@ -205,8 +219,9 @@ async def test_a_second_up_on_the_port_of_a_running_one_fails_and_leaves_it_serv
 ) -> None:
     async with topology() as first:
         port = int(first.sidecar.url.rsplit(":", 1)[1])
-        code, stderr = await run_cli("up", "--config", str(write_config(
-            tmp_path, envoy={"listen": {"port": port}})))  # fmt: skip
+        code, stderr = await run_cli(
+            "up", "--config", str(write_config(tmp_path, envoy={"listen": {"port": port}}))
+        )
         assert code == 1
         assert_one_line(stderr, f"127.0.0.1:{port}", "envoy.listen.port")
         for _ in range(5):  # every request still reaches the first one's engines

@@ -22,8 +22,9 @@ COMPLETION = {"model": MODEL, "prompt": "The quick brown fox " * 20, "max_tokens
 
 @pytest_asyncio.fixture(scope="module")
 async def small_limits() -> AsyncIterator[Topology]:
-    async with topology(limits={"max_body_bytes": LIMIT},
-                        timeouts={"upload_idle_s": IDLE_S}) as topo:  # fmt: skip
+    async with topology(
+        limits={"max_body_bytes": LIMIT}, timeouts={"upload_idle_s": IDLE_S}
+    ) as topo:
         yield topo
 
 
@@ -33,8 +34,10 @@ async def partial_upload(
     """An HTTP/1.1 POST declaring `declared` body bytes of which only `sent` go out."""
     url = urlsplit(topo.sidecar.url)
     reader, writer = await asyncio.open_connection(url.hostname, url.port)
-    head = (f"POST {path} HTTP/1.1\r\nhost: llm\r\ncontent-type: application/json\r\n"
-            f"content-length: {declared}\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: llm\r\ncontent-type: application/json\r\n"
+        f"content-length: {declared}\r\n\r\n"
+    )
     writer.write(head.encode() + sent)
     await writer.drain()
     return reader, writer

@@ -40,9 +40,13 @@ async def check_disaggregated_equals_aggregated(setup: Setup, strategy: str) -> 
     assert moved.get("local_cache_hit", 0.0) == 0, moved
     assert moved.get("external_kv_transfer", 0.0) == prompt_tokens, moved
     sidecar = await scrape(setup.session, setup.sidecar.metrics + "/metrics")
-    used = sum(v for k, v in sidecar.items()
-               if k.startswith("pd_extproc_requests_total{") and f'strategy="{strategy}"' in k
-               and 'outcome="ok"' in k)
+    used = sum(
+        v
+        for k, v in sidecar.items()
+        if k.startswith("pd_extproc_requests_total{")
+        and f'strategy="{strategy}"' in k
+        and 'outcome="ok"' in k
+    )
     assert used == len(KINDS) * len(PROMPTS) * 2, sidecar
 
 

@@ -51,7 +51,7 @@ class Answer:
 
 def sse_events(raw: bytes) -> list[bytes]:
     """The `data:` payloads of an SSE body, in order (including b"[DONE]")."""
-    return [frame[len(b"data: "):] for frame in raw.split(b"\n\n") if frame.startswith(b"data: ")]
+    return [frame[len(b"data: ") :] for frame in raw.split(b"\n\n") if frame.startswith(b"data: ")]
 
 
 def parse(kind: str, status: int, raw: bytes, stream: bool) -> Answer:
@@ -75,10 +75,17 @@ def parse(kind: str, status: int, raw: bytes, stream: bool) -> Answer:
     return Answer(status, text, prompt_tokens, raw)
 
 
-async def ask(session: aiohttp.ClientSession, base_url: str, kind: str, prompt: str,
-              stream: bool, headers: dict[str, str] | None = None) -> Answer:
-    async with session.post(base_url + PATHS[kind], json=body(kind, prompt, stream),
-                            headers=headers) as response:
+async def ask(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    kind: str,
+    prompt: str,
+    stream: bool,
+    headers: dict[str, str] | None = None,
+) -> Answer:
+    async with session.post(
+        base_url + PATHS[kind], json=body(kind, prompt, stream), headers=headers
+    ) as response:
         return parse(kind, response.status, await response.read(), stream)
 
 
@@ -89,5 +96,8 @@ _FAILURE_WORDS = ("KeyError", "Traceback", "ERROR")
 
 def log_problems(log: str) -> list[str]:
     """Lines of an engine log that show a request it failed or rejected."""
-    return [line for line in log.splitlines()
-            if _ERROR_ACCESS.search(line) or any(w in line for w in _FAILURE_WORDS)]
+    return [
+        line
+        for line in log.splitlines()
+        if _ERROR_ACCESS.search(line) or any(w in line for w in _FAILURE_WORDS)
+    ]

@@ -17,8 +17,7 @@ import pytest_asyncio
 
 from tests.support.real_vllm import EnginePool
 
-PAIR_ORDER = ("push", "push_restart", "push_contract", "push_plain_decode", "pull",
-              "pull_contract")
+PAIR_ORDER = ("push", "push_restart", "push_contract", "push_plain_decode", "pull", "pull_contract")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,5 +52,3 @@ async def pool(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Engine
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
         yield client
-
-

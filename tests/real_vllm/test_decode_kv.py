@@ -1,4 +1,4 @@
-""""P/D that isn't P/D" detection on real engines: the sidecar scrapes each decode engine's
+""" "P/D that isn't P/D" detection on real engines: the sidecar scrapes each decode engine's
 prompt-token sources; a correct push pair shows share 1 and no alert, a decode engine started
 without a KV connector shows share 0, an alert and a WARNING log line."""
 
@@ -81,6 +81,9 @@ async def test_decode_without_kv_connector_raises_an_alert(
         assert sample(metrics, "pd_extproc_decode_kv_transfer_share", endpoint) == 0, metrics
         alerts = sample(metrics, "pd_extproc_pd_recompute_alerts_total", endpoint)
         assert alerts is not None and alerts >= 1, metrics
-        warnings = [line for line in setup.sidecar.log_text().splitlines()
-                    if "WARNING" in line and endpoint in line and "kv-transfer-config" in line]
+        warnings = [
+            line
+            for line in setup.sidecar.log_text().splitlines()
+            if "WARNING" in line and endpoint in line and "kv-transfer-config" in line
+        ]
         assert warnings, setup.sidecar.log_text()[-3000:]

@@ -25,14 +25,16 @@ pytestmark = pytest.mark.real_vllm
 
 SIDE = str(Path(__file__).with_name("kv_vllm_side.py"))
 # the low 60 bits of each engine hash (what the index keeps of vLLM's 64)
-H1, H2, H3, H4 = (int.from_bytes(bytes([b]) * 8, "big") & (2**60 - 1)
-                  for b in (0x11, 0x22, 0x33, 0x44))
+H1, H2, H3, H4 = (
+    int.from_bytes(bytes([b]) * 8, "big") & (2**60 - 1) for b in (0x11, 0x22, 0x33, 0x44)
+)
 
 
 def _vllm(*args: str, stdin: str = "") -> str:
     python = str(vllm_venv() / "bin" / "python")
-    done = subprocess.run([python, SIDE, *args], input=stdin, capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = subprocess.run(
+        [python, SIDE, *args], input=stdin, capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 
@@ -53,8 +55,13 @@ def test_batches_encoded_by_vllm_decode_to_the_same_blocks() -> None:
 async def test_vllm_publisher_replays_what_a_late_subscriber_missed() -> None:
     python = str(vllm_venv() / "bin" / "python")
     proc = await asyncio.create_subprocess_exec(
-        python, SIDE, "publish", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL)
+        python,
+        SIDE,
+        "publish",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     assert proc.stdin is not None and proc.stdout is not None
     index, metrics = KvIndex(max_blocks=1000), Metrics()
     try:
@@ -84,8 +91,10 @@ CHAT = [
     {"role": "system", "content": "You answer briefly."},
     {"role": "user", "content": "What is a KV cache?"},
     {"role": "assistant", "content": "Saved attention keys and values."},
-    {"role": "user", "content": [{"type": "text", "text": "And prefix"},
-                                 {"type": "text", "text": "caching?"}]},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "And prefix"}, {"type": "text", "text": "caching?"}],
+    },
 ]
 
 

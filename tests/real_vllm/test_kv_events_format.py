@@ -45,26 +45,34 @@ print(json.dumps({"batches": out, "vllm_hashes": hashes}))
 
 
 def vllm_decode(payloads: list[bytes], prompt: list[int]) -> dict[str, Any]:
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", _DECODE, json.dumps(prompt)],
-                          input="\n".join(p.hex() for p in payloads), capture_output=True,
-                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})  # fmt: skip
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-c", _DECODE, json.dumps(prompt)],
+        input="\n".join(p.hex() for p in payloads),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
 
-@pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                    reason=f"no vLLM venv at {VLLM_PYTHON} (scripts/cached_envs.py vllm)")
+@pytest.mark.skipif(
+    not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON} (scripts/cached_envs.py vllm)"
+)
 async def test_vllm_decodes_the_simulators_events() -> None:
     prompt = [1, *range(2000, 2047)]  # 48 tokens: 3 full blocks
     other = [2, *range(3000, 3063)]
-    async with (running_engine(*FAST, "--num-gpu-blocks", "6", *events_flag(),
-                               env=LOOPBACK_ENV) as eng,
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http):
+    async with (
+        running_engine(*FAST, "--num-gpu-blocks", "6", *events_flag(), env=LOOPBACK_ENV) as eng,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http,
+    ):
         assert eng.kv_events_replay_endpoint is not None
         for p in (prompt, other):  # the second evicts blocks of the first
-            async with http.post(eng.url + "/v1/completions",
-                                 json={"prompt": p, "max_tokens": 8}) as resp:  # fmt: skip
+            async with http.post(
+                eng.url + "/v1/completions", json={"prompt": p, "max_tokens": 8}
+            ) as resp:
                 assert resp.status == 200
         payloads = [p for _, _, p in replay(eng.kv_events_replay_endpoint, 0)]
     decoded = vllm_decode(payloads, prompt)
@@ -77,7 +85,8 @@ async def test_vllm_decodes_the_simulators_events() -> None:
         for (kind, fields), event in zip(batch["events"], ours[1], strict=True):
             assert kind == event["type"]
             assert {k: v for k, v in fields.items() if k in event and k != "type"} == {
-                k: v for k, v in event.items() if k != "type"}
+                k: v for k, v in event.items() if k != "type"
+            }
     first = decoded["batches"][0]["events"][0][1]
     # the chain hashes are vLLM's own for this prompt
     assert first["block_hashes"] == decoded["vllm_hashes"]

@@ -81,8 +81,9 @@ async def request(setup: Setup, prompt: str, stream: bool) -> Outcome:
     started = time.monotonic()
     try:
         async with asyncio.timeout(HANG_LIMIT_S + 30):
-            async with setup.session.post(setup.sidecar.url + PATHS["completions"],
-                                          json=body("completions", prompt, stream)) as response:
+            async with setup.session.post(
+                setup.sidecar.url + PATHS["completions"], json=body("completions", prompt, stream)
+            ) as response:
                 status, retry_after = response.status, response.headers.get("Retry-After")
                 try:
                     raw, cut = await response.read(), ""
@@ -113,10 +114,10 @@ async def client_stream(setup: Setup, stop: asyncio.Event, log: list[Outcome]) -
         await asyncio.sleep(0.2)
 
 
-async def test_prefill_restart_under_load(pool: EnginePool,
-                                          session: aiohttp.ClientSession) -> None:
-    async with sidecar_for(pool, "push_restart", session,
-                           timeouts={"prefill_s": PREFILL_TIMEOUT_S}) as setup:
+async def test_prefill_restart_under_load(pool: EnginePool, session: aiohttp.ClientSession) -> None:
+    async with sidecar_for(
+        pool, "push_restart", session, timeouts={"prefill_s": PREFILL_TIMEOUT_S}
+    ) as setup:
         first = await ask(session, setup.sidecar.url, "completions", PROMPTS[0], stream=False)
         assert first.status == 200, first.raw
         old_id = await identity(setup)
@@ -139,10 +140,16 @@ async def test_prefill_restart_under_load(pool: EnginePool,
         await check_after_restart(setup)
 
 
-async def test_prefill_restart_between_health_checks(pool: EnginePool,
-                                                     session: aiohttp.ClientSession) -> None:
-    async with sidecar_for(pool, "push_restart", session, health=NO_HEALTH_CHECKS,
-                           timeouts={"prefill_s": PREFILL_TIMEOUT_S}) as setup:
+async def test_prefill_restart_between_health_checks(
+    pool: EnginePool, session: aiohttp.ClientSession
+) -> None:
+    async with sidecar_for(
+        pool,
+        "push_restart",
+        session,
+        health=NO_HEALTH_CHECKS,
+        timeouts={"prefill_s": PREFILL_TIMEOUT_S},
+    ) as setup:
         first = await ask(session, setup.sidecar.url, "completions", PROMPTS[0], stream=False)
         assert first.status == 200, first.raw
         old_id = await identity(setup)
@@ -151,8 +158,11 @@ async def test_prefill_restart_between_health_checks(pool: EnginePool,
         await asyncio.to_thread(restart_engine, setup.prefill)
         assert await identity(setup) == old_id  # nothing told the sidecar yet
         # Both leave with the old identity, before P's first answer can reveal the new one.
-        caught = list(await asyncio.gather(request(setup, PROMPTS[1], stream=True),
-                                           request(setup, PROMPTS[2], stream=False)))
+        caught = list(
+            await asyncio.gather(
+                request(setup, PROMPTS[1], stream=True), request(setup, PROMPTS[2], stream=False)
+            )
+        )
         check_outcomes("restart between health checks", caught, stopped_at=0.0)
         assert [o.status for o in caught] == [503, 503], caught
         assert await identity(setup) not in (None, old_id)
@@ -172,8 +182,11 @@ def check_outcomes(name: str, log: list[Outcome], stopped_at: float) -> None:
     slowest = max(o.seconds for o in log)
     print(f"\n{name}: {len(log)} requests, statuses {counts}, slowest {slowest:.2f} s")
     assert slowest < HANG_LIMIT_S, log
-    broken = [(i, o.stream, problem) for i, o in enumerate(log)
-              if (problem := o.broken_promise(stopped_at)) is not None]
+    broken = [
+        (i, o.stream, problem)
+        for i, o in enumerate(log)
+        if (problem := o.broken_promise(stopped_at)) is not None
+    ]
     assert not broken, broken
 
 

@@ -24,14 +24,34 @@ SYSTEM_B = "Translate everything the user says into French, keeping the tone. " 
 
 
 def router_argv(router: Path, model: Path, port: int, engines: list[EngineHandle]) -> list[str]:
-    argv = [str(router), "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--policy", "kv_aware", "--kv-event-model", str(model), "--log-level", "info",
-            "--worker-startup-check-interval", "1", "--worker-urls",
-            *(e.url for e in engines)]  # fmt: skip
+    argv = [
+        str(router),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--policy",
+        "kv_aware",
+        "--kv-event-model",
+        str(model),
+        "--log-level",
+        "info",
+        "--worker-startup-check-interval",
+        "1",
+        "--worker-urls",
+        *(e.url for e in engines),
+    ]
     for e in engines:
-        argv += ["--kv-event-source", f"{e.url}={e.kv_events_endpoint}",
-                 "--kv-event-replay-source", f"{e.url}={e.kv_events_replay_endpoint}"]  # fmt: skip
+        argv += [
+            "--kv-event-source",
+            f"{e.url}={e.kv_events_endpoint}",
+            "--kv-event-replay-source",
+            f"{e.url}={e.kv_events_replay_endpoint}",
+        ]
     return argv
 
 
@@ -39,17 +59,29 @@ async def served(http: aiohttp.ClientSession, eng: EngineHandle, marker: str) ->
     """How many completions this engine served whose prompt ends with `marker`."""
     async with http.get(eng.url + "/sim/requests") as resp:
         records: list[dict[str, Any]] = await resp.json()
-    return sum(1 for r in records if r.get("path") == "/v1/completions"
-               and str((r.get("body") or {}).get("prompt", "")).endswith(marker))  # fmt: skip
+    return sum(
+        1
+        for r in records
+        if r.get("path") == "/v1/completions"
+        and str((r.get("body") or {}).get("prompt", "")).endswith(marker)
+    )
 
 
 async def test_kv_aware_routes_to_the_engine_holding_the_prefix() -> None:
     model, router = tiny_model(), vllm_router_venv() / "bin" / "vllm-router"
-    flags = (*FAST, "--tokenizer", str(model), "--served-model-name", "tiny",
-             *events_flag(topic=""))  # fmt: skip
-    async with (running_engine(*flags, env=LOOPBACK_ENV) as e1,
-                running_engine(*flags, env=LOOPBACK_ENV) as e2,
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http):
+    flags = (
+        *FAST,
+        "--tokenizer",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        *events_flag(topic=""),
+    )
+    async with (
+        running_engine(*flags, env=LOOPBACK_ENV) as e1,
+        running_engine(*flags, env=LOOPBACK_ENV) as e2,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
+    ):
         port = free_port()
         with tempfile.TemporaryDirectory(prefix="kv-router-") as tmp:
             log = Path(tmp) / "router.log"
@@ -57,16 +89,21 @@ async def test_kv_aware_routes_to_the_engine_holding_the_prefix() -> None:
                 await wait_http_ok(f"http://127.0.0.1:{port}/health", 60, proc)
                 # each engine computes one system prompt, straight (the router sees the events)
                 for eng, system in ((e2, SYSTEM_A), (e1, SYSTEM_B)):
-                    async with http.post(eng.url + "/v1/completions", json={
-                            "model": "tiny", "prompt": system, "max_tokens": 1}) as resp:
+                    async with http.post(
+                        eng.url + "/v1/completions",
+                        json={"model": "tiny", "prompt": system, "max_tokens": 1},
+                    ) as resp:
                         assert resp.status == 200
                 for turn in range(3):
                     for system, marker in ((SYSTEM_A, f"A{turn}?"), (SYSTEM_B, f"B{turn}?")):
-                        async with http.post(f"http://127.0.0.1:{port}/v1/completions", json={
-                                "model": "tiny", "prompt": system + marker,
-                                "max_tokens": 1}) as resp:  # fmt: skip
+                        async with http.post(
+                            f"http://127.0.0.1:{port}/v1/completions",
+                            json={"model": "tiny", "prompt": system + marker, "max_tokens": 1},
+                        ) as resp:
                             assert resp.status == 200, await resp.text()
                         holder, other = (e2, e1) if system is SYSTEM_A else (e1, e2)
-                        counts = (await served(http, holder, marker),
-                                  await served(http, other, marker))
+                        counts = (
+                            await served(http, holder, marker),
+                            await served(http, other, marker),
+                        )
                         assert counts == (1, 0), log.read_text()[-3000:]

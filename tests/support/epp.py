@@ -80,13 +80,23 @@ async def running_epp(config: dict[str, Any]) -> AsyncIterator[Picker]:
         config_path.write_text(yaml.safe_dump(config))
         with log_path.open("wb") as log:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "extproc", "epp", "--config", str(config_path),
-                "--ready-file", str(ready), stdout=log, stderr=log, start_new_session=True,
-            )  # fmt: skip
+                sys.executable,
+                "-m",
+                "extproc",
+                "epp",
+                "--config",
+                str(config_path),
+                "--ready-file",
+                str(ready),
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         try:
             info = await _ready(ready, process, log_path)
-            yield Picker(info["extproc"], info["metrics"], info["health_port"], log_path,
-                         process.pid)
+            yield Picker(
+                info["extproc"], info["metrics"], info["health_port"], log_path, process.pid
+            )
         finally:
             await terminate(process, 15)
 
@@ -136,12 +146,14 @@ async def epp_topology(
         prefills = await start_engines(stack, n_prefill, connectors[0], engine_flags)
         decodes = await start_engines(stack, n_decode, connectors[1], engine_flags)
         addresses = [address(e) for e in [*prefills, *decodes]]
-        picker = await stack.enter_async_context(running_epp(
-            epp_config([endpoint(e) for e in prefills], [endpoint(e) for e in decodes], **config)
-        ))  # fmt: skip
-        # the InferencePool's members: every pod, prefill and decode alike
-        url = await stack.enter_async_context(
-            running_gateway(variant, picker.extproc, addresses)
+        picker = await stack.enter_async_context(
+            running_epp(
+                epp_config(
+                    [endpoint(e) for e in prefills], [endpoint(e) for e in decodes], **config
+                )
+            )
         )
+        # the InferencePool's members: every pod, prefill and decode alike
+        url = await stack.enter_async_context(running_gateway(variant, picker.extproc, addresses))
         session = await stack.enter_async_context(aiohttp.ClientSession())
         yield GatewayTopology(prefills, decodes, picker, url, session)

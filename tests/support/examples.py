@@ -45,14 +45,23 @@ def kustomized(example: str) -> list[dict[str, Any]]:
         for entry in generator["files"]:
             key, _, source = entry.rpartition("=") if "=" in entry else ("", "", entry)
             data[key or Path(source).name] = (folder / source).read_text()
-        docs.append({"apiVersion": "v1", "kind": "ConfigMap",
-                     "metadata": {"name": generator["name"]}, "data": data})  # fmt: skip
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": generator["name"]},
+                "data": data,
+            }
+        )
     return docs
 
 
 def deployment(example: str, name: str | None = None) -> dict[str, Any]:
-    found = [d for d in by_kind(kustomized(example), "Deployment")
-             if name is None or d["metadata"]["name"] == name]  # fmt: skip
+    found = [
+        d
+        for d in by_kind(kustomized(example), "Deployment")
+        if name is None or d["metadata"]["name"] == name
+    ]
     assert len(found) == 1, (example, name)
     return found[0]
 
@@ -78,7 +87,12 @@ def sidecar_paths(cfg: Config) -> set[str]:
 
 
 def build(kube_bin: Path, folder: str) -> list[dict[str, Any]]:
-    result = subprocess.run([str(kube_bin / "kubectl"), "kustomize", str(EXAMPLES / folder)],
-                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    result = subprocess.run(
+        [str(kube_bin / "kubectl"), "kustomize", str(EXAMPLES / folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, f"kubectl kustomize examples/{folder}:\n{result.stderr}"
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]

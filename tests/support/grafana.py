@@ -182,9 +182,10 @@ async def wait_for_every_panel(
     while True:
         found = await variable_values(prometheus, dashboard, scrape_interval_s)
         missing = [
-            m for selection in selections(found)
+            m
+            for selection in selections(found)
             for m in await queries_without_data(prometheus, dashboard, selection, scrape_interval_s)
-        ]  # fmt: skip
+        ]
         if not missing and all(found[name] for name in with_values):
             return found
         if asyncio.get_running_loop().time() > deadline:

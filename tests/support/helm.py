@@ -21,13 +21,22 @@ NAMESPACE = "llm"
 MODES = ["gateway", "epp"]
 
 
-CORE_KINDS = {"ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
-              "NetworkPolicy", "PodDisruptionBudget"}  # fmt: skip
+CORE_KINDS = {
+    "ConfigMap",
+    "Deployment",
+    "Service",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "NetworkPolicy",
+    "PodDisruptionBudget",
+}
 
 
 def helm(kube_bin: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(kube_bin / "helm"), *args], capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        [str(kube_bin / "helm"), *args], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def render(kube_bin: Path, mode: str, **values: str) -> list[dict[str, Any]]:

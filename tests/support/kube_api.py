@@ -33,16 +33,26 @@ PODS_PATH = "/api/v1/namespaces/{namespace}/pods"
 
 
 def pod(
-    name: str, ip: str, labels: dict[str, str] | None = None, *, namespace: str = "default",
-    ready: bool = True, phase: str = "Running", terminating: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    name: str,
+    ip: str,
+    labels: dict[str, str] | None = None,
+    *,
+    namespace: str = "default",
+    ready: bool = True,
+    phase: str = "Running",
+    terminating: bool = False,
+) -> dict[str, Any]:
     """A pod as the API shows it (only the fields discovery reads)."""
     metadata: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels or {}}
     if terminating:
         metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     condition = {"type": "Ready", "status": "True" if ready else "False"}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata,
-            "status": {"phase": phase, "podIP": ip, "conditions": [condition]}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "status": {"phase": phase, "podIP": ip, "conditions": [condition]},
+    }
 
 
 def inference_pool(
@@ -172,22 +182,34 @@ class FakeKubeApi:
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         query = request.query
         watching = query.get("watch") in ("1", "true", "True")
-        self.requests.append({"kind": kind, "path": request.path,
-                              "auth": request.headers.get("authorization", ""),
-                              **({"watch": "1"} if watching else {}),
-                              **{k: v for k, v in query.items() if k != "watch"}})  # fmt: skip
+        self.requests.append(
+            {
+                "kind": kind,
+                "path": request.path,
+                "auth": request.headers.get("authorization", ""),
+                **({"watch": "1"} if watching else {}),
+                **{k: v for k, v in query.items() if k != "watch"},
+            }
+        )
         if self.failures:
             self.failures -= 1
             return _status(500, "InternalError", "injected failure")
         namespace = request.match_info["namespace"]
         labels, fields = query.get("labelSelector", ""), query.get("fieldSelector", "")
         if not watching:
-            items = [obj for (k, ns, _), obj in sorted(self.objects.items())
-                     if (k, ns) == (kind, namespace) and _matches(obj, labels, fields)]  # fmt: skip
+            items = [
+                obj
+                for (k, ns, _), obj in sorted(self.objects.items())
+                if (k, ns) == (kind, namespace) and _matches(obj, labels, fields)
+            ]
             return web.json_response(
-                {"kind": "List", "metadata": {"resourceVersion": str(self.version)},
-                 "items": items}, dumps=lambda o: orjson.dumps(o).decode(),
-            )  # fmt: skip
+                {
+                    "kind": "List",
+                    "metadata": {"resourceVersion": str(self.version)},
+                    "items": items,
+                },
+                dumps=lambda o: orjson.dumps(o).decode(),
+            )
         return await self._watch(request, kind, namespace, labels, fields)
 
     async def _watch(
@@ -201,8 +223,12 @@ class FakeKubeApi:
         response.enable_chunked_encoding()
         await response.prepare(request)
         if since < self.oldest:
-            gone = {"kind": "Status", "code": 410, "reason": "Expired",
-                    "message": f"too old resource version: {since} ({self.oldest})"}  # fmt: skip
+            gone = {
+                "kind": "Status",
+                "code": 410,
+                "reason": "Expired",
+                "message": f"too old resource version: {since} ({self.oldest})",
+            }
             await response.write(orjson.dumps({"type": "ERROR", "object": gone}) + b"\n")
             return response
         epoch = self._watch_epoch
@@ -234,8 +260,13 @@ async def _event(response: web.StreamResponse, kind: str, obj: dict[str, Any]) -
 
 
 def _status(code: int, reason: str, message: str) -> web.Response:
-    body = {"kind": "Status", "status": "Failure", "code": code, "reason": reason,
-            "message": message}  # fmt: skip
+    body = {
+        "kind": "Status",
+        "status": "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    }
     return web.json_response(body, status=code)
 
 

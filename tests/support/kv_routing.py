@@ -21,10 +21,18 @@ from vllmsim.launcher import FAST, EngineHandle
 
 BLOCK = 4
 WORDS = [f"w{i}" for i in range(400)]
-TEMPLATE = ("{{ bos_token }}{% for m in messages %} <{{ m['role'] }}> {{ m['content'] }}"
-            "{% endfor %}{% if add_generation_prompt %} <assistant>{% endif %}")  # fmt: skip
-EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                     "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"})  # fmt: skip
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %} <{{ m['role'] }}> {{ m['content'] }}"
+    "{% endfor %}{% if add_generation_prompt %} <assistant>{% endif %}"
+)
+EVENTS = json.dumps(
+    {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:0",
+        "replay_endpoint": "tcp://*:0",
+    }
+)
 
 
 @pytest.fixture(autouse=True)
@@ -38,15 +46,19 @@ def loopback_events(monkeypatch: pytest.MonkeyPatch) -> None:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model folder both the engines and the sidecar tokenize with."""
     folder = tmp_path_factory.mktemp("kv-model")
-    vocab = {w: i for i, w in enumerate(["<s>", "</s>", "<unk>", "<system>", "<user>",
-                                         "<assistant>", *WORDS])}  # fmt: skip
+    vocab = {
+        w: i
+        for i, w in enumerate(["<s>", "</s>", "<unk>", "<system>", "<user>", "<assistant>", *WORDS])
+    }
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                             special_tokens=[("<s>", 0)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE}))  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
+    )
     return folder
 
 
@@ -58,21 +70,37 @@ def kv_endpoint(engine: EngineHandle) -> dict[str, Any]:
     """A static endpoint with its own KV event sockets (every engine here shares 127.0.0.1):
     its ports, or its ipc:// addresses."""
     if (engine.kv_events_endpoint or "").startswith("ipc://"):
-        return {"address": address(engine),
-                "kv_events": {"endpoint": engine.kv_events_endpoint,
-                              "replay_endpoint": engine.kv_events_replay_endpoint}}  # fmt: skip
+        return {
+            "address": address(engine),
+            "kv_events": {
+                "endpoint": engine.kv_events_endpoint,
+                "replay_endpoint": engine.kv_events_replay_endpoint,
+            },
+        }
 
     def port(endpoint: str | None) -> int | None:
         return None if endpoint is None else int(endpoint.rsplit(":", 1)[1])
 
-    return {"address": address(engine),
-            "kv_events": {"port": port(engine.kv_events_endpoint),
-                          "replay_port": port(engine.kv_events_replay_endpoint)}}  # fmt: skip
+    return {
+        "address": address(engine),
+        "kv_events": {
+            "port": port(engine.kv_events_endpoint),
+            "replay_port": port(engine.kv_events_replay_endpoint),
+        },
+    }
 
 
 def engine_flags(model_dir: Path) -> tuple[str, ...]:
-    return (*FAST, "--tokenizer", str(model_dir), "--block-size", str(BLOCK),
-            "--enable-prefix-caching", "--kv-events-config", EVENTS)
+    return (
+        *FAST,
+        "--tokenizer",
+        str(model_dir),
+        "--block-size",
+        str(BLOCK),
+        "--enable-prefix-caching",
+        "--kv-events-config",
+        EVENTS,
+    )
 
 
 def kv_pool(policy: str = "kv_cache") -> dict[str, Any]:
@@ -86,5 +114,6 @@ def fallback_choice(engines: list[EngineHandle], api: Api, body: bytes) -> str:
 
 
 def completion_body(prompt: str, max_tokens: int = 2) -> bytes:
-    return orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                         "temperature": 0})  # fmt: skip
+    return orjson.dumps(
+        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    )

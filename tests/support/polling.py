@@ -16,4 +16,3 @@ async def until(
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
-

@@ -33,8 +33,9 @@ EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 def specs_for(kind: str) -> tuple[EngineSpec, EngineSpec]:
     if kind.startswith("pull"):
         return pair_specs("pull", extra_kv_config=KV_EXTRA)
-    return pair_specs("push", decode_connector=kind != "push_plain_decode",
-                      extra_kv_config=KV_EXTRA)
+    return pair_specs(
+        "push", decode_connector=kind != "push_plain_decode", extra_kv_config=KV_EXTRA
+    )
 
 
 class EnginePool:
@@ -92,12 +93,13 @@ class Setup:
             return response.status, await response.read()
 
     def new_log(self, engine: RealEngine) -> str:
-        return engine.log_text()[self.log_offsets.get(str(engine.log_path), 0):]
+        return engine.log_text()[self.log_offsets.get(str(engine.log_path), 0) :]
 
 
 @contextlib.asynccontextmanager
-async def sidecar_for(pool: EnginePool, kind: str, session: aiohttp.ClientSession,
-                      **config: Any) -> AsyncIterator[Setup]:
+async def sidecar_for(
+    pool: EnginePool, kind: str, session: aiohttp.ClientSession, **config: Any
+) -> AsyncIterator[Setup]:
     prefill, decode = await pool.get(kind)
     offsets = {str(e.log_path): len(e.log_text()) for e in (prefill, decode)}
     cfg = ephemeral_config([prefill.address], [decode.address], **config)

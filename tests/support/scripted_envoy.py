@@ -14,10 +14,18 @@ from extproc.request import envoy_msgs
 
 P, P2 = "127.0.0.1:8100", "127.0.0.1:8101"
 D1, D2 = "127.0.0.1:8200", "127.0.0.1:8201"
-IDENTITY = {"remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5600,
-            "tp_size": 1, "transfer_mode": "push"}  # fmt: skip
-P_ANSWER = IDENTITY | {"do_remote_prefill": True, "remote_block_ids": [[1, 2]],
-                       "remote_request_id": "cmpl-x"}  # fmt: skip
+IDENTITY = {
+    "remote_engine_id": "e1",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+    "transfer_mode": "push",
+}
+P_ANSWER = IDENTITY | {
+    "do_remote_prefill": True,
+    "remote_block_ids": [[1, 2]],
+    "remote_request_id": "cmpl-x",
+}
 REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 4}
 STREAMED_REQUEST = REQUEST | {"stream": True}
 WAIT_S = 5  # a bound on every wait for the processor: a hang fails the test, never blocks it
@@ -67,12 +75,20 @@ class ScriptedEnvoy:
 
 def headers(path: str = "/v1/completions", end: bool = False, **extra: str) -> Any:
     """The request headers; `extra` adds headers (`x_request_id="c-1"` is x-request-id)."""
-    pairs = [(":method", "POST"), (":path", path), ("content-type", "application/json"),
-             *((k.replace("_", "-"), v) for k, v in extra.items())]  # fmt: skip
-    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(
-        headers=core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode())
-                                        for k, v in pairs]),
-        end_of_stream=end))  # fmt: skip
+    pairs = [
+        (":method", "POST"),
+        (":path", path),
+        ("content-type", "application/json"),
+        *((k.replace("_", "-"), v) for k, v in extra.items()),
+    ]
+    return ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(
+            headers=core.HeaderMap(
+                headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
+            ),
+            end_of_stream=end,
+        )
+    )
 
 
 def body(doc: dict[str, Any]) -> Any:
@@ -96,8 +112,9 @@ def response_headers(status: int) -> Any:
 def routed(message: ep.ProcessingResponse) -> tuple[dict[str, Any], dict[str, str]]:
     """The body answer's new body and the headers it sets."""
     answer = message.request_body.response
-    set_headers = {h.header.key: h.header.raw_value.decode()
-                   for h in answer.header_mutation.set_headers}  # fmt: skip
+    set_headers = {
+        h.header.key: h.header.raw_value.decode() for h in answer.header_mutation.set_headers
+    }
     return orjson.loads(answer.body_mutation.body), set_headers
 
 

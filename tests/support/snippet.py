@@ -19,8 +19,10 @@ import yaml
 from extproc.cli import main as cli_main
 
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-_HCM = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-        ".HttpConnectionManager")  # fmt: skip
+_HCM = (
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+    ".HttpConnectionManager"
+)
 
 
 @contextlib.asynccontextmanager
@@ -37,10 +39,18 @@ async def serving_process(
     """`pd-extproc serve`; yields its host:port once it printed it, and its pid."""
     with log.open("wb") as log_file:  # the child keeps its own descriptor
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "extproc", "serve", "--config", str(config),
-            "--prefill-listener", prefill_listener,
-            stdout=asyncio.subprocess.PIPE, stderr=log_file, start_new_session=True,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "extproc",
+            "serve",
+            "--config",
+            str(config),
+            "--prefill-listener",
+            prefill_listener,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log_file,
+            start_new_session=True,
+        )
     try:
         assert process.stdout is not None
         line = await asyncio.wait_for(process.stdout.readline(), 30)
@@ -62,32 +72,56 @@ async def serving_process(
 def render(config: Path, extproc: str, prefill_listener: str, *flags: str) -> dict[str, Any]:
     out = io.StringIO()
     with redirect_stdout(out):
-        assert cli_main(["render-envoy", "--config", str(config), *flags,
-                         "--extproc-address", extproc,
-                         "--prefill-listener", prefill_listener]) == 0  # fmt: skip
+        assert (
+            cli_main(
+                [
+                    "render-envoy",
+                    "--config",
+                    str(config),
+                    *flags,
+                    "--extproc-address",
+                    extproc,
+                    "--prefill-listener",
+                    prefill_listener,
+                ]
+            )
+            == 0
+        )
     return yaml.safe_load(out.getvalue())
 
 
 def users_envoy(pieces: dict[str, Any]) -> dict[str, Any]:
     """Somebody's existing Envoy, with the snippet pasted where its header says."""
-    mine = {"match": {"prefix": "/"},
-            "direct_response": {"status": 200, "body": {"inline_string": "my other service"}},
-            **pieces["every_other_route"]}  # fmt: skip
+    mine = {
+        "match": {"prefix": "/"},
+        "direct_response": {"status": 200, "body": {"inline_string": "my other service"}},
+        **pieces["every_other_route"],
+    }
     hcm = {
         "@type": _HCM,
         **pieces["http_connection_manager"],
         "stat_prefix": "my_ingress",
-        "route_config": {"virtual_hosts": [
-            {"name": "all", "domains": ["*"], "routes": [*pieces["routes"], mine]}]},
-        "http_filters": [*pieces["http_filters"],
-                         {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
-    }  # fmt: skip
+        "route_config": {
+            "virtual_hosts": [
+                {"name": "all", "domains": ["*"], "routes": [*pieces["routes"], mine]}
+            ]
+        },
+        "http_filters": [
+            *pieces["http_filters"],
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
+        ],
+    }
     ingress = {
         "name": "ingress",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
-        "filter_chains": [{"filters": [
-            {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
-    }  # fmt: skip
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
     return {
         "node": pieces["node"],
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},

@@ -38,10 +38,20 @@ class Split:
         ready.unlink(missing_ok=True)
         log = (self.tmp / "extproc.log").open("ab")
         self.extproc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "extproc", "serve", "--config", str(self.config_path),
-            "--prefill-listener", f"unix:{self.tmp / 'prefill.sock'}",
-            "--ready-file", str(ready), stdout=log, stderr=log, start_new_session=True,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "extproc",
+            "serve",
+            "--config",
+            str(self.config_path),
+            "--prefill-listener",
+            f"unix:{self.tmp / 'prefill.sock'}",
+            "--ready-file",
+            str(ready),
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
         for _ in range(200):
             if ready.exists():
                 self.metrics = orjson.loads(ready.read_bytes())["metrics"]
@@ -111,14 +121,17 @@ async def split_topology(
         running_engine("--kv-transfer-config", PUSH_D, "--step-base-ms", "20") as d,
     ):
         with tempfile.TemporaryDirectory(prefix="pd-split-") as tmp:
-            split = Split(Path(tmp), {
-                "prefill": {"endpoints": [f"127.0.0.1:{p.port}"]},
-                "decode": {"endpoints": [f"127.0.0.1:{d.port}"], "dns": decode_dns},
-                "extproc": {"host": f"unix:{tmp}/extproc.sock"},
-                "metrics": {"port": 0},
-                "envoy": {"listen": {"port": 0}},
-                **overrides,
-            })  # fmt: skip
+            split = Split(
+                Path(tmp),
+                {
+                    "prefill": {"endpoints": [f"127.0.0.1:{p.port}"]},
+                    "decode": {"endpoints": [f"127.0.0.1:{d.port}"], "dns": decode_dns},
+                    "extproc": {"host": f"unix:{tmp}/extproc.sock"},
+                    "metrics": {"port": 0},
+                    "envoy": {"listen": {"port": 0}},
+                    **overrides,
+                },
+            )
             try:
                 await split.start_extproc()
                 await split.start_envoy(buffered)

@@ -27,8 +27,18 @@ from tests.support.polling import until
 from vllmsim.launcher import EngineHandle
 
 # A topology test's whole vocabulary from one module (the engines' and polling names too)
-__all__ = ["MODEL", "PULL", "PUSH", "Topology", "address", "generated_text", "identity_events",
-           "requests_total", "topology", "until"]  # fmt: skip
+__all__ = [
+    "MODEL",
+    "PULL",
+    "PUSH",
+    "Topology",
+    "address",
+    "generated_text",
+    "identity_events",
+    "requests_total",
+    "topology",
+    "until",
+]
 
 
 @dataclass
@@ -160,8 +170,9 @@ async def topology(
             for role, engines in (("prefill", prefills), ("decode", decodes))
         }
         cfg = (
-            ephemeral_config([address(e) for e in prefills], [address(e) for e in decodes],
-                             **config)
+            ephemeral_config(
+                [address(e) for e in prefills], [address(e) for e in decodes], **config
+            )
             | pools
         )
         sidecar = await stack.enter_async_context(running_sidecar(cfg))

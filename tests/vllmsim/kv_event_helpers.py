@@ -16,8 +16,14 @@ LOOPBACK_ENV = {"VLLM_HOST_IP": "127.0.0.1"}
 
 
 def events_flag(topic: str = "kv", **extra: Any) -> tuple[str, str]:
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
-           "replay_endpoint": "tcp://127.0.0.1:0", "topic": topic, **extra}  # fmt: skip
+    cfg = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:0",
+        "replay_endpoint": "tcp://127.0.0.1:0",
+        "topic": topic,
+        **extra,
+    }
     return "--kv-events-config", json.dumps(cfg)
 
 

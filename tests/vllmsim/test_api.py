@@ -25,15 +25,21 @@ async def _records(http: aiohttp.ClientSession, eng: EngineHandle) -> list[dict]
 
 
 async def test_completion_ids_follow_vllm(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
-    status, body = await post(http, eng, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
-                              rid="req-1")  # fmt: skip
+    status, body = await post(
+        http, eng, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, rid="req-1"
+    )
     assert status == 200 and body["id"] == "cmpl-req-1"
-    status, body = await post(http, eng, "/v1/chat/completions",
-                              {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-                              rid="req-1")  # fmt: skip
+    status, body = await post(
+        http,
+        eng,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        rid="req-1",
+    )
     assert status == 200 and body["id"] == "chatcmpl-req-1"
-    status, body = await post(http, eng, "/v1/completions",
-                              {"prompt": "hi", "max_tokens": 1, "request_id": "from-body"})
+    status, body = await post(
+        http, eng, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "request_id": "from-body"}
+    )
     assert body["id"] == "cmpl-from-body"
     recs = [r for r in await _records(http, eng) if r["x_request_id"] in ("req-1", None)][-3:]
     assert re.fullmatch(r"cmpl-req-1-0-[0-9a-f]{8}", recs[0]["internal_id"])
@@ -44,8 +50,9 @@ async def test_completion_ids_follow_vllm(http: aiohttp.ClientSession, eng: Engi
     assert recs[0]["received_at"] <= recs[0]["first_token_at"]
 
 
-async def test_same_x_request_id_gets_a_fresh_suffix(http: aiohttp.ClientSession,
-                                                     eng: EngineHandle) -> None:  # fmt: skip
+async def test_same_x_request_id_gets_a_fresh_suffix(
+    http: aiohttp.ClientSession, eng: EngineHandle
+) -> None:
     for _ in range(2):
         await post(http, eng, "/v1/completions", {"prompt": "x", "max_tokens": 1}, rid="dup")
     ids = [r["internal_id"] for r in await _records(http, eng) if r["x_request_id"] == "dup"]
@@ -55,24 +62,64 @@ async def test_same_x_request_id_gets_a_fresh_suffix(http: aiohttp.ClientSession
 async def test_non_stream_shapes(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
     _, body = await post(http, eng, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
     # Key order as real vLLM 0.32 (tests/real_vllm/test_contract.py checks the key sets).
-    assert list(body) == ["id", "object", "created", "model", "choices", "service_tier",
-                          "system_fingerprint", "usage", "kv_transfer_params",
-                          "ec_transfer_params", "metrics"]  # fmt: skip
-    assert list(body["choices"][0]) == ["index", "text", "logprobs", "finish_reason",
-                                        "stop_reason", "token_ids", "prompt_logprobs",
-                                        "prompt_token_ids", "routed_experts"]  # fmt: skip
-    assert body["usage"] == {"prompt_tokens": body["usage"]["prompt_tokens"], "total_tokens":
-                             body["usage"]["prompt_tokens"] + 3, "completion_tokens": 3,
-                             "prompt_tokens_details": None,
-                             "completion_tokens_details": None}  # fmt: skip
+    assert list(body) == [
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "service_tier",
+        "system_fingerprint",
+        "usage",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    ]
+    assert list(body["choices"][0]) == [
+        "index",
+        "text",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+        "token_ids",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "routed_experts",
+    ]
+    assert body["usage"] == {
+        "prompt_tokens": body["usage"]["prompt_tokens"],
+        "total_tokens": body["usage"]["prompt_tokens"] + 3,
+        "completion_tokens": 3,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
     assert body["kv_transfer_params"] is None and body["choices"][0]["finish_reason"] == "length"
-    _, chat = await post(http, eng, "/v1/chat/completions",
-                         {"messages": [{"role": "user", "content": "hi"}],
-                          "max_completion_tokens": 2, "model": "alias"})  # fmt: skip
-    assert list(chat) == ["id", "object", "created", "model", "choices", "service_tier",
-                          "system_fingerprint", "usage", "prompt_logprobs", "prompt_token_ids",
-                          "prompt_text", "kv_transfer_params", "ec_transfer_params",
-                          "metrics"]  # fmt: skip
+    _, chat = await post(
+        http,
+        eng,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 2,
+            "model": "alias",
+        },
+    )
+    assert list(chat) == [
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "service_tier",
+        "system_fingerprint",
+        "usage",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "prompt_text",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    ]
     assert chat["object"] == "chat.completion" and chat["model"] == "alias"
     assert "tool_calls" not in chat["choices"][0]["message"]
     assert chat["choices"][0]["message"]["reasoning"] is None
@@ -86,8 +133,9 @@ async def test_output_is_deterministic(http: aiohttp.ClientSession, eng: EngineH
     assert a["choices"][0]["text"] == b["choices"][0]["text"] != c["choices"][0]["text"]
 
 
-async def _sse(http: aiohttp.ClientSession, eng: EngineHandle, path: str,
-               body: dict) -> tuple[str, bytes]:  # fmt: skip
+async def _sse(
+    http: aiohttp.ClientSession, eng: EngineHandle, path: str, body: dict
+) -> tuple[str, bytes]:
     async with http.post(eng.url + path, json=body) as resp:
         assert resp.status == 200
         return resp.headers["Content-Type"], await resp.read()
@@ -99,12 +147,16 @@ def _events(raw: bytes) -> list[bytes]:
     assert parts[-1] == b""
     for part in parts[:-1]:
         assert part.startswith(b"data: ") and b"\n" not in part
-    return [p[len(b"data: "):] for p in parts[:-2]]  # fmt: skip
+    return [p[len(b"data: ") :] for p in parts[:-2]]
 
 
 async def test_completion_stream_bytes(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
-    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     ctype, raw = await _sse(http, eng, "/v1/completions", body)
     assert ctype == "text/event-stream; charset=utf-8"
     events = _events(raw)
@@ -122,8 +174,12 @@ async def test_completion_stream_bytes(http: aiohttp.ClientSession, eng: EngineH
 
 
 async def test_chat_stream_bytes(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     _, raw = await _sse(http, eng, "/v1/chat/completions", body)
     chunks = [json.loads(e) for e in _events(raw)]
     assert raw.startswith(b'data: {"id":"chatcmpl-')
@@ -143,8 +199,12 @@ async def test_chat_stream_bytes(http: aiohttp.ClientSession, eng: EngineHandle)
 @pytest.mark.parametrize(
     ("path", "body", "status", "kind"),
     [
-        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400,
-         "BadRequestError"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 2, "min_tokens": 3},
+            400,
+            "BadRequestError",
+        ),
         ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "NotFoundError"),
         ("/v1/completions", {"max_tokens": 2}, 400, "BadRequestError"),
         ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "BadRequestError"),
@@ -152,19 +212,33 @@ async def test_chat_stream_bytes(http: aiohttp.ClientSession, eng: EngineHandle)
         ("/v1/chat/completions", {"messages": []}, 400, "BadRequestError"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 10**6}, 400, "BadRequestError"),
     ],
-    ids=["min>max", "unknown-model", "no-prompt", "bad-int", "zero-tokens", "no-messages",
-         "too-long"],
-)  # fmt: skip
-async def test_openai_errors(http: aiohttp.ClientSession, eng: EngineHandle, path: str,
-                             body: dict, status: int, kind: str,
-                             request: pytest.FixtureRequest) -> None:  # fmt: skip
+    ids=[
+        "min>max",
+        "unknown-model",
+        "no-prompt",
+        "bad-int",
+        "zero-tokens",
+        "no-messages",
+        "too-long",
+    ],
+)
+async def test_openai_errors(
+    http: aiohttp.ClientSession,
+    eng: EngineHandle,
+    path: str,
+    body: dict,
+    status: int,
+    kind: str,
+    request: pytest.FixtureRequest,
+) -> None:
     got, err = await post(http, eng, path, body)
     assert got == status
     assert list(err) == ["error"] and list(err["error"]) == ["message", "type", "param", "code"]
     assert err["error"]["type"] == kind and err["error"]["code"] == status
     assert err["error"]["message"]
     assert err["error"]["param"] == {"unknown-model": "model", "zero-tokens": "max_tokens"}.get(
-        request.node.callspec.id)
+        request.node.callspec.id
+    )
 
 
 async def test_invalid_json_is_400(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
@@ -172,11 +246,15 @@ async def test_invalid_json_is_400(http: aiohttp.ClientSession, eng: EngineHandl
         assert resp.status == 400
         error = (await resp.json())["error"]
     # as vLLM 0.32 words FastAPI's error: where and why Python's json parser stopped
-    assert error == {"message": "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', "
-                                "'msg': 'JSON decode error', 'input': '<dict of 0 items>', "
-                                "'ctx': {'error': 'Expecting property name enclosed in double "
-                                "quotes'}}",
-                     "type": "Bad Request", "param": "body.1", "code": 400}
+    assert error == {
+        "message": "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', "
+        "'msg': 'JSON decode error', 'input': '<dict of 0 items>', "
+        "'ctx': {'error': 'Expecting property name enclosed in double "
+        "quotes'}}",
+        "type": "Bad Request",
+        "param": "body.1",
+        "code": 400,
+    }
 
 
 async def test_small_endpoints(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
@@ -197,11 +275,16 @@ async def test_small_endpoints(http: aiohttp.ClientSession, eng: EngineHandle) -
 async def test_metrics_names(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
     async with http.get(eng.url + "/metrics") as resp:
         text = await resp.text()
-    for name in ("vllm:num_requests_running{", "vllm:num_requests_waiting{",
-                 "vllm:kv_cache_usage_perc{", "vllm:time_to_first_token_seconds_bucket{",
-                 "vllm:num_requests_kv_fetch_by_stage{", "process_start_time_seconds ",
-                 'vllm:prompt_tokens_by_source_total{engine="0",model_name="sim-model",'
-                 'source="local_cache_hit"}'):  # fmt: skip
+    for name in (
+        "vllm:num_requests_running{",
+        "vllm:num_requests_waiting{",
+        "vllm:kv_cache_usage_perc{",
+        "vllm:time_to_first_token_seconds_bucket{",
+        "vllm:num_requests_kv_fetch_by_stage{",
+        "process_start_time_seconds ",
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="sim-model",'
+        'source="local_cache_hit"}',
+    ):
         assert name in text, name
     before = await metric(http, eng, "vllm:prompt_tokens_by_source_total", source="local_compute")
     await post(http, eng, "/v1/completions", {"prompt": [1] * 40, "max_tokens": 1})
@@ -209,8 +292,9 @@ async def test_metrics_names(http: aiohttp.ClientSession, eng: EngineHandle) -> 
     assert after - before == 40
 
 
-async def test_aggregated_engine_ignores_kv_params(http: aiohttp.ClientSession,
-                                                   eng: EngineHandle) -> None:  # fmt: skip
+async def test_aggregated_engine_ignores_kv_params(
+    http: aiohttp.ClientSession, eng: EngineHandle
+) -> None:
     body = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     status, resp = await post(http, eng, "/v1/completions", body, rid="agg")
     assert status == 200 and resp["kv_transfer_params"] is None

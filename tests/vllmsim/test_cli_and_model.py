@@ -18,13 +18,15 @@ from vllmsim.launcher import running_engine, running_engine_sync, vllmsim_comman
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*vllmsim_command(), *args], capture_output=True, text=True,
-                          timeout=20)  # fmt: skip
+    return subprocess.run([*vllmsim_command(), *args], capture_output=True, text=True, timeout=20)
 
 
 def test_bad_kv_transfer_config_is_one_line() -> None:
-    for bad in ("{not json", '{"kv_connector":"Nope","kv_role":"kv_producer"}',
-                '{"kv_connector":"NixlPushConnector"}'):  # fmt: skip
+    for bad in (
+        "{not json",
+        '{"kv_connector":"Nope","kv_role":"kv_producer"}',
+        '{"kv_connector":"NixlPushConnector"}',
+    ):
         proc = _run("--port", "0", "--kv-transfer-config", bad)
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
@@ -43,24 +45,31 @@ def test_side_channel_port_in_use_names_the_env_var() -> None:
     """A second engine on one host with the default side channel port: one line that says
     which variable to set (it used to print only the bind error of port 5600)."""
     with running_engine_sync() as eng:
-        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(eng.side_channel_port)}  # fmt: skip
-        proc = subprocess.run([*vllmsim_command(), "--port", "0"], capture_output=True,
-                              text=True, timeout=20, env=env)  # fmt: skip
+        env = {
+            **os.environ,
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(eng.side_channel_port),
+        }
+        proc = subprocess.run(
+            [*vllmsim_command(), "--port", "0"], capture_output=True, text=True, timeout=20, env=env
+        )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("vllmsim: error: the NIXL side channel cannot listen on "
-                               f"127.0.0.1:{eng.side_channel_port}"), lines[0]  # fmt: skip
+    assert lines[0].startswith(
+        f"vllmsim: error: the NIXL side channel cannot listen on 127.0.0.1:{eng.side_channel_port}"
+    ), lines[0]
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" in lines[0]
 
 
 def test_startup_time_rss_and_sigterm(tmp_path: Path) -> None:
     port_file = tmp_path / "port.json"
     started = time.monotonic()
-    proc = subprocess.Popen([*vllmsim_command(), "--port", "0", "--port-file", str(port_file)],
-                            env={**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": "0"},
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [*vllmsim_command(), "--port", "0", "--port-file", str(port_file)],
+        env={**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": "0"},
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while not port_file.exists():
             assert time.monotonic() - started < 5 and proc.poll() is None
@@ -86,8 +95,7 @@ _FIRST_TOKENS = itertools.count(100)  # a new first token per prompt: no prefix-
 
 
 async def _ttft(http: aiohttp.ClientSession, url: str, tokens: int) -> tuple[float, list[float]]:
-    body = {"prompt": [next(_FIRST_TOKENS)] + [7] * (tokens - 1), "max_tokens": 12,
-            "stream": True}
+    body = {"prompt": [next(_FIRST_TOKENS)] + [7] * (tokens - 1), "max_tokens": 12, "stream": True}
     started = time.monotonic()
     stamps: list[float] = []
     async with http.post(url + "/v1/completions", json=body) as resp:
@@ -123,8 +131,9 @@ async def test_exact_counts_with_tokenizer(http: aiohttp.ClientSession, tmp_path
         async with http.post(eng.url + "/tokenize", json={"prompt": prompt}) as resp:
             body = await resp.json()
         assert body["tokens"] == tok.encode(prompt).ids and body["count"] == expected
-        async with http.post(eng.url + "/v1/completions",
-                             json={"prompt": prompt, "max_tokens": 1}) as resp:  # fmt: skip
+        async with http.post(
+            eng.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}
+        ) as resp:
             assert (await resp.json())["usage"]["prompt_tokens"] == expected
         async with http.post(eng.url + "/detokenize", json={"tokens": [1, 2]}) as resp:
             assert (await resp.json())["prompt"] == "hello world"

@@ -48,8 +48,9 @@ async def test_hang_until_client_gives_up(http: aiohttp.ClientSession) -> None:
 
 async def test_refuse_connections_for_a_while(http: aiohttp.ClientSession) -> None:
     async with running_engine(*FAST) as eng:
-        async with http.post(eng.url + "/sim/faults",
-                             json={"refuse_connections": True, "refuse_for_s": 1.0}) as resp:
+        async with http.post(
+            eng.url + "/sim/faults", json={"refuse_connections": True, "refuse_for_s": 1.0}
+        ) as resp:
             assert (await resp.json())["refuse_connections"] is True
         async with aiohttp.ClientSession() as fresh:  # a new connection, not a pooled one
             with pytest.raises(aiohttp.ClientConnectorError):
@@ -66,12 +67,19 @@ async def test_refuse_connections_for_a_while(http: aiohttp.ClientSession) -> No
 
 
 async def test_restart_changes_identity_and_drops_work(http: aiohttp.ClientSession) -> None:
-    async with (running_engine(*FAST, "--kv-transfer-config", PUSH_P) as p,
-                running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d):  # fmt: skip
+    async with (
+        running_engine(*FAST, "--kv-transfer-config", PUSH_P) as p,
+        running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d,
+    ):
         before = await get_json(http, p, "/sim/state")
-        params = {"do_remote_prefill": True, "remote_engine_id": p.engine_id,
-                  "remote_host": "127.0.0.1", "remote_port": p.side_channel_port, "tp_size": 1,
-                  "remote_request_id": "r"}  # fmt: skip
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": p.engine_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": p.side_channel_port,
+            "tp_size": 1,
+            "remote_request_id": "r",
+        }
         body = {**BODY, "kv_transfer_params": params}
         waiting = asyncio.create_task(post(http, d, "/v1/completions", body, rid="r"))
 
@@ -96,14 +104,24 @@ async def test_restart_changes_identity_and_drops_work(http: aiohttp.ClientSessi
 
 
 async def test_drop_registrations_leaves_d_waiting(http: aiohttp.ClientSession) -> None:
-    async with (running_engine(*FAST, "--kv-transfer-config", PUSH_P,
-                               "--drop-registrations") as p,
-                running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d):  # fmt: skip
-        _, pr = await post(http, p, "/v1/completions",
-                           {**BODY, "max_tokens": 1,
-                            "kv_transfer_params": {"do_remote_decode": True}}, rid="drop")
+    async with (
+        running_engine(*FAST, "--kv-transfer-config", PUSH_P, "--drop-registrations") as p,
+        running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d,
+    ):
+        _, pr = await post(
+            http,
+            p,
+            "/v1/completions",
+            {**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+            rid="drop",
+        )
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.5):
-                await post(http, d, "/v1/completions",
-                           {**BODY, "kv_transfer_params": pr["kv_transfer_params"]}, rid="drop")
+                await post(
+                    http,
+                    d,
+                    "/v1/completions",
+                    {**BODY, "kv_transfer_params": pr["kv_transfer_params"]},
+                    rid="drop",
+                )
         assert "dropping PUSH_REG" in p.log_text()

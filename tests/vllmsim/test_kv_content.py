@@ -60,7 +60,8 @@ def engines() -> Iterator[Engines]:
         handles = [
             stack.enter_context(
                 running_engine_sync(
-                    *FAST, "--no-enable-prefix-caching",
+                    *FAST,
+                    "--no-enable-prefix-caching",
                     *(("--kv-transfer-config", c) if c else ()),
                 )
             )
@@ -79,17 +80,22 @@ async def eng(engines: Engines, http: aiohttp.ClientSession) -> Engines:
 
 
 def body(path: str, stream: bool, prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
-    text = {"messages": [{"role": "user", "content": prompt}]} if path == CHAT else {
-        "prompt": prompt}  # fmt: skip
-    out: dict[str, Any] = {"model": "sim-model", **text, "max_tokens": 8, "stream": stream,
-                           **extra}  # fmt: skip
+    text = (
+        {"messages": [{"role": "user", "content": prompt}]} if path == CHAT else {"prompt": prompt}
+    )
+    out: dict[str, Any] = {"model": "sim-model", **text, "max_tokens": 8, "stream": stream, **extra}
     if stream:
         out["stream_options"] = {"include_usage": True}
     return out
 
 
-async def answer(http: aiohttp.ClientSession, eng: EngineHandle, path: str,
-                 request: dict[str, Any], rid: str | None = None) -> str:  # fmt: skip
+async def answer(
+    http: aiohttp.ClientSession,
+    eng: EngineHandle,
+    path: str,
+    request: dict[str, Any],
+    rid: str | None = None,
+) -> str:
     """The generated text, streamed or not."""
     headers = {"X-Request-Id": rid} if rid else {}
     async with http.post(eng.url + path, json=request, headers=headers) as resp:
@@ -104,19 +110,25 @@ async def answer(http: aiohttp.ClientSession, eng: EngineHandle, path: str,
     return "".join(key(c) for e in events for c in e["choices"])
 
 
-async def prefill(http: aiohttp.ClientSession, p: EngineHandle, path: str, rid: str,
-                  prompt: str = PROMPT) -> dict[str, Any]:  # fmt: skip
-    request = body(path, False, prompt, max_tokens=1,
-                   kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+async def prefill(
+    http: aiohttp.ClientSession, p: EngineHandle, path: str, rid: str, prompt: str = PROMPT
+) -> dict[str, Any]:
+    request = body(path, False, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     status, resp = await post(http, p, path, request, rid=rid)
     assert status == 200, resp
     params: dict[str, Any] = resp["kv_transfer_params"]
     return params
 
 
-async def disaggregated(http: aiohttp.ClientSession, p: EngineHandle, d: EngineHandle,
-                        path: str, rid: str, stream: bool = False,
-                        tamper: Tamper = lambda params: params) -> str:  # fmt: skip
+async def disaggregated(
+    http: aiohttp.ClientSession,
+    p: EngineHandle,
+    d: EngineHandle,
+    path: str,
+    rid: str,
+    stream: bool = False,
+    tamper: Tamper = lambda params: params,
+) -> str:
     """Serial P/D: P's params, through `tamper`, go to D; D's answer."""
     params = tamper(await prefill(http, p, path, rid))
     return await answer(http, d, path, body(path, stream, kv_transfer_params=params), rid)
@@ -149,8 +161,10 @@ async def test_correct_transfer_equals_aggregated(
     rec = await record(http, d, rid)
     label = "pull" if mode == "pull" else "push-serial"
     assert rec["kv"] == label
-    assert rec["kv_evidence"] == {"blocks": {label: prompt_blocks(rec)},
-                                  "engine_ids": [p.engine_id]}  # fmt: skip
+    assert rec["kv_evidence"] == {
+        "blocks": {label: prompt_blocks(rec)},
+        "engine_ids": [p.engine_id],
+    }
 
 
 async def test_aggregated_evidence_is_local(http: aiohttp.ClientSession, eng: Engines) -> None:
@@ -174,8 +188,9 @@ def cut_short(params: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("tamper", [shifted, reversed_ids], ids=["shifted", "reversed"])
-async def test_pull_from_wrong_block_ids_differs(http: aiohttp.ClientSession, eng: Engines,
-                                                 tamper: Tamper) -> None:  # fmt: skip
+async def test_pull_from_wrong_block_ids_differs(
+    http: aiohttp.ClientSession, eng: Engines, tamper: Tamper
+) -> None:
     expected = await answer(http, eng.plain, COMPLETIONS, body(COMPLETIONS, False))
     rid = f"wrong-ids-{tamper.__name__}"
     got = await disaggregated(http, eng.pull_p, eng.pull_d, COMPLETIONS, rid, tamper=tamper)
@@ -186,8 +201,7 @@ async def test_pull_from_wrong_block_ids_differs(http: aiohttp.ClientSession, en
 
 async def test_pull_of_too_few_blocks_differs(http: aiohttp.ClientSession, eng: Engines) -> None:
     expected = await answer(http, eng.plain, COMPLETIONS, body(COMPLETIONS, False))
-    got = await disaggregated(http, eng.pull_p, eng.pull_d, COMPLETIONS, "short",
-                              tamper=cut_short)  # fmt: skip
+    got = await disaggregated(http, eng.pull_p, eng.pull_d, COMPLETIONS, "short", tamper=cut_short)
     assert got != expected
     rec = await record(http, eng.pull_d, "short")
     assert rec["kv"] == "partial" and rec["kv_evidence"]["blocks"]["pull"] == 2
@@ -195,10 +209,12 @@ async def test_pull_of_too_few_blocks_differs(http: aiohttp.ClientSession, eng: 
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-@pytest.mark.parametrize("fault", [{"kv_block_offset": 1}, {"kv_truncate_blocks": 1}],
-                         ids=["wrong-blocks", "truncated"])  # fmt: skip
-async def test_broken_transfer_differs(http: aiohttp.ClientSession, eng: Engines, mode: str,
-                                       fault: dict[str, int]) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "fault", [{"kv_block_offset": 1}, {"kv_truncate_blocks": 1}], ids=["wrong-blocks", "truncated"]
+)
+async def test_broken_transfer_differs(
+    http: aiohttp.ClientSession, eng: Engines, mode: str, fault: dict[str, int]
+) -> None:
     p, d = eng.pair(mode)
     expected = await answer(http, eng.plain, COMPLETIONS, body(COMPLETIONS, True))
     await set_faults(http, p, **fault)
@@ -210,8 +226,9 @@ async def test_broken_transfer_differs(http: aiohttp.ClientSession, eng: Engines
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-async def test_kv_of_another_request_gives_its_answer(http: aiohttp.ClientSession,
-                                                      eng: Engines, mode: str) -> None:  # fmt: skip
+async def test_kv_of_another_request_gives_its_answer(
+    http: aiohttp.ClientSession, eng: Engines, mode: str
+) -> None:
     """D is handed P's params for another prompt of the same length (a stale or mispaired
     transfer): D answers what that prompt's KV says, not its own prompt."""
     p, d = eng.pair(mode)
@@ -220,19 +237,23 @@ async def test_kv_of_another_request_gives_its_answer(http: aiohttp.ClientSessio
     assert own != other
     rid = f"mixed-{mode}"
     params = await prefill(http, p, COMPLETIONS, rid, prompt=OTHER_PROMPT)
-    got = await answer(http, d, COMPLETIONS, body(COMPLETIONS, False, kv_transfer_params=params),
-                       rid)  # fmt: skip
+    got = await answer(
+        http, d, COMPLETIONS, body(COMPLETIONS, False, kv_transfer_params=params), rid
+    )
     assert got == other
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-async def test_stale_engine_id_fails_or_recomputes(http: aiohttp.ClientSession, eng: Engines,
-                                                   mode: str) -> None:  # fmt: skip
+async def test_stale_engine_id_fails_or_recomputes(
+    http: aiohttp.ClientSession, eng: Engines, mode: str
+) -> None:
     p, d = eng.pair(mode)
     recompute_d = eng.pull_d_recompute if mode == "pull" else eng.push_d_recompute
     expected = await answer(http, eng.plain, COMPLETIONS, body(COMPLETIONS, False))
-    params = {**await prefill(http, p, COMPLETIONS, f"stale-{mode}"),
-              "remote_engine_id": "engine-before-restart"}  # fmt: skip
+    params = {
+        **await prefill(http, p, COMPLETIONS, f"stale-{mode}"),
+        "remote_engine_id": "engine-before-restart",
+    }
     request = body(COMPLETIONS, False, kv_transfer_params=params)
     # kv_load_failure_policy=fail (vLLM's default): the failed recv is a 500.
     status, resp = await post(http, d, COMPLETIONS, request, rid=f"stale-{mode}")
@@ -241,12 +262,15 @@ async def test_stale_engine_id_fails_or_recomputes(http: aiohttp.ClientSession, 
     assert await answer(http, recompute_d, COMPLETIONS, request, f"stale-{mode}") == expected
     rec = await record(http, recompute_d, f"stale-{mode}")
     assert rec["kv"] == "recompute"
-    assert rec["kv_evidence"] == {"blocks": {"local": prompt_blocks(rec)},
-                                  "engine_ids": [recompute_d.engine_id]}  # fmt: skip
+    assert rec["kv_evidence"] == {
+        "blocks": {"local": prompt_blocks(rec)},
+        "engine_ids": [recompute_d.engine_id],
+    }
 
 
-async def test_blocks_are_freed_with_their_content(http: aiohttp.ClientSession,
-                                                   eng: Engines) -> None:  # fmt: skip
+async def test_blocks_are_freed_with_their_content(
+    http: aiohttp.ClientSession, eng: Engines
+) -> None:
     """Once a transfer is done, P's blocks are free and forget what they held: a READ that
     names them again gets zeros, and an answer unlike the aggregated one."""
     expected = await answer(http, eng.plain, COMPLETIONS, body(COMPLETIONS, False))
@@ -256,6 +280,7 @@ async def test_blocks_are_freed_with_their_content(http: aiohttp.ClientSession,
     # A READ of reuse-1's block ids (free now) under reuse-2's live lease: stale ids.
     fresh = await prefill(http, eng.pull_p, COMPLETIONS, "reuse-2", prompt="x")
     stale = {**fresh, "remote_block_ids": params["remote_block_ids"]}
-    got = await answer(http, eng.pull_d, COMPLETIONS,
-                       body(COMPLETIONS, False, kv_transfer_params=stale), "reuse-2")  # fmt: skip
+    got = await answer(
+        http, eng.pull_d, COMPLETIONS, body(COMPLETIONS, False, kv_transfer_params=stale), "reuse-2"
+    )
     assert got != expected

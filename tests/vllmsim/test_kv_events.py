@@ -28,14 +28,16 @@ def tokens(first: int, n: int) -> list[int]:
 
 
 async def complete(http: aiohttp.ClientSession, eng: EngineHandle, prompt: list[int]) -> Any:
-    status, body = await post(http, eng, "/v1/completions",
-                              {"model": "sim-model", "prompt": prompt, "max_tokens": 2})
+    status, body = await post(
+        http, eng, "/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 2}
+    )
     assert status == 200, body
     return body
 
 
-async def first_batch(http: aiohttp.ClientSession, eng: EngineHandle,
-                      sub: Subscriber) -> tuple[int, list[Any]]:  # fmt: skip
+async def first_batch(
+    http: aiohttp.ClientSession, eng: EngineHandle, sub: Subscriber
+) -> tuple[int, list[Any]]:
     """ZMQ drops what a PUB sends before the subscription arrives: send new prompts until one
     batch gets through."""
     for first in range(1, 60):
@@ -71,12 +73,17 @@ async def test_batches_carry_vllm_chain_hashes_in_sequence(http: aiohttp.ClientS
             [stored] = events_of(batch, "BlockStored")
             root = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
             first = full_hash(root, prompt[:16])
-            assert stored == {"type": "BlockStored",
-                              "block_hashes": [vllm_hash(root, prompt[:16]),
-                                               vllm_hash(first, prompt[16:32])],
-                              "parent_block_hash": None, "token_ids": prompt[:32],
-                              "block_size": 16, "lora_id": None, "medium": "GPU",
-                              "lora_name": None, "group_idx": 0}  # fmt: skip
+            assert stored == {
+                "type": "BlockStored",
+                "block_hashes": [vllm_hash(root, prompt[:16]), vllm_hash(first, prompt[16:32])],
+                "parent_block_hash": None,
+                "token_ids": prompt[:32],
+                "block_size": 16,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+                "group_idx": 0,
+            }
             # A prompt sharing the two blocks and adding one: only the new block is stored,
             # chained to the cached one.
             longer = [*prompt[:32], *range(7000, 7017)]
@@ -127,31 +134,39 @@ async def test_restart_starts_the_sequence_again_with_an_empty_cache(
 
 async def test_eviction_is_published_as_block_removed(http: aiohttp.ClientSession) -> None:
     # 8 blocks: A (64 tokens + 16 to generate) takes 5 and leaves 4 cached; B's 5 evict one.
-    async with running_engine(*FAST, "--num-gpu-blocks", "8", *events_flag(),
-                              env=LOOPBACK_ENV) as eng:  # fmt: skip
+    async with running_engine(
+        *FAST, "--num-gpu-blocks", "8", *events_flag(), env=LOOPBACK_ENV
+    ) as eng:
         assert eng.kv_events_replay_endpoint is not None
         a, b = tokens(1, 64), tokens(2, 64)
         for prompt in (a, b):
             await post(http, eng, "/v1/completions", {"prompt": prompt, "max_tokens": 16})
         batches = [msgpack.unpackb(p) for _, _, p in replay(eng.kv_events_replay_endpoint, 0)]
         stored = [e for batch in batches for e in events_of(batch, "BlockStored")]
-        removed = [h for batch in batches for e in events_of(batch, "BlockRemoved")
-                   for h in e["block_hashes"]]  # fmt: skip
+        removed = [
+            h
+            for batch in batches
+            for e in events_of(batch, "BlockRemoved")
+            for h in e["block_hashes"]
+        ]
         a_hashes = stored[0]["block_hashes"]
         assert len(a_hashes) == 4
         assert removed == [a_hashes[3]]  # the tail block of the least recently used prompt
 
 
 def test_bad_kv_events_config_is_one_line() -> None:
-    proc = subprocess.run([*vllmsim_command(), "--kv-events-config", '{"endpoint": 5}'],
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        [*vllmsim_command(), "--kv-events-config", '{"endpoint": 5}'],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "vllmsim: error: --kv-events-config: endpoint must be a string"
 
 
 async def test_block_size_sets_the_blocks_hashed(http: aiohttp.ClientSession) -> None:
-    async with running_engine(*FAST, "--block-size", "32", *events_flag(),
-                              env=LOOPBACK_ENV) as eng:  # fmt: skip
+    async with running_engine(*FAST, "--block-size", "32", *events_flag(), env=LOOPBACK_ENV) as eng:
         assert eng.kv_events_replay_endpoint is not None
         prompt = tokens(9, 70)  # two full 32-token blocks
         await complete(http, eng, prompt)
@@ -159,5 +174,7 @@ async def test_block_size_sets_the_blocks_hashed(http: aiohttp.ClientSession) ->
         [stored] = events_of(msgpack.unpackb(payload), "BlockStored")
         root = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
         assert stored["block_size"] == 32 and stored["token_ids"] == prompt[:64]
-        assert stored["block_hashes"] == [vllm_hash(root, prompt[:32]),
-                                          vllm_hash(full_hash(root, prompt[:32]), prompt[32:64])]
+        assert stored["block_hashes"] == [
+            vllm_hash(root, prompt[:32]),
+            vllm_hash(full_hash(root, prompt[:32]), prompt[32:64]),
+        ]

@@ -14,19 +14,38 @@ from tests.vllmsim.vsim_helpers import get_json, metric, post
 from vllmsim.launcher import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
 
 # Prefill costs 0.5 ms a token here, so a 1024-token prompt takes ~0.5 s to compute.
-SLOW_PREFILL = ("--step-base-ms", "1", "--prefill-per-token-ms", "0.5", "--decode-per-seq-ms",
-                "0", "--api-overhead-ms", "0", "--max-num-batched-tokens", "2048")  # fmt: skip
+SLOW_PREFILL = (
+    "--step-base-ms",
+    "1",
+    "--prefill-per-token-ms",
+    "0.5",
+    "--decode-per-seq-ms",
+    "0",
+    "--api-overhead-ms",
+    "0",
+    "--max-num-batched-tokens",
+    "2048",
+)
 
 
 def tokens(first: int, n: int) -> list[int]:
     return [first, *range(1000, 1000 + n - 1)]
 
 
-async def complete(http: aiohttp.ClientSession, eng: EngineHandle, prompt: list[int],
-                   rid: str | None = None, **extra: Any) -> dict[str, Any]:  # fmt: skip
-    status, body = await post(http, eng, "/v1/completions",
-                              {"model": "sim-model", "prompt": prompt, "max_tokens": 4, **extra},
-                              rid=rid)  # fmt: skip
+async def complete(
+    http: aiohttp.ClientSession,
+    eng: EngineHandle,
+    prompt: list[int],
+    rid: str | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    status, body = await post(
+        http,
+        eng,
+        "/v1/completions",
+        {"model": "sim-model", "prompt": prompt, "max_tokens": 4, **extra},
+        rid=rid,
+    )
     assert status == 200, body
     result: dict[str, Any] = body
     return result
@@ -49,10 +68,15 @@ async def test_cached_tokens_skip_prefill_and_are_counted(http: aiohttp.ClientSe
         queries = await metric(http, eng, "vllm:prefix_cache_queries_total")
         hits = await metric(http, eng, "vllm:prefix_cache_hits_total")
         assert (queries, hits) == (3 * 1024, 2 * 1008)  # the last block is always computed
-        by_source = {s: await metric(http, eng, "vllm:prompt_tokens_by_source_total", source=s)
-                     for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
-        assert by_source == {"local_compute": 1024 + 2 * 16, "local_cache_hit": 2 * 1008,
-                             "external_kv_transfer": 0}  # fmt: skip
+        by_source = {
+            s: await metric(http, eng, "vllm:prompt_tokens_by_source_total", source=s)
+            for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        }
+        assert by_source == {
+            "local_compute": 1024 + 2 * 16,
+            "local_cache_hit": 2 * 1008,
+            "external_kv_transfer": 0,
+        }
         assert await metric(http, eng, "vllm:prompt_tokens_total") == 3 * 1024
         assert await metric(http, eng, "vllm:prompt_tokens_cached_total") == 2 * 1008
 
@@ -60,8 +84,10 @@ async def test_cached_tokens_skip_prefill_and_are_counted(http: aiohttp.ClientSe
 async def test_cached_tokens_in_the_stream_usage_and_only_when_asked(
     http: aiohttp.ClientSession,
 ) -> None:
-    async with (running_engine(*FAST, "--enable-prompt-tokens-details") as details,
-                running_engine(*FAST) as plain):  # fmt: skip
+    async with (
+        running_engine(*FAST, "--enable-prompt-tokens-details") as details,
+        running_engine(*FAST) as plain,
+    ):
         prompt = tokens(3, 100)
         for eng in (details, plain):
             first = await complete(http, eng, prompt)
@@ -69,8 +95,12 @@ async def test_cached_tokens_in_the_stream_usage_and_only_when_asked(
             assert first["usage"]["prompt_tokens_details"] is None  # nothing cached yet
             want = {"cached_tokens": 96} if eng is details else None
             assert second["usage"]["prompt_tokens_details"] == want
-        body = {"prompt": prompt, "max_tokens": 2, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "prompt": prompt,
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with http.post(details.url + "/v1/completions", json=body) as resp:
             raw = await resp.read()
         usage_line = [line for line in raw.split(b"\n\n") if b'"usage"' in line][-1]
@@ -78,8 +108,9 @@ async def test_cached_tokens_in_the_stream_usage_and_only_when_asked(
 
 
 async def test_no_enable_prefix_caching_never_hits(http: aiohttp.ClientSession) -> None:
-    async with running_engine(*FAST, "--no-enable-prefix-caching",
-                              "--enable-prompt-tokens-details") as eng:  # fmt: skip
+    async with running_engine(
+        *FAST, "--no-enable-prefix-caching", "--enable-prompt-tokens-details"
+    ) as eng:
         prompt = tokens(4, 100)
         await complete(http, eng, prompt)
         body = await complete(http, eng, prompt)
@@ -90,8 +121,9 @@ async def test_no_enable_prefix_caching_never_hits(http: aiohttp.ClientSession) 
 
 async def test_least_recently_used_prompt_is_evicted_first(http: aiohttp.ClientSession) -> None:
     # 12 blocks; each prompt (64 tokens + 16 to generate) needs 5, of which 4 stay cached.
-    async with running_engine(*FAST, "--num-gpu-blocks", "12",
-                              "--enable-prompt-tokens-details") as eng:  # fmt: skip
+    async with running_engine(
+        *FAST, "--num-gpu-blocks", "12", "--enable-prompt-tokens-details"
+    ) as eng:
         a, b, c = tokens(1, 64), tokens(2, 64), tokens(3, 64)
         for prompt in (a, b):
             await complete(http, eng, prompt, max_tokens=16)
@@ -104,13 +136,13 @@ async def test_least_recently_used_prompt_is_evicted_first(http: aiohttp.ClientS
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-async def test_d_does_not_transfer_blocks_it_holds(http: aiohttp.ClientSession,
-                                                   mode: str) -> None:  # fmt: skip
+async def test_d_does_not_transfer_blocks_it_holds(http: aiohttp.ClientSession, mode: str) -> None:
     p_cfg, d_cfg = (PULL_P, PULL_D) if mode == "pull" else (PUSH_P, PUSH_D)
-    async with (running_engine(*FAST, "--kv-transfer-config", p_cfg) as p,
-                running_engine(*FAST, "--kv-transfer-config", d_cfg,
-                               "--enable-prompt-tokens-details") as d,
-                running_engine(*FAST) as plain):  # fmt: skip
+    async with (
+        running_engine(*FAST, "--kv-transfer-config", p_cfg) as p,
+        running_engine(*FAST, "--kv-transfer-config", d_cfg, "--enable-prompt-tokens-details") as d,
+        running_engine(*FAST) as plain,
+    ):
         prompt = tokens(5, 200)  # 13 blocks, 12 of them full
         expected = (await complete(http, plain, prompt))["choices"][0]["text"]
         block_bytes = 2 * 1024 * 1024
@@ -118,9 +150,17 @@ async def test_d_does_not_transfer_blocks_it_holds(http: aiohttp.ClientSession,
         for turn, (moved_blocks, cached) in enumerate([(13, 0), (1, 192)]):
             before = await metric(http, p, "vllm:nixl_bytes_transferred_total")
             rid = f"{mode}-{turn}"  # P and D pair a push by request id
-            status, pr = await post(http, p, "/v1/completions", {
-                "prompt": prompt, "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True}}, rid=rid)  # fmt: skip
+            status, pr = await post(
+                http,
+                p,
+                "/v1/completions",
+                {
+                    "prompt": prompt,
+                    "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True},
+                },
+                rid=rid,
+            )
             assert status == 200
             params = pr["kv_transfer_params"]
             body = await complete(http, d, prompt, rid, kv_transfer_params=params)
@@ -129,8 +169,9 @@ async def test_d_does_not_transfer_blocks_it_holds(http: aiohttp.ClientSession,
             assert moved == moved_blocks * block_bytes, turn
             # D's cached tokens, as vLLM counts them: its prefix-cache hit plus the transfer's
             assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 200}
-            local = await metric(http, d, "vllm:prompt_tokens_by_source_total",
-                                 source="local_cache_hit")  # fmt: skip
+            local = await metric(
+                http, d, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
+            )
             assert local == cached, turn
             # vLLM counts every prompt token, and the transferred ones as cached
             assert await metric(http, d, "vllm:prompt_tokens_total") == 200 * (turn + 1)
@@ -140,12 +181,15 @@ async def test_d_does_not_transfer_blocks_it_holds(http: aiohttp.ClientSession,
 async def test_the_next_turn_finds_the_blocks_the_answer_filled(
     http: aiohttp.ClientSession,
 ) -> None:
-    async with (running_engine(*FAST, "--enable-prompt-tokens-details") as eng,
-                running_engine(*FAST, "--no-enable-prefix-caching") as fresh):  # fmt: skip
+    async with (
+        running_engine(*FAST, "--enable-prompt-tokens-details") as eng,
+        running_engine(*FAST, "--no-enable-prefix-caching") as fresh,
+    ):
         first = tokens(7, 40)
         answer = (await complete(http, eng, first, max_tokens=40))["choices"][0]["text"]
-        async with http.post(eng.url + "/tokenize",
-                             json={"prompt": answer, "add_special_tokens": False}) as resp:
+        async with http.post(
+            eng.url + "/tokenize", json={"prompt": answer, "add_special_tokens": False}
+        ) as resp:
             answer_ids = (await resp.json())["tokens"]
         assert len(answer_ids) >= 40
         # 40 prompt tokens + the 39 generated ones whose KV was computed: 4 full blocks

@@ -37,8 +37,9 @@ def at(t: Timeline, event: str) -> float:
     return t[event][1]
 
 
-async def serial_exchange(http: aiohttp.ClientSession, p: EngineHandle, d: EngineHandle,
-                          rid: str) -> None:  # fmt: skip
+async def serial_exchange(
+    http: aiohttp.ClientSession, p: EngineHandle, d: EngineHandle, rid: str
+) -> None:
     status, pr = await post(http, p, "/v1/completions", p_body(), rid=rid)
     assert status == 200
     status, _ = await post(http, d, "/v1/completions", d_body(pr["kv_transfer_params"]), rid=rid)
@@ -65,8 +66,10 @@ async def _records(http: aiohttp.ClientSession, eng: EngineHandle) -> list[dict[
 async def test_serial_push_waits_for_d_allocation_and_p_next_step(
     http: aiohttp.ClientSession,
 ) -> None:
-    async with (running_engine(*FAST, "--kv-transfer-config", PUSH_P) as p,
-                running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d):  # fmt: skip
+    async with (
+        running_engine(*FAST, "--kv-transfer-config", PUSH_P) as p,
+        running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d,
+    ):
         await serial_exchange(http, p, d, "warm-up")  # the once-per-pair handshakes
         await serial_exchange(http, p, d, "serial")
         pt, dt = await p_timeline(http, p, "serial"), await timeline(http, d, "serial")
@@ -88,12 +91,15 @@ async def test_parallel_push_writes_one_p_step_after_the_finish(
     http: aiohttp.ClientSession,
 ) -> None:
     slow_prefill = (*FAST, "--prefill-per-token-ms", "2")  # prefill steps of ~100 ms
-    async with (running_engine(*slow_prefill, "--kv-transfer-config", PUSH_P) as p,
-                running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d):  # fmt: skip
+    async with (
+        running_engine(*slow_prefill, "--kv-transfer-config", PUSH_P) as p,
+        running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d,
+    ):
         await serial_exchange(http, p, d, "warm-up")
         p_leg = asyncio.create_task(post(http, p, "/v1/completions", p_body(), rid="par"))
         d_leg = asyncio.create_task(
-            post(http, d, "/v1/completions", d_body(identity(p, "placeholder")), rid="par"))
+            post(http, d, "/v1/completions", d_body(identity(p, "placeholder")), rid="par")
+        )
 
         async def prefilling() -> bool:
             recs = [r for r in await _records(http, p) if r["x_request_id"] == "par"]
@@ -119,8 +125,10 @@ async def penalty(http: aiohttp.ClientSession, step_ms: str) -> float:
     flags = (*FAST, "--step-base-ms", step_ms)
     waits = {}
     for mode, (p_cfg, d_cfg) in {"push": (PUSH_P, PUSH_D), "pull": (PULL_P, PULL_D)}.items():
-        async with (running_engine(*FAST, "--kv-transfer-config", p_cfg) as p,
-                    running_engine(*flags, "--kv-transfer-config", d_cfg) as d):  # fmt: skip
+        async with (
+            running_engine(*FAST, "--kv-transfer-config", p_cfg) as p,
+            running_engine(*flags, "--kv-transfer-config", d_cfg) as d,
+        ):
             busy = await keep_busy(http, d)
             try:
                 samples = []

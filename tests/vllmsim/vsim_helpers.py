@@ -14,8 +14,13 @@ from vllmsim.launcher import EngineHandle
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
 
 
-async def post(http: aiohttp.ClientSession, eng: EngineHandle, path: str, body: dict[str, Any],
-               rid: str | None = None) -> tuple[int, Any]:  # fmt: skip
+async def post(
+    http: aiohttp.ClientSession,
+    eng: EngineHandle,
+    path: str,
+    body: dict[str, Any],
+    rid: str | None = None,
+) -> tuple[int, Any]:
     headers = {"X-Request-Id": rid} if rid else {}
     async with http.post(eng.url + path, json=body, headers=headers) as resp:
         return resp.status, await resp.json(content_type=None)
@@ -35,8 +40,7 @@ async def eventually(check: Callable[[], Awaitable[bool]], within: float = 10.0)
         await asyncio.sleep(0.02)
 
 
-async def metric(http: aiohttp.ClientSession, eng: EngineHandle, name: str,
-                 **labels: str) -> float:  # fmt: skip
+async def metric(http: aiohttp.ClientSession, eng: EngineHandle, name: str, **labels: str) -> float:
     async with http.get(eng.url + "/metrics") as resp:
         text = await resp.text()
     for line in text.splitlines():
@@ -48,27 +52,52 @@ async def metric(http: aiohttp.ClientSession, eng: EngineHandle, name: str,
 
 
 def p_body(prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
-    return {"model": "sim-model", "prompt": prompt, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                   "remote_engine_id": None, "remote_block_ids": None,
-                                   "remote_host": None, "remote_port": None}, **extra}  # fmt: skip
+    return {
+        "model": "sim-model",
+        "prompt": prompt,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+        **extra,
+    }
 
 
-IDENTITY_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "pp_size",
-                 "dcp_size")  # fmt: skip
+IDENTITY_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "pp_size", "dcp_size")
 
 
 def identity(p: EngineHandle, placeholder: str) -> dict[str, Any]:
     """What a parallel router gives D: P's identity plus a placeholder request id."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p.engine_id,
-            "remote_host": "127.0.0.1", "remote_port": p.side_channel_port, "tp_size": 1,
-            "pp_size": 1, "dcp_size": 1, "remote_request_id": placeholder}  # fmt: skip
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": p.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": p.side_channel_port,
+        "tp_size": 1,
+        "pp_size": 1,
+        "dcp_size": 1,
+        "remote_request_id": placeholder,
+    }
 
 
-def d_body(params: dict[str, Any] | str | None, stream: bool = False,
-           **extra: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 8,
-                            "stream": stream, "kv_transfer_params": params, **extra}  # fmt: skip
+def d_body(
+    params: dict[str, Any] | str | None, stream: bool = False, **extra: Any
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "sim-model",
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "stream": stream,
+        "kv_transfer_params": params,
+        **extra,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body

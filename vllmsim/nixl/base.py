@@ -82,8 +82,11 @@ class ConnectorBase:
 
     def engine_id_error(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         if msg.get("remote_engine_id") != self.ident.engine_id:
-            return {"ok": False, "error": "Remote NIXL agent engine ID mismatch",
-                    "engine_id": self.ident.engine_id}  # fmt: skip
+            return {
+                "ok": False,
+                "error": "Remote NIXL agent engine ID mismatch",
+                "engine_id": self.ident.engine_id,
+            }
         return None
 
     # -- leases and tasks ---------------------------------------------------------------

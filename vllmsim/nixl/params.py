@@ -12,12 +12,16 @@ from typing import Any
 
 # D-side keys a pull consumer needs; a missing one means "Got invalid KVTransferParams"
 # and local recompute (pull_scheduler.update_state_after_alloc).
-PULL_REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id",
-                 "remote_host", "remote_port")  # fmt: skip
+PULL_REQUIRED = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+)
 # D-side keys a push consumer indexes with params[...]: a missing one is a KeyError that
 # kills vLLM's EngineCore; the simulator answers 500 instead.
-PUSH_REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "tp_size",
-                 "remote_request_id")  # fmt: skip
+PUSH_REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "remote_request_id")
 
 _RANDOM_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$")
 

@@ -49,8 +49,14 @@ class PullConnector(ConnectorBase):
 
     def request_finished(self, req: SimRequest) -> dict[str, Any] | None:
         self.leases.add(Lease(req.internal_id, list(req.blocks), req.prompt_tokens, None))
-        return prefill_params(self.ident, self.mode, req.blocks, req.internal_id,
-                              req.num_computed, self.registration_generation)  # fmt: skip
+        return prefill_params(
+            self.ident,
+            self.mode,
+            req.blocks,
+            req.internal_id,
+            req.num_computed,
+            self.registration_generation,
+        )
 
     async def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         if msg.get("type") != "pull_read":
@@ -68,8 +74,12 @@ class PullConnector(ConnectorBase):
         self.record_transfer(len(block_ids), seconds)
         blocks = to_wire(self.engine.pool.read(self.transfer_block_ids(block_ids)))
         self.leases.release(lease.request_id)
-        return {"ok": True, "num_blocks": len(blocks), "engine_id": self.ident.engine_id,
-                "blocks": blocks}  # fmt: skip
+        return {
+            "ok": True,
+            "num_blocks": len(blocks),
+            "engine_id": self.ident.engine_id,
+            "blocks": blocks,
+        }
 
     async def _recv(self, req: SimRequest) -> None:
         p = req.remote or {}

@@ -127,13 +127,11 @@ class PushConnector(ConnectorBase):
 
     # -- P side --------------------------------------------------------------------------
     def request_finished(self, req: SimRequest) -> dict[str, Any] | None:
-        lease = Lease(req.internal_id, list(req.blocks), req.prompt_tokens,
-                      transfer_id(req.remote))  # fmt: skip
+        lease = Lease(req.internal_id, list(req.blocks), req.prompt_tokens, transfer_id(req.remote))
         self.leases.add(lease)
         self._staged.append(lease)
         self._timelines[lease.request_id] = req
-        return prefill_params(self.ident, self.mode, req.blocks, req.internal_id,
-                              req.num_computed)  # fmt: skip
+        return prefill_params(self.ident, self.mode, req.blocks, req.internal_id, req.num_computed)
 
     def _note(self, request_id: str, event: str, step: int | None = None) -> None:
         req = self._timelines.get(request_id)
@@ -215,9 +213,14 @@ class PushConnector(ConnectorBase):
         self._note(lease.request_id, "write_done")
         self._timelines.pop(lease.request_id, None)
         targets = self.transfer_block_ids(d_blocks[: len(blocks)])
-        notif = {"type": "write_done", "request_id": reg.request_id, "scenario": scenario,
-                 "engine_id": self.ident.engine_id, "local_block_ids": [targets],
-                 "blocks": blocks[: len(targets)]}  # fmt: skip
+        notif = {
+            "type": "write_done",
+            "request_id": reg.request_id,
+            "scenario": scenario,
+            "engine_id": self.ident.engine_id,
+            "local_block_ids": [targets],
+            "blocks": blocks[: len(targets)],
+        }
         try:
             await side_channel.request(host, port, notif, self.latency_s)
         except side_channel.SideChannelError as exc:

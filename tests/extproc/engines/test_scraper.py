@@ -186,8 +186,14 @@ def test_plan_covers_load_aware_pools_of_models_groups_and_kv_check() -> None:
 
 
 def test_plan_covers_pools_with_kv_events_for_restart_detection() -> None:
-    config = parse_config(CONFIG | {"kv_check": {"enabled": False}, "health": {"interval_s": 3},
-                                    "decode": {"endpoints": ["127.0.0.1:2"], "kv_events": {}}})
+    config = parse_config(
+        CONFIG
+        | {
+            "kv_check": {"enabled": False},
+            "health": {"interval_s": 3},
+            "decode": {"endpoints": ["127.0.0.1:2"], "kv_events": {}},
+        }
+    )
     members = {"": {"prefill": {"127.0.0.1:1"}, "decode": {"127.0.0.1:2"}}}
     assert scrape_plan(config, members, ["127.0.0.1:2"]) == {"127.0.0.1:2": 3.0}
 

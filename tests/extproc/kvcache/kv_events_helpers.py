@@ -18,9 +18,17 @@ BLOCK = 4
 
 
 def stored(hashes: list[Any], parent: Any, tokens: list[int], **extra: Any) -> dict[str, Any]:
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-            "token_ids": tokens, "block_size": BLOCK, "lora_id": None, "medium": "GPU",
-            "lora_name": None, **extra}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **extra,
+    }
 
 
 def removed(hashes: list[Any]) -> dict[str, Any]:
@@ -77,8 +85,9 @@ class FakeEngine:
                 continue
             for seq, payload in self.kept:
                 if seq >= int.from_bytes(start, "big"):
-                    await self.router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"),
-                                                      payload])
+                    await self.router.send_multipart(
+                        [client, b"", b"", seq.to_bytes(8, "big"), payload]
+                    )
             await self.router.send_multipart([client, b"", b"", END, b""])
 
     async def close(self) -> None:

@@ -18,8 +18,9 @@ from tests.extproc.kvcache.kv_events_helpers import batch, cleared, removed, sto
 
 
 def test_a_batch_decodes_to_its_blocks() -> None:
-    decoded = decode_batch(batch(stored([b"\x01" * 32, 7], None, list(range(8))),
-                                 removed([7]), cleared(), ts=12.5))
+    decoded = decode_batch(
+        batch(stored([b"\x01" * 32, 7], None, list(range(8))), removed([7]), cleared(), ts=12.5)
+    )
     assert decoded.ts == 12.5
     assert decoded.events == (
         BlocksStored((0x0101010101010101 & (2**60 - 1), 7), None, tuple(range(8)), 4, True),
@@ -38,23 +39,42 @@ def test_bytes_and_int_hashes_name_the_same_block() -> None:
 
 
 def test_older_array_encoding_decodes_too() -> None:
-    payload = msgpack.packb([3.0, [["BlockStored", [5, 6], 4, list(range(8)), 4, None, "GPU"],
-                                   ["BlockRemoved", [5], "GPU"], ["AllBlocksCleared"]]])
+    payload = msgpack.packb(
+        [
+            3.0,
+            [
+                ["BlockStored", [5, 6], 4, list(range(8)), 4, None, "GPU"],
+                ["BlockRemoved", [5], "GPU"],
+                ["AllBlocksCleared"],
+            ],
+        ]
+    )
     assert decode_batch(payload).events == (
-        BlocksStored((5, 6), 4, tuple(range(8)), 4, True), BlocksRemoved((5,)), AllCleared())
+        BlocksStored((5, 6), 4, tuple(range(8)), 4, True),
+        BlocksRemoved((5,)),
+        AllCleared(),
+    )
 
 
 def test_unknown_tags_and_fields_are_skipped_not_errors() -> None:
-    decoded = decode_batch(batch({"type": "BlockMoved", "x": 1},
-                                 stored([1], None, [1, 2, 3, 4], session_id="s", future=[1, 2]),
-                                 stored([2], None, [1, 2, 3, 4], medium="CPU")))
+    decoded = decode_batch(
+        batch(
+            {"type": "BlockMoved", "x": 1},
+            stored([1], None, [1, 2, 3, 4], session_id="s", future=[1, 2]),
+            stored([2], None, [1, 2, 3, 4], medium="CPU"),
+        )
+    )
     assert decoded.events == (BlocksStored((1,), None, (1, 2, 3, 4), 4, True),)
     assert decoded.skipped == 2
 
 
 def test_blocks_keyed_by_more_than_tokens_are_marked() -> None:
-    decoded = decode_batch(batch(stored([1], None, [1, 2, 3, 4], lora_name="a"),
-                                 stored([2], None, [1, 2, 3, 4], extra_keys=[["salt"]])))
+    decoded = decode_batch(
+        batch(
+            stored([1], None, [1, 2, 3, 4], lora_name="a"),
+            stored([2], None, [1, 2, 3, 4], extra_keys=[["salt"]]),
+        )
+    )
     lora, salted = decoded.events
     assert isinstance(lora, BlocksStored) and not lora.plain
     assert isinstance(salted, BlocksStored) and not salted.plain

@@ -13,8 +13,13 @@ from extproc.kvcache.index import KvIndex, chain_keys
 TOKENS = list(range(100, 132))  # 8 blocks of 4
 
 
-def store(hashes: list[int], tokens: list[int], parent: int | None = None,
-          size: int = 4, plain: bool = True) -> BlocksStored:
+def store(
+    hashes: list[int],
+    tokens: list[int],
+    parent: int | None = None,
+    size: int = 4,
+    plain: bool = True,
+) -> BlocksStored:
     return BlocksStored(tuple(hashes), parent, tuple(tokens), size, plain)
 
 

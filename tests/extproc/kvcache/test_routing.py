@@ -31,8 +31,9 @@ from tests.extproc.kvcache.kv_events_helpers import batch as _batch
 
 LOAD_AWARE = DecisionConfig(mode="load_aware", pd_overhead_ms=0)
 IDLE = Sides(0, 0, 0, 0, 0, 0)
-BUSY_D = Sides(running_d=8, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, queued_p_tokens=0,
-               waiting_p=0)  # fmt: skip
+BUSY_D = Sides(
+    running_d=8, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, queued_p_tokens=0, waiting_p=0
+)
 P1, P2, D1 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
 
@@ -46,8 +47,11 @@ def tokenizer_dir(tmp_path: Path) -> Path:
 
 
 def config(tokenizer: str | None, **pool: object) -> dict[str, object]:
-    return {"prefill": {"endpoints": [P1, P2], **pool}, "decode": {"endpoints": [D1], **pool},
-            **({"tokenizer": tokenizer} if tokenizer else {})}  # fmt: skip
+    return {
+        "prefill": {"endpoints": [P1, P2], **pool},
+        "decode": {"endpoints": [D1], **pool},
+        **({"tokenizer": tokenizer} if tokenizer else {}),
+    }
 
 
 # ---- config and sources ------------------------------------------------------------------
@@ -67,29 +71,53 @@ def test_every_member_publishes_at_its_host_on_the_pools_ports(tokenizer_dir: Pa
 def test_a_static_endpoint_may_name_its_own_sockets(tokenizer_dir: Path) -> None:
     own = {"address": P2, "kv_events": {"port": 7100, "replay_port": 7101}}
     ipc = {"address": D1, "kv_events": {"endpoint": "ipc:///run/d.pub"}}
-    cfg = parse_config({"prefill": {"endpoints": [P1, own], "kv_events": {}},
-                        "decode": {"endpoints": [ipc], "kv_events": {"topic": "kv"}},
-                        "tokenizer": str(tokenizer_dir)})  # fmt: skip
+    cfg = parse_config(
+        {
+            "prefill": {"endpoints": [P1, own], "kv_events": {}},
+            "decode": {"endpoints": [ipc], "kv_events": {"topic": "kv"}},
+            "tokenizer": str(tokenizer_dir),
+        }
+    )
     sources = event_sources(cfg, {"": {Role.PREFILL: [P1, P2], Role.DECODE: [D1]}}, {""})
-    assert sources == {P1: EventSource("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"),
-                       P2: EventSource("tcp://10.0.0.2:7100", "tcp://10.0.0.2:7101"),
-                       D1: EventSource("ipc:///run/d.pub", None, "kv")}  # fmt: skip
+    assert sources == {
+        P1: EventSource("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"),
+        P2: EventSource("tcp://10.0.0.2:7100", "tcp://10.0.0.2:7101"),
+        D1: EventSource("ipc:///run/d.pub", None, "kv"),
+    }
 
 
 @pytest.mark.parametrize(
     ("data", "message"),
     [
         (config("/nowhere"), "tokenizer: /nowhere: no tokenizer.json there"),
-        ({"prefill": {"endpoints": [{"address": P1, "kv_events": {"port": 1}}]},
-          "decode": {"endpoints": [D1]}},
-         "prefill: Value error, an endpoint's kv_events ports need the pool's kv_events"),
+        (
+            {
+                "prefill": {"endpoints": [{"address": P1, "kv_events": {"port": 1}}]},
+                "decode": {"endpoints": [D1]},
+            },
+            "prefill: Value error, an endpoint's kv_events ports need the pool's kv_events",
+        ),
         (config(None, kv_events={"port": 0}), "prefill.kv_events.port: Input should be greater"),
-        ({"prefill": {"endpoints": [{"address": P1, "kv_events": {"endpoint": "udp://x"}}],
-                      "kv_events": {}}, "decode": {"endpoints": [D1]}},
-         "prefill.endpoints.0.kv_events: Value error, a ZMQ address: tcp://host:port or ipc"),
-        ({"prefill": {"endpoints": [{"address": P1, "kv_events": {"replay_port": 2}}],
-                      "kv_events": {}}, "decode": {"endpoints": [D1]}},
-         "prefill.endpoints.0.kv_events: Value error, give port (and replay_port) or endpoint"),
+        (
+            {
+                "prefill": {
+                    "endpoints": [{"address": P1, "kv_events": {"endpoint": "udp://x"}}],
+                    "kv_events": {},
+                },
+                "decode": {"endpoints": [D1]},
+            },
+            "prefill.endpoints.0.kv_events: Value error, a ZMQ address: tcp://host:port or ipc",
+        ),
+        (
+            {
+                "prefill": {
+                    "endpoints": [{"address": P1, "kv_events": {"replay_port": 2}}],
+                    "kv_events": {},
+                },
+                "decode": {"endpoints": [D1]},
+            },
+            "prefill.endpoints.0.kv_events: Value error, give port (and replay_port) or endpoint",
+        ),
     ],
 )
 def test_bad_kv_settings_fail_at_load_in_one_line(data: dict[str, object], message: str) -> None:
@@ -117,8 +145,10 @@ def test_kv_events_without_a_tokenizer_warn_once_and_route_without(
 
 
 def states(*addresses: str, in_flight: tuple[int, ...] = ()) -> list[EndpointState]:
-    return [EndpointState(a, in_flight=n) for a, n in
-            zip(addresses, in_flight or (0,) * len(addresses), strict=True)]  # fmt: skip
+    return [
+        EndpointState(a, in_flight=n)
+        for a, n in zip(addresses, in_flight or (0,) * len(addresses), strict=True)
+    ]
 
 
 def test_the_engine_holding_the_prompt_wins_until_its_load_outweighs_it() -> None:
@@ -219,10 +249,13 @@ def _decoded(*events: dict[str, object]) -> list[object]:
 
 
 def test_the_chain_is_keyed_per_process() -> None:
-    code = ("from extproc.kvcache.index import chain_keys; "
-            "print(chain_keys(list(range(16)), 4))")  # fmt: skip
-    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True, timeout=60).stdout for _ in range(2)}  # fmt: skip
+    code = "from extproc.kvcache.index import chain_keys; print(chain_keys(list(range(16)), 4))"
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+        ).stdout
+        for _ in range(2)
+    }
     assert len(runs) == 2  # another process, another key: nobody can craft a collision
     keys = chain_keys(list(range(16)), 4)
     assert len(set(keys)) == 4 and all(0 <= k < 1 << 60 for k in keys)
@@ -258,8 +291,10 @@ async def test_the_follower_subscribes_drops_leavers_clears_restarts_and_stops()
     try:
         routing.start()
         routing.follow({"a": EventSource(engine.endpoint, engine.replay_endpoint)})
+
         async def subscribed() -> bool:
             return "a" in routing.watchers.sources()
+
         await until(subscribed, "the follower to subscribe")
         events = routing.watchers._watching["a"][1]
         await joined(engine, events)

@@ -29,6 +29,8 @@ from tests.extproc.kvcache.kv_events_helpers import (
 )
 
 TOKENS = list(range(1, 33))
+
+
 @pytest_asyncio.fixture
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
@@ -44,11 +46,19 @@ async def engine(ctx: zmq.asyncio.Context) -> AsyncIterator[FakeEngine]:
 
 
 @contextlib.asynccontextmanager
-async def subscribed(engine: FakeEngine, ctx: zmq.asyncio.Context, **kw: Any
-                     ) -> AsyncIterator[tuple[EngineEvents, KvIndex, Metrics]]:
+async def subscribed(
+    engine: FakeEngine, ctx: zmq.asyncio.Context, **kw: Any
+) -> AsyncIterator[tuple[EngineEvents, KvIndex, Metrics]]:
     index, metrics = KvIndex(max_blocks=kw.pop("max_blocks", 10_000)), Metrics()
-    events = EngineEvents("e", engine.endpoint, index, metrics, context=ctx,
-                          replay_endpoint=kw.pop("replay_endpoint", engine.replay_endpoint), **kw)
+    events = EngineEvents(
+        "e",
+        engine.endpoint,
+        index,
+        metrics,
+        context=ctx,
+        replay_endpoint=kw.pop("replay_endpoint", engine.replay_endpoint),
+        **kw,
+    )
     events.start()
     try:
         yield events, index, metrics
@@ -125,8 +135,9 @@ async def test_a_gap_the_replay_cannot_fill_resets_the_engine(ctx: Any) -> None:
 
 
 @pytest.mark.parametrize("why", ["no_replay_endpoint", "no_answer"])
-async def test_a_gap_without_a_replay_resets_the_engine(engine: FakeEngine, ctx: Any,
-                                                        why: str) -> None:
+async def test_a_gap_without_a_replay_resets_the_engine(
+    engine: FakeEngine, ctx: Any, why: str
+) -> None:
     options: dict[str, Any] = {"limits": SubscriberLimits(replay_timeout_s=0.3)}
     if why == "no_replay_endpoint":
         options["replay_endpoint"] = None
@@ -178,8 +189,7 @@ async def test_malformed_messages_are_counted_and_skipped(engine: FakeEngine, ct
         assert index.longest_prefix(TOKENS) == {"e": 1}
 
 
-async def test_a_flood_stays_within_the_bound_and_its_budget(engine: FakeEngine,
-                                                              ctx: Any) -> None:
+async def test_a_flood_stays_within_the_bound_and_its_budget(engine: FakeEngine, ctx: Any) -> None:
     limits = SubscriberLimits(receive_hwm=100, batches_per_s=1000)
     async with subscribed(engine, ctx, max_blocks=500, limits=limits) as (events, index, metrics):
         started = time.monotonic()  # before the budget's first second began
@@ -198,8 +208,9 @@ async def test_watchers_follow_the_membership(ctx: Any) -> None:
     index, metrics = KvIndex(max_blocks=1000), Metrics()
     watchers = KvEventWatchers(index, metrics, context=ctx)
     try:
-        sources = {name: EventSource(e.endpoint, e.replay_endpoint) for name, e in
-                   (("a", a), ("b", b))}
+        sources = {
+            name: EventSource(e.endpoint, e.replay_endpoint) for name, e in (("a", a), ("b", b))
+        }
         await watchers.set_sources(sources)
         for name, fake in (("a", a), ("b", b)):
             await fake.send(batch(chain(1, TOKENS[:8])))

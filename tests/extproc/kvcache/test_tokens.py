@@ -34,12 +34,25 @@ TEMPLATE = """{{ bos_token }}
 
 
 def _write_model(folder: Path, template: str | None = TEMPLATE, in_config: bool = False) -> Path:
-    words = ["<s>", "</s>", "<unk>", "hello", "world", "<user>", "<assistant>", "<system>", "a",
-             "b", '{"x":', '"<&>"}']  # split at whitespace: "<system>a" is one unknown word
+    words = [
+        "<s>",
+        "</s>",
+        "<unk>",
+        "hello",
+        "world",
+        "<user>",
+        "<assistant>",
+        "<system>",
+        "a",
+        "b",
+        '{"x":',
+        '"<&>"}',
+    ]  # split at whitespace: "<system>a" is one unknown word
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                             special_tokens=[("<s>", 0)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
     tokenizer.save(str(folder / "tokenizer.json"))
     config: dict[str, object] = {"bos_token": {"content": "<s>"}, "eos_token": "</s>"}
     if template is not None and in_config:
@@ -58,14 +71,19 @@ def test_a_completion_gets_the_tokenizers_special_tokens(tmp_path: Path) -> None
 
 def test_chat_renders_like_hugging_face_and_adds_no_second_bos(tmp_path: Path) -> None:
     tok = RequestTokenizer.from_path(_write_model(tmp_path))
-    messages = [{"role": "system", "content": "a"},
-                {"role": "user", "content": [{"type": "text", "text": "hello"},
-                                             {"type": "text", "text": "world"}],
-                 "meta": {"x": "<&>"}}]
+    messages = [
+        {"role": "system", "content": "a"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}],
+            "meta": {"x": "<&>"},
+        },
+    ]
     # trim_blocks and lstrip_blocks drop the template's own indentation and newlines;
     # tojson does not escape HTML; text parts are joined with a newline
     assert tok.render_chat(messages) == (
-        '<s>\n<system>a\n<user>hello\nworld\n{"x": "<&>"}\n<assistant>\n')
+        '<s>\n<system>a\n<user>hello\nworld\n{"x": "<&>"}\n<assistant>\n'
+    )
     assert tok.chat(messages) == [0, 2, 2, 4, 10, 11, 6]  # one BOS: the template's
     assert tok.render_chat(messages, add_generation_prompt=False).endswith("}\n")
 
@@ -102,8 +120,7 @@ def test_missing_tokenizer_files_say_what_to_give(tmp_path: Path) -> None:
         RequestTokenizer.from_path(tmp_path)
 
 
-async def test_off_the_loop_gives_the_same_ids_and_gives_up_when_saturated(tmp_path: Path
-                                                                           ) -> None:
+async def test_off_the_loop_gives_the_same_ids_and_gives_up_when_saturated(tmp_path: Path) -> None:
     tok = RequestTokenizer.from_path(_write_model(tmp_path))
     off = OffLoopTokenizer(tok, inline_below_chars=4, max_pending=1)
     try:

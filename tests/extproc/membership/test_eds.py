@@ -83,8 +83,9 @@ def members(response: discovery_pb2.DiscoveryResponse) -> dict[str, list[str]]:
         found[cla.cluster_name] = [
             f"{e.endpoint.address.socket_address.address}:"
             f"{e.endpoint.address.socket_address.port_value}"
-            for locality in cla.endpoints for e in locality.lb_endpoints
-        ]  # fmt: skip
+            for locality in cla.endpoints
+            for e in locality.lb_endpoints
+        ]
     return found
 
 
@@ -142,8 +143,9 @@ async def test_a_subscription_that_grows_is_answered(served: Served) -> None:
     call = served.stub.StreamEndpoints()
     await call.write(request("decode_pool"))
     first = await answer(call)
-    await call.write(request("decode_pool", "prefill_pool", version=first.version_info,
-                             nonce=first.nonce))  # fmt: skip
+    await call.write(
+        request("decode_pool", "prefill_pool", version=first.version_info, nonce=first.nonce)
+    )
     assert set(members(await answer(call))) == {"decode_pool", "prefill_pool"}
     call.cancel()
 
@@ -182,8 +184,9 @@ async def test_a_request_answering_an_older_response_is_ignored(served: Served) 
     served.memberships.publish("decode_pool", ["10.0.0.4:8000"])
     second = await answer(call)
     # Envoy's ACK of the first response arrives after the second was sent, and asks for more
-    await call.write(request("decode_pool", "prefill_pool", version=first.version_info,
-                             nonce=first.nonce))  # fmt: skip
+    await call.write(
+        request("decode_pool", "prefill_pool", version=first.version_info, nonce=first.nonce)
+    )
     await ack(call, second, "decode_pool")
     served.memberships.publish("decode_pool", ["10.0.0.6:8000"])
     assert members(await answer(call)) == {"decode_pool": ["10.0.0.6:8000"]}

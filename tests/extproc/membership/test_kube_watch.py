@@ -50,9 +50,12 @@ async def watched(
     api = KubeApi(settings)
     changes: list[int] = []
     watch = Watched(
-        api, Query(PODS, "default", label_selector="app=vllm"),
-        lambda: changes.append(1), lambda: 30, backoff_s=(0.05, 0.2),
-    )  # fmt: skip
+        api,
+        Query(PODS, "default", label_selector="app=vllm"),
+        lambda: changes.append(1),
+        lambda: 30,
+        backoff_s=(0.05, 0.2),
+    )
     fake.put_pod(pod("a", "10.0.0.1", {"app": "vllm"}))
     fake.put_pod(pod("other", "10.0.0.9", {"app": "other"}))
     watch.start()
@@ -82,8 +85,10 @@ async def test_watch_follows_changes_from_the_lists_version(
     fake.put_pod(pod("b", "10.0.0.2", {"app": "vllm"}))
     await until(lambda: names(watch) == {"a", "b"}, "ADDED")
     fake.put_pod(pod("b", "10.0.0.2", {"app": "vllm"}, ready=False))
-    await until(lambda: watch.objects["default/b"]["status"]["conditions"][0]["status"] == "False",
-                "MODIFIED")  # fmt: skip
+    await until(
+        lambda: watch.objects["default/b"]["status"]["conditions"][0]["status"] == "False",
+        "MODIFIED",
+    )
     fake.delete_pod("a")
     await until(lambda: names(watch) == {"b"}, "DELETED")
     assert len(changes) == 4  # the list, then one call per event
@@ -178,8 +183,7 @@ async def pool_discovery(
 ) -> AsyncIterator[tuple[FakeKubeApi, Sink]]:
     fake, settings = kube
     source = {"inference_pool": {"name": "llama"}}
-    config = parse_config({"prefill": source, "decode": source,
-                           "discovery": settings.model_dump()})  # fmt: skip
+    config = parse_config({"prefill": source, "decode": source, "discovery": settings.model_dump()})
     sink = Sink()
     discovery = Discovery(sink, lambda: config)
     fake.put_pod(pod("p-0", "10.0.0.1", {"app": "vllm", "llm-d.ai/role": "prefill"}))
@@ -242,8 +246,13 @@ async def test_a_reload_follows_the_sources_the_config_names_now(
 
     def config_with(selector: str) -> Any:
         decode = {"kubernetes": {"label_selector": selector, "port": 8000}}
-        return parse_config({"prefill": {"endpoints": ["10.0.9.9:8000"]}, "decode": decode,
-                             "discovery": settings.model_dump()})  # fmt: skip
+        return parse_config(
+            {
+                "prefill": {"endpoints": ["10.0.9.9:8000"]},
+                "decode": decode,
+                "discovery": settings.model_dump(),
+            }
+        )
 
     config = config_with("role=decode-a")
     sink = Sink()

@@ -35,11 +35,15 @@ def test_configured_load_slack_decides_when_a_prefix_spills() -> None:
 def test_configured_prefix_bytes_decide_what_is_hashed() -> None:
     candidates = endpoints(*[0] * 8)
     picker = prefix_picker(prefix_bytes=8)
-    picks = {picker.pick(candidates, PickRequest(prefix=b"01234567" + bytes([i]) * 9)).address
-             for i in range(30)}  # fmt: skip
+    picks = {
+        picker.pick(candidates, PickRequest(prefix=b"01234567" + bytes([i]) * 9)).address
+        for i in range(30)
+    }
     assert len(picks) == 1  # only the first 8 bytes count
-    spread = {prefix_picker().pick(candidates, PickRequest(prefix=b"01234567" + bytes([i]) * 9))
-              .address for i in range(30)}  # fmt: skip
+    spread = {
+        prefix_picker().pick(candidates, PickRequest(prefix=b"01234567" + bytes([i]) * 9)).address
+        for i in range(30)
+    }
     assert len(spread) > 1  # with the default 256 bytes the rest of the prompt counts too
 
 
@@ -48,10 +52,13 @@ def test_configured_kv_usage_weight_reaches_power_of_two() -> None:
         config = parse_config(
             {
                 "prefill": {"endpoints": ["127.0.0.1:8100"]},
-                "decode": {"endpoints": ["127.0.0.1:8200"], "policy": "power_of_two",
-                           "kv_usage_weight": weight},
+                "decode": {
+                    "endpoints": ["127.0.0.1:8200"],
+                    "policy": "power_of_two",
+                    "kv_usage_weight": weight,
+                },
             }
-        )  # fmt: skip
+        )
         return build_picker(config.decode.policy, config.decode.options)
 
     candidates = endpoints(1, 2)

@@ -15,8 +15,9 @@ from extproc.request import envoy_msgs
 from extproc.request.access_log import ClientLatency
 
 
-def entry(first_s: float | None, last_s: float | None, code: int,
-          labels: dict[str, str] | None) -> Any:  # fmt: skip
+def entry(
+    first_s: float | None, last_s: float | None, code: int, labels: dict[str, str] | None
+) -> Any:
     common = entries.AccessLogCommon()
     if first_s is not None:
         common.time_to_first_downstream_tx_byte.CopyFrom(Duration(nanos=int(first_s * 1e9)))
@@ -97,8 +98,10 @@ async def test_close_ends_envoys_open_streams() -> None:
             )
             await never_ends.put(first)
             for _ in range(200):  # the stream is open at the server (the message is counted)
-                if value(service_metrics, "pd_extproc_access_log_entries_total",
-                         result="observed") == 1:  # fmt: skip
+                if (
+                    value(service_metrics, "pd_extproc_access_log_entries_total", result="observed")
+                    == 1
+                ):
                     break
                 await asyncio.sleep(0.01)
             service.close()
@@ -134,8 +137,16 @@ async def test_an_answer_left_to_its_entry_is_counted_by_what_envoy_saw() -> Non
         answer("downstream_connection_termination"),  # the client left
         answer(None, reason=None),  # counted by the processor: not here
     )
-    counts = {outcome: value(metrics, "pd_extproc_requests_total", outcome=outcome,
-                             strategy="parallel", reason="cache_hit", model="m")
-              for outcome in ("ok", "decode_timeout", "decode_reset", "cancelled")}  # fmt: skip
+    counts = {
+        outcome: value(
+            metrics,
+            "pd_extproc_requests_total",
+            outcome=outcome,
+            strategy="parallel",
+            reason="cache_hit",
+            model="m",
+        )
+        for outcome in ("ok", "decode_timeout", "decode_reset", "cancelled")
+    }
     assert counts == {"ok": 1, "decode_timeout": 1, "decode_reset": 2, "cancelled": 1}
     assert value(metrics, "pd_extproc_access_log_entries_total", result="observed") == 6

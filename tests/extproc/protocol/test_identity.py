@@ -159,16 +159,28 @@ def refused(change: dict[str, Any], drop: tuple[str, ...] = ()) -> str:
 
 def test_every_field_is_taken_from_p() -> None:
     assert identity_from_params(PARAMS) == PrefillIdentity(
-        engine_id="e1", host="10.0.0.11", port=5600, tp_size=2, pp_size=3, dcp_size=4,
+        engine_id="e1",
+        host="10.0.0.11",
+        port=5600,
+        tp_size=2,
+        pp_size=3,
+        dcp_size=4,
         transfer_mode="push",
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
     "host",
-    ["10.0.0.11", "::1", "fe80::1", "prefill-0.pd.svc.cluster.local", "p", "a" * 63 + ".b",
-     ".".join(["abcdefghi"] * 25) + ".abc"],  # 253 characters: the longest DNS name
-)  # fmt: skip
+    [
+        "10.0.0.11",
+        "::1",
+        "fe80::1",
+        "prefill-0.pd.svc.cluster.local",
+        "p",
+        "a" * 63 + ".b",
+        ".".join(["abcdefghi"] * 25) + ".abc",
+    ],  # 253 characters: the longest DNS name
+)
 def test_hosts_accepted(host: str) -> None:
     assert identity_from_params(PARAMS | {"remote_host": host}).host == host
 

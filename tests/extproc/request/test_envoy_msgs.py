@@ -106,8 +106,11 @@ def test_immediate_client_error_has_no_retry_after() -> None:
         ("via_upstream", True),
         ("upstream_reset_before_response_started{remote_reset}", True),  # D had it
         ("no_healthy_upstream", False),
-        ("upstream_reset_before_response_started{remote_connection_failure|"
-         "delayed_connect_error:_Connection_refused}", False),
+        (
+            "upstream_reset_before_response_started{remote_connection_failure|"
+            "delayed_connect_error:_Connection_refused}",
+            False,
+        ),
     ],
 )
 def test_decode_was_reached_reads_envoys_reply_details(details: str | None, reached: bool) -> None:

@@ -58,19 +58,28 @@ def test_bad_completion_bodies(raw: bytes, status: int, fragment: str) -> None:
         (b'{"model":"m","prompt":[1,"a"]}', "token ids (integers) only", "list of prompts"),
         (gzip.compress(b'{"model":"m","prompt":"p"}'), "gzip-compressed", "surrogates"),
         (b'{"model":"m","prompt":"caf\xe9"}', "not UTF-8 text (byte 0xe9 at offset 26)", "surr"),
-        (b'{"model":"m","prompt":"p","max_tokens":' + str(2**63).encode() + b"}",
-         f"is {2**63}, too large; the largest accepted is 2147483647", None),
-        (b'{"model":"m","prompt":"p","max_tokens":' + str(2**70).encode() + b"}",
-         "'max_tokens' is too large; the largest accepted is 2147483647", "must be an integer"),
-        (b'{"model":"m","prompt":"p","max_tokens":-' + str(2**70).encode() + b"}",
-         "'max_tokens' must be at least 1", "too large"),
+        (
+            b'{"model":"m","prompt":"p","max_tokens":' + str(2**63).encode() + b"}",
+            f"is {2**63}, too large; the largest accepted is 2147483647",
+            None,
+        ),
+        (
+            b'{"model":"m","prompt":"p","max_tokens":' + str(2**70).encode() + b"}",
+            "'max_tokens' is too large; the largest accepted is 2147483647",
+            "must be an integer",
+        ),
+        (
+            b'{"model":"m","prompt":"p","max_tokens":-' + str(2**70).encode() + b"}",
+            "'max_tokens' must be at least 1",
+            "too large",
+        ),
         (b'{"model":"m","prompt":"p","max_tokens":2147483648}', "too large", None),
         (b'{"model":"m","prompt":"p","max_tokens":2.5}', "must be an integer (it is 2.5)", None),
         (b'{"model":"m","prompt":"p","min_tokens":-1}', "'min_tokens' must be at least 0", None),
         (b'{"model":"m","prompt":"p","stream":1}', "true or false (it is a number)", None),
         (b'{"model":"m","prompt":null}', "(it is null)", None),
     ],
-)  # fmt: skip
+)
 def test_messages_name_what_is_wrong(raw: bytes, says: str, wrong: str | None) -> None:
     with pytest.raises(ClientError) as caught:
         parse_request(Api.COMPLETIONS, raw, 10_000)
@@ -147,41 +156,74 @@ MESSAGES_LIST = bad_request("'messages' must be a non-empty list", "messages")
     [
         ({"model": "m"}, prompt_type("missing")),
         ({"model": "m", "prompt": 7}, prompt_type("a number")),
-        ({"model": "m", "prompt": []}, bad_request(
-            "'prompt' is an empty list; send a string or a list of token ids", "prompt")),
-        ({"model": "m", "prompt": [1, True]}, bad_request(
-            "'prompt' as a list must hold token ids (integers) only", "prompt")),
-        ({"model": "m", "prompt": [[1, 2], [3]]}, bad_request(
-            "'prompt' is a list of 2 prompts; prefill/decode serves one prompt per request: "
-            "send each in its own request", "prompt")),
+        (
+            {"model": "m", "prompt": []},
+            bad_request(
+                "'prompt' is an empty list; send a string or a list of token ids", "prompt"
+            ),
+        ),
+        (
+            {"model": "m", "prompt": [1, True]},
+            bad_request("'prompt' as a list must hold token ids (integers) only", "prompt"),
+        ),
+        (
+            {"model": "m", "prompt": [[1, 2], [3]]},
+            bad_request(
+                "'prompt' is a list of 2 prompts; prefill/decode serves one prompt per request: "
+                "send each in its own request",
+                "prompt",
+            ),
+        ),
         ({"model": "", "prompt": "p"}, MODEL),
         ({"model": 3, "prompt": "p"}, MODEL),
         ({"model": "m", "prompt": "p", "n": 2}, one_choice("2")),
         ({"model": "m", "prompt": "p", "n": 0}, one_choice("0")),
         ({"model": "m", "prompt": "p", "n": 1.5}, one_choice("1.5")),
-        ({"model": "m", "prompt": "p", "min_tokens": True}, bad_request(
-            "'min_tokens' must be an integer (it is a boolean)", "min_tokens")),
-        ({"model": "m", "prompt": "p", "max_completion_tokens": "8"}, bad_request(
-            "'max_completion_tokens' must be an integer (it is a string)",
-            "max_completion_tokens")),
-        ({"model": "m", "prompt": "p", "max_tokens": 0}, bad_request(
-            "'max_tokens' must be at least 1 (it is 0)", "max_tokens")),
-        ({"model": "m", "prompt": "p", "max_completion_tokens": -3}, bad_request(
-            "'max_completion_tokens' must be at least 1 (it is -3)", "max_completion_tokens")),
-        ({"model": "m", "prompt": "p", "stream": "yes"}, bad_request(
-            "'stream' must be true or false (it is a string)", "stream")),
-        ({"model": "m", "prompt": "p", "stream": 1}, bad_request(
-            "'stream' must be true or false (it is a number)", "stream")),
-        ({"model": "m", "prompt": "p", "stream": True, "stream_options": [1]}, bad_request(
-            "'stream_options' must be an object", "stream_options")),
-        ({"model": "m", "prompt": "p", "stream_options": {}}, bad_request(
-            "'stream_options' is only allowed when 'stream' is true", "stream_options")),
-        ({"model": "m", "prompt": "p", "stream": False, "stream_options": {}}, bad_request(
-            "'stream_options' is only allowed when 'stream' is true", "stream_options")),
+        (
+            {"model": "m", "prompt": "p", "min_tokens": True},
+            bad_request("'min_tokens' must be an integer (it is a boolean)", "min_tokens"),
+        ),
+        (
+            {"model": "m", "prompt": "p", "max_completion_tokens": "8"},
+            bad_request(
+                "'max_completion_tokens' must be an integer (it is a string)",
+                "max_completion_tokens",
+            ),
+        ),
+        (
+            {"model": "m", "prompt": "p", "max_tokens": 0},
+            bad_request("'max_tokens' must be at least 1 (it is 0)", "max_tokens"),
+        ),
+        (
+            {"model": "m", "prompt": "p", "max_completion_tokens": -3},
+            bad_request(
+                "'max_completion_tokens' must be at least 1 (it is -3)", "max_completion_tokens"
+            ),
+        ),
+        (
+            {"model": "m", "prompt": "p", "stream": "yes"},
+            bad_request("'stream' must be true or false (it is a string)", "stream"),
+        ),
+        (
+            {"model": "m", "prompt": "p", "stream": 1},
+            bad_request("'stream' must be true or false (it is a number)", "stream"),
+        ),
+        (
+            {"model": "m", "prompt": "p", "stream": True, "stream_options": [1]},
+            bad_request("'stream_options' must be an object", "stream_options"),
+        ),
+        (
+            {"model": "m", "prompt": "p", "stream_options": {}},
+            bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options"),
+        ),
+        (
+            {"model": "m", "prompt": "p", "stream": False, "stream_options": {}},
+            bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options"),
+        ),
         ([1, 2], bad_request("the body must be a JSON object", None)),
         (b"", bad_request("the request has no body; send a JSON object", None)),
     ],
-)  # fmt: skip
+)
 def test_completion_refusals(body: Any, expected: tuple[int, dict[str, Any]]) -> None:
     assert refusal(Api.COMPLETIONS, body) == expected
 
@@ -192,12 +234,16 @@ def test_completion_refusals(body: Any, expected: tuple[int, dict[str, Any]]) ->
         ({"model": "m", "prompt": "p"}, MESSAGES_LIST),
         ({"model": "m", "messages": []}, MESSAGES_LIST),
         ({"model": "m", "messages": {"role": "user"}}, MESSAGES_LIST),
-        ({"model": "m", "messages": [*MESSAGES, "hi"]}, bad_request(
-            "each message must be an object", "messages")),
-        ({"model": "m", "messages": MESSAGES, "max_tokens": 0}, bad_request(
-            "'max_tokens' must be at least 1 (it is 0)", "max_tokens")),
+        (
+            {"model": "m", "messages": [*MESSAGES, "hi"]},
+            bad_request("each message must be an object", "messages"),
+        ),
+        (
+            {"model": "m", "messages": MESSAGES, "max_tokens": 0},
+            bad_request("'max_tokens' must be at least 1 (it is 0)", "max_tokens"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_chat_refusals(body: Any, expected: tuple[int, dict[str, Any]]) -> None:
     assert refusal(Api.CHAT, body) == expected
 
@@ -262,10 +308,14 @@ def test_accepted_chat() -> None:
             "/v1/embeddings is not served here; use /v1/chat/completions or /v1/completions",
         ),
         ("GET", "/v1/completions", 405, "GET is not allowed on /v1/completions; use POST"),
-        ("POST", "/v1/chat/completions/", 404, "/v1/chat/completions/ is not served here; "
-         "use /v1/chat/completions or /v1/completions"),
+        (
+            "POST",
+            "/v1/chat/completions/",
+            404,
+            "/v1/chat/completions/ is not served here; use /v1/chat/completions or /v1/completions",
+        ),
     ],
-)  # fmt: skip
+)
 def test_route_refusals(method: str, path: str, status: int, message: str) -> None:
     with pytest.raises(ClientError) as caught:
         check_route(method, path)

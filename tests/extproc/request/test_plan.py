@@ -56,7 +56,8 @@ def test_plan_per_strategy(
     assert type(plan) is kind and plan.strategy is choice[0] and plan.reason == choice[1]
     assert (plan.request_id, plan.decodes, plan.prefill) == ("r1", [D], P)
     assert (plan.decode_counted, plan.prefill_counted) == (
-        picked.decode_counted, picked.prefill_counted
+        picked.decode_counted,
+        picked.prefill_counted,
     )
 
 
@@ -73,8 +74,9 @@ def test_plan_request_is_the_whole_plan_with_its_counts() -> None:
 
 
 def test_without_a_healthy_p_the_plan_is_decode_only_when_allowed() -> None:
-    rt = Runtime(parse_config(POOLS | {"dispatch": {"no_healthy_prefill": "decode_only"}}),
-                 "unix:/x")  # fmt: skip
+    rt = Runtime(
+        parse_config(POOLS | {"dispatch": {"no_healthy_prefill": "decode_only"}}), "unix:/x"
+    )
     rt.prefill.set_healthy(P, False)
     with ExitStack() as inflight:
         plan = plan_request(REQUEST, {}, rt.config, rt.scheduler, rt.identities, inflight)
@@ -86,8 +88,9 @@ def test_without_a_healthy_p_the_plan_is_decode_only_when_allowed() -> None:
 def test_the_plan_reads_the_priority_under_the_snapshot_it_is_given() -> None:
     rt = Runtime(parse_config(POOLS), "unix:/x")
     headers = {"x-priority": "high"}  # not an integer: refused only with admission on
-    snapshot = parse_config(POOLS | {"admission": {"enabled": True,
-                                                   "priority_header": "x-priority"}})  # fmt: skip
+    snapshot = parse_config(
+        POOLS | {"admission": {"enabled": True, "priority_header": "x-priority"}}
+    )
     with ExitStack() as inflight:
         plan_request(REQUEST, headers, rt.config, rt.scheduler, rt.identities, inflight)
         with pytest.raises(ClientError, match="x-priority must be an integer"):
@@ -96,8 +99,7 @@ def test_the_plan_reads_the_priority_under_the_snapshot_it_is_given() -> None:
 
 def test_parallel_plan_gives_d_the_cached_identity_and_p_the_same_transfer() -> None:
     with ExitStack() as inflight:
-        plan = plan_legs(REQUEST, "r1", _picked(inflight), (Strategy.PARALLEL, "cache_hit"),
-                         ENGINE)  # fmt: skip
+        plan = plan_legs(REQUEST, "r1", _picked(inflight), (Strategy.PARALLEL, "cache_hit"), ENGINE)
     assert isinstance(plan, ParallelPlan) and plan.given is ENGINE
     d_params = orjson.loads(plan.d_body)["kv_transfer_params"]
     p_params = orjson.loads(plan.p_body)["kv_transfer_params"]

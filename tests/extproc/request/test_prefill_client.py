@@ -72,10 +72,16 @@ def answer(status: int, body: bytes = b"", headers: dict[str, str] | None = None
 async def test_p_receives_the_body_and_the_routing_headers(
     listener: FakeListener, client: PrefillClient
 ) -> None:
-    result = await client.send(PrefillCall(
-        "10.0.0.7:8100", "/v1/completions", b'{"prompt":"p"}', "rid-1", 5,
-        headers={"traceparent": "00-abc-def-01"},
-    ))  # fmt: skip
+    result = await client.send(
+        PrefillCall(
+            "10.0.0.7:8100",
+            "/v1/completions",
+            b'{"prompt":"p"}',
+            "rid-1",
+            5,
+            headers={"traceparent": "00-abc-def-01"},
+        )
+    )
     [(request, body)] = listener.received
     assert (request.method, request.path, body) == ("POST", "/v1/completions", b'{"prompt":"p"}')
     assert request.headers["x-gateway-destination-endpoint"] == "10.0.0.7:8100"
@@ -160,7 +166,8 @@ async def test_a_flat_error_string_is_passed_on(
     with pytest.raises(PrefillFailed) as caught:
         await client.send(PrefillCall("p1", "/v1/completions", b"{}", "r", 5))
     assert (caught.value.status, caught.value.message) == (
-        401, "prefill endpoint p1 answered 401: Unauthorized"
+        401,
+        "prefill endpoint p1 answered 401: Unauthorized",
     )
 
 

@@ -73,10 +73,16 @@ async def client() -> AsyncIterator[PrefillClient]:
 async def test_p_gets_the_body_the_request_id_and_the_engines_key(
     engine: FakeEngine, client: PrefillClient
 ) -> None:
-    result = await client.send(PrefillCall(
-        engine.address, "/v1/completions", b'{"prompt":"p"}', "rid-1", 5,
-        headers={"traceparent": "00-abc-def-01"},
-    ))  # fmt: skip
+    result = await client.send(
+        PrefillCall(
+            engine.address,
+            "/v1/completions",
+            b'{"prompt":"p"}',
+            "rid-1",
+            5,
+            headers={"traceparent": "00-abc-def-01"},
+        )
+    )
     assert result.kv_transfer_params == PARAMS and result.status == 200
     [(request, body)] = engine.received
     assert (request.method, request.path, body) == ("POST", "/v1/completions", b'{"prompt":"p"}')
@@ -90,8 +96,16 @@ async def test_p_gets_the_body_the_request_id_and_the_engines_key(
 async def test_a_forwarded_client_key_wins_over_the_engines_key(
     engine: FakeEngine, client: PrefillClient
 ) -> None:
-    await client.send(PrefillCall(engine.address, "/v1/completions", b"{}", "rid", 5,
-                                  headers={"authorization": "Bearer client"}))  # fmt: skip
+    await client.send(
+        PrefillCall(
+            engine.address,
+            "/v1/completions",
+            b"{}",
+            "rid",
+            5,
+            headers={"authorization": "Bearer client"},
+        )
+    )
     assert engine.received[0][0].headers["authorization"] == "Bearer client"
 
 
@@ -159,8 +173,9 @@ async def test_a_tracked_leg_counts_its_prompt_tokens_at_p_only_while_it_runs(
     )
     engine.hold.clear()
     engine.status = status
-    leg = asyncio.create_task(tracked.send(PrefillCall(engine.address, "/v1/completions",
-                                                       b"x" * 41, "rid", 5)))  # fmt: skip
+    leg = asyncio.create_task(
+        tracked.send(PrefillCall(engine.address, "/v1/completions", b"x" * 41, "rid", 5))
+    )
     await asyncio.wait_for(engine.arrived.wait(), 5)
     assert state.queued_tokens == 11  # ceil(41 / 4)
     engine.hold.set()

@@ -50,8 +50,11 @@ async def listener_that_never_accepts() -> AsyncIterator[str]:
         try:
             for _ in range(8):  # the kernel queues a connection or two, then drops SYNs
                 try:
-                    queued.append(await asyncio.wait_for(asyncio.open_connection(
-                        *server.getsockname()), CONNECT_S))  # fmt: skip
+                    queued.append(
+                        await asyncio.wait_for(
+                            asyncio.open_connection(*server.getsockname()), CONNECT_S
+                        )
+                    )
                 except TimeoutError:
                     break
             else:

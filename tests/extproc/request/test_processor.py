@@ -71,8 +71,13 @@ class Trace(RequestTrace):
 class Request:
     """One request's run: the runtime, the scripted Envoy, the P leg and the trace."""
 
-    def __init__(self, cached: bool = False, p_leg: Prefill | None = None,
-                 runtime: Runtime | None = None, **config: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cached: bool = False,
+        p_leg: Prefill | None = None,
+        runtime: Runtime | None = None,
+        **config: Any,
+    ) -> None:
         config.setdefault("prefill", {"endpoints": [P]})
         config.setdefault("decode", {"endpoints": [D1, D2]})
         self.rt = runtime or Runtime(parse_config(config), "unix:/nonexistent")
@@ -136,16 +141,24 @@ class FailsOnce(Prefill):
         return await super().send(call)
 
 
-@pytest.mark.parametrize("error", [
-    PrefillUnreachable(503, "unreachable", retry_after_s=1),
-    PrefillBusy(502, "prefill endpoint answered 503"),
-], ids=["unreachable", "busy"])  # fmt: skip
+@pytest.mark.parametrize(
+    "error",
+    [
+        PrefillUnreachable(503, "unreachable", retry_after_s=1),
+        PrefillBusy(502, "prefill endpoint answered 503"),
+    ],
+    ids=["unreachable", "busy"],
+)
 async def test_serial_retries_a_failed_p_once_on_the_fallback_within_the_prefill_timeout(
     error: Exception,
 ) -> None:
     prefill = FailsOnce(error)
-    r = Request(p_leg=prefill, prefill={"endpoints": [P, P2]},
-                dispatch={"mode": "serial_push"}, timeouts={"prefill_s": 10})  # fmt: skip
+    r = Request(
+        p_leg=prefill,
+        prefill={"endpoints": [P, P2]},
+        dispatch={"mode": "serial_push"},
+        timeouts={"prefill_s": 10},
+    )
     await r.start()
     await asyncio.wait_for(prefill.called.wait(), WAIT_S)  # the second leg
     (first, *_, first_timeout, _), (second, *_, second_timeout, _) = prefill.calls
@@ -165,8 +178,12 @@ async def test_serial_retries_a_failed_p_once_on_the_fallback_within_the_prefill
 
 async def test_serial_dispatch_waits_for_p_and_forwards_its_params() -> None:
     r = Request(timeouts={"prefill_s": 12.5})
-    await r.start(REQUEST | {"kv_transfer_params": {"remote_host": "evil"}}, x_request_id="c-1",
-                  authorization="Bearer k", x_other="no")  # fmt: skip
+    await r.start(
+        REQUEST | {"kv_transfer_params": {"remote_host": "evil"}},
+        x_request_id="c-1",
+        authorization="Bearer k",
+        x_other="no",
+    )
     sent = await r.envoy.until_sent(2)
     assert r.envoy.kinds() == ["request_headers", None]  # continue, then "wait longer"
     timer = sent[1].override_message_timeout
@@ -207,15 +224,24 @@ async def test_serial_dispatch_waits_for_p_and_forwards_its_params() -> None:
     ]
     assert r.trace.events[1][1] == "ok" and r.trace.events[3][1] == 200
     assert r.trace.events[-1][1] == {
-        "request_id": request_id, "client_request_id": "c-1", "strategy": "serial",
-        "reason": "cache_miss", "outcome": "ok", "prefill": P}  # fmt: skip
+        "request_id": request_id,
+        "client_request_id": "c-1",
+        "strategy": "serial",
+        "reason": "cache_miss",
+        "outcome": "ok",
+        "prefill": P,
+    }
     assert r.idle() and r.rt.active_streams == 0
 
 
 async def test_chat_and_max_completion_tokens_reach_p() -> None:
     r = Request()
-    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-            "max_completion_tokens": 9, "min_tokens": 2}  # fmt: skip
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 9,
+        "min_tokens": 2,
+    }
     await r.start(chat, path="/v1/chat/completions")
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
     assert r.prefill.calls[0][1] == "/v1/chat/completions"
@@ -473,8 +499,9 @@ async def test_chat_messages_are_the_prompt_start_and_no_session_is_none() -> No
     r = Request()
     decode = Recorder()
     r.rt.scheduler.groups[""].pickers["decode"] = decode
-    await r.start({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                  path="/v1/chat/completions")  # fmt: skip
+    await r.start(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, path="/v1/chat/completions"
+    )
     await r.envoy.until_sent(2)
     assert decode.requests == [
         PickRequest("m", None, b'"messages":[{"role":"user","content":"hi"}]', 43)
@@ -538,7 +565,9 @@ async def test_bad_body_is_refused_with_400_before_any_leg() -> None:
     await r.start({"model": "m"})
     sent = await r.envoy.until_sent(2)
     assert error(sent[1]) == (
-        400, "'prompt' must be a string or a list of token ids (it is missing)", None
+        400,
+        "'prompt' must be a string or a list of token ids (it is missing)",
+        None,
     )
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.prefill.calls == [] and r.idle()
@@ -727,12 +756,14 @@ async def test_watching_stops_after_request_s() -> None:
 
 
 def _reload(rt: Runtime, **timeouts: float) -> None:
-    rt.reload(parse_config({"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D1, D2]},
-                            "timeouts": timeouts}))  # fmt: skip
+    rt.reload(
+        parse_config(
+            {"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D1, D2]}, "timeouts": timeouts}
+        )
+    )
 
 
-async def test_a_reload_keeps_the_grace_of_a_request_in_flight_and_gives_the_next_its_own(
-) -> None:  # fmt: skip
+async def test_a_reload_keeps_the_grace_of_a_request_in_flight_and_gives_the_next_its_own() -> None:
     r = Request(cached=True, timeouts={"decode_error_grace_s": 30})
     await r.send(headers())
     await r.envoy.until_sent(1)  # the headers passed; the body is on its way
@@ -775,9 +806,19 @@ async def test_what_is_reported_for_a_stream_that_never_started() -> None:
     r = Request()
     await r.send(aio.EOF)
     await asyncio.wait_for(r.task, WAIT_S)
-    assert r.trace.events == [("finish", {
-        "request_id": "", "client_request_id": "", "strategy": "serial", "reason": "none",
-        "outcome": "cancelled", "prefill": None})]  # fmt: skip
+    assert r.trace.events == [
+        (
+            "finish",
+            {
+                "request_id": "",
+                "client_request_id": "",
+                "strategy": "serial",
+                "reason": "none",
+                "outcome": "cancelled",
+                "prefill": None,
+            },
+        )
+    ]
 
 
 async def test_refused_requests_have_no_request_log_line(
@@ -862,8 +903,16 @@ async def test_d_answer_carries_the_requests_labels_for_the_access_log() -> None
     sent = await r.envoy.until_sent(3)
     await r.end()
     assert labels(sent[2]) == {"strategy": "parallel", "model": "m"}  # D accepted "m"
-    assert r.sample("pd_extproc_requests_total", outcome="ok", strategy="parallel",
-                    reason="cache_hit", model="m") == 1  # fmt: skip
+    assert (
+        r.sample(
+            "pd_extproc_requests_total",
+            outcome="ok",
+            strategy="parallel",
+            reason="cache_hit",
+            model="m",
+        )
+        == 1
+    )
 
 
 async def test_with_envoys_access_log_open_a_started_answer_is_left_to_its_entry() -> None:
@@ -877,8 +926,16 @@ async def test_with_envoys_access_log_open_a_started_answer_is_left_to_its_entry
     await r.end()
     # the entry will count it, by what Envoy saw of the stream (`extproc.request.access_log`)
     assert labels(sent[2]) == {"strategy": "parallel", "model": "m", "reason": "cache_hit"}
-    assert r.sample("pd_extproc_requests_total", outcome="ok", strategy="parallel",
-                    reason="cache_hit", model="m") is None  # fmt: skip
+    assert (
+        r.sample(
+            "pd_extproc_requests_total",
+            outcome="ok",
+            strategy="parallel",
+            reason="cache_hit",
+            model="m",
+        )
+        is None
+    )
     assert r.rt.access_log_streams.awaiting == 1
 
 
@@ -903,8 +960,16 @@ async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
     sent = await r.envoy.until_sent(4)
     await r.end()
     assert labels(sent[3]) == {"strategy": "serial", "model": "other"}
-    assert r.sample("pd_extproc_requests_total", outcome="client_error", strategy="serial",
-                    reason="cache_miss", model="other") == 1  # fmt: skip
+    assert (
+        r.sample(
+            "pd_extproc_requests_total",
+            outcome="client_error",
+            strategy="serial",
+            reason="cache_miss",
+            model="other",
+        )
+        == 1
+    )
 
 
 async def test_a_served_model_is_its_own_label_and_errors_carry_labels_too() -> None:
@@ -917,13 +982,25 @@ async def test_a_served_model_is_its_own_label_and_errors_carry_labels_too() -> 
     await asyncio.wait_for(r.task, WAIT_S)
     assert error(sent[2])[0] == 502
     assert labels(sent[2]) == {"strategy": "parallel", "model": "m"}
-    assert r.sample("pd_extproc_requests_total", outcome="prefill_error", strategy="parallel",
-                    reason="cache_hit", model="m") == 1  # fmt: skip
+    assert (
+        r.sample(
+            "pd_extproc_requests_total",
+            outcome="prefill_error",
+            strategy="parallel",
+            reason="cache_hit",
+            model="m",
+        )
+        == 1
+    )
 
 
 async def test_a_configured_model_is_its_own_label() -> None:
-    models = {"m": {"prefill": {"endpoints": ["127.0.0.1:9101"]},
-                    "decode": {"endpoints": ["127.0.0.1:9102"]}}}  # fmt: skip
+    models = {
+        "m": {
+            "prefill": {"endpoints": ["127.0.0.1:9101"]},
+            "decode": {"endpoints": ["127.0.0.1:9102"]},
+        }
+    }
     r = Request(models=models)
     await r.start(REQUEST | {"model": "invented"})
     await r.envoy.until_sent(2)

@@ -58,13 +58,16 @@ async def test_parallel_answer_carries_identity_routing_and_content_length() -> 
     await dispatched(envoy, REQUEST | {"kv_transfer_params": {"remote_host": "evil"}})
     answer = envoy.sent[1].request_body.response
     new_body = answer.body_mutation.body
-    set_headers = {h.header.key: h.header.raw_value.decode()
-                   for h in answer.header_mutation.set_headers}  # fmt: skip
+    set_headers = {
+        h.header.key: h.header.raw_value.decode() for h in answer.header_mutation.set_headers
+    }
     assert set_headers["x-gateway-destination-endpoint"] == D1
     assert int(set_headers["content-length"]) == len(new_body)
     params = orjson.loads(new_body)["kv_transfer_params"]
-    assert params["remote_engine_id"] == "e1" and params["remote_request_id"] == set_headers[
-        "x-request-id"]  # fmt: skip
+    assert (
+        params["remote_engine_id"] == "e1"
+        and params["remote_request_id"] == set_headers["x-request-id"]
+    )
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
     assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
@@ -103,7 +106,8 @@ async def test_restart_seen_in_the_wake_up_of_decode_headers_gives_503_not_200()
     reply = envoy.sent[-1].immediate_response
     assert reply.status.code == 503
     assert {h.header.key: h.header.raw_value for h in reply.headers.set_headers}[
-        "retry-after"] == b"1"  # fmt: skip
+        "retry-after"
+    ] == b"1"
     assert "restarted" in orjson.loads(reply.body)["error"]["message"]
 
 
@@ -179,8 +183,9 @@ async def test_answer_names_a_fallback_decode_for_envoys_connect_retry() -> None
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)
     answer = envoy.sent[1].request_body.response
-    set_headers = {h.header.key: h.header.raw_value.decode()
-                   for h in answer.header_mutation.set_headers}  # fmt: skip
+    set_headers = {
+        h.header.key: h.header.raw_value.decode() for h in answer.header_mutation.set_headers
+    }
     assert set_headers["x-gateway-destination-endpoint"] == f"{D1},{D2}"
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
@@ -202,9 +207,11 @@ def outcomes(rt: Runtime) -> dict[tuple[str, str, str], float]:
     """pd_extproc_requests as {(outcome, strategy, reason): count}."""
     return {
         (s.labels["outcome"], s.labels["strategy"], s.labels["reason"]): s.value
-        for metric in rt.metrics.registry.collect() if metric.name == "pd_extproc_requests"
-        for s in metric.samples if s.name.endswith("_total")
-    }  # fmt: skip
+        for metric in rt.metrics.registry.collect()
+        if metric.name == "pd_extproc_requests"
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
 
 
 async def test_decode_failing_before_a_restarted_prefill_answers_gives_503() -> None:
@@ -297,6 +304,9 @@ async def test_stream_ending_while_decode_headers_are_held_cancels_the_prefill_l
     await asyncio.wait_for(task, timeout=2)
     await asyncio.wait_for(prefill.cancelled.wait(), 2)
     assert [m.WhichOneof("response") for m in envoy.sent] == [
-        "request_headers", "request_body", None]  # fmt: skip
+        "request_headers",
+        "request_body",
+        None,
+    ]
     assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
     assert outcomes(rt) == {("cancelled", "parallel", "cache_hit"): 1.0}  # D's 200 never left

@@ -22,10 +22,12 @@ from extproc.scheduling.decision import Decider, Sides, decide, estimate_tokens,
 from extproc.scheduling.pool import EndpointState
 
 LOAD_AWARE = DecisionConfig(mode="load_aware")
-IDLE = Sides(running_d=0, waiting_d=0, kv_usage_d=0, pending_d_tokens=0, queued_p_tokens=0,
-             waiting_p=0)  # fmt: skip
-BUSY_D = Sides(running_d=8, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, queued_p_tokens=0,
-               waiting_p=0)  # fmt: skip
+IDLE = Sides(
+    running_d=0, waiting_d=0, kv_usage_d=0, pending_d_tokens=0, queued_p_tokens=0, waiting_p=0
+)
+BUSY_D = Sides(
+    running_d=8, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, queued_p_tokens=0, waiting_p=0
+)
 
 
 def test_tokens_are_estimated_from_bytes() -> None:
@@ -52,8 +54,9 @@ def test_a_busy_decode_gets_p_d_for_a_long_prompt_and_alone_for_a_short_one() ->
 
 
 def test_a_queued_decode_and_an_idle_prefill_give_p_d() -> None:
-    queued = Sides(0, waiting_d=20, kv_usage_d=0, pending_d_tokens=4096, queued_p_tokens=0,
-                   waiting_p=0)  # fmt: skip
+    queued = Sides(
+        0, waiting_d=20, kv_usage_d=0, pending_d_tokens=4096, queued_p_tokens=0, waiting_p=0
+    )
     assert decide(LOAD_AWARE, 256, queued, 30.0).reason == "faster_pd"
 
 
@@ -85,11 +88,15 @@ def test_the_stall_bucket_empties_and_counts_decisions() -> None:
     made = [decider.decide(cfg, 200, "d", busy, Load()).reason for _ in range(3)]
     assert made == ["faster_alone", "faster_alone", "stall_budget"]  # 11.6 ms each, 30 ms bucket
     text = metrics.render().decode()
-    assert 'pd_extproc_dispatch_decisions_total{decision="decode_only",reason="faster_alone"} 2.0' in text  # noqa: E501
+    assert (
+        'pd_extproc_dispatch_decisions_total{decision="decode_only",reason="faster_alone"} 2.0'
+        in text
+    )
 
 
-ADMISSION = AdmissionConfig(enabled=True, decode=AdmissionLimits(max_in_flight=4, max_waiting=8,
-                                                                  max_kv_usage=0.8))  # fmt: skip
+ADMISSION = AdmissionConfig(
+    enabled=True, decode=AdmissionLimits(max_in_flight=4, max_waiting=8, max_kv_usage=0.8)
+)
 
 
 def test_saturation_is_the_highest_ratio_and_a_role_its_least_saturated_member() -> None:

@@ -26,8 +26,10 @@ def config(**sections: Any) -> Config:
 
 
 def scheduler(cfg: Config) -> Scheduler:
-    prefill, decode = (Pool(role, cfg.static_addresses(role), build_picker("round_robin"))
-                       for role in (Role.PREFILL, Role.DECODE))  # fmt: skip
+    prefill, decode = (
+        Pool(role, cfg.static_addresses(role), build_picker("round_robin"))
+        for role in (Role.PREFILL, Role.DECODE)
+    )
     return Scheduler(cfg, prefill, decode, Metrics())
 
 
@@ -91,8 +93,12 @@ def test_decodes_only_for_a_passthrough_and_503_without_a_healthy_one() -> None:
 def test_a_reload_swaps_the_groups_and_modes() -> None:
     s = scheduler(config())
     P3, D3 = "127.0.0.1:8102", "127.0.0.1:8202"
-    s.reload(config(dispatch={"mode": "pull"}, models={"m": {
-        "prefill": {"endpoints": [P3]}, "decode": {"endpoints": [D3]}}}))  # fmt: skip
+    s.reload(
+        config(
+            dispatch={"mode": "pull"},
+            models={"m": {"prefill": {"endpoints": [P3]}, "decode": {"endpoints": [D3]}}},
+        )
+    )
     assert str(s.prefill_mode(P1)) == "pull"
     assert s.group("m").members == {Role.PREFILL: {P3}, Role.DECODE: {D3}}
     assert s.group("other") is s.group("") and s.decodes_of(P1) == {D1, D2}
