@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,11 +46,23 @@ STOP_TIMEOUT_S = 30.0
 ENGINE_SITE = Path(__file__).resolve().parent / "engine_site" / "sitecustomize.py"
 
 
+# Ports handed to an engine are chosen below Linux's ephemeral range (32768-60999), which the
+# kernel hands out to every outgoing connection: a port picked there and released may be taken
+# as a source port before the engine binds it (seen once: the side channel's "Address already in
+# use" under a busy machine). Below the range, only another explicit bind can take it.
+_ENGINE_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    """An unused loopback port (the tiny race until the engine binds it is acceptable in tests)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """An unused loopback port for an engine to bind, outside the ephemeral range."""
+    for port in random.sample(_ENGINE_PORTS, 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {_ENGINE_PORTS}")
 
 
 def hooks_dir() -> Path:

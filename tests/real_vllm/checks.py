@@ -39,15 +39,21 @@ async def check_disaggregated_equals_aggregated(setup: Setup, strategy: str) -> 
     assert moved.get("local_compute", 0.0) == 0, moved
     assert moved.get("local_cache_hit", 0.0) == 0, moved
     assert moved.get("external_kv_transfer", 0.0) == prompt_tokens, moved
-    sidecar = await scrape(setup.session, setup.sidecar.metrics + "/metrics")
-    used = sum(
-        v
-        for k, v in sidecar.items()
-        if k.startswith("pd_extproc_requests_total{")
-        and f'strategy="{strategy}"' in k
-        and 'outcome="ok"' in k
-    )
-    assert used == len(KINDS) * len(PROMPTS) * 2, sidecar
+    # An answer that started is counted from Envoy's access-log entry, flushed a moment later.
+    wanted, deadline = len(KINDS) * len(PROMPTS) * 2, asyncio.get_running_loop().time() + 10
+    while True:
+        sidecar = await scrape(setup.session, setup.sidecar.metrics + "/metrics")
+        used = sum(
+            v
+            for k, v in sidecar.items()
+            if k.startswith("pd_extproc_requests_total{")
+            and f'strategy="{strategy}"' in k
+            and 'outcome="ok"' in k
+        )
+        if used >= wanted or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.1)  # polling the counter until the last entries are in
+    assert used == wanted, sidecar
 
 
 async def check_no_expired_leases(setup: Setup) -> None:
