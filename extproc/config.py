@@ -98,11 +98,36 @@ def _off_as_written(value: Any) -> Any:
 OffAsWritten = BeforeValidator(_off_as_written)
 
 
+class EndpointKvEvents(_Strict):
+    """One engine's own KV event sockets, where they differ from its pool's `kv_events`: other
+    ports on its host, or whole ZMQ addresses (tcp://host:port, ipc:///path)."""
+
+    port: int | None = Field(default=None, gt=0, lt=65536)
+    replay_port: int | None = Field(default=None, gt=0, lt=65536)
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+
+    @model_validator(mode="after")
+    def _one_way(self) -> EndpointKvEvents:
+        if (self.port is None) == (self.endpoint is None):
+            raise ValueError("give port (and replay_port) or endpoint (and replay_endpoint)")
+        if self.port is not None and self.replay_endpoint is not None:
+            raise ValueError("with port, the replay socket is replay_port")
+        if self.endpoint is not None and self.replay_port is not None:
+            raise ValueError("with endpoint, the replay socket is replay_endpoint")
+        for value in (self.endpoint, self.replay_endpoint):
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"a ZMQ address: tcp://host:port or ipc:///path (got {value!r})")
+        return self
+
+
 class EndpointConfig(_Strict):
     """One vLLM server. `address` is what Envoy connects to and what routing headers name."""
 
     address: str
     mode: DispatchMode | None = None  # prefill only: overrides dispatch.mode for this endpoint
+    # Its own KV event sockets, for engines that share a host (its pool's kv_events must be set).
+    kv_events: EndpointKvEvents | None = None
 
     @field_validator("address")
     @classmethod
@@ -180,6 +205,16 @@ def _options(policy: str, keys: dict[str, Any]) -> BaseModel:
         raise ValueError(_format_errors(error).replace("\n", "; ")) from None
 
 
+class KvEventsConfig(_Strict):
+    """Route by the engines' KV caches: subscribe to the KV events every member publishes
+    (vLLM's `--kv-events-config`), at `tcp://<member's host>:<port>`, whatever found the
+    member (static endpoints, DNS, Kubernetes). See docs/kv-cache.md."""
+
+    port: int = Field(default=5557, gt=0, lt=65536)  # the engines' ZMQ PUB `endpoint`
+    replay_port: int | None = Field(default=5558, gt=0, lt=65536)  # `replay_endpoint`; null: none
+    topic: str = ""
+
+
 class PoolConfig(_Strict):
     # Members: a static list, and/or a DNS name (a headless service) re-resolved every
     # discovery.interval_s, and/or Kubernetes pods, by label or as an InferencePool's pods of
@@ -192,6 +227,8 @@ class PoolConfig(_Strict):
     # The policy's options (extproc.policies: each policy's options model). Written flat in
     # the pool (`kv_usage_weight: 2`), or nested under `options:`; both forms are accepted.
     options: SerializeAsAny[BaseModel] = NoOptions()
+    # KV events of the members (null: none read; the kv_cache policy then hashes prompts).
+    kv_events: KvEventsConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -231,6 +268,12 @@ class PoolConfig(_Strict):
     def _has_a_source(self) -> PoolConfig:
         if not (self.endpoints or self.dns or self.kubernetes or self.inference_pool):
             raise ValueError("give endpoints, dns, kubernetes or inference_pool")
+        return self
+
+    @model_validator(mode="after")
+    def _endpoint_ports_need_the_pool(self) -> PoolConfig:
+        if self.kv_events is None and any(e.kv_events for e in self.endpoints):
+            raise ValueError("an endpoint's kv_events ports need the pool's kv_events")
         return self
 
     @field_validator("dns")
@@ -595,11 +638,39 @@ class EnginesConfig(_Strict):
         return {} if self._api_key is None else {"authorization": f"Bearer {self._api_key}"}
 
 
+def _tokenizer_path(value: str | None) -> str | None:
+    """A model folder holding tokenizer.json, or the tokenizer.json file itself."""
+    if value is None:
+        return value
+    path = Path(value).expanduser()
+    if not (path.is_file() or (path / "tokenizer.json").is_file()):
+        raise ValueError(f"{value}: no tokenizer.json there; give the model's folder "
+                         "(as for vllm serve --tokenizer) or its tokenizer.json")  # fmt: skip
+    return value
+
+
+TokenizerPath = Annotated[str | None, AfterValidator(_tokenizer_path)]
+
+
+class KvIndexConfig(_Strict):
+    """The index of what the engines' KV caches hold (docs/kv-cache.md)."""
+
+    # (engine, block) entries kept; ~150 bytes each (650 000 keep within 100 MB)
+    max_blocks: int = Field(default=500_000, ge=1, le=100_000_000)
+
+
 class ModelConfig(_Strict):
     """The pools of one model (`models:`): requests naming it go only to these engines."""
 
     prefill: PoolConfig
     decode: PoolConfig
+    # The model's tokenizer (a local folder or tokenizer.json), for KV-cache routing; None:
+    # the top-level `tokenizer`.
+    tokenizer: TokenizerPath = None
+
+    @property
+    def kv_events(self) -> bool:
+        return self.prefill.kv_events is not None or self.decode.kv_events is not None
 
 
 class Config(_Strict):
@@ -609,6 +680,11 @@ class Config(_Strict):
     prefill: PoolConfig
     decode: PoolConfig
     models: dict[str, ModelConfig] = {}
+    # The tokenizer of the top-level pools' model, and of `models:` without their own: a local
+    # folder (tokenizer.json, tokenizer_config.json, chat template) or a tokenizer.json. KV-cache
+    # routing (a pool's kv_events) needs the ids the engines hash.
+    tokenizer: TokenizerPath = None
+    kv_index: KvIndexConfig = KvIndexConfig()
     dispatch: DispatchConfig = DispatchConfig()
     decision: DecisionConfig = DecisionConfig()
     admission: AdmissionConfig = AdmissionConfig()
@@ -639,7 +715,15 @@ class Config(_Strict):
 
     def groups(self) -> dict[str, ModelConfig]:
         """Model name → its pools; "" is the default group (top-level prefill/decode)."""
-        return {"": ModelConfig(prefill=self.prefill, decode=self.decode), **self.models}
+        default = ModelConfig.model_construct(  # validated already, as the top-level fields
+            prefill=self.prefill, decode=self.decode, tokenizer=self.tokenizer
+        )
+        return {"": default, **self.models}
+
+    def tokenizer_of(self, model: str) -> str | None:
+        """The tokenizer of group `model` ("" the default group)."""
+        group = self.groups().get(model)
+        return (group.tokenizer if group is not None else None) or self.tokenizer
 
     def pool_configs(self, role: Role) -> list[PoolConfig]:
         return [getattr(group, role) for group in self.groups().values()]

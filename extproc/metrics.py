@@ -234,6 +234,18 @@ class Metrics:
             ["endpoint", "reason"],
             registry=r,
         )
+        self.kv_routed_prompt_tokens = Counter(
+            "pd_extproc_kv_routed_prompt_tokens",
+            "Prompt tokens of requests routed by the KV cache, by the role they went to.",
+            ["role"],
+            registry=r,
+        )
+        self.kv_cached_prompt_tokens = Counter(
+            "pd_extproc_kv_cached_prompt_tokens",
+            "Of those, the leading tokens the chosen engine held (per its KV events).",
+            ["role"],
+            registry=r,
+        )
         self.kv_event_lag_seconds = Histogram(
             "pd_extproc_kv_event_lag_seconds",
             "Age of a KV event batch when the sidecar applied it (now - the batch's timestamp).",

@@ -27,6 +27,8 @@ from extproc.engines.restarts import RestartDetector
 from extproc.engines.scrape_plan import scrape_plan
 from extproc.engines.scraper import EngineScraper
 from extproc.engines.startup_summary import startup_summary, summary_is_clean
+from extproc.kvcache.index import KvIndex
+from extproc.kvcache.routing import KvRouting, event_sources, kv_groups
 from extproc.membership.discovery import Discovery
 from extproc.membership.eds import Memberships, pool_cluster_name
 from extproc.metrics import Metrics
@@ -61,6 +63,8 @@ RELOAD: dict[str, str] = {
     "prefill": REBUILT,  # policies, per-endpoint modes; members through discovery
     "decode": REBUILT,
     "models": REBUILT,
+    "tokenizer": REBUILT,  # KV-cache routing's tokenizers, loaded anew for a new path
+    "kv_index": RESTART,  # the index is built once
     "dispatch": LIVE,
     "dispatch.mode": REBUILT,
     "dispatch.flap_threshold": REBUILT,  # the identity cache's flap settings
@@ -137,7 +141,10 @@ class Runtime:
             pool_picker(config.decode),
             on_change=self._endpoint_changed(Role.DECODE),
         )
-        self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics)
+        # KV-cache routing: an index of what the engines hold, fed by their KV events
+        self.kv = KvRouting(KvIndex(config.kv_index.max_blocks), self.metrics)
+        self.kv.configure(kv_groups(config))
+        self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics, self.kv)
         for pool in (self.prefill, self.decode):
             for state in pool:
                 self._endpoint_changed(pool.role)(state)
@@ -157,7 +164,9 @@ class Runtime:
         self.kv_check = KvCheck(
             lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses
         )
-        self.restarts = RestartDetector(lambda a: a in self.prefill.addresses, self._restarted)
+        self.restarts = RestartDetector(
+            lambda a: a in self.prefill.addresses or a in self.kv.watched, self._restarted
+        )
         self.scraper = EngineScraper(
             lambda: self._session,
             lambda: scrape_plan(
@@ -234,9 +243,17 @@ class Runtime:
             log.info("prefill %s: identity %s", endpoint, event)
 
     def _restarted(self, address: str) -> None:
-        """A new process start time: the prefill identity is stale before any request."""
-        self.metrics.identity_events.labels(address, "restarted").inc()
-        self.identities.drop(address)
+        """A new process start time: the prefill identity is stale before any request, and
+        what the engine's KV cache held is gone."""
+        self.kv.engine_restarted(address)
+        if address in self.prefill.addresses:
+            self.metrics.identity_events.labels(address, "restarted").inc()
+            self.identities.drop(address)
+
+    def _follow_kv_events(self) -> None:
+        """Subscribe to the KV events of every member of a pool with kv_events."""
+        members = {name: g.members for name, g in self.scheduler.groups.items()}
+        self.kv.follow(event_sources(self.config, members, self.kv.routed_groups))
 
     def _endpoint_state(self, address: str) -> EndpointState | None:
         return next((s for pool in (self.prefill, self.decode) for s in pool
@@ -272,6 +289,7 @@ class Runtime:
             self.metrics.forget_endpoint(role, address)
         for address in added:
             log.info("%s %s joined the pool", role, address)
+        self._follow_kv_events()
         if added or removed:
             self.memberships.publish(pool_cluster_name(role), pool.addresses)
             if self._session is not None:
@@ -298,8 +316,9 @@ class Runtime:
         """
         restart = needs_restart(self.config, config)
         self.scheduler.reload(config)  # builds everything before it swaps
+        self.kv.configure(kv_groups(config))
         dispatch = config.dispatch
-        self.config = config
+        self.config = config  # the KV subscribers follow at discovery's refresh, which follows
         self.identities.set_flap_limits(
             dispatch.flap_threshold, dispatch.flap_window_s, dispatch.serial_cooldown_s
         )
@@ -309,6 +328,8 @@ class Runtime:
         """Health checks, identity probes, KV checks, discovery; once Envoy is serving."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
+        self.kv.start()
+        self._follow_kv_events()
         self.discovery.start()
         await self.health.start(self._session)
         await self.scraper.start()
@@ -325,6 +346,7 @@ class Runtime:
 
     async def stop(self) -> None:
         await self.discovery.stop()
+        await self.kv.stop()
         await self.scraper.stop()
         await self.health.stop()
         await self.prefill_client.close()

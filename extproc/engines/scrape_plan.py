@@ -3,6 +3,8 @@
 - every member of every pool whose policy needs engine load (the top-level pools and each
   `models:` group alike), at that pool's `load_interval_s`;
 - every decode engine at `kv_check.interval_s`, when the KV check is on;
+- every member of a pool with `kv_events` at `health.interval_s`: an engine's restart (its
+  `process_start_time_seconds`) clears its KV-cache entries;
 - every member at `decision.load_interval_s` / `admission.load_interval_s` when the
   load-aware decision / admission control is on.
 An engine wanted by several gets the smallest interval. Prefill engines are also scraped by
@@ -36,6 +38,8 @@ def scrape_plan(
             pool = getattr(group, role)
             if pool.needs_load and model in members:
                 want(members[model].get(role, ()), pool.load_interval_s)
+            if pool.kv_events is not None and model in members:
+                want(members[model].get(role, ()), config.health.interval_s)
     if config.kv_check.enabled:
         want(decodes, config.kv_check.interval_s)
     every = [a for group in members.values() for role in Role for a in group.get(role, ())]

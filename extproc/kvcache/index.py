@@ -15,9 +15,12 @@ with BlockStored when a request reuses it, so storage order is also use order.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
 import sys
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from extproc.kvcache.events import AllCleared, BlocksRemoved, BlocksStored, KvEvent
@@ -28,23 +31,33 @@ _KEY_MASK = (1 << 60) - 1  # below 2**60 a Python int is 32 bytes, above it 36
 _ROOT = 0  # the parent key of a prompt's first block
 _EVICT_FRACTION = 64  # evict 1/64 of the bound at once
 _INT_BYTES = 32
+# The chain is a keyed hash with a key of this process's own: a client who cannot learn it
+# cannot craft a prompt whose blocks collide with another's (a faked cache hit).
+_KEYED = hashlib.blake2b(digest_size=8, key=os.urandom(16))  # copied per block (cheaper)
+_TOKEN = "I"  # token ids as 4-byte unsigned ints (vocabularies stay far below 2**32)
+_TOKEN_BYTES = 4
 
 
 def chain_keys(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
     """Our key of each full block of `token_ids` (at most `limit` blocks)."""
-    keys: list[int] = []
-    parent = _ROOT
-    full = len(token_ids) // block_size
-    for start in range(0, (full if limit is None else min(full, limit)) * block_size, block_size):
-        parent = _key(parent, token_ids[start : start + block_size])
-        keys.append(parent)
-    return keys
+    return list(itertools.islice(_chain(_ROOT, token_ids, block_size), limit))
 
 
-def _key(parent: int, block: Sequence[int]) -> int:
-    # CPython hashes a tuple of ints the same in every process (no PYTHONHASHSEED for ints). It is
-    # not collision-resistant: a crafted prompt can at worst make the router guess a cache hit.
-    return hash((parent, *block)) & _KEY_MASK
+def _chain(parent: int, token_ids: Sequence[int], block_size: int) -> Iterator[int]:
+    """The keys of the full blocks of `token_ids` after `parent`, lazily (a lookup stops at
+    the first block no engine holds). Ids that are no token (negative, over 2**32) give none."""
+    try:
+        data = array(_TOKEN, token_ids).tobytes()
+    except (OverflowError, TypeError):
+        return
+    step = block_size * _TOKEN_BYTES
+    digest = parent.to_bytes(8, "little")
+    for start in range(0, len(data) // step * step, step):
+        hasher = _KEYED.copy()
+        hasher.update(digest + data[start : start + step])
+        key = int.from_bytes(hasher.digest(), "little") & _KEY_MASK
+        digest = key.to_bytes(8, "little")
+        yield key
 
 
 @dataclass(slots=True)
@@ -117,9 +130,8 @@ class KvIndex:
             return
         state.block_size = event.block_size
         bit = 1 << state.slot
-        tokens, size = event.token_ids, event.block_size
-        for i, engine_hash in enumerate(event.engine_hashes):
-            key = _key(parent, tokens[i * size : (i + 1) * size])
+        keys = _chain(parent, event.token_ids, event.block_size)
+        for engine_hash, key in zip(event.engine_hashes, keys, strict=False):
             old = held.pop(engine_hash, None)
             if old is None:
                 self._entries += 1
@@ -127,7 +139,6 @@ class KvIndex:
                 self._unhold(old, bit)
             held[engine_hash] = key  # (re)inserted last: the most recently stored
             self._holders[key] = self._holders.get(key, 0) | bit
-            parent = key
 
     def _drop(self, state: _Engine, engine_hashes: Iterable[int]) -> None:
         held = state.held()
@@ -169,13 +180,23 @@ class KvIndex:
                 found[names[slot]] = blocks
         return found
 
+    def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """Per engine whose events have told its block size, how many leading tokens of
+        `token_ids` it holds (full blocks × block size). Engines not yet heard from are left
+        out: what they hold is unknown, not nothing."""
+        sizes = {name: state.block_size for name, state in self._engines.items()
+                 if state.block_size}  # fmt: skip
+        if not sizes:
+            return {}
+        return {name: blocks * sizes[name] for name, blocks in
+                self.longest_prefix(token_ids).items() if name in sizes}  # fmt: skip
+
     def _walk(self, token_ids: Sequence[int], size: int, slots: list[int]) -> dict[int, int]:
         alive = sum(1 << slot for slot in slots)
         reached = dict.fromkeys(slots, 0)
-        parent, holders, depth = _ROOT, self._holders, 0
-        for start in range(0, len(token_ids) // size * size, size):
-            parent = _key(parent, token_ids[start : start + size])
-            still = alive & holders.get(parent, 0)
+        holders, depth = self._holders, 0
+        for key in _chain(_ROOT, token_ids, size):
+            still = alive & holders.get(key, 0)
             if still != alive:
                 _settle(reached, alive & ~still, depth)
                 alive = still

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from extproc.policies.base import EndpointView, NoOptions, Picker, PickRequest, hrw_order
+from extproc.policies.kv_cache import KvCacheOptions, KvCachePicker
 from extproc.policies.least_request import LeastRequestPicker
 from extproc.policies.least_tokens import LeastTokensPicker
 from extproc.policies.power_of_two import PowerOfTwoOptions, PowerOfTwoPicker, load_score
@@ -27,6 +28,8 @@ from extproc.policies.session import SessionPicker
 __all__ = [
     "POLICIES",
     "EndpointView",
+    "KvCacheOptions",
+    "KvCachePicker",
     "LeastRequestPicker",
     "LeastTokensPicker",
     "NoOptions",
@@ -66,6 +69,7 @@ POLICIES: dict[str, Policy] = {
         Policy("power_of_two", PowerOfTwoPicker, PowerOfTwoOptions, needs_load=True),
         Policy("session", SessionPicker),
         Policy("prefix", PrefixPicker, PrefixOptions),
+        Policy("kv_cache", KvCachePicker, KvCacheOptions, needs_load=True),
     )
 }
 

@@ -9,7 +9,7 @@ policies and never the other way round.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -27,6 +27,10 @@ class PickRequest:
     prefix: bytes = field(default=b"", repr=False)  # the start of the raw prompt/messages JSON
     prompt_bytes: int = 0  # the whole raw prompt/messages JSON's size (the decode-only decision)
     priority: int = 0  # admission control's priority (extproc.scheduling.admission)
+    # KV-cache routing (only where a pool has kv_events and the model a tokenizer): the
+    # prompt's token count, and per engine heard from, how many leading tokens it holds.
+    prompt_tokens: int = 0
+    cached: Mapping[str, int] | None = field(default=None, repr=False, compare=False)
 
 
 class EndpointView(Protocol):

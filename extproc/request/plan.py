@@ -23,24 +23,27 @@ each. `plan_legs` is its pure part: bodies and destinations, without I/O.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from extproc.config import DispatchMode
 from extproc.errors import ClientError
+from extproc.kvcache.tokens import ChatTemplateError
 from extproc.policies import PickRequest
 from extproc.protocol.bodies import buffer_bytes, decode_body, prefill_body, prefill_kv_params
 from extproc.protocol.identity import PrefillIdentity
-from extproc.request.parse import ClientRequest
+from extproc.request.parse import Api, ClientRequest
 from extproc.scheduling.admission import request_priority
 from extproc.scheduling.scheduler import DecodeAlone, WithPrefill
 
 if TYPE_CHECKING:
     from extproc.config import Config
+    from extproc.kvcache.routing import KvRouting
     from extproc.scheduling.pool import Counted
     from extproc.scheduling.scheduler import Scheduler
     from extproc.scheduling.subset_hint import Subset
@@ -59,7 +62,10 @@ __all__ = [
     "pick_request",
     "plan_legs",
     "plan_request",
+    "request_tokens",
 ]
+
+log = logging.getLogger("extproc")
 
 
 class Strategy(StrEnum):
@@ -150,10 +156,49 @@ Plan = DecodeOnlyPlan | ParallelPlan | SerialPlan
 _PREFIX_BYTES = 4096  # enough of the prompt for prefix-affinity policies to hash
 
 
-def pick_request(request: ClientRequest, session: str | None, priority: int = 0) -> PickRequest:
-    """What the policies and the decision see of the request."""
+def pick_request(request: ClientRequest, session: str | None, priority: int = 0,
+                 tokens: list[int] | None = None,
+                 kv: KvRouting | None = None) -> PickRequest:  # fmt: skip
+    """What the policies and the decision see of the request; with its `tokens`, what each
+    engine holds of them (KV-cache routing), looked up now, just before the pick."""
     prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
-    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority)
+    if tokens is None or kv is None:
+        return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority)
+    return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority,
+                       len(tokens), kv.cached_tokens(tokens))  # fmt: skip
+
+
+async def request_tokens(request: ClientRequest, scheduler: Scheduler) -> list[int] | None:
+    """The request's token ids as the engines compute them, where its model group routes by
+    the KV cache; None otherwise (nothing is tokenized), or where they cannot be had (a batch
+    of prompts, content that is not text, the tokenizer's queue full): routed without them."""
+    kv = scheduler.kv
+    tokenizer = kv.tokenizer_for(scheduler.group(request.model).name) if kv else None
+    if tokenizer is None:
+        return None
+    doc = request.doc
+    try:
+        if request.api is Api.CHAT:
+            return await tokenizer.chat(
+                doc.get("messages") or [],
+                add_generation_prompt=doc.get("add_generation_prompt", True) is not False,
+                continue_final_message=doc.get("continue_final_message") is True,
+                tools=doc.get("tools") if isinstance(doc.get("tools"), list) else None,
+                template_kwargs=_template_kwargs(doc),
+            )
+        prompt = doc.get("prompt")
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list) and all(type(t) is int for t in prompt)
+        ):
+            return await tokenizer.completion(prompt)
+    except (ChatTemplateError, TypeError, ValueError) as error:
+        log.debug("request not tokenized for the KV index: %s", error)
+    return None
+
+
+def _template_kwargs(doc: Mapping[str, Any]) -> dict[str, Any] | None:
+    kwargs = doc.get("chat_template_kwargs")
+    return kwargs if isinstance(kwargs, dict) else None
 
 
 def plan_request(
@@ -165,13 +210,16 @@ def plan_request(
     inflight: ExitStack,
     subset: Subset | None = None,
     fallbacks: int = 1,
+    tokens: list[int] | None = None,
 ) -> Plan:
     """The whole plan of one request, under its config snapshot `config`: the endpoints (each
     counted in flight until `inflight` closes), decode-only or P/D, serial or parallel, the
-    bodies, checked to fit Envoy's buffer before any leg leaves. Raises what the scheduler
-    raises (Shed, NoHealthy*), ClientError for a bad priority header or an oversized body."""
+    bodies, checked to fit Envoy's buffer before any leg leaves. `tokens`: `request_tokens`'s
+    answer. Raises what the scheduler raises (Shed, NoHealthy*), ClientError for a bad
+    priority header or an oversized body."""
     priority = request_priority(headers, config.admission)
-    wanted = pick_request(request, headers.get(config.dispatch.session_header), priority)
+    wanted = pick_request(request, headers.get(config.dispatch.session_header), priority,
+                          tokens, scheduler.kv)  # fmt: skip
     picked = scheduler.pick(wanted, inflight, config, subset, fallbacks)
     request_id = str(uuid.uuid4())
     if isinstance(picked, DecodeAlone):

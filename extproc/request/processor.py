@@ -55,6 +55,7 @@ from extproc.request.plan import (
     SerialPlan,
     Strategy,
     plan_request,
+    request_tokens,
 )
 from extproc.request.strategies import (
     NOT_DISPATCHED,
@@ -221,9 +222,10 @@ class RequestProcessor:
         request = parse_request(api, upload.body, config.limits.max_body_bytes)
         self.model = request.model
         fallbacks = 1 if picker is None else picker.fallbacks
+        tokens = await request_tokens(request, self.deps.scheduler)  # None: not KV-routed
         self.plan = plan = plan_request(request, headers, config, self.deps.scheduler,
                                         self.deps.legs.identities, inflight, self.subset,
-                                        fallbacks)  # fmt: skip
+                                        fallbacks, tokens)  # fmt: skip
         exchange = Exchange(self.stream, self.trace, api.value, forwarded, self.client_request_id,
                             config, streamed,
                             picker.destination_namespace if picker else None)  # fmt: skip

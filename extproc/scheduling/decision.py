@@ -88,21 +88,26 @@ def stall_ms(cfg: DecisionConfig, tokens: int, running_d: float) -> float:
     return tokens * cfg.prefill_per_token_ms + extra_steps * cfg.step_base_ms
 
 
-def decide(cfg: DecisionConfig, tokens: int, sides: Sides, stall_credit_ms: float) -> Decision:
-    """The decision for a prompt of `tokens` (estimated); pure."""
+def decide(cfg: DecisionConfig, tokens: int, sides: Sides, stall_credit_ms: float,
+           d_cached: int = 0, p_cached: int = 0) -> Decision:  # fmt: skip
+    """The decision for a prompt of `tokens` (estimated, or counted by the tokenizer), of which
+    D already holds the first `d_cached` and P the first `p_cached` (KV-cache routing; neither
+    is computed again); pure."""
+    tokens_d = max(0, tokens - d_cached)  # what D computes alone
     if cfg.mode is DecisionMode.THRESHOLD:
-        short = tokens <= cfg.max_prompt_tokens
+        short = tokens_d <= cfg.max_prompt_tokens
         return Decision(short, "short_prompt" if short else "long_prompt")
+    tokens_p = max(0, tokens - p_cached)
     decode_step = cfg.decode_per_seq_ms * sides.running_d
     alone = (sides.waiting_d * cfg.step_base_ms
-             + prefill_ms(cfg, sides.pending_d_tokens + tokens) + decode_step)  # fmt: skip
-    p_tokens = sides.queued_p_tokens + round(sides.waiting_p * tokens) + tokens
+             + prefill_ms(cfg, sides.pending_d_tokens + tokens_d) + decode_step)  # fmt: skip
+    p_tokens = sides.queued_p_tokens + round(sides.waiting_p * tokens) + tokens_p
     pd = prefill_ms(cfg, p_tokens) + cfg.pd_overhead_ms + decode_step
     if sides.kv_usage_d >= cfg.max_kv_usage:
         return Decision(False, "kv_pressure", alone, pd)
     if alone >= pd:
         return Decision(False, "faster_pd", alone, pd)
-    stall = stall_ms(cfg, tokens, sides.running_d)
+    stall = stall_ms(cfg, tokens_d, sides.running_d)
     if stall > cfg.max_stall_ms or stall > stall_credit_ms:
         return Decision(False, "stall_budget", alone, pd)
     return Decision(True, "faster_alone", alone, pd)
@@ -123,21 +128,25 @@ class Decider:
         self._decodes: dict[str, _DecodeState] = {}
 
     def decide(self, cfg: DecisionConfig, prompt_bytes: int, decode: str, d: EndpointView,
-               p: EndpointView) -> Decision:  # fmt: skip
+               p: EndpointView, prompt_tokens: int = 0, d_cached: int = 0,
+               p_cached: int = 0) -> Decision:  # fmt: skip
         """Decode-only or not, for a request already counted in flight on `decode`; `cfg`:
-        the request's config snapshot."""
+        the request's config snapshot. `prompt_tokens`: the count, where the request was
+        tokenized (else estimated from its bytes); `d_cached`/`p_cached`: its leading tokens
+        D and P hold (KV-cache routing)."""
         now = time.monotonic()
-        tokens = estimate_tokens(prompt_bytes, cfg.bytes_per_token)
+        tokens = prompt_tokens or estimate_tokens(prompt_bytes, cfg.bytes_per_token)
         # Ours exactly (this request not counted), plus what others sent as of the last scrape:
         # the scrape alone is up to an interval old, and a request ends in less.
         running_d = max(0.0, d.in_flight - 1 + d.foreign)
         state = self._decode_state(decode, cfg, running_d, now)
         sides = Sides(running_d, d.waiting, d.kv_usage, sum(t for _, t in state.pending),
                       p.queued_tokens, p.foreign)  # fmt: skip
-        decision = decide(cfg, tokens, sides, state.credit_ms)
+        decision = decide(cfg, tokens, sides, state.credit_ms, d_cached, p_cached)
         if decision.decode_only:
-            state.credit_ms -= stall_ms(cfg, tokens, running_d)
-            state.pending.append((now + decision.ttft_alone_ms / 1e3, tokens))
+            uncached = max(0, tokens - d_cached)
+            state.credit_ms -= stall_ms(cfg, uncached, running_d)
+            state.pending.append((now + decision.ttft_alone_ms / 1e3, uncached))
         self._metrics.decisions.labels(
             DECODE_ONLY if decision.decode_only else DISAGGREGATE, decision.reason
         ).inc()

@@ -27,6 +27,7 @@ from extproc.scheduling.decision import Decider
 from extproc.scheduling.pool import Counted, Pool
 
 if TYPE_CHECKING:
+    from extproc.kvcache.routing import KvRouting  # carried for the planner, never called here
     from extproc.metrics import Metrics
     from extproc.scheduling.subset_hint import Subset
 
@@ -99,7 +100,8 @@ def _none_healthy(role: Role, subset: Subset | None) -> str:
 class Scheduler:
     """Picking, admission and the decode-only decision over the two shared pools."""
 
-    def __init__(self, config: Config, prefill: Pool, decode: Pool, metrics: Metrics) -> None:
+    def __init__(self, config: Config, prefill: Pool, decode: Pool, metrics: Metrics,
+                 kv: KvRouting | None = None) -> None:  # fmt: skip
         self.prefill = prefill
         self.decode = decode
         self.decider = Decider(metrics)
@@ -107,6 +109,7 @@ class Scheduler:
         self.groups = _model_groups(config)
         self._modes = _endpoint_modes(config)
         self._default_mode = config.dispatch.mode
+        self.kv = kv  # KV-cache routing: the index and the tokenizers (None: never)
 
     def reload(self, config: Config) -> None:
         """Groups, modes and policies from `config`; all built before any is swapped."""
@@ -152,23 +155,40 @@ class Scheduler:
         prefills = self.prefill.pick_with_fallback(
             wanted, members[Role.PREFILL], group.pickers[Role.PREFILL]
         )
+        cached = wanted.cached or {}
         if prefills:
             prefill = prefills[0]
             if config.decision.mode is not DecisionMode.OFF:
                 decode = counted.state  # decodes[0]'s
                 decision = self.decider.decide(
-                    config.decision, wanted.prompt_bytes, decode.address, decode, prefill
+                    config.decision, wanted.prompt_bytes, decode.address, decode, prefill,
+                    wanted.prompt_tokens, cached.get(decode.address, 0),
+                    cached.get(prefill.address, 0),
                 )
                 if decision.decode_only:
+                    self._count_cached(wanted, Role.DECODE, decodes[0])
                     return DecodeAlone(decodes, counted, decision.reason)
             if config.admission.enabled:  # only a request that will use P waits for one
                 self._admit(wanted, group, Role.PREFILL, config)
             prefill_counted = inflight.enter_context(self.prefill.track(prefill))
             fallback = prefills[1].address if len(prefills) > 1 else None
+            self._count_cached(wanted, Role.PREFILL, prefill.address)
+            self._count_cached(wanted, Role.DECODE, decodes[0])
             return WithPrefill(decodes, counted, prefill.address, prefill_counted, fallback)
         if config.dispatch.no_healthy_prefill == "decode_only":
+            self._count_cached(wanted, Role.DECODE, decodes[0])
             return DecodeAlone(decodes, counted)
         raise NoHealthyPrefill(503, _none_healthy(Role.PREFILL, subset), retry_after_s=1)
+
+    def _count_cached(self, wanted: PickRequest, role: Role, address: str) -> None:
+        """The prompt tokens routed to `role` and, of them, those found cached there (only
+        requests KV-cache routing looked up)."""
+        if wanted.cached is None:
+            return
+        self._metrics.kv_routed_prompt_tokens.labels(role).inc(wanted.prompt_tokens)
+        self._metrics.kv_cached_prompt_tokens.labels(role).inc(
+            min(wanted.prompt_tokens, wanted.cached.get(address, 0))
+        )
 
     def pick_decodes(self, wanted: PickRequest, inflight: ExitStack, config: Config,
                      subset: Subset | None = None, fallbacks: int = 1) -> DecodeAlone:  # fmt: skip

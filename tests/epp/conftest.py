@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ class Picker:
         return self.log_path.read_text(errors="replace")
 
 
-def epp_config(prefills: list[str], decodes: list[str], **extra: Any) -> dict[str, Any]:
+def epp_config(prefills: list[Any], decodes: list[Any], **extra: Any) -> dict[str, Any]:
     config: dict[str, Any] = {
         "prefill": {"endpoints": prefills},
         "decode": {"endpoints": decodes},
@@ -51,7 +51,7 @@ def epp_config(prefills: list[str], decodes: list[str], **extra: Any) -> dict[st
         "health": {"interval_s": 0.5, "timeout_s": 0.5},
     }
     for key, value in extra.items():
-        config[key] = {**config.get(key, {}), **value}
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     return config
 
 
@@ -127,8 +127,10 @@ async def epp_topology(
     n_decode: int = 1,
     connectors: tuple[str, str] = PUSH,
     engine_flags: Sequence[str] = (),
+    endpoint: Callable[[EngineHandle], Any] = address,
     **config: Any,
 ) -> AsyncIterator[Topology]:
+    """`endpoint`: an engine's entry in its pool's `endpoints` (its address, or a mapping)."""
     async with contextlib.AsyncExitStack() as stack:
         engines = {}
         for role, count, connector in (("prefill", n_prefill, connectors[0]),
@@ -142,7 +144,7 @@ async def epp_topology(
         prefills, decodes = engines["prefill"], engines["decode"]
         addresses = [address(e) for e in [*prefills, *decodes]]
         picker = await stack.enter_async_context(running_epp(
-            epp_config(addresses[:n_prefill], addresses[n_prefill:], **config)
+            epp_config([endpoint(e) for e in prefills], [endpoint(e) for e in decodes], **config)
         ))  # fmt: skip
         # the InferencePool's members: every pod, prefill and decode alike
         url = await stack.enter_async_context(

@@ -186,8 +186,9 @@ def test_bad_policy_options_fail_at_load(keys: dict[str, object], message: str) 
         parse_config({"prefill": pool | keys, "decode": DECODE})
 
 
-def test_only_power_of_two_needs_engine_load() -> None:
-    assert {name for name, policy in POLICIES.items() if policy.needs_load} == {"power_of_two"}
+def test_only_the_load_weighing_policies_need_engine_load() -> None:
+    needs = {name for name, policy in POLICIES.items() if policy.needs_load}
+    assert needs == {"power_of_two", "kv_cache"}
 
 
 # ---- round_robin and random -------------------------------------------------------------

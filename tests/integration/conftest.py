@@ -161,8 +161,10 @@ async def topology(
     connectors: tuple[str, str] = PUSH,
     engine_flags: Sequence[str] = (),
     extra_prefills: Sequence[EngineHandle] = (),
+    endpoint: Callable[[EngineHandle], Any] = address,
     **config: Any,
 ) -> AsyncIterator[Topology]:
+    """`endpoint`: an engine's entry in its pool's `endpoints` (its address, or a mapping)."""
     async with contextlib.AsyncExitStack() as stack:
         prefills = [
             await stack.enter_async_context(
@@ -178,11 +180,12 @@ async def topology(
         ]
         # `prefill=` / `decode=` sections (a policy and its options) join the endpoints
         pools = {
-            role: {"endpoints": [address(e) for e in engines], **config.pop(role, {})}
+            role: {"endpoints": [endpoint(e) for e in engines], **config.pop(role, {})}
             for role, engines in (("prefill", prefills), ("decode", decodes))
         }
         cfg = (
-            ephemeral_config(pools["prefill"]["endpoints"], pools["decode"]["endpoints"], **config)
+            ephemeral_config([address(e) for e in prefills], [address(e) for e in decodes],
+                             **config)
             | pools
         )
         sidecar = await stack.enter_async_context(running_sidecar(cfg))

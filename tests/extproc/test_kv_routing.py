@@ -1,0 +1,239 @@
+"""KV-cache routing's parts: the config, where each engine publishes, the kv_cache policy, the
+decision counting only what D lacks, the keyed chain, and no cost where it is off."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from extproc.config import ConfigError, DecisionConfig, parse_config
+from extproc.kvcache.index import KvIndex, chain_keys
+from extproc.kvcache.routing import KvRouting, event_sources, kv_groups
+from extproc.kvcache.watchers import EventSource
+from extproc.metrics import Metrics
+from extproc.policies import KvCacheOptions, KvCachePicker, PickRequest, PrefixPicker
+from extproc.request.parse import Api, parse_request
+from extproc.request.plan import pick_request, request_tokens
+from extproc.roles import Role
+from extproc.scheduling.decision import Sides, decide
+from extproc.scheduling.pool import EndpointState, Pool
+from extproc.scheduling.scheduler import Scheduler, WithPrefill, pool_picker
+from tests.extproc.kv_events_helpers import BLOCK, chain
+from tests.extproc.kv_events_helpers import batch as _batch
+
+LOAD_AWARE = DecisionConfig(mode="load_aware", pd_overhead_ms=0)
+IDLE = Sides(0, 0, 0, 0, 0, 0)
+BUSY_D = Sides(running_d=8, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, queued_p_tokens=0,
+               waiting_p=0)  # fmt: skip
+P1, P2, D1 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path: Path) -> Path:
+    vocab = {w: i for i, w in enumerate(["<unk>", *(f"w{i}" for i in range(64))])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+def config(tokenizer: str | None, **pool: object) -> dict[str, object]:
+    return {"prefill": {"endpoints": [P1, P2], **pool}, "decode": {"endpoints": [D1], **pool},
+            **({"tokenizer": tokenizer} if tokenizer else {})}  # fmt: skip
+
+
+# ---- config and sources ------------------------------------------------------------------
+
+
+def test_every_member_publishes_at_its_host_on_the_pools_ports(tokenizer_dir: Path) -> None:
+    cfg = parse_config(config(str(tokenizer_dir), kv_events={"port": 7000, "replay_port": None}))
+    members = {"": {Role.PREFILL: [P1, "10.9.9.9:8000"], Role.DECODE: ["[fd00::1]:9000"]}}
+    assert event_sources(cfg, members, {""}) == {
+        P1: EventSource("tcp://10.0.0.1:7000"),
+        "10.9.9.9:8000": EventSource("tcp://10.9.9.9:7000"),  # discovered: the pool's ports
+        "[fd00::1]:9000": EventSource("tcp://[fd00::1]:7000"),
+    }
+    assert event_sources(cfg, members, set()) == {}  # the group has no tokenizer loaded
+
+
+def test_a_static_endpoint_may_name_its_own_sockets(tokenizer_dir: Path) -> None:
+    own = {"address": P2, "kv_events": {"port": 7100, "replay_port": 7101}}
+    ipc = {"address": D1, "kv_events": {"endpoint": "ipc:///run/d.pub"}}
+    cfg = parse_config({"prefill": {"endpoints": [P1, own], "kv_events": {}},
+                        "decode": {"endpoints": [ipc], "kv_events": {"topic": "kv"}},
+                        "tokenizer": str(tokenizer_dir)})  # fmt: skip
+    sources = event_sources(cfg, {"": {Role.PREFILL: [P1, P2], Role.DECODE: [D1]}}, {""})
+    assert sources == {P1: EventSource("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"),
+                       P2: EventSource("tcp://10.0.0.2:7100", "tcp://10.0.0.2:7101"),
+                       D1: EventSource("ipc:///run/d.pub", None, "kv")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (config("/nowhere"), "tokenizer: /nowhere: no tokenizer.json there"),
+        ({"prefill": {"endpoints": [{"address": P1, "kv_events": {"port": 1}}]},
+          "decode": {"endpoints": [D1]}},
+         "prefill: Value error, an endpoint's kv_events ports need the pool's kv_events"),
+        (config(None, kv_events={"port": 0}), "prefill.kv_events.port: Input should be greater"),
+        ({"prefill": {"endpoints": [{"address": P1, "kv_events": {"endpoint": "udp://x"}}],
+                      "kv_events": {}}, "decode": {"endpoints": [D1]}},
+         "prefill.endpoints.0.kv_events: Value error, a ZMQ address: tcp://host:port or ipc"),
+        ({"prefill": {"endpoints": [{"address": P1, "kv_events": {"replay_port": 2}}],
+                      "kv_events": {}}, "decode": {"endpoints": [D1]}},
+         "prefill.endpoints.0.kv_events: Value error, give port (and replay_port) or endpoint"),
+    ],
+)
+def test_bad_kv_settings_fail_at_load_in_one_line(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        parse_config(data)
+    assert str(error.value).splitlines()[0].startswith(message.replace("Value error, ", ""))
+
+
+def test_kv_events_without_a_tokenizer_warn_once_and_route_without(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    cfg = parse_config(config(None, kv_events={}))
+    with caplog.at_level(logging.WARNING, "extproc"):
+        routing.configure(kv_groups(cfg))
+        routing.configure(kv_groups(cfg))  # a reload
+    assert [r.getMessage() for r in caplog.records] == [
+        "the top-level pools: kv_events are set but no tokenizer; it routes without the KV "
+        "cache. Set `tokenizer:` (the model's folder or tokenizer.json)"
+    ]
+    assert routing.tokenizer_for("") is None and not routing.enabled
+
+
+# ---- the policy --------------------------------------------------------------------------
+
+
+def states(*addresses: str, in_flight: tuple[int, ...] = ()) -> list[EndpointState]:
+    return [EndpointState(a, in_flight=n) for a, n in
+            zip(addresses, in_flight or (0,) * len(addresses), strict=True)]  # fmt: skip
+
+
+def test_the_engine_holding_the_prompt_wins_until_its_load_outweighs_it() -> None:
+    picker = KvCachePicker(KvCacheOptions(kv_cache_weight=4))
+    request = PickRequest(prefix=b"x", prompt_tokens=100, cached={P1: 0, P2: 80})
+    assert picker.pick(states(P1, P2), request).address == P2
+    assert picker.pick(states(P1, P2, in_flight=(0, 3)), request).address == P2  # 3.2 > 3
+    assert picker.pick(states(P1, P2, in_flight=(0, 4)), request).address == P1
+
+
+def test_nothing_known_to_be_cached_falls_back_to_prompt_hashing() -> None:
+    for cached in (None, {}, {P1: 0}):
+        for key in (b"a", b"b", b"c", b"d"):
+            request = PickRequest(prefix=key, prompt_tokens=10, cached=cached)
+            expected = PrefixPicker().pick(states(P1, P2), request).address
+            assert KvCachePicker().pick(states(P1, P2), request).address == expected
+
+
+# ---- the decision ------------------------------------------------------------------------
+
+
+def test_a_prompt_d_holds_mostly_goes_alone_and_one_it_does_not_through_p() -> None:
+    assert decide(LOAD_AWARE, 2000, IDLE, 30.0).reason == "faster_pd"  # equal: P/D
+    assert decide(LOAD_AWARE, 2000, IDLE, 30.0, d_cached=1900).reason == "faster_alone"
+    # P holding it as much as D does gives D no edge
+    assert decide(LOAD_AWARE, 2000, IDLE, 30.0, 1900, 1900).reason == "faster_pd"
+
+
+def test_a_busy_decode_holding_the_prompt_still_keeps_its_stall_budget() -> None:
+    cfg = DecisionConfig(mode="load_aware")
+    assert decide(cfg, 2000, BUSY_D, 30.0).reason == "stall_budget"  # 116 ms of prefill
+    assert decide(cfg, 2000, BUSY_D, 30.0, d_cached=1900).decode_only  # ~6 ms: it fits
+    full = Sides(8, 0, 0.95, 0, 0, 0)
+    assert decide(cfg, 2000, full, 30.0, d_cached=1990).reason == "kv_pressure"
+
+
+def test_threshold_counts_the_tokens_d_lacks() -> None:
+    cfg = DecisionConfig(mode="threshold", max_prompt_tokens=100)
+    assert not decide(cfg, 1000, IDLE, 0).decode_only
+    assert decide(cfg, 1000, IDLE, 0, d_cached=960).decode_only
+
+
+# ---- the request path ----------------------------------------------------------------------
+
+
+async def test_no_kv_events_means_no_tokenizing_and_no_lookup(tokenizer_dir: Path) -> None:
+    cfg = parse_config(config(str(tokenizer_dir)))  # a tokenizer, but no pool with kv_events
+    routing = KvRouting(KvIndex(100), Metrics())
+    routing.configure(kv_groups(cfg))
+    scheduler = scheduler_for(cfg, routing)
+    request = parse_request(Api.COMPLETIONS, completion("w1 w2 w3 w4"), 1 << 20)
+    assert await request_tokens(request, scheduler) is None
+    assert pick_request(request, None).cached is None
+
+
+async def test_a_routed_request_is_looked_up_and_its_share_counted(tokenizer_dir: Path) -> None:
+    cfg = parse_config(config(str(tokenizer_dir), kv_events={}, policy="kv_cache"))
+    metrics = Metrics()
+    routing = KvRouting(KvIndex(100), metrics)
+    routing.configure(kv_groups(cfg))
+    routing.index.apply(P2, _decoded(chain(1, [1, 2, 3, 4, 5, 6, 7, 8])))
+    scheduler = scheduler_for(cfg, routing, metrics)
+    request = parse_request(Api.COMPLETIONS, completion("w0 w1 w2 w3 w4 w5 w6 w7 w8"), 1 << 20)
+    tokens = await request_tokens(request, scheduler)
+    assert tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    wanted = pick_request(request, None, tokens=tokens, kv=routing)
+    assert (wanted.prompt_tokens, wanted.cached) == (9, {P2: 2 * BLOCK})
+    with ExitStack() as inflight:
+        picked = scheduler.pick(wanted, inflight, cfg)
+    assert isinstance(picked, WithPrefill) and picked.prefill == P2
+    text = metrics.render().decode()
+    assert 'pd_extproc_kv_routed_prompt_tokens_total{role="prefill"} 9.0' in text
+    assert 'pd_extproc_kv_cached_prompt_tokens_total{role="prefill"} 8.0' in text
+    assert 'pd_extproc_kv_cached_prompt_tokens_total{role="decode"} 0.0' in text
+    await routing.stop()
+
+
+def scheduler_for(cfg: object, routing: KvRouting, metrics: Metrics | None = None) -> Scheduler:
+    from extproc.config import Config
+
+    assert isinstance(cfg, Config)
+    prefill = Pool(Role.PREFILL, cfg.static_addresses(Role.PREFILL), pool_picker(cfg.prefill))
+    decode = Pool(Role.DECODE, cfg.static_addresses(Role.DECODE), pool_picker(cfg.decode))
+    return Scheduler(cfg, prefill, decode, metrics or Metrics(), routing)
+
+
+def completion(prompt: str) -> bytes:
+    return orjson.dumps({"model": "m", "prompt": prompt, "max_tokens": 1})
+
+
+def _decoded(*events: dict[str, object]) -> list[object]:
+    from extproc.kvcache.events import decode_batch
+
+    return list(decode_batch(_batch(*events)).events)
+
+
+# ---- the chain ---------------------------------------------------------------------------
+
+
+def test_the_chain_is_keyed_per_process() -> None:
+    code = ("from extproc.kvcache.index import chain_keys; "
+            "print(chain_keys(list(range(16)), 4))")  # fmt: skip
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, timeout=60).stdout for _ in range(2)}  # fmt: skip
+    assert len(runs) == 2  # another process, another key: nobody can craft a collision
+    keys = chain_keys(list(range(16)), 4)
+    assert len(set(keys)) == 4 and all(0 <= k < 1 << 60 for k in keys)
+    assert chain_keys([-1, 2, 3, 4], 4) == [] and chain_keys([1 << 40, 2, 3, 4], 4) == []
+
+
+def test_the_example_config_in_the_docs_loads(tokenizer_dir: Path) -> None:
+    text = (Path(__file__).parents[2] / "docs" / "kv-cache.md").read_text()
+    example = yaml.safe_load(text.split("```yaml\n", 1)[1].split("```", 1)[0])
+    example["tokenizer"] = str(tokenizer_dir)  # the tiny model may not be built here
+    cfg = parse_config(example)
+    assert (cfg.prefill.policy, cfg.decode.policy) == ("kv_cache", "kv_cache")
+    members = {"": {role: cfg.static_addresses(role) for role in Role}}
+    assert len(set(event_sources(cfg, members, {""}).values())) == 4  # a port pair each
