@@ -61,8 +61,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def specs_for(kind: str) -> tuple[EngineSpec, EngineSpec]:
     if kind.startswith("pull"):
         return pair_specs("pull", extra_kv_config=KV_EXTRA)
+    # Push engines publish KV events (test_kv_events_real); answers are unchanged by it (prefix
+    # caching is vLLM's default already), so every push kind shares that pair.
     return pair_specs("push", decode_connector=kind != "push_plain_decode",
-                      extra_kv_config=KV_EXTRA)
+                      extra_kv_config=KV_EXTRA, kv_events=True)
 
 
 class EnginePool:
