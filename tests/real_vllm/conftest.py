@@ -144,10 +144,15 @@ class Setup:
 
 @contextlib.asynccontextmanager
 async def sidecar_for(pool: EnginePool, kind: str, session: aiohttp.ClientSession,
+                      pools: dict[str, dict[str, Any]] | None = None,
                       **config: Any) -> AsyncIterator[Setup]:
+    """The sidecar in front of the pair; `pools` replaces keys of its `prefill` and `decode`
+    pools (other endpoints, a policy)."""
     prefill, decode = await pool.get(kind)
     offsets = {str(e.log_path): len(e.log_text()) for e in (prefill, decode)}
     cfg = ephemeral_config([prefill.address], [decode.address], **config)
+    for role, keys in (pools or {}).items():
+        cfg[role] = {**cfg[role], **keys}
     expired = counter(await engine_metrics(session, prefill), EXPIRED)
     async with running_sidecar(cfg, log_level="INFO") as sidecar:
         yield Setup(prefill, decode, sidecar, session, offsets, expired)
