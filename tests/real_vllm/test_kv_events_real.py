@@ -236,7 +236,7 @@ def common_blocks(a: list[int], b: list[int]) -> int:
     return same // BLOCK
 
 
-@pytest_asyncio.fixture(scope="module")
+@pytest_asyncio.fixture
 async def both_decode(pool: EnginePool, session: aiohttp.ClientSession) -> AsyncIterator[Setup]:
     """The sidecar with both real engines as decode candidates under the kv_cache policy and
     every request decode-only, so each serves it alone from its own prefix cache. An engine
@@ -248,19 +248,31 @@ async def both_decode(pool: EnginePool, session: aiohttp.ClientSession) -> Async
         async with sidecar_for(pool, "push", session, pools=pools, tokenizer=str(tiny_model()),
                                decision={"mode": "threshold", "max_prompt_tokens": 4096},
                                dispatch={"probe": False}) as setup:
-            await until_both_decodes_healthy(setup)  # else one candidate would pass vacuously
+            await until_healthy(setup)
             yield setup
 
 
-async def until_both_decodes_healthy(setup: Setup) -> None:
+async def until_healthy(setup: Setup) -> None:
+    """Every engine of the sidecar's pools healthy (else fewer candidates, and a pick right by
+    chance)."""
     deadline = time.monotonic() + WAIT_S
     while True:
         async with setup.session.get(setup.sidecar.metrics + "/ready") as response:
-            decodes = (await response.json())["decode"]
-        if len(decodes) == 2 and all(d["healthy"] for d in decodes.values()):
+            ready = await response.json()
+        members = {**ready["prefill"], **ready["decode"]}
+        if all(m["healthy"] for m in members.values()):
             return
-        assert time.monotonic() < deadline, f"decode engines not both healthy: {decodes}"
+        assert time.monotonic() < deadline, f"engines not all healthy: {members}"
         await asyncio.sleep(0.2)
+
+
+def conversation(tokenizer: RequestTokenizer, tag: str) -> tuple[list[dict[str, str]], ...]:
+    """A chat's first turn (a system prompt of four blocks and more) and its next turn."""
+    first = [{"role": "system", "content": long_text(tag, tokenizer, blocks=4)},
+             {"role": "user", "content": "Who are you?"}]
+    later = [*first, {"role": "assistant", "content": "A model."},
+             {"role": "user", "content": "And what do you hold?"}]
+    return first, later
 
 
 async def test_a_prompt_goes_to_the_engine_holding_its_prefix(
@@ -268,10 +280,7 @@ async def test_a_prompt_goes_to_the_engine_holding_its_prefix(
     session: aiohttp.ClientSession,
 ) -> None:
     engines = [both_decode.prefill, both_decode.decode]
-    first = [{"role": "system", "content": long_text("route", tokenizer, blocks=4)},
-             {"role": "user", "content": "Who are you?"}]
-    later = [*first, {"role": "assistant", "content": "A model."},
-             {"role": "user", "content": "And what do you hold?"}]
+    first, later = conversation(tokenizer, "route")
     routed = orjson.dumps(chat(later))  # these bytes: the fallback hashes the raw JSON
     # the engine the fallback would not pick holds the prefix: only the index can find it
     holder = next(e for e in engines if e.address != fallback_choice(engines, Api.CHAT, routed))
@@ -293,4 +302,61 @@ async def test_a_prompt_goes_to_the_engine_holding_its_prefix(
     queried = {a: after[a][0] - before[a][0] for a in after}
     assert queried[other.address] == 0 and queried[holder.address] >= len(later_ids), queried
     hits = after[holder.address][1] - before[holder.address][1]
+    assert hits >= shared * BLOCK, (hits, shared)
+
+
+# -- 3. the next turn decode-only on the D that holds the conversation -------------------------
+
+TURN = "turn"
+
+
+def uncached_on_d(tokenizer: RequestTokenizer) -> tuple[int, int, int]:
+    """The first turn's tokens, the blocks both turns share, and the next turn's tokens beyond
+    them (what D computes alone once it holds the first turn)."""
+    first, later = conversation(tokenizer, TURN)
+    first_ids, later_ids = tokenizer.chat(first), tokenizer.chat(later)
+    shared = common_blocks(first_ids, later_ids)
+    return len(first_ids), shared, len(later_ids) - shared * BLOCK
+
+
+@pytest_asyncio.fixture
+async def pd_by_cache(pool: EnginePool, session: aiohttp.ClientSession,
+                      tokenizer: RequestTokenizer) -> AsyncIterator[Setup]:
+    """The pair behind the sidecar, both pools kv_cache, and decode-only for a prompt of which
+    D lacks at most what the next turn adds: the first turn, all new to D, goes P/D."""
+    prefill, decode = await pool.get("push")
+    first_tokens, _, beyond = uncached_on_d(tokenizer)
+    assert first_tokens > beyond + 8, (first_tokens, beyond)
+    pools = {"prefill": kv_pool(prefill), "decode": kv_pool(decode)}
+    async with sidecar_for(pool, "push", session, pools=pools, tokenizer=str(tiny_model()),
+                           decision={"mode": "threshold", "max_prompt_tokens": beyond + 8},
+                           ) as setup:  # fmt: skip
+        await until_healthy(setup)
+        yield setup
+
+
+async def test_the_next_turn_goes_decode_only_to_the_d_holding_the_first(
+    pd_by_cache: Setup, own_view: RecordingIndex, tokenizer: RequestTokenizer,
+    session: aiohttp.ClientSession,
+) -> None:
+    prefill, decode = pd_by_cache.prefill, pd_by_cache.decode
+    first, later = conversation(tokenizer, TURN)
+    first_ids = tokenizer.chat(first)
+    _, shared, _ = uncached_on_d(tokenizer)
+    p_before = await queried_and_hits(session, prefill)
+    status, raw = await pd_by_cache.post(PATHS["chat"], chat(first))
+    assert status == 200, raw[-2000:]
+    assert (await queried_and_hits(session, prefill))[0] > p_before[0], "the first turn not P/D"
+    # D holds the first turn's blocks, pushed from P: its events say so
+    await until(lambda: own_view.longest_prefix(first_ids)[decode.address] >= shared,
+                "D's events of the first turn's blocks")
+    await until_sidecar_applied(pd_by_cache, decode, own_view.batches[decode.address])
+    before = {e.address: await queried_and_hits(session, e) for e in (prefill, decode)}
+
+    status, raw = await pd_by_cache.post(PATHS["chat"], chat(later))
+    assert status == 200, raw[-2000:]
+
+    after = {e.address: await queried_and_hits(session, e) for e in (prefill, decode)}
+    assert after[prefill.address][0] == before[prefill.address][0], "the next turn went to P"
+    hits = after[decode.address][1] - before[decode.address][1]
     assert hits >= shared * BLOCK, (hits, shared)
