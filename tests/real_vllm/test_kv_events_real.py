@@ -330,7 +330,7 @@ async def pd_by_cache(pool: EnginePool, session: aiohttp.ClientSession,
     pools = {"prefill": kv_pool(prefill), "decode": kv_pool(decode)}
     async with sidecar_for(pool, "push", session, pools=pools, tokenizer=str(tiny_model()),
                            decision={"mode": "threshold", "max_prompt_tokens": beyond + 8},
-                           ) as setup:  # fmt: skip
+                           dispatch={"probe": False}) as setup:  # P serves no request but ours
         await until_healthy(setup)
         yield setup
 
