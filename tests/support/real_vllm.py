@@ -33,8 +33,13 @@ EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 def specs_for(kind: str) -> tuple[EngineSpec, EngineSpec]:
     if kind.startswith("pull"):
         return pair_specs("pull", extra_kv_config=KV_EXTRA)
+    # Push engines publish KV events (test_kv_events_real); answers are unchanged by it (prefix
+    # caching is vLLM's default already), so every push kind shares that pair.
     return pair_specs(
-        "push", decode_connector=kind != "push_plain_decode", extra_kv_config=KV_EXTRA
+        "push",
+        decode_connector=kind != "push_plain_decode",
+        extra_kv_config=KV_EXTRA,
+        kv_events=True,
     )
 
 
@@ -98,11 +103,19 @@ class Setup:
 
 @contextlib.asynccontextmanager
 async def sidecar_for(
-    pool: EnginePool, kind: str, session: aiohttp.ClientSession, **config: Any
+    pool: EnginePool,
+    kind: str,
+    session: aiohttp.ClientSession,
+    pools: dict[str, dict[str, Any]] | None = None,
+    **config: Any,
 ) -> AsyncIterator[Setup]:
+    """The sidecar in front of the pair; `pools` replaces keys of its `prefill` and `decode`
+    pools (other endpoints, a policy)."""
     prefill, decode = await pool.get(kind)
     offsets = {str(e.log_path): len(e.log_text()) for e in (prefill, decode)}
     cfg = ephemeral_config([prefill.address], [decode.address], **config)
+    for role, keys in (pools or {}).items():
+        cfg[role] = {**cfg[role], **keys}
     expired = counter(await engine_metrics(session, prefill), EXPIRED)
     async with running_sidecar(cfg, log_level="INFO") as sidecar:
         yield Setup(prefill, decode, sidecar, session, offsets, expired)
