@@ -477,7 +477,8 @@ def write_outputs(records: list[dict], deltas: dict, args: argparse.Namespace, m
              f"{AIM_VS_ROUTER} × best router on {', '.join(CACHE_WORKLOADS)}, ≤ "
              f"{AIM_VS_BASELINE} × pd-rr on random.",
              "", f"Workloads: shared-prefix {vars(args.shared)}, max({args.min_requests}, "
-             f"{args.requests_per_c} × C) requests; multi-turn {vars(args.chat)}, "
+             f"{args.requests_per_c} × C) requests; multi-turn "
+             f"{ {k: v for k, v in vars(args.chat).items() if k != 'conversations'} }, "
              f"max({args.min_conversations}, {args.conversations_per_c} × C) conversations; "
              f"random 1024 / 64, max({args.random_min}, {args.random_per_c} × C) prompts; seed "
              f"{args.seed}.", "", *(f"- {n}" for n in notes), ""]  # fmt: skip
