@@ -6,8 +6,10 @@ engine publishing vLLM's KV events over ZMQ), these configurations are started a
 
   pd-rr         pd-extproc, push, round_robin on both pools (pd-extproc without the scorer)
   pd-prefix     pd-extproc, push, `prefix` on both pools (a hash of the prompt's first bytes)
-  pd-cache      pd-extproc with the cache-aware scorer: PD_CACHE below (skipped, with the
-                reason, while that config does not validate on this tree)
+  pd-cache      pd-extproc with the cache-aware scorer: pd_cache_sections() below (kv_cache
+                on both pools, fed every engine's KV events)
+  pd-cache+decide  pd-cache with the load-aware decision (decode-only where D holds the
+                prompt and its load allows)
   router-cache  vllm-router 0.1.17, PD mode, cache_aware (its own radix tree of routed text)
   router-kv     vllm-router 0.1.17, PD mode, kv_aware, fed the prefills' KV events by
                 --pd-kv-events (skipped when the engines cannot publish them)
@@ -15,17 +17,20 @@ engine publishing vLLM's KV events over ZMQ), these configurations are started a
 and `vllm bench serve` drives three workloads at each concurrency C (bench/workload.py):
 
   shared-prefix  G system prompts of S tokens, a fresh question of Q tokens per request,
-                 max(32, 4 × C) requests
-  multi-turn     max(8, 2 × C) conversations of T turns; the client sends turn k of every
-                 conversation as one run (C at a time), turn k + 1 only after all of turn k
-  random         vllm bench serve's random 1024 in / 64 out, 2 × C prompts
+                 max(32, 4 × C) requests (--min-requests, --requests-per-c)
+  multi-turn     max(8, 2 × C) conversations of T turns (--min-conversations,
+                 --conversations-per-c); the client sends turn k of every conversation as
+                 one run (C at a time), turn k + 1 only after all of turn k
+  random         vllm bench serve's random 1024 in / 64 out, max(0, 2 × C) prompts
+                 (--random-min, --random-per-c)
 
 Every run gets its own words (a salt per configuration, C and repetition), so that no
 configuration finds blocks another one left in the caches; the shape (groups, lengths, order)
 is the same for all. Between runs the harness reads every engine's /metrics, so each cell also
 reports the share of prompt tokens the prefill and the decode engines found in their caches
-and the prompt tokens they computed. Aim: pd-cache's TTFT p50 and p99 ≤ 0.7 × vllm-router's
-best policy on shared-prefix and multi-turn, ≤ 1.02 × pd-rr on random; every cell is checked.
+and the prompt tokens they computed. Aim: pd-cache's (and pd-cache+decide's) TTFT p50 and p99
+≤ 0.7 × vllm-router's best policy on shared-prefix and multi-turn, ≤ 1.02 × pd-rr on random;
+every cell is checked.
 Output: bench/results/cache.md, cache.json, cache.png.
 
     python bench/cache.py                   # 2P2D and 4P4D, C = 4, 16, 64, 1 run
@@ -65,11 +70,12 @@ from bench.workload import MultiTurn, SharedPrefix, multi_turn, shared_prefix, t
 from extproc.config import ConfigError, parse_config
 from extproc.testing import ephemeral_config, running_sidecar, scrape
 from scripts.cached_envs import tiny_model, vllm_router_venv
-from vllmsim.launcher import vllmsim_command
+from vllmsim.launcher import EngineHandle, vllmsim_command
 from vllmsim.profiles import DEFAULT_PROFILE, PROFILES
 
 WORKLOADS = ("shared-prefix", "multi-turn", "random")
 CACHE_WORKLOADS = ("shared-prefix", "multi-turn")
+CACHE_CONFIGS = ("pd-cache", "pd-cache+decide")  # checked against the aim
 ROUTERS = ("router-cache", "router-kv")
 AIM_VS_ROUTER, AIM_VS_BASELINE = 0.7, 1.02
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -87,10 +93,38 @@ EventPorts = dict[str, EventSockets]  # engine URL (http://127.0.0.1:PORT) → i
 
 
 def pd_cache_sections(engines: Engines, events: EventPorts) -> dict[str, Any]:
-    """pd-extproc's cache-aware configuration, merged into its config: the lead fills this in
-    when the scorer lands (the pools' policy and options, where each engine's events are:
-    `events` maps each engine's URL to its ipc:// sockets; empty without events)."""
-    return {"prefill": {"policy": "kv_cache"}, "decode": {"policy": "kv_cache"}}
+    """pd-extproc's cache-aware configuration, merged into its config: `kv_cache` on both
+    pools, each engine's own ipc:// event sockets (`events`, by engine URL; without events the
+    policy scores engines by the prompts routed to them), and the engines' tokenizer."""
+
+    def pool(handles: list[EngineHandle]) -> dict[str, Any]:
+        endpoints = []
+        for handle in handles:
+            endpoint: dict[str, Any] = {"address": f"127.0.0.1:{handle.port}"}
+            if (sockets := events.get(handle.url)) is not None:
+                endpoint["kv_events"] = {
+                    "endpoint": sockets.endpoint,
+                    "replay_endpoint": sockets.replay_endpoint,
+                }
+            endpoints.append(endpoint)
+        # the pool's kv_events turns the subscriptions on; every endpoint names its own sockets
+        return {
+            "policy": "kv_cache",
+            **({"kv_events": {}} if events else {}),
+            "endpoints": endpoints,
+        }
+
+    return {
+        "prefill": pool(engines.prefill),
+        "decode": pool(engines.decode),
+        "tokenizer": str(tiny_model()),
+    }
+
+
+def pd_cache_decide_sections(engines: Engines, events: EventPorts) -> dict[str, Any]:
+    """pd-cache with the load-aware decision (decode-only where D holds enough of the prompt
+    and its load allows), at the decision's default step costs."""
+    return {**pd_cache_sections(engines, events), "decision": {"mode": "load_aware"}}
 
 
 def _pools(policy: str) -> Callable[[Engines, EventPorts], dict[str, Any]]:
@@ -111,6 +145,7 @@ CONFIGS = {
         Config("pd-rr", _pools("round_robin")),
         Config("pd-prefix", _pools("prefix")),
         Config("pd-cache", pd_cache_sections),
+        Config("pd-cache+decide", pd_cache_decide_sections),
         Config("router-cache", router_policy="cache_aware"),
         Config("router-kv", router_policy="kv_aware", needs_events=True),
     )
@@ -300,17 +335,18 @@ def cell_runs(cell: Cell, index: int, args: argparse.Namespace, url: str, work: 
                 index,
                 url,
                 work / f"{tag}.json",
+                num_prompts=max(args.random_min, args.random_per_c * conc),
                 num_warmups=0,
                 seed=hash_seed(salt, "random"),
             )
         )
     elif cell.workload == "shared-prefix":
-        rows = shared_prefix(
-            tiny_model(), args.shared, max(32, args.requests_per_c * conc), seed, salt
-        )
+        count = max(args.min_requests, args.requests_per_c * conc)
+        rows = shared_prefix(tiny_model(), args.shared, count, seed, salt)
         runs.append(_file_run(tag, cell, index, url, work, rows, seed))
     else:
-        shape = MultiTurn(**{**vars(args.chat), "conversations": max(8, 2 * conc)})
+        conversations = max(args.min_conversations, args.conversations_per_c * conc)
+        shape = MultiTurn(**{**vars(args.chat), "conversations": conversations})
         # each wave shuffled with a seed of its own: in a fixed order, round robin over an
         # even pool would send every conversation to the same engines turn after turn
         for turn, wave in enumerate(turn_waves(multi_turn(tiny_model(), shape, seed, salt))):
@@ -475,8 +511,9 @@ def section(
     topology: str,
     args: argparse.Namespace,
     configs: list[str],
-) -> tuple[list[str], list[str]]:
-    """(the table's lines, the aim's misses) of one workload on one topology."""
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """(the table's lines, the aim's misses as (config, what)) of one workload on one
+    topology."""
     key = f"{workload}/{topology}"
     head = [
         "C",
@@ -492,7 +529,8 @@ def section(
         "p99 / best router",
         "aim",
     ]
-    lines, misses = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)], []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    misses: list[tuple[str, str]] = []
     for conc in args.concurrency:
 
         def get(config: str, metric: str, conc: int = conc) -> float | None:
@@ -508,9 +546,9 @@ def section(
                 for m in ("median_ttft_ms", "p99_ttft_ms")
             ]
             verdict = ""
-            if config == "pd-cache":
-                verdict, missed = aim(get, workload, best)
-                misses += [f"{topology} C={conc}: {m}" for m in missed]
+            if config in CACHE_CONFIGS:
+                verdict, missed = aim(get, config, workload, best)
+                misses += [(config, f"{topology} C={conc}: {m}") for m in missed]
             lines.append(
                 "| "
                 + " | ".join(
@@ -531,9 +569,12 @@ def section(
 
 
 def aim(
-    get: Callable[[str, str], float | None], workload: str, best: dict[str, float | None]
+    get: Callable[[str, str], float | None],
+    config: str,
+    workload: str,
+    best: dict[str, float | None],
 ) -> tuple[str, list[str]]:
-    """pd-cache against the aim of this workload: (verdict, what missed)."""
+    """`config` (a cache-aware one) against the aim of this workload: (verdict, what missed)."""
     if workload in CACHE_WORKLOADS:
         limit, against, name = AIM_VS_ROUTER, best, "best router"
     else:
@@ -541,7 +582,7 @@ def aim(
         against = {m: get("pd-rr", m) for m in ("median_ttft_ms", "p99_ttft_ms")}
     missed = []
     for metric, label in (("median_ttft_ms", "p50"), ("p99_ttft_ms", "p99")):
-        mine, theirs = get("pd-cache", metric), against[metric]
+        mine, theirs = get(config, metric), against[metric]
         if mine is None or theirs is None:
             missed.append(f"{label} not measured")
         elif mine > limit * theirs:
@@ -563,34 +604,38 @@ def write_outputs(
         "and TPOT in ms; cached % = prompt tokens found in the engines' prefix caches "
         "over all prompt tokens of that role (vllm:prompt_tokens_by_source_total), "
         "computed = prompt tokens the role prefilled itself. Best router: per cell, the "
-        f"lower of {', '.join(ROUTERS)}. Aim (pd-cache): TTFT p50 and p99 ≤ "
+        f"lower of {', '.join(ROUTERS)}. Aim ({', '.join(CACHE_CONFIGS)}): TTFT p50 and p99 ≤ "
         f"{AIM_VS_ROUTER} × best router on {', '.join(CACHE_WORKLOADS)}, ≤ "
         f"{AIM_VS_BASELINE} × pd-rr on random.",
         "",
-        f"Workloads: shared-prefix {vars(args.shared)}, {args.requests_per_c} × C "
-        f"requests (at least 32); multi-turn {vars(args.chat)}, max(8, 2 × C) "
-        "conversations; random 1024 / 64, 2 × C prompts; seed "
+        f"Workloads: shared-prefix {vars(args.shared)}, max({args.min_requests}, "
+        f"{args.requests_per_c} × C) requests; multi-turn "
+        f"{ {k: v for k, v in vars(args.chat).items() if k != 'conversations'} }, "
+        f"max({args.min_conversations}, {args.conversations_per_c} × C) conversations; "
+        f"random 1024 / 64, max({args.random_min}, {args.random_per_c} × C) prompts; seed "
         f"{args.seed}.",
         "",
         *(f"- {n}" for n in notes),
         "",
     ]
-    all_misses = []
+    all_misses: list[tuple[str, str]] = []
     for topology in args.topologies:
         for workload in args.workloads:
             body, misses = section(table, deltas, workload, topology, args, ran)
-            all_misses += [f"{workload} {m}" for m in misses]
+            all_misses += [(config, f"{workload} {m}") for config, m in misses]
             lines += [f"## {workload}, {topology}", "", *body, ""]
-    lines += [
-        "## Aim",
-        "",
-        (
-            "pd-cache did not run."
-            if "pd-cache" not in ran
-            else "Misses: " + ("; ".join(all_misses) if all_misses else "none")
-        ),
-        "",
-    ]
+    lines += ["## Aim", ""]
+    for config in CACHE_CONFIGS:
+        mine = [m for name, m in all_misses if name == config]
+        lines.append(
+            f"- {config}: "
+            + (
+                "did not run"
+                if config not in ran
+                else "misses: " + ("; ".join(mine) if mine else "none")
+            )
+        )
+    lines.append("")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cache.md").write_text("\n".join(lines))
     (args.out / "cache.json").write_text(
@@ -643,6 +688,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=1, help="repetitions per cell")
     parser.add_argument("--seed", type=int, default=14)
     parser.add_argument("--requests-per-c", type=int, default=4, help="shared-prefix requests")
+    parser.add_argument(
+        "--min-requests", type=int, default=32, help="shared-prefix requests at least"
+    )
+    parser.add_argument(
+        "--conversations-per-c", type=int, default=2, help="multi-turn conversations"
+    )
+    parser.add_argument(
+        "--min-conversations", type=int, default=8, help="multi-turn conversations at least"
+    )
+    parser.add_argument("--random-per-c", type=int, default=2, help="random prompts")
+    parser.add_argument("--random-min", type=int, default=0, help="random prompts at least")
     parser.add_argument("--groups", type=int, default=SharedPrefix.groups)
     parser.add_argument("--system-tokens", type=int, default=SharedPrefix.system_tokens)
     parser.add_argument("--question-tokens", type=int, default=SharedPrefix.question_tokens)
