@@ -343,8 +343,16 @@ class RequestProcessor:
             # An answer that started may still be cut; only Envoy's access log will know.
             by_log = status < 400 and self.deps.access_log.decide_outcomes
             reason = self.plan.reason if by_log else None
-            await self.stream.write(envoy_msgs.continue_response_headers(self._labels(), reason))
+            # Decided before the write: Envoy may end the stream while the answer is flushed
+            # (the task cancelled in the write), and its entry still counts the request.
             self.counted_by_access_log = by_log
+            try:
+                await self.stream.write(
+                    envoy_msgs.continue_response_headers(self._labels(), reason)
+                )
+            except Exception:
+                self.counted_by_access_log = False  # it never reached Envoy: count it here
+                raise
         else:
             self.withheld = True  # the stream ended while they were held: the client left
 

@@ -7,6 +7,7 @@ and the pools hold afterwards, and what the metrics and the trace report.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -937,6 +938,43 @@ async def test_with_envoys_access_log_open_a_started_answer_is_left_to_its_entry
         is None
     )
     assert r.rt.access_log_streams.awaiting == 1
+
+
+async def test_an_answer_left_to_its_entry_is_not_counted_again_if_cancelled_while_written() -> (
+    None
+):
+    """Envoy ends the stream while the labelled answer is still being flushed: the entry has
+    the reason and counts the request, so the processor must not count it as well."""
+    r = Request(cached=True)
+    r.rt.access_log_streams.open = 1
+    flushed = asyncio.Event()  # never set: the write is still in flight when the task ends
+    write = r.envoy.write
+
+    async def write_then_flush(message: Any) -> None:
+        if message.WhichOneof("response") != "response_headers":
+            return await write(message)
+        r.envoy.sent.append(message)  # handed to the transport
+        r.envoy.answered.set()
+        await flushed.wait()
+
+    r.envoy.write = write_then_flush  # type: ignore[method-assign]
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER)
+    await r.send(response_headers(200))
+    sent = await r.envoy.until_sent(3)
+    assert labels(sent[2])["reason"] == "cache_hit"
+    r.task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(r.task, WAIT_S)
+    counted = r.sample(
+        "pd_extproc_requests_total",
+        outcome="ok",
+        strategy="parallel",
+        reason="cache_hit",
+        model="m",
+    )
+    assert counted is None and r.rt.access_log_streams.awaiting == 1
 
 
 async def test_a_prefill_refusing_the_request_is_a_client_error() -> None:
