@@ -105,7 +105,9 @@ class ExtProcServer:
         self._health_grpc: aio.Server | None = None
         self._eds = EndpointDiscovery(runtime.memberships, runtime.metrics)
         self._http: web.AppRunner | None = None
-        self._access_log = ClientLatency(runtime.metrics, runtime.access_log_streams)
+        self._access_log = ClientLatency(
+            runtime.metrics, runtime.access_log_streams, runtime.model_labels.known
+        )
 
     async def start(self) -> None:
         cfg = self.runtime.config
