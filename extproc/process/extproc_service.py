@@ -50,10 +50,14 @@ class ExtProcAddresses:
 
 class ExtProcService:
     def __init__(
-        self, config: Config, prefill_listener: str, endpoint_picker: bool = False
+        self,
+        config: Config,
+        prefill_listener: str,
+        endpoint_picker: bool = False,
+        listen: str | None = None,
     ) -> None:
         self.runtime = Runtime(config, prefill_listener, endpoint_picker=endpoint_picker)
-        self.server = ExtProcServer(self.runtime, endpoint_picker=endpoint_picker)
+        self.server = ExtProcServer(self.runtime, endpoint_picker=endpoint_picker, listen=listen)
         self._endpoint_picker = endpoint_picker
 
     async def bind(self) -> None:

@@ -92,9 +92,14 @@ class ExtProcServer:
     """`endpoint_picker`: the ext_proc as a gateway's endpoint picker (`pd-extproc epp`):
     TLS by default, health services that follow readiness, a plaintext health port."""
 
-    def __init__(self, runtime: Runtime, endpoint_picker: bool = False) -> None:
+    def __init__(
+        self, runtime: Runtime, endpoint_picker: bool = False, listen: str | None = None
+    ) -> None:
+        """`listen`: where the gRPC services listen instead of extproc.host/port (`up`: a Unix
+        socket in its private run directory)."""
         self.runtime = runtime
         self.endpoint_picker = endpoint_picker
+        self._listen = listen
         self.address = ""  # "host:port" or "unix:/path", as Envoy's cluster should name it
         self.metrics_port = 0
         # Envoy's admin ("http://host:port"), whose stats ENVOY_STATS_PATH serves; "": none known
@@ -115,7 +120,7 @@ class ExtProcServer:
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self._eds, self._grpc)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_log, self._grpc)
-        wanted = cfg.extproc.address
+        wanted = self._listen or cfg.extproc.address
         if wanted.startswith("unix:"):
             with contextlib.suppress(FileNotFoundError):  # a previous run's socket
                 os.unlink(wanted.removeprefix("unix:"))
