@@ -36,6 +36,8 @@ def _worker_config(config: Config, index: int, private: Path | None) -> dict[str
     else:
         extproc["port"] = 0
     extproc["workers"] = 1
+    if private is not None:  # `up`: EDS and the access log on each worker's socket too
+        extproc.pop("eds_access_log", None)
     data["metrics"]["port"] = 0
     return data
 

@@ -64,8 +64,12 @@ class Split:
         os.killpg(self.extproc.pid, signal.SIGKILL)
 
     async def start_envoy(self, buffered: bool = False) -> None:
+        side = self.cfg.extproc.eds_access_log
         bootstrap = render_bootstrap(
-            self.cfg, self.cfg.extproc.address, f"unix:{self.tmp / 'prefill.sock'}"
+            self.cfg,
+            self.cfg.extproc.address,
+            f"unix:{self.tmp / 'prefill.sock'}",
+            None if side is None else side.address,
         )
         if buffered:
             bootstrap = as_buffered(bootstrap)
