@@ -731,12 +731,12 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _client_ca_needs_tls(self) -> Config:
         picker = self.endpoint_picker
-        if picker.client_ca_file is not None and not picker.secure_serving:
-            if self.extproc.tls is None:
-                raise ValueError(
-                    "endpoint_picker.client_ca_file verifies clients over TLS: set "
-                    "secure_serving: true or extproc.tls"
-                )
+        plaintext = not picker.secure_serving and self.extproc.tls is None
+        if picker.client_ca_file is not None and plaintext:
+            raise ValueError(
+                "endpoint_picker.client_ca_file verifies clients over TLS: set "
+                "secure_serving: true or extproc.tls"
+            )
         return self
 
     @model_validator(mode="after")

@@ -202,17 +202,17 @@ async def test_a_client_ca_lets_only_the_gateways_it_signed_in(
             trusted = server_ca.cert_pem.bytes()
         else:  # the gateways do not check a self-signed one: take what it presents
             host, _, port = picker.extproc.rpartition(":")
-            trusted = (await asyncio.to_thread(ssl.get_server_certificate, (host, int(port))))
+            trusted = await asyncio.to_thread(ssl.get_server_certificate, (host, int(port)))
             trusted = trusted.encode()
         name = "epp.example" if server_cert == "configured" else "localhost"
         options = (("grpc.ssl_target_name_override", name),)
 
         async def check(client: trustme.CA | None) -> int:
-            pair = None if client is None else _pem_files(tmp_path, client, "gw", "client")
+            issued = None if client is None else client.issue_cert("gateway")
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=trusted,
-                private_key=None if pair is None else Path(pair[1]).read_bytes(),
-                certificate_chain=None if pair is None else Path(pair[0]).read_bytes(),
+                private_key=None if issued is None else issued.private_key_pem.bytes(),
+                certificate_chain=None if issued is None else issued.cert_chain_pems[0].bytes(),
             )
             async with aio.secure_channel(picker.extproc, credentials, options) as channel:
                 return await status(channel, "readiness")
