@@ -324,6 +324,14 @@ class ListenConfig(_Strict):
         return self.host if self.host.startswith("unix:") else f"{self.host}:{self.port}"
 
 
+class MetricsListenConfig(ListenConfig):
+    """The operator's HTTP port: /metrics, /ready, /live (and Envoy's stats)."""
+
+    # /ready?verbose answers with every engine's address, health, load and identity; off, only
+    # whether the process is ready and why in a few words (the port may be open to a cluster).
+    ready_detail: bool = False
+
+
 class ExtProcListenConfig(ListenConfig):
     tls: TlsConfig | None = None  # plaintext by default: it listens on loopback or a socket
     # `up`: this many ext_proc processes (one core each), behind Envoy by least open streams.
@@ -725,7 +733,7 @@ class Config(_Strict):
     limits: LimitConfig = LimitConfig()
     extproc: ExtProcListenConfig = ExtProcListenConfig(port=50051)
     endpoint_picker: EndpointPickerConfig = EndpointPickerConfig()
-    metrics: ListenConfig = ListenConfig(port=9464)
+    metrics: MetricsListenConfig = MetricsListenConfig(port=9464)
     envoy: EnvoyConfig = EnvoyConfig()
 
     @model_validator(mode="after")

@@ -6,7 +6,8 @@ afterwards); the caller starts the runtime's health checks and probes once Envoy
 listener exists. `stop(grace)` lets in-flight streams finish for up to `grace` seconds.
 
 HTTP: `/metrics` (Prometheus), `/ready` (200 once serving, 503 while starting or draining;
-engine health in its JSON), `/live` (200 while the process answers at all) and
+why in a few words; `/ready?verbose` the engines' detail, when metrics.ready_detail is on),
+`/live` (200 while the process answers at all) and
 `/envoy/stats/prometheus`: the stats of the Envoy in this pod, whose admin port stays on loopback
 (a cluster's Prometheus scrapes them here, next to the sidecar's own).
 """
@@ -212,7 +213,16 @@ class ExtProcServer:
         )
 
     async def _ready(self, request: web.Request) -> web.Response:
+        """The probe's answer; `?verbose` adds the engines' detail when metrics.ready_detail
+        allows it (403 otherwise: it names every engine and its load)."""
         state = self.runtime.readiness()
+        if "verbose" in request.query:
+            if not self.runtime.config.metrics.ready_detail:
+                refused = {"error": "the detail is off: set metrics.ready_detail: true"}
+                return web.Response(
+                    body=orjson.dumps(refused), status=403, content_type="application/json"
+                )
+            state = self.runtime.readiness_detail()
         return web.Response(
             body=orjson.dumps(state),
             status=200 if state["ready"] else 503,

@@ -103,7 +103,7 @@ async def test_draining_turns_readiness_off_while_a_request_is_open(picker: Pick
 async def open_streams(picker: Picker, count: int) -> bool:
     async with (
         aiohttp.ClientSession() as session,
-        session.get(picker.metrics + "/ready") as response,
+        session.get(picker.metrics + "/ready?verbose") as response,
     ):
         return bool((await response.json())["active_streams"] == count)
 
