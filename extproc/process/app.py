@@ -57,7 +57,7 @@ def private_extproc_socket(config: Config, run_dir: Path) -> str:
     directory. extproc.host/port are for `serve`, whose Envoy is the user's."""
     if config.extproc.host.startswith("unix:"):
         return config.extproc.host
-    if "host" in config.extproc.model_fields_set:
+    if config.extproc.host not in ("127.0.0.1", "::1", "localhost"):  # meant for other hosts
         log.warning(
             "up: the ext_proc listens on a Unix socket in %s, not on extproc.host %s "
             "(only this Envoy may reach it; extproc.host/port are for serve)",
