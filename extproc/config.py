@@ -392,6 +392,7 @@ _OWN_HEADERS = frozenset(
 )
 _OWN_PREFIXES = (":", "x-envoy-", "x-forwarded-")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")  # an HTTP field name (RFC 9110 §5.1)
+_HEADER_VALUE = re.compile(r"[ -~]+", re.ASCII)  # printable ASCII: fits in any header
 
 
 def _forwarding_problem(name: str) -> str | None:
@@ -643,31 +644,42 @@ class EnvoyConfig(_Strict):
 class EnginesConfig(_Strict):
     """How the sidecar itself talks to the engines (not the client's requests)."""
 
-    # The key the engines were started with (vLLM --api-key), for the sidecar's own /v1
-    # requests: the identity probe. Health checks and metric scrapes use /health and /metrics,
-    # which vLLM serves without a key. Read when the config is loaded (a reload re-reads it).
+    # The keys the engines were started with (vLLM --api-key, which takes several), one a line;
+    # the sidecar's own /v1 requests (the identity probe) send the first. Health checks and
+    # metric scrapes use /health and /metrics, which vLLM serves without a key. Read when the
+    # config is loaded (a reload re-reads it).
     api_key_file: str | None = None
-    _api_key: str | None = PrivateAttr(default=None)
+    _api_keys: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
-    def _read_api_key(self) -> EnginesConfig:
+    def _read_api_keys(self) -> EnginesConfig:
         if self.api_key_file is None:
             return self
         try:
-            key = Path(self.api_key_file).read_text().strip()
-        except OSError as error:
-            raise ValueError(
-                f"api_key_file {self.api_key_file} cannot be read ({error.strerror})"
-            ) from None
-        if not key:
+            text = Path(self.api_key_file).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            why = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+            raise ValueError(f"api_key_file {self.api_key_file} cannot be read ({why})") from None
+        keys = tuple(line.strip() for line in text.splitlines() if line.strip())
+        if not keys:
             raise ValueError(f"api_key_file {self.api_key_file} is empty")
-        self._api_key = key
+        if any(not _HEADER_VALUE.fullmatch(key) for key in keys):
+            raise ValueError(
+                f"api_key_file {self.api_key_file}: a key may hold only printable ASCII "
+                "characters (one key a line)"
+            )
+        self._api_keys = keys
         return self
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every key the engines accept (none without a key file)."""
+        return self._api_keys
 
     @property
     def auth_headers(self) -> dict[str, str]:
         """The Authorization header of the sidecar's own engine requests (none without a key)."""
-        return {} if self._api_key is None else {"authorization": f"Bearer {self._api_key}"}
+        return {"authorization": f"Bearer {self._api_keys[0]}"} if self._api_keys else {}
 
 
 def _tokenizer_path(value: str | None) -> str | None:
