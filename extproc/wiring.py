@@ -35,7 +35,7 @@ from extproc.metrics import Metrics
 from extproc.model_labels import ModelLabels
 from extproc.protocol.identity import IdentityCache
 from extproc.request.access_log import AccessLogStreams
-from extproc.request.client_key import sidecar_key_on_p
+from extproc.request.client_key import client_key_checked_here
 from extproc.request.prefill_client import (
     PrefillClient,
     PrefillPaths,
@@ -319,7 +319,7 @@ class Runtime:
         own key is not forwarded: otherwise P sees the key D sees (a client without one gets
         the engines' 401 from both legs, and nothing is computed). Where it is sent, the
         ext_proc checks the client's key itself first (`extproc.request.client_key`)."""
-        return self.config.engines.auth_headers if sidecar_key_on_p(self.config) else {}
+        return self.config.engines.auth_headers if client_key_checked_here(self.config) else {}
 
     def reload(self, config: Config) -> list[str]:
         """Take a new config for new requests; returns the settings that need a restart.

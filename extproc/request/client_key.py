@@ -18,17 +18,18 @@ from collections.abc import Mapping
 from extproc.config import Config
 from extproc.errors import ClientError
 
-__all__ = ["check_client_key", "sidecar_key_on_p"]
+__all__ = ["check_client_key", "client_key_checked_here"]
 
 
-def sidecar_key_on_p(config: Config) -> bool:
-    """Whether a P leg carries the sidecar's key instead of the client's."""
+def client_key_checked_here(config: Config) -> bool:
+    """Whether P never sees the client's key: the engines' keys are known and `authorization`
+    is not forwarded (a direct P leg then carries the sidecar's key instead)."""
     return bool(config.engines.api_keys) and "authorization" not in config.dispatch.forward_headers
 
 
 def check_client_key(headers: Mapping[str, str], config: Config) -> None:
     """Raise a 401 unless the client sent one of the engines' keys, where P would not check."""
-    if sidecar_key_on_p(config) and not _accepted(headers.get("authorization"), config):
+    if client_key_checked_here(config) and not _accepted(headers.get("authorization"), config):
         raise ClientError(
             401, "Unauthorized: send one of the engines' API keys as Authorization: Bearer <key>"
         )

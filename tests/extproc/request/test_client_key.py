@@ -8,7 +8,7 @@ import pytest
 
 from extproc.config import Config, parse_config
 from extproc.errors import ClientError
-from extproc.request.client_key import check_client_key, sidecar_key_on_p
+from extproc.request.client_key import check_client_key, client_key_checked_here
 
 POOLS = {"prefill": {"endpoints": ["127.0.0.1:8100"]}, "decode": {"endpoints": ["127.0.0.1:8200"]}}
 NOT_FORWARDED = {"forward_headers": ["traceparent"]}
@@ -24,9 +24,10 @@ def config(tmp_path: Path, keys: str | None, dispatch: dict[str, object]) -> Con
 
 
 def test_checked_only_where_p_gets_the_sidecars_key(tmp_path: Path) -> None:
-    assert sidecar_key_on_p(config(tmp_path, "sk-a\n", NOT_FORWARDED))
-    assert not sidecar_key_on_p(config(tmp_path, "sk-a\n", {}))  # forwarded: P checks it
-    assert not sidecar_key_on_p(config(tmp_path, None, NOT_FORWARDED))  # no key: none to check
+    assert client_key_checked_here(config(tmp_path, "sk-a\n", NOT_FORWARDED))
+    assert not client_key_checked_here(config(tmp_path, "sk-a\n", {}))  # forwarded: P checks it
+    no_key = config(tmp_path, None, NOT_FORWARDED)
+    assert not client_key_checked_here(no_key)  # no key: none to check
     for unchecked in (config(tmp_path, "sk-a\n", {}), config(tmp_path, None, NOT_FORWARDED)):
         check_client_key({}, unchecked)
 
