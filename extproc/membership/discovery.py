@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from extproc.membership.kube_api import KubeApi
     from extproc.membership.kube_objects import ReadyPod
     from extproc.membership.kube_sources import InferencePoolPods, PodChanges, PodsBySelector
+    from extproc.membership.kube_watch import Complaints
 
 __all__ = ["Discovery", "Members", "resolve_dns"]
 
@@ -83,6 +84,7 @@ class Discovery:
         self._dns: dict[str, list[str]] = {}  # "model/role" → the last good answer
         self._api: KubeApi | None = None
         self._api_settings = ("", "", "")  # what _api was made from
+        self._complaints: Complaints | None = None  # about malformed objects, for every watch
         self._watches: dict[WatchKey, PodsBySelector | InferencePoolPods] = {}
         self._periodic: Periodic | None = None
         # Kept per pool, changed per pod: a watch event costs one pod's work, not all pods'.
@@ -237,21 +239,25 @@ class Discovery:
         # deployments without Kubernetes sources need not pay.
         from extproc.membership.kube_api import KubeApi
         from extproc.membership.kube_sources import InferencePoolPods, PodsBySelector
+        from extproc.membership.kube_watch import Complaints
 
         if self._api is None:
             self._api = KubeApi(self._config().discovery)
+            self._complaints = Complaints()
             self._api_settings = self._api_settings_now()
         key = _watch_key(source)
 
         def changed(changes: PodChanges | None) -> None:
             self._source_changed(key, changes)
 
+        timeout_s, complaints = self._watch_timeout_s, self._complaints
+        assert complaints is not None  # made with _api
         if isinstance(source, KubernetesSource):
             return PodsBySelector(
-                self._api, source.namespace, source.label_selector, changed, self._watch_timeout_s
+                self._api, source.namespace, source.label_selector, changed, timeout_s, complaints
             )
         return InferencePoolPods(
-            self._api, source.namespace, source.name, changed, self._watch_timeout_s
+            self._api, source.namespace, source.name, changed, timeout_s, complaints
         )
 
     def _api_settings_now(self) -> tuple[str, str, str]:

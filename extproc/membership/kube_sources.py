@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from extproc.membership.kube_api import INFERENCE_POOLS, PODS, KubeApi, Query
 from extproc.membership.kube_objects import PoolSpec, ReadyPod, pod_member, pool_spec
-from extproc.membership.kube_watch import Changes, Watched
+from extproc.membership.kube_watch import Changes, Complaints, Watched
 
 __all__ = ["InferencePoolPods", "PodChanges", "PodsBySelector"]
 
@@ -34,9 +34,12 @@ class PodsBySelector:
         selector: str,
         on_change: Callable[[PodChanges | None], None],
         watch_timeout_s: Callable[[], int],
+        complaints: Complaints,
     ) -> None:
         query = Query(PODS, namespace, label_selector=selector)
-        self._watched = Watched(api, query, pod_member, on_change, watch_timeout_s)
+        self._watched = Watched(
+            api, query, pod_member, on_change, watch_timeout_s, complaints=complaints
+        )
 
     @property
     def synced(self) -> asyncio.Event:
@@ -67,14 +70,18 @@ class InferencePoolPods:
         name: str,
         on_change: Callable[[PodChanges | None], None],
         watch_timeout_s: Callable[[], int],
+        complaints: Complaints,
     ) -> None:
         self.name = f"{namespace}/{name}"
         self.ports: tuple[int, ...] = ()
         self._api, self._namespace = api, namespace
         self._on_change = on_change
         self._watch_timeout_s = watch_timeout_s
+        self._complaints = complaints
         query = Query(INFERENCE_POOLS, namespace, field_selector=f"metadata.name={name}")
-        self._pool = Watched(api, query, pool_spec, self._pool_changed, watch_timeout_s)
+        self._pool = Watched(
+            api, query, pool_spec, self._pool_changed, watch_timeout_s, complaints=complaints
+        )
         self._selector: str | None = None
         self._refused: tuple[str, ...] = ()
         self._pods: PodsBySelector | None = None  # the members come from this one
@@ -136,7 +143,7 @@ class InferencePoolPods:
             self._pods_changed(pods, changes)
 
         pods = PodsBySelector(
-            self._api, self._namespace, selector, changed, self._watch_timeout_s
+            self._api, self._namespace, selector, changed, self._watch_timeout_s, self._complaints
         )
         return pods
 

@@ -10,8 +10,9 @@ delivers. A streak's first failure is logged, the rest only at debug level, and 
 again.
 
 Each object is parsed as it arrives (`parse`: its value, None when it is of no interest, or
-`Malformed`); a malformed one counts as absent, with one warning per object (again at most
-every ten minutes while it stays malformed). `on_change` receives what changed: key → the new
+`Malformed`); a malformed one counts as absent, with one warning per object however many
+watches see it (`Complaints`; again at most every ten minutes while it stays malformed).
+`on_change` receives what changed: key → the new
 value, None for one gone.
 """
 
@@ -30,7 +31,7 @@ from extproc.membership.kube_api import ApiError, Gone, KubeApi, Query
 from extproc.membership.kube_objects import Malformed
 from extproc.stopping import cancel_and_wait
 
-__all__ = ["Changes", "Watched"]
+__all__ = ["Changes", "Complaints", "Watched"]
 
 log = logging.getLogger("extproc.membership.discovery")
 
@@ -38,6 +39,7 @@ T = TypeVar("T")
 Changes = dict[str, T | None]  # "namespace/name" → its value now; None: gone or not of interest
 
 _WARN_EVERY_S = 600.0  # a malformed object that stays so is warned about this often
+_COMPLAINTS_KEPT = 10_000  # malformed objects remembered (beyond: the oldest is forgotten)
 _HEALTHY_OPEN_S = 10.0  # a watch open this long without events is a quiet one, not a failure
 _NO_NAME = "(no name)"  # the complaint key of objects that cannot be told apart
 
@@ -63,6 +65,30 @@ def _version(obj: dict[str, Any]) -> str | None:
     return version if isinstance(version, str) and version else None
 
 
+class Complaints:
+    """The warnings about malformed objects: one per object, however many events bring it and
+    however many watches see it, repeated at most every `_WARN_EVERY_S`."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}  # "pods default/p-0" → when it was warned about
+
+    def malformed(self, key: str, why: str) -> None:
+        now = asyncio.get_running_loop().time()
+        last = self._last.pop(key, None)
+        if last is not None and now - last < _WARN_EVERY_S:
+            self._last[key] = last
+            log.debug("%s skipped, still malformed: %s", key, why)
+            return
+        self._last[key] = now
+        if len(self._last) > _COMPLAINTS_KEPT:
+            del self._last[next(iter(self._last))]
+        log.warning("%s skipped, malformed: %s (it counts once well-formed)", key, why)
+
+    def forget(self, key: str) -> None:
+        """The object is well-formed again, or gone."""
+        self._last.pop(key, None)
+
+
 class Watched(Generic[T]):
     """The current objects of one `Query`, parsed; `start` runs the loop, `stop` cancels it."""
 
@@ -74,6 +100,7 @@ class Watched(Generic[T]):
         on_change: Callable[[Changes[T]], None],
         watch_timeout_s: Callable[[], int],
         backoff_s: tuple[float, float] = (0.5, 30.0),  # first pause, longest pause
+        complaints: Complaints | None = None,  # shared by the watches of one discovery
     ) -> None:
         self.query = query
         self.objects: dict[str, T] = {}
@@ -87,7 +114,7 @@ class Watched(Generic[T]):
         self._backoff_s = backoff_s
         self._task: asyncio.Task[None] | None = None
         self._streak = 0  # re-opens in a row that delivered nothing
-        self._warned: dict[str, float] = {}  # malformed object → when it was last warned about
+        self._complaints = complaints or Complaints()
         self._delivered = False  # the current watch delivered an event
 
     def start(self) -> None:
@@ -132,7 +159,6 @@ class Watched(Generic[T]):
             key, value = self._parsed(obj)
             if key is not None and value is not None:
                 parsed[key] = value
-        self._warned = {k: t for k, t in self._warned.items() if k in parsed or k == _NO_NAME}
         changes: Changes[T] = {k: None for k in self.objects if k not in parsed}
         changes.update({k: v for k, v in parsed.items() if self.objects.get(k) != v})
         self.objects = parsed
@@ -155,7 +181,7 @@ class Watched(Generic[T]):
         obj = event.get("object")
         kind = event.get("type")
         if not isinstance(obj, dict):
-            self._complain(_NO_NAME, f"a {kind} event without an object")
+            self._complain(_NO_NAME, f"a {str(kind)[:20]} event without an object")
             return
         self.resource_version = _version(obj) or self.resource_version
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
@@ -164,7 +190,7 @@ class Watched(Generic[T]):
         if key is None:
             return
         if kind == "DELETED":
-            self._warned.pop(key, None)
+            self._complaints.forget(self._about(key))
         before = self.objects.pop(key, None) if value is None else self.objects.get(key)
         if value is not None:
             self.objects[key] = value
@@ -182,16 +208,14 @@ class Watched(Generic[T]):
         except Malformed as error:
             self._complain(key, str(error))
             return key, None
-        self._warned.pop(key, None)
+        self._complaints.forget(self._about(key))
         return key, value
 
+    def _about(self, key: str) -> str:
+        return f"{self.query.kind[2]} {key}"
+
     def _complain(self, key: str, why: str) -> None:
-        now = asyncio.get_running_loop().time()
-        level = logging.DEBUG
-        if now - self._warned.get(key, -_WARN_EVERY_S) >= _WARN_EVERY_S:
-            self._warned[key] = now
-            level = logging.WARNING
-        log.log(level, "%s: %s skipped, malformed: %s", self.query.describe(), key, why)
+        self._complaints.malformed(self._about(key), why)
 
     def _answered(self) -> None:
         """A watch delivered (a list alone proves little: its watch may fail at once)."""

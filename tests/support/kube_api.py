@@ -274,9 +274,7 @@ class FakeKubeApi:
                 if change.type == "BOOKMARK":
                     marker = {"kind": kind, "metadata": {"resourceVersion": str(sent)}}
                     await _event(response, "BOOKMARK", marker)
-                elif change.raw and change.kind == kind:
-                    await _event(response, change.type, change.obj)
-                elif _watched(change, kind, namespace) and _matches(change.obj, labels, fields):
+                elif _sent_to(change, kind, namespace, labels, fields):
                     await _event(response, change.type, change.obj)
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
@@ -286,8 +284,13 @@ class FakeKubeApi:
         return response
 
 
-def _watched(change: _Change, kind: str, namespace: str) -> bool:
-    return change.kind == kind and change.obj["metadata"]["namespace"] == namespace
+def _sent_to(change: _Change, kind: str, namespace: str, labels: str, fields: str) -> bool:
+    """Whether a watch of `kind` in `namespace`, narrowed by selectors, gets `change`."""
+    if change.kind != kind:
+        return False
+    if change.raw:  # a hostile server's: to every watch of its kind
+        return True
+    return change.obj["metadata"]["namespace"] == namespace and _matches(change.obj, labels, fields)
 
 
 async def _event(response: web.StreamResponse, kind: str, obj: Any) -> None:
