@@ -233,7 +233,7 @@ async def test_a_watch_that_ends_at_once_is_reopened_with_a_growing_pause(
     fake.watch_mode = mode
     try:
         await found.refresh()
-        await until_true(lambda: len(fake.watches("pods")) == 1, "the first watch")
+        await until_true(lambda: len(fake.watches("pods")) >= 1, "the first watch")
         # The pauses double from 1 s (0.5 s first, each within +-20 %): at most two re-opens
         # in 1.5 s however fast the server answers (with no pause: thousands).
         await asyncio.sleep(1.5)  # the window observed, not a synchronisation
