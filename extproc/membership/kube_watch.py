@@ -236,5 +236,5 @@ class Watched(Generic[T]):
     def _pause_s(self) -> float:
         """Before every re-open: the first pause after a good watch, doubling per failure."""
         first, longest = self._backoff_s
-        pause: float = min(longest, first * 2 ** self._streak)
+        pause: float = min(longest, first * 2**self._streak)
         return pause * random.uniform(0.8, 1.2)
