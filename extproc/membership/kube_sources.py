@@ -104,8 +104,8 @@ class InferencePoolPods:
 
     def _pool_changed(self, _: Changes[PoolSpec]) -> None:
         spec = next(iter(self._pool.objects.values()), None)
-        if spec is None:
-            self._follow("", (), "not found (or malformed)")
+        if spec is None:  # a malformed pool had its warning
+            self._follow("", (), None if self._pool.malformed else "not found")
             return
         if spec.refused and spec.refused != self._refused:
             log.warning(
@@ -117,7 +117,7 @@ class InferencePoolPods:
         self._refused = spec.refused
         self._follow(spec.selector, spec.ports, "its selector is empty")
 
-    def _follow(self, selector: str, ports: tuple[int, ...], why_none: str) -> None:
+    def _follow(self, selector: str, ports: tuple[int, ...], why_none: str | None) -> None:
         """Watch the pods of `selector` (none when empty); members use `ports` from now."""
         changed = ports != self.ports
         self.ports = ports
@@ -129,7 +129,8 @@ class InferencePoolPods:
                 self._next = self._watch_pods(selector)
                 self._next.start()
             else:
-                log.warning("InferencePool %s: %s, no members", self.name, why_none)
+                if why_none is not None:
+                    log.warning("InferencePool %s: %s, no members", self.name, why_none)
                 self._retire(self._pods)
                 self._pods = None
                 changed = True

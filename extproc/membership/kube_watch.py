@@ -106,7 +106,7 @@ class Watched(Generic[T]):
         self.objects: dict[str, T] = {}
         self.synced = asyncio.Event()  # set once the first list is in
         self.resource_version: str | None = None  # where the next watch resumes
-        self.opened = 0  # lists and watches sent (a test's count)
+        self.malformed: set[str] = set()  # the keys whose last version was malformed
         self._api = api
         self._parse = parse
         self._on_change = on_change
@@ -152,8 +152,8 @@ class Watched(Generic[T]):
             await asyncio.sleep(self._pause_s())
 
     async def _list(self) -> None:
-        self.opened += 1
         listing = await self._api.list(self.query)
+        self.malformed.clear()
         parsed: dict[str, T] = {}
         for obj in listing.items:
             key, value = self._parsed(obj)
@@ -168,7 +168,6 @@ class Watched(Generic[T]):
 
     async def _watch(self) -> None:
         assert self.resource_version is not None
-        self.opened += 1
         self._delivered = False
         events = self._api.watch(self.query, self.resource_version, self._watch_timeout_s())
         async with contextlib.aclosing(events):  # a cancelled watch closes its connection now
@@ -190,6 +189,7 @@ class Watched(Generic[T]):
         if key is None:
             return
         if kind == "DELETED":
+            self.malformed.discard(key)
             self._complaints.forget(self._about(key))
         before = self.objects.pop(key, None) if value is None else self.objects.get(key)
         if value is not None:
@@ -206,8 +206,10 @@ class Watched(Generic[T]):
         try:
             value = self._parse(obj)
         except Malformed as error:
+            self.malformed.add(key)
             self._complain(key, str(error))
             return key, None
+        self.malformed.discard(key)
         self._complaints.forget(self._about(key))
         return key, value
 

@@ -15,7 +15,8 @@ fieldSelector "metadata.name=x". Every request is recorded in `requests`.
 
 A hostile server too: `put_raw` stores any JSON and hands it to every list and watch of its
 kind (no selector applies: it may have no labels, no metadata at all); `watch_mode` "empty"
-answers every watch with an empty 200, "closed" with a stream that ends after its headers.
+answers every watch with an empty 200, "closed" with a stream that ends after its headers,
+"garbage" with a line that is JSON but no event.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class FakeKubeApi:
     requests: list[dict[str, str]] = field(default_factory=list)  # query + path + auth
     failures: int = 0  # the next this many requests answer 500
     gone_as_status: bool = False  # 410 as the HTTP status, not as an ERROR event in a 200
-    watch_mode: str = ""  # "empty": an empty 200; "closed": a stream ended after its headers
+    watch_mode: str = ""  # "empty": an empty 200; "closed": ended after its headers; "garbage"
     _tick: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) on news
     _watch_epoch: int = 0  # close_watches() bumps it: open watches end
     _versions: list[int] = field(default_factory=list)  # the history's, to find the news fast
@@ -253,6 +254,9 @@ class FakeKubeApi:
         response.enable_chunked_encoding()
         await response.prepare(request)
         if self.watch_mode == "closed":
+            return response
+        if self.watch_mode == "garbage":
+            await response.write(b'["no", "event"]\n')
             return response
         if since < self.oldest:
             gone = {

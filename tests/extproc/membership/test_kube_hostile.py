@@ -182,6 +182,32 @@ async def test_a_pod_turned_malformed_leaves_and_returns_once_fixed(
 
 
 @pytest.mark.parametrize(
+    "spec",
+    [
+        {"selector": "app=vllm", "targetPorts": [{"number": 8000}]},
+        {"targetPorts": {"number": 8000}},
+    ],
+    ids=["selector as a string", "targetPorts as an object"],
+)
+async def test_a_malformed_inference_pool_has_no_members_until_fixed(
+    discovery: tuple[FakeKubeApi, Discovery, Sink],
+    caplog: pytest.LogCaptureFixture,
+    spec: dict[str, Any],
+) -> None:
+    fake, found, sink = discovery
+    caplog.set_level(logging.INFO, "extproc.membership.discovery")
+    fake.put_pod(pod("p-0", "10.0.0.1", PREFILL))
+    fake.put_pod(pod("d-0", "10.0.0.2", DECODE))
+    fake.put_pool(inference_pool("llama", {"app": "vllm"}, 8000) | {"spec": spec})
+    await found.refresh()
+    assert sink.members == {Role.PREFILL: ["10.0.0.1:8000"], Role.DECODE: []}
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "inferencepools default/llama" in warned[0], warned
+    fake.put_pool(inference_pool("llama", {"app": "vllm"}, 8000))
+    await until_true(lambda: sink.members[Role.DECODE] == ["10.0.0.2:8000"], "the fixed pool")
+
+
+@pytest.mark.parametrize(
     ("ports", "members"),
     [
         ([70000, 8000], ["10.0.0.2:8000"]),
@@ -218,9 +244,19 @@ async def test_bad_target_ports_are_refused_at_the_source(
     assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
 
 
-@pytest.mark.parametrize("mode", ["empty", "closed"])
+@pytest.mark.parametrize(
+    ("mode", "warning"),
+    [
+        ("empty", "without an event"),
+        ("closed", "without an event"),
+        ("garbage", "a watch event that is not an object"),
+    ],
+)
 async def test_a_watch_that_ends_at_once_is_reopened_with_a_growing_pause(
-    kube: tuple[FakeKubeApi, dict[str, Any]], mode: str, caplog: pytest.LogCaptureFixture
+    kube: tuple[FakeKubeApi, dict[str, Any]],
+    mode: str,
+    warning: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     fake, settings = kube
     caplog.set_level(logging.INFO, "extproc.membership.discovery")
@@ -239,7 +275,7 @@ async def test_a_watch_that_ends_at_once_is_reopened_with_a_growing_pause(
         await asyncio.sleep(1.5)  # the window observed, not a synchronisation
         assert len(fake.watches("pods")) <= 3, len(fake.watches("pods"))
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert len(warned) == 1 and "without an event" in warned[0], warned
+        assert len(warned) == 1 and warning in warned[0], warned
         fake.watch_mode = ""  # the server is sound again: a watch delivers, the pause resets
         fake.put_pod(pod("a", "10.0.0.1", {"app": "vllm"}))
         await until_true(lambda: sink.members[Role.DECODE] == ["10.0.0.1:8000"], "the pod")
