@@ -2,8 +2,9 @@
 
 The API server validates what it stores, but a proxy, an old CRD schema or a hostile server
 may hand over anything: every field discovery reads is checked here, once per object version,
-and an object that does not hold is refused whole (`Malformed`, with what is wrong). The
-watch skips it; no other object, pool or the start can be hurt by it.
+and an object that does not hold is refused whole (`Malformed`, with what is wrong); only an
+InferencePool's target ports are refused one by one (outside 1..65535: no Envoy endpoint).
+The watch skips a malformed object; no other object, pool or the start can be hurt by it.
 
 A pod is a member while it can take requests: phase Running, condition Ready True, not being
 deleted (a deletionTimestamp means it is terminating: it gets no new requests, its own ones
