@@ -330,9 +330,19 @@ class MetricsListenConfig(ListenConfig):
     # /ready?verbose answers with every engine's address, health, load and identity; off, only
     # whether the process is ready and why in a few words (the port may be open to a cluster).
     ready_detail: bool = False
+    port: int = Field(default=9464, ge=0, lt=65536)
+
+
+class IngressListenConfig(ListenConfig):
+    """Envoy's client port."""
+
+    port: int = Field(default=8000, ge=0, lt=65536)
 
 
 class ExtProcListenConfig(ListenConfig):
+    # Each section's default port is its field's default, so that setting only its host (or
+    # tls) keeps the documented port instead of the base class's 0 (an ephemeral port).
+    port: int = Field(default=50051, ge=0, lt=65536)
     tls: TlsConfig | None = None  # plaintext by default: it listens on loopback or a socket
     # `up`: this many ext_proc processes (one core each), behind Envoy by least open streams.
     # The extra ones listen on Unix sockets too; each keeps its own identity cache and counters.
@@ -643,7 +653,7 @@ def _loopback_listener(value: str) -> str:
 
 
 class EnvoyConfig(_Strict):
-    listen: ListenConfig = ListenConfig(port=8000)
+    listen: IngressListenConfig = IngressListenConfig()
     admin: ListenConfig = ListenConfig()
     # Where Envoy listens for the ext_proc's prefill requests: "unix:/path" or "127.0.0.1:port".
     # Empty: `up` uses a Unix socket in its run directory, which nothing outside this host
@@ -774,9 +784,9 @@ class Config(_Strict):
     tracing: TracingConfig = TracingConfig()
     access_log: AccessLogConfig = AccessLogConfig()
     limits: LimitConfig = LimitConfig()
-    extproc: ExtProcListenConfig = ExtProcListenConfig(port=50051)
+    extproc: ExtProcListenConfig = ExtProcListenConfig()
     endpoint_picker: EndpointPickerConfig = EndpointPickerConfig()
-    metrics: MetricsListenConfig = MetricsListenConfig(port=9464)
+    metrics: MetricsListenConfig = MetricsListenConfig()
     envoy: EnvoyConfig = EnvoyConfig()
 
     @model_validator(mode="after")
