@@ -1,0 +1,132 @@
+"""A compact map from 60-bit int keys to rows of machine ints: sorted arrays in buckets.
+
+A dict of int to int spends about 100 bytes an entry (two int objects and a slot of three
+words, a third of the slots empty); here an entry costs its key's 8 bytes, its columns' bytes
+and a little slack. Keys must be spread evenly over [0, 2**60) (random, or mixed by the
+caller): a key's bucket is its top bits. A bucket holds about 64-256 keys, found by bisection
+and moved by memmove, both in C; as the map grows (or shrinks) all buckets split (or pairs
+merge) at once by slicing, so no key is ever rehashed one by one.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from bisect import bisect_left
+from collections.abc import Sequence
+from typing import TypeAlias
+
+__all__ = ["ARRAY_BYTES", "KEY_BITS", "Column", "IntMap", "column_code"]
+
+KEY_BITS = 60
+_SPLIT_AT = 256  # mean keys a bucket above which every bucket splits in two
+_MERGE_AT = 48  # ... below which pairs merge back
+_LIST = "list"  # a column of Python ints, for values wider than 64 bits
+ARRAY_BYTES = sys.getsizeof(array("q")) + 8  # an empty array, and its slot in a list
+_INT_BYTES = 36  # an int over 2**60 (in a list column: masks of more than 64 engines)
+
+Column: TypeAlias = "array[int] | list[int]"
+
+
+def column_code(bits: int) -> str:
+    """The narrowest column type whose values hold `bits` bits."""
+    for code in ("B", "H", "I", "Q"):
+        if array(code).itemsize * 8 >= bits:
+            return code
+    return _LIST
+
+
+def _column(code: str, values: Sequence[int] = ()) -> Column:
+    return list(values) if code == _LIST else array(code, values)
+
+
+class IntMap:
+    """`key -> (column 0, column 1, ...)`, each column of a type code of `array` (or "list").
+
+    `locate` gives a key's (bucket, position, found); the columns are read and written in place
+    as `columns[c][bucket][position]`. A position is good until the next insert or delete."""
+
+    __slots__ = ("_codes", "columns", "keys", "shift", "size")
+
+    def __init__(self, codes: Sequence[str]) -> None:
+        self._codes = list(codes)
+        self.shift = KEY_BITS  # a key's bucket is key >> shift
+        self.keys: list[Column] = [array("q")]
+        self.columns: list[list[Column]] = [[_column(code)] for code in self._codes]
+        self.size = 0
+
+    def locate(self, key: int) -> tuple[int, int, bool]:
+        bucket = key >> self.shift
+        keys = self.keys[bucket]
+        position = bisect_left(keys, key)
+        return bucket, position, position < len(keys) and keys[position] == key
+
+    def get(self, key: int, column: int = 0) -> int | None:
+        bucket = key >> self.shift
+        keys = self.keys[bucket]
+        position = bisect_left(keys, key)
+        if position < len(keys) and keys[position] == key:
+            return self.columns[column][bucket][position]
+        return None
+
+    def insert(self, bucket: int, position: int, key: int, *values: int) -> None:
+        """Add `key` where `locate` said it goes (it must not be held)."""
+        self.keys[bucket].insert(position, key)
+        for column, value in zip(self.columns, values, strict=True):
+            column[bucket].insert(position, value)
+        self.size += 1
+        if self.size > _SPLIT_AT * len(self.keys):
+            self._split()
+
+    def delete(self, bucket: int, position: int) -> None:
+        del self.keys[bucket][position]
+        for column in self.columns:
+            del column[bucket][position]
+        self.size -= 1
+        if self.size < _MERGE_AT * len(self.keys) and len(self.keys) > 1:
+            self._merge()
+
+    def widen(self, column: int, code: str) -> None:
+        """Give a column a wider type, keeping its values."""
+        if code != self._codes[column]:
+            self._codes[column] = code
+            self.columns[column] = [_column(code, part) for part in self.columns[column]]
+
+    def bytes_estimate(self) -> int:
+        """Memory without walking the buckets: each array's header, the elements, and the
+        slack CPython's arrays keep (a sixteenth, averaged, and a few elements each)."""
+        row = 8 + sum(
+            (8 + _INT_BYTES) if code == _LIST else array(code).itemsize for code in self._codes
+        )
+        arrays = len(self.keys) * (1 + len(self._codes))
+        return int(self.size * row * (1 + 1 / 32)) + arrays * (ARRAY_BYTES + 4 * 8)
+
+    def _split(self) -> None:
+        self.shift -= 1
+        shift = self.shift
+        cuts = [
+            bisect_left(keys, (2 * bucket + 1) << shift) for bucket, keys in enumerate(self.keys)
+        ]
+        self.keys = _halves(self.keys, cuts)
+        self.columns = [_halves(parts, cuts) for parts in self.columns]
+
+    def _merge(self) -> None:
+        self.shift += 1
+        self.keys = _pairs(self.keys)
+        self.columns = [_pairs(parts) for parts in self.columns]
+
+
+def _halves(parts: list[Column], cuts: list[int]) -> list[Column]:
+    out: list[Column] = []
+    for part, cut in zip(parts, cuts, strict=True):
+        out.append(part[:cut])
+        out.append(part[cut:])
+    return out
+
+
+def _pairs(parts: list[Column]) -> list[Column]:
+    out: list[Column] = []
+    for low, high in zip(parts[::2], parts[1::2], strict=True):
+        low.extend(high)
+        out.append(low)
+    return out
