@@ -2,55 +2,149 @@
 lookup on the event loop. Prints two tables; run it alone (it times things):
 
     python -m bench.kv_index [--blocks 1000000] [--tokenizer ~/.cache/pd-extproc/tiny-llama]
+                             [--compare main]
+
+Memory is measured in a fresh process per cell, twice: traced by tracemalloc, and as the
+growth of the process's resident set (without tracemalloc). `--compare REF` measures the
+index.py of a git ref beside this one, in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
+import importlib.util
+import json
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from extproc.kvcache.events import BlocksStored
 from extproc.kvcache.index import KvIndex, chain_keys
 from extproc.kvcache.tokens import OffLoopTokenizer, RequestTokenizer
 
 _BLOCK = 16
+_CHAIN = 64  # blocks a prompt: 1024 tokens
+_SCENARIOS = {"distinct": "no block shared", "shared": "every block on all engines"}
 
 
-def _conversation_events(rng: random.Random, blocks: int, chain: int) -> list[BlocksStored]:
-    """Chains of `chain` blocks (a prompt each), as vLLM stores them: one event per prompt."""
-    events = []
-    for _ in range(blocks // chain):
-        tokens = tuple(rng.randrange(32_000) for _ in range(chain * _BLOCK))
-        hashes = tuple(rng.getrandbits(60) for _ in range(chain))  # as engine_hash() gives
-        events.append(BlocksStored(hashes, None, tokens, _BLOCK, True))
-    return events
+def _chain_tokens(chain: int) -> tuple[int, ...]:
+    rng = random.Random(chain)
+    return tuple(array("H", rng.randbytes(_CHAIN * _BLOCK * 2)))
 
 
-def measure_memory(blocks: int, engines: int) -> None:
-    rng = random.Random(7)
-    per_engine = blocks // engines
-    print("| blocks | engines | traced MiB | bytes/block | estimate MiB |")
-    print("|---:|---:|---:|---:|---:|")
+def _events(engine: int, chains: range) -> Iterator[BlocksStored]:
+    """One BlockStored a prompt of 64 blocks, as vLLM stores them, made one at a time (so that
+    the events themselves do not swell the process). Engine hashes are the engine's own."""
+    rng = random.Random(1000 + engine)
+    for chain in chains:
+        hashes = tuple(rng.getrandbits(60) for _ in range(_CHAIN))  # as engine_hash() gives
+        yield BlocksStored(hashes, None, _chain_tokens(chain), _BLOCK, True)
+
+
+def _index_class(source: str | None) -> Any:
+    """KvIndex of this tree, or of an index.py given as a file (another ref's)."""
+    if source is None:
+        return KvIndex
+    spec = importlib.util.spec_from_file_location("kv_index_compared", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.KvIndex
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def memory_cell(
+    source: str | None, scenario: str, blocks: int, engines: int, traced: bool
+) -> dict[str, Any]:
+    """Build a full index in this process; what it took."""
+    index_class = _index_class(source)
+    chains = blocks // engines // _CHAIN
     gc.collect()
-    tracemalloc.start()  # before the events: the engine hashes they carry stay in the index
-    base = tracemalloc.get_traced_memory()[0]
-    index = KvIndex(max_blocks=blocks)
-    for i in range(engines):
-        index.apply(f"engine-{i}", _conversation_events(rng, per_engine, 64))
+    if traced:
+        tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0] if traced else _rss()
+    index = index_class(max_blocks=blocks)
+    start = time.process_time()
+    for engine in range(engines):
+        first = 0 if scenario == "shared" else engine * chains
+        index.apply(f"engine-{engine}", _events(engine, range(first, first + chains)))
+    cpu = time.process_time() - start
     gc.collect()
-    used = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
-    print(
-        f"| {index.blocks:,} | {engines} | {used / 2**20:.1f} | {used / index.blocks:.0f} | "
-        f"{index.bytes_estimate() / 2**20:.1f} |"
+    used = (tracemalloc.get_traced_memory()[0] if traced else _rss()) - before
+    if traced:
+        tracemalloc.stop()
+    tokens = list(_chain_tokens(0))
+    return {
+        "blocks": index.blocks,
+        "bytes": used,
+        "estimate": index.bytes_estimate(),
+        "apply_us": cpu / index.blocks * 1e6,
+        "lookup_ms": _timed(lambda: index.longest_prefix(tokens), 300),
+        "held": index.longest_prefix(tokens),
+    }
+
+
+def _sources(compare: str | None) -> dict[str, str | None]:
+    """The indexes to measure, by label: another ref's index.py (as a file), and this tree's."""
+    if not compare:
+        return {"this tree": None}
+    old = Path(tempfile.mkdtemp()) / "index.py"
+    shown = subprocess.run(
+        ["git", "show", f"{compare}:extproc/kvcache/index.py"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
+    old.write_text(shown.stdout)
+    return {compare: str(old), "this tree": None}
+
+
+def measure_memory(blocks: int, engines: int, sources: dict[str, str | None]) -> None:
+    print(
+        f"| index | blocks, {engines} engines | traced MiB | bytes/block | RSS growth MiB | "
+        "estimate MiB | apply µs/block | longest prefix ms (full index) |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for scenario, label in _SCENARIOS.items():
+        for name, source in sources.items():
+            cells = [_cell_in_child(source, scenario, blocks, engines, t) for t in (True, False)]
+            traced, rss = cells
+            print(
+                f"| {name} | {traced['blocks']:,}, {label} | {traced['bytes'] / 2**20:.1f} | "
+                f"{traced['bytes'] / traced['blocks']:.0f} | {rss['bytes'] / 2**20:.1f} | "
+                f"{traced['estimate'] / 2**20:.1f} | {rss['apply_us']:.2f} | "
+                f"{rss['lookup_ms']:.3f} |"
+            )
+
+
+def _cell_in_child(
+    source: str | None, scenario: str, blocks: int, engines: int, traced: bool
+) -> dict[str, Any]:
+    args = json.dumps([source, scenario, blocks, engines, traced])
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.kv_index", "--cell", args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
+    return result
 
 
 def _timed(fn: Callable[[], object], repeat: int) -> float:
@@ -77,9 +171,10 @@ def _loop_cpu_ms(off: OffLoopTokenizer, text: str, repeat: int) -> tuple[float, 
     return asyncio.run(run())
 
 
-def measure_request_cost(tokenizer_dir: Path | None, engines: int) -> None:
+def measure_request_cost(
+    tokenizer_dir: Path | None, engines: int, sources: dict[str, str | None]
+) -> None:
     rng = random.Random(11)
-    index = KvIndex(max_blocks=1_000_000)
     print("\n| step (1024-token request) | median ms |")
     print("|---|---:|")
     if tokenizer_dir is not None:
@@ -108,14 +203,15 @@ def measure_request_cost(tokenizer_dir: Path | None, engines: int) -> None:
     else:
         ids = [rng.randrange(32_000) for _ in range(1024)]
     held = len(chain_keys(ids, _BLOCK))
-    for i in range(engines):  # engine i holds the first (i + 1) / engines of the prompt
-        n = held * (i + 1) // engines
-        hashes = tuple(range(1 + i * 1000, 1 + i * 1000 + n))
-        index.apply(
-            f"engine-{i}", [BlocksStored(hashes, None, tuple(ids[: n * _BLOCK]), _BLOCK, True)]
-        )
-    name = f"longest prefix, {engines} engines (one holds it all)"
-    print(f"| {name} | {_timed(lambda: index.longest_prefix(ids), 500):.3f} |")
+    for label, source in sources.items():
+        index = _index_class(source)(max_blocks=1_000_000)
+        for i in range(engines):  # engine i holds the first (i + 1) / engines of the prompt
+            n = held * (i + 1) // engines
+            hashes = tuple(range(1 + i * 1000, 1 + i * 1000 + n))
+            stored = BlocksStored(hashes, None, tuple(ids[: n * _BLOCK]), _BLOCK, True)
+            index.apply(f"engine-{i}", [stored])
+        name = f"longest prefix, {engines} engines (one holds it all), {label}"
+        print(f"| {name} | {_timed(functools.partial(index.longest_prefix, ids), 500):.3f} |")
 
 
 def main() -> None:
@@ -125,10 +221,16 @@ def main() -> None:
     parser.add_argument(
         "--tokenizer", type=Path, default=Path.home() / ".cache/pd-extproc/tiny-llama"
     )
+    parser.add_argument("--compare", metavar="REF", help="also measure the index.py of REF")
+    parser.add_argument("--cell", help=argparse.SUPPRESS)  # one memory cell, in a child
     args = parser.parse_args()
-    measure_memory(args.blocks, args.engines)
+    if args.cell:
+        print(json.dumps(memory_cell(*json.loads(args.cell))))
+        return
+    sources = _sources(args.compare)
+    measure_memory(args.blocks, args.engines, sources)
     tok = args.tokenizer if (args.tokenizer / "tokenizer.json").is_file() else None
-    measure_request_cost(tok, args.engines)
+    measure_request_cost(tok, args.engines, sources)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import os
 from array import array
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -38,7 +39,6 @@ _CHUNK_ID_MASK = (1 << 32) - 1  # chunk ids wrap at 2**32 (a 4-byte column)
 # Engine hashes are mixed before they key a map, whose buckets are the keys' top bits:
 # multiplying by an odd number modulo 2**60 is a bijection whose top bits depend on every bit.
 _MIX = 0x9E3779B97F4A7C15 & _KEY_MASK
-_OURS, _CHUNK = 0, 1  # the columns of an engine's map
 _LOG_CHUNK_BYTES = 56 + 8  # a chunk's (id, records) tuple and its slot in the list
 # The chain is a keyed hash with a key of this process's own: a client who cannot learn it
 # cannot craft a prompt whose blocks collide with another's (a faked cache hit).
@@ -74,7 +74,7 @@ def _mixed(engine_hash: int) -> int:
 
 
 def _held_map() -> IntMap:
-    return IntMap(("q", "I"))  # mixed engine hash -> (our key, chunk id of its newest record)
+    return IntMap("q", "I")  # mixed engine hash -> our key, and the chunk of its newest record
 
 
 @dataclass(slots=True)
@@ -107,7 +107,7 @@ class _Engine:
     def live(self, mixed: int, chunk: int) -> tuple[int, int] | None:
         """Where the entry of a record of `chunk` is, if the record is its newest."""
         bucket, position, found = self.held.locate(mixed)
-        if found and self.held.columns[_CHUNK][bucket][position] == chunk:
+        if found and self.held.extras[bucket][position] == chunk:
             return bucket, position
         return None
 
@@ -124,7 +124,7 @@ class _Engine:
                 places.append(place)
         if index and len(self.chunks[index - 1][1]) + len(kept) <= chunk_size:
             before, older = self.chunks[index - 1]
-            chunk_ids = self.held.columns[_CHUNK]
+            chunk_ids = self.held.extras
             for bucket, position in places:
                 chunk_ids[bucket][position] = before
             older.extend(kept)
@@ -152,7 +152,7 @@ class KvIndex:
         self.max_blocks = max_blocks
         self._batch = max(1, max_blocks // _EVICT_FRACTION)
         self._chunk_size = min(self._batch, _CHUNK_MAX)
-        self._holders = IntMap(("B",))  # our key -> bitmask of the engines holding it
+        self._holders = IntMap("B")  # our key -> bitmask of the engines holding it
         self._engines: dict[str, _Engine] = {}
         self._free_slots: list[int] = []
         self._entries = 0
@@ -165,7 +165,7 @@ class KvIndex:
         if engine not in self._engines:
             slot = self._free_slots.pop() if self._free_slots else len(self._engines)
             self._engines[engine] = _Engine(slot)
-            self._holders.widen(0, column_code(max(s.slot for s in self._engines.values()) + 1))
+            self._holders.widen(column_code(max(s.slot for s in self._engines.values()) + 1))
 
     def remove_engine(self, engine: str) -> None:
         if engine in self._engines:
@@ -177,7 +177,7 @@ class KvIndex:
         if state is None or not state.held.size:
             return
         bit = 1 << state.slot
-        for keys in state.held.columns[_OURS]:
+        for keys in state.held.values:
             for key in keys:
                 self._unhold(key, bit)
         self._entries -= state.held.size
@@ -218,23 +218,25 @@ class KvIndex:
         bit = 1 << state.slot
         keys = _chain(parent, event.token_ids, event.block_size)
         for engine_hash, key in zip(event.engine_hashes, keys, strict=False):
-            self._put(state, _mixed(engine_hash), key, bit)
+            self._put(state, (engine_hash * _MIX) & _KEY_MASK, key, bit)  # _mixed, inlined
         self._tidy(state)
 
     def _put(self, state: _Engine, mixed: int, key: int, bit: int) -> None:
         held = state.held
-        bucket, position, found = held.locate(mixed)
-        if not found:
+        bucket = mixed >> held.shift  # held.locate, inlined: one call a block stored
+        hashes = held.keys[bucket]
+        position = bisect_left(hashes, mixed)
+        if position == len(hashes) or hashes[position] != mixed:
             held.insert(bucket, position, mixed, key, state.log(mixed, self._chunk_size))
             self._entries += 1
             self._hold(key, bit)
             return
-        ours = held.columns[_OURS][bucket]
+        ours = held.values[bucket]
         if ours[position] != key:  # the engine reused its hash for other tokens
             self._unhold(ours[position], bit)
             ours[position] = key
             self._hold(key, bit)
-        chunks = held.columns[_CHUNK][bucket]
+        chunks = held.extras[bucket]
         if chunks[position] != state.newest_chunk():
             # Stored again: a new record at the end of the log, the old one goes stale. One
             # already in the newest chunk stays where it is (its order is off by < a chunk).
@@ -259,16 +261,18 @@ class KvIndex:
         for engine_hash in engine_hashes:
             bucket, position, found = held.locate(_mixed(engine_hash))
             if found:
-                key = held.columns[_OURS][bucket][position]
+                key = held.values[bucket][position]
                 held.delete(bucket, position)  # its record goes stale
                 self._entries -= 1
                 self._unhold(key, bit)
 
     def _hold(self, key: int, bit: int) -> None:
         holders = self._holders
-        bucket, position, found = holders.locate(key)
-        if found:
-            holders.columns[0][bucket][position] |= bit
+        bucket = key >> holders.shift  # holders.locate, inlined
+        keys = holders.keys[bucket]
+        position = bisect_left(keys, key)
+        if position < len(keys) and keys[position] == key:
+            holders.values[bucket][position] |= bit
         else:
             holders.insert(bucket, position, key, bit)
 
@@ -276,7 +280,7 @@ class KvIndex:
         holders = self._holders
         bucket, position, found = holders.locate(key)
         if found:
-            masks = holders.columns[0][bucket]
+            masks = holders.values[bucket]
             if masks[position] & ~bit:
                 masks[position] &= ~bit
             else:
@@ -297,7 +301,7 @@ class KvIndex:
                 read += 1
                 place = state.live(mixed, chunk)
                 if place is not None:
-                    key = held.columns[_OURS][place[0]][place[1]]
+                    key = held.values[place[0]][place[1]]
                     held.delete(*place)
                     self._entries -= 1
                     self._unhold(key, bit)
@@ -345,9 +349,14 @@ class KvIndex:
     def _walk(self, token_ids: Sequence[int], size: int, slots: list[int]) -> dict[int, int]:
         alive = sum(1 << slot for slot in slots)
         reached = dict.fromkeys(slots, 0)
-        mask_of, depth = self._holders.get, 0
+        holders, depth = self._holders, 0
+        buckets, masks, shift = holders.keys, holders.values, holders.shift
         for key in _chain(_ROOT, token_ids, size):
-            still = alive & (mask_of(key) or 0)
+            bucket = key >> shift  # holders.get, inlined: this is the per-request path
+            keys = buckets[bucket]
+            position = bisect_left(keys, key)
+            held = position < len(keys) and keys[position] == key
+            still = alive & masks[bucket][position] if held else 0
             if still != alive:
                 _settle(reached, alive & ~still, depth)
                 alive = still

@@ -1,9 +1,9 @@
-"""A compact map from 60-bit int keys to rows of machine ints: sorted arrays in buckets.
+"""A compact map from 60-bit int keys to machine ints: sorted arrays in buckets.
 
 A dict of int to int spends about 100 bytes an entry (two int objects and a slot of three
-words, a third of the slots empty); here an entry costs its key's 8 bytes, its columns' bytes
+words, a third of the slots empty); here an entry costs its key's 8 bytes, its values' bytes
 and a little slack. Keys must be spread evenly over [0, 2**60) (random, or mixed by the
-caller): a key's bucket is its top bits. A bucket holds about 64-256 keys, found by bisection
+caller): a key's bucket is its top bits. A bucket holds about 48-256 keys, found by bisection
 and moved by memmove, both in C; as the map grows (or shrinks) all buckets split (or pairs
 merge) at once by slicing, so no key is ever rehashed one by one.
 """
@@ -41,19 +41,32 @@ def _column(code: str, values: Sequence[int] = ()) -> Column:
 
 
 class IntMap:
-    """`key -> (column 0, column 1, ...)`, each column of a type code of `array` (or "list").
+    """`key -> value`, and an `extra` value per key where an extra type code is given (type
+    codes of `array`, or "list" for Python ints; `extras` is empty without one).
 
-    `locate` gives a key's (bucket, position, found); the columns are read and written in place
-    as `columns[c][bucket][position]`. A position is good until the next insert or delete."""
+    `locate` gives a key's (bucket, position, found); values are read and written in place as
+    `values[bucket][position]` (`extras[...]`). A position is good until the next insert or
+    delete."""
 
-    __slots__ = ("_codes", "columns", "keys", "shift", "size")
+    __slots__ = (
+        "_codes",
+        "_merge_below",
+        "_split_above",
+        "extras",
+        "keys",
+        "shift",
+        "size",
+        "values",
+    )
 
-    def __init__(self, codes: Sequence[str]) -> None:
-        self._codes = list(codes)
+    def __init__(self, value_code: str, extra_code: str | None = None) -> None:
+        self._codes = [value_code] if extra_code is None else [value_code, extra_code]
         self.shift = KEY_BITS  # a key's bucket is key >> shift
         self.keys: list[Column] = [array("q")]
-        self.columns: list[list[Column]] = [[_column(code)] for code in self._codes]
+        self.values: list[Column] = [_column(value_code)]
+        self.extras: list[Column] = [] if extra_code is None else [_column(extra_code)]
         self.size = 0
+        self._limits()
 
     def locate(self, key: int) -> tuple[int, int, bool]:
         bucket = key >> self.shift
@@ -61,45 +74,61 @@ class IntMap:
         position = bisect_left(keys, key)
         return bucket, position, position < len(keys) and keys[position] == key
 
-    def get(self, key: int, column: int = 0) -> int | None:
+    def get(self, key: int) -> int | None:
         bucket = key >> self.shift
         keys = self.keys[bucket]
         position = bisect_left(keys, key)
         if position < len(keys) and keys[position] == key:
-            return self.columns[column][bucket][position]
+            return self.values[bucket][position]
         return None
 
-    def insert(self, bucket: int, position: int, key: int, *values: int) -> None:
+    def insert(self, bucket: int, position: int, key: int, value: int, extra: int = 0) -> None:
         """Add `key` where `locate` said it goes (it must not be held)."""
         self.keys[bucket].insert(position, key)
-        for column, value in zip(self.columns, values, strict=True):
-            column[bucket].insert(position, value)
+        self.values[bucket].insert(position, value)
+        if self.extras:
+            self.extras[bucket].insert(position, extra)
         self.size += 1
-        if self.size > _SPLIT_AT * len(self.keys):
+        if self.size > self._split_above:
             self._split()
 
     def delete(self, bucket: int, position: int) -> None:
         del self.keys[bucket][position]
-        for column in self.columns:
-            del column[bucket][position]
+        del self.values[bucket][position]
+        if self.extras:
+            del self.extras[bucket][position]
         self.size -= 1
-        if self.size < _MERGE_AT * len(self.keys) and len(self.keys) > 1:
+        if self.size < self._merge_below:
             self._merge()
 
-    def widen(self, column: int, code: str) -> None:
-        """Give a column a wider type, keeping its values."""
-        if code != self._codes[column]:
-            self._codes[column] = code
-            self.columns[column] = [_column(code, part) for part in self.columns[column]]
+    def widen(self, code: str) -> None:
+        """Give the values a wider type, keeping them."""
+        if code != self._codes[0]:
+            self._codes[0] = code
+            self.values = [_column(code, part) for part in self.values]
 
     def bytes_estimate(self) -> int:
         """Memory without walking the buckets: each array's header, the elements, and the
-        slack CPython's arrays keep (a sixteenth, averaged, and a few elements each)."""
+        slack CPython's arrays keep (a sixteenth at most, and a few elements each)."""
         row = 8 + sum(
             (8 + _INT_BYTES) if code == _LIST else array(code).itemsize for code in self._codes
         )
         arrays = len(self.keys) * (1 + len(self._codes))
         return int(self.size * row * (1 + 1 / 32)) + arrays * (ARRAY_BYTES + 4 * 8)
+
+    def _columns(self) -> list[list[Column]]:
+        return [self.keys, self.values] + ([self.extras] if self.extras else [])
+
+    def _set_columns(self, columns: list[list[Column]]) -> None:
+        self.keys, self.values = columns[0], columns[1]
+        if self.extras:
+            self.extras = columns[2]
+        self._limits()
+
+    def _limits(self) -> None:
+        buckets = len(self.keys)
+        self._split_above = _SPLIT_AT * buckets
+        self._merge_below = _MERGE_AT * buckets if buckets > 1 else -1
 
     def _split(self) -> None:
         self.shift -= 1
@@ -107,13 +136,11 @@ class IntMap:
         cuts = [
             bisect_left(keys, (2 * bucket + 1) << shift) for bucket, keys in enumerate(self.keys)
         ]
-        self.keys = _halves(self.keys, cuts)
-        self.columns = [_halves(parts, cuts) for parts in self.columns]
+        self._set_columns([_halves(parts, cuts) for parts in self._columns()])
 
     def _merge(self) -> None:
         self.shift += 1
-        self.keys = _pairs(self.keys)
-        self.columns = [_pairs(parts) for parts in self.columns]
+        self._set_columns([_pairs(parts) for parts in self._columns()])
 
 
 def _halves(parts: list[Column], cuts: list[int]) -> list[Column]:
