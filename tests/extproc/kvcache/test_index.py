@@ -1,12 +1,12 @@
 """The KV index: chains keyed by tokens, per-engine longest prefixes, removal, clearing, and its
-bound under a flood of blocks."""
+bound under a flood of blocks; its memory and the estimate of it."""
 
 from __future__ import annotations
 
 import gc
 import random
-from array import array
 import tracemalloc
+from array import array
 
 import pytest
 
