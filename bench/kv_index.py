@@ -72,32 +72,62 @@ def _rss() -> int:
 def memory_cell(
     source: str | None, scenario: str, blocks: int, engines: int, traced: bool
 ) -> dict[str, Any]:
-    """Build a full index in this process; what it took."""
+    """Build a full index in this process; the memory it took."""
     index_class = _index_class(source)
-    chains = blocks // engines // _CHAIN
     gc.collect()
     if traced:
         tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0] if traced else _rss()
     index = index_class(max_blocks=blocks)
-    start = time.process_time()
-    for engine in range(engines):
-        first = 0 if scenario == "shared" else engine * chains
-        index.apply(f"engine-{engine}", _events(engine, range(first, first + chains)))
-    cpu = time.process_time() - start
+    for engine, events in _engines_events(scenario, blocks, engines):
+        index.apply(engine, events)
     gc.collect()
     used = (tracemalloc.get_traced_memory()[0] if traced else _rss()) - before
     if traced:
         tracemalloc.stop()
-    tokens = list(_chain_tokens(0))
-    return {
-        "blocks": index.blocks,
-        "bytes": used,
-        "estimate": index.bytes_estimate(),
-        "apply_us": cpu / index.blocks * 1e6,
-        "lookup_ms": _timed(lambda: index.longest_prefix(tokens), 300),
-        "held": index.longest_prefix(tokens),
-    }
+    return {"blocks": index.blocks, "bytes": used, "estimate": index.bytes_estimate()}
+
+
+def _engines_events(
+    scenario: str, blocks: int, engines: int
+) -> Iterator[tuple[str, Iterator[BlocksStored]]]:
+    chains = blocks // engines // _CHAIN
+    for engine in range(engines):
+        first = 0 if scenario == "shared" else engine * chains
+        yield f"engine-{engine}", _events(engine, range(first, first + chains))
+
+
+def measure_costs(blocks: int, engines: int, sources: dict[str, str | None]) -> None:
+    """Applying the events and a lookup in the full index, the indexes side by side in this
+    process (each event applied to each in turn, lookups alternating), so that a machine whose
+    load changes weighs on all alike."""
+    print(
+        f"\n| index | {blocks:,} blocks, {engines} engines | apply µs/block | "
+        "longest prefix ms (1024 tokens, full index) |"
+    )
+    print("|---|---|---:|---:|")
+    tokens = list(_chain_tokens(0))  # engine 0 holds it all; with "shared", every engine
+    for scenario, label in _SCENARIOS.items():
+        indexes = {name: _index_class(src)(max_blocks=blocks) for name, src in sources.items()}
+        cpu = dict.fromkeys(indexes, 0.0)
+        for engine, events in _engines_events(scenario, blocks, engines):
+            for event in events:
+                for name, index in indexes.items():
+                    start = time.process_time()
+                    index.apply(engine, [event])
+                    cpu[name] += time.process_time() - start
+        lookups = _side_by_side(
+            {
+                name: functools.partial(index.longest_prefix, tokens)
+                for name, index in indexes.items()
+            },
+            300,
+        )
+        for name, index in indexes.items():
+            print(
+                f"| {name} | {label} | {cpu[name] / index.blocks * 1e6:.2f} | {lookups[name]:.3f} |"
+            )
+        del indexes
 
 
 def _sources(compare: str | None) -> dict[str, str | None]:
@@ -118,9 +148,9 @@ def _sources(compare: str | None) -> dict[str, str | None]:
 def measure_memory(blocks: int, engines: int, sources: dict[str, str | None]) -> None:
     print(
         f"| index | blocks, {engines} engines | traced MiB | bytes/block | RSS growth MiB | "
-        "estimate MiB | apply µs/block | longest prefix ms (full index) |"
+        "estimate MiB |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|")
     for scenario, label in _SCENARIOS.items():
         for name, source in sources.items():
             cells = [_cell_in_child(source, scenario, blocks, engines, t) for t in (True, False)]
@@ -128,8 +158,7 @@ def measure_memory(blocks: int, engines: int, sources: dict[str, str | None]) ->
             print(
                 f"| {name} | {traced['blocks']:,}, {label} | {traced['bytes'] / 2**20:.1f} | "
                 f"{traced['bytes'] / traced['blocks']:.0f} | {rss['bytes'] / 2**20:.1f} | "
-                f"{traced['estimate'] / 2**20:.1f} | {rss['apply_us']:.2f} | "
-                f"{rss['lookup_ms']:.3f} |"
+                f"{traced['estimate'] / 2**20:.1f} |"
             )
 
 
@@ -148,12 +177,18 @@ def _cell_in_child(
 
 
 def _timed(fn: Callable[[], object], repeat: int) -> float:
-    samples = []
+    return _side_by_side({"": fn}, repeat)[""]
+
+
+def _side_by_side(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Median ms of each, their runs alternating."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
 
 
 def _loop_cpu_ms(off: OffLoopTokenizer, text: str, repeat: int) -> tuple[float, float]:
@@ -203,15 +238,21 @@ def measure_request_cost(
     else:
         ids = [rng.randrange(32_000) for _ in range(1024)]
     held = len(chain_keys(ids, _BLOCK))
-    for label, source in sources.items():
-        index = _index_class(source)(max_blocks=1_000_000)
+    indexes = {
+        label: _index_class(source)(max_blocks=1_000_000) for label, source in sources.items()
+    }
+    for index in indexes.values():
         for i in range(engines):  # engine i holds the first (i + 1) / engines of the prompt
             n = held * (i + 1) // engines
             hashes = tuple(range(1 + i * 1000, 1 + i * 1000 + n))
             stored = BlocksStored(hashes, None, tuple(ids[: n * _BLOCK]), _BLOCK, True)
             index.apply(f"engine-{i}", [stored])
-        name = f"longest prefix, {engines} engines (one holds it all), {label}"
-        print(f"| {name} | {_timed(functools.partial(index.longest_prefix, ids), 500):.3f} |")
+    lookups = _side_by_side(
+        {label: functools.partial(index.longest_prefix, ids) for label, index in indexes.items()},
+        500,
+    )
+    for label, ms in lookups.items():
+        print(f"| longest prefix, {engines} engines (one holds it all), {label} | {ms:.3f} |")
 
 
 def main() -> None:
@@ -229,6 +270,7 @@ def main() -> None:
         return
     sources = _sources(args.compare)
     measure_memory(args.blocks, args.engines, sources)
+    measure_costs(args.blocks, args.engines, sources)
     tok = args.tokenizer if (args.tokenizer / "tokenizer.json").is_file() else None
     measure_request_cost(tok, args.engines, sources)
 
