@@ -177,9 +177,12 @@ class KvIndex:
         if state is None or not state.held.size:
             return
         bit = 1 << state.slot
-        for keys in state.held.values:
-            for key in keys:
-                self._unhold(key, bit)
+        if state.held.size * 8 < self._holders.size:  # a few: one at a time
+            for keys in state.held.values:
+                for key in keys:
+                    self._unhold(key, bit)
+        else:
+            self._holders.clear_bits(bit)
         self._entries -= state.held.size
         state.held, state.chunks, state.records, state.sweep = _held_map(), [], 0, 0
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import sys
 from array import array
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterable
+from itertools import compress
 from typing import TypeAlias
 
 __all__ = ["ARRAY_BYTES", "KEY_BITS", "Column", "IntMap", "column_code"]
@@ -37,7 +38,7 @@ def column_code(bits: int) -> str:
     return _LIST
 
 
-def _column(code: str, values: Sequence[int] = ()) -> Column:
+def _column(code: str, values: Iterable[int] = ()) -> Column:
     return list(values) if code == _LIST else array(code, values)
 
 
@@ -109,6 +110,25 @@ class IntMap:
         for parts in self._columns():
             parts[bucket] = parts[bucket][:]  # a copy is allocated to its size
 
+    def clear_bits(self, bits: int) -> None:
+        """`value &= ~bits` for every key, and the keys whose value is then 0 go: a pass over
+        whole buckets in C (bytes.translate over each byte of the values, then filtering),
+        cheaper than one key at a time once a good share of the keys changes."""
+        code = self._codes[0]
+        clear = _byte_clearing(code, bits)
+        for bucket, values in enumerate(self.values):
+            cleared = [v & ~bits for v in values] if clear is None else _cleared(values, clear)
+            if 0 in cleared:
+                self.keys[bucket] = array("q", compress(self.keys[bucket], cleared))
+                if self.extras:
+                    kept = compress(self.extras[bucket], cleared)
+                    self.extras[bucket] = _column(self._codes[1], kept)
+                cleared = _column(code, filter(None, cleared))
+            self.values[bucket] = cleared
+        self.size = sum(len(keys) for keys in self.keys)
+        while self.size < self._merge_below:
+            self._merge()
+
     def widen(self, code: str) -> None:
         """Give the values a wider type, keeping them."""
         if code != self._codes[0]:
@@ -150,6 +170,30 @@ class IntMap:
     def _merge(self) -> None:
         self.shift += 1
         self._set_columns([_pairs(parts) for parts in self._columns()])
+
+
+def _byte_clearing(code: str, bits: int) -> list[tuple[int, bytes]] | None:
+    """For an array of `code`: (offset of a byte in an item, its translation table) for each
+    byte that `bits` touches; None for a list."""
+    if code == _LIST:
+        return None
+    size = array(code).itemsize
+    out = []
+    for byte in range(size):
+        clear = bits >> (8 * byte) & 0xFF
+        if clear:
+            offset = byte if sys.byteorder == "little" else size - 1 - byte
+            out.append((offset, bytes(i & ~clear for i in range(256))))
+    return out
+
+
+def _cleared(values: Column, clearing: list[tuple[int, bytes]]) -> Column:
+    assert isinstance(values, array)
+    copy = values[:]
+    raw, size = memoryview(copy).cast("B"), copy.itemsize
+    for offset, table in clearing:
+        raw[offset::size] = bytes(raw[offset::size]).translate(table)
+    return copy
 
 
 def _halves(parts: list[Column], cuts: list[int]) -> list[Column]:

@@ -77,3 +77,22 @@ def test_its_estimate_is_within_a_fifth_of_what_it_takes() -> None:
         tracemalloc.stop()
     assert traced / table.size < 26  # 8 + 8 + 4 bytes a row, and slack
     assert abs(table.bytes_estimate() - traced) <= 0.2 * traced
+
+
+def test_clearing_bits_everywhere_drops_the_keys_left_with_none() -> None:
+    rng = random.Random(4)
+    for code, bits in (("B", 1 << 3), ("H", 1 << 11 | 1), ("Q", 1 << 63), ("list", 1 << 70)):
+        table, model = IntMap(code, "I"), {}
+        for n in range(3000):
+            key, value = rng.getrandbits(KEY_BITS), rng.choice([bits, bits | 2, 2, 5, bits])
+            put(table, key, value, n)
+            model[key] = (value, n)
+        table.clear_bits(bits)
+        left = {k: (v & ~bits, n) for k, (v, n) in model.items() if v & ~bits}
+        assert table.size == len(left)
+        for key in model:
+            bucket, position, found = table.locate(key)
+            assert found == (key in left)
+            if found:
+                got = (table.values[bucket][position], table.extras[bucket][position])
+                assert got == left[key]
