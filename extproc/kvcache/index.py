@@ -11,8 +11,8 @@ of machine ints, not dicts of int objects. Our key -> a bitmask of the engines h
 engine, its (mixed) hash -> our key and the chunk of its storage log that holds its newest
 record. The log keeps an engine's hashes in storage order, in chunks; a record is stale once
 its block is removed or stored again later. The bound is on (engine, block) entries; past it
-the oldest-stored entries of the largest engine go, a batch at a time, read off the log's
-front. vLLM announces a block again with BlockStored when a request reuses it, so storage order
+the oldest-stored entries of the largest engine go, as many as are over, read off the log's
+front (so the cost of eviction follows the blocks stored, with no batch to stall on). vLLM announces a block again with BlockStored when a request reuses it, so storage order
 is also use order.
 """
 
@@ -33,8 +33,9 @@ __all__ = ["KvIndex", "chain_keys"]
 
 _KEY_MASK = (1 << KEY_BITS) - 1
 _ROOT = 0  # the parent key of a prompt's first block
-_EVICT_FRACTION = 64  # evict 1/64 of the bound at once
-_CHUNK_MAX = 1024  # records in a chunk of an engine's storage log
+# Records in a chunk of an engine's storage log: 1/64 of the bound, at most 1024. A block
+# stored again while in the newest chunk keeps its place: the order's grain.
+_CHUNK_FRACTION, _CHUNK_MAX = 64, 1024
 _CHUNK_ID_MASK = (1 << 32) - 1  # chunk ids wrap at 2**32 (a 4-byte column)
 # Engine hashes are mixed before they key a map, whose buckets are the keys' top bits:
 # multiplying by an odd number modulo 2**60 is a bijection whose top bits depend on every bit.
@@ -150,8 +151,7 @@ class KvIndex:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.max_blocks = max_blocks
-        self._batch = max(1, max_blocks // _EVICT_FRACTION)
-        self._chunk_size = min(self._batch, _CHUNK_MAX)
+        self._chunk_size = max(1, min(max_blocks // _CHUNK_FRACTION, _CHUNK_MAX))
         self._holders = IntMap("B")  # our key -> bitmask of the engines holding it
         self._engines: dict[str, _Engine] = {}
         self._free_slots: list[int] = []
@@ -292,7 +292,7 @@ class KvIndex:
     def _evict(self) -> None:
         while self._entries > self.max_blocks:
             largest = max(self._engines.values(), key=lambda e: e.held.size)
-            self._evict_oldest(largest, min(self._batch, largest.held.size))
+            self._evict_oldest(largest, min(self._entries - self.max_blocks, largest.held.size))
 
     def _evict_oldest(self, state: _Engine, count: int) -> None:
         """Drop the engine's `count` oldest-stored entries, read off the front of its log."""
