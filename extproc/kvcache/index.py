@@ -12,8 +12,9 @@ engine, its (mixed) hash -> our key and the chunk of its storage log that holds 
 record. The log keeps an engine's hashes in storage order, in chunks; a record is stale once
 its block is removed or stored again later. The bound is on (engine, block) entries; past it
 the oldest-stored entries of the largest engine go, as many as are over, read off the log's
-front (so the cost of eviction follows the blocks stored, with no batch to stall on). vLLM announces a block again with BlockStored when a request reuses it, so storage order
-is also use order.
+front (so eviction costs in step with the blocks stored, with no batch to stall on). vLLM
+announces a block again with BlockStored when a request reuses it, so storage order is also
+use order.
 """
 
 from __future__ import annotations
