@@ -742,7 +742,7 @@ TokenizerPath = Annotated[str | None, AfterValidator(_tokenizer_path)]
 class KvIndexConfig(_Strict):
     """The index of what the engines' KV caches hold (docs/kv-cache.md)."""
 
-    # (engine, block) entries kept; ~150 bytes each (650 000 keep within 100 MB)
+    # (engine, block) entries kept; ~35-50 bytes each (docs/kv-cache.md, "What it costs")
     max_blocks: int = Field(default=500_000, ge=1, le=100_000_000)
 
 
