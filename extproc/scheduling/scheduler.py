@@ -90,6 +90,27 @@ def _endpoint_modes(config: Config) -> dict[str, DispatchMode]:
     }
 
 
+def _data_parallel_sizes(config: Config) -> dict[tuple[Role, str], int]:
+    """The static endpoints' data_parallel_size where set (on the endpoint, or its pool)."""
+    return {
+        (role, endpoint.address): endpoint.data_parallel_size or pool.data_parallel_size
+        for role in (Role.PREFILL, Role.DECODE)
+        for pool in config.pool_configs(role)
+        for endpoint in pool.endpoints
+        if endpoint.data_parallel_size is not None or pool.data_parallel_size > 1
+    }
+
+
+def _group_data_parallel(config: Config) -> dict[tuple[Role, str], int]:
+    """Each model group's pools' data_parallel_size (where > 1), for discovered members."""
+    return {
+        (role, name): getattr(group, role).data_parallel_size
+        for name, group in config.groups().items()
+        for role in (Role.PREFILL, Role.DECODE)
+        if getattr(group, role).data_parallel_size > 1
+    }
+
+
 def _none_healthy(role: Role, subset: Subset | None) -> str:
     if subset is None:
         return f"no healthy {role} endpoint; retry later"
@@ -117,7 +138,11 @@ class Scheduler:
         self.groups = _model_groups(config)
         self._modes = _endpoint_modes(config)
         self._default_mode = config.dispatch.mode
+        self._dp_sizes = _data_parallel_sizes(config)
+        self._group_dp = _group_data_parallel(config)
         self.kv = kv  # KV-cache routing: the index and the tokenizers (None: never)
+        prefill.ranks_of = lambda address: self.data_parallel_size(Role.PREFILL, address)
+        decode.ranks_of = lambda address: self.data_parallel_size(Role.DECODE, address)
 
     def count_invalid_priority(self) -> None:
         """A request's priority header was not an integer (the gateway's mistake)."""
@@ -127,13 +152,23 @@ class Scheduler:
         """Groups, modes and policies from `config`; all built before any is swapped."""
         groups, modes = _model_groups(config), _endpoint_modes(config)
         prefill_policy, decode_policy = pool_picker(config.prefill), pool_picker(config.decode)
+        dp_sizes, group_dp = _data_parallel_sizes(config), _group_data_parallel(config)
         self.groups, self._modes, self._default_mode = groups, modes, config.dispatch.mode
+        self._dp_sizes, self._group_dp = dp_sizes, group_dp
         self.prefill.set_policy(prefill_policy)
         self.decode.set_policy(decode_policy)
 
     def prefill_mode(self, address: str) -> DispatchMode:
         """The endpoint's own `mode:` or dispatch.mode (precomputed: asked per request)."""
         return self._modes.get(address, self._default_mode)
+
+    def data_parallel_size(self, role: Role, address: str) -> int:
+        """The engine ranks behind `address` (1: none): its own setting, else its group's
+        pool's (a discovered member has only the latter)."""
+        own = self._dp_sizes.get((role, address))
+        if own is not None or not self._group_dp:
+            return own or 1
+        return self._group_dp.get((role, self.group_of(role, address).name), 1)
 
     def group(self, model: str) -> ModelGroup:
         """The pools that serve `model` (the default group for models not configured)."""
