@@ -236,8 +236,9 @@ class PoolConfig(_Strict):
     options: SerializeAsAny[BaseModel] = NoOptions()
     # KV events of the members (null: none read; the kv_cache policy then hashes prompts).
     kv_events: KvEventsConfig | None = None
-    # vLLM's --data-parallel-size of every member (an endpoint's own value wins)
-    data_parallel_size: int = Field(default=1, ge=1, le=MAX_DATA_PARALLEL)
+    # vLLM's --data-parallel-size of every member (an endpoint's own value wins); null: learned
+    # from each engine's /metrics (one `engine` label per rank) where it is scraped
+    data_parallel_size: int | None = Field(default=None, ge=1, le=MAX_DATA_PARALLEL)
 
     @model_validator(mode="before")
     @classmethod

@@ -38,7 +38,7 @@ def scrape_plan(
     for model, group in config.groups().items():
         for role in Role:
             pool = getattr(group, role)
-            ranked = pool.data_parallel_size > 1 or any(
+            ranked = (pool.data_parallel_size or 1) > 1 or any(
                 (e.data_parallel_size or 1) > 1 for e in pool.endpoints
             )
             if (pool.needs_load or ranked) and model in members:

@@ -44,7 +44,7 @@ from extproc.errors import (
 )
 from extproc.headers import RANK_HEADER
 from extproc.protocol.bodies import decode_body
-from extproc.protocol.identity import PrefillIdentity, identity_from_params
+from extproc.protocol.identity import PrefillIdentity, identity_from_params, where
 from extproc.request import envoy_msgs
 from extproc.request.plan import DecodeOnlyPlan, ParallelPlan, Plan, SerialPlan, check_fits
 from extproc.request.prefill_client import PrefillCall
@@ -265,9 +265,10 @@ class _PrefillLeg:
             ) from None
         identities.learn(self.prefill, identity, self.rank)
         if given is not None and identity != given:
-            self._services.metrics.identity_events.labels(self.prefill, "mismatched").inc()
+            engine = where(self.prefill, self.rank)
+            self._services.metrics.identity_events.labels(engine, "mismatched").inc()
             raise IdentityChanged(
-                503, f"prefill {self.prefill} restarted (new engine id); retry", retry_after_s=1
+                503, f"prefill {engine} restarted (new engine id); retry", retry_after_s=1
             )
         return result.kv_transfer_params  # type: ignore[no-any-return]
 

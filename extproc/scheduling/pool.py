@@ -37,6 +37,12 @@ class EndpointState:
     rank_load: dict[int, float] = field(default_factory=dict)
     next_rank: int = 0  # where the next rank choice starts looking: ties go in turn
 
+    @property
+    def scraped_ranks(self) -> int:
+        """The ranks its /metrics shows (`engine` labels 0 .. N-1); 1 when not scraped."""
+        ranks = self.rank_load
+        return len(ranks) if len(ranks) > 1 and set(ranks) == set(range(len(ranks))) else 1
+
     def least_loaded_rank(self, ranks: int) -> int:
         """The rank of `ranks` to send the next request to (vLLM's DP balancing score)."""
         order = [(self.next_rank + i) % ranks for i in range(ranks)]
@@ -89,6 +95,9 @@ class Pool:
     @property
     def addresses(self) -> list[str]:
         return list(self._endpoints)
+
+    def get(self, address: str) -> EndpointState | None:
+        return self._endpoints.get(address)
 
     def __iter__(self) -> Iterator[EndpointState]:
         return iter(list(self._endpoints.values()))  # a copy: membership may change meanwhile

@@ -92,22 +92,23 @@ def _endpoint_modes(config: Config) -> dict[str, DispatchMode]:
 
 def _data_parallel_sizes(config: Config) -> dict[tuple[Role, str], int]:
     """The static endpoints' data_parallel_size where set (on the endpoint, or its pool)."""
-    return {
-        (role, endpoint.address): endpoint.data_parallel_size or pool.data_parallel_size
-        for role in (Role.PREFILL, Role.DECODE)
-        for pool in config.pool_configs(role)
-        for endpoint in pool.endpoints
-        if endpoint.data_parallel_size is not None or pool.data_parallel_size > 1
-    }
+    sizes = {}
+    for role in (Role.PREFILL, Role.DECODE):
+        for pool in config.pool_configs(role):
+            for endpoint in pool.endpoints:
+                size = endpoint.data_parallel_size or pool.data_parallel_size
+                if size is not None:
+                    sizes[(role, endpoint.address)] = size
+    return sizes
 
 
 def _group_data_parallel(config: Config) -> dict[tuple[Role, str], int]:
-    """Each model group's pools' data_parallel_size (where > 1), for discovered members."""
+    """Each model group's pools' data_parallel_size where set, for discovered members."""
     return {
-        (role, name): getattr(group, role).data_parallel_size
+        (role, name): size
         for name, group in config.groups().items()
         for role in (Role.PREFILL, Role.DECODE)
-        if getattr(group, role).data_parallel_size > 1
+        if (size := getattr(group, role).data_parallel_size) is not None
     }
 
 
@@ -164,11 +165,14 @@ class Scheduler:
 
     def data_parallel_size(self, role: Role, address: str) -> int:
         """The engine ranks behind `address` (1: none): its own setting, else its group's
-        pool's (a discovered member has only the latter)."""
-        own = self._dp_sizes.get((role, address))
-        if own is not None or not self._group_dp:
-            return own or 1
-        return self._group_dp.get((role, self.group_of(role, address).name), 1)
+        pool's (a discovered member has only the latter), else what its /metrics shows."""
+        size = self._dp_sizes.get((role, address))
+        if size is None and self._group_dp:
+            size = self._group_dp.get((role, self.group_of(role, address).name))
+        if size is not None:
+            return size
+        state = (self.prefill if role is Role.PREFILL else self.decode).get(address)
+        return 1 if state is None else state.scraped_ranks
 
     def group(self, model: str) -> ModelGroup:
         """The pools that serve `model` (the default group for models not configured)."""

@@ -62,6 +62,12 @@ def test_data_parallel_size_per_pool_and_per_endpoint() -> None:
     assert scheduler.data_parallel_size(Role.PREFILL, "10.9.9.9:8000") == 4  # discovered
     assert scheduler.data_parallel_size(Role.DECODE, "127.0.0.1:8200") == 1
     assert scheduler.prefill.ranks_of("127.0.0.1:8100") == 4
+    decode = scheduler.decode.get("127.0.0.1:8200")
+    assert decode is not None
+    decode.rank_load = {0: 0.0, 1: 3.0}  # not configured: its /metrics shows two engines
+    assert scheduler.data_parallel_size(Role.DECODE, "127.0.0.1:8200") == 2
+    decode.rank_load = {0: 0.0, 2: 3.0}  # not ranks 0 .. N-1: not believed
+    assert scheduler.data_parallel_size(Role.DECODE, "127.0.0.1:8200") == 1
     with pytest.raises(ConfigError, match="data_parallel_size: Input should be greater than"):
         parse_config(
             MINIMAL | {"decode": {"endpoints": ["127.0.0.1:8200"], "data_parallel_size": 0}}
