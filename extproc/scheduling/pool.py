@@ -163,7 +163,10 @@ class Pool:
             return
         self.release(counted)
         if state is not counted.state:
-            counted.rank = self._rank_for(state)
+            # The rank already sent is kept where the new endpoint has it (Envoy's fallback D
+            # got the same header); else one of its own (a retry's P leg is still to leave).
+            kept = counted.rank is not None and counted.rank < self.ranks_of(state.address)
+            counted.rank = counted.rank if kept else self._rank_for(state)
         counted.state, counted.counting = state, True
         self._count(counted, +1)
 

@@ -297,7 +297,14 @@ class Scheduler:
         if not decodes:
             raise NoHealthyDecode(503, _none_healthy(Role.DECODE, subset), retry_after_s=1)
         counted = inflight.enter_context(self.decode.track(decodes[0]))
-        return [d.address for d in decodes], counted
+        rank = counted.rank
+        # Envoy's fallback gets the same rank header: only a server that has that rank
+        fallback = [
+            d.address
+            for d in decodes[1:]
+            if rank is None or self.data_parallel_size(Role.DECODE, d.address) > rank
+        ]
+        return [decodes[0].address, *fallback], counted
 
     def _admit(self, wanted: PickRequest, group: ModelGroup, role: Role, config: Config) -> None:
         """Shed (429) if the group's engines of `role` are saturated for the request's

@@ -224,3 +224,9 @@ def test_ranks_are_chosen_by_their_load_and_counted_apart() -> None:
         plain.move_to(A)  # a retry on the endpoint with ranks gets one of its ranks
         assert plain.rank in (0, 1) and state.rank_in_flight[plain.rank] == 1
     assert state.rank_in_flight == {0: 0, 1: 0}
+    pool.ranks_of = lambda address: 2
+    with pool.track(state) as sent:
+        rank = sent.rank
+        sent.move_to(B)  # Envoy's fallback served it, with the rank header already sent
+        assert sent.rank == rank and other.rank_in_flight == {rank: 1}
+        assert state.rank_in_flight == {0: 0, 1: 0}
