@@ -30,7 +30,7 @@ from pydantic import (
 )
 
 from extproc.durations import DAY, INTERVAL, seconds
-from extproc.headers import DESTINATION_HEADER, LOCAL_REPLY_HEADER
+from extproc.headers import DESTINATION_HEADER, LOCAL_REPLY_HEADER, RANK_HEADER
 from extproc.policies import POLICIES, NoOptions, option_keys, parse_options
 from extproc.roles import Role
 
@@ -98,6 +98,9 @@ def _off_as_written(value: Any) -> Any:
 OffAsWritten = BeforeValidator(_off_as_written)
 
 
+MAX_DATA_PARALLEL = 256  # ranks behind one port; far beyond any deployment
+
+
 class EndpointKvEvents(_Strict):
     """One engine's own KV event sockets, where they differ from its pool's `kv_events`: other
     ports on its host, or whole ZMQ addresses (tcp://host:port, ipc:///path)."""
@@ -128,6 +131,9 @@ class EndpointConfig(_Strict):
     mode: DispatchMode | None = None  # prefill only: overrides dispatch.mode for this endpoint
     # Its own KV event sockets, for engines that share a host (its pool's kv_events must be set).
     kv_events: EndpointKvEvents | None = None
+    # vLLM's --data-parallel-size behind this one port (null: its pool's): each rank is its own
+    # NIXL engine, picked with the X-data-parallel-rank header (docs/dispatch-and-failures.md)
+    data_parallel_size: int | None = Field(default=None, ge=1, le=MAX_DATA_PARALLEL)
 
     @field_validator("address")
     @classmethod
@@ -230,6 +236,9 @@ class PoolConfig(_Strict):
     options: SerializeAsAny[BaseModel] = NoOptions()
     # KV events of the members (null: none read; the kv_cache policy then hashes prompts).
     kv_events: KvEventsConfig | None = None
+    # vLLM's --data-parallel-size of every member (an endpoint's own value wins); null: learned
+    # from each engine's /metrics (one `engine` label per rank) where it is scraped
+    data_parallel_size: int | None = Field(default=None, ge=1, le=MAX_DATA_PARALLEL)
 
     @model_validator(mode="before")
     @classmethod
@@ -428,6 +437,7 @@ _OWN_HEADERS = frozenset(
         "x-request-id",
         "forwarded",
         DESTINATION_HEADER,
+        RANK_HEADER,
         LOCAL_REPLY_HEADER,
     }
 )

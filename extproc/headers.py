@@ -4,10 +4,13 @@ They sit apart from the modules that use them so that the config schema (which r
 headers to forward) and the rendered Envoy files need not import the request path.
 """
 
-__all__ = ["DESTINATION_HEADER", "LOCAL_REPLY_HEADER"]
+__all__ = ["DESTINATION_HEADER", "LOCAL_REPLY_HEADER", "RANK_HEADER"]
 
 # The Gateway API Inference Extension header that the override_host LB policy reads.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # Set by Envoy on its own local replies to the P leg (the prefill listener): the response flags
 # that tell a reply that never reached P from P's own answer.
 LOCAL_REPLY_HEADER = "x-pd-extproc-envoy-flags"
+# vLLM's header that sends a request to one data-parallel engine rank behind an API server; the
+# ext_proc sets it on both legs of an endpoint with ranks, and removes a client's copy.
+RANK_HEADER = "x-data-parallel-rank"

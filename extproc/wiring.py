@@ -174,6 +174,7 @@ class Runtime:
             settings,
             self.model_labels.served,
             self.kv_compat,
+            self._prefill_ranks,
         )
         self.kv_check = KvCheck(
             lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses
@@ -201,6 +202,7 @@ class Runtime:
             lambda session, a: prober.probe(session, a, probe_refused),
             lambda: self.config.dispatch.probe,
             lambda prefill: bool(self.kv_compat.involving(prefill)),
+            self._prefill_ranks,
         )
         self.discovery = Discovery(self, settings)
         self.tracing = Tracing(config.tracing)
@@ -250,6 +252,9 @@ class Runtime:
 
     def _current_config(self) -> Config:
         return self.config
+
+    def _prefill_ranks(self, address: str) -> int:
+        return self.scheduler.data_parallel_size(Role.PREFILL, address)
 
     def _identity_event(self, endpoint: str, event: str) -> None:
         self.metrics.identity_events.labels(endpoint, event).inc()

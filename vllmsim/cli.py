@@ -107,13 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-events-config", help="JSON, as for vllm serve (ZMQ KV cache events)")
     p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine ranks behind this one API server, each with its own NIXL engine id "
+        "(<engine_id>_dp<rank>) and side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT + rank); "
+        "the X-data-parallel-rank header pins a request to one",
+    )
+    p.add_argument(
         "--api-key",
         nargs="+",
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' (one of these keys) on the API; "
         "default: $VLLM_API_KEY",
     )
-    p.add_argument("--port-file", help="write {port, side_channel_port, engine_id, pid} here")
+    p.add_argument(
+        "--port-file", help="write {port, side_channel_port, engine_id, pid, ranks} here"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     cost = p.add_argument_group("cost model (default profile: gpu-8b, an 8B model on one H100)")
     cost.add_argument(
@@ -183,6 +194,13 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
     keys = tuple(k for k in (args.api_key or [env.get("VLLM_API_KEY", "")]) if k)
     if args.block_size < 1:
         raise ConfigError(f"--block-size must be a positive integer, got {args.block_size}")
+    if not 1 <= args.data_parallel_size <= 64:
+        raise ConfigError(f"--data-parallel-size must be 1 to 64, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and args.kv_events_config:
+        raise ConfigError(
+            "--kv-events-config is not simulated with --data-parallel-size > 1 "
+            "(vLLM publishes one socket per rank); drop one of the two"
+        )
     events = None
     if args.kv_events_config:
         try:
@@ -204,6 +222,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
         CacheConfig(args.block_size, args.enable_prefix_caching),
         events,
         args.enable_prompt_tokens_details,
+        args.data_parallel_size,
     )
 
 
@@ -237,20 +256,22 @@ async def serve(cfg: SimConfig) -> None:
             "side_channel_port": sim.side.port,
             "engine_id": gen.engine_id,
             "pid": os.getpid(),
+            "ranks": sim.rank_views(),
             **sim.kv_events_endpoints(),
         }
         if cfg.port_file:
             write_port_file(cfg.port_file, info)
         kv = cfg.kv
-        log.info(
-            "vllmsim ready on http://%s:%d side channel %s:%d engine_id %s mode %s",
-            cfg.host,
-            sim.http_port,
-            cfg.side_channel_host,
-            sim.side.port,
-            gen.engine_id,
-            kv.transfer_mode if kv else "aggregated",
-        )
+        for rank in sim.ranks:
+            log.info(
+                "vllmsim ready on http://%s:%d side channel %s:%d engine_id %s mode %s",
+                cfg.host,
+                sim.http_port,
+                cfg.side_channel_host,
+                rank.side.port,
+                rank.current.engine_id,
+                kv.transfer_mode if kv else "aggregated",
+            )
         await stop.wait()
     finally:
         await sim.stop()

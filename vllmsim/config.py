@@ -100,6 +100,7 @@ class SimConfig:
     cache: CacheConfig = field(default_factory=lambda: CacheConfig())
     kv_events: KVEventsConfig | None = None  # --kv-events-config
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    data_parallel_size: int = 1  # --data-parallel-size: engine ranks behind this API server
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,12 @@ async def delete_faults(request: web.Request) -> web.Response:
 async def restart(request: web.Request) -> web.Response:
     sim = request.app[SIM_KEY]
     body = await _body(request)
-    await sim.restart(float(body.get("down_for_s", 0.0)))
+    rank = body.get("rank")
+    if rank is not None and (
+        not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < len(sim.ranks)
+    ):
+        raise web.HTTPBadRequest(text=f"rank must be an integer in [0, {len(sim.ranks)})")
+    await sim.restart(float(body.get("down_for_s", 0.0)), rank)
     return _json(sim.state())
 
 

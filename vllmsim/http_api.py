@@ -20,6 +20,7 @@ from vllmsim import shapes
 from vllmsim.engine import ErrorEvent, Event, FinishEvent, SimRequest, TokenEvent
 from vllmsim.faults import apply_request_faults
 from vllmsim.metrics import FETCH_STAGES
+from vllmsim.metrics import render as render_metrics
 from vllmsim.requests import (
     ApiError,
     ParsedRequest,
@@ -28,7 +29,7 @@ from vllmsim.requests import (
     parse,
     prompt_ids,
 )
-from vllmsim.server import SIM_KEY, SimServer
+from vllmsim.server import SIM_KEY, Rank, SimServer
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         "first_token_at": None,
         "body_bytes": None,
         "events": [],
+        "data_parallel_rank": None,  # the engine rank that served it
+        "engine_id": None,  # that rank's engine id when it was submitted
     }
     sim.records.append(rec)
     try:
@@ -99,9 +102,50 @@ async def _serve(
         if exc.in_stream and isinstance(body, dict) and body.get("stream") is True:
             return await _stream_error(request, exc, rec)
         return error_response(exc.status, exc.message, exc.param, exc.kind)
+    try:
+        rank = choose_rank(sim, request.headers.get(RANK_HEADER))
+    except ApiError as exc:
+        return error_response(exc.status, exc.message, exc.param, exc.kind)
     external, internal = shapes.request_ids(base_request_id(request.headers, body), chat)
     rec["internal_id"] = internal
-    engine = sim.current.engine
+    rank.in_flight += 1
+    try:
+        return await _run(request, sim, rank, parsed, rec, (external, internal))
+    finally:
+        rank.in_flight -= 1
+
+
+RANK_HEADER = "X-data-parallel-rank"
+
+
+def choose_rank(sim: SimServer, header: str | None) -> Rank:
+    """The rank a request goes to, as vLLM: the header's (an integer; anything else counts as
+    no header), else the load balancer's; a rank out of range is the client's error (400)."""
+    rank: int | None = None
+    if header is not None:
+        try:
+            rank = int(header)
+        except ValueError:
+            rank = None
+    if rank is None:
+        return sim.balance()
+    if not 0 <= rank < len(sim.ranks):
+        raise ApiError(400, f"data_parallel_rank {rank} is out of range [0, {len(sim.ranks)}).")
+    return sim.ranks[rank]
+
+
+async def _run(
+    request: web.Request,
+    sim: SimServer,
+    rank: Rank,
+    parsed: ParsedRequest,
+    rec: dict[str, Any],
+    ids: tuple[str, str],
+) -> web.StreamResponse:
+    external, internal = ids
+    gen = rank.current
+    rec["data_parallel_rank"], rec["engine_id"] = rank.index, gen.engine_id
+    engine = gen.engine
     req = SimRequest(
         internal, parsed.prompt_ids, parsed.max_tokens, mode=parsed.mode, remote=parsed.kv_params
     )
@@ -306,7 +350,15 @@ async def version(_request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    gen = request.app[SIM_KEY].current
+    ranks = request.app[SIM_KEY].ranks
+    for rank in ranks:
+        _update_gauges(rank)
+    body = render_metrics(rank.current.metrics for rank in ranks)
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def _update_gauges(rank: Rank) -> None:
+    gen = rank.current
     m, engine = gen.metrics, gen.engine
     m.lbl(m.running).set(len(engine.running))
     m.lbl(m.waiting).set(engine.num_waiting)
@@ -319,7 +371,6 @@ async def metrics(request: web.Request) -> web.Response:
             stages[req.fetch_stage] += 1
     for stage, count in stages.items():
         m.lbl(m.fetch_by_stage, stage=stage).set(count)
-    return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
 async def tokenize(request: web.Request) -> web.Response:

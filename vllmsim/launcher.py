@@ -49,6 +49,8 @@ class EngineHandle:
     log_path: Path
     kv_events_endpoint: str | None = None  # with --kv-events-config: where the PUB socket is
     kv_events_replay_endpoint: str | None = None
+    # per data-parallel rank: {rank, engine_id, side_channel_port, ...} at start-up
+    ranks: tuple[dict[str, Any], ...] = ()
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -89,6 +91,7 @@ def _handle(info: dict[str, Any], log_path: Path) -> EngineHandle:
         log_path,
         info.get("kv_events_endpoint"),
         info.get("kv_events_replay_endpoint"),
+        tuple(info.get("ranks", ())),
     )
 
 

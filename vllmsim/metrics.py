@@ -1,12 +1,15 @@
 """Prometheus instruments with vLLM's names, one registry per engine generation.
 
 A simulated restart builds a fresh `Metrics`, which resets every counter and moves
-``process_start_time_seconds``, as a real process restart would.
+``process_start_time_seconds``, as a real process restart would. Each data-parallel rank has
+its own, labelled `engine="<rank>"` as vLLM labels its per-engine series; `render` merges them
+into one page.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 from prometheus_client import (
@@ -17,6 +20,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # vLLM has no *_created series either
 
@@ -52,11 +56,11 @@ TOKEN_SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
 
 
 class Metrics:
-    def __init__(self, model_name: str, start_time: float | None = None) -> None:
+    def __init__(self, model_name: str, start_time: float | None = None, engine: str = "0") -> None:
         self.registry = CollectorRegistry()
         self.start_time = start_time if start_time is not None else time.time()
         labels = ["model_name", "engine"]
-        self._labels = {"model_name": model_name, "engine": "0"}
+        self._labels = {"model_name": model_name, "engine": engine}
         reg = self.registry
         self.running = Gauge(
             "vllm:num_requests_running", "Requests in the batch", labels, registry=reg
@@ -168,3 +172,30 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Merged:
+    """The ranks' registries as one: each family once, every rank's samples in it. The
+    unlabelled process start time is the API server's: the earliest of the ranks'."""
+
+    def __init__(self, registries: Iterable[CollectorRegistry]) -> None:
+        self._registries = list(registries)
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for registry in self._registries:
+            for family in registry.collect():
+                known = merged.get(family.name)
+                if known is None:
+                    merged[family.name] = family
+                elif family.samples and not family.samples[0].labels:
+                    first, other = known.samples[0], family.samples[0]
+                    known.samples = [min(first, other, key=lambda sample: sample.value)]
+                else:
+                    known.samples.extend(family.samples)
+        yield from merged.values()
+
+
+def render(ranks: Iterable[Metrics]) -> bytes:
+    """One exposition page for every rank's metrics."""
+    return generate_latest(_Merged(m.registry for m in ranks))

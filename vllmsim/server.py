@@ -1,8 +1,16 @@
-"""SimServer: one simulated vLLM process (HTTP site, side channel, engine generation).
+"""SimServer: one simulated vLLM process (HTTP site; per engine rank a side channel and an
+engine generation).
 
 A "generation" is what a real process restart replaces: engine id, start time,
 metrics, block pool, step loop and connector. The HTTP listener and the side-channel
 port survive a simulated restart, as a restarted vLLM would bind the same ports.
+
+With `--data-parallel-size N` one API server fronts N engine ranks, as vLLM's internal load
+balancing does: rank r has the engine id `<engine_id>_dp<r>`, the side channel
+`VLLM_NIXL_SIDE_CHANNEL_PORT + r` and the metrics label `engine="<r>"`; a request goes to the
+rank its `X-data-parallel-rank` header names, else to the least loaded one. One rank can be
+restarted alone (`POST /sim/restart {"rank": r}`), a simulator-only fault: real vLLM fails the
+whole server when one engine dies.
 """
 
 from __future__ import annotations
@@ -49,6 +57,45 @@ def _bind_host(host: str) -> str:
     return "127.0.0.1" if host == "localhost" else host
 
 
+class Rank:
+    """One data-parallel engine rank: its side channel and its current generation."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.side = SideChannelServer(self._side_message)
+        self.gen: Generation | None = None
+        self.in_flight = 0  # requests the API server sent here and that have not ended
+
+    @property
+    def current(self) -> Generation:
+        assert self.gen is not None, "server not started"
+        return self.gen
+
+    @property
+    def load(self) -> int:
+        """vLLM's balancing score: the greater of its own in-flight count and the engine's
+        waiting + running requests."""
+        engine = self.current.engine
+        return max(self.in_flight, engine.num_waiting + len(engine.running))
+
+    async def _side_message(self, msg: dict[str, Any]) -> dict[str, Any]:
+        connector = self.current.connector
+        if connector is None:
+            return {"ok": False, "error": "no KV connector configured"}
+        return await connector.handle(msg)
+
+    def view(self) -> dict[str, Any]:
+        gen = self.current
+        return {
+            "rank": self.index,
+            "engine_id": gen.engine_id,
+            "side_channel_port": self.side.port,
+            "running": len(gen.engine.running),
+            "waiting": gen.engine.num_waiting,
+            "in_flight": self.in_flight,
+        }
+
+
 class SimServer:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
@@ -56,9 +103,9 @@ class SimServer:
         self.model = cfg.served_model_names[0]
         self.tokens = TokenCounter(cfg.tokenizer)
         self.records: list[dict[str, Any]] = []
-        self.side = SideChannelServer(self._side_message)
+        self.ranks = [Rank(r) for r in range(cfg.data_parallel_size)]
+        self._next_rank = 0  # where the balancing scan starts: ties rotate, as in vLLM
         self.http_port = cfg.port
-        self.gen: Generation | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._relisten: asyncio.Task[None] | None = None
@@ -66,8 +113,27 @@ class SimServer:
 
     @property
     def current(self) -> Generation:
-        assert self.gen is not None, "server not started"
-        return self.gen
+        """Rank 0's generation (the only one without data parallelism)."""
+        return self.ranks[0].current
+
+    @property
+    def side(self) -> SideChannelServer:
+        return self.ranks[0].side
+
+    @property
+    def data_parallel(self) -> bool:
+        return len(self.ranks) > 1
+
+    def balance(self) -> Rank:
+        """The least loaded rank, the scan starting one further each time (vLLM's DP
+        load balancer without its coordinator's 100 ms snapshots)."""
+        n = len(self.ranks)
+        order = [self.ranks[(self._next_rank + i) % n] for i in range(n)]
+        self._next_rank = (self._next_rank + 1) % n
+        return min(order, key=lambda rank: rank.load)
+
+    def rank_views(self) -> list[dict[str, Any]]:
+        return [rank.view() for rank in self.ranks]
 
     # -- life cycle ----------------------------------------------------------------------
     async def start(self, app: web.Application) -> None:
@@ -78,39 +144,62 @@ class SimServer:
         )
         await self._runner.setup()
         await self._listen(self.cfg.port)
-        await self.side.start(_bind_host(self.cfg.side_channel_host), self.cfg.side_channel_port)
+        base = self.cfg.side_channel_port
+        for rank in self.ranks:  # vLLM: VLLM_NIXL_SIDE_CHANNEL_PORT + the rank
+            port = base + rank.index if base else 0
+            await rank.side.start(_bind_host(self.cfg.side_channel_host), port)
         if self.cfg.kv_events is not None and self.cfg.kv_events.enabled:
             self.events = EventPublisher(self.cfg.kv_events)
             self.events.start()
-        self.gen = self._new_generation()
+        self._start_generations()
 
     async def stop(self) -> None:
         if self._relisten is not None:
             self._relisten.cancel()
-        if self.gen is not None:
-            await self._end_generation(self.gen)
-        await self.side.stop()
+        for rank in self.ranks:
+            if rank.gen is not None:
+                await self._end_generation(rank.gen)
+            await rank.side.stop()
         if self.events is not None:
             await self.events.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def restart(self, down_for_s: float = 0.0) -> None:
-        """Simulated process restart: new identity, everything in flight is dropped."""
+    async def restart(self, down_for_s: float = 0.0, rank: int | None = None) -> None:
+        """Simulated process restart: new identity, everything in flight is dropped. With
+        `rank`, only that engine rank restarts (new engine id, its requests dropped)."""
+        if rank is not None:
+            await self._restart_rank(self.ranks[rank], self._base_engine_id(), time.time())
+            return
         if down_for_s > 0:
             await self.set_refuse(True, down_for_s)
-        old = self.current
         if self.events is not None:  # a new process: sequence from 0, nothing to replay
             self.events.restart()
-        self.gen = self._new_generation()
-        await self._end_generation(old)
-        log.info("simulated restart: engine_id %s -> %s", old.engine_id, self.gen.engine_id)
+        base, start = self._base_engine_id(), time.time()
+        for each in self.ranks:
+            await self._restart_rank(each, base, start)
 
-    def _new_generation(self) -> Generation:
+    async def _restart_rank(self, rank: Rank, base_id: str, start: float) -> None:
+        old = rank.current
+        rank.gen = self._new_generation(rank, base_id, start)
+        await self._end_generation(old)
+        log.info("simulated restart: engine_id %s -> %s", old.engine_id, rank.gen.engine_id)
+
+    def _base_engine_id(self) -> str:
+        """kv_transfer_config's engine_id, else a new uuid4 (vLLM's default, per process)."""
         kv = self.cfg.kv
-        engine_id = (kv.engine_id if kv and kv.engine_id else None) or str(uuid.uuid4())
-        start = time.time()
-        metrics = Metrics(self.model, start)
+        return (kv.engine_id if kv and kv.engine_id else None) or str(uuid.uuid4())
+
+    def _start_generations(self) -> None:
+        base, start = self._base_engine_id(), time.time()
+        for rank in self.ranks:
+            rank.gen = self._new_generation(rank, base, start)
+
+    def _new_generation(self, rank: Rank, base_id: str, start: float) -> Generation:
+        kv = self.cfg.kv
+        # vLLM's engine core appends the rank to every DP engine's id (not without DP)
+        engine_id = f"{base_id}_dp{rank.index}" if self.data_parallel else base_id
+        metrics = Metrics(self.model, start, engine=str(rank.index))
         engine = Engine(
             self.cfg.cost,
             metrics,
@@ -121,11 +210,13 @@ class SimServer:
         )
         connector: ConnectorBase | None = None
         if kv is not None:
-            ident = Identity(engine_id, self.cfg.side_channel_host, self.side.port)
+            ident = Identity(engine_id, self.cfg.side_channel_host, rank.side.port)
             cls = PushConnector if kv.transfer_mode == "push" else PullConnector
             connector = cls(engine, kv, ident, self.faults)
             engine.connector = connector
-        task = asyncio.get_running_loop().create_task(engine.run(), name="engine-loop")
+        task = asyncio.get_running_loop().create_task(
+            engine.run(), name=f"engine-loop-{rank.index}"
+        )
         return Generation(engine_id, start, metrics, engine, connector, task)
 
     async def _end_generation(self, gen: Generation) -> None:
@@ -175,13 +266,6 @@ class SimServer:
         await asyncio.sleep(seconds)
         await self.set_refuse(False)
 
-    # -- side channel -----------------------------------------------------------------------
-    async def _side_message(self, msg: dict[str, Any]) -> dict[str, Any]:
-        connector = self.current.connector
-        if connector is None:
-            return {"ok": False, "error": "no KV connector configured"}
-        return await connector.handle(msg)
-
     # -- admin views ------------------------------------------------------------------------
     def kv_events_endpoints(self) -> dict[str, str | None]:
         """Where KV events go (the bound ports of port-0 endpoints)."""
@@ -211,4 +295,6 @@ class SimServer:
             "running": len(engine.running),
             "waiting": engine.num_waiting,
             "process_start_time": gen.start_time,
+            "data_parallel_size": len(self.ranks),
+            "ranks": self.rank_views(),
         }

@@ -30,7 +30,7 @@ log = logging.getLogger("extproc.engines.health")
 
 
 class Identities(Protocol):
-    def get(self, address: str) -> object | None: ...
+    def missing(self, endpoint: str, data_parallel_size: int = 1) -> list[int | None]: ...
     def drop(self, endpoint: str) -> object: ...
 
 
@@ -45,7 +45,9 @@ class HealthChecker:
         probe: Callable[[aiohttp.ClientSession, str], Coroutine[Any, Any, bool]],
         probing: Callable[[], bool],
         reprobe: Callable[[str], bool] = lambda address: False,
+        ranks_of: Callable[[str], int] = lambda address: 1,  # data-parallel ranks per prefill
     ) -> None:
+        self._ranks_of = ranks_of
         self._settings = settings  # re-read: a reload may change them
         self._prefill = prefill
         self._decode = decode
@@ -86,7 +88,7 @@ class HealthChecker:
         for pool in (self._decode, self._prefill):  # decodes first: a probe needs one
             await asyncio.gather(*(self._check(pool, state, threshold) for state in pool))
         for state in self._prefill:
-            known = self._identities.get(state.address) is not None
+            known = not self._identities.missing(state.address, self._ranks_of(state.address))
             if state.healthy and (not known or self._reprobe(state.address)):
                 self._maybe_probe(state.address)
 

@@ -41,6 +41,19 @@ def parse_load(families: Families) -> tuple[float, float, float]:
     return waiting, running, (sum(usage) / len(usage) if usage else 0.0)
 
 
+def rank_loads(families: Families) -> dict[int, float]:
+    """Waiting + running requests per data-parallel engine (the `engine` label vLLM puts on
+    each rank's series); empty for an engine without the label."""
+    loads: dict[int, float] = {}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+        family = families.get(name)
+        for sample in [] if family is None else family.samples:
+            engine = sample.labels.get("engine", "")
+            if sample.name == name and engine.isdigit():
+                loads[int(engine)] = loads.get(int(engine), 0.0) + sample.value
+    return loads
+
+
 class EngineLoad:
     """A scraper consumer: the engine's load onto its endpoint state."""
 
@@ -53,4 +66,5 @@ class EngineLoad:
         state = self._endpoint(address)
         if state is not None:
             state.waiting, state.running, state.kv_usage = parse_load(families)
+            state.rank_load = rank_loads(families)
             state.foreign = max(0.0, state.running + state.waiting - state.in_flight)

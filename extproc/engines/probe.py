@@ -3,7 +3,9 @@
 No peer router does this: they all learn from the first user request, which therefore runs
 serially. The probe is a complete one-token P/D exchange (P through Envoy's prefill listener,
 D directly), so P's blocks are released by a real transfer instead of expiring on a lease,
-and the NIXL handshake between the two engines is already done when users arrive.
+and the NIXL handshake between the two engines is already done when users arrive. An engine
+with data-parallel ranks is probed once per rank whose identity is missing, each pinned with
+vLLM's rank header.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import orjson
 from extproc.engines.health_reasons import failure_reason
 from extproc.engines.kv_compat import KvCompatibility, Mismatch
 from extproc.errors import LegError
+from extproc.headers import RANK_HEADER
 from extproc.protocol.bodies import members, prefill_body, prefill_kv_params
-from extproc.protocol.identity import PrefillIdentity, identity_from_params
+from extproc.protocol.identity import PrefillIdentity, identity_from_params, ranks_of, where
 from extproc.request.prefill_client import PrefillCall
 
 if TYPE_CHECKING:
@@ -69,7 +72,8 @@ def _refused_key_message(auth_headers: dict[str, str], address: str, status: int
 class Learner(Protocol):
     """What the probe needs of the identity cache."""
 
-    def learn(self, endpoint: str, identity: PrefillIdentity) -> None: ...
+    def learn(self, endpoint: str, identity: PrefillIdentity, rank: int | None = None) -> None: ...
+    def missing(self, endpoint: str, data_parallel_size: int = 1) -> list[int | None]: ...
 
 
 class DecodePicker(Protocol):
@@ -91,7 +95,9 @@ class Prober:
         config: Callable[[], Config],  # the current config: a reload swaps it
         on_served: Callable[[str], None] = lambda model: None,  # a model an engine serves
         compat: KvCompatibility | None = None,  # where a pair that cannot exchange KV goes
+        ranks_of: Callable[[str], int] = lambda address: 1,  # its data-parallel ranks
     ) -> None:
+        self._ranks_of = ranks_of
         self._compat = compat or KvCompatibility()
         self._on_served = on_served
         self._prefill_client = prefill_client
@@ -102,11 +108,20 @@ class Prober:
         self._config = config
 
     async def probe(self, session: aiohttp.ClientSession, address: str, refused: set[str]) -> bool:
-        """Learn `address`'s identity with a one-token request; True if it was learned.
+        """Learn `address`'s identity (each missing rank's; all of them when none is missing:
+        a probe asked again) with one-token requests; True if every one was learned.
 
         `refused` holds the endpoints already reported as refusing the probe's key (401/403):
         the probe repeats every health round, the warning is logged once.
         """
+        size = self._ranks_of(address)
+        ranks = self._identities.missing(address, size) or ranks_of(size)
+        learned = [await self._probe_rank(session, address, refused, rank) for rank in ranks]
+        return all(learned)
+
+    async def _probe_rank(
+        self, session: aiohttp.ClientSession, address: str, refused: set[str], rank: int | None
+    ) -> bool:
         config = self._config()
         timeout_s = config.timeouts.probe_s
         request_id = f"pd-extproc-probe-{uuid.uuid4()}"
@@ -116,7 +131,8 @@ class Prober:
             self._on_served(model)
             client_body = orjson.dumps({"model": model, "prompt": "probe", "temperature": 0})
             p_body = prefill_body(members(client_body), False, prefill_kv_params())
-            call = PrefillCall(address, "/v1/completions", p_body, request_id, timeout_s, auth)
+            pinned = auth if rank is None else auth | {RANK_HEADER: str(rank)}
+            call = PrefillCall(address, "/v1/completions", p_body, request_id, timeout_s, pinned)
             result = await self._prefill_client.send(call)
             identity = identity_from_params(result.kv_transfer_params)
         except (
@@ -136,8 +152,13 @@ class Prober:
                 log.warning("%s", _refused_key_message(auth, address, status))
             return False
         refused.discard(address)
-        self._identities.learn(address, identity)
-        log.info("prefill %s: engine %s (%s)", address, identity.engine_id, identity.transfer_mode)
+        self._identities.learn(address, identity, rank)
+        log.info(
+            "prefill %s: engine %s (%s)",
+            where(address, rank),
+            identity.engine_id,
+            identity.transfer_mode,
+        )
         failure = await self._complete_transfer(
             session, client_body, result.kv_transfer_params, request_id, address, identity
         )

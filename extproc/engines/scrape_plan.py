@@ -5,6 +5,8 @@
 - every decode engine at `kv_check.interval_s`, when the KV check is on;
 - every member of a pool with `kv_events` at `health.interval_s`: an engine's restart (its
   `process_start_time_seconds`) clears its KV-cache entries;
+- every member of a pool with data-parallel ranks (its `data_parallel_size`, or an endpoint's),
+  at the pool's `load_interval_s`: each rank's queue weighs the choice of rank;
 - every member at `decision.load_interval_s` / `admission.load_interval_s` when the
   load-aware decision / admission control is on.
 An engine wanted by several gets the smallest interval. Prefill engines are also scraped by
@@ -36,7 +38,10 @@ def scrape_plan(
     for model, group in config.groups().items():
         for role in Role:
             pool = getattr(group, role)
-            if pool.needs_load and model in members:
+            ranked = (pool.data_parallel_size or 1) > 1 or any(
+                (e.data_parallel_size or 1) > 1 for e in pool.endpoints
+            )
+            if (pool.needs_load or ranked) and model in members:
                 want(members[model].get(role, ()), pool.load_interval_s)
             if pool.kv_events is not None and model in members:
                 want(members[model].get(role, ()), config.health.interval_s)

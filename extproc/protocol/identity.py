@@ -1,10 +1,11 @@
 """What the sidecar knows of each prefill engine's NIXL identity.
 
 vLLM has no endpoint that advertises a P's identity; it is learned from the
-`kv_transfer_params` of P's own prefill responses. The cache is keyed by prefill endpoint and is
-refreshed from every P response. An identity is dropped on a P error, a P timeout, a D error or
-a mismatch, so the next request learns it again. An endpoint whose identity keeps changing
-(data-parallel ranks behind one port) is served serially for a cool-down.
+`kv_transfer_params` of P's own prefill responses. The cache is keyed by prefill endpoint and,
+for an engine with data-parallel ranks behind one port, by rank (each rank is its own NIXL
+engine, `<engine_id>_dp<rank>`); it is refreshed from every P response. An identity is dropped on
+a P error, a P timeout, a D error or a mismatch, so the next request learns it again. An
+endpoint (or rank) whose identity keeps changing is served serially for a cool-down.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["IdentityCache", "PrefillIdentity", "identity_from_params"]
+__all__ = ["IdentityCache", "PrefillIdentity", "identity_from_params", "ranks_of", "where"]
 
 Clock = Callable[[], float]
 
@@ -95,6 +96,17 @@ def identity_from_params(params: Any) -> PrefillIdentity:
     )
 
 
+def ranks_of(data_parallel_size: int) -> list[int | None]:
+    """The ranks to key an endpoint's identities by: None for an engine without data
+    parallelism (no rank header is sent), else 0 .. N-1."""
+    return [None] if data_parallel_size <= 1 else list(range(data_parallel_size))
+
+
+def where(endpoint: str, rank: int | None) -> str:
+    """How logs, metrics and /ready name one identity: the endpoint, with its rank if any."""
+    return endpoint if rank is None else f"{endpoint} dp{rank}"
+
+
 @dataclass
 class _Entry:
     identity: PrefillIdentity | None = None
@@ -104,7 +116,8 @@ class _Entry:
 
 
 class IdentityCache:
-    """Per-endpoint identities; every transition is reported to `on_event(endpoint, event)`.
+    """Per-endpoint (and per-rank) identities; every transition is reported to
+    `on_event(where, event)` (`where`: the endpoint, or "endpoint dpN" for rank N).
 
     Events: learned (after a miss), refreshed (same again), changed (a different engine than the
     last one seen, even across a drop), dropped, flapping.
@@ -118,7 +131,7 @@ class IdentityCache:
         on_event: Callable[[str, str], None] = lambda endpoint, event: None,
         clock: Clock = time.monotonic,
     ) -> None:
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, dict[int | None, _Entry]] = {}  # endpoint → rank → entry
         self._flap_threshold = flap_threshold
         self._flap_window_s = flap_window_s
         self._serial_cooldown_s = serial_cooldown_s
@@ -133,28 +146,36 @@ class IdentityCache:
         self._flap_window_s = flap_window_s
         self._serial_cooldown_s = serial_cooldown_s
 
-    def get(self, endpoint: str) -> PrefillIdentity | None:
-        entry = self._entries.get(endpoint)
+    def _entry(self, endpoint: str, rank: int | None) -> _Entry | None:
+        return self._entries.get(endpoint, {}).get(rank)
+
+    def get(self, endpoint: str, rank: int | None = None) -> PrefillIdentity | None:
+        entry = self._entry(endpoint, rank)
         return None if entry is None else entry.identity
 
-    def serial_only(self, endpoint: str) -> bool:
-        entry = self._entries.get(endpoint)
+    def missing(self, endpoint: str, data_parallel_size: int = 1) -> list[int | None]:
+        """The ranks of `endpoint` whose identity is not known (None: the endpoint's own)."""
+        return [r for r in ranks_of(data_parallel_size) if self.get(endpoint, r) is None]
+
+    def serial_only(self, endpoint: str, rank: int | None = None) -> bool:
+        entry = self._entry(endpoint, rank)
         return entry is not None and self._clock() < entry.serial_until
 
-    def learn(self, endpoint: str, identity: PrefillIdentity) -> None:
+    def learn(self, endpoint: str, identity: PrefillIdentity, rank: int | None = None) -> None:
         """Record what P just reported; a different engine than before counts as a change."""
-        entry = self._entries.setdefault(endpoint, _Entry())
+        entry = self._entries.setdefault(endpoint, {}).setdefault(rank, _Entry())
         known, previous = entry.identity, entry.last
         entry.identity = entry.last = identity
+        label = where(endpoint, rank)
         if known == identity:
-            self._on_event(endpoint, "refreshed")
+            self._on_event(label, "refreshed")
         elif previous is None or previous == identity:
-            self._on_event(endpoint, "learned")
+            self._on_event(label, "learned")
         else:
-            self._on_event(endpoint, "changed")
-            self._count_change(endpoint, entry)
+            self._on_event(label, "changed")
+            self._count_change(label, entry)
 
-    def _count_change(self, endpoint: str, entry: _Entry) -> None:
+    def _count_change(self, label: str, entry: _Entry) -> None:
         now = self._clock()
         entry.changes.append(now)
         while entry.changes and now - entry.changes[0] > self._flap_window_s:
@@ -162,31 +183,38 @@ class IdentityCache:
         if len(entry.changes) >= self._flap_threshold:
             entry.serial_until = now + self._serial_cooldown_s
             entry.changes.clear()
-            self._on_event(endpoint, "flapping")
+            self._on_event(label, "flapping")
 
-    def drop(self, endpoint: str, only_if: PrefillIdentity | None = None) -> bool:
-        """Forget an endpoint's identity (only if it is still `only_if`, when given)."""
-        entry = self._entries.get(endpoint)
-        if entry is None or entry.identity is None:
-            return False
-        if only_if is not None and entry.identity != only_if:
-            return False
-        entry.identity = None
-        self._on_event(endpoint, "dropped")
-        return True
+    def drop(
+        self, endpoint: str, only_if: PrefillIdentity | None = None, rank: int | None = None
+    ) -> bool:
+        """Forget an identity (only if it is still `only_if`, when given): `rank`'s, or without
+        a rank every identity of the endpoint (a health failure or a restart is the server's)."""
+        entries = self._entries.get(endpoint, {})
+        dropped = False
+        for key, entry in list(entries.items()):
+            if rank is not None and key != rank:
+                continue
+            if entry.identity is None or (only_if is not None and entry.identity != only_if):
+                continue
+            entry.identity = None
+            self._on_event(where(endpoint, key), "dropped")
+            dropped = True
+        return dropped
 
     def forget(self, endpoint: str) -> None:
         """The endpoint left the pool."""
         self._entries.pop(endpoint, None)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        """For /ready and tests: what is known of each endpoint."""
+        """For /ready and tests: what is known of each endpoint (each rank apart)."""
         now = self._clock()
         return {
-            endpoint: {
+            where(endpoint, rank): {
                 "engine_id": None if e.identity is None else e.identity.engine_id,
                 "transfer_mode": None if e.identity is None else e.identity.transfer_mode,
                 "serial_only": now < e.serial_until,
             }
-            for endpoint, e in self._entries.items()
+            for endpoint, ranks in self._entries.items()
+            for rank, e in ranks.items()
         }

@@ -12,7 +12,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.struct_pb2 import Struct
 
 from extproc.errors import RequestEnded
-from extproc.headers import DESTINATION_HEADER
+from extproc.headers import DESTINATION_HEADER, RANK_HEADER
 
 __all__ = [
     "DESTINATION_HEADER",
@@ -139,22 +139,28 @@ def request_labels(labels: Labels, reason: str | None = None) -> Struct:
     return metadata
 
 
-def route_mutation(destinations: Iterable[str], request_id: str, length: int) -> ep.HeaderMutation:
+def route_mutation(
+    destinations: Iterable[str], request_id: str, length: int, rank: int | None = None
+) -> ep.HeaderMutation:
     """Route to `destinations` (ordered fallbacks), set the request id and the new body's
     exact content-length (a buffered body fails on a stale one; a streamed one would not be
-    checked, and D would get a chunked or misframed body)."""
-    return ep.HeaderMutation(
-        set_headers=[
-            _header(DESTINATION_HEADER, ",".join(destinations)),
-            _header("x-request-id", request_id),
-            _header("content-length", str(length)),
-        ]
-    )
+    checked, and D would get a chunked or misframed body), and D's data-parallel rank: ours,
+    never the client's (removed when D has no ranks)."""
+    headers = [
+        _header(DESTINATION_HEADER, ",".join(destinations)),
+        _header("x-request-id", request_id),
+        _header("content-length", str(length)),
+    ]
+    if rank is None:
+        return ep.HeaderMutation(set_headers=headers, remove_headers=[RANK_HEADER])
+    return ep.HeaderMutation(set_headers=[*headers, _header(RANK_HEADER, str(rank))])
 
 
-def body_answer(body: bytes, destinations: Iterable[str], request_id: str) -> ep.ProcessingResponse:
+def body_answer(
+    body: bytes, destinations: Iterable[str], request_id: str, rank: int | None = None
+) -> ep.ProcessingResponse:
     """Buffered body: replace it, with the headers of `route_mutation` in the same answer."""
-    mutation = route_mutation(destinations, request_id, len(body))
+    mutation = route_mutation(destinations, request_id, len(body), rank)
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(
             response=ep.CommonResponse(

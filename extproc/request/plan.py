@@ -91,8 +91,8 @@ def choose_strategy(
 class KnownIdentities(Protocol):
     """What planning reads of the identity cache."""
 
-    def get(self, endpoint: str) -> PrefillIdentity | None: ...
-    def serial_only(self, endpoint: str) -> bool: ...
+    def get(self, endpoint: str, rank: int | None = None) -> PrefillIdentity | None: ...
+    def serial_only(self, endpoint: str, rank: int | None = None) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +117,10 @@ class DecodeOnlyPlan:
     d_body: bytes
     reason: str
     decode_counted: Counted | None  # the in-flight count at D, moved if another served
+    decode_rank: int | None = None  # D's data-parallel rank (None: D has none)
     prefill = None
     prefill_counted = None
+    prefill_rank = None
     strategy = Strategy.DECODE_ONLY
 
 
@@ -133,6 +135,8 @@ class ParallelPlan:
     reason: str
     decode_counted: Counted | None = None
     prefill_counted: Counted | None = None  # the count at P, which the P leg releases
+    prefill_rank: int | None = None  # P's data-parallel rank, whose identity D got
+    decode_rank: int | None = None
     strategy = Strategy.PARALLEL
 
 
@@ -147,6 +151,8 @@ class SerialPlan:
     fallback: str | None = None  # another P for one retry if `prefill` fails to answer
     decode_counted: Counted | None = None
     prefill_counted: Counted | None = None
+    prefill_rank: int | None = None
+    decode_rank: int | None = None
     strategy = Strategy.SERIAL
 
 
@@ -240,12 +246,17 @@ def plan_request(
     if isinstance(picked, DecodeAlone):
         d_body = decode_body(request.parts, None)  # the client's own, minus fields: it fits
         return DecodeOnlyPlan(
-            request_id, picked.decodes, d_body, picked.reason, picked.decode_counted
+            request_id,
+            picked.decodes,
+            d_body,
+            picked.reason,
+            picked.decode_counted,
+            picked.decode_counted.rank,
         )
-    prefill = picked.prefill
-    identity = identities.get(prefill)
+    prefill, rank = picked.prefill, picked.prefill_counted.rank
+    identity = identities.get(prefill, rank)  # the chosen rank's: D registers with that engine
     choice = choose_strategy(
-        scheduler.prefill_mode(prefill), identity, identities.serial_only(prefill)
+        scheduler.prefill_mode(prefill), identity, identities.serial_only(prefill, rank)
     )
     plan = plan_legs(request, request_id, picked, choice, identity)
     check_plan_fits(plan, config.limits.max_body_bytes)
@@ -280,6 +291,8 @@ def plan_legs(
             reason,
             picked.decode_counted,
             picked.prefill_counted,
+            picked.prefill_counted.rank,
+            picked.decode_counted.rank,
         )
     return SerialPlan(
         request_id,
@@ -291,6 +304,8 @@ def plan_legs(
         picked.fallback,
         picked.decode_counted,
         picked.prefill_counted,
+        picked.prefill_counted.rank,
+        picked.decode_counted.rank,
     )
 
 

@@ -42,8 +42,9 @@ from extproc.errors import (
     PrefillTimeout,
     PrefillUnreachable,
 )
+from extproc.headers import RANK_HEADER
 from extproc.protocol.bodies import decode_body
-from extproc.protocol.identity import PrefillIdentity, identity_from_params
+from extproc.protocol.identity import PrefillIdentity, identity_from_params, where
 from extproc.request import envoy_msgs
 from extproc.request.plan import DecodeOnlyPlan, ParallelPlan, Plan, SerialPlan, check_fits
 from extproc.request.prefill_client import PrefillCall
@@ -73,11 +74,15 @@ class InFlight(Protocol):
     """The request's in-flight count at its prefill (`extproc.scheduling.pool.Counted`): a P leg
     holds it while it runs only, so that picking and admission see P's real load."""
 
+    rank: int | None  # the data-parallel rank chosen at its endpoint (None: it has none)
+
     def move_to(self, address: str) -> None: ...
     def release(self) -> None: ...
 
 
 class _NotCounted:
+    rank: int | None = None
+
     def move_to(self, address: str) -> None:
         pass
 
@@ -91,10 +96,12 @@ _NOT_COUNTED = _NotCounted()
 class Identities(Protocol):
     """What dispatch needs of the identity cache."""
 
-    def get(self, endpoint: str) -> PrefillIdentity | None: ...
-    def serial_only(self, endpoint: str) -> bool: ...
-    def learn(self, endpoint: str, identity: PrefillIdentity) -> None: ...
-    def drop(self, endpoint: str, only_if: PrefillIdentity | None = None) -> bool: ...
+    def get(self, endpoint: str, rank: int | None = None) -> PrefillIdentity | None: ...
+    def serial_only(self, endpoint: str, rank: int | None = None) -> bool: ...
+    def learn(self, endpoint: str, identity: PrefillIdentity, rank: int | None = None) -> None: ...
+    def drop(
+        self, endpoint: str, only_if: PrefillIdentity | None = None, rank: int | None = None
+    ) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +141,11 @@ def decode_answers(
     whole new body.
     """
     if not exchange.streamed:
-        answers = [envoy_msgs.body_answer(body, plan.decodes, plan.request_id)]
+        answers = [envoy_msgs.body_answer(body, plan.decodes, plan.request_id, plan.decode_rank)]
     else:
-        mutation = envoy_msgs.route_mutation(plan.decodes, plan.request_id, len(body))
+        mutation = envoy_msgs.route_mutation(
+            plan.decodes, plan.request_id, len(body), plan.decode_rank
+        )
         answers = [envoy_msgs.headers_answer(mutation), envoy_msgs.streamed_body_answer(body)]
     if exchange.destination_namespace is not None:  # the answer that sets the header
         envoy_msgs.with_destination_metadata(
@@ -188,7 +197,9 @@ def start_dispatch(
 
 class _PrefillLeg:
     """One P request in flight, owned by the strategy that started it; `counted` (the
-    request's count at `prefill`) is released as soon as the leg ends, however it ends."""
+    request's count at `prefill`) is released as soon as the leg ends, however it ends.
+    `rank`: P's data-parallel rank, sent in vLLM's header; what is learnt or dropped is that
+    rank's identity."""
 
     def __init__(
         self,
@@ -199,15 +210,20 @@ class _PrefillLeg:
         exchange: Exchange,
         counted: InFlight,
         timeout_s: float | None = None,
+        rank: int | None = None,
     ) -> None:
         self.prefill = prefill
+        self.rank = rank
         self._services = services
         self._trace = exchange.trace
         self._counted = counted
         self.started = time.perf_counter()
         exchange.trace.prefill_started()
         timeout_s = exchange.config.timeouts.prefill_s if timeout_s is None else timeout_s
-        call = PrefillCall(prefill, exchange.path, body, request_id, timeout_s, exchange.forwarded)
+        headers = exchange.forwarded
+        if rank is not None:
+            headers = headers | {RANK_HEADER: str(rank)}
+        call = PrefillCall(prefill, exchange.path, body, request_id, timeout_s, headers)
         self.task: asyncio.Task[PrefillResult] = asyncio.create_task(self._sent(call))
 
     async def _sent(self, call: PrefillCall) -> PrefillResult:
@@ -228,7 +244,7 @@ class _PrefillLeg:
                 time.perf_counter() - self.started
             )
             if not _refused_request(error):
-                services.identities.drop(self.prefill)
+                services.identities.drop(self.prefill, rank=self.rank)
             if isinstance(error, PrefillUnreachable):
                 services.mark_unreachable(self.prefill)
             raise
@@ -243,15 +259,16 @@ class _PrefillLeg:
         try:
             identity = identity_from_params(result.kv_transfer_params)
         except ValueError as error:
-            identities.drop(self.prefill)
+            identities.drop(self.prefill, rank=self.rank)
             raise PrefillFailed(
                 502, f"prefill {self.prefill} sent unusable params: {error}"
             ) from None
-        identities.learn(self.prefill, identity)
+        identities.learn(self.prefill, identity, self.rank)
         if given is not None and identity != given:
-            self._services.metrics.identity_events.labels(self.prefill, "mismatched").inc()
+            engine = where(self.prefill, self.rank)
+            self._services.metrics.identity_events.labels(engine, "mismatched").inc()
             raise IdentityChanged(
-                503, f"prefill {self.prefill} restarted (new engine id); retry", retry_after_s=1
+                503, f"prefill {engine} restarted (new engine id); retry", retry_after_s=1
             )
         return result.kv_transfer_params  # type: ignore[no-any-return]
 
@@ -322,6 +339,7 @@ class SerialDispatch:
         self._exchange = exchange
         self._counted = counted
         self._prefill = plan.prefill  # the P that answered (the fallback after a retry)
+        self._rank = plan.prefill_rank  # its rank (a fallback's is chosen when it is counted)
 
     async def send(self, started: float) -> bool:
         plan, exchange = self._plan, self._exchange
@@ -345,6 +363,8 @@ class SerialDispatch:
         fallback, timeout_s = plan.fallback, None
         while True:
             self._counted.move_to(self._prefill)  # a retry is counted at its fallback
+            if self._prefill != plan.prefill:
+                self._rank = self._counted.rank
             leg = _PrefillLeg(
                 self._prefill,
                 plan.p_body,
@@ -353,6 +373,7 @@ class SerialDispatch:
                 self._exchange,
                 self._counted,
                 timeout_s,
+                self._rank,
             )
             try:
                 read = stream.next_message()
@@ -385,7 +406,7 @@ class SerialDispatch:
 
     async def on_decode_headers(self, status: int, reached: bool) -> bool:
         if status >= 500 and reached:
-            self._services.identities.drop(self._prefill)  # D failed: learn P again
+            self._services.identities.drop(self._prefill, rank=self._rank)  # D failed: learn again
         return True
 
     def close(self, client_gone: bool) -> None:
@@ -403,7 +424,13 @@ class ParallelDispatch:
         self._exchange = exchange
         # Created before the answer is written: both leave in this event-loop turn.
         self._leg = _PrefillLeg(
-            plan.prefill, plan.p_body, plan.request_id, services, exchange, counted
+            plan.prefill,
+            plan.p_body,
+            plan.request_id,
+            services,
+            exchange,
+            counted,
+            rank=plan.prefill_rank,
         )
         self._settled = False  # P's outcome is known (or no longer matters)
 
@@ -484,7 +511,7 @@ class ParallelDispatch:
             await asyncio.wait({task}, timeout=grace)
         still_running = self.watch() is not None  # raises a restart P revealed meanwhile
         given = self._plan.given if still_running else None  # else P's answer was learnt
-        self._services.identities.drop(self._plan.prefill, only_if=given)
+        self._services.identities.drop(self._plan.prefill, given, self._plan.prefill_rank)
         self._stop()
 
     def _stop(self) -> None:

@@ -2,13 +2,16 @@
 
 The choice itself is a policy (`extproc.policies`) over the healthy endpoints; in-flight counts
 are kept here and taken/released in one context manager so that no error path leaks a count.
+An endpoint with data-parallel ranks (one vLLM server, N engines) also gets a rank per counted
+request: the least loaded one, as vLLM's own balancer scores them (the greater of our in-flight
+count there and the engine's scraped waiting + running), ties taken in turn.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from extproc.policies.base import Picker, PickRequest
 from extproc.roles import Role
@@ -28,6 +31,26 @@ class EndpointState:
     # last scrape: load other routers sent (ours is known exactly, and fresher, in in_flight)
     foreign: float = 0.0
     kv_usage: float = 0.0  # the engine's vllm:kv_cache_usage_perc (0-1), when scraped
+    # data-parallel ranks: requests this ext_proc has in flight at each, and each engine's
+    # scraped waiting + running (its `engine` label on /metrics)
+    rank_in_flight: dict[int, int] = field(default_factory=dict)
+    rank_load: dict[int, float] = field(default_factory=dict)
+    next_rank: int = 0  # where the next rank choice starts looking: ties go in turn
+
+    @property
+    def scraped_ranks(self) -> int:
+        """The ranks its /metrics shows (`engine` labels 0 .. N-1); 1 when not scraped."""
+        ranks = self.rank_load
+        return len(ranks) if len(ranks) > 1 and set(ranks) == set(range(len(ranks))) else 1
+
+    def least_loaded_rank(self, ranks: int) -> int:
+        """The rank of `ranks` to send the next request to (vLLM's DP balancing score)."""
+        order = [(self.next_rank + i) % ranks for i in range(ranks)]
+        self.next_rank = (self.next_rank + 1) % ranks
+        return min(
+            order,
+            key=lambda r: max(self.rank_in_flight.get(r, 0), self.rank_load.get(r, 0.0)),
+        )
 
 
 _ANY = PickRequest()  # probes and tools: nothing known of the request
@@ -47,6 +70,8 @@ class Pool:
         self._endpoints = {a: EndpointState(a) for a in addresses}
         self._policy = policy
         self._on_change = on_change
+        # an endpoint's data-parallel ranks (1: none, no rank is chosen); set by the scheduler
+        self.ranks_of: Callable[[str], int] = lambda address: 1
 
     def update(self, addresses: Sequence[str]) -> tuple[list[str], list[str]]:
         """New membership from discovery or a reload: (added, removed) addresses.
@@ -70,6 +95,9 @@ class Pool:
     @property
     def addresses(self) -> list[str]:
         return list(self._endpoints)
+
+    def get(self, address: str) -> EndpointState | None:
+        return self._endpoints.get(address)
 
     def __iter__(self) -> Iterator[EndpointState]:
         return iter(list(self._endpoints.values()))  # a copy: membership may change meanwhile
@@ -117,8 +145,8 @@ class Pool:
     @contextmanager
     def track(self, state: EndpointState) -> Iterator[Counted]:
         """Count one request in flight at `state` until the block ends (or its `release`)."""
-        counted = Counted(self, state)
-        self._count(state, +1)
+        counted = Counted(self, state, self._rank_for(state))
+        self._count(counted, +1)
         try:
             yield counted
         finally:
@@ -134,17 +162,29 @@ class Pool:
         if state is counted.state and counted.counting:
             return
         self.release(counted)
-        self._count(state, +1)
+        if state is not counted.state:
+            # The rank already sent is kept where the new endpoint has it (Envoy's fallback D
+            # got the same header); else one of its own (a retry's P leg is still to leave).
+            kept = counted.rank is not None and counted.rank < self.ranks_of(state.address)
+            counted.rank = counted.rank if kept else self._rank_for(state)
         counted.state, counted.counting = state, True
+        self._count(counted, +1)
 
     def release(self, counted: Counted) -> None:
         """Stop counting `counted` (its leg ended before the request did); once only."""
         if counted.counting:
             counted.counting = False
-            self._count(counted.state, -1)
+            self._count(counted, -1)
 
-    def _count(self, state: EndpointState, change: int) -> None:
+    def _rank_for(self, state: EndpointState) -> int | None:
+        ranks = self.ranks_of(state.address)
+        return state.least_loaded_rank(ranks) if ranks > 1 else None
+
+    def _count(self, counted: Counted, change: int) -> None:
+        state = counted.state
         state.in_flight += change
+        if counted.rank is not None:
+            state.rank_in_flight[counted.rank] = state.rank_in_flight.get(counted.rank, 0) + change
         self._on_change(state)
 
 
@@ -152,9 +192,10 @@ class Counted:
     """One request counted in flight at an endpoint of `pool`, from its `track` until that
     ends or, earlier, until `release` (a P leg is counted only while it runs)."""
 
-    def __init__(self, pool: Pool, state: EndpointState) -> None:
+    def __init__(self, pool: Pool, state: EndpointState, rank: int | None = None) -> None:
         self.pool = pool
         self.state = state
+        self.rank = rank  # the data-parallel rank it goes to (None: the endpoint has none)
         self.counting = True  # counted at `state` now
         self.open = True  # its `track` has not ended: it may be counted again
 

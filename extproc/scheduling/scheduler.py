@@ -90,6 +90,28 @@ def _endpoint_modes(config: Config) -> dict[str, DispatchMode]:
     }
 
 
+def _data_parallel_sizes(config: Config) -> dict[tuple[Role, str], int]:
+    """The static endpoints' data_parallel_size where set (on the endpoint, or its pool)."""
+    sizes = {}
+    for role in (Role.PREFILL, Role.DECODE):
+        for pool in config.pool_configs(role):
+            for endpoint in pool.endpoints:
+                size = endpoint.data_parallel_size or pool.data_parallel_size
+                if size is not None:
+                    sizes[(role, endpoint.address)] = size
+    return sizes
+
+
+def _group_data_parallel(config: Config) -> dict[tuple[Role, str], int]:
+    """Each model group's pools' data_parallel_size where set, for discovered members."""
+    return {
+        (role, name): size
+        for name, group in config.groups().items()
+        for role in (Role.PREFILL, Role.DECODE)
+        if (size := getattr(group, role).data_parallel_size) is not None
+    }
+
+
 def _none_healthy(role: Role, subset: Subset | None) -> str:
     if subset is None:
         return f"no healthy {role} endpoint; retry later"
@@ -117,7 +139,11 @@ class Scheduler:
         self.groups = _model_groups(config)
         self._modes = _endpoint_modes(config)
         self._default_mode = config.dispatch.mode
+        self._dp_sizes = _data_parallel_sizes(config)
+        self._group_dp = _group_data_parallel(config)
         self.kv = kv  # KV-cache routing: the index and the tokenizers (None: never)
+        prefill.ranks_of = lambda address: self.data_parallel_size(Role.PREFILL, address)
+        decode.ranks_of = lambda address: self.data_parallel_size(Role.DECODE, address)
 
     def count_invalid_priority(self) -> None:
         """A request's priority header was not an integer (the gateway's mistake)."""
@@ -127,13 +153,26 @@ class Scheduler:
         """Groups, modes and policies from `config`; all built before any is swapped."""
         groups, modes = _model_groups(config), _endpoint_modes(config)
         prefill_policy, decode_policy = pool_picker(config.prefill), pool_picker(config.decode)
+        dp_sizes, group_dp = _data_parallel_sizes(config), _group_data_parallel(config)
         self.groups, self._modes, self._default_mode = groups, modes, config.dispatch.mode
+        self._dp_sizes, self._group_dp = dp_sizes, group_dp
         self.prefill.set_policy(prefill_policy)
         self.decode.set_policy(decode_policy)
 
     def prefill_mode(self, address: str) -> DispatchMode:
         """The endpoint's own `mode:` or dispatch.mode (precomputed: asked per request)."""
         return self._modes.get(address, self._default_mode)
+
+    def data_parallel_size(self, role: Role, address: str) -> int:
+        """The engine ranks behind `address` (1: none): its own setting, else its group's
+        pool's (a discovered member has only the latter), else what its /metrics shows."""
+        size = self._dp_sizes.get((role, address))
+        if size is None and self._group_dp:
+            size = self._group_dp.get((role, self.group_of(role, address).name))
+        if size is not None:
+            return size
+        state = (self.prefill if role is Role.PREFILL else self.decode).get(address)
+        return 1 if state is None else state.scraped_ranks
 
     def group(self, model: str) -> ModelGroup:
         """The pools that serve `model` (the default group for models not configured)."""
@@ -258,7 +297,14 @@ class Scheduler:
         if not decodes:
             raise NoHealthyDecode(503, _none_healthy(Role.DECODE, subset), retry_after_s=1)
         counted = inflight.enter_context(self.decode.track(decodes[0]))
-        return [d.address for d in decodes], counted
+        rank = counted.rank
+        # Envoy's fallback gets the same rank header: only a server that has that rank
+        fallback = [
+            d.address
+            for d in decodes[1:]
+            if rank is None or self.data_parallel_size(Role.DECODE, d.address) > rank
+        ]
+        return [decodes[0].address, *fallback], counted
 
     def _admit(self, wanted: PickRequest, group: ModelGroup, role: Role, config: Config) -> None:
         """Shed (429) if the group's engines of `role` are saturated for the request's

@@ -56,6 +56,41 @@ def test_per_endpoint_mode() -> None:
     assert runtime.scheduler.prefill_mode("127.0.0.1:8101") is DispatchMode.AUTO
 
 
+def test_data_parallel_size_per_pool_and_per_endpoint() -> None:
+    """An endpoint's own value wins over its pool's, even 1 (that server has no ranks);
+    members found by discovery take their pool's."""
+    cfg = parse_config(
+        MINIMAL
+        | {
+            "prefill": {
+                "endpoints": [
+                    "127.0.0.1:8100",
+                    {"address": "127.0.0.1:8101", "data_parallel_size": 1},
+                    {"address": "127.0.0.1:8102", "data_parallel_size": 8},
+                ],
+                "data_parallel_size": 4,
+            }
+        }
+    )
+    scheduler = Runtime(cfg, "unix:/x").scheduler
+    sizes = [scheduler.data_parallel_size(Role.PREFILL, f"127.0.0.1:{p}") for p in (8100, 8101)]
+    assert sizes == [4, 1]
+    assert scheduler.data_parallel_size(Role.PREFILL, "127.0.0.1:8102") == 8
+    assert scheduler.data_parallel_size(Role.PREFILL, "10.9.9.9:8000") == 4  # discovered
+    assert scheduler.data_parallel_size(Role.DECODE, "127.0.0.1:8200") == 1
+    assert scheduler.prefill.ranks_of("127.0.0.1:8100") == 4
+    decode = scheduler.decode.get("127.0.0.1:8200")
+    assert decode is not None
+    decode.rank_load = {0: 0.0, 1: 3.0}  # not configured: its /metrics shows two engines
+    assert scheduler.data_parallel_size(Role.DECODE, "127.0.0.1:8200") == 2
+    decode.rank_load = {0: 0.0, 2: 3.0}  # not ranks 0 .. N-1: not believed
+    assert scheduler.data_parallel_size(Role.DECODE, "127.0.0.1:8200") == 1
+    with pytest.raises(ConfigError, match="data_parallel_size: Input should be greater than"):
+        parse_config(
+            MINIMAL | {"decode": {"endpoints": ["127.0.0.1:8200"], "data_parallel_size": 0}}
+        )
+
+
 def test_every_problem_is_one_line() -> None:
     bad = {
         "prefill": {"endpoints": ["nope", "127.0.0.1:99999"]},
@@ -144,6 +179,7 @@ def test_forward_headers_default_to_the_key_and_trace_context() -> None:
         ("content-length", "set by pd-extproc or Envoy"),
         ("x-request-id", "set by pd-extproc or Envoy"),
         ("x-gateway-destination-endpoint", "set by pd-extproc or Envoy"),
+        ("X-data-parallel-rank", "set by pd-extproc or Envoy"),
         ("x-envoy-max-retries", "set by pd-extproc or Envoy"),
         ("x-forwarded-for", "set by pd-extproc or Envoy"),
         ("bad header", "not a valid header name"),

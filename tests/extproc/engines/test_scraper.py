@@ -12,7 +12,7 @@ from aiohttp import web
 
 from extproc.config import KvCheckConfig, parse_config
 from extproc.engines.kv_check import KvCheck, prompt_tokens_by_source
-from extproc.engines.load import EngineLoad, parse_load
+from extproc.engines.load import EngineLoad, parse_load, rank_loads
 from extproc.engines.restarts import RestartDetector
 from extproc.engines.scrape_plan import scrape_plan
 from extproc.engines.scraper import EngineScraper, Families, parse_families
@@ -249,3 +249,19 @@ def test_only_the_families_consumers_read_are_parsed() -> None:
     families = parse_families(VLLM_METRICS, only)
     assert set(families) == {*only, "vllm:num_requests_waiting_by_reason"}  # a prefix match
     assert families["process_start_time_seconds"].samples[0].value == 1.7e9
+
+
+def test_each_data_parallel_engines_load_is_read_from_its_engine_label() -> None:
+    page = """\
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+"""
+    assert rank_loads(parse_families(page)) == {0: 4.0, 1: 2.0}
+    state = EndpointState("p")
+    EngineLoad(lambda address: state).consume("p", parse_families(page))
+    assert state.rank_load == {0: 4.0, 1: 2.0} and (state.waiting, state.running) == (3.0, 3.0)
+    assert rank_loads(parse_families("vllm:num_requests_waiting 3.0\n")) == {}

@@ -383,3 +383,40 @@ def test_snapshot_shows_what_is_known() -> None:
         "p2": {"engine_id": "e9", "transfer_mode": "pull", "serial_only": False},
         "p3": {"engine_id": None, "transfer_mode": None, "serial_only": False},
     }
+
+
+def test_data_parallel_ranks_are_separate_engines_that_never_flap() -> None:
+    """One server with two ranks: each rank keeps its own identity, so answers alternating
+    between them are refreshes, never changes (without ranks: a change per answer, then a
+    serial cool-down)."""
+    cache, events, _ = make_cache(threshold=2)
+    for _ in range(3):
+        cache.learn("p", E1, rank=0)
+        cache.learn("p", E2, rank=1)
+    assert (cache.get("p", 0), cache.get("p", 1), cache.get("p")) == (E1, E2, None)
+    assert not cache.serial_only("p", 0) and not cache.serial_only("p", 1)
+    assert {event for _, event in events} == {"learned", "refreshed"}
+    assert events[:2] == [("p dp0", "learned"), ("p dp1", "learned")]
+    assert cache.missing("p", 2) == [] and cache.missing("p", 3) == [2]
+    assert cache.missing("q", 1) == [None] and cache.missing("q", 2) == [0, 1]
+    assert set(cache.snapshot()) == {"p dp0", "p dp1"}
+
+
+def test_a_ranks_drop_is_its_own_and_the_endpoints_drop_is_every_rank() -> None:
+    cache, events, _ = make_cache()
+    cache.learn("p", E1, rank=0)
+    cache.learn("p", E2, rank=1)
+    assert not cache.drop("p", only_if=E1, rank=1)  # rank 1 is not E1
+    assert cache.drop("p", rank=1)
+    assert (cache.get("p", 0), cache.get("p", 1)) == (E1, None)
+    cache.learn("p", E2, rank=1)
+    assert cache.drop("p")  # P's health check failed, or the server restarted
+    assert (cache.get("p", 0), cache.get("p", 1)) == (None, None)
+    assert [e for e in events if e[1] == "dropped"] == [
+        ("p dp1", "dropped"),
+        ("p dp0", "dropped"),
+        ("p dp1", "dropped"),
+    ]
+    cache.learn("p", E1, rank=0)
+    cache.forget("p")
+    assert cache.get("p", 0) is None and cache.snapshot() == {}

@@ -14,9 +14,10 @@ OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def set_headers(mutation: ep.HeaderMutation) -> dict[str, str]:
-    """The headers a mutation sets; each must replace the client's, never add a second one."""
+    """The headers a mutation sets; each must replace the client's, never add a second one.
+    Only a client's data-parallel rank header may be removed (D has no ranks)."""
     assert all(h.append_action == OVERWRITE for h in mutation.set_headers)
-    assert not mutation.remove_headers
+    assert list(mutation.remove_headers) in ([], ["x-data-parallel-rank"])
     return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
 
 
@@ -37,6 +38,17 @@ def test_header_map_prefers_raw_value_and_survives_bad_bytes() -> None:
         "x-both": "raw",
         "x-bin": "caf\N{REPLACEMENT CHARACTER}",
     }
+
+
+def test_d_gets_our_rank_header_or_none_at_all() -> None:
+    """A client's X-data-parallel-rank never reaches D: replaced by ours, or removed."""
+    ranked = envoy_msgs.route_mutation(["10.0.0.1:8200"], "rid", 2, rank=1)
+    assert set_headers(ranked)["x-data-parallel-rank"] == "1" and not ranked.remove_headers
+    plain = envoy_msgs.route_mutation(["10.0.0.1:8200"], "rid", 2)
+    assert "x-data-parallel-rank" not in set_headers(plain)
+    assert list(plain.remove_headers) == ["x-data-parallel-rank"]
+    answer = envoy_msgs.body_answer(b"{}", ["10.0.0.1:8200"], "rid", rank=0)
+    assert set_headers(answer.request_body.response.header_mutation)["x-data-parallel-rank"] == "0"
 
 
 def test_continue_answers_the_phase_it_is_for() -> None:

@@ -199,3 +199,34 @@ def test_a_released_count_is_counted_again_only_where_it_moves_and_only_once() -
     assert (a.in_flight, b.in_flight) == (0, 0)
     counted.move_to(A)  # its request has ended: nothing is counted any more
     assert (a.in_flight, b.in_flight) == (0, 0)
+
+
+def test_ranks_are_chosen_by_their_load_and_counted_apart() -> None:
+    """vLLM's DP score: the greater of our in-flight count at the rank and the engine's own
+    waiting + running there; ties go in turn."""
+    pool = Pool(Role.PREFILL, [A, B], Last())
+    pool.ranks_of = lambda address: 2 if address == A else 1
+    state = next(s for s in pool if s.address == A)
+    with pool.track(state) as first, pool.track(state) as second:
+        assert (first.rank, second.rank) == (0, 1)  # idle ranks: in turn
+        assert state.rank_in_flight == {0: 1, 1: 1} and state.in_flight == 2
+        second.release()
+        assert state.rank_in_flight == {0: 1, 1: 0}
+        with pool.track(state) as third:
+            assert third.rank == 1  # rank 0 is busier
+    assert state.rank_in_flight == {0: 0, 1: 0} and state.in_flight == 0
+    state.rank_load = {0: 0.0, 1: 5.0}  # the engine's queue at rank 1 (other routers' load)
+    with pool.track(state) as a, pool.track(state) as b:
+        assert (a.rank, b.rank) == (0, 0)
+    other = next(s for s in pool if s.address == B)
+    with pool.track(other) as plain:
+        assert plain.rank is None and other.rank_in_flight == {}
+        plain.move_to(A)  # a retry on the endpoint with ranks gets one of its ranks
+        assert plain.rank in (0, 1) and state.rank_in_flight[plain.rank] == 1
+    assert state.rank_in_flight == {0: 0, 1: 0}
+    pool.ranks_of = lambda address: 2
+    with pool.track(state) as sent:
+        rank = sent.rank
+        sent.move_to(B)  # Envoy's fallback served it, with the rank header already sent
+        assert sent.rank == rank and other.rank_in_flight == {rank: 1}
+        assert state.rank_in_flight == {0: 0, 1: 0}

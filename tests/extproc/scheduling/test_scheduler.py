@@ -103,3 +103,24 @@ def test_a_reload_swaps_the_groups_and_modes() -> None:
     assert s.group("m").members == {Role.PREFILL: {P3}, Role.DECODE: {D3}}
     assert s.group("other") is s.group("") and s.decodes_of(P1) == {D1, D2}
     assert s.decodes_of(P3) == {D3}
+
+
+def test_ds_rank_and_a_fallback_that_has_that_rank() -> None:
+    """Envoy's connect-failure fallback gets the same X-data-parallel-rank: a server with fewer
+    ranks would refuse it (400), so it is not offered."""
+    pools = {
+        "prefill": {"endpoints": [P1]},
+        "decode": {
+            "endpoints": [D1, {"address": D2, "data_parallel_size": 1}],
+            "data_parallel_size": 2,
+        },
+    }
+    cfg = parse_config(pools)
+    s = scheduler(cfg)
+    with ExitStack() as inflight:
+        first = s.pick(LONG, inflight, cfg)  # D1, rank 0: D2 has a rank 0 of its own (1 of 1)
+        second = s.pick(LONG, inflight, cfg)  # D2 (round robin), no ranks: D1 may serve it
+        third = s.pick(LONG, inflight, cfg)  # D1, rank 1: D2 has none
+        assert (first.decodes, first.decode_counted.rank) == ([D1, D2], 0)
+        assert (second.decodes, second.decode_counted.rank) == ([D2, D1], None)
+        assert (third.decodes, third.decode_counted.rank) == ([D1], 1)
