@@ -205,9 +205,10 @@ class RequestProcessor:
         picker = config.endpoint_picker if self.deps.endpoint_picker else None
         if picker is not None:
             self.subset = subset_hint(message, picker.subset_hint_namespace)
-        forwarded = {
-            name: headers[name] for name in config.dispatch.forward_headers if name in headers
-        }
+        names = config.dispatch.forward_headers
+        forwarded = {name: headers[name] for name in names if name in headers}
+        single = envoy_msgs.repeated_headers(message.request_headers, names)
+        forwarded |= single
         method, path = headers.get(":method", ""), headers.get(":path", "")
         if picker is not None and is_passthrough(method, path):
             await self._pass_through(picker, inflight)
@@ -244,6 +245,7 @@ class RequestProcessor:
             config,
             streamed,
             picker.destination_namespace if picker else None,
+            single or None,
         )
         self.dispatch = start_dispatch(plan, self.deps.legs, exchange, plan.prefill_counted)
         if await self.dispatch.send(started):
