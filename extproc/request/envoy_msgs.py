@@ -49,7 +49,9 @@ def _header(key: str, value: str) -> core.HeaderValueOption:
 
 
 def _value(header: core.HeaderValue) -> str:
-    return header.raw_value.decode(errors="replace") if header.raw_value else header.value
+    if header.raw_value:
+        return header.raw_value.decode(errors="replace")
+    return str(header.value)
 
 
 def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
