@@ -49,9 +49,8 @@ def _header(key: str, value: str) -> core.HeaderValueOption:
 
 
 def _value(header: core.HeaderValue) -> str:
-    if header.raw_value:
-        return header.raw_value.decode(errors="replace")
-    return str(header.value)
+    value: str = header.raw_value.decode(errors="replace") if header.raw_value else header.value
+    return value
 
 
 def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
