@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2_grpc
 from extproc.config import Config
 from extproc.membership.eds import EndpointDiscovery
 from extproc.process.grpc_health import HealthServices, health_server
+from extproc.process.memory import return_large_buffers
 from extproc.process.ports import PortInUse
 from extproc.process.serving_tls import configured_credentials, self_signed_credentials
 from extproc.request.access_log import ClientLatency
@@ -108,6 +109,7 @@ class ExtProcServer:
         self._access_log = ClientLatency(runtime.metrics, runtime.access_log_streams)
 
     async def start(self) -> None:
+        return_large_buffers()  # request bodies' memory is returned once they end
         cfg = self.runtime.config
         self._grpc = aio.server(options=_GRPC_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)

@@ -5,7 +5,8 @@ limit as soon as the chunks exceed it (413, before any leg leaves), the process'
 bodies (`extproc.request.body_budget`: 503 + Retry-After before more is read), a stalled
 upload after `idle_s` without a chunk and a slow one after `whole_s` in all (408). HTTP/1.1
 clients end the body with an extra empty end-of-stream chunk; a body with trailers ends with
-the trailers message instead. The chunks are joined once, at the end.
+the trailers message instead. The chunks are gathered in one growing buffer (a list of
+chunks kept a held upload's memory in the heap after it ended: `extproc.process.memory`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ async def gather_body(
 ) -> Upload | None:
     """The whole body, or None when the stream ended first (the client went away). Its bytes
     are taken from the budget into `reserved` as they arrive."""
-    chunks: list[bytes] = []
+    first = b""  # one chunk is the body as it is; more are gathered in `rest`
+    rest = bytearray()
     size = 0
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.whole_s
@@ -59,7 +61,7 @@ async def gather_body(
             raise _too_slow(limits, size, left_s)
         kind = message.WhichOneof("request")
         if kind == "request_trailers":
-            return Upload(b"".join(chunks), trailers=True)
+            return Upload(_whole(first, rest), trailers=True)
         if kind != "request_body":
             return Upload(b"", envoy_reply=message)
         chunk = message.request_body
@@ -71,9 +73,18 @@ async def gather_body(
                     413, f"request body exceeds the limit of {limits.body_bytes} bytes"
                 )
             reserved.take(len(body), limits.budget_bytes)
-            chunks.append(body)
+            if not first:
+                first = body
+            else:  # one growing buffer, not a list of chunks: its memory goes back once freed
+                if not rest:
+                    rest += first
+                rest += body
         if chunk.end_of_stream:
-            return Upload(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            return Upload(_whole(first, rest))
+
+
+def _whole(first: bytes, rest: bytearray) -> bytes:
+    return bytes(rest) if rest else first
 
 
 def _too_slow(limits: UploadLimits, size: int, left_s: float) -> ClientError:
