@@ -392,6 +392,7 @@ _OWN_HEADERS = frozenset(
 )
 _OWN_PREFIXES = (":", "x-envoy-", "x-forwarded-")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")  # an HTTP field name (RFC 9110 §5.1)
+_HEADER_VALUE = re.compile(r"[ -~]+", re.ASCII)  # printable ASCII: fits in any header
 
 
 def _forwarding_problem(name: str) -> str | None:
@@ -479,6 +480,9 @@ class DecisionConfig(_Strict):
     load_interval_s: Annotated[float, INTERVAL] = 1.0
 
 
+_PRIORITY_BOUND = 1000  # far beyond any useful number of levels
+
+
 class AdmissionLimits(_Strict):
     """Saturation limits of one role's endpoints; None: not checked."""
 
@@ -491,15 +495,21 @@ class AdmissionConfig(_Strict):
     """Shed load (429 + Retry-After) when every endpoint of a role is at its limits.
 
     An endpoint's saturation is its highest load / limit ratio; a role's is that of its least
-    saturated healthy endpoint. A request of priority p is shed when a role's saturation
-    reaches 1 + p × `priority_step`: priority -1 at 75 % of the limits, -2 at 50 % (with the
-    default step), so lower priorities are shed first; positive ones get headroom above 100 %.
+    saturated healthy endpoint. Priorities come only from `priority_header`, a header the
+    gateway sets and strips from clients (none by default: every request has
+    `priority_default`), clamped to [`priority_min`, `priority_max`]. A request of priority p
+    is shed when a role's saturation reaches 1 - (`priority_max` - p) × `priority_step`: the
+    top priority at 100 % of the limits, the next at 75 % (with the default step), and so on;
+    none above the limits.
     """
 
     enabled: bool = False
     decode: AdmissionLimits = AdmissionLimits()
     prefill: AdmissionLimits = AdmissionLimits()
-    priority_header: str = "x-request-priority"  # an integer; absent: 0
+    priority_header: str | None = None  # set by the gateway, never by a client; an integer
+    priority_default: int = Field(default=0, ge=-_PRIORITY_BOUND, le=_PRIORITY_BOUND)
+    priority_min: int = Field(default=-3, ge=-_PRIORITY_BOUND, le=_PRIORITY_BOUND)
+    priority_max: int = Field(default=0, ge=-_PRIORITY_BOUND, le=_PRIORITY_BOUND)
     priority_step: float = Field(default=0.25, gt=0, le=1)
     retry_after_s: int = Field(default=1, ge=1, le=3600)
     # how often every engine's /metrics is scraped
@@ -507,8 +517,30 @@ class AdmissionConfig(_Strict):
 
     @field_validator("priority_header")
     @classmethod
-    def _lower(cls, value: str) -> str:
-        return value.lower()
+    def _check_priority_header(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        name = value.lower()
+        if not _TOKEN.fullmatch(name) or name.startswith(":"):
+            raise ValueError(f"{value!r} is not a valid header name")
+        return name
+
+    @model_validator(mode="after")
+    def _check_priorities(self) -> AdmissionConfig:
+        low, high = self.priority_min, self.priority_max
+        if not low <= self.priority_default <= high:
+            raise ValueError(
+                f"priority_default {self.priority_default} is outside priority_min {low} .. "
+                f"priority_max {high}"
+            )
+        lowest = 1 - (high - low) * self.priority_step
+        if lowest <= 1e-9:
+            raise ValueError(
+                f"priority_min {low} would be shed at {max(lowest, 0):.0%} of the limits (even "
+                f"on idle engines) with priority_max {high} and priority_step "
+                f"{self.priority_step:g}: raise priority_min or lower priority_step"
+            )
+        return self
 
 
 class TimeoutConfig(_Strict):
@@ -636,31 +668,42 @@ class EnvoyConfig(_Strict):
 class EnginesConfig(_Strict):
     """How the sidecar itself talks to the engines (not the client's requests)."""
 
-    # The key the engines were started with (vLLM --api-key), for the sidecar's own /v1
-    # requests: the identity probe. Health checks and metric scrapes use /health and /metrics,
-    # which vLLM serves without a key. Read when the config is loaded (a reload re-reads it).
+    # The keys the engines were started with (vLLM --api-key, which takes several), one a line;
+    # the sidecar's own /v1 requests (the identity probe) send the first. Health checks and
+    # metric scrapes use /health and /metrics, which vLLM serves without a key. Read when the
+    # config is loaded (a reload re-reads it).
     api_key_file: str | None = None
-    _api_key: str | None = PrivateAttr(default=None)
+    _api_keys: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
-    def _read_api_key(self) -> EnginesConfig:
+    def _read_api_keys(self) -> EnginesConfig:
         if self.api_key_file is None:
             return self
         try:
-            key = Path(self.api_key_file).read_text().strip()
-        except OSError as error:
-            raise ValueError(
-                f"api_key_file {self.api_key_file} cannot be read ({error.strerror})"
-            ) from None
-        if not key:
+            text = Path(self.api_key_file).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            why = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+            raise ValueError(f"api_key_file {self.api_key_file} cannot be read ({why})") from None
+        keys = tuple(line.strip() for line in text.splitlines() if line.strip())
+        if not keys:
             raise ValueError(f"api_key_file {self.api_key_file} is empty")
-        self._api_key = key
+        if any(not _HEADER_VALUE.fullmatch(key) for key in keys):
+            raise ValueError(
+                f"api_key_file {self.api_key_file}: a key may hold only printable ASCII "
+                "characters (one key a line)"
+            )
+        self._api_keys = keys
         return self
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every key the engines accept (none without a key file)."""
+        return self._api_keys
 
     @property
     def auth_headers(self) -> dict[str, str]:
         """The Authorization header of the sidecar's own engine requests (none without a key)."""
-        return {} if self._api_key is None else {"authorization": f"Bearer {self._api_key}"}
+        return {"authorization": f"Bearer {self._api_keys[0]}"} if self._api_keys else {}
 
 
 def _tokenizer_path(value: str | None) -> str | None:

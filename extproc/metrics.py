@@ -207,6 +207,12 @@ class Metrics:
             "request ends; at most limits.max_body_bytes_in_flight).",
             registry=r,
         )
+        self.invalid_priorities = Counter(
+            "pd_extproc_invalid_priorities",
+            "Requests whose admission.priority_header was not a plain integer (served at "
+            "admission.priority_default): the gateway that sets it sends something else.",
+            registry=r,
+        )
         self.eds_streams = Gauge(
             "pd_extproc_eds_streams",
             "Envoy EDS subscriptions to the pools' members open on this ext_proc process "

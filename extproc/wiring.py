@@ -36,6 +36,7 @@ from extproc.model_labels import ModelLabels
 from extproc.protocol.identity import IdentityCache
 from extproc.request.access_log import AccessLogStreams
 from extproc.request.body_budget import BodyBudget
+from extproc.request.client_key import client_key_checked_here
 from extproc.request.prefill_client import (
     PrefillClient,
     PrefillPaths,
@@ -321,10 +322,9 @@ class Runtime:
     def _direct_leg_key(self) -> dict[str, str]:
         """The engines' key for a P leg sent straight to the engine, only where the client's
         own key is not forwarded: otherwise P sees the key D sees (a client without one gets
-        the engines' 401 from both legs, and nothing is computed)."""
-        if "authorization" in self.config.dispatch.forward_headers:
-            return {}
-        return self.config.engines.auth_headers
+        the engines' 401 from both legs, and nothing is computed). Where it is sent, the
+        ext_proc checks the client's key itself first (`extproc.request.client_key`)."""
+        return self.config.engines.auth_headers if client_key_checked_here(self.config) else {}
 
     def reload(self, config: Config) -> list[str]:
         """Take a new config for new requests; returns the settings that need a restart.

@@ -1,8 +1,9 @@
 """Pool membership: the static list, plus DNS names and Kubernetes pods, kept current.
 
 Each pool's members are the union of its sources. Kubernetes sources (pods by label
-selector, an InferencePool's pods of the pool's role) are watched: every change reaches the
-`Members` sink at once. DNS names (a headless service) are re-resolved every
+selector, an InferencePool's pods of the pool's role) are watched, and kept per pool, pod by
+pod: an event costs one pod's work however many pods there are, and a burst of events reaches
+the `Members` sink once (within `_COALESCE_S`). DNS names (a headless service) are re-resolved every
 `discovery.interval_s`. A source that fails keeps its last members: a DNS hiccup or an API
 server restart must not empty a pool. The sink (the wiring's runtime) updates the pool,
 forgets identities of endpoints that left, and tells Envoy (EDS).
@@ -29,7 +30,9 @@ from extproc.roles import Role
 
 if TYPE_CHECKING:
     from extproc.membership.kube_api import KubeApi
-    from extproc.membership.kube_sources import InferencePoolPods, PodsBySelector
+    from extproc.membership.kube_objects import ReadyPod
+    from extproc.membership.kube_sources import InferencePoolPods, PodChanges, PodsBySelector
+    from extproc.membership.kube_watch import Complaints
 
 __all__ = ["Discovery", "Members", "resolve_dns"]
 
@@ -37,6 +40,7 @@ log = logging.getLogger("extproc.membership.discovery")
 
 _ROLES = tuple(Role)
 _FIRST_SYNC_S = 10.0  # how long the first membership waits for a new watch's first list
+_COALESCE_S = 0.05  # watch events this close together reach the sink (and Envoy) once
 
 WatchKey = tuple[str, str, str]  # ("pods", namespace, selector) or ("pool", namespace, name)
 
@@ -65,6 +69,10 @@ class Members(Protocol):
     def set_members(self, role: Role, members: list[str]) -> None: ...
 
 
+Kind = str  # which of a pool's Kubernetes sources: "kubernetes" or "inference_pool"
+PodTable = dict[str, tuple[str, ...]]  # pod key → the addresses it gives one pool
+
+
 class Discovery:
     def __init__(
         self,
@@ -76,50 +84,117 @@ class Discovery:
         self._dns: dict[str, list[str]] = {}  # "model/role" → the last good answer
         self._api: KubeApi | None = None
         self._api_settings = ("", "", "")  # what _api was made from
+        self._complaints: Complaints | None = None  # about malformed objects, for every watch
         self._watches: dict[WatchKey, PodsBySelector | InferencePoolPods] = {}
         self._periodic: Periodic | None = None
+        # Kept per pool, changed per pod: a watch event costs one pod's work, not all pods'.
+        self._pods: dict[tuple[str, Role, Kind], PodTable] = {}
+        self._published: dict[tuple[str, Role], list[str]] = {}  # what the sink last got
+        self._dirty: set[tuple[str, Role]] = set()  # pools changed since the sink was told
+        self._flush: asyncio.TimerHandle | None = None
+        self.evaluations = 0  # pod x pool membership evaluations (a test's count)
+        self.publishes = 0  # pool member lists handed to the sink (a test's count)
 
     def _pools(self) -> Iterator[tuple[str, Role, PoolConfig]]:
         for model, group in self._config().groups().items():
             for role in _ROLES:
                 yield model, role, getattr(group, role)
 
+    def _sources(self) -> Iterator[tuple[str, Role, Kind, KubernetesSource | InferencePoolSource]]:
+        for model, role, pool in self._pools():
+            if pool.kubernetes is not None:
+                yield model, role, "kubernetes", pool.kubernetes
+            if pool.inference_pool is not None:
+                yield model, role, "inference_pool", pool.inference_pool
+
     async def refresh(self) -> None:
         """Take the sources the config names now (a reload may change them): watch new ones,
         stop those gone, resolve DNS names once, and hand every pool's members to the sink."""
         await self._follow_watches()
         await self._resolve_dns()
-        self._publish()
+        self._pods.clear()
+        for model, role, kind, source in self._sources():
+            self._pod_changes(model, role, kind, source, None)
+        self._published.clear()
+        self._publish(None)
 
-    def _publish(self) -> None:
-        """Every pool's members, from what each source knows now, to the sink."""
-        union: dict[Role, list[str]] = {role: [] for role in _ROLES}
-        for model, role, pool in self._pools():
-            members = list(dict.fromkeys(self._members(f"{model}/{role}", role, pool)))
-            self._sink.set_group_members(model, role, members)
-            union[role] += members
-        for role in _ROLES:
-            self._sink.set_members(role, list(dict.fromkeys(union[role])))
+    def _source_changed(self, key: WatchKey, changes: PodChanges | None) -> None:
+        """A watch's pods changed (`changes`; None: any may have): update the pools that use
+        it, and tell the sink soon (a burst of events is told once)."""
+        for model, role, kind, source in self._sources():
+            if _watch_key(source) == key:
+                self._pod_changes(model, role, kind, source, changes)
+                self._dirty.add((model, role))
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(_COALESCE_S, self._flush_dirty)
 
-    def _members(self, where: str, role: Role, pool: PoolConfig) -> Iterator[str]:
-        yield from pool.addresses
-        if pool.dns:
-            yield from self._dns.get(where, [])
-        if pool.kubernetes is not None:
-            pods = self._watches.get(_watch_key(pool.kubernetes))
-            for pod in pods.ready() if pods is not None else []:
-                yield _address(pod.ip, pool.kubernetes.port)
-        if pool.inference_pool is not None:
-            yield from self._inference_pool_members(role, pool.inference_pool)
+    def _pod_changes(
+        self,
+        model: str,
+        role: Role,
+        kind: Kind,
+        source: KubernetesSource | InferencePoolSource,
+        changes: PodChanges | None,
+    ) -> None:
+        table = self._pods.setdefault((model, role, kind), {})
+        watch = self._watches.get(_watch_key(source))
+        if changes is None:  # start again from the watch's pods
+            table.clear()
+            changes = dict(watch.ready()) if watch is not None else {}
+        for name, pod in changes.items():
+            addresses = self._addresses(role, source, watch, pod) if pod is not None else ()
+            if addresses:
+                table[name] = addresses
+            else:
+                table.pop(name, None)
 
-    def _inference_pool_members(self, role: Role, source: InferencePoolSource) -> Iterator[str]:
+    def _addresses(
+        self,
+        role: Role,
+        source: KubernetesSource | InferencePoolSource,
+        watch: PodsBySelector | InferencePoolPods | None,
+        pod: ReadyPod,
+    ) -> tuple[str, ...]:
+        self.evaluations += 1
+        if isinstance(source, KubernetesSource):
+            return (pod.address(source.port),)
+        if not source.takes(role, pod.labels):
+            return ()
         # a ("pool", ...) key always holds an InferencePoolPods
-        watch = cast("InferencePoolPods | None", self._watches.get(_watch_key(source)))
-        if watch is None:
-            return
-        for pod in watch.ready():
-            if source.takes(role, pod.labels):
-                yield from (_address(pod.ip, port) for port in watch.ports)
+        ports = cast("InferencePoolPods", watch).ports
+        return tuple(pod.address(port) for port in ports)
+
+    def _flush_dirty(self) -> None:
+        self._flush = None
+        dirty, self._dirty = self._dirty, set()
+        self._publish(dirty)
+
+    def _publish(self, pools: set[tuple[str, Role]] | None) -> None:
+        """The members of `pools` (None: every pool, told even if unchanged) to the sink, and
+        the union of each role whose pools changed."""
+        roles: set[Role] = set(_ROLES) if pools is None else set()
+        for model, role, pool in self._pools():
+            if pools is not None and (model, role) not in pools:
+                continue
+            members = self._members(model, role, pool)
+            if pools is None or members != self._published.get((model, role)):
+                self._published[(model, role)] = members
+                self._sink.set_group_members(model, role, members)
+                self.publishes += 1
+                roles.add(role)
+        for role in _ROLES:
+            if role in roles:
+                union = (m for (_, r), ms in self._published.items() if r == role for m in ms)
+                self._sink.set_members(role, list(dict.fromkeys(union)))
+
+    def _members(self, model: str, role: Role, pool: PoolConfig) -> list[str]:
+        found = list(pool.addresses)
+        if pool.dns:
+            found += self._dns.get(f"{model}/{role}", [])
+        for kind in ("kubernetes", "inference_pool"):
+            for addresses in self._pods.get((model, role, kind), {}).values():
+                found += addresses
+        return list(dict.fromkeys(found))
 
     async def _resolve_dns(self) -> None:
         for model, role, pool in self._pools():
@@ -164,20 +239,25 @@ class Discovery:
         # deployments without Kubernetes sources need not pay.
         from extproc.membership.kube_api import KubeApi
         from extproc.membership.kube_sources import InferencePoolPods, PodsBySelector
+        from extproc.membership.kube_watch import Complaints
 
         if self._api is None:
             self._api = KubeApi(self._config().discovery)
+            self._complaints = Complaints()
             self._api_settings = self._api_settings_now()
+        key = _watch_key(source)
+
+        def changed(changes: PodChanges | None) -> None:
+            self._source_changed(key, changes)
+
+        timeout_s, complaints = self._watch_timeout_s, self._complaints
+        assert complaints is not None  # made with _api
         if isinstance(source, KubernetesSource):
             return PodsBySelector(
-                self._api,
-                source.namespace,
-                source.label_selector,
-                self._publish,
-                self._watch_timeout_s,
+                self._api, source.namespace, source.label_selector, changed, timeout_s, complaints
             )
         return InferencePoolPods(
-            self._api, source.namespace, source.name, self._publish, self._watch_timeout_s
+            self._api, source.namespace, source.name, changed, timeout_s, complaints
         )
 
     def _api_settings_now(self) -> tuple[str, str, str]:
@@ -197,11 +277,15 @@ class Discovery:
         self._periodic.start(first_now=False)
 
     async def _refresh_dns(self) -> None:
-        if any(pool.dns for _, _, pool in self._pools()):
+        named = {(model, role) for model, role, pool in self._pools() if pool.dns}
+        if named:
             await self._resolve_dns()
-            self._publish()
+            self._publish(named)
 
     async def stop(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
         if self._periodic is not None:
             await self._periodic.stop()
         await self._stop_watches()

@@ -56,7 +56,7 @@ class Query:
 
 @dataclass(frozen=True)
 class Listing:
-    items: list[dict[str, Any]]
+    items: list[Any]  # each checked by its reader
     resource_version: str  # the list's: a watch from here misses nothing
 
 
@@ -66,6 +66,24 @@ def _error(status: int, body: bytes) -> ApiError:
     except (orjson.JSONDecodeError, AttributeError):
         message = body[:200].decode(errors="replace")
     return (Gone if status == 410 else ApiError)(status, message)
+
+
+def _listing(listing: Any) -> Listing:
+    """A list's items and version; ApiError when it is no list (the items are checked one by
+    one, by their watch)."""
+    metadata = listing.get("metadata") if isinstance(listing, dict) else None
+    version = metadata.get("resourceVersion") if isinstance(metadata, dict) else None
+    items = listing.get("items") or [] if isinstance(listing, dict) else None
+    if not isinstance(version, str) or not version or not isinstance(items, list):
+        raise ApiError(200, "the list has no metadata.resourceVersion or no items list")
+    return Listing(items, version)
+
+
+def _error_event(status: Any) -> ApiError:
+    status = status if isinstance(status, dict) else {}
+    code = status.get("code")
+    code = code if isinstance(code, int) else 0
+    return (Gone if code == 410 else ApiError)(code, str(status.get("message", ""))[:200])
 
 
 class KubeApi:
@@ -91,8 +109,7 @@ class KubeApi:
             body = await asyncio.wait_for(response.read(), _LIST_TIMEOUT_S)
         if response.status != 200:
             raise _error(response.status, body)
-        listing = orjson.loads(body)
-        return Listing(listing.get("items") or [], listing["metadata"]["resourceVersion"])
+        return _listing(orjson.loads(body))
 
     async def watch(
         self, query: Query, resource_version: str, timeout_s: int
@@ -117,11 +134,10 @@ class KubeApi:
                 if not line.strip():
                     continue
                 event = orjson.loads(line)
+                if not isinstance(event, dict):
+                    raise ApiError(200, f"a watch event that is not an object: {line[:100]!r}")
                 if event.get("type") == "ERROR":
-                    status = event.get("object") or {}
-                    raise (Gone if status.get("code") == 410 else ApiError)(
-                        int(status.get("code") or 0), str(status.get("message", ""))
-                    )
+                    raise _error_event(event.get("object"))
                 yield event
 
     async def _call(self, query: Query, **params: Any) -> aiohttp.ClientResponse:

@@ -228,9 +228,9 @@ def plan_request(
     """The whole plan of one request, under its config snapshot `config`: the endpoints (each
     counted in flight until `inflight` closes), decode-only or P/D, serial or parallel, the
     bodies, checked to fit Envoy's buffer before any leg leaves. `tokens`: `request_tokens`'s
-    answer. Raises what the scheduler raises (Shed, NoHealthy*), ClientError for a bad
-    priority header or an oversized body."""
-    priority = request_priority(headers, config.admission)
+    answer. Raises what the scheduler raises (Shed, NoHealthy*), ClientError for an
+    oversized body."""
+    priority = request_priority(headers, config.admission, scheduler.count_invalid_priority)
     wanted = pick_request(
         request, headers.get(config.dispatch.session_header), priority, tokens, scheduler.kv
     )

@@ -1,6 +1,7 @@
 """One client request through its phases: headers → body (dispatch) → response → end.
 
-1. request headers: route check (404/405); Envoy holds the headers until they are answered
+1. request headers: route check (404/405), the client's key where P would not check it (401,
+   `extproc.request.client_key`); Envoy holds the headers until they are answered
 2. request body, whole: parse once, then one call plans it (`extproc.request.plan`: P and D
    from the scheduler, the strategy, the bodies); its runner (`extproc.request.strategies`)
    sends the legs:
@@ -47,6 +48,7 @@ from extproc.policies import PickRequest
 from extproc.request import envoy_msgs
 from extproc.request.access_log import AccessLogStreams
 from extproc.request.body_budget import BodyBudget
+from extproc.request.client_key import check_client_key
 from extproc.request.parse import check_route, is_passthrough, parse_request
 from extproc.request.plan import (
     NOT_PLANNED,
@@ -219,6 +221,7 @@ class RequestProcessor:
             await self._pass_through(picker, inflight)
             return
         api = check_route(method, path)
+        check_client_key(headers, config)  # before the upload, before any leg
         if message.request_headers.end_of_stream:
             raise ClientError(400, "the request has no body; send a JSON object")
         streamed = message.protocol_config.request_body_mode == _FULL_DUPLEX

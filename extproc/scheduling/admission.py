@@ -7,18 +7,24 @@ the last two from the engine's own metrics. A role is as saturated as its least 
 healthy member: a request is shed only when no endpoint has room for it. The prefill role
 counts only for a request that will use P (not one the decision serves on D alone).
 
-Priorities: the request's `admission.priority_header` (an integer, 0 when absent) moves its
-shedding point to 1 + priority × `priority_step` of the limits. With the default step, -1 is
-shed at 75 % of the limits, -2 at 50 %, 0 at 100 %, +1 at 125 %: under rising load the lowest
-priorities are shed first, and the highest keep some headroom.
+Priorities are the operator's, not the client's: a request's priority comes only from
+`admission.priority_header`, a header the gateway sets (and strips from clients); with none
+configured (the default) every request has `priority_default`. The value must be a plain
+ASCII integer (an optional '-' and up to 6 digits); anything else counts as the default, and it
+is clamped to [`priority_min`, `priority_max`]. The limits are hard: the top priority
+(`priority_max`) is shed at 100 % of them, each level below it `priority_step` earlier (with
+the defaults -1 at 75 %, -2 at 50 %, -3 at 25 %), so under rising load the lowest priorities
+are shed first and no priority is admitted above the limits. The config check keeps the
+lowest level's shedding point above 0, so a request on idle engines is always admitted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 
 from extproc.config import AdmissionConfig, AdmissionLimits
-from extproc.errors import ClientError, Shed
+from extproc.errors import Shed
 from extproc.policies.base import EndpointView
 
 __all__ = [
@@ -27,27 +33,30 @@ __all__ = [
     "request_priority",
     "role_saturation",
     "saturation",
+    "shedding_point",
 ]
 
-_MAX_PRIORITY = 100  # far beyond any useful level; bounds the arithmetic
+_INTEGER = re.compile(r"-?[0-9]{1,6}", re.ASCII)  # no '+', '_', spaces or non-ASCII digits
 
 
-def request_priority(headers: Mapping[str, str], config: AdmissionConfig) -> int:
-    """The request's priority; 0 (and the header not checked) with admission control off."""
-    if not config.enabled:
-        return 0
-    return parse_priority(headers.get(config.priority_header), config.priority_header)
+def request_priority(
+    headers: Mapping[str, str], config: AdmissionConfig, invalid: Callable[[], None]
+) -> int:
+    """The request's priority: the trusted header's, clamped, or the default (also with
+    admission control off, or no header configured). `invalid` counts a malformed value."""
+    header = config.priority_header
+    if not config.enabled or header is None or header not in headers:
+        return config.priority_default
+    priority = parse_priority(headers[header])
+    if priority is None:
+        invalid()
+        return config.priority_default
+    return max(config.priority_min, min(config.priority_max, priority))
 
 
-def parse_priority(value: str | None, header: str) -> int:
-    """The header's integer (0 when absent); 400 for anything else."""
-    if value is None:
-        return 0
-    try:
-        priority = int(value.strip())
-    except ValueError:
-        raise ClientError(400, f"{header} must be an integer (got {value[:40]!r})") from None
-    return max(-_MAX_PRIORITY, min(_MAX_PRIORITY, priority))
+def parse_priority(value: str) -> int | None:
+    """The value's integer, or None for anything but an optional '-' and ASCII digits."""
+    return int(value) if _INTEGER.fullmatch(value) else None
 
 
 def saturation(state: EndpointView, limits: AdmissionLimits) -> float:
@@ -68,7 +77,9 @@ def role_saturation(states: Iterable[EndpointView], limits: AdmissionLimits) -> 
 
 
 def shedding_point(priority: int, config: AdmissionConfig) -> float:
-    return max(0.0, 1.0 + priority * config.priority_step)
+    """The saturation at which a request of `priority` is shed: 1 (the limits) at the top."""
+    clamped = max(config.priority_min, min(config.priority_max, priority))
+    return 1.0 - (config.priority_max - clamped) * config.priority_step
 
 
 def check_admission(priority: int, role: str, value: float, config: AdmissionConfig) -> None:

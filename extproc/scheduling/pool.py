@@ -54,7 +54,7 @@ class Pool:
         Known endpoints keep their state; new ones start unhealthy until a health check
         passes; removed ones are forgotten here while their in-flight requests finish.
         """
-        wanted = list(dict.fromkeys(addresses))
+        wanted = dict.fromkeys(addresses)  # a dict: ordered, and each lookup is O(1)
         added = [a for a in wanted if a not in self._endpoints]
         removed = [a for a in self._endpoints if a not in wanted]
         for address in removed:

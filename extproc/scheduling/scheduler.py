@@ -119,6 +119,10 @@ class Scheduler:
         self._default_mode = config.dispatch.mode
         self.kv = kv  # KV-cache routing: the index and the tokenizers (None: never)
 
+    def count_invalid_priority(self) -> None:
+        """A request's priority header was not an integer (the gateway's mistake)."""
+        self._metrics.invalid_priorities.inc()
+
     def reload(self, config: Config) -> None:
         """Groups, modes and policies from `config`; all built before any is swapped."""
         groups, modes = _model_groups(config), _endpoint_modes(config)

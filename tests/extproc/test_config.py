@@ -153,6 +153,18 @@ def test_engine_api_key_is_read_at_load_and_never_shown(tmp_path: Path) -> None:
         parse_config(MINIMAL | {"engines": {"api_key_file": str(tmp_path / "absent")}})
 
 
+def test_the_engines_keys_are_one_a_line_and_the_sidecar_sends_the_first(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-one\n\n  sk-two  \n")
+    engines = parse_config(MINIMAL | {"engines": {"api_key_file": str(key_file)}}).engines
+    assert engines.api_keys == ("sk-one", "sk-two")
+    assert engines.auth_headers == {"authorization": "Bearer sk-one"}
+    for bad in ("sk-\x00one\n", "sk-é\n"):
+        key_file.write_text(bad)
+        with pytest.raises(ConfigError, match=r"a key may hold only printable ASCII characters"):
+            parse_config(MINIMAL | {"engines": {"api_key_file": str(key_file)}})
+
+
 def _message_timeout(cfg_dict: dict) -> str:
     bootstrap = render_bootstrap(parse_config(cfg_dict), "127.0.0.1:50051", "unix:/x")
     hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]

@@ -1,18 +1,23 @@
 """Engines started with --api-key, through the real Envoy and ext_proc: the client's key
 reaches both legs, a request without it gets the engines' 401 at once, and the identity probe
-uses the key from `engines.api_key_file` (or says in one line that it needs one)."""
+uses the key from `engines.api_key_file` (or says in one line that it needs one). Where the P
+leg carries the sidecar's key instead of the client's, the ext_proc checks the client's key
+itself, before any leg leaves."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import orjson
+import pytest
 import pytest_asyncio
 
-from tests.support.engines import MODEL, address
+from tests.support.engines import MODEL, PULL, PUSH, address
 from tests.support.legs import legs
 from tests.support.topology import Topology, requests_total, topology
 
@@ -23,15 +28,21 @@ COMPLETION = {"model": MODEL, "prompt": "keyed " * 20, "max_tokens": 4}
 AUTHORIZED = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest_asyncio.fixture(scope="module")
-async def keyed() -> AsyncIterator[Topology]:
+@contextlib.asynccontextmanager
+async def keyed_topology(keys: str = KEY + "\n", **config: Any) -> AsyncIterator[Topology]:
     with tempfile.TemporaryDirectory(prefix="pd-key-") as tmp:
         key_file = Path(tmp) / "engine-key"
-        key_file.write_text(KEY + "\n")
+        key_file.write_text(keys)
         async with topology(
-            engine_flags=ENGINE_FLAGS, engines={"api_key_file": str(key_file)}
+            engine_flags=ENGINE_FLAGS, engines={"api_key_file": str(key_file)}, **config
         ) as topo:
             yield topo
+
+
+@pytest_asyncio.fixture(scope="module")
+async def keyed() -> AsyncIterator[Topology]:
+    async with keyed_topology() as topo:
+        yield topo
 
 
 async def test_the_probe_uses_the_configured_key(keyed: Topology) -> None:
@@ -99,3 +110,62 @@ async def test_a_probe_without_a_key_says_so_once() -> None:
         metrics = await topo.metrics()
         assert metrics[requests_total("ok", "cache_miss", "serial")] == 1
         assert metrics[requests_total("ok", "cache_hit", "parallel")] == 1
+
+
+NOT_FORWARDED = {"forward_headers": ["traceparent", "tracestate"]}  # P gets the sidecar's key
+
+
+@pytest.mark.parametrize(("mode", "connectors"), [("push", PUSH), ("pull", PULL)])
+async def test_a_client_without_the_key_starts_no_leg_where_p_gets_the_sidecars_key(
+    mode: str, connectors: tuple[str, str]
+) -> None:
+    dispatch = NOT_FORWARDED | {"mode": mode}
+    async with keyed_topology(connectors=connectors, dispatch=dispatch) as topo:
+        await topo.clear()
+        refused = ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY})
+        answers = []
+        for stream in (False, True):
+            for headers in refused:
+                body = COMPLETION | {"stream": stream}
+                answers.append(
+                    await asyncio.wait_for(
+                        topo.post("/v1/completions", body, headers=headers, timeout=10), 10
+                    )
+                )
+        assert [status for status, _, _ in answers] == [401] * 6, answers
+        for engine in topo.engines:
+            assert await topo.seen(engine) == []  # no P computed, no D asked
+        for _, payload, response_headers in answers:
+            assert response_headers["content-type"] == "application/json"
+            error = orjson.loads(payload)["error"]
+            assert error["code"] == 401 and error["type"] == "AuthenticationError"
+            assert error["message"].startswith("Unauthorized")
+        metrics = await topo.metrics()
+        assert metrics[requests_total("client_error", "none", "serial", model="none")] == 6
+        # the key, with vLLM's case-insensitive scheme: P gets the sidecar's, D the client's
+        status, body, _ = await topo.post(
+            "/v1/completions", COMPLETION, headers={"Authorization": f"bearer {KEY}"}
+        )
+        assert status == 200, body
+        [(p, d)] = await legs(topo)
+        assert p["headers"]["authorization"] == f"Bearer {KEY}"
+        assert d["headers"]["authorization"] == f"bearer {KEY}"
+
+
+async def test_every_key_of_the_engines_is_accepted_and_the_first_is_the_sidecars() -> None:
+    second = "sk-pd-second-91ab"
+    flags = ("--api-key", KEY, second)
+    with tempfile.TemporaryDirectory(prefix="pd-key-") as tmp:
+        key_file = Path(tmp) / "engine-key"
+        key_file.write_text(f"{KEY}\n{second}\n")
+        async with topology(
+            engine_flags=flags, engines={"api_key_file": str(key_file)}, dispatch=NOT_FORWARDED
+        ) as topo:
+            await topo.clear()
+            status, body, _ = await topo.post(
+                "/v1/completions", COMPLETION, headers={"Authorization": f"Bearer {second}"}
+            )
+            assert status == 200, body
+            [(p, d)] = await legs(topo)
+            assert p["headers"]["authorization"] == f"Bearer {KEY}"
+            assert d["headers"]["authorization"] == f"Bearer {second}"

@@ -153,10 +153,14 @@ async def test_deliberate_decode_only_raises_no_recompute_alert() -> None:
 # ---- admission control ---------------------------------------------------------------------
 
 ADMISSION = {"enabled": True, "decode": {"max_in_flight": 4}}
+GATEWAY_PRIORITY = "x-gateway-priority"  # what the gateway in front sets (this test is it)
+BY_GATEWAY = ADMISSION | {"priority_header": GATEWAY_PRIORITY}
 
 
-async def post_with_priority(topo: Topology, priority: str | None) -> tuple[int, bytes, Any]:
-    headers = {} if priority is None else {"x-request-priority": priority}
+async def post_with_priority(
+    topo: Topology, priority: str | None, header: str = GATEWAY_PRIORITY
+) -> tuple[int, bytes, Any]:
+    headers = {} if priority is None else {header: priority}
     return await topo.post("/v1/completions", SHORT, headers=headers)
 
 
@@ -169,18 +173,28 @@ async def test_saturated_pool_answers_429_with_retry_after() -> None:
             error = orjson.loads(body)["error"]
             assert error["code"] == 429 and error["type"] == "RateLimitError"
             assert "saturated" in error["message"]
-            status, body, _ = await post_with_priority(topo, "1")  # headroom above 100 %
-            assert status == 200, body
         status, body, _ = await post_with_priority(topo, None)  # room again
         assert status == 200, body
         metrics = await topo.metrics()
         assert metrics[requests_total("shed", "none", "serial")] == 1
-        status, body, _ = await post_with_priority(topo, "high")
-        assert status == 400 and b"x-request-priority must be an integer" in body
+
+
+async def test_a_client_cannot_raise_or_lower_its_own_priority() -> None:
+    """No header is trusted by default: a client's x-request-priority changes nothing."""
+    async with topology(admission=ADMISSION) as topo:
+        for value in ("-4", "-100", "high"):  # idle engines admit every request
+            status, body, _ = await post_with_priority(topo, value, "x-request-priority")
+            assert status == 200, body
+        async with held_streams(topo, 4, {"x-request-priority": "100"}):
+            for value in ("100", "1_000", "1", None):  # at the limit: shed like anyone else
+                status, body, _ = await post_with_priority(topo, value, "x-request-priority")
+                assert status == 429, (value, body)
+            ready = await topo.ready()
+            assert [d["in_flight"] for d in ready["decode"].values()] == [4]
 
 
 async def test_lower_priorities_are_shed_first() -> None:
-    async with topology(admission=ADMISSION) as topo:
+    async with topology(admission=BY_GATEWAY) as topo:
         shed_at: dict[int, set[str]] = {}
         for held in (1, 2, 3, 4):  # saturation 25 %, 50 %, 75 %, 100 %
             async with held_streams(topo, held):
@@ -196,6 +210,23 @@ async def test_lower_priorities_are_shed_first() -> None:
             3: {"-3", "-2", "-1"},
             4: {"-3", "-2", "-1", "0"},
         }
+
+
+async def test_the_gateways_priority_is_bounded_and_strictly_parsed() -> None:
+    async with topology(admission=BY_GATEWAY | {"priority_default": -1}) as topo:
+        status, body, _ = await post_with_priority(topo, "-4")  # clamped to -3: idle admits
+        assert status == 200, body
+        async with held_streams(topo, 3):  # 75 %: -1 (the default) is shed, 0 is not
+            status, body, _ = await post_with_priority(topo, "0")
+            assert status == 200, body
+            for value in ("1_000", "٣", "+5", None):  # the default
+                status, body, _ = await post_with_priority(topo, value)
+                assert status == 429, (value, body)
+        async with held_streams(topo, 4, {GATEWAY_PRIORITY: "0"}):
+            status, body, _ = await post_with_priority(topo, "100")  # clamped to the top: 100 %
+            assert status == 429, body
+        metrics = await topo.metrics()
+        assert metrics["pd_extproc_invalid_priorities_total"] == 3
 
 
 async def test_a_saturated_prefill_pool_sheds_only_requests_that_need_p() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from extproc.testing import ephemeral_config, running_sidecar
 from tests.support.engines import MODEL
@@ -141,3 +142,60 @@ async def test_inference_pool_pods_join_turn_unready_terminate_and_leave(tmp_pat
             await until(lambda: healthy(d1), "d-2 to stay out once deleted")
             assert await post() == 200
             assert "watch failed" not in sidecar.log_text()
+
+
+def _hostile(hazard: str) -> dict[str, Any]:
+    """What the API hands over besides the sound objects, by `hazard`."""
+    broken = pod("broken", "127.0.0.1", {**LABELS, "tier": "prefill", ROLE: "prefill"})
+    if hazard == "pod ip 999.1.1.1":
+        broken["status"]["podIP"] = "999.1.1.1"
+    elif hazard == "conditions as an object":
+        broken["status"]["conditions"] = {"type": "Ready", "status": "True"}
+    return broken
+
+
+@pytest.mark.parametrize(
+    "hazard", ["pod ip 999.1.1.1", "conditions as an object", "target ports 70000 and -5"]
+)
+async def test_a_malformed_object_stops_neither_the_start_nor_the_other_pool(
+    tmp_path: Path, hazard: str
+) -> None:
+    """Prefill by label selector, decode from an InferencePool; one bad object in either must
+    not end `up` at start, nor keep Envoy (EDS) from either pool's engines."""
+    async with (
+        fake_kube_api() as kube,
+        running_engine("--kv-transfer-config", PUSH_P) as p,
+        running_engine("--kv-transfer-config", PUSH_D) as d,
+    ):
+        kube.put_pod(pod("p-0", "127.0.0.1", {**LABELS, "tier": "prefill", ROLE: "prefill"}))
+        kube.put_pod(pod("d-0", "127.0.0.1", {**LABELS, ROLE: "decode"}))
+        pool = inference_pool("llama", LABELS, d.port)
+        if hazard.startswith("target ports"):
+            pool["spec"]["targetPorts"] = [{"number": 70000}, {"number": -5}, {"number": d.port}]
+        else:
+            kube.put_raw("pods", "broken", _hostile(hazard))
+        kube.put_pool(pool)
+        config = ephemeral_config([], [])
+        config["prefill"] = {"kubernetes": {"label_selector": "tier=prefill", "port": p.port}}
+        config["decode"] = {"inference_pool": {"name": "llama"}}
+        config["discovery"] = {"kubernetes_api": kube.url, "ca_file": "/nonexistent"}
+        async with running_sidecar(config) as sidecar, aiohttp.ClientSession() as session:
+
+            async def envoy_has_both() -> bool:
+                async with session.get(sidecar.envoy_admin + "/clusters") as response:
+                    clusters = await response.text()
+                return all(
+                    f"{pool}_pool::127.0.0.1:{engine.port}::health_flags::healthy" in clusters
+                    for pool, engine in (("prefill", p), ("decode", d))
+                )
+
+            await until(envoy_has_both, "both pools' engines in Envoy, over EDS")
+            async with session.post(sidecar.url + "/v1/completions", json=COMPLETION) as r:
+                assert r.status == 200, await r.text()
+            log = sidecar.log_text()
+        assert "Traceback" not in log
+        if hazard.startswith("target ports"):
+            assert log.count("targetPorts 70000, -5 refused") == 1, log
+        else:  # seen by both watches (prefill's selector, the pool's): one line
+            assert log.count("pods default/broken skipped, malformed") == 1, log
+        assert "rejected endpoints" not in log  # Envoy took every EDS answer

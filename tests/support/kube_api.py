@@ -12,11 +12,17 @@ older version gets a 410 Gone ERROR event (as the real server answers it; or the
 with `gone_as_status`); `fail(n)` makes
 the next n requests answer 500. Selectors: labelSelector "k=v,k2=v2" (also "k!=v"),
 fieldSelector "metadata.name=x". Every request is recorded in `requests`.
+
+A hostile server too: `put_raw` stores any JSON and hands it to every list and watch of its
+kind (no selector applies: it may have no labels, no metadata at all); `watch_mode` "empty"
+answers every watch with an empty 200, "closed" with a stream that ends after its headers,
+"garbage" with a line that is JSON but no event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import copy
 from collections.abc import AsyncIterator
@@ -99,21 +105,25 @@ class _Change:
     version: int
     kind: str  # "pods" or "inferencepools"
     type: str  # ADDED, MODIFIED, DELETED
-    obj: dict[str, Any]
+    obj: Any
+    raw: bool = False  # put_raw's: to every watch of its kind, whatever it holds
 
 
 @dataclass
 class FakeKubeApi:
     url: str = ""
     version: int = 100
-    objects: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
+    objects: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    raw: set[tuple[str, str, str]] = field(default_factory=set)  # the keys put_raw stored
     history: list[_Change] = field(default_factory=list)
     oldest: int = 100  # the oldest version a watch may resume from (compact() moves it)
     requests: list[dict[str, str]] = field(default_factory=list)  # query + path + auth
     failures: int = 0  # the next this many requests answer 500
     gone_as_status: bool = False  # 410 as the HTTP status, not as an ERROR event in a 200
+    watch_mode: str = ""  # "empty": an empty 200; "closed": ended after its headers; "garbage"
     _tick: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) on news
     _watch_epoch: int = 0  # close_watches() bumps it: open watches end
+    _versions: list[int] = field(default_factory=list)  # the history's, to find the news fast
 
     # --- what a test does -------------------------------------------------------------
     def put_pod(self, obj: dict[str, Any]) -> None:
@@ -121,6 +131,18 @@ class FakeKubeApi:
 
     def put_pool(self, obj: dict[str, Any]) -> None:
         self._put("inferencepools", obj)
+
+    def put_raw(self, kind: str, name: str, obj: Any, namespace: str = "default") -> None:
+        """Store `obj` as it is under `name` (its resourceVersion set if it has metadata)."""
+        obj = copy.deepcopy(obj)
+        key = (kind, namespace, name)
+        self.version += 1
+        if isinstance(obj, dict) and isinstance(obj.get("metadata"), dict):
+            obj["metadata"]["resourceVersion"] = str(self.version)
+        change = "MODIFIED" if key in self.objects else "ADDED"
+        self.objects[key] = obj
+        self.raw.add(key)
+        self._record(_Change(self.version, kind, change, obj, raw=True))
 
     def delete_pod(self, name: str, namespace: str = "default") -> None:
         self._delete("pods", namespace, name)
@@ -137,6 +159,7 @@ class FakeKubeApi:
         """Forget the history: watches from an older version get 410 Gone."""
         self.oldest = self.version
         self.history.clear()
+        self._versions.clear()
 
     def close_watches(self) -> None:
         """End every open watch stream (as an API server restart or a proxy would)."""
@@ -161,17 +184,22 @@ class FakeKubeApi:
         meta["resourceVersion"] = str(self.version)
         change = "MODIFIED" if key in self.objects else "ADDED"
         self.objects[key] = obj
+        self.raw.discard(key)
         self._record(_Change(self.version, kind, change, obj))
 
     def _delete(self, kind: str, namespace: str, name: str) -> None:
-        obj = self.objects.pop((kind, namespace, name))
+        key = (kind, namespace, name)
+        obj = copy.deepcopy(self.objects.pop(key))
         self.version += 1
-        obj = copy.deepcopy(obj)
-        obj["metadata"]["resourceVersion"] = str(self.version)
-        self._record(_Change(self.version, kind, "DELETED", obj))
+        raw = key in self.raw
+        self.raw.discard(key)
+        if isinstance(obj, dict) and isinstance(obj.get("metadata"), dict):
+            obj["metadata"]["resourceVersion"] = str(self.version)
+        self._record(_Change(self.version, kind, "DELETED", obj, raw=raw))
 
     def _record(self, change: _Change) -> None:
         self.history.append(change)
+        self._versions.append(change.version)
         self._notify()
 
     def _notify(self) -> None:
@@ -199,8 +227,9 @@ class FakeKubeApi:
         if not watching:
             items = [
                 obj
-                for (k, ns, _), obj in sorted(self.objects.items())
-                if (k, ns) == (kind, namespace) and _matches(obj, labels, fields)
+                for key, obj in sorted(self.objects.items(), key=lambda item: item[0])
+                if key[:2] == (kind, namespace)
+                and (key in self.raw or _matches(obj, labels, fields))
             ]
             return web.json_response(
                 {
@@ -219,9 +248,16 @@ class FakeKubeApi:
         timeout_s = float(request.query.get("timeoutSeconds") or 1800)
         if since < self.oldest and self.gone_as_status:
             return _status(410, "Expired", f"too old resource version: {since} ({self.oldest})")
+        if self.watch_mode == "empty":
+            return web.Response(status=200, content_type="application/json")
         response = web.StreamResponse(headers={"content-type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
+        if self.watch_mode == "closed":
+            return response
+        if self.watch_mode == "garbage":
+            await response.write(b'["no", "event"]\n')
+            return response
         if since < self.oldest:
             gone = {
                 "kind": "Status",
@@ -236,12 +272,13 @@ class FakeKubeApi:
         sent = since
         while epoch == self._watch_epoch:
             tick = self._tick  # taken before reading the history: no change slips between
-            for change in [c for c in self.history if c.version > sent]:
+            news = self.history[bisect.bisect_right(self._versions, sent) :]
+            for change in news:
                 sent = change.version
                 if change.type == "BOOKMARK":
                     marker = {"kind": kind, "metadata": {"resourceVersion": str(sent)}}
                     await _event(response, "BOOKMARK", marker)
-                elif _watched(change, kind, namespace) and _matches(change.obj, labels, fields):
+                elif _sent_to(change, kind, namespace, labels, fields):
                     await _event(response, change.type, change.obj)
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
@@ -251,11 +288,16 @@ class FakeKubeApi:
         return response
 
 
-def _watched(change: _Change, kind: str, namespace: str) -> bool:
-    return change.kind == kind and change.obj["metadata"]["namespace"] == namespace
+def _sent_to(change: _Change, kind: str, namespace: str, labels: str, fields: str) -> bool:
+    """Whether a watch of `kind` in `namespace`, narrowed by selectors, gets `change`."""
+    if change.kind != kind:
+        return False
+    if change.raw:  # a hostile server's: to every watch of its kind
+        return True
+    return change.obj["metadata"]["namespace"] == namespace and _matches(change.obj, labels, fields)
 
 
-async def _event(response: web.StreamResponse, kind: str, obj: dict[str, Any]) -> None:
+async def _event(response: web.StreamResponse, kind: str, obj: Any) -> None:
     await response.write(orjson.dumps({"type": kind, "object": obj}) + b"\n")
 
 

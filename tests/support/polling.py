@@ -16,3 +16,12 @@ async def until(
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+async def until_true(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """`until` for a check that needs no await."""
+
+    async def holds() -> bool:
+        return check()
+
+    await until(holds, what, timeout_s)

@@ -15,7 +15,7 @@ import pytest_asyncio
 from extproc.config import DiscoveryConfig, parse_config
 from extproc.membership.discovery import Discovery
 from extproc.membership.kube_api import PODS, KubeApi, Query
-from extproc.membership.kube_sources import is_ready
+from extproc.membership.kube_objects import ReadyPod, pod_member
 from extproc.membership.kube_watch import Watched
 from extproc.roles import Role
 from tests.support.kube_api import FakeKubeApi, fake_kube_api, inference_pool, pod
@@ -45,14 +45,15 @@ async def kube(tmp_path: Path) -> AsyncIterator[tuple[FakeKubeApi, DiscoveryConf
 @pytest_asyncio.fixture
 async def watched(
     kube: tuple[FakeKubeApi, DiscoveryConfig],
-) -> AsyncIterator[tuple[FakeKubeApi, Watched, list[int]]]:
+) -> AsyncIterator[tuple[FakeKubeApi, Watched[ReadyPod], list[int]]]:
     fake, settings = kube
     api = KubeApi(settings)
     changes: list[int] = []
     watch = Watched(
         api,
         Query(PODS, "default", label_selector="app=vllm"),
-        lambda: changes.append(1),
+        pod_member,
+        lambda _: changes.append(1),
         lambda: 30,
         backoff_s=(0.05, 0.2),
     )
@@ -67,12 +68,12 @@ async def watched(
         await api.close()
 
 
-def names(watch: Watched) -> set[str]:
+def names(watch: Watched[ReadyPod]) -> set[str]:
     return {key.split("/")[1] for key in watch.objects}
 
 
 async def test_watch_follows_changes_from_the_lists_version(
-    watched: tuple[FakeKubeApi, Watched, list[int]],
+    watched: tuple[FakeKubeApi, Watched[ReadyPod], list[int]],
 ) -> None:
     fake, watch, changes = watched
     assert names(watch) == {"a"}  # the selector narrows the list
@@ -85,18 +86,17 @@ async def test_watch_follows_changes_from_the_lists_version(
     fake.put_pod(pod("b", "10.0.0.2", {"app": "vllm"}))
     await until(lambda: names(watch) == {"a", "b"}, "ADDED")
     fake.put_pod(pod("b", "10.0.0.2", {"app": "vllm"}, ready=False))
-    await until(
-        lambda: watch.objects["default/b"]["status"]["conditions"][0]["status"] == "False",
-        "MODIFIED",
-    )
+    await until(lambda: names(watch) == {"a"}, "MODIFIED: not ready, not a member")
+    fake.put_pod(pod("b", "10.0.0.2", {"app": "vllm"}))
+    await until(lambda: names(watch) == {"a", "b"}, "MODIFIED: ready again")
     fake.delete_pod("a")
     await until(lambda: names(watch) == {"b"}, "DELETED")
-    assert len(changes) == 4  # the list, then one call per event
+    assert len(changes) == 5  # the list, then one call per event that changed a member
     assert len(fake.lists("pods")) == 1
 
 
 async def test_reconnect_resumes_from_the_last_event_or_bookmark(
-    watched: tuple[FakeKubeApi, Watched, list[int]],
+    watched: tuple[FakeKubeApi, Watched[ReadyPod], list[int]],
 ) -> None:
     fake, watch, changes = watched
     await until(lambda: len(fake.watches("pods")) == 1, "the watch")
@@ -114,7 +114,7 @@ async def test_reconnect_resumes_from_the_last_event_or_bookmark(
 
 @pytest.mark.parametrize("as_status", [False, True], ids=["error-event", "http-status"])
 async def test_gone_lists_again(
-    watched: tuple[FakeKubeApi, Watched, list[int]], as_status: bool
+    watched: tuple[FakeKubeApi, Watched[ReadyPod], list[int]], as_status: bool
 ) -> None:
     fake, watch, _ = watched
     fake.gone_as_status = as_status
@@ -131,7 +131,7 @@ async def test_gone_lists_again(
 
 
 async def test_failures_keep_the_objects_back_off_and_log_once(
-    watched: tuple[FakeKubeApi, Watched, list[int]], caplog: pytest.LogCaptureFixture
+    watched: tuple[FakeKubeApi, Watched[ReadyPod], list[int]], caplog: pytest.LogCaptureFixture
 ) -> None:
     fake, watch, _ = watched
     await until(lambda: len(fake.watches("pods")) == 1, "the watch")
@@ -161,7 +161,7 @@ async def test_failures_keep_the_objects_back_off_and_log_once(
 )
 def test_which_pods_are_members(changes: dict[str, Any], member: bool) -> None:
     ip = changes.pop("ip", "10.0.0.1")
-    assert is_ready(pod("p", ip, **changes)) is member
+    assert (pod_member(pod("p", ip, **changes)) is not None) is member
 
 
 class Sink:
@@ -227,7 +227,7 @@ async def test_inference_pool_changes_are_followed(
 
 
 async def test_a_rotated_token_is_used_from_the_next_request(
-    watched: tuple[FakeKubeApi, Watched, list[int]], tmp_path: Path
+    watched: tuple[FakeKubeApi, Watched[ReadyPod], list[int]], tmp_path: Path
 ) -> None:
     fake, _, _ = watched
     await until(lambda: len(fake.watches("pods")) == 1, "the watch")
@@ -273,7 +273,7 @@ async def test_a_reload_follows_the_sources_the_config_names_now(
 
 
 async def test_gone_even_from_a_fresh_list_backs_off_instead_of_spinning(
-    watched: tuple[FakeKubeApi, Watched, list[int]], caplog: pytest.LogCaptureFixture
+    watched: tuple[FakeKubeApi, Watched[ReadyPod], list[int]], caplog: pytest.LogCaptureFixture
 ) -> None:
     fake, watch, _ = watched
     await until(lambda: len(fake.watches("pods")) == 1, "the watch")
@@ -306,7 +306,7 @@ async def test_stop_ends_a_watch_whose_list_lost_the_cancellation(
         return listing
 
     api.list = list_losing_its_cancel  # type: ignore[method-assign]
-    watch = Watched(api, Query(PODS, "default"), lambda: None, lambda: 30)
+    watch = Watched(api, Query(PODS, "default"), pod_member, lambda _: None, lambda: 30)
     watch.start()
     await until(lambda: len(fake.lists("pods")) == 1, "the list")
     try:

@@ -87,14 +87,16 @@ def test_without_a_healthy_p_the_plan_is_decode_only_when_allowed() -> None:
 
 def test_the_plan_reads_the_priority_under_the_snapshot_it_is_given() -> None:
     rt = Runtime(parse_config(POOLS), "unix:/x")
-    headers = {"x-priority": "high"}  # not an integer: refused only with admission on
+    headers = {"x-priority": "high"}  # not an integer: counted only where the header is read
     snapshot = parse_config(
         POOLS | {"admission": {"enabled": True, "priority_header": "x-priority"}}
     )
+    invalid = rt.metrics.invalid_priorities
     with ExitStack() as inflight:
         plan_request(REQUEST, headers, rt.config, rt.scheduler, rt.identities, inflight)
-        with pytest.raises(ClientError, match="x-priority must be an integer"):
-            plan_request(REQUEST, headers, snapshot, rt.scheduler, rt.identities, inflight)
+        assert invalid._value.get() == 0
+        plan_request(REQUEST, headers, snapshot, rt.scheduler, rt.identities, inflight)
+        assert invalid._value.get() == 1
 
 
 def test_parallel_plan_gives_d_the_cached_identity_and_p_the_same_transfer() -> None:

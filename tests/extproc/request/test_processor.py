@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -735,6 +736,30 @@ async def test_headers_without_a_body_are_refused() -> None:
     sent = await r.envoy.until_sent(1)
     assert error(sent[0]) == (400, "the request has no body; send a JSON object", None)
     await asyncio.wait_for(r.task, WAIT_S)
+
+
+async def test_a_client_without_the_engines_key_is_refused_at_its_headers(
+    tmp_path: Path,
+) -> None:
+    """Where P gets the sidecar's key, the client's is checked before the body is even read."""
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-engines\n")
+    keyed = {
+        "engines": {"api_key_file": str(key_file)},
+        "dispatch": {"forward_headers": ["traceparent"]},
+    }
+    r = Request(**keyed)
+    await r.send(headers(authorization="Bearer sk-other"))  # the body never comes
+    sent = await r.envoy.until_sent(1)
+    status, message, _ = error(sent[0])
+    assert (status, message.split(":")[0]) == (401, "Unauthorized")
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.prefill.calls == [] and r.idle()
+    r = Request(**keyed)
+    await r.start(authorization="bearer sk-engines")  # vLLM's scheme is case-insensitive
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    assert "authorization" not in (r.prefill.calls[0][5] or {})  # P gets the sidecar's key
+    await r.end()
 
 
 @pytest.mark.parametrize("messages", [0, 1], ids=["no headers", "no body"])

@@ -9,15 +9,9 @@ import pytest
 from extproc.config import AdmissionConfig, AdmissionLimits, DecisionConfig
 from extproc.engines.load import EngineLoad
 from extproc.engines.scraper import parse_families
-from extproc.errors import ClientError, Shed
 from extproc.metrics import Metrics
 from extproc.policies import LeastTokensPicker, PickRequest
-from extproc.scheduling.admission import (
-    check_admission,
-    parse_priority,
-    role_saturation,
-    saturation,
-)
+from extproc.scheduling.admission import role_saturation, saturation
 from extproc.scheduling.decision import Decider, Sides, decide, estimate_tokens, stall_ms
 from extproc.scheduling.pool import EndpointState
 
@@ -105,23 +99,6 @@ def test_saturation_is_the_highest_ratio_and_a_role_its_least_saturated_member()
     assert saturation(Load(in_flight=0, kv_usage=0.8), limits) == 1.0
     assert role_saturation([Load(in_flight=4), Load(in_flight=2)], limits) == 0.5
     assert saturation(Load(in_flight=99), AdmissionLimits()) == 0.0  # no limit set
-
-
-def test_lower_priorities_are_shed_at_lower_saturation() -> None:
-    check_admission(0, "decode", 0.99, ADMISSION)
-    check_admission(1, "decode", 1.2, ADMISSION)
-    for priority, saturated in ((0, 1.0), (-1, 0.75), (-2, 0.5), (1, 1.25)):
-        with pytest.raises(Shed, match="the prefill engines are saturated") as shed:
-            check_admission(priority, "prefill", saturated, ADMISSION)
-        assert shed.value.status == 429 and shed.value.retry_after_s == 1
-
-
-def test_priority_header_values() -> None:
-    assert parse_priority(None, "x-request-priority") == 0
-    assert parse_priority(" -2 ", "x-request-priority") == -2
-    assert parse_priority("100000", "x-request-priority") == 100
-    with pytest.raises(ClientError, match="must be an integer"):
-        parse_priority("high", "x-request-priority")
 
 
 def test_least_tokens_picks_the_prefill_with_the_fewest_queued_tokens() -> None:
