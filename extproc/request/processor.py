@@ -153,7 +153,10 @@ class RequestProcessor:
             with ExitStack() as inflight:
                 await self._run(inflight)
         except RequestEnded as error:
-            self.error = error
+            # Kept without its traceback, whose frames hold this processor: the cycle would
+            # keep the request's stream, and what gRPC holds of its body, until a collection.
+            self.error = error.with_traceback(None)
+            error.__context__ = error.__cause__ = None
             await self._end(error)
         finally:
             self.reserved.release()
