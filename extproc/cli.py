@@ -144,11 +144,15 @@ def _render(
     if extproc_address is None and config.extproc.address.endswith(":0"):
         raise ConfigError("extproc.port is 0 (any free port): pass --extproc-address host:port")
     address = extproc_address or config.extproc.address
+    side = config.extproc.eds_access_log
+    if side is not None and side.address.endswith(":0"):
+        raise ConfigError("extproc.eds_access_log.port is 0 (any free port): give its port")
+    feeds = None if side is None else side.address
     if snippet:  # the pieces for an Envoy the user already runs
-        pieces = render_snippet(config, address, prefill_listener)
+        pieces = render_snippet(config, address, prefill_listener, feeds)
         sys.stdout.write(snippet_header(config) + render_yaml(pieces))
         return 0
-    sys.stdout.write(render_yaml(render_bootstrap(config, address, prefill_listener)))
+    sys.stdout.write(render_yaml(render_bootstrap(config, address, prefill_listener, feeds)))
     return 0
 
 

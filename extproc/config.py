@@ -324,11 +324,49 @@ class ListenConfig(_Strict):
         return self.host if self.host.startswith("unix:") else f"{self.host}:{self.port}"
 
 
+class MetricsListenConfig(ListenConfig):
+    """The operator's HTTP port: /metrics, /ready, /live (and Envoy's stats)."""
+
+    # /ready?verbose answers with every engine's address, health, load and identity; off, only
+    # whether the process is ready and why in a few words (the port may be open to a cluster).
+    ready_detail: bool = False
+    port: int = Field(default=9464, ge=0, lt=65536)
+
+
+class IngressListenConfig(ListenConfig):
+    """Envoy's client port."""
+
+    port: int = Field(default=8000, ge=0, lt=65536)
+
+
 class ExtProcListenConfig(ListenConfig):
+    # Each section's default port is its field's default, so that setting only its host (or
+    # tls) keeps the documented port instead of the base class's 0 (an ephemeral port).
+    port: int = Field(default=50051, ge=0, lt=65536)
     tls: TlsConfig | None = None  # plaintext by default: it listens on loopback or a socket
     # `up`: this many ext_proc processes (one core each), behind Envoy by least open streams.
-    # The extra ones listen on free ports; each keeps its own identity cache and counters.
+    # The extra ones listen on Unix sockets too; each keeps its own identity cache and counters.
     workers: int = Field(default=1, ge=1, le=64)
+    # serve, epp: the pools' EDS and the access-log service on a listener of their own
+    # (loopback or unix:/path: it has no authentication), off the ext_proc's port, which may
+    # then face other hosts. None: serve has them on the ext_proc's port, epp has none (a
+    # gateway uses neither). `up` has everything on its private Unix socket.
+    eds_access_log: ListenConfig | None = None
+
+    @field_validator("eds_access_log")
+    @classmethod
+    def _local_only(cls, value: ListenConfig | None) -> ListenConfig | None:
+        if value is None or value.host.startswith("unix:"):
+            return value
+        try:
+            loopback = ipaddress.ip_address(value.host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError(
+                f"host {value.host!r}: a loopback IP address or unix:/path (it has no auth)"
+            )
+        return value
 
 
 class EndpointPickerConfig(_Strict):
@@ -338,6 +376,9 @@ class EndpointPickerConfig(_Strict):
     # TLS on the ext_proc port, as the gateways connect: extproc.tls's certificate when given,
     # else a self-signed one made at start (the gateways do not verify it).
     secure_serving: bool = True
+    # The CA of the gateway's client certificates (PEM): given, a client without a certificate
+    # it signed is refused in the TLS handshake. None: any client that reaches the port.
+    client_ca_file: str | None = None
     # Plaintext gRPC health (liveness, readiness) for Kubernetes gRPC probes, which cannot
     # speak TLS; on extproc.host (127.0.0.1 beside a Unix socket). 0: any free port; null: none
     # (the ext_proc port has them too).
@@ -636,7 +677,7 @@ def _loopback_listener(value: str) -> str:
 
 
 class EnvoyConfig(_Strict):
-    listen: ListenConfig = ListenConfig(port=8000)
+    listen: IngressListenConfig = IngressListenConfig()
     admin: ListenConfig = ListenConfig()
     # Where Envoy listens for the ext_proc's prefill requests: "unix:/path" or "127.0.0.1:port".
     # Empty: `up` uses a Unix socket in its run directory, which nothing outside this host
@@ -725,7 +766,7 @@ TokenizerPath = Annotated[str | None, AfterValidator(_tokenizer_path)]
 class KvIndexConfig(_Strict):
     """The index of what the engines' KV caches hold (docs/kv-cache.md)."""
 
-    # (engine, block) entries kept; ~150 bytes each (650 000 keep within 100 MB)
+    # (engine, block) entries kept; ~35-50 bytes each (docs/kv-cache.md, "What it costs")
     max_blocks: int = Field(default=500_000, ge=1, le=100_000_000)
 
 
@@ -767,10 +808,21 @@ class Config(_Strict):
     tracing: TracingConfig = TracingConfig()
     access_log: AccessLogConfig = AccessLogConfig()
     limits: LimitConfig = LimitConfig()
-    extproc: ExtProcListenConfig = ExtProcListenConfig(port=50051)
+    extproc: ExtProcListenConfig = ExtProcListenConfig()
     endpoint_picker: EndpointPickerConfig = EndpointPickerConfig()
-    metrics: ListenConfig = ListenConfig(port=9464)
+    metrics: MetricsListenConfig = MetricsListenConfig()
     envoy: EnvoyConfig = EnvoyConfig()
+
+    @model_validator(mode="after")
+    def _client_ca_needs_tls(self) -> Config:
+        picker = self.endpoint_picker
+        plaintext = not picker.secure_serving and self.extproc.tls is None
+        if picker.client_ca_file is not None and plaintext:
+            raise ValueError(
+                "endpoint_picker.client_ca_file verifies clients over TLS: set "
+                "secure_serving: true or extproc.tls"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pools_disjoint(self) -> Config:

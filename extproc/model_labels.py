@@ -36,3 +36,10 @@ class ModelLabels:
         if model in self._served or model in self._configured():
             return model
         return OTHER_MODEL
+
+    def known(self, label: str) -> str:
+        """A label someone else wrote (Envoy's access-log entry): kept when this process could
+        have written it, else "other"; it never adds a name."""
+        if label in (NO_MODEL, OTHER_MODEL) or label in self._served or label in self._configured():
+            return label
+        return OTHER_MODEL

@@ -52,7 +52,7 @@ def ephemeral_config(prefill: list[Any], decode: list[Any], **extra: Any) -> dic
         "prefill": {"endpoints": prefill},
         "decode": {"endpoints": decode},
         "extproc": {"port": 0},
-        "metrics": {"port": 0},
+        "metrics": {"port": 0, "ready_detail": True},  # tests read /ready?verbose
         "envoy": {"listen": {"port": 0}},
         "health": {"interval_s": 0.5, "timeout_s": 0.5},
     }

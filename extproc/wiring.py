@@ -94,7 +94,10 @@ RELOAD: dict[str, str] = {
     "endpoint_picker": LIVE,
     "endpoint_picker.secure_serving": RESTART,  # the ports are bound once
     "endpoint_picker.health_port": RESTART,
-    "metrics": RESTART,
+    "endpoint_picker.client_ca_file": RESTART,  # the TLS credentials are made once
+    "metrics": LIVE,  # ready_detail is read per /ready?verbose
+    "metrics.host": RESTART,  # the port is bound once
+    "metrics.port": RESTART,
     "envoy": RESTART,
 }
 
@@ -383,13 +386,28 @@ class Runtime:
         return decode and (prefill or self.config.dispatch.no_healthy_prefill == "decode_only")
 
     def readiness(self) -> dict[str, object]:
-        """What /ready shows. `ready` is "this process answers Envoy", not "an engine is up":
-        with no healthy engine the ext_proc still answers every request (a JSON 503), which
-        a pod taken out of its Service could not do. Engine health is in `engines_ready`."""
+        """What /ready shows to anyone: ready or not, and why in a few words (no address, no
+        count). `ready` is "this process answers Envoy", not "an engine is up": with no
+        healthy engine the ext_proc still answers every request (a JSON 503), which a pod taken
+        out of its Service could not do. Engine health is in `engines_ready`."""
+        ready = self.serving and not self.draining
+        engines = self.engines_ready()
+        if self.draining:
+            reason = "draining: shutting down"
+        elif not self.serving:
+            reason = "starting: engine health and identity probes not settled yet"
+        elif not engines:
+            reason = "serving, but no engine can take a request now (clients get a JSON 503)"
+        else:
+            reason = "serving"
+        return {"ready": ready, "reason": reason, "engines_ready": engines}
+
+    def readiness_detail(self) -> dict[str, object]:
+        """/ready?verbose, for the operator (metrics.ready_detail): every engine's address,
+        health, load and identity."""
         return {
-            "ready": self.serving and not self.draining,
+            **self.readiness(),
             "draining": self.draining,
-            "engines_ready": self.engines_ready(),
             "active_streams": self.active_streams,
             # requests whose outcome waits for Envoy's access-log entry (exact with one process)
             "awaiting_access_log": self.access_log_streams.awaiting,

@@ -84,7 +84,7 @@ async def measure(pods: int) -> None:
             ):
                 polled = time.monotonic()
                 try:
-                    ready = await _get(session, sidecar.metrics + "/ready")
+                    ready = await _get(session, sidecar.metrics + "/ready?verbose")
                     clusters = await _get(session, sidecar.envoy_admin + "/clusters?format=json")
                 except TimeoutError:
                     slow_polls += 1

@@ -124,7 +124,7 @@ async def settle(
             async with session.delete(engine.url + "/sim/faults"):
                 pass
     await asyncio.sleep(LEASE_S * 2 + 2)
-    async with session.get(sidecar.metrics + "/ready") as response:
+    async with session.get(sidecar.metrics + "/ready?verbose") as response:
         ready = await response.json()
     inflight = sum(e["in_flight"] for role in ("prefill", "decode") for e in ready[role].values())
     blocks = 0

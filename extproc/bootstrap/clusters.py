@@ -1,8 +1,10 @@
-"""The three clusters: the ext_proc's gRPC, and the decode and prefill pools.
+"""The clusters: the ext_proc's gRPC, and the decode and prefill pools (and, with
+extproc.eds_access_log, the listener of the ext_proc's EDS and access log).
 
 The pools are real clusters whose override_host policy reads x-gateway-destination-endpoint,
 so only pool members can ever be chosen. Their members come over gRPC EDS from the ext_proc
-itself (through its cluster), so Envoy follows every discovery source and reload.
+itself (through its cluster, or the EDS and access-log one), so Envoy follows every discovery
+source and reload.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from extproc.config import Config, ConfigError, parse_host_port
 from extproc.headers import DESTINATION_HEADER
 
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # its gRPC health service name
+EDS_ACCESS_LOG_CLUSTER = "pd_extproc_eds_access_log"  # extproc.eds_access_log's listener
 _OVERRIDE_HOST = (
     "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
 )
@@ -60,11 +63,12 @@ def _pool_base(name: str, cfg: Config) -> dict[str, Any]:
     }
 
 
-def pool_cluster(name: str, cfg: Config) -> dict[str, Any]:
-    """A pool cluster whose members the ext_proc serves over EDS (resource name = `name`)."""
+def pool_cluster(name: str, cfg: Config, eds_cluster: str = EXTPROC_CLUSTER) -> dict[str, Any]:
+    """A pool cluster whose members the ext_proc serves over EDS (resource name = `name`),
+    through `eds_cluster`."""
     grpc = {
         "envoy_grpc": {
-            "cluster_name": EXTPROC_CLUSTER,
+            "cluster_name": eds_cluster,
             "retry_policy": {"retry_back_off": _EDS_RETRY_BACKOFF},
         }
     }
@@ -110,6 +114,34 @@ def _named_host(address: str) -> bool:
     except ValueError:
         return True
     return False
+
+
+def _http2_options() -> dict[str, Any]:
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            TYPED: _HTTP_OPTIONS,
+            "explicit_http_config": {
+                "http2_protocol_options": {
+                    "connection_keepalive": {"interval": "30s", "timeout": "5s"}
+                }
+            },
+        }
+    }
+
+
+def eds_access_log_cluster(address: str, cfg: Config) -> dict[str, Any]:
+    """The ext_proc's EDS and access-log listener (extproc.eds_access_log): loopback or a Unix
+    socket, plaintext; a few long-lived streams."""
+    return {
+        "name": EDS_ACCESS_LOG_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": duration(cfg.timeouts.connect_s),
+        "typed_extension_protocol_options": _http2_options(),
+        "load_assignment": {
+            "cluster_name": EDS_ACCESS_LOG_CLUSTER,
+            "endpoints": [{"lb_endpoints": _endpoints([address])}],
+        },
+    }
 
 
 def extproc_cluster(extproc_address: str, cfg: Config) -> dict[str, Any]:

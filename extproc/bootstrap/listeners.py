@@ -34,9 +34,10 @@ _HTTP_GRPC_LOG = (
 )
 
 
-def client_latency_log(cfg: Config) -> dict[str, Any]:
-    """Envoy's access log streamed to the ext_proc (`extproc.request.access_log`): the client's own
-    time to first byte and duration. Only requests the ext_proc labelled are sent."""
+def client_latency_log(cfg: Config, cluster: str = EXTPROC_CLUSTER) -> dict[str, Any]:
+    """Envoy's access log streamed to the ext_proc (`extproc.request.access_log`) through
+    `cluster`: the client's own time to first byte and duration. Only requests the ext_proc
+    labelled are sent."""
     labelled = {
         "matcher": {
             "filter": LABELS_NAMESPACE,
@@ -53,16 +54,17 @@ def client_latency_log(cfg: Config) -> dict[str, Any]:
             "common_config": {
                 "log_name": "pd_extproc_client_latency",
                 "transport_api_version": "V3",
-                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
                 "buffer_flush_interval": duration(cfg.access_log.flush_interval_s),
             },
         },
     }
 
 
-def ingress_hcm_settings(cfg: Config) -> dict[str, Any]:
+def ingress_hcm_settings(cfg: Config, access_log_cluster: str = EXTPROC_CLUSTER) -> dict[str, Any]:
     """What the ingress connection manager needs besides its routes and filters."""
-    access_log = [client_latency_log(cfg)] if cfg.access_log.enabled else []
+    enabled = cfg.access_log.enabled
+    access_log = [client_latency_log(cfg, access_log_cluster)] if enabled else []
     return {
         "delayed_close_timeout": "0s",  # resets reach HTTP/1.1 clients at once
         **PATH_HANDLING,

@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.bootstrap.clusters import extproc_cluster, pool_cluster
-from extproc.bootstrap.ext_proc_filter import ext_proc_filter
+from extproc.bootstrap.clusters import (
+    EDS_ACCESS_LOG_CLUSTER,
+    eds_access_log_cluster,
+    extproc_cluster,
+    pool_cluster,
+)
+from extproc.bootstrap.ext_proc_filter import EXTPROC_CLUSTER, ext_proc_filter
 from extproc.bootstrap.listeners import ingress_hcm_settings, prefill_listener
 from extproc.bootstrap.routes import (
     catch_all_route,
@@ -35,6 +40,7 @@ class EnvoyPieces:
     decode_pool: Json
     prefill_pool: Json
     prefill_listener: Json
+    eds_access_log_cluster: Json | None = None  # extproc.eds_access_log; None: via extproc
 
     @property
     def ingress_routes(self) -> list[Json]:
@@ -43,22 +49,30 @@ class EnvoyPieces:
 
     @property
     def clusters(self) -> list[Json]:
-        return [self.extproc_cluster, self.decode_pool, self.prefill_pool]
+        own = [self.eds_access_log_cluster] if self.eds_access_log_cluster else []
+        return [self.extproc_cluster, *own, self.decode_pool, self.prefill_pool]
 
 
-def envoy_pieces(cfg: Config, extproc_address: str, prefill_listen: str) -> EnvoyPieces:
+def envoy_pieces(
+    cfg: Config, extproc_address: str, prefill_listen: str, eds_access_log: str | None = None
+) -> EnvoyPieces:
     """The pieces for `cfg`, with the ext_proc at `extproc_address` and the prefill listener on
     `prefill_listen`. The pools' members come from the ext_proc over EDS
-    (`extproc.membership.eds`)."""
+    (`extproc.membership.eds`), at `extproc_address` or, when given, at `eds_access_log`
+    with the access log."""
+    feeds = EXTPROC_CLUSTER if eds_access_log is None else EDS_ACCESS_LOG_CLUSTER
     return EnvoyPieces(
-        ingress_hcm_settings=ingress_hcm_settings(cfg),
+        ingress_hcm_settings=ingress_hcm_settings(cfg, feeds),
         ext_proc_filter=ext_proc_filter(cfg),
         llm_routes=llm_routes(cfg),
         passthrough_routes=passthrough_routes(),
         catch_all_route=catch_all_route(cfg),
         every_other_route=without_extproc(),
         extproc_cluster=extproc_cluster(extproc_address, cfg),
-        decode_pool=pool_cluster(pool_cluster_name(Role.DECODE), cfg),
-        prefill_pool=pool_cluster(pool_cluster_name(Role.PREFILL), cfg),
+        decode_pool=pool_cluster(pool_cluster_name(Role.DECODE), cfg, feeds),
+        prefill_pool=pool_cluster(pool_cluster_name(Role.PREFILL), cfg, feeds),
         prefill_listener=prefill_listener(cfg, prefill_listen),
+        eds_access_log_cluster=(
+            None if eds_access_log is None else eds_access_log_cluster(eds_access_log, cfg)
+        ),
     )

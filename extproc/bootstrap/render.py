@@ -31,10 +31,13 @@ __all__ = [
 NODE = {"id": "pd-extproc", "cluster": "pd-extproc"}
 
 
-def render_bootstrap(cfg: Config, extproc_address: str, prefill_listener: str) -> dict[str, Any]:
+def render_bootstrap(
+    cfg: Config, extproc_address: str, prefill_listener: str, eds_access_log: str | None = None
+) -> dict[str, Any]:
     """The whole Envoy bootstrap for `cfg`, with the ext_proc at `extproc_address` (which
-    also serves the pools' members over EDS)."""
-    pieces = envoy_pieces(cfg, extproc_address, prefill_listener)
+    also serves the pools' members over EDS and takes the access log, unless `eds_access_log`
+    names their own listener)."""
+    pieces = envoy_pieces(cfg, extproc_address, prefill_listener, eds_access_log)
     ingress = ingress_listener(
         cfg,
         pieces.ingress_hcm_settings,
@@ -52,13 +55,15 @@ def render_bootstrap(cfg: Config, extproc_address: str, prefill_listener: str) -
     }
 
 
-def render_snippet(cfg: Config, extproc_address: str, prefill_listener: str) -> dict[str, Any]:
+def render_snippet(
+    cfg: Config, extproc_address: str, prefill_listener: str, eds_access_log: str | None = None
+) -> dict[str, Any]:
     """The pieces to paste into an Envoy that already exists (`render-envoy --snippet`).
 
     The same objects as in `render_bootstrap`, so a drop-in behaves like `pd-extproc up`;
     the ingress listener and its routes stay the user's own (see `snippet_header`).
     """
-    pieces = envoy_pieces(cfg, extproc_address, prefill_listener)
+    pieces = envoy_pieces(cfg, extproc_address, prefill_listener, eds_access_log)
     return {
         "node": dict(NODE),
         "http_connection_manager": pieces.ingress_hcm_settings,
@@ -89,7 +94,8 @@ def snippet_header(cfg: Config) -> str:
         "#   client's x-gateway-destination-endpoint removed. A route without the ext_proc that\n"
         "#   reaches the engines must match an exact path and method, never a prefix.\n"
         "# clusters: add to static_resources.clusters (pd_extproc is the ext_proc's gRPC; the\n"
-        "#   pools take their members from it over EDS, so they follow its discovery).\n"
+        "#   pools take their members from it over EDS, so they follow its discovery; with\n"
+        "#   extproc.eds_access_log, EDS and the access log go to pd_extproc_eds_access_log).\n"
         "# listeners: add to static_resources.listeners; with dispatch.prefill_leg: listener the\n"
         "#   ext_proc sends the prefill leg here (by default it goes straight to the engine). It\n"
         "#   has no authentication: keep it on loopback or a Unix socket.\n"

@@ -6,11 +6,15 @@ recompute them. The index keys a block by its own chain instead: the key of its 
 token ids, which BlockStored carries. Per engine it maps the engine's hash to our key, because
 BlockRemoved and a child's parent name engine hashes.
 
-Compact on purpose: a key is one int, the engines holding it one int bitmask (a small int for up
-to 8 engines, shared by Python), the per-engine maps plain dicts in storage order. The bound is
-on (engine, block) entries; past it the oldest-stored entries of the largest engine go, a batch
-at a time (a dict evicts from its front cheaply only in batches). vLLM announces a block again
-with BlockStored when a request reuses it, so storage order is also use order.
+Compact on purpose (a million entries in about 40 MB): the maps are `IntMap`s, sorted arrays
+of machine ints, not dicts of int objects. Our key -> a bitmask of the engines holding it; per
+engine, its (mixed) hash -> our key and the chunk of its storage log that holds its newest
+record. The log keeps an engine's hashes in storage order, in chunks; a record is stale once
+its block is removed or stored again later. The bound is on (engine, block) entries; past it
+the oldest-stored entries of the largest engine go, as many as are over, read off the log's
+front (so eviction costs in step with the blocks stored, with no batch to stall on). vLLM
+announces a block again with BlockStored when a request reuses it, so storage order is also
+use order.
 """
 
 from __future__ import annotations
@@ -18,19 +22,26 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import sys
 from array import array
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from extproc.kvcache.events import AllCleared, BlocksRemoved, BlocksStored, KvEvent
+from extproc.kvcache.intmap import ARRAY_BYTES, KEY_BITS, IntMap, column_code
 
 __all__ = ["KvIndex", "chain_keys"]
 
-_KEY_MASK = (1 << 60) - 1  # below 2**60 a Python int is 32 bytes, above it 36
+_KEY_MASK = (1 << KEY_BITS) - 1
 _ROOT = 0  # the parent key of a prompt's first block
-_EVICT_FRACTION = 64  # evict 1/64 of the bound at once
-_INT_BYTES = 32
+# Records in a chunk of an engine's storage log: 1/64 of the bound, at most 1024. A block
+# stored again while in the newest chunk keeps its place: the order's grain.
+_CHUNK_FRACTION, _CHUNK_MAX = 64, 1024
+_CHUNK_ID_MASK = (1 << 32) - 1  # chunk ids wrap at 2**32 (a 4-byte column)
+# Engine hashes are mixed before they key a map, whose buckets are the keys' top bits:
+# multiplying by an odd number modulo 2**60 is a bijection whose top bits depend on every bit.
+_MIX = 0x9E3779B97F4A7C15 & _KEY_MASK
+_LOG_CHUNK_BYTES = 56 + 8  # a chunk's (id, records) tuple and its slot in the list
 # The chain is a keyed hash with a key of this process's own: a client who cannot learn it
 # cannot craft a prompt whose blocks collide with another's (a faked cache hit).
 _KEYED = hashlib.blake2b(digest_size=8, key=os.urandom(16))  # copied per block (cheaper)
@@ -60,16 +71,80 @@ def _chain(parent: int, token_ids: Sequence[int], block_size: int) -> Iterator[i
         yield key
 
 
+def _mixed(engine_hash: int) -> int:
+    return (engine_hash * _MIX) & _KEY_MASK
+
+
+def _held_map() -> IntMap:
+    return IntMap("q", "I")  # mixed engine hash -> our key, and the chunk of its newest record
+
+
 @dataclass(slots=True)
 class _Engine:
     slot: int  # its bit in the masks
     block_size: int = 0  # learned from its events; 0 until the first BlockStored
-    blocks: dict[int, int] | None = None  # engine hash -> our key, oldest stored first
+    held: IntMap = field(default_factory=_held_map)
+    # The storage log: (chunk id, mixed hashes in storage order), oldest chunk first; records
+    # whose entry's chunk id is another (or that have no entry) are stale.
+    chunks: list[tuple[int, array[int]]] = field(default_factory=list)
+    records: int = 0  # in all chunks, stale ones included
+    next_chunk: int = 0
+    sweep: int = 0  # the chunk to compact next
+    credit: int = 0  # records the compaction may still read: two per record logged
 
-    def held(self) -> dict[int, int]:
-        if self.blocks is None:
-            self.blocks = {}
-        return self.blocks
+    def log(self, mixed: int, chunk_size: int) -> int:
+        """Append a record; the id of the chunk it went to."""
+        if not self.chunks or len(self.chunks[-1][1]) >= chunk_size:
+            self.chunks.append((self.next_chunk, array("q")))
+            self.next_chunk = (self.next_chunk + 1) & _CHUNK_ID_MASK
+        chunk, records = self.chunks[-1]
+        records.append(mixed)
+        self.records += 1
+        self.credit += 2
+        return chunk
+
+    def newest_chunk(self) -> int:
+        return self.chunks[-1][0] if self.chunks else -1
+
+    def live(self, mixed: int, chunk: int) -> tuple[int, int] | None:
+        """Where the entry of a record of `chunk` is, if the record is its newest."""
+        bucket, position, found = self.held.locate(mixed)
+        if found and self.held.extras[bucket][position] == chunk:
+            return bucket, position
+        return None
+
+    def compact(self, index: int, chunk_size: int) -> int:
+        """Drop the stale records of one chunk, merging it into the one before where both fit
+        in one chunk (so that chunks stay about half full); the records read."""
+        chunk, records = self.chunks[index]
+        kept = array("q")
+        places = []
+        for mixed in records:
+            place = self.live(mixed, chunk)
+            if place is not None:
+                kept.append(mixed)
+                places.append(place)
+        if index and len(self.chunks[index - 1][1]) + len(kept) <= chunk_size:
+            before, older = self.chunks[index - 1]
+            chunk_ids = self.held.extras
+            for bucket, position in places:
+                chunk_ids[bucket][position] = before
+            older.extend(kept)
+            del self.chunks[index]
+        elif not kept:
+            del self.chunks[index]
+        else:
+            self.chunks[index] = (chunk, kept)
+            self.sweep = index + 1
+        self.records -= len(records) - len(kept)
+        return len(records)
+
+    def bytes_estimate(self) -> int:
+        return (
+            self.held.bytes_estimate()
+            + int(self.records * 8 * (1 + 1 / 32))
+            + len(self.chunks) * (_LOG_CHUNK_BYTES + ARRAY_BYTES)
+        )
 
 
 class KvIndex:
@@ -77,7 +152,8 @@ class KvIndex:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.max_blocks = max_blocks
-        self._holders: dict[int, int] = {}  # our key -> bitmask of the engines holding it
+        self._chunk_size = max(1, min(max_blocks // _CHUNK_FRACTION, _CHUNK_MAX))
+        self._holders = IntMap("B")  # our key -> bitmask of the engines holding it
         self._engines: dict[str, _Engine] = {}
         self._free_slots: list[int] = []
         self._entries = 0
@@ -90,6 +166,7 @@ class KvIndex:
         if engine not in self._engines:
             slot = self._free_slots.pop() if self._free_slots else len(self._engines)
             self._engines[engine] = _Engine(slot)
+            self._holders.widen(column_code(max(s.slot for s in self._engines.values()) + 1))
 
     def remove_engine(self, engine: str) -> None:
         if engine in self._engines:
@@ -98,8 +175,17 @@ class KvIndex:
 
     def clear_engine(self, engine: str) -> None:
         state = self._engines.get(engine)
-        if state is not None and state.blocks:
-            self._drop(state, list(state.blocks))
+        if state is None or not state.held.size:
+            return
+        bit = 1 << state.slot
+        if state.held.size * 8 < self._holders.size:  # a few: one at a time
+            for keys in state.held.values:
+                for key in keys:
+                    self._unhold(key, bit)
+        else:
+            self._holders.clear_bits(bit)
+        self._entries -= state.held.size
+        state.held, state.chunks, state.records, state.sweep = _held_map(), [], 0, 0
 
     def engines(self) -> list[str]:
         return list(self._engines)
@@ -125,11 +211,10 @@ class KvIndex:
             self._evict()
 
     def _store(self, state: _Engine, event: BlocksStored) -> None:
-        held = state.held()
         if event.parent_engine_hash is None:
             parent: int | None = _ROOT
         else:
-            parent = held.get(event.parent_engine_hash)
+            parent = state.held.get(_mixed(event.parent_engine_hash))
         if parent is None or not event.plain:
             self.orphans += len(event.engine_hashes)
             return
@@ -137,38 +222,103 @@ class KvIndex:
         bit = 1 << state.slot
         keys = _chain(parent, event.token_ids, event.block_size)
         for engine_hash, key in zip(event.engine_hashes, keys, strict=False):
-            old = held.pop(engine_hash, None)
-            if old is None:
-                self._entries += 1
-            elif old != key:
-                self._unhold(old, bit)
-            held[engine_hash] = key  # (re)inserted last: the most recently stored
-            self._holders[key] = self._holders.get(key, 0) | bit
+            self._put(state, (engine_hash * _MIX) & _KEY_MASK, key, bit)  # _mixed, inlined
+        self._tidy(state)
+
+    def _put(self, state: _Engine, mixed: int, key: int, bit: int) -> None:
+        held = state.held
+        bucket = mixed >> held.shift  # held.locate, inlined: one call a block stored
+        hashes = held.keys[bucket]
+        position = bisect_left(hashes, mixed)
+        if position == len(hashes) or hashes[position] != mixed:
+            held.insert(bucket, position, mixed, key, state.log(mixed, self._chunk_size))
+            self._entries += 1
+            self._hold(key, bit)
+            return
+        ours = held.values[bucket]
+        if ours[position] != key:  # the engine reused its hash for other tokens
+            self._unhold(ours[position], bit)
+            ours[position] = key
+            self._hold(key, bit)
+        chunks = held.extras[bucket]
+        if chunks[position] != state.newest_chunk():
+            # Stored again: a new record at the end of the log, the old one goes stale. One
+            # already in the newest chunk stays where it is (its order is off by < a chunk).
+            chunks[position] = state.log(mixed, self._chunk_size)
+
+    def _tidy(self, state: _Engine) -> None:
+        """Keep an engine's log within about twice its entries: its chunks are compacted in
+        turn, reading at most two records per record logged (so a flood of blocks stored again
+        costs a constant share more, and no call reads more than a few chunks)."""
+        limit = 2 * state.held.size + 4 * self._chunk_size
+        if state.records <= limit:
+            state.credit = 0
+            return
+        state.credit = min(state.credit, 8 * self._chunk_size)
+        while state.records > limit and state.credit > 0 and len(state.chunks) > 1:
+            if state.sweep >= len(state.chunks) - 1:  # the newest chunk is still filling
+                state.sweep = 0
+            state.credit -= state.compact(state.sweep, self._chunk_size)
 
     def _drop(self, state: _Engine, engine_hashes: Iterable[int]) -> None:
-        held = state.held()
-        bit = 1 << state.slot
+        held, bit = state.held, 1 << state.slot
         for engine_hash in engine_hashes:
-            key = held.pop(engine_hash, None)
-            if key is not None:
+            bucket, position, found = held.locate(_mixed(engine_hash))
+            if found:
+                key = held.values[bucket][position]
+                held.delete(bucket, position)  # its record goes stale
                 self._entries -= 1
                 self._unhold(key, bit)
 
-    def _unhold(self, key: int, bit: int) -> None:
-        mask = self._holders.get(key, 0) & ~bit
-        if mask:
-            self._holders[key] = mask
+    def _hold(self, key: int, bit: int) -> None:
+        holders = self._holders
+        bucket = key >> holders.shift  # holders.locate, inlined
+        keys = holders.keys[bucket]
+        position = bisect_left(keys, key)
+        if position < len(keys) and keys[position] == key:
+            holders.values[bucket][position] |= bit
         else:
-            self._holders.pop(key, None)
+            holders.insert(bucket, position, key, bit)
+
+    def _unhold(self, key: int, bit: int) -> None:
+        holders = self._holders
+        bucket, position, found = holders.locate(key)
+        if found:
+            masks = holders.values[bucket]
+            if masks[position] & ~bit:
+                masks[position] &= ~bit
+            else:
+                holders.delete(bucket, position)
 
     def _evict(self) -> None:
-        batch = max(1, self.max_blocks // _EVICT_FRACTION)
         while self._entries > self.max_blocks:
-            largest = max(self._engines.values(), key=lambda e: len(e.blocks or ()))
-            held = largest.held()
-            oldest = list(itertools.islice(held, min(batch, len(held))))
-            self.evicted += len(oldest)
-            self._drop(largest, oldest)
+            largest = max(self._engines.values(), key=lambda e: e.held.size)
+            self._evict_oldest(largest, min(self._entries - self.max_blocks, largest.held.size))
+
+    def _evict_oldest(self, state: _Engine, count: int) -> None:
+        """Drop the engine's `count` oldest-stored entries, read off the front of its log."""
+        held, bit, evicted = state.held, 1 << state.slot, 0
+        while evicted < count and state.chunks:
+            chunk, records = state.chunks[0]
+            read = 0
+            for mixed in records:
+                read += 1
+                place = state.live(mixed, chunk)
+                if place is not None:
+                    key = held.values[place[0]][place[1]]
+                    held.delete(*place)
+                    self._entries -= 1
+                    self._unhold(key, bit)
+                    evicted += 1
+                    if evicted == count:
+                        break
+            if read == len(records):
+                del state.chunks[0]
+                state.sweep = max(0, state.sweep - 1)
+            else:
+                del records[:read]
+            state.records -= read
+        self.evicted += evicted
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -204,8 +354,13 @@ class KvIndex:
         alive = sum(1 << slot for slot in slots)
         reached = dict.fromkeys(slots, 0)
         holders, depth = self._holders, 0
+        buckets, masks, shift = holders.keys, holders.values, holders.shift
         for key in _chain(_ROOT, token_ids, size):
-            still = alive & holders.get(key, 0)
+            bucket = key >> shift  # holders.get, inlined: this is the per-request path
+            keys = buckets[bucket]
+            position = bisect_left(keys, key)
+            held = position < len(keys) and keys[position] == key
+            still = alive & masks[bucket][position] if held else 0
             if still != alive:
                 _settle(reached, alive & ~still, depth)
                 alive = still
@@ -224,15 +379,13 @@ class KvIndex:
 
     @property
     def distinct_blocks(self) -> int:
-        return len(self._holders)
+        return self._holders.size
 
     def bytes_estimate(self) -> int:
-        """The index's memory without walking it: the dicts' own tables, an int per engine
-        hash and one per key (masks of up to 8 engines are Python's shared small ints)."""
-        tables = sys.getsizeof(self._holders) + sum(
-            sys.getsizeof(e.blocks) for e in self._engines.values() if e.blocks is not None
+        """The index's memory without walking it: its maps' arrays and the engines' logs."""
+        return self._holders.bytes_estimate() + sum(
+            state.bytes_estimate() for state in self._engines.values()
         )
-        return tables + _INT_BYTES * (self._entries + len(self._holders))
 
 
 def _settle(reached: dict[int, int], mask: int, depth: int) -> None:

@@ -1,6 +1,10 @@
 """`up`: the ext_proc and its Envoy as one unit, started in the right order, stopped together.
 
-Order matters: the ext_proc binds first (Envoy's bootstrap names its port), Envoy starts and
+Only this Envoy reaches the ext_proc's gRPC services (ext_proc, the pools' EDS, the access
+log): they listen on a Unix socket in the run directory, which only this user can enter (mode
+0700), never on a TCP port that any local process (or, off loopback, any host) could call.
+
+Order matters: the ext_proc binds first (Envoy's bootstrap names its socket), Envoy starts and
 becomes ready, and only then do health checks and identity probes run (they go through
 Envoy's prefill listener). `extproc.process.lifecycle.run` drives it, as it drives the ext_proc
 alone.
@@ -48,6 +52,21 @@ class SidecarAddresses:
         )
 
 
+def private_extproc_socket(config: Config, run_dir: Path) -> str:
+    """Where `up`'s ext_proc listens: the configured Unix socket, else one in the run
+    directory. extproc.host/port are for `serve`, whose Envoy is the user's."""
+    if config.extproc.host.startswith("unix:"):
+        return config.extproc.host
+    if config.extproc.host not in ("127.0.0.1", "::1", "localhost"):  # meant for other hosts
+        log.warning(
+            "up: the ext_proc listens on a Unix socket in %s, not on extproc.host %s "
+            "(only this Envoy may reach it; extproc.host/port are for serve)",
+            run_dir,
+            config.extproc.host,
+        )
+    return f"unix:{run_dir / 'extproc.sock'}"
+
+
 class Sidecar:
     def __init__(
         self, config: Config, run_dir: Path | None = None, listen_setting: str = "envoy.listen.port"
@@ -59,7 +78,9 @@ class Sidecar:
         self.prefill_listener = (
             config.envoy.prefill_listener or f"unix:{self.run_dir / 'prefill.sock'}"
         )
-        self.extproc = ExtProcService(config, self.prefill_listener)
+        self.extproc = ExtProcService(
+            config, self.prefill_listener, listen=private_extproc_socket(config, self.run_dir)
+        )
         self.runtime = self.extproc.runtime
         self.envoy = EnvoyProcess(
             self.run_dir / "envoy.yaml",
@@ -71,7 +92,7 @@ class Sidecar:
                 config.envoy.prefill_listener: "envoy.prefill_listener",
             },
         )
-        self.workers = WorkerProcesses(config, self.run_dir, self.prefill_listener)
+        self.workers = WorkerProcesses(config, self.run_dir, self.prefill_listener, private=True)
         self.addresses: SidecarAddresses | None = None
 
     async def bind(self) -> None:

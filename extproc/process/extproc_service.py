@@ -31,6 +31,7 @@ class ExtProcAddresses:
     extproc: str
     metrics: str
     health_port: int | None  # an endpoint picker's plaintext gRPC health port (0: none)
+    eds_access_log: str = ""  # EDS and the access log, when on a listener of their own
 
     @property
     def banner(self) -> str:
@@ -45,15 +46,21 @@ class ExtProcAddresses:
         ready: dict[str, object] = {"extproc": self.extproc, "metrics": self.metrics}
         if self.health_port is not None:
             ready["health_port"] = self.health_port
+        if self.eds_access_log:
+            ready["eds_access_log"] = self.eds_access_log
         return orjson.dumps(ready)
 
 
 class ExtProcService:
     def __init__(
-        self, config: Config, prefill_listener: str, endpoint_picker: bool = False
+        self,
+        config: Config,
+        prefill_listener: str,
+        endpoint_picker: bool = False,
+        listen: str | None = None,
     ) -> None:
         self.runtime = Runtime(config, prefill_listener, endpoint_picker=endpoint_picker)
-        self.server = ExtProcServer(self.runtime, endpoint_picker=endpoint_picker)
+        self.server = ExtProcServer(self.runtime, endpoint_picker=endpoint_picker, listen=listen)
         self._endpoint_picker = endpoint_picker
 
     async def bind(self) -> None:
@@ -80,7 +87,10 @@ class ExtProcService:
         server = self.server
         metrics = f"http://{self.runtime.config.metrics.host}:{server.metrics_port}"
         return ExtProcAddresses(
-            server.address, metrics, server.health_port if self._endpoint_picker else None
+            server.address,
+            metrics,
+            server.health_port if self._endpoint_picker else None,
+            server.eds_access_log_address,
         )
 
     async def reload(self, config_path: Path) -> Config | None:

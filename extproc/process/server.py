@@ -6,7 +6,8 @@ afterwards); the caller starts the runtime's health checks and probes once Envoy
 listener exists. `stop(grace)` lets in-flight streams finish for up to `grace` seconds.
 
 HTTP: `/metrics` (Prometheus), `/ready` (200 once serving, 503 while starting or draining;
-engine health in its JSON), `/live` (200 while the process answers at all) and
+why in a few words; `/ready?verbose` the engines' detail, when metrics.ready_detail is on),
+`/live` (200 while the process answers at all) and
 `/envoy/stats/prometheus`: the stats of the Envoy in this pod, whose admin port stays on loopback
 (a cluster's Prometheus scrapes them here, next to the sidecar's own).
 """
@@ -74,11 +75,31 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 
 async def _credentials(cfg: Config, endpoint_picker: bool) -> grpc.ServerCredentials | None:
     """The ext_proc port's TLS, or None for plaintext."""
+    client_ca = cfg.endpoint_picker.client_ca_file if endpoint_picker else None
     if cfg.extproc.tls is not None:
-        return await asyncio.to_thread(configured_credentials, cfg.extproc.tls)
+        return await asyncio.to_thread(configured_credentials, cfg.extproc.tls, client_ca)
     if endpoint_picker and cfg.endpoint_picker.secure_serving:
-        return await asyncio.to_thread(self_signed_credentials)
+        return await asyncio.to_thread(self_signed_credentials, client_ca)
     return None
+
+
+def _bind(
+    server: aio.Server, wanted: str, credentials: grpc.ServerCredentials | None, setting: str
+) -> str:
+    """Bind `wanted` ("host:port", port 0 = any free one, or "unix:/path"); the bound address."""
+    if wanted.startswith("unix:"):
+        with contextlib.suppress(FileNotFoundError):  # a previous run's socket
+            os.unlink(wanted.removeprefix("unix:"))
+    try:  # grpc raises RuntimeError, or returns 0 in older releases
+        if credentials is None:
+            port = server.add_insecure_port(wanted)
+        else:
+            port = server.add_secure_port(wanted, credentials)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise PortInUse(wanted, setting)
+    return wanted if wanted.startswith("unix:") else f"{wanted.rpartition(':')[0]}:{port}"
 
 
 async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
@@ -93,10 +114,18 @@ class ExtProcServer:
     """`endpoint_picker`: the ext_proc as a gateway's endpoint picker (`pd-extproc epp`):
     TLS by default, health services that follow readiness, a plaintext health port."""
 
-    def __init__(self, runtime: Runtime, endpoint_picker: bool = False) -> None:
+    def __init__(
+        self, runtime: Runtime, endpoint_picker: bool = False, listen: str | None = None
+    ) -> None:
+        """`listen`: where the gRPC services listen instead of extproc.host/port (`up`: a Unix
+        socket in its private run directory)."""
         self.runtime = runtime
         self.endpoint_picker = endpoint_picker
+        self._listen = listen
         self.address = ""  # "host:port" or "unix:/path", as Envoy's cluster should name it
+        # where EDS and the access log listen when not on `address` (extproc.eds_access_log)
+        self.eds_access_log_address = ""
+        self._side: aio.Server | None = None
         self.metrics_port = 0
         # Envoy's admin ("http://host:port"), whose stats ENVOY_STATS_PATH serves; "": none known
         self.envoy_admin = ""
@@ -106,32 +135,34 @@ class ExtProcServer:
         self._health_grpc: aio.Server | None = None
         self._eds = EndpointDiscovery(runtime.memberships, runtime.metrics)
         self._http: web.AppRunner | None = None
-        self._access_log = ClientLatency(runtime.metrics, runtime.access_log_streams)
+        self._access_log = ClientLatency(
+            runtime.metrics, runtime.access_log_streams, runtime.model_labels.known
+        )
+
+    def _add_envoys_feeds(self, server: aio.Server) -> None:
+        """The pools' EDS and the access-log service, which only Envoy may call."""
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self._eds, server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_log, server)
 
     async def start(self) -> None:
         return_large_buffers()  # request bodies' memory is returned once they end
         cfg = self.runtime.config
+        side = None if self._listen else cfg.extproc.eds_access_log  # `up`: all on its socket
         self._grpc = aio.server(options=_GRPC_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
-        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self._eds, self._grpc)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_log, self._grpc)
-        wanted = cfg.extproc.address
-        if wanted.startswith("unix:"):
-            with contextlib.suppress(FileNotFoundError):  # a previous run's socket
-                os.unlink(wanted.removeprefix("unix:"))
+        if side is None and not self.endpoint_picker:  # a gateway calls the ext_proc only
+            self._add_envoys_feeds(self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health.servicer, self._grpc)
         credentials = await _credentials(cfg, self.endpoint_picker)
-        try:  # grpc raises RuntimeError, or returns 0 in older releases
-            if credentials is None:
-                port = self._grpc.add_insecure_port(wanted)
-            else:
-                port = self._grpc.add_secure_port(wanted, credentials)
-        except RuntimeError:
-            port = 0
-        if port == 0:
-            raise PortInUse(wanted, "extproc.port")
-        self.address = wanted if wanted.startswith("unix:") else f"{cfg.extproc.host}:{port}"
+        wanted = self._listen or cfg.extproc.address
+        self.address = _bind(self._grpc, wanted, credentials, "extproc.port")
         await self._grpc.start()
+        if side is not None:
+            self._side = aio.server(options=_GRPC_OPTIONS)
+            self._add_envoys_feeds(self._side)
+            setting = "extproc.eds_access_log.port"
+            self.eds_access_log_address = _bind(self._side, side.address, None, setting)
+            await self._side.start()
         await self._health.started()
         if self.endpoint_picker and cfg.endpoint_picker.health_port is not None:
             host = "127.0.0.1" if wanted.startswith("unix:") else cfg.extproc.host
@@ -147,8 +178,11 @@ class ExtProcServer:
             raise PortInUse(f"{cfg.metrics.host}:{cfg.metrics.port}", "metrics.port") from None
         self.metrics_port = self._http.addresses[0][1]
         log.info(
-            "ext_proc on %s, metrics on %s:%d",
+            "ext_proc on %s%s, metrics on %s:%d",
             self.address,
+            f", EDS and access log on {self.eds_access_log_address}"
+            if self.eds_access_log_address
+            else "",
             cfg.metrics.host,
             self.metrics_port,
         )
@@ -181,7 +215,16 @@ class ExtProcServer:
         )
 
     async def _ready(self, request: web.Request) -> web.Response:
+        """The probe's answer; `?verbose` adds the engines' detail when metrics.ready_detail
+        allows it (403 otherwise: it names every engine and its load)."""
         state = self.runtime.readiness()
+        if "verbose" in request.query:
+            if not self.runtime.config.metrics.ready_detail:
+                refused = {"error": "the detail is off: set metrics.ready_detail: true"}
+                return web.Response(
+                    body=orjson.dumps(refused), status=403, content_type="application/json"
+                )
+            state = self.runtime.readiness_detail()
         return web.Response(
             body=orjson.dumps(state),
             status=200 if state["ready"] else 503,
@@ -214,8 +257,10 @@ class ExtProcServer:
         # EDS streams never end by themselves: end them so that the grace period waits only
         # for requests. Envoy keeps the endpoints it has until it reaches an ext_proc again.
         self._eds.close()
+        self._access_log.close()
+        if self._side is not None:
+            await self._side.stop(None)
         if self._grpc is not None:  # Envoy's health check sees it first
-            self._access_log.close()
             await self._grpc.stop(grace_s)
         if self._health_grpc is not None:
             await self._health_grpc.stop(None)

@@ -4,6 +4,8 @@ With `extproc.tls` the port serves that certificate (and requires Envoy's client
 when one is configured for mTLS). An endpoint picker without it still serves TLS, as the
 gateways expect (they connect with TLS and do not verify the picker's certificate): a
 self-signed certificate is made in memory at start, as the reference endpoint picker does.
+With `endpoint_picker.client_ca_file` the picker verifies the gateway in turn: a client
+without a certificate signed by that CA is refused in the TLS handshake.
 """
 
 from __future__ import annotations
@@ -25,18 +27,22 @@ def _read(path: str) -> bytes:
         return file.read()
 
 
-def configured_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    """Blocking (reads files): run it off the event loop."""
-    mutual = tls.client_cert_file is not None
+def configured_credentials(
+    tls: TlsConfig, client_ca_file: str | None = None
+) -> grpc.ServerCredentials:
+    """Blocking (reads files): run it off the event loop. Clients must present a certificate
+    signed by `client_ca_file` when given, else by tls.ca_file under mTLS."""
+    client_ca = client_ca_file or (tls.ca_file if tls.client_cert_file is not None else None)
     return grpc.ssl_server_credentials(
         [(_read(tls.key_file), _read(tls.cert_file))],
-        root_certificates=_read(tls.ca_file) if mutual else None,
-        require_client_auth=mutual,
+        root_certificates=_read(client_ca) if client_ca else None,
+        require_client_auth=client_ca is not None,
     )
 
 
-def self_signed_credentials() -> grpc.ServerCredentials:
-    """A fresh key and self-signed certificate (CPU-bound: run it off the event loop)."""
+def self_signed_credentials(client_ca_file: str | None = None) -> grpc.ServerCredentials:
+    """A fresh key and self-signed certificate (CPU-bound: run it off the event loop); clients
+    must present a certificate signed by `client_ca_file` when given."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -63,5 +69,7 @@ def self_signed_credentials() -> grpc.ServerCredentials:
         serialization.NoEncryption(),
     )
     return grpc.ssl_server_credentials(
-        [(key_pem, certificate.public_bytes(serialization.Encoding.PEM))]
+        [(key_pem, certificate.public_bytes(serialization.Encoding.PEM))],
+        root_certificates=_read(client_ca_file) if client_ca_file else None,
+        require_client_auth=client_ca_file is not None,
     )

@@ -25,14 +25,19 @@ from extproc.process.subprocesses import terminate
 __all__ = ["WorkerProcesses"]
 
 
-def _worker_config(config: Config, index: int) -> dict[str, Any]:
+def _worker_config(config: Config, index: int, private: Path | None) -> dict[str, Any]:
+    """`private`: the run directory whose Unix sockets `up`'s ext_procs listen on."""
     data = config.model_dump(mode="json", exclude_none=True)
     extproc = data["extproc"]
     if extproc["host"].startswith("unix:"):
         extproc["host"] = f"{extproc['host']}.{index}"
+    elif private is not None:
+        extproc["host"] = f"unix:{private / f'extproc.sock.{index}'}"
     else:
         extproc["port"] = 0
     extproc["workers"] = 1
+    if private is not None:  # `up`: EDS and the access log on each worker's socket too
+        extproc.pop("eds_access_log", None)
     data["metrics"]["port"] = 0
     return data
 
@@ -48,9 +53,13 @@ async def _ready_info(path: Path) -> dict[str, Any]:
 
 
 class WorkerProcesses:
-    def __init__(self, config: Config, run_dir: Path, prefill_listener: str) -> None:
+    def __init__(
+        self, config: Config, run_dir: Path, prefill_listener: str, private: bool = False
+    ) -> None:
+        """`private`: listen on Unix sockets in `run_dir` (`up`), not on free ports."""
         self.config = config
         self.run_dir = run_dir
+        self._private = run_dir if private else None
         self.prefill_listener = prefill_listener
         self.processes: list[asyncio.subprocess.Process] = []
         self.addresses: list[str] = []
@@ -71,7 +80,7 @@ class WorkerProcesses:
     async def _spawn(self, index: int) -> Path:
         config_path = self._config_path(index)
         ready = self.run_dir / f"worker-{index}.ready"
-        config_path.write_text(yaml.safe_dump(_worker_config(self.config, index)))
+        config_path.write_text(yaml.safe_dump(_worker_config(self.config, index, self._private)))
         with (self.run_dir / f"worker-{index}.log").open("wb") as log:
             self.processes.append(
                 await asyncio.create_subprocess_exec(
@@ -96,7 +105,7 @@ class WorkerProcesses:
         """Hand a reloaded config to every worker (its file rewritten, then SIGHUP)."""
         self.config = config
         for index, process in enumerate(self.processes, start=1):
-            text = yaml.safe_dump(_worker_config(config, index))
+            text = yaml.safe_dump(_worker_config(config, index, self._private))
             await asyncio.to_thread(self._config_path(index).write_text, text)
             if process.returncode is None:
                 process.send_signal(signal.SIGHUP)

@@ -21,21 +21,60 @@ leaves such a request's `pd_extproc_requests_total` to its entry (it writes the 
 `reason` into the labels to say so), and `answer_outcome` reads Envoy's response flags. Without
 an access log (an Envoy without the logger, `access_log.enabled: false`) the processor counts
 it itself, as `ok`.
+
+Anyone who reaches the access-log service could write any labels into an entry, so every label
+value is checked against the values the ext_proc itself writes (`bounded`): an unknown one is
+counted as "other", and the number of series stays fixed whatever the entries say.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from extproc.request.envoy_msgs import LABELS_NAMESPACE
+from extproc.request.plan import Strategy
 
 if TYPE_CHECKING:
     from extproc.metrics import Metrics
 
-__all__ = ["AccessLogStreams", "ClientLatency", "answer_outcome", "observe_entry"]
+__all__ = [
+    "OTHER",
+    "REASONS",
+    "STRATEGIES",
+    "AccessLogStreams",
+    "ClientLatency",
+    "answer_outcome",
+    "bounded",
+    "observe_entry",
+]
+
+OTHER = "other"  # a label value the ext_proc never writes
+# The labels the processor writes (`envoy_msgs.request_labels`): a plan's strategy, or "none"
+# for a request refused before it was planned; a dispatch's reason (`request.plan`,
+# `scheduling.decision`, `scheduling.scheduler`, the endpoint picker's pass-through).
+STRATEGIES = frozenset({*(str(s) for s in Strategy), "none"})
+REASONS = frozenset(
+    {
+        "none",
+        "cache_hit",
+        "cache_miss",
+        "pull",
+        "serial_only",
+        "no_prefill",
+        "passthrough",
+        "short_prompt",
+        "long_prompt",
+        "kv_pressure",
+        "faster_pd",
+        "stall_budget",
+        "faster_alone",
+    }
+)
+_CODE_CLASSES = frozenset({"0", "1xx", "2xx", "3xx", "4xx", "5xx"})
 
 
 class AccessLogStreams:
@@ -69,26 +108,43 @@ def _seconds(duration: Any) -> float:
     return float(duration.seconds + duration.nanos / 1e9)
 
 
+def bounded(value: str, known: frozenset[str]) -> str:
+    return value if value in known else OTHER
+
+
 def _code_class(code: int) -> str:
     """2xx, 4xx, 5xx…; "0" when no response was sent (the client or the upstream went away)."""
-    return f"{code // 100}xx" if code else "0"
+    return bounded(f"{code // 100}xx" if code else "0", _CODE_CLASSES)
 
 
-def observe_entry(metrics: Metrics, entry: Any, streams: AccessLogStreams | None = None) -> bool:
+def _field(fields: Any, key: str) -> str:
+    value = fields.get(key)
+    return value.string_value if value is not None else ""
+
+
+def observe_entry(
+    metrics: Metrics,
+    entry: Any,
+    streams: AccessLogStreams | None = None,
+    model_label: Callable[[str], str] | None = None,
+) -> bool:
     """Count one HTTPAccessLogEntry (and the request's outcome, when the processor left it to
-    the entry); False (skipped) if it has no pd-extproc labels."""
+    the entry); False (skipped) if it has no pd-extproc labels. `model_label` bounds the model
+    to the names the deployment knows (`extproc.model_labels`; None: every model is "other")."""
     common = entry.common_properties
     labels = common.metadata.filter_metadata.get(LABELS_NAMESPACE)
     if labels is None:
         metrics.access_log_entries.labels("skipped").inc()
         return False
     fields = labels.fields
-    strategy, model = fields["strategy"].string_value, fields["model"].string_value
+    strategy = bounded(_field(fields, "strategy"), STRATEGIES)
+    model = model_label(_field(fields, "model")) if model_label is not None else OTHER
     code = _code_class(entry.response.response_code.value)
     if "reason" in fields:
         outcome = answer_outcome(entry)
-        metrics.requests.labels(outcome, strategy, fields["reason"].string_value, model).inc()
-        if streams is not None:
+        reason = bounded(_field(fields, "reason"), REASONS)
+        metrics.requests.labels(outcome, strategy, reason, model).inc()
+        if streams is not None and streams.awaiting > 0:  # an entry of another process: not ours
             streams.awaiting -= 1
     if common.HasField("time_to_first_downstream_tx_byte"):
         first = _seconds(common.time_to_first_downstream_tx_byte)
@@ -103,9 +159,15 @@ def observe_entry(metrics: Metrics, entry: Any, streams: AccessLogStreams | None
 class ClientLatency(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Envoy's access-log streams (one per Envoy worker thread, open for Envoy's lifetime)."""
 
-    def __init__(self, metrics: Metrics, streams: AccessLogStreams | None = None) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        streams: AccessLogStreams | None = None,
+        model_label: Callable[[str], str] | None = None,
+    ) -> None:
         self._metrics = metrics
         self.streams = AccessLogStreams() if streams is None else streams
+        self._model_label = model_label
         self._closing = asyncio.Event()
 
     async def StreamAccessLogs(
@@ -125,7 +187,7 @@ class ClientLatency(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc
                 if message is None:  # Envoy closed its stream
                     break
                 for entry in message.http_logs.log_entry:
-                    observe_entry(self._metrics, entry, self.streams)
+                    observe_entry(self._metrics, entry, self.streams, self._model_label)
         finally:
             self.streams.open -= 1
             closing.cancel()

@@ -26,11 +26,12 @@ class Api(StrEnum):
 PATHS = frozenset(api.value for api in Api)
 # Engine endpoints that need no P/D routing (any decode engine answers them), each with the one
 # method it serves. Matched exactly, on the normalised path and that method, so that no other
-# target and no client body meant for a completion reaches an engine past the ext_proc.
+# target and no client body meant for a completion reaches an engine past the ext_proc. An
+# engine's /metrics is not one of them: its numbers are one engine's of many, picked at random
+# per scrape, and an operator's (Prometheus scrapes the engines and the sidecar directly).
 PASSTHROUGH = {
     "/v1/models": "GET",
     "/health": "GET",
-    "/metrics": "GET",
     "/version": "GET",
     "/tokenize": "POST",
     "/detokenize": "POST",

@@ -25,6 +25,7 @@ from tests.support.examples import sidecar_paths
 from tests.support.helm import (
     CHART,
     CORE_KINDS,
+    EPP_PEERS,
     MODES,
     NAMESPACE,
     chart_config,
@@ -289,6 +290,39 @@ def test_epp_networkpolicy_admits_only_the_given_peers(epp: list[dict[str, Any]]
         cfg.extproc.port: [{"podSelector": {"matchLabels": {"gateway": "llm"}}}],
         cfg.metrics.port: [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
     }
+
+
+def test_epp_ships_its_networkpolicy_on_by_default(kube_bin: Path) -> None:
+    """Whoever reaches the picker's port can have P legs sent: by default only the gateway's
+    pods may (the metrics port stays open to any peer unless metricsFrom names some)."""
+    docs = render(kube_bin, "epp", **EPP_PEERS)
+    policy = one(docs, "NetworkPolicy")["spec"]
+    named = ports(container(docs, "pd-extproc"))
+    cfg = chart_config(docs)
+    rules = {named[rule["ports"][0]["port"]]: rule.get("from") for rule in policy["ingress"]}
+    assert rules == {
+        cfg.extproc.port: [{"podSelector": {"matchLabels": {"gateway": "llm"}}}],
+        cfg.metrics.port: None,
+    }
+    assert policy["policyTypes"] == ["Ingress"]
+    assert not by_kind(render(kube_bin, "gateway"), "NetworkPolicy")  # its ext_proc: loopback
+
+
+def test_epp_without_the_gateways_pods_is_refused_in_one_line(kube_bin: Path) -> None:
+    """An empty `from` would admit every peer."""
+    result = helm(kube_bin, "template", "llm", str(CHART), "--set=mode=epp")
+    assert result.returncode != 0
+    assert "networkPolicy.extprocFrom: the Gateway's Envoy pods" in result.stderr
+    off = helm(
+        kube_bin,
+        "template",
+        "llm",
+        str(CHART),
+        "--set=mode=epp",
+        "--set=networkPolicy.create=false",
+    )
+    assert off.returncode == 0, off.stderr
+    assert "kind: NetworkPolicy" not in off.stdout
 
 
 # --- gateway mode -----------------------------------------------------------------------------

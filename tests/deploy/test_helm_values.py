@@ -20,7 +20,7 @@ import yaml
 from scripts import chart_schema
 from scripts.local_docker import PRODUCT_IMAGE
 from tests.support.deploy import K8S_VERSION, ROOT
-from tests.support.helm import CHART, CORE_KINDS, MODES, container, helm, render
+from tests.support.helm import CHART, CORE_KINDS, EPP_PEERS, MODES, container, helm, render
 
 VALUES = CHART / "values.yaml"
 SCHEMA = CHART / "values.schema.json"
@@ -67,6 +67,7 @@ def test_install_notes_name_the_image_to_build(kube_bin: Path, mode: str) -> Non
         "llm",
         "--dry-run=client",
         f"--set=mode={mode}",
+        *(f"--set={key}={value}" for key, value in EPP_PEERS.items() if mode == "epp"),
     )
     assert result.returncode == 0, result.stderr
     notes = result.stdout.partition("NOTES:")[2]
@@ -152,15 +153,21 @@ def test_helm_refuses_a_typo_or_a_wrong_type(
     assert message in result.stdout + result.stderr, result.stdout + result.stderr
 
 
-# The defaults in each mode, then each values file as its comment says to install it.
-ACCEPTED = [["--set=mode=gateway"], ["--set=mode=epp"]] + [
+# The defaults in each mode (an epp release names its gateway's pods), then each values file
+# as its comment says to install it: the gateway-api-inference release with one gateway's file.
+GATEWAY_RELEASE = "examples/gateway-api-inference/values.yaml"
+ACCEPTED = [
+    ["--set=mode=gateway"],
+    ["--set=mode=epp", *(f"--set={key}={value}" for key, value in EPP_PEERS.items())],
+] + [
     (
-        ["-f", str(ROOT / "examples/gateway-api-inference/values.yaml")]
-        if name.endswith("istio/values.yaml")
+        ["-f", str(ROOT / GATEWAY_RELEASE)]
+        if name.startswith(GATEWAY_RELEASE.rpartition("/")[0])
         else []
     )
     + ["-f", str(ROOT / name)]
     for name in chart_values_files()
+    if name != GATEWAY_RELEASE
 ]
 
 

@@ -97,3 +97,39 @@ def test_a_bad_extproc_address_is_one_line(tmp_path: Path) -> None:
     result = _render(config, "--extproc-address", "nohost")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "ext_proc address 'nohost': not a host:port" in result.stderr
+
+
+@pytest.mark.parametrize("side", ["127.0.0.1:50052", "unix:/run/pd-extproc/feeds.sock"])
+@pytest.mark.parametrize("snippet", [False, True], ids=["bootstrap", "snippet"])
+def test_eds_and_the_access_log_on_their_own_listener(
+    tmp_path: Path, side: str, snippet: bool
+) -> None:
+    """extproc.eds_access_log: the pools' EDS and the access log through a cluster of their
+    own, which Envoy accepts; the ext_proc's cluster carries neither."""
+    host, _, port = side.rpartition(":") if not side.startswith("unix:") else (side, "", "0")
+    listen = {"host": host, "port": int(port)}
+    config = tmp_path / "pd-extproc.yaml"
+    extproc = {"port": 50051, "eds_access_log": listen}
+    config.write_text(yaml.safe_dump(POOLS | {"extproc": extproc}))
+    flags = ["--snippet"] if snippet else []
+    result = _render(config, *flags)
+    assert result.returncode == 0, result.stderr
+    rendered = yaml.safe_load(result.stdout)
+    clusters = rendered["clusters"] if snippet else rendered["static_resources"]["clusters"]
+    feeds = [c for c in clusters if c["name"] == "pd_extproc_eds_access_log"]
+    assert len(feeds) == 1
+    text = yaml.safe_dump(rendered)
+    assert text.count("cluster_name: pd_extproc_eds_access_log") == 4  # 2 pools, log, itself
+    if not snippet:
+        out = tmp_path / "bootstrap.yaml"
+        out.write_text(result.stdout)
+        envoy_validate(out)
+
+
+def test_a_side_listener_off_loopback_is_refused_in_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "pd-extproc.yaml"
+    side = {"eds_access_log": {"host": "0.0.0.0", "port": 50052}}
+    config.write_text(yaml.safe_dump(POOLS | {"extproc": side}))
+    result = _render(config)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "extproc.eds_access_log: " in result.stderr and "loopback" in result.stderr

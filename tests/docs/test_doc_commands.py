@@ -145,12 +145,15 @@ def _parallel_requests(metrics_url: str) -> float:
     )
 
 
-def _get_json_any(url: str) -> Any:
-    """The JSON body whatever the status (/ready answers 503 while it starts)."""
-    try:
-        return _get_json(url)
-    except urllib.error.HTTPError as error:
-        return json.loads(error.read())
+def _identities_learned(metrics_url: str) -> int:
+    """How many prefill identities the probes have learnt (pd_extproc_identity_events_total)."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        1
+        for line in text.splitlines()
+        if line.startswith("pd_extproc_identity_events_total{") and 'event="learned"' in line
+    )
 
 
 def test_up_with_hand_started_vllmsim_engines(tmp_path: Path) -> None:
@@ -182,12 +185,11 @@ def test_up_with_hand_started_vllmsim_engines(tmp_path: Path) -> None:
         assert '"choices"' in answer, (tmp_path / "recipe.log").read_text()[-3000:]
         # A prefill whose identity is not learnt yet is served serially by design: once the
         # probes know both, the README's request is served push-parallel.
-        ready = f"http://127.0.0.1:{ports['9464']}/ready"
-        deadline = time.monotonic() + 60
-        while len(_get_json_any(ready).get("identities", {})) < 2:
-            assert time.monotonic() < deadline, _get_json_any(ready)
-            time.sleep(0.2)  # polling /ready until the probes have learnt both identities
         metrics = f"http://127.0.0.1:{ports['9464']}/metrics"
+        deadline = time.monotonic() + 60
+        while _identities_learned(metrics) < 2:
+            assert time.monotonic() < deadline, urllib.request.urlopen(metrics).read()[-2000:]
+            time.sleep(0.2)  # polling until the probes have learnt both identities
         before = _parallel_requests(metrics)
         answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=30)
         assert '"choices"' in answer.stdout, answer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import ssl
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.process.grpc_health import EXTPROC_SERVICE, HealthServices, health_server
 from tests.support.engines import PUSH, address
+from tests.support.envoy_feeds import pool_members, send_access_log
 from tests.support.epp import Picker, epp_config, running_epp
 from tests.support.polling import until
 from vllmsim.launcher import running_engine
@@ -101,7 +103,7 @@ async def test_draining_turns_readiness_off_while_a_request_is_open(picker: Pick
 async def open_streams(picker: Picker, count: int) -> bool:
     async with (
         aiohttp.ClientSession() as session,
-        session.get(picker.metrics + "/ready") as response,
+        session.get(picker.metrics + "/ready?verbose") as response,
     ):
         return bool((await response.json())["active_streams"] == count)
 
@@ -150,3 +152,73 @@ async def test_the_configured_certificate_is_served_when_given(tmp_path: Path) -
         options = (("grpc.ssl_target_name_override", "epp.example"),)
         async with aio.secure_channel(picker.extproc, credentials, options) as channel:
             assert await status(channel, "readiness") == SERVING
+
+
+async def test_the_picker_port_serves_neither_eds_nor_the_access_log(picker: Picker) -> None:
+    """A gateway calls the ext_proc only: whoever reaches the port may not read the pools'
+    members or write access-log entries (which would count outcomes and grow /metrics)."""
+    async with tls_channel(picker.extproc) as channel:
+        assert await status(channel, "readiness") == SERVING  # the port answers
+        for call in (pool_members(channel, "decode_pool"), send_access_log(channel)):
+            with pytest.raises(aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def _pem_files(tmp_path: Path, ca: trustme.CA, name: str, stem: str) -> tuple[str, str]:
+    issued = ca.issue_cert(name)
+    cert, key = tmp_path / f"{stem}.pem", tmp_path / f"{stem}.key"
+    issued.cert_chain_pems[0].write_to_path(cert)
+    issued.private_key_pem.write_to_path(key)
+    return str(cert), str(key)
+
+
+@pytest.mark.parametrize("server_cert", ["configured", "self_signed"])
+async def test_a_client_ca_lets_only_the_gateways_it_signed_in(
+    tmp_path: Path, server_cert: str
+) -> None:
+    server_ca, gateway_ca, stranger_ca = trustme.CA(), trustme.CA(), trustme.CA()
+    gateway_ca.cert_pem.write_to_path(tmp_path / "gateway-ca.pem")
+    extproc: dict[str, object] = {}
+    if server_cert == "configured":
+        server_ca.cert_pem.write_to_path(tmp_path / "server-ca.pem")
+        cert, key = _pem_files(tmp_path, server_ca, "epp.example", "server")
+        tls = {"cert_file": cert, "key_file": key, "ca_file": str(tmp_path / "server-ca.pem")}
+        extproc["tls"] = tls
+    picker_settings = {"client_ca_file": str(tmp_path / "gateway-ca.pem")}
+    async with (
+        running_engine("--kv-transfer-config", PUSH[0]) as prefill,
+        running_engine("--kv-transfer-config", PUSH[1]) as decode,
+        running_epp(
+            epp_config(
+                [address(prefill)],
+                [address(decode)],
+                extproc=extproc,
+                endpoint_picker=picker_settings,
+            )
+        ) as picker,
+    ):
+        if server_cert == "configured":
+            trusted = server_ca.cert_pem.bytes()
+        else:  # the gateways do not check a self-signed one: take what it presents
+            host, _, port = picker.extproc.rpartition(":")
+            trusted = await asyncio.to_thread(ssl.get_server_certificate, (host, int(port)))
+            trusted = trusted.encode()
+        name = "epp.example" if server_cert == "configured" else "localhost"
+        options = (("grpc.ssl_target_name_override", name),)
+
+        async def check(client: trustme.CA | None) -> int:
+            issued = None if client is None else client.issue_cert("gateway")
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=trusted,
+                private_key=None if issued is None else issued.private_key_pem.bytes(),
+                certificate_chain=None if issued is None else issued.cert_chain_pems[0].bytes(),
+            )
+            async with aio.secure_channel(picker.extproc, credentials, options) as channel:
+                return await status(channel, "readiness")
+
+        for stranger in (None, stranger_ca):  # no certificate, or one another CA signed
+            with pytest.raises(aio.AioRpcError) as refused:
+                await check(stranger)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await check(gateway_ca) == SERVING

@@ -25,6 +25,23 @@ def test_minimal_config_gets_defaults() -> None:
     assert Runtime(cfg, "unix:/x").scheduler.prefill_mode("127.0.0.1:8100") is DispatchMode.AUTO
 
 
+@pytest.mark.parametrize(
+    ("section", "port"),
+    [
+        ({"extproc": {"host": "0.0.0.0"}}, 50051),
+        ({"metrics": {"host": "0.0.0.0"}}, 9464),
+        ({"envoy": {"listen": {"host": "0.0.0.0"}}}, 8000),
+    ],
+)
+def test_setting_a_sections_host_keeps_its_documented_port(
+    section: dict[str, object], port: int
+) -> None:
+    # Once, `metrics: {host: 0.0.0.0}` (what docs/deployment.md suggests) gave a random port.
+    cfg = parse_config(MINIMAL | section)
+    listen = {"extproc": cfg.extproc, "metrics": cfg.metrics, "envoy": cfg.envoy.listen}
+    assert listen[next(iter(section))].port == port
+
+
 def test_per_endpoint_mode() -> None:
     cfg = parse_config(
         MINIMAL

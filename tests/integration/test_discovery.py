@@ -31,7 +31,7 @@ async def test_dns_name_resolves_to_the_pool() -> None:
         async with running_sidecar(config) as sidecar, aiohttp.ClientSession() as session:
             async with session.post(sidecar.url + "/v1/completions", json=COMPLETION) as r:
                 assert r.status == 200, await r.text()
-            async with session.get(sidecar.metrics + "/ready") as r:
+            async with session.get(sidecar.metrics + "/ready?verbose") as r:
                 ready = await r.json()
         assert ready["decode"][address(d)]["healthy"] is True
 
@@ -135,7 +135,7 @@ async def test_a_reload_reaches_every_worker_and_envoy() -> None:
 
         async def everywhere() -> bool:
             for base in [topo.sidecar.metrics, *topo.sidecar.worker_metrics]:
-                async with topo.session.get(base + "/ready") as response:
+                async with topo.session.get(base + "/ready?verbose") as response:
                     if address(extra) not in (await response.json())["decode"]:
                         return False
             async with topo.session.get(topo.sidecar.envoy_admin + "/clusters") as response:

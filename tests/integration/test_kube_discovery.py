@@ -98,7 +98,7 @@ async def test_inference_pool_pods_join_turn_unready_terminate_and_leave(tmp_pat
                     return r.status
 
             async def decode_pool() -> dict[str, Any]:
-                async with session.get(sidecar.metrics + "/ready") as r:
+                async with session.get(sidecar.metrics + "/ready?verbose") as r:
                     ready: dict[str, Any] = await r.json()
                 return ready["decode"]
 

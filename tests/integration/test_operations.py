@@ -39,7 +39,7 @@ async def test_sigterm_drains_open_streams_and_refuses_new_requests() -> None:
             await until(lambda: refuses_connections(topo.sidecar.url), "the ingress to close")
             with pytest.raises(aiohttp.ClientConnectionError):
                 await topo.post("/v1/completions", {"model": MODEL, "prompt": "late"}, timeout=5)
-            async with topo.session.get(topo.sidecar.metrics + "/ready") as ready:
+            async with topo.session.get(topo.sidecar.metrics + "/ready?verbose") as ready:
                 assert ready.status == 503 and (await ready.json())["draining"] is True
             async for line in response.content:
                 events.append(line)

@@ -171,10 +171,21 @@ def _text(body: object) -> str:
 
 async def test_pass_through_routes_still_reach_the_engines(topo: Topology) -> None:
     url = topo.sidecar.url
-    for path in ("/v1/models", "/health", "/version", "/metrics"):
+    for path in ("/v1/models", "/health", "/version"):
         async with topo.session.get(url + path) as response:
             assert response.status == 200, path
     async with topo.session.post(url + "/tokenize", json={"model": MODEL, "prompt": "hi"}) as r:
         assert r.status == 200 and (await r.json())["count"] > 0
     async with topo.session.get(url + "/v1/models?x=1") as response:  # the query is no trick
         assert (await response.json())["data"][0]["id"] == MODEL
+
+
+async def test_an_engines_metrics_are_not_served_on_the_client_port(topo: Topology) -> None:
+    """A client scraping the ingress would read a random decode engine's numbers each time
+    (and learn the deployment's internals): GET /metrics gets a JSON 404 instead."""
+    for target in ("/metrics", "/metrics?name[]=vllm:num_requests_running"):
+        async with topo.session.get(topo.sidecar.url + target) as response:
+            body = await response.read()
+            assert response.status == 404, (target, body[:200])
+            assert orjson.loads(body)["error"]["code"] == 404
+            assert b"vllm:" not in body

@@ -115,8 +115,10 @@ async def test_up_on_a_clients_port_in_use_fails_in_one_line(
     assert port_is_free(extproc) and port_is_free(metrics), "the ext_proc is still listening"
 
 
-@pytest.mark.parametrize("command", ["up", "serve"])
-@pytest.mark.parametrize("section", ["extproc", "metrics"])
+# `up` binds no extproc.port: its ext_proc is on a Unix socket (test_grpc_reach.py)
+@pytest.mark.parametrize(
+    ("command", "section"), [("up", "metrics"), ("serve", "extproc"), ("serve", "metrics")]
+)
 async def test_an_extproc_or_metrics_port_in_use_fails_in_one_line(
     tmp_path: Path, command: str, section: str
 ) -> None:
@@ -126,6 +128,14 @@ async def test_an_extproc_or_metrics_port_in_use_fails_in_one_line(
         )
     assert code == 1
     assert_one_line(stderr, f"127.0.0.1:{port}", f"{section}.port")
+
+
+async def test_an_eds_and_access_log_port_in_use_fails_in_one_line(tmp_path: Path) -> None:
+    with held_port() as port:
+        side = {"port": 0, "eds_access_log": {"port": port}}
+        code, stderr = await run_cli("serve", "--config", str(write_config(tmp_path, extproc=side)))
+    assert code == 1
+    assert_one_line(stderr, f"127.0.0.1:{port}", "extproc.eds_access_log.port")
 
 
 async def test_demo_on_a_port_another_envoy_holds_fails_in_one_line() -> None:

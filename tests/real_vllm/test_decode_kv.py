@@ -22,7 +22,7 @@ WAIT_S = 20.0
 
 
 async def decode_kv(setup: Setup) -> dict[str, Any]:
-    async with setup.session.get(setup.sidecar.metrics + "/ready") as response:
+    async with setup.session.get(setup.sidecar.metrics + "/ready?verbose") as response:
         ready = await response.json()
     return ready["decode_kv"][setup.decode.address]
 

@@ -294,7 +294,7 @@ async def until_healthy(setup: Setup) -> None:
     chance)."""
     deadline = time.monotonic() + WAIT_S
     while True:
-        async with setup.session.get(setup.sidecar.metrics + "/ready") as response:
+        async with setup.session.get(setup.sidecar.metrics + "/ready?verbose") as response:
             ready = await response.json()
         members = {**ready["prefill"], **ready["decode"]}
         if all(m["healthy"] for m in members.values()):

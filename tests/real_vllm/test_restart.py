@@ -99,7 +99,7 @@ async def request(setup: Setup, prompt: str, stream: bool) -> Outcome:
 
 
 async def identity(setup: Setup) -> str | None:
-    async with setup.session.get(setup.sidecar.metrics + "/ready") as response:
+    async with setup.session.get(setup.sidecar.metrics + "/ready?verbose") as response:
         ready = await response.json()
     entry = ready["identities"].get(setup.prefill.address) or {}
     return entry.get("engine_id")

@@ -51,7 +51,7 @@ def epp_config(prefills: list[Any], decodes: list[Any], **extra: Any) -> dict[st
         "prefill": {"endpoints": prefills},
         "decode": {"endpoints": decodes},
         "extproc": {"port": 0},
-        "metrics": {"port": 0},
+        "metrics": {"port": 0, "ready_detail": True},  # tests read /ready?verbose
         "endpoint_picker": {"health_port": 0},
         "health": {"interval_s": 0.5, "timeout_s": 0.5},
     }

@@ -39,8 +39,14 @@ def helm(kube_bin: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+# The gateway's pods an epp release's NetworkPolicy (on by default) must name.
+EPP_PEERS = {"networkPolicy.extprocFrom[0].podSelector.matchLabels.gateway": "llm"}
+
+
 def render(kube_bin: Path, mode: str, **values: str) -> list[dict[str, Any]]:
-    sets = [f"--set={key}={value}" for key, value in {"mode": mode, **values}.items()]
+    """`helm template` in `mode`; an epp release names EPP_PEERS unless `values` say otherwise."""
+    peers = EPP_PEERS if mode == "epp" and not any("networkPolicy" in k for k in values) else {}
+    sets = [f"--set={key}={value}" for key, value in {"mode": mode, **peers, **values}.items()]
     result = helm(kube_bin, "template", "llm", str(CHART), "--namespace", NAMESPACE, *sets)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]

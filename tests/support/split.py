@@ -64,8 +64,12 @@ class Split:
         os.killpg(self.extproc.pid, signal.SIGKILL)
 
     async def start_envoy(self, buffered: bool = False) -> None:
+        side = self.cfg.extproc.eds_access_log
         bootstrap = render_bootstrap(
-            self.cfg, self.cfg.extproc.address, f"unix:{self.tmp / 'prefill.sock'}"
+            self.cfg,
+            self.cfg.extproc.address,
+            f"unix:{self.tmp / 'prefill.sock'}",
+            None if side is None else side.address,
         )
         if buffered:
             bootstrap = as_buffered(bootstrap)
@@ -93,7 +97,9 @@ class Split:
     async def ready(self) -> tuple[int, dict]:
         async with (
             aiohttp.ClientSession() as session,
-            session.get(self.metrics + "/ready", timeout=aiohttp.ClientTimeout(total=5)) as got,
+            session.get(
+                self.metrics + "/ready?verbose", timeout=aiohttp.ClientTimeout(total=5)
+            ) as got,
         ):
             return got.status, orjson.loads(await got.read())
 
@@ -127,7 +133,7 @@ async def split_topology(
                     "prefill": {"endpoints": [f"127.0.0.1:{p.port}"]},
                     "decode": {"endpoints": [f"127.0.0.1:{d.port}"], "dns": decode_dns},
                     "extproc": {"host": f"unix:{tmp}/extproc.sock"},
-                    "metrics": {"port": 0},
+                    "metrics": {"port": 0, "ready_detail": True},
                     "envoy": {"listen": {"port": 0}},
                     **overrides,
                 },

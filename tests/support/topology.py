@@ -105,7 +105,7 @@ class Topology:
             await asyncio.sleep(0.02)
 
     async def ready(self) -> dict[str, Any]:
-        async with self.session.get(self.sidecar.metrics + "/ready") as response:
+        async with self.session.get(self.sidecar.metrics + "/ready?verbose") as response:
             return await response.json()
 
     async def aggregated(self, path: str, body: dict[str, Any]) -> str:

@@ -1,9 +1,12 @@
 """The KV index: chains keyed by tokens, per-engine longest prefixes, removal, clearing, and its
-bound under a flood of blocks."""
+bound under a flood of blocks; its memory and the estimate of it."""
 
 from __future__ import annotations
 
+import gc
 import random
+import tracemalloc
+from array import array
 
 import pytest
 
@@ -97,7 +100,7 @@ def test_the_bound_holds_under_a_flood_and_evicts_the_oldest_stored() -> None:
         index.apply("ab"[n % 2], [store(list(range(next_hash, next_hash + 8)), tokens)])
         next_hash += 8
         assert index.blocks <= 1000
-    assert index.blocks > 900 and index.evicted > 14_000
+    assert index.blocks == 1000 and index.evicted == 15_008  # 16 008 stored: those over go
     assert index.longest_prefix(first)["a"] == 8
     assert index.bytes_estimate() < 1000 * 400
 
@@ -114,3 +117,124 @@ def test_a_block_stored_again_under_another_chain_moves() -> None:
 def test_the_bound_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_blocks"):
         KvIndex(max_blocks=0)
+
+
+def chains(engine: int, first: int, count: int, blocks: int = 16) -> list[BlocksStored]:
+    """`count` prompts of `blocks` blocks of 16 tokens (prompt n's tokens seeded by n), with
+    engine hashes of the engine's own."""
+    rng = random.Random(f"{engine}-{first}")
+    events = []
+    for n in range(first, first + count):
+        tokens = tuple(array("H", random.Random(n).randbytes(blocks * 16 * 2)))
+        hashes = tuple(rng.getrandbits(60) for _ in range(blocks))
+        events.append(BlocksStored(hashes, None, tokens, 16, True))
+    return events
+
+
+@pytest.mark.parametrize(
+    ("shared", "bound"),
+    [(False, 10**6), (True, 10**6), (False, 12_800)],
+    ids=["no block shared", "all on every engine", "past the bound"],
+)
+def test_a_sizeable_index_is_compact_and_its_estimate_is_what_it_takes(
+    shared: bool, bound: int
+) -> None:
+    prompts = 400  # 4 engines x 400 prompts x 16 blocks: 25 600 entries
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = KvIndex(max_blocks=bound)
+        for engine in range(4):
+            first = 0 if shared else engine * prompts
+            for n in range(first, first + prompts):  # made one at a time: not kept
+                index.apply(f"e{engine}", chains(engine, n, 1))
+        gc.collect()
+        traced = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert index.blocks == min(bound, 4 * prompts * 16)
+    assert index.distinct_blocks == index.blocks // (4 if shared else 1)
+    assert traced / index.blocks < 60  # bytes an entry; dicts of ints took 125-175
+    assert abs(index.bytes_estimate() - traced) <= 0.2 * traced
+
+
+def test_a_flood_of_blocks_stored_again_keeps_the_index_small_and_in_use_order() -> None:
+    index = KvIndex(max_blocks=6400)
+    cold, hot = chains(0, 0, 10, blocks=10), chains(0, 10, 100)  # 100 and 1600 blocks
+    index.apply("a", [*cold, *hot])
+    small = index.bytes_estimate()
+    for n in range(300):  # 240 000 blocks stored again, the cold ones never
+        index.apply("a", hot[n % 50 : n % 50 + 50])
+    assert index.blocks == 1700 and index.bytes_estimate() < 2 * small
+    index.apply("a", chains(0, 200, 300))  # 4800 new blocks: 100 over the bound
+    assert index.blocks == 6400 and index.evicted == 100
+    held = [index.longest_prefix(list(e.token_ids))["a"] for e in (*cold, *hot)]
+    assert held[:10] == [0] * 10  # the oldest stored went first ...
+    assert held[10:] == [16] * 100  # ... not those stored again since
+
+
+def test_more_engines_than_a_byte_of_mask_holds() -> None:
+    index = KvIndex(max_blocks=10_000)
+    for n in range(70):  # masks widen from 8 bits to 16, 32, 64 and Python ints
+        index.apply(f"e{n}", [store([n + 1, n + 2], TOKENS[: 4 * (1 + n % 2)])])
+    found = index.longest_prefix(TOKENS)
+    assert [found[f"e{n}"] for n in range(70)] == [1 + n % 2 for n in range(70)]
+    for n in range(0, 70, 2):
+        index.remove_engine(f"e{n}")
+    assert set(index.longest_prefix(TOKENS).values()) == {2}
+    assert index.blocks == 70 and index.distinct_blocks == 2
+
+
+def test_the_index_agrees_with_a_plain_model_of_it_through_random_events() -> None:
+    """Stores (with parents, and stored again), removals, clearings and engines leaving,
+    against dicts of token prefixes; enough blocks that the maps split and merge their
+    buckets. An engine names a prefix by one hash, as vLLM does."""
+    rng = random.Random(5)
+    index = KvIndex(max_blocks=1_000_000)
+    model: dict[str, dict[int, tuple[int, ...]]] = {}  # engine -> its hash -> tokens from root
+    names: dict[tuple[str, tuple[int, ...]], int] = {}  # (engine, prefix) -> its hash
+    prompts = [[rng.randrange(50) for _ in range(4 * 12)] for _ in range(400)]
+    for step in range(4000):
+        engine = f"e{rng.randrange(3)}"
+        held = model.setdefault(engine, {})
+        roll = rng.random() + (0.4 if step >= 2400 else 0)  # growing, then shrinking
+        if roll < 0.8:
+            tokens = rng.choice(prompts)
+            first = rng.randrange(6)
+            parent = None
+            if first:
+                known = [h for h, t in held.items() if t == tuple(tokens[: 4 * first])]
+                if not known:
+                    first = 0
+                else:
+                    parent = known[0]
+            blocks = range(first + 1, min(12, first + rng.randrange(1, 7)) + 1)
+            prefixes = [tuple(tokens[: 4 * n]) for n in blocks]
+            hashes = [names.setdefault((engine, p), len(names) + 1) for p in prefixes]
+            index.apply(engine, [store(hashes, tokens[4 * first :], parent=parent)])
+            held.update(zip(hashes, prefixes, strict=True))
+        elif roll < 1.35 and held:
+            gone = rng.sample(sorted(held), min(len(held), rng.randrange(1, 20)))
+            index.apply(engine, [BlocksRemoved(tuple(gone))])
+            for engine_hash in gone:
+                del held[engine_hash]
+        elif roll < 1.37:
+            index.apply(engine, [AllCleared()])
+            held.clear()
+        else:
+            index.remove_engine(engine)
+            del model[engine]
+        if step % 100 == 99:
+            assert index.blocks == sum(len(h) for h in model.values())
+            distinct = set().union(*(set(h.values()) for h in model.values()))
+            assert index.distinct_blocks == len(distinct)
+            for tokens in rng.sample(prompts, 20):
+                expected = {}
+                for name, engine_held in model.items():
+                    prefixes = set(engine_held.values())
+                    depth = 0
+                    while depth < 12 and tuple(tokens[: 4 * (depth + 1)]) in prefixes:
+                        depth += 1
+                    expected[name] = depth
+                assert index.longest_prefix(tokens) == expected

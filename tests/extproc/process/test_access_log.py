@@ -11,12 +11,19 @@ from google.protobuf.duration_pb2 import Duration
 from grpc import aio
 
 from extproc.metrics import Metrics
+from extproc.model_labels import ModelLabels
 from extproc.request import envoy_msgs
 from extproc.request.access_log import ClientLatency
 
+MODELS = ModelLabels(lambda: {"m"})  # the deployment's one model
+
 
 def entry(
-    first_s: float | None, last_s: float | None, code: int, labels: dict[str, str] | None
+    first_s: float | None,
+    last_s: float | None,
+    code: int,
+    labels: dict[str, str] | None,
+    reason: str | None = None,
 ) -> Any:
     common = entries.AccessLogCommon()
     if first_s is not None:
@@ -24,7 +31,7 @@ def entry(
     if last_s is not None:
         common.time_to_last_downstream_tx_byte.CopyFrom(Duration(nanos=int(last_s * 1e9)))
     if labels is not None:
-        struct = envoy_msgs.request_labels((labels["strategy"], labels["model"]))
+        struct = envoy_msgs.request_labels((labels["strategy"], labels["model"]), reason)
         common.metadata.filter_metadata[envoy_msgs.LABELS_NAMESPACE].CopyFrom(
             struct.fields[envoy_msgs.LABELS_NAMESPACE].struct_value
         )
@@ -35,7 +42,7 @@ def entry(
 
 async def send(metrics: Metrics, *logs: Any) -> None:
     server = aio.server()
-    service = ClientLatency(metrics)
+    service = ClientLatency(metrics, model_label=MODELS.known)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -79,7 +86,7 @@ async def test_close_ends_envoys_open_streams() -> None:
     """Envoy never ends its stream: a shutdown closes it instead of waiting out the grace."""
     server = aio.server()
     service_metrics = Metrics()
-    service = ClientLatency(service_metrics)
+    service = ClientLatency(service_metrics, model_label=MODELS.known)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -150,3 +157,35 @@ async def test_an_answer_left_to_its_entry_is_counted_by_what_envoy_saw() -> Non
     }
     assert counts == {"ok": 1, "decode_timeout": 1, "decode_reset": 2, "cancelled": 1}
     assert value(metrics, "pd_extproc_access_log_entries_total", result="observed") == 6
+
+
+def series(metrics: Metrics) -> int:
+    return sum(len(family.samples) for family in metrics.registry.collect())
+
+
+async def test_entries_with_made_up_labels_never_grow_the_series() -> None:
+    """Whoever reaches the access-log service writes any labels it likes: 5,000 entries with
+    distinct junk strategies, reasons, models and codes land on the few known series."""
+    metrics = Metrics()
+    await send(metrics, entry(0.1, 0.2, 200, {"strategy": "parallel", "model": "m"}, "cache_hit"))
+    before = series(metrics)
+    junk = [
+        entry(
+            0.1,
+            0.2,
+            1000 * (i + 1) + 200,  # far beyond any HTTP status
+            {"strategy": f"strategy-{i}", "model": f"model-{i}"},
+            f"reason-{i}",
+        )
+        for i in range(5000)
+    ]
+    for start in range(0, len(junk), 500):
+        await send(metrics, *junk[start : start + 500])
+    observed = value(metrics, "pd_extproc_access_log_entries_total", result="observed")
+    assert observed == 5001
+    # one more label set per histogram and the requests counter: strategy, model, reason and
+    # the code class all "other" (a histogram's set is its buckets plus _count and _sum)
+    assert series(metrics) - before <= 2 * 22 + 1
+    other = {"strategy": "other", "model": "other", "code": "other"}
+    assert value(metrics, "pd_extproc_client_duration_seconds_count", **other) is not None
+    assert len(metrics.render()) < 64 * 1024

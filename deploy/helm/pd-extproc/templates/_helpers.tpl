@@ -57,6 +57,13 @@ app.kubernetes.io/component: {{ .Values.mode }}
 {{- end }}
 {{- end }}
 
+{{/* The NetworkPolicy: networkPolicy.create, or by default on in epp mode only. */}}
+{{- define "pd-extproc.networkPolicy" -}}
+{{- $create := .Values.networkPolicy.create }}
+{{- if kindIs "invalid" $create }}{{ $create = eq .Values.mode "epp" }}{{ end }}
+{{- if $create }}true{{ end }}
+{{- end }}
+
 {{- define "pd-extproc.tlsEnabled" -}}
 {{- if and (eq .Values.mode "epp") (or .Values.tls.secretName .Values.tls.certManager.issuerRef.name) }}true{{ end }}
 {{- end }}

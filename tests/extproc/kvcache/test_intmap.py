@@ -1,0 +1,98 @@
+"""IntMap: a dict's answers through growth and shrinkage, values widened in place, and what its
+memory estimate says against what it takes."""
+
+from __future__ import annotations
+
+import gc
+import random
+import tracemalloc
+
+from extproc.kvcache.intmap import KEY_BITS, IntMap, column_code
+
+
+def put(table: IntMap, key: int, value: int, extra: int = 0) -> None:
+    bucket, position, found = table.locate(key)
+    if found:
+        table.values[bucket][position] = value
+    else:
+        table.insert(bucket, position, key, value, extra)
+
+
+def remove(table: IntMap, key: int) -> None:
+    bucket, position, found = table.locate(key)
+    assert found
+    table.delete(bucket, position)
+
+
+def test_it_answers_as_a_dict_while_its_buckets_split_and_merge() -> None:
+    rng = random.Random(1)
+    table, model = IntMap("q", "I"), {}
+    for step in range(40_000):
+        if rng.random() < (0.7 if step < 20_000 else 0.2) or not model:
+            key = rng.getrandbits(KEY_BITS)
+            put(table, key, step, step % 7)
+            model[key] = step
+        else:
+            key = rng.choice(list(model)) if step % 50 == 0 else next(iter(model))
+            remove(table, key)
+            del model[key]
+        if step % 5000 == 4999:
+            assert table.size == len(model)
+            assert all(table.get(k) == v for k, v in model.items())
+            assert table.get(rng.getrandbits(KEY_BITS)) is None
+    assert len(table.keys) < 8  # merged back as it emptied
+    for key, value in model.items():
+        bucket, position, found = table.locate(key)
+        assert found and table.extras[bucket][position] == value % 7
+
+
+def test_values_widen_in_place_up_to_python_ints() -> None:
+    table = IntMap(column_code(8))
+    rng = random.Random(2)
+    keys = [rng.getrandbits(KEY_BITS) for _ in range(600)]
+    for n, key in enumerate(keys):
+        put(table, key, n % 256)
+    for bits in (16, 32, 64, 70):
+        table.widen(column_code(bits))
+    put(table, keys[0], 1 << 69)
+    assert table.get(keys[0]) == 1 << 69
+    assert [table.get(k) for k in keys[1:]] == [n % 256 for n in range(1, 600)]
+
+
+def test_its_estimate_is_within_a_fifth_of_what_it_takes() -> None:
+    rng = random.Random(3)
+    keys = [rng.getrandbits(KEY_BITS) for _ in range(60_000)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        table = IntMap("q", "I")
+        for key in keys:
+            put(table, key, key, 1)
+        for key in keys[::3]:  # slack left by deletions counts too
+            remove(table, key)
+        gc.collect()
+        traced = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert traced / table.size < 26  # 8 + 8 + 4 bytes a row, and slack
+    assert abs(table.bytes_estimate() - traced) <= 0.2 * traced
+
+
+def test_clearing_bits_everywhere_drops_the_keys_left_with_none() -> None:
+    rng = random.Random(4)
+    for code, bits in (("B", 1 << 3), ("H", 1 << 11 | 1), ("Q", 1 << 63), ("list", 1 << 70)):
+        table, model = IntMap(code, "I"), {}
+        for n in range(3000):
+            key, value = rng.getrandbits(KEY_BITS), rng.choice([bits, bits | 2, 2, 5, bits])
+            put(table, key, value, n)
+            model[key] = (value, n)
+        table.clear_bits(bits)
+        left = {k: (v & ~bits, n) for k, (v, n) in model.items() if v & ~bits}
+        assert table.size == len(left)
+        for key in model:
+            bucket, position, found = table.locate(key)
+            assert found == (key in left)
+            if found:
+                got = (table.values[bucket][position], table.extras[bucket][position])
+                assert got == left[key]
