@@ -616,6 +616,8 @@ class TimeoutConfig(_Strict):
     # Streamed request body (the LLM routes): longest silence while the client's body comes in;
     # then the request ends with 408 (Envoy runs no timer of its own on a streamed body).
     upload_idle_s: Annotated[float, seconds(0.05, 3600)] = 30.0
+    # ... and longest the whole body may take to arrive, from its headers (a slow drip; 408)
+    upload_s: Annotated[float, seconds(0.05, 3600)] = 30.0
 
 
 class HealthConfig(_Strict):
@@ -644,10 +646,32 @@ class DiscoveryConfig(_Strict):
     ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 
 
+_BODY_BUDGET = 256 * 1024 * 1024
+
+
 class LimitConfig(_Strict):
     # at most 1 GiB: Envoy's buffers, an eighth larger (extproc.protocol.bodies.buffer_bytes),
     # are 32-bit
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, le=1024**3)
+    # the client bodies one ext_proc process holds at once, across its requests (each until it
+    # ends); a body that would pass it gets 503 + Retry-After. At least max_body_bytes; None:
+    # 256 MiB, or max_body_bytes if that is larger.
+    max_body_bytes_in_flight: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _room_for_one_body(self) -> LimitConfig:
+        budget = self.max_body_bytes_in_flight
+        if budget is not None and budget < self.max_body_bytes:
+            raise ValueError(
+                f"max_body_bytes_in_flight ({budget}) must be at least max_body_bytes "
+                f"({self.max_body_bytes}), or no body of that size could pass"
+            )
+        return self
+
+    @property
+    def body_budget_bytes(self) -> int:
+        budget = self.max_body_bytes_in_flight
+        return max(_BODY_BUDGET, self.max_body_bytes) if budget is None else budget
 
 
 SHARED_PREFILL_LISTENER = "127.0.0.1:10001"

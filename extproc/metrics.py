@@ -201,6 +201,12 @@ class Metrics:
             ["role"],
             registry=r,
         )
+        self.body_bytes = Gauge(
+            "pd_extproc_request_body_bytes",
+            "Client request bodies this ext_proc process holds, in bytes (each until its "
+            "request ends; at most limits.max_body_bytes_in_flight).",
+            registry=r,
+        )
         self.invalid_priorities = Counter(
             "pd_extproc_invalid_priorities",
             "Requests whose admission.priority_header was not a plain integer (served at "

@@ -35,6 +35,7 @@ from extproc.metrics import Metrics
 from extproc.model_labels import ModelLabels
 from extproc.protocol.identity import IdentityCache
 from extproc.request.access_log import AccessLogStreams
+from extproc.request.body_budget import BodyBudget
 from extproc.request.client_key import client_key_checked_here
 from extproc.request.prefill_client import (
     PrefillClient,
@@ -87,7 +88,8 @@ RELOAD: dict[str, str] = {
     "log.format": RESTART,  # the log handlers are set up once
     "tracing": RESTART,  # the exporter is set up once; spans in flight belong to it
     "access_log": RESTART,  # rendered into Envoy's bootstrap
-    "limits": RESTART,  # Envoy's buffer sizes
+    "limits": LIVE,
+    "limits.max_body_bytes": RESTART,  # Envoy's buffer sizes
     "extproc": RESTART,
     "endpoint_picker": LIVE,
     "endpoint_picker.secure_serving": RESTART,  # the ports are bound once
@@ -226,7 +228,10 @@ class Runtime:
             self.model_labels.label,
             self.kv_compat.client_message,
             self.access_log_streams,
+            BodyBudget(),
         )
+        bodies = self.request_deps.bodies
+        self.metrics.body_bytes.set_function(lambda: bodies.in_use)
         # What Envoy's pool clusters receive over EDS; every membership change lands here.
         self.memberships = Memberships()
         for pool in (self.prefill, self.decode):

@@ -44,6 +44,12 @@ def error_response(
     return json_response(shapes.error_body(message, status, param, kind), status)
 
 
+def _headers(request: web.Request) -> dict[str, str]:
+    """The request's headers, lowercase; a repeated one as its values joined with ", " (so a
+    test sees every copy an engine got)."""
+    return {k.lower(): ", ".join(request.headers.getall(k)) for k in request.headers}
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=False)
 
@@ -60,7 +66,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         "path": request.path,
         "received_at": time.time(),
         "body": None,
-        "headers": {k.lower(): v for k, v in request.headers.items()},
+        "headers": _headers(request),
         "status": None,
         "outcome": "running",
         "kv": None,
@@ -310,7 +316,7 @@ async def record_unrouted(request: web.Request, handler: Handler) -> web.StreamR
             "path": request.raw_path,
             "received_at": time.time(),
             "body": body,
-            "headers": {k.lower(): v for k, v in request.headers.items()},
+            "headers": _headers(request),
             "status": refusal.status,
             "outcome": "unrouted",
             "kv": None,

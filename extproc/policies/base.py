@@ -25,7 +25,9 @@ class PickRequest:
     model: str = ""
     session: str | None = None  # the value of the configured session header, if sent
     prefix: bytes = field(default=b"", repr=False)  # the start of the raw prompt/messages JSON
-    prompt_bytes: int = 0  # the whole raw prompt/messages JSON's size (the decode-only decision)
+    # The decode-only decision: the JSON bytes of what reaches the prompt, less what
+    # `prompt_tokens` counts (extproc.request.prompt_size); None: a size the body cannot tell
+    prompt_bytes: int | None = 0
     priority: int = 0  # admission control's priority (extproc.scheduling.admission)
     # KV-cache routing (only where a pool has kv_events and the model a tokenizer): the
     # prompt's token count, and per engine heard from, how many leading tokens it holds.

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2_grpc
 from extproc.config import Config
 from extproc.membership.eds import EndpointDiscovery
 from extproc.process.grpc_health import HealthServices, health_server
+from extproc.process.memory import return_large_buffers
 from extproc.process.ports import PortInUse
 from extproc.process.serving_tls import configured_credentials, self_signed_credentials
 from extproc.request.access_log import ClientLatency
@@ -144,6 +145,7 @@ class ExtProcServer:
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_log, server)
 
     async def start(self) -> None:
+        return_large_buffers()  # request bodies' memory is returned once they end
         cfg = self.runtime.config
         side = None if self._listen else cfg.extproc.eds_access_log  # `up`: all on its socket
         self._grpc = aio.server(options=_GRPC_OPTIONS)

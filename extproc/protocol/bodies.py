@@ -25,6 +25,7 @@ __all__ = [
     "prefill_body",
     "prefill_kv_params",
     "splice",
+    "without_router_xargs",
 ]
 
 _WS = re.compile(rb"[ \t\n\r]*")
@@ -35,20 +36,23 @@ _SCALAR = re.compile(rb"[^,}\]\s]+")
 # Inside a container only strings and brackets matter.
 _STRUCTURAL = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 
-# Fields of the client body that only the sidecar may set.
-ROUTER_FIELDS = frozenset({"kv_transfer_params"})
+# Fields of the client body that only the sidecar may set: the KV connector's parameters and
+# the encoder-cache connector's (E/P/D), which tell an engine where to send or fetch caches.
+ROUTER_FIELDS = frozenset({"kv_transfer_params", "ec_transfer_params"})
+# vLLM merges `vllm_xargs` into the sampling params' extra_args, where its connectors read
+# these keys (the body's own fields win when set; decode-only, no field is set): only the
+# sidecar may set them too. `kv_cache_report_mode` changes the KV events the index reads.
+ROUTER_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"})
+_XARGS = "vllm_xargs"
 # Fields the P leg overrides (vLLM rejects min_tokens > max_tokens, so they go).
-_PREFILL_DROPPED = frozenset(
-    {
-        "stream",
-        "stream_options",
-        "max_tokens",
-        "max_completion_tokens",
-        "min_tokens",
-        "min_completion_tokens",
-        "kv_transfer_params",
-    }
-)
+_PREFILL_DROPPED = ROUTER_FIELDS | {
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "min_completion_tokens",
+}
 
 
 class BodyError(ValueError):
@@ -115,6 +119,18 @@ def members(raw: bytes) -> list[tuple[str, bytes]]:
         if raw[pos : pos + 1] != b",":
             raise BodyError(f"expected ',' or '}}' at byte {pos}")
         pos = _after_ws(raw, pos + 1)
+
+
+def without_router_xargs(parts: list[tuple[str, bytes]], xargs: Any) -> list[tuple[str, bytes]]:
+    """`parts` with the router's keys taken out of `vllm_xargs` (`xargs`: its decoded value,
+    the last member's, as an engine's JSON parser takes it); unchanged when it has none."""
+    if not isinstance(xargs, dict) or ROUTER_XARGS.isdisjoint(xargs):
+        return parts
+    kept = [(key, chunk) for key, chunk in parts if key != _XARGS]
+    rest = {key: value for key, value in xargs.items() if key not in ROUTER_XARGS}
+    if rest:
+        kept.append((_XARGS, orjson.dumps(_XARGS) + b":" + orjson.dumps(rest)))
+    return kept
 
 
 def splice(

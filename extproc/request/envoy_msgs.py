@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -29,6 +29,7 @@ __all__ = [
     "header_map",
     "headers_answer",
     "immediate",
+    "repeated_headers",
     "request_labels",
     "route_mutation",
     "streamed_body_answer",
@@ -47,12 +48,36 @@ def _header(key: str, value: str) -> core.HeaderValueOption:
     )
 
 
+def _value(header: core.HeaderValue) -> str:
+    value: str = header.raw_value.decode(errors="replace") if header.raw_value else header.value
+    return value
+
+
 def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
-    """Envoy's header list as a dict (lowercase keys; raw_value wins over value)."""
-    return {
-        h.key: h.raw_value.decode(errors="replace") if h.raw_value else h.value
-        for h in headers.headers.headers
-    }
+    """Envoy's header list as a dict (lowercase keys; raw_value wins over value). Of a header
+    sent more than once, the first value: the one an engine reads (Starlette's `get`)."""
+    return {h.key: _value(h) for h in reversed(headers.headers.headers)}
+
+
+# Headers whose values are lists (W3C trace context): their repeats are one combined list.
+_LIST_HEADERS = frozenset({"tracestate", "baggage"})
+
+
+def repeated_headers(headers: ep.HttpHeaders, names: Iterable[str]) -> dict[str, str]:
+    """Of `names`, those the client sent more than once, each with the one value both legs
+    carry (D would otherwise get every copy and P one): the first (a second `traceparent`
+    would name another parent), or for a list header all of them joined."""
+    wanted = frozenset(names)
+    found = [h for h in headers.headers.headers if h.key in wanted]
+    keys = {h.key for h in found}
+    if len(keys) == len(found):  # the usual case: nothing repeated
+        return {}
+    single: dict[str, str] = {}
+    for name in keys:
+        values = [_value(h) for h in found if h.key == name]
+        if len(values) > 1:
+            single[name] = ",".join(values) if name in _LIST_HEADERS else values[0]
+    return single
 
 
 # Asked for with the response headers (the filter's `response_attributes`): why Envoy answered.
@@ -140,27 +165,38 @@ def request_labels(labels: Labels, reason: str | None = None) -> Struct:
 
 
 def route_mutation(
-    destinations: Iterable[str], request_id: str, length: int, rank: int | None = None
+    destinations: Iterable[str],
+    request_id: str,
+    length: int,
+    rank: int | None = None,
+    single: Mapping[str, str] | None = None,
 ) -> ep.HeaderMutation:
     """Route to `destinations` (ordered fallbacks), set the request id and the new body's
     exact content-length (a buffered body fails on a stale one; a streamed one would not be
     checked, and D would get a chunked or misframed body), and D's data-parallel rank: ours,
-    never the client's (removed when D has no ranks)."""
+    never the client's (removed when D has no ranks). `single`: repeated client headers, each
+    replaced by its one value (`repeated_headers`)."""
     headers = [
         _header(DESTINATION_HEADER, ",".join(destinations)),
         _header("x-request-id", request_id),
         _header("content-length", str(length)),
     ]
+    if single:
+        headers.extend(_header(name, value) for name, value in single.items())
     if rank is None:
         return ep.HeaderMutation(set_headers=headers, remove_headers=[RANK_HEADER])
     return ep.HeaderMutation(set_headers=[*headers, _header(RANK_HEADER, str(rank))])
 
 
 def body_answer(
-    body: bytes, destinations: Iterable[str], request_id: str, rank: int | None = None
+    body: bytes,
+    destinations: Iterable[str],
+    request_id: str,
+    rank: int | None = None,
+    single: Mapping[str, str] | None = None,
 ) -> ep.ProcessingResponse:
     """Buffered body: replace it, with the headers of `route_mutation` in the same answer."""
-    mutation = route_mutation(destinations, request_id, len(body), rank)
+    mutation = route_mutation(destinations, request_id, len(body), rank, single)
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(
             response=ep.CommonResponse(

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from extproc.errors import ClientError
-from extproc.protocol.bodies import BodyError, members
+from extproc.protocol.bodies import BodyError, members, without_router_xargs
 
 __all__ = ["PASSTHROUGH", "Api", "ClientRequest", "is_passthrough", "parse_request"]
 
@@ -219,4 +219,5 @@ def parse_request(api: Api, raw: bytes, limit: int) -> ClientRequest:
         parts = members(raw)
     except BodyError as error:  # orjson accepted it, so this is our scanner's gap: say so
         raise _bad(f"unsupported JSON layout: {error}") from None
+    parts = without_router_xargs(parts, doc.get("vllm_xargs"))
     return ClientRequest(api, model, bool(doc.get("stream")), doc, parts)

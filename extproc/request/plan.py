@@ -38,6 +38,7 @@ from extproc.policies import PickRequest
 from extproc.protocol.bodies import buffer_bytes, decode_body, prefill_body, prefill_kv_params
 from extproc.protocol.identity import PrefillIdentity
 from extproc.request.parse import Api, ClientRequest
+from extproc.request.prompt_size import TOKENIZED, prompt_bytes
 from extproc.scheduling.admission import request_priority
 from extproc.scheduling.scheduler import DecodeAlone, WithPrefill
 
@@ -172,13 +173,14 @@ def pick_request(
     """What the policies and the decision see of the request; with its `tokens`, what each
     engine holds of them (KV-cache routing), looked up now, just before the pick."""
     prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
+    prefix = prompt[:_PREFIX_BYTES]
     if tokens is None or kv is None:
-        return PickRequest(request.model, session, prompt[:_PREFIX_BYTES], len(prompt), priority)
+        return PickRequest(request.model, session, prefix, prompt_bytes(request), priority)
     return PickRequest(
         request.model,
         session,
-        prompt[:_PREFIX_BYTES],
-        len(prompt),
+        prefix,
+        prompt_bytes(request, TOKENIZED[request.api]),  # what the tokenizer did not count
         priority,
         len(tokens),
         kv.cached_tokens(tokens),

@@ -47,6 +47,7 @@ from extproc.errors import (
 from extproc.policies import PickRequest
 from extproc.request import envoy_msgs
 from extproc.request.access_log import AccessLogStreams
+from extproc.request.body_budget import BodyBudget
 from extproc.request.client_key import check_client_key
 from extproc.request.parse import check_route, is_passthrough, parse_request
 from extproc.request.plan import (
@@ -67,7 +68,7 @@ from extproc.request.strategies import (
     start_dispatch,
 )
 from extproc.request.stream import EnvoyStream
-from extproc.request.upload import Upload, gather_body
+from extproc.request.upload import Upload, UploadLimits, gather_body
 from extproc.scheduling.subset_hint import Subset, subset_hint
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ class RequestDeps:
     kv_mismatch: Callable[[str, str], str | None] = lambda prefill, decode: None
     # Envoy's access log to this process: an answer that started is counted from its entry
     access_log: AccessLogStreams = field(default_factory=AccessLogStreams)
+    # the client bodies this process holds (limits.max_body_bytes_in_flight)
+    bodies: BodyBudget = field(default_factory=BodyBudget)
 
 
 _PASSED_THROUGH = NoPlan(Strategy.DECODE_ONLY, "passthrough")
@@ -126,6 +129,7 @@ class RequestProcessor:
         self.model = ""  # the client's model name, once the body is parsed
         self.counted_by_access_log = False  # D's 2xx passed: Envoy's entry tells the outcome
         self.withheld = False  # D's headers were never let through: the stream ended first
+        self.reserved = deps.bodies.reservation()  # the body's bytes, until the request ends
 
     @property
     def outcome(self) -> str:
@@ -149,9 +153,13 @@ class RequestProcessor:
             with ExitStack() as inflight:
                 await self._run(inflight)
         except RequestEnded as error:
-            self.error = error
+            # Kept without its traceback, whose frames hold this processor: the cycle would
+            # keep the request's stream, and what gRPC holds of its body, until a collection.
+            self.error = error.with_traceback(None)
+            error.__context__ = error.__cause__ = None
             await self._end(error)
         finally:
+            self.reserved.release()
             client_gone = self.stream.ended and self.error is None and not self.decode_status
             self.dispatch.close(client_gone)
             self.stream.close()
@@ -207,9 +215,10 @@ class RequestProcessor:
         picker = config.endpoint_picker if self.deps.endpoint_picker else None
         if picker is not None:
             self.subset = subset_hint(message, picker.subset_hint_namespace)
-        forwarded = {
-            name: headers[name] for name in config.dispatch.forward_headers if name in headers
-        }
+        names = config.dispatch.forward_headers
+        forwarded = {name: headers[name] for name in names if name in headers}
+        single = envoy_msgs.repeated_headers(message.request_headers, names)
+        forwarded |= single
         method, path = headers.get(":method", ""), headers.get(":path", "")
         if picker is not None and is_passthrough(method, path):
             await self._pass_through(picker, inflight)
@@ -247,6 +256,7 @@ class RequestProcessor:
             config,
             streamed,
             picker.destination_namespace if picker else None,
+            single or None,
         )
         self.dispatch = start_dispatch(plan, self.deps.legs, exchange, plan.prefill_counted)
         if await self.dispatch.send(started):
@@ -283,13 +293,22 @@ class RequestProcessor:
         if message.WhichOneof("request") != "request_body":
             await self._on_envoy_reply(message)
             return None
-        return Upload(message.request_body.body)
+        body = message.request_body.body
+        self.reserved.take(len(body), self.config.limits.body_budget_bytes)
+        return Upload(body)
 
     async def _streamed_body(self) -> Upload | None:
         """Gather the streamed body while the headers wait for their answer (None: no body)."""
-        config = self.config
+        limits, timeouts = self.config.limits, self.config.timeouts
         upload = await gather_body(
-            self.stream, config.limits.max_body_bytes, config.timeouts.upload_idle_s
+            self.stream,
+            UploadLimits(
+                limits.max_body_bytes,
+                limits.body_budget_bytes,
+                timeouts.upload_idle_s,
+                timeouts.upload_s,
+            ),
+            self.reserved,
         )
         if upload is None:
             return None

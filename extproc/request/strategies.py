@@ -130,6 +130,8 @@ class Exchange:
     streamed: bool = False  # the body streamed in (FULL_DUPLEX_STREAMED), else buffered
     # endpoint picker: the destination goes out as dynamic metadata in this namespace too
     destination_namespace: str | None = None
+    # forwarded headers the client repeated: D gets each once, with P's value
+    single_headers: dict[str, str] | None = None
 
 
 def decode_answers(
@@ -141,10 +143,14 @@ def decode_answers(
     whole new body.
     """
     if not exchange.streamed:
-        answers = [envoy_msgs.body_answer(body, plan.decodes, plan.request_id, plan.decode_rank)]
+        answers = [
+            envoy_msgs.body_answer(
+                body, plan.decodes, plan.request_id, plan.decode_rank, exchange.single_headers
+            )
+        ]
     else:
         mutation = envoy_msgs.route_mutation(
-            plan.decodes, plan.request_id, len(body), plan.decode_rank
+            plan.decodes, plan.request_id, len(body), plan.decode_rank, exchange.single_headers
         )
         answers = [envoy_msgs.headers_answer(mutation), envoy_msgs.streamed_body_answer(body)]
     if exchange.destination_namespace is not None:  # the answer that sets the header

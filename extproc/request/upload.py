@@ -1,13 +1,17 @@
 """The client's body as Envoy streams it (FULL_DUPLEX_STREAMED), gathered whole.
 
 Envoy neither buffers nor times a streamed body, so the limits are enforced here: the body
-limit as soon as the chunks exceed it (413, before any leg leaves) and a stalled upload after
-`idle_s` without a chunk (408). HTTP/1.1 clients end the body with an extra empty
-end-of-stream chunk; a body with trailers ends with the trailers message instead.
+limit as soon as the chunks exceed it (413, before any leg leaves), the process's budget of
+bodies (`extproc.request.body_budget`: 503 + Retry-After before more is read), a stalled
+upload after `idle_s` without a chunk and a slow one after `whole_s` in all (408). HTTP/1.1
+clients end the body with an extra empty end-of-stream chunk; a body with trailers ends with
+the trailers message instead. The chunks are gathered in one growing buffer (a list of
+chunks kept a held upload's memory in the heap after it ended: `extproc.process.memory`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,9 +20,10 @@ from extproc.errors import ClientError
 if TYPE_CHECKING:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+    from extproc.request.body_budget import Reservation
     from extproc.request.stream import EnvoyStream
 
-__all__ = ["Upload", "gather_body"]
+__all__ = ["Upload", "UploadLimits", "gather_body"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,30 +34,68 @@ class Upload:
     envoy_reply: ep.ProcessingRequest | None = None
 
 
-async def gather_body(stream: EnvoyStream, limit: int, idle_s: float) -> Upload | None:
-    """The whole body, or None when the stream ended first (the client went away)."""
-    chunks: list[bytes] = []
+@dataclass(frozen=True, slots=True)
+class UploadLimits:
+    body_bytes: int  # this body (413)
+    budget_bytes: int  # every body the process holds (503)
+    idle_s: float  # longest silence between chunks (408)
+    whole_s: float  # longest upload, from its headers (408)
+
+
+async def gather_body(
+    stream: EnvoyStream, limits: UploadLimits, reserved: Reservation
+) -> Upload | None:
+    """The whole body, or None when the stream ended first (the client went away). Its bytes
+    are taken from the budget into `reserved` as they arrive."""
+    first = b""  # one chunk is the body as it is; more are gathered in `rest`
+    rest = bytearray()
     size = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.whole_s
     while True:
-        message = await stream.read(idle_s)
+        left_s = deadline - loop.time()
+        message = await stream.read(min(limits.idle_s, max(left_s, 0.0)))
         if message is None:
             if stream.ended:
                 return None
-            raise ClientError(
-                408,
-                f"the request body stalled: nothing arrived for {idle_s:g} s "
-                f"after {size} bytes; send the whole body without pausing",
-            )
+            raise _too_slow(limits, size, left_s)
         kind = message.WhichOneof("request")
         if kind == "request_trailers":
-            return Upload(b"".join(chunks), trailers=True)
+            return Upload(_whole(first, rest), trailers=True)
         if kind != "request_body":
             return Upload(b"", envoy_reply=message)
         chunk = message.request_body
-        if chunk.body:
-            size += len(chunk.body)
-            if size > limit:
-                raise ClientError(413, f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk.body)
+        body = chunk.body
+        if body:
+            size += len(body)
+            if size > limits.body_bytes:
+                raise ClientError(
+                    413, f"request body exceeds the limit of {limits.body_bytes} bytes"
+                )
+            reserved.take(len(body), limits.budget_bytes)
+            if not first:
+                first = body
+            else:  # one growing buffer, not a list of chunks: its memory goes back once freed
+                if not rest:
+                    rest += first
+                rest += body
         if chunk.end_of_stream:
-            return Upload(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            return Upload(_whole(first, rest))
+
+
+def _whole(first: bytes, rest: bytearray) -> bytes:
+    return bytes(rest) if rest else first
+
+
+def _too_slow(limits: UploadLimits, size: int, left_s: float) -> ClientError:
+    if left_s <= limits.idle_s:
+        return ClientError(
+            408,
+            f"the request body took longer than {limits.whole_s:g} s to arrive ({size} bytes "
+            "came); send it faster",
+        )
+    return ClientError(
+        408,
+        f"the request body stalled: nothing arrived for {limits.idle_s:g} s "
+        f"after {size} bytes; send the whole body without pausing",
+    )

@@ -11,12 +11,15 @@ running by the prefill's compute time (the stall).
   load_aware  decode-only when the expected TTFT alone is lower than through P, D's KV cache
               is not nearly full, and the stall fits D's budget; disaggregate otherwise
 
-The prompt's size is estimated from its JSON bytes (`bytes_per_token`, ~4 for English text
-with BPE tokenizers): no tokenizer runs on the request path, and the decision only needs the
-size to within tens of percent. The load of both sides comes from this ext_proc's own counts
-(exact and instantaneous: requests in flight per D, prompt tokens of P legs in flight per P,
-kept on the pool's endpoint state by the P leg's client) and the engines' scraped metrics
-(queue, running requests, KV usage; up to one scrape old). The step cost they imply is the
+The prompt's size is estimated from the JSON bytes of every member that reaches it
+(`extproc.request.prompt_size`: messages or prompt, tools, documents, template kwargs, ...;
+`bytes_per_token`, ~4 for English text with BPE tokenizers): no tokenizer runs on the request
+path, and the decision only needs the size to within tens of percent. A prompt whose size the
+body cannot tell (a client's chat template, multimodal content) is never decode-only.
+The load of both sides comes from this ext_proc's own counts (exact and instantaneous:
+requests in flight per D, prompt tokens of P legs in flight per P, kept on the pool's endpoint
+state by the P leg's client) and the engines' scraped metrics (queue, running requests, KV
+usage; up to one scrape old). The step cost they imply is the
 engines' step model (`decision.step_*`):
 step = base + prefill tokens × per_token + running sequences × per_seq.
 
@@ -48,6 +51,7 @@ __all__ = [
 
 DISAGGREGATE = "disaggregate"
 DECODE_ONLY = "decode_only"
+UNBOUNDED = "unbounded_prompt"  # the body cannot tell the prompt's size: disaggregate
 
 
 def estimate_tokens(prompt_bytes: int, bytes_per_token: float) -> int:
@@ -139,7 +143,7 @@ class Decider:
     def decide(
         self,
         cfg: DecisionConfig,
-        prompt_bytes: int,
+        prompt_bytes: int | None,
         decode: str,
         d: EndpointView,
         p: EndpointView,
@@ -149,10 +153,13 @@ class Decider:
     ) -> Decision:
         """Decode-only or not, for a request already counted in flight on `decode`; `cfg`:
         the request's config snapshot. `prompt_tokens`: the count, where the request was
-        tokenized (else estimated from its bytes); `d_cached`/`p_cached`: its leading tokens
-        D and P hold (KV-cache routing)."""
+        tokenized; `prompt_bytes`: the prompt's members it did not count (all of them when it
+        is 0), estimated from their bytes, or None when no size can be told; `d_cached`/
+        `p_cached`: its leading tokens D and P hold (KV-cache routing)."""
+        if prompt_bytes is None:
+            return self._count(Decision(False, UNBOUNDED))
         now = time.monotonic()
-        tokens = prompt_tokens or estimate_tokens(prompt_bytes, cfg.bytes_per_token)
+        tokens = prompt_tokens + estimate_tokens(prompt_bytes, cfg.bytes_per_token)
         # Ours exactly (this request not counted), plus what others sent as of the last scrape:
         # the scrape alone is up to an interval old, and a request ends in less.
         running_d = max(0.0, d.in_flight - 1 + d.foreign)
@@ -170,6 +177,9 @@ class Decider:
             uncached = max(0, tokens - d_cached)
             state.credit_ms -= stall_ms(cfg, uncached, running_d)
             state.pending.append((now + decision.ttft_alone_ms / 1e3, uncached))
+        return self._count(decision)
+
+    def _count(self, decision: Decision) -> Decision:
         self._metrics.decisions.labels(
             DECODE_ONLY if decision.decode_only else DISAGGREGATE, decision.reason
         ).inc()

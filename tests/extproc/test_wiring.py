@@ -34,12 +34,21 @@ def test_every_setting_has_a_reload_rule() -> None:
     [
         ({"tracing": {"enabled": True}}, ["tracing"]),
         ({"log": {"format": "json"}}, ["log.format"]),
-        ({"limits": {"max_body_bytes": 1024}}, ["limits"]),
+        ({"limits": {"max_body_bytes": 1024}}, ["limits.max_body_bytes"]),
+        ({"limits": {"max_body_bytes_in_flight": 2**30}, "timeouts": {"upload_s": 5}}, []),
         ({"timeouts": {"prefill_s": 5, "request_s": 10}}, ["timeouts.prefill_s"]),
         ({"log": {"requests": True}, "kv_check": {"enabled": False}}, []),
         ({"discovery": {"interval_s": 1}, "dispatch": {"flap_threshold": 5}}, []),
     ],
-    ids=["tracing", "log-format", "limits", "envoy-timeout", "log-requests", "dispatch"],
+    ids=[
+        "tracing",
+        "log-format",
+        "limits",
+        "body-budget",
+        "envoy-timeout",
+        "log-requests",
+        "dispatch",
+    ],
 )
 def test_reload_reports_what_needs_a_restart(
     change: dict[str, object], reported: list[str]

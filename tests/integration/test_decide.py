@@ -83,6 +83,37 @@ async def test_load_aware_goes_alone_on_idle_engines_and_through_p_when_d_is_bus
         assert metrics[decisions("disaggregate", "stall_budget")] == 1
 
 
+TINY_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BULK = "lorem ipsum " * 17_000  # 200 KB, ~50k tokens
+TOOL = {"type": "function", "function": {"name": "f", "description": BULK}}
+# A tiny message, with a prompt vLLM renders from other members (or one the body cannot size)
+HIDDEN_PROMPTS = [
+    ("/v1/chat/completions", TINY_CHAT | {"tools": [TOOL]}),
+    ("/v1/chat/completions", TINY_CHAT | {"documents": [{"title": "t", "text": BULK}]}),
+    ("/v1/chat/completions", TINY_CHAT | {"chat_template_kwargs": {"context": BULK}}),
+    ("/v1/chat/completions", TINY_CHAT | {"chat_template": "{{ messages[0].content }}"}),
+    ("/v1/completions", SHORT | {"prompt": "hi", "prompt_embeds": BULK}),
+]
+
+
+@pytest.mark.parametrize(
+    "decision", [{"mode": "threshold", "max_prompt_tokens": 64}, {"mode": "load_aware"}]
+)
+async def test_a_prompt_outside_the_messages_is_measured(decision: dict[str, Any]) -> None:
+    async with topology(decision=decision) as topo:
+        async with held_streams(topo, 1):  # D runs a request: a 50k-token prefill would stall it
+            status, payload, _ = await topo.post("/v1/chat/completions", TINY_CHAT)
+            assert status == 200, payload
+            for path, body in HIDDEN_PROMPTS:
+                status, payload, _ = await topo.post(path, body)
+                assert status == 200, payload
+        # the held stream and the tiny chat alone; every hidden prompt through P
+        assert await was_disaggregated(topo) == [False, False] + [True] * len(HIDDEN_PROMPTS)
+        assert len(await topo.seen(topo.prefills[0])) == len(HIDDEN_PROMPTS)
+        metrics = await topo.metrics()
+        assert metrics[decisions("disaggregate", "unbounded_prompt")] == 1  # chat_template
+
+
 async def test_deliberate_decode_only_raises_no_recompute_alert() -> None:
     # Short prompts computed by D on purpose outweigh the one disaggregated prompt in the
     # window: counted as recomputation, the share would fall below min_share.

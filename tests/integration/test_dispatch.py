@@ -9,6 +9,7 @@ import time
 
 import orjson
 import pytest
+from multidict import CIMultiDict
 
 from tests.support.engines import MODEL, PULL, address
 from tests.support.legs import COMPLETION, SKEW_BOUND_S, assert_kv_pushed_by, legs
@@ -178,6 +179,53 @@ async def test_client_routing_fields_never_reach_an_engine(push_1p1d: Topology) 
     assert p["x_request_id"] != "mine"  # a fresh id per dispatch, never the client's
     for record in (p, d):
         assert "203.0.113.9" not in record["headers"].get("x-gateway-destination-endpoint", "")
+
+
+async def test_client_connector_params_in_vllm_xargs_reach_no_engine() -> None:
+    # vLLM merges vllm_xargs into extra_args, where its connectors read kv_transfer_params and
+    # ec_transfer_params (the body's own field wins only when set: never on D alone)
+    decision = {"mode": "threshold", "max_prompt_tokens": 64}
+    async with topology(decision=decision) as topo:
+        evil = {
+            "ec_transfer_params": {"remote_host": "203.0.113.9"},
+            "vllm_xargs": {
+                "kv_transfer_params": "203.0.113.9",
+                "ec_transfer_params": "203.0.113.9",
+                "kv_cache_report_mode": "full",
+                "mine": 1,
+            },
+        }
+        short = COMPLETION | {"prompt": "Say hi"}
+        for body in (short, COMPLETION | {"prompt": "The quick brown fox " * 50}):
+            status, payload, _ = await topo.post("/v1/completions", body | evil)
+            assert status == 200, payload
+        records = [r for e in topo.engines for r in await topo.seen(e)]
+        assert len(records) == 3  # D alone, then P and D
+        for record in records:
+            assert "203.0.113.9" not in orjson.dumps(record["body"]).decode()
+            assert record["body"]["vllm_xargs"] == {"mine": 1}
+            assert "ec_transfer_params" not in record["body"]
+
+
+async def test_a_repeated_trace_header_reaches_each_leg_once(push_1p1d: Topology) -> None:
+    topo = push_1p1d
+    await topo.clear()
+    first = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    second = "00-11111111111111111111111111111111-2222222222222222-01"
+    headers = CIMultiDict(
+        [
+            ("traceparent", first),
+            ("traceparent", second),
+            ("tracestate", "a=1"),
+            ("tracestate", "b=2"),
+        ]
+    )
+    status, body, _ = await topo.post("/v1/completions", COMPLETION, headers=headers)
+    assert status == 200, body
+    [(p, d)] = await legs(topo)
+    for record in (p, d):  # the engines' log joins repeated values with ", "
+        assert record["headers"]["traceparent"] == first
+        assert record["headers"]["tracestate"] == "a=1,b=2"
 
 
 async def test_sse_chunks_arrive_as_they_are_generated() -> None:

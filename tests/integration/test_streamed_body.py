@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 import orjson
 import pytest_asyncio
 
+from extproc.testing import scrape
 from tests.support.engines import MODEL
 from tests.support.polling import until
 from tests.support.topology import Topology, requests_total, topology
@@ -114,6 +115,74 @@ async def test_a_client_gone_mid_upload_leaves_nothing_behind(small_limits: Topo
     await no_engine_saw_a_request(topo)
     status, body, _ = await topo.post("/v1/completions", COMPLETION)  # still serving
     assert status == 200, body
+
+
+BODY_BYTES = "pd_extproc_request_body_bytes"
+
+
+async def body_bytes(topo: Topology) -> float:
+    """The bodies the ext_proc holds now (its budget's count), open streams or not."""
+    return (await scrape(topo.session, topo.sidecar.metrics + "/metrics"))[BODY_BYTES]
+
+
+async def test_held_uploads_beyond_the_budget_get_503_and_give_it_back() -> None:
+    kib = 1024
+    limits = {"max_body_bytes": 64 * kib, "max_body_bytes_in_flight": 256 * kib}
+    async with topology(limits=limits) as topo:
+        held = [await partial_upload(topo, 64 * kib, b"x" * (60 * kib)) for _ in range(4)]
+
+        async def all_held() -> bool:
+            return await body_bytes(topo) == 4 * 60 * kib
+
+        await until(all_held, "the four held uploads' bytes")
+        over, writer = await partial_upload(topo, 64 * kib, b"x" * (30 * kib))
+        try:
+            status, headers, body = await response(over, 5)  # at once, the upload unfinished
+        finally:
+            writer.close()
+        assert status == 503, body
+        assert headers["retry-after"] == "1"
+        error = orjson.loads(body)["error"]
+        assert error["code"] == 503 and "request bodies" in error["message"]
+        status, body, _ = await topo.post("/v1/completions", COMPLETION)  # fits the room left
+        assert status == 200, body
+        await until(all_held, "the refused and the served request's bytes given back")
+        for _, held_writer in held:  # the clients leave mid-upload
+            held_writer.close()
+
+        async def released() -> bool:
+            return await body_bytes(topo) == 0
+
+        await until(released, "the held uploads' bytes given back")
+        status, body, _ = await topo.post("/v1/completions", b'{"model": ')  # refused: 400
+        assert status == 400, body
+        metrics = await topo.metrics()
+        assert metrics[BODY_BYTES] == 0
+        assert metrics[requests_total("shed", "none", "serial", model="none")] == 1
+
+
+async def test_a_slow_drip_gets_408_at_the_upload_deadline() -> None:
+    async with topology(timeouts={"upload_idle_s": 1.0, "upload_s": 2.0}) as topo:
+        reader, writer = await partial_upload(topo, 1000, b"{")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        answer = asyncio.create_task(response(reader, 10))
+        try:
+            # A byte every 0.25 s, never idle for 1 s, until 0.5 s before the deadline: a byte
+            # still unread when Envoy closes the connection would turn its answer into a reset.
+            while loop.time() - started < 1.5:
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.wait({answer}, timeout=0.25)
+            status, _, body = await answer
+        finally:
+            writer.close()
+        took = loop.time() - started
+        assert status == 408, body
+        assert "took longer than 2 s" in orjson.loads(body)["error"]["message"]
+        assert 1.9 < took < 4.0, took
+        await no_engine_saw_a_request(topo)
+        assert (await topo.metrics())[BODY_BYTES] == 0
 
 
 async def test_the_catch_all_route_still_refuses_in_json(small_limits: Topology) -> None:

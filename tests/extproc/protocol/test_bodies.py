@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.protocol.bodies import BodyError, decode_body, members, prefill_body, prefill_kv_params
+from extproc.protocol.bodies import (
+    BodyError,
+    decode_body,
+    members,
+    prefill_body,
+    prefill_kv_params,
+    without_router_xargs,
+)
 
 json_scalars = (
     st.none()
@@ -34,6 +41,7 @@ bodies = st.dictionaries(
             "max_completion_tokens",
             "min_tokens",
             "kv_transfer_params",
+            "ec_transfer_params",
             "temperature",
             "x",
         ]
@@ -55,7 +63,7 @@ def test_decode_body_is_the_original_plus_the_routers_params(doc: dict, pretty: 
     raw = _serialise(doc, pretty)
     out = orjson.loads(decode_body(members(raw), KV))
     assert out == {
-        **{k: v for k, v in doc.items() if k != "kv_transfer_params"},
+        **{k: v for k, v in doc.items() if k not in ("kv_transfer_params", "ec_transfer_params")},
         "kv_transfer_params": KV,
     }
 
@@ -74,6 +82,7 @@ def test_prefill_body_caps_tokens_and_drops_streaming(doc: dict, pretty: bool) -
         "min_tokens",
         "min_completion_tokens",
         "kv_transfer_params",
+        "ec_transfer_params",
     }
     expected = {k: v for k, v in doc.items() if k not in dropped}
     expected |= {"max_tokens": 1, "stream": False, "kv_transfer_params": KV}
@@ -100,6 +109,36 @@ def test_duplicate_router_keys_are_all_removed() -> None:
         "model": "m",
         "kv_transfer_params": {"b": 3},
     }
+
+
+def test_the_encoder_cache_params_are_the_routers_too() -> None:
+    raw = b'{"model":"m","ec\\u005ftransfer_params":{"remote_host":"evil"},"prompt":"p"}'
+    for body in (decode_body(members(raw), None), prefill_body(members(raw), False, KV)):
+        assert "ec_transfer_params" not in orjson.loads(body)
+
+
+def _xargs_of(raw: bytes) -> object:
+    parts = without_router_xargs(members(raw), orjson.loads(raw).get("vllm_xargs"))
+    return orjson.loads(decode_body(parts, None)).get("vllm_xargs", "absent")
+
+
+def test_vllm_xargs_cannot_carry_the_routers_params() -> None:
+    # vLLM merges vllm_xargs into extra_args, where its connectors read these keys
+    raw = (
+        b'{"model":"m","vllm_xargs":{"kv_transfer_params":"x","ec_transfer_params":"y",'
+        b'"kv_cache_report_mode":"full","mine":[1,"a"]},"prompt":"p"}'
+    )
+    assert _xargs_of(raw) == {"mine": [1, "a"]}
+    # escaped keys, duplicated members (a parser takes the last), nothing left
+    escaped = b'{"vllm_xargs":{"a":1},"vllm_xargs":{"kv\\u005ftransfer_params":"x"},"model":"m"}'
+    assert _xargs_of(escaped) == "absent"
+
+
+def test_vllm_xargs_without_router_keys_are_left_as_sent() -> None:
+    raw = b'{"model":"m","vllm_xargs": {"mine" : 1},"prompt":"p"}'
+    parts = members(raw)
+    assert without_router_xargs(parts, {"mine": 1}) is parts
+    assert without_router_xargs(parts, "not an object") is parts
 
 
 @pytest.mark.parametrize("raw", [b"[]", b'"x"', b"{", b'{"a" 1}', b'{"a":1 "b":2}'])

@@ -142,3 +142,35 @@ def test_served_endpoint_from_our_envoys_attribute_or_a_gateways_metadata() -> N
     attributes = message.attributes["envoy.filters.http.ext_proc"]
     attributes.fields[envoy_msgs.UPSTREAM_ADDRESS].string_value = "10.0.0.3:8000"
     assert envoy_msgs.served_endpoint(message) == "10.0.0.3:8000"  # our Envoy's attribute
+
+
+def _request_headers(*pairs: tuple[str, str]) -> ep.HttpHeaders:
+    values = [core.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
+    return ep.HttpHeaders(headers=core.HeaderMap(headers=values))
+
+
+def test_a_repeated_header_is_read_as_its_first_value() -> None:
+    headers = _request_headers(("traceparent", "first"), ("x", "1"), ("traceparent", "second"))
+    assert envoy_msgs.header_map(headers) == {"traceparent": "first", "x": "1"}
+
+
+def test_repeated_forwarded_headers_get_one_value_on_both_legs() -> None:
+    headers = _request_headers(
+        ("traceparent", "a"),
+        ("tracestate", "k=1"),
+        ("authorization", "Bearer x"),
+        ("traceparent", "b"),
+        ("tracestate", "m=2"),
+        ("other", "1"),
+        ("other", "2"),
+    )
+    names = ["authorization", "traceparent", "tracestate"]
+    single = envoy_msgs.repeated_headers(headers, names)
+    assert single == {"traceparent": "a", "tracestate": "k=1,m=2"}  # a list header: joined
+    assert envoy_msgs.repeated_headers(_request_headers(("traceparent", "a")), names) == {}
+    mutation = envoy_msgs.route_mutation(["10.0.0.1:8200"], "r", 2, single=single)
+    assert set_headers(mutation)["traceparent"] == "a"
+    assert all(
+        h.append_action == core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+        for h in mutation.set_headers
+    )

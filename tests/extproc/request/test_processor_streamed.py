@@ -5,6 +5,8 @@ body; the limits the ext_proc owns in this mode; the guarantees of the buffered 
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from typing import Any
 
 import orjson
@@ -16,6 +18,8 @@ from grpc import aio
 
 from extproc.errors import PrefillFailed
 from extproc.request.prefill_client import PrefillResult
+from extproc.request.processor import RequestProcessor
+from extproc.request.stream import EnvoyStream
 from tests.support.scripted_envoy import (
     D1,
     IDENTITY,
@@ -202,3 +206,31 @@ async def test_response_trailers_are_let_through() -> None:
     assert kinds(envoy)[-1] == "response_trailers"
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
+
+
+@pytest.mark.parametrize(
+    ("limits", "pieces", "status"),
+    [({"max_body_bytes": 8}, [b'{"model": "m"}'], 413), ({}, [b'{"model": 1}', b""], 400)],
+)
+async def test_a_refused_request_leaves_nothing_for_the_collector(
+    limits: dict[str, int], pieces: list[bytes], status: int
+) -> None:
+    # Its error kept with a traceback would hold the processor in a cycle, and with it the
+    # stream (gRPC's call, with what it holds of the body), until a collection ran.
+    rt = runtime(FakePrefill(0.0), cached=True, limits=limits)
+    envoy = ScriptedEnvoy()
+    processor = RequestProcessor(rt.request_deps, EnvoyStream(envoy))  # type: ignore[arg-type]
+    gone = weakref.ref(processor)
+    await envoy.inbox.put(streamed_headers())
+    for piece in pieces[:-1]:
+        await envoy.inbox.put(chunk(piece))
+    await envoy.inbox.put(chunk(pieces[-1], end=True))
+    gc.disable()
+    try:
+        await asyncio.wait_for(processor.run(), timeout=2)
+        assert envoy.sent[-1].immediate_response.status.code == status
+        del processor
+        assert gone() is None
+    finally:
+        gc.enable()
+    assert rt.request_deps.bodies.in_use == 0

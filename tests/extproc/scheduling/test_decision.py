@@ -121,3 +121,22 @@ def test_d_counts_ours_exactly_and_others_as_last_scraped() -> None:
     assert decider.decide(LOAD_AWARE, 4096, "d", alone, Load()).decode_only
     others = Load(in_flight=1, foreign=2)  # another router's requests run there
     assert decider.decide(LOAD_AWARE, 4096, "d2", others, Load()).reason == "stall_budget"
+
+
+def test_a_prompt_of_no_known_size_is_never_decode_only_and_counted() -> None:
+    metrics = Metrics()
+    decider = Decider(metrics)
+    idle = Load(in_flight=1)
+    assert decider.decide(LOAD_AWARE, 40, "d", idle, Load()).decode_only  # idle: alone wins
+    decision = decider.decide(LOAD_AWARE, None, "d", idle, Load())
+    assert (decision.decode_only, decision.reason) == (False, "unbounded_prompt")
+    text = metrics.render().decode()
+    assert 'decision="disaggregate",reason="unbounded_prompt"} 1.0' in text
+
+
+def test_the_tokenizers_count_and_the_members_it_did_not_render_add_up() -> None:
+    threshold = DecisionConfig(mode="threshold", max_prompt_tokens=100)
+    decider = Decider(Metrics())
+    # 90 tokens counted, and 80 bytes (20 tokens) of documents the tokenizer did not render
+    assert decider.decide(threshold, 0, "d", Load(), Load(), prompt_tokens=90).decode_only
+    assert not decider.decide(threshold, 80, "d", Load(), Load(), prompt_tokens=90).decode_only
