@@ -2,7 +2,9 @@
 
 Every completion request leaves one record in `SimServer.records` (see GET /sim/requests), and
 so does every request no route matched (outcome "unrouted"): a proxy in front must never let a
-request through to a path it did not mean to, and tests see such a request here.
+request through to a path it did not mean to, and tests see such a request here. So do the
+bodies a proxy passes through untouched (POST /tokenize and /detokenize): tests see what
+reached the engine past the ext_proc.
 """
 
 from __future__ import annotations
@@ -377,6 +379,41 @@ def _update_gauges(rank: Rank) -> None:
             stages[req.fetch_stage] += 1
     for stage, count in stages.items():
         m.lbl(m.fetch_by_stage, stage=stage).set(count)
+
+
+@web.middleware
+async def record_passed_through(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Record a request to an endpoint that computes nothing (/tokenize, /detokenize) with
+    its headers and body, as it reached the engine."""
+    if request.path not in _PASSED_THROUGH or request.method != "POST":
+        return await handler(request)
+    raw = await request.read()
+    response = await handler(request)
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = raw.decode(errors="replace")
+    request.app[SIM_KEY].records.append(
+        {
+            "x_request_id": request.headers.get("X-Request-Id"),
+            "internal_id": None,
+            "method": request.method,
+            "path": request.path,
+            "received_at": time.time(),
+            "body": body,
+            "headers": _headers(request),
+            "status": response.status,
+            "outcome": "passed_through",
+            "kv": None,
+            "kv_evidence": None,
+            "first_token_at": None,
+            "body_bytes": len(raw),
+        }
+    )
+    return response
+
+
+_PASSED_THROUGH = ("/tokenize", "/detokenize")
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -12,7 +12,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.struct_pb2 import Struct
 
 from extproc.errors import RequestEnded
-from extproc.headers import DESTINATION_HEADER, RANK_HEADER
+from extproc.headers import DESTINATION_HEADER, RANK_HEADER, SIDECAR_HEADERS
 
 __all__ = [
     "DESTINATION_HEADER",
@@ -164,6 +164,12 @@ def request_labels(labels: Labels, reason: str | None = None) -> Struct:
     return metadata
 
 
+# The client's copies of the sidecar's headers that an answer does not set itself (it
+# overwrites the others): removed, so that none reaches an engine.
+_NOT_SET_ON_D = [h for h in SIDECAR_HEADERS if h != DESTINATION_HEADER]
+_NOT_SET_ON_RANK = [h for h in _NOT_SET_ON_D if h != RANK_HEADER]
+
+
 def route_mutation(
     destinations: Iterable[str],
     request_id: str,
@@ -184,8 +190,10 @@ def route_mutation(
     if single:
         headers.extend(_header(name, value) for name, value in single.items())
     if rank is None:
-        return ep.HeaderMutation(set_headers=headers, remove_headers=[RANK_HEADER])
-    return ep.HeaderMutation(set_headers=[*headers, _header(RANK_HEADER, str(rank))])
+        return ep.HeaderMutation(set_headers=headers, remove_headers=_NOT_SET_ON_D)
+    return ep.HeaderMutation(
+        set_headers=[*headers, _header(RANK_HEADER, str(rank))], remove_headers=_NOT_SET_ON_RANK
+    )
 
 
 def body_answer(
@@ -290,6 +298,10 @@ def body_passthrough(chunk: ep.HttpBody, request_side: bool) -> ep.ProcessingRes
 
 
 def destination_answer(destinations: Iterable[str]) -> ep.ProcessingResponse:
-    """The request headers' answer that only routes (a request passed through as it is)."""
-    mutation = ep.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, ",".join(destinations))])
+    """The request headers' answer that only routes (a request passed through as it is, but
+    for the client's copies of the sidecar's headers, removed)."""
+    mutation = ep.HeaderMutation(
+        set_headers=[_header(DESTINATION_HEADER, ",".join(destinations))],
+        remove_headers=_NOT_SET_ON_D,
+    )
     return headers_answer(mutation)
