@@ -233,7 +233,10 @@ class RequestProcessor:
         if upload is None:
             return
         started = time.perf_counter()
-        request = parse_request(api, upload.body, config.limits.max_body_bytes)
+        dispatch = config.dispatch
+        request = parse_request(
+            api, upload.body, config.limits.max_body_bytes, dispatch.client_engine_priority
+        )
         self.model = request.model
         fallbacks = 1 if picker is None else picker.fallbacks
         tokens = await request_tokens(request, self.deps.scheduler)  # None: not KV-routed

@@ -271,9 +271,7 @@ async def test_a_passed_through_request_is_admitted_at_the_requests_priority() -
                 status, body, response_headers = await topo.post("/tokenize", tokenize, headers)
                 assert status == 429, (headers, body)
                 assert response_headers["retry-after"] == "1"
-            status, body, _ = await topo.post(
-                "/tokenize", tokenize, {"x-gateway-priority": "0"}
-            )
+            status, body, _ = await topo.post("/tokenize", tokenize, {"x-gateway-priority": "0"})
             assert status == 200, body
             async with topo.session.get(topo.url + "/v1/models") as response:
                 assert response.status == 429
