@@ -126,6 +126,20 @@ async def _serve(
 RANK_HEADER = "X-data-parallel-rank"
 
 
+def session_id(headers: Any, body: dict[str, Any]) -> str | None:
+    """The request's session as vLLM 0.32 reads it: the body's `session_id`, else the
+    X-Session-ID header, else `vllm_xargs.session_id`."""
+    xargs = body.get("vllm_xargs")
+    for value in (
+        body.get("session_id"),
+        headers.get("X-Session-ID"),
+        xargs.get("session_id") if isinstance(xargs, dict) else None,
+    ):
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
 def choose_rank(sim: SimServer, header: str | None) -> Rank:
     """The rank a request goes to, as vLLM: the header's (an integer; anything else counts as
     no header), else the load balancer's; a rank out of range is the client's error (400)."""
@@ -155,7 +169,12 @@ async def _run(
     rec["data_parallel_rank"], rec["engine_id"] = rank.index, gen.engine_id
     engine = gen.engine
     req = SimRequest(
-        internal, parsed.prompt_ids, parsed.max_tokens, mode=parsed.mode, remote=parsed.kv_params
+        internal,
+        parsed.prompt_ids,
+        parsed.max_tokens,
+        mode=parsed.mode,
+        remote=parsed.kv_params,
+        session_id=session_id(request.headers, rec["body"]),
     )
     rec["events"] = req.timeline  # the same list: P's push events arrive after its answer
     if sim.cfg.cost.api_overhead_ms > 0:  # vLLM's API server: parse, tokenize, IPC
