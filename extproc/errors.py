@@ -23,6 +23,8 @@ RequestEnded
                          retryable; P's health is left alone: P is not to blame)
     IdentityChanged      P's answer shows a new engine id: it restarted under a request
                          already dispatched to D with the old one (503, retryable)
+    KvLost               P answered, D's 200 passed, then P restarted or went down before
+                         its pushed KV could land: the started stream is reset (503 label)
     NoHealthyPrefill     no prefill endpoint is healthy for this request's model, and
                          dispatch.no_healthy_prefill is not decode_only (503, retryable)
     NoHealthyDecode      no decode endpoint is healthy for this request (503, retryable)
@@ -47,6 +49,7 @@ import orjson
 __all__ = [
     "ClientError",
     "IdentityChanged",
+    "KvLost",
     "KvMismatch",
     "LegError",
     "ListenerUnreachable",
@@ -143,6 +146,13 @@ class ListenerUnreachable(LegError):
 
 class IdentityChanged(LegError):
     label = "identity_changed"
+
+
+class KvLost(LegError):
+    """The prefill engine that still owed a streamed answer its pushed KV restarted or went
+    down after it answered (`extproc.request.pushed_kv`): the started stream is reset."""
+
+    label = "kv_lost"
 
 
 class NoHealthyPrefill(LegError):

@@ -101,13 +101,15 @@ async def _serve(
         return error_response(exc.status, exc.message, exc.param, exc.kind)
     external, internal = shapes.request_ids(base_request_id(request.headers, body), chat)
     rec["internal_id"] = internal
-    engine = sim.current.engine
     req = SimRequest(
         internal, parsed.prompt_ids, parsed.max_tokens, mode=parsed.mode, remote=parsed.kv_params
     )
     rec["events"] = req.timeline  # the same list: P's push events arrive after its answer
     if sim.cfg.cost.api_overhead_ms > 0:  # vLLM's API server: parse, tokenize, IPC
         await asyncio.sleep(sim.cfg.cost.api_overhead_ms / 1000.0)
+    # Read after the waits above: a restart meanwhile ended the engine of the generation
+    # before, whose loop no longer steps (a request handed to it would never be answered).
+    engine = sim.current.engine
     engine.submit(req)
     try:
         if parsed.stream:

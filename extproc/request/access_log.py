@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
+from extproc.errors import KvLost
 from extproc.request.envoy_msgs import LABELS_NAMESPACE
 
 if TYPE_CHECKING:
@@ -50,6 +51,10 @@ class AccessLogStreams:
     @property
     def decide_outcomes(self) -> bool:
         return self.open > 0
+
+
+# What the ext_proc may say of an answer it cut itself (a bounded set, whatever an entry holds)
+_TOLD_OUTCOMES = frozenset({KvLost.label})
 
 
 def answer_outcome(entry: Any) -> str:
@@ -86,7 +91,9 @@ def observe_entry(metrics: Metrics, entry: Any, streams: AccessLogStreams | None
     strategy, model = fields["strategy"].string_value, fields["model"].string_value
     code = _code_class(entry.response.response_code.value)
     if "reason" in fields:
-        outcome = answer_outcome(entry)
+        # "outcome": the ext_proc cut the answer itself (its push was lost) and says why
+        told = fields["outcome"].string_value if "outcome" in fields else None
+        outcome = told if told in _TOLD_OUTCOMES else answer_outcome(entry)
         metrics.requests.labels(outcome, strategy, fields["reason"].string_value, model).inc()
         if streams is not None:
             streams.awaiting -= 1
