@@ -1,7 +1,8 @@
 """Errors that end a client request, and their one mapping to OpenAI-style JSON.
 
 Every request-ending error is a `RequestEnded`: an HTTP status, a message for the client, and
-optionally `retry_after_s` (sent as Retry-After) and `param` (the offending field). The
+optionally `retry_after_s` (sent as Retry-After), `param` (the offending field) and `detail`,
+for the log only: the engines' addresses and raw causes never reach the client. The
 processor catches it at one place and answers with an ImmediateResponse carrying `body`
 (`error_body`); `LegError`s also count in metrics and logs under their `label`.
 
@@ -96,12 +97,14 @@ def error_body(status: int, message: str, param: str | None = None) -> bytes:
 @dataclass
 class RequestEnded(Exception):
     status: int
-    message: str
+    message: str  # for the client: never an engine's address
     retry_after_s: int | None = None
     param: str | None = None
+    detail: str | None = None  # for the operator's log only: which engine, the raw cause
 
     def __str__(self) -> str:
-        return f"{self.status} {self.message}"
+        detail = "" if self.detail is None else f" ({self.detail})"
+        return f"{self.status} {self.message}{detail}"
 
     @property
     def body(self) -> bytes:

@@ -251,14 +251,19 @@ class _PrefillLeg:
         except ValueError as error:
             identities.drop(self.prefill)
             raise PrefillFailed(
-                502, f"prefill {self.prefill} sent unusable params: {error}"
+                502,
+                "the prefill engine sent unusable kv_transfer_params",
+                detail=f"prefill {self.prefill}: {error}",
             ) from None
         identities.learn(self.prefill, identity)
         self.identity = identity
         if given is not None and identity != given:
             self._services.metrics.identity_events.labels(self.prefill, "mismatched").inc()
             raise IdentityChanged(
-                503, f"prefill {self.prefill} restarted (new engine id); retry", retry_after_s=1
+                503,
+                "the prefill engine restarted (new engine id); retry",
+                retry_after_s=1,
+                detail=f"prefill {self.prefill}",
             )
         return result.kv_transfer_params  # type: ignore[no-any-return]
 
@@ -326,6 +331,7 @@ class _OwedPush:
                 "the prefill engine restarted or stopped before its KV reached the decode"
                 " engine; retry",
                 retry_after_s=1,
+                detail=f"prefill {owed.endpoint}, engine {owed.engine_id}",
             )
         return owed.lost
 
@@ -520,7 +526,9 @@ class ParallelDispatch:
             if not task.done():
                 self._stop()
                 raise PrefillTimeout(
-                    504, f"prefill endpoint {self._plan.prefill} did not answer within {wait_s:g} s"
+                    504,
+                    f"the prefill engine did not answer within {wait_s:g} s",
+                    detail=f"prefill {self._plan.prefill}",
                 )
         self._settle()
         return True

@@ -461,3 +461,29 @@ async def test_a_burst_of_streams_across_a_prefill_restart_leaves_none_silent() 
         await topo.sim(topo.prefills[0], "POST", "/sim/restart")
         ended = collections.Counter(await asyncio.gather(*streams))
         assert ended["silent"] == 0, ended
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"),
+    [
+        ({"fail_next": 1, "fail_status": 500}, 502),
+        ({"hang_next": 1}, 504),
+        ({"refuse_connections": True}, 503),
+    ],
+    ids=["answers-500", "hangs", "refuses"],
+)
+async def test_a_prefill_failure_never_shows_the_client_an_engines_address(
+    fault: dict[str, object], status: int
+) -> None:
+    # Slow health checks and no probe: the request is the first to meet the fault; serial
+    # dispatch (no identity yet) has P's leg fail before anything reaches D.
+    config = {"dispatch": {"probe": False}, "health": {"interval_s": 30}}
+    async with topology(timeouts={"prefill_s": 1.0}, **config) as topo:
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults", fault)
+        got, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert got == status, body
+        message = orjson.loads(body)["error"]["message"]
+        assert "prefill engine" in message, message
+        for secret in ("127.0.0.1", str(topo.prefills[0].port), "localhost"):
+            assert secret not in body.decode(), body
+        assert str(topo.prefills[0].port) in topo.sidecar.log_text()  # the operator's log has it
