@@ -119,6 +119,7 @@ def test_flapping_endpoint_becomes_serial_for_the_cooldown() -> None:
 
 PUSH = identity_from_params(P_PARAMS)
 PULL = identity_from_params(P_PARAMS | {"transfer_mode": "pull"})
+PRE_0_28 = identity_from_params({k: v for k, v in P_PARAMS.items() if k != "transfer_mode"})
 
 
 @pytest.mark.parametrize(
@@ -127,13 +128,14 @@ PULL = identity_from_params(P_PARAMS | {"transfer_mode": "pull"})
         (DispatchMode.AUTO, PUSH, False, (Strategy.PARALLEL, "cache_hit")),
         (DispatchMode.AUTO, None, False, (Strategy.SERIAL, "cache_miss")),
         (DispatchMode.AUTO, PULL, False, (Strategy.SERIAL, "pull")),
+        (DispatchMode.AUTO, PRE_0_28, False, (Strategy.SERIAL, "pull")),  # vLLM < 0.28: pull
         (DispatchMode.AUTO, PUSH, True, (Strategy.SERIAL, "serial_only")),
         (DispatchMode.PUSH, PULL, False, (Strategy.PARALLEL, "cache_hit")),
         (DispatchMode.PUSH, None, False, (Strategy.SERIAL, "cache_miss")),
         (DispatchMode.PULL, PUSH, False, (Strategy.SERIAL, "pull")),
         (DispatchMode.SERIAL_PUSH, PUSH, False, (Strategy.SERIAL, "serial_only")),
     ],
-    ids=lambda v: str(v) if not hasattr(v, "engine_id") else v.transfer_mode,
+    ids=lambda v: str(v) if not hasattr(v, "engine_id") else str(v.transfer_mode),
 )
 def test_strategy_table(mode, identity, serial_only, expected) -> None:
     assert choose_strategy(mode, identity, serial_only) == expected
