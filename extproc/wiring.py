@@ -255,8 +255,11 @@ class Runtime:
         if event in ("changed", "flapping", "dropped"):
             log.info("prefill %s: identity %s", endpoint, event)
         identity = self.identities.get(endpoint)
-        if event == "changed" and identity is not None:  # the engine before it is gone
+        if identity is None or event not in ("refreshed", "learned", "changed"):
+            return
+        if event == "changed":  # the engine before it is gone
             self._pushes_lost(endpoint, self.pushed_kv.engine_changed(endpoint, identity.engine_id))
+        self.pushed_kv.seen_alive(endpoint, identity.engine_id)
 
     def _pushes_lost(self, endpoint: str, streams: int) -> None:
         if streams:
@@ -310,6 +313,7 @@ class Runtime:
         for address in removed:
             log.info("%s %s left the pool", role, address)
             self.identities.forget(address)
+            self.pushed_kv.forget(address)
             self.kv_compat.forget(address)
             self.kv_check.forget(address)
             self.scheduler.forget(address)

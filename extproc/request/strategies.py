@@ -305,8 +305,8 @@ async def _answer(
 
 class _OwedPush:
     """The push P still owes a stream whose 2xx headers passed, watched until the stream ends:
-    `watch` raises KvLost once the engine that owes it is known to be gone within
-    `timeouts.pushed_kv_s` of its answer (`extproc.request.pushed_kv`)."""
+    `watch` raises KvLost once the engine that owes it is known to be gone before it could
+    write it (`extproc.request.pushed_kv`)."""
 
     def __init__(self, services: LegServices, exchange: Exchange) -> None:
         self._pushed = services.pushed_kv
@@ -317,8 +317,12 @@ class _OwedPush:
         """D's headers passed; `identity` is the P that answered. A whole answer is sent once
         D is done (its KV was there long before); only a streamed one can wait in silence."""
         if self._exchange.stream_answer:
-            window_s = self._exchange.config.timeouts.pushed_kv_s
-            self._owed = self._pushed.owe(prefill, identity.engine_id, window_s)
+            config = self._exchange.config
+            landing_s = config.timeouts.pushed_kv_s
+            # a P lost meanwhile is seen by then: a failed health check, or its new engine id
+            # once the probe that follows a restart has learned it
+            keep_s = landing_s + 2 * (config.health.interval_s + config.health.timeout_s)
+            self._owed = self._pushed.owe(prefill, identity.engine_id, landing_s, keep_s)
 
     def watch(self) -> asyncio.Future[None] | None:
         owed = self._owed

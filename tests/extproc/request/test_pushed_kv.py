@@ -1,8 +1,11 @@
-"""The pushes P still owes open streams: lost on a new engine or a down endpoint, in the window."""
+"""The pushes P still owes open streams: lost on a new engine or a down endpoint, unless the
+engine was seen alive long enough after its answer to have written them."""
 
 from __future__ import annotations
 
 from extproc.request.pushed_kv import PushedKv
+
+LANDING_S, KEEP_S = 1.0, 5.0
 
 
 class Clock:
@@ -15,11 +18,8 @@ class Clock:
 
 async def test_a_new_engine_at_the_endpoint_loses_what_the_old_one_owed() -> None:
     pushed = PushedKv(Clock())
-    old, new, other = (
-        pushed.owe("p1", "e1", 5),
-        pushed.owe("p1", "e2", 5),
-        pushed.owe("p2", "e1", 5),
-    )
+    old, new = (pushed.owe("p1", e, LANDING_S, KEEP_S) for e in ("e1", "e2"))
+    other = pushed.owe("p2", "e1", LANDING_S, KEEP_S)
     assert pushed.engine_changed("p1", "e2") == 1
     assert old.lost.done() and not new.lost.done() and not other.lost.done()
     assert len(pushed) == 2  # the lost one is forgotten; the others still owed
@@ -27,24 +27,46 @@ async def test_a_new_engine_at_the_endpoint_loses_what_the_old_one_owed() -> Non
 
 async def test_a_down_endpoint_loses_all_it_owed() -> None:
     pushed = PushedKv(Clock())
-    owed = [pushed.owe("p1", engine, 5) for engine in ("e1", "e2")]
+    owed = [pushed.owe("p1", engine, LANDING_S, KEEP_S) for engine in ("e1", "e2")]
     assert pushed.endpoint_down("p1") == 2
     assert all(o.lost.done() for o in owed) and len(pushed) == 0
     assert pushed.endpoint_down("p1") == 0  # nothing twice
 
 
-async def test_a_push_past_its_window_is_not_lost_but_forgotten() -> None:
+async def test_an_engine_seen_alive_after_the_landing_time_wrote_the_push() -> None:
     clock = Clock()
     pushed = PushedKv(clock)
-    owed = pushed.owe("p1", "e1", 5)
-    clock.now += 5.01  # its KV has had time to land: the stream is left alone
-    assert pushed.engine_changed("p1", "e2") == 0
+    early = pushed.owe("p1", "e1", LANDING_S, KEEP_S)
+    clock.now += 0.5
+    late = pushed.owe("p1", "e1", LANDING_S, KEEP_S)
+    clock.now += 0.6  # e1 answers again: 1.1 s after `early`, 0.6 s after `late`
+    pushed.seen_alive("p1", "e1")
+    clock.now += 0.1
+    assert pushed.engine_changed("p1", "e2") == 1
+    assert late.lost.done() and not early.lost.done()
+
+
+async def test_another_engines_sign_of_life_proves_nothing() -> None:
+    clock = Clock()
+    pushed = PushedKv(clock)
+    owed = pushed.owe("p1", "e1", LANDING_S, KEEP_S)
+    clock.now += 2
+    pushed.seen_alive("p1", "e2")  # the restarted engine answered first
+    assert pushed.engine_changed("p1", "e2") == 1 and owed.lost.done()
+
+
+async def test_a_loss_seen_after_the_keep_time_is_not_told() -> None:
+    clock = Clock()
+    pushed = PushedKv(clock)
+    owed = pushed.owe("p1", "e1", LANDING_S, KEEP_S)
+    clock.now += KEEP_S + 0.01  # too late to tell this loss from a stream long under way
+    assert pushed.endpoint_down("p1") == 0
     assert not owed.lost.done() and len(pushed) == 0
 
 
 async def test_released_pushes_are_never_told() -> None:
     pushed = PushedKv(Clock())
-    owed = pushed.owe("p1", "e1", 5)
+    owed = pushed.owe("p1", "e1", LANDING_S, KEEP_S)
     pushed.release(owed)
     pushed.release(owed)  # a stream ends once; twice is harmless
     assert pushed.endpoint_down("p1") == 0 and not owed.lost.done() and len(pushed) == 0
