@@ -32,7 +32,8 @@ class EndpointState:
     foreign: float = 0.0
     kv_usage: float = 0.0  # the engine's vllm:kv_cache_usage_perc (0-1), when scraped
     # data-parallel ranks: requests this ext_proc has in flight at each, and each engine's
-    # scraped waiting + running (its `engine` label on /metrics)
+    # scraped waiting + running (its `engine` label on /metrics) beyond those at the scrape:
+    # as `foreign`, so that a scrape taken while our own request ran does not count it twice
     rank_in_flight: dict[int, int] = field(default_factory=dict)
     rank_load: dict[int, float] = field(default_factory=dict)
     next_rank: int = 0  # where the next rank choice starts looking: ties go in turn
@@ -44,12 +45,13 @@ class EndpointState:
         return len(ranks) if len(ranks) > 1 and set(ranks) == set(range(len(ranks))) else 1
 
     def least_loaded_rank(self, ranks: int) -> int:
-        """The rank of `ranks` to send the next request to (vLLM's DP balancing score)."""
+        """The rank of `ranks` to send the next request to: the fewest requests, ours (exact)
+        and other routers' (scraped)."""
         order = [(self.next_rank + i) % ranks for i in range(ranks)]
         self.next_rank = (self.next_rank + 1) % ranks
         return min(
             order,
-            key=lambda r: max(self.rank_in_flight.get(r, 0), self.rank_load.get(r, 0.0)),
+            key=lambda r: self.rank_in_flight.get(r, 0) + self.rank_load.get(r, 0.0),
         )
 
 

@@ -202,8 +202,8 @@ def test_a_released_count_is_counted_again_only_where_it_moves_and_only_once() -
 
 
 def test_ranks_are_chosen_by_their_load_and_counted_apart() -> None:
-    """vLLM's DP score: the greater of our in-flight count at the rank and the engine's own
-    waiting + running there; ties go in turn."""
+    """A rank's load: our in-flight requests there plus other routers' (the engine's scraped
+    waiting + running beyond ours); ties go in turn."""
     pool = Pool(Role.PREFILL, [A, B], Last())
     pool.ranks_of = lambda address: 2 if address == A else 1
     state = next(s for s in pool if s.address == A)
