@@ -24,6 +24,9 @@ class EndpointState:
     waiting: float = 0.0  # the engine's vllm:num_requests_waiting, when scraped
     running: float = 0.0  # the engine's vllm:num_requests_running, when scraped
     queued_tokens: int = 0  # prefill: prompt tokens of the P legs this ext_proc has there
+    # KV-cache routing: the prompt tokens of the requests (legs) counted here that the engine
+    # did not hold when they were picked: what it computes (P), or takes in by transfer (D)
+    pending_tokens: int = 0
     # the engine's running + waiting requests beyond this ext_proc's in-flight ones at the
     # last scrape: load other routers sent (ours is known exactly, and fresher, in in_flight)
     foreign: float = 0.0
@@ -115,10 +118,11 @@ class Pool:
             self._on_change(state)
 
     @contextmanager
-    def track(self, state: EndpointState) -> Iterator[Counted]:
-        """Count one request in flight at `state` until the block ends (or its `release`)."""
-        counted = Counted(self, state)
-        self._count(state, +1)
+    def track(self, state: EndpointState, tokens: int = 0) -> Iterator[Counted]:
+        """Count one request in flight at `state` until the block ends (or its `release`),
+        with `tokens` of work there (`pending_tokens`; they move with it)."""
+        counted = Counted(self, state, tokens)
+        self._count(state, +1, tokens)
         try:
             yield counted
         finally:
@@ -134,17 +138,18 @@ class Pool:
         if state is counted.state and counted.counting:
             return
         self.release(counted)
-        self._count(state, +1)
+        self._count(state, +1, counted.tokens)
         counted.state, counted.counting = state, True
 
     def release(self, counted: Counted) -> None:
         """Stop counting `counted` (its leg ended before the request did); once only."""
         if counted.counting:
             counted.counting = False
-            self._count(counted.state, -1)
+            self._count(counted.state, -1, -counted.tokens)
 
-    def _count(self, state: EndpointState, change: int) -> None:
+    def _count(self, state: EndpointState, change: int, tokens: int = 0) -> None:
         state.in_flight += change
+        state.pending_tokens += tokens
         self._on_change(state)
 
 
@@ -152,9 +157,10 @@ class Counted:
     """One request counted in flight at an endpoint of `pool`, from its `track` until that
     ends or, earlier, until `release` (a P leg is counted only while it runs)."""
 
-    def __init__(self, pool: Pool, state: EndpointState) -> None:
+    def __init__(self, pool: Pool, state: EndpointState, tokens: int = 0) -> None:
         self.pool = pool
         self.state = state
+        self.tokens = tokens  # its pending_tokens wherever it is counted
         self.counting = True  # counted at `state` now
         self.open = True  # its `track` has not ended: it may be counted again
 

@@ -199,3 +199,15 @@ def test_a_released_count_is_counted_again_only_where_it_moves_and_only_once() -
     assert (a.in_flight, b.in_flight) == (0, 0)
     counted.move_to(A)  # its request has ended: nothing is counted any more
     assert (a.in_flight, b.in_flight) == (0, 0)
+
+
+def test_a_counts_pending_tokens_end_and_move_with_it() -> None:
+    pool = Pool(Role.PREFILL, [A, B], Last())
+    a, b = pool
+    with pool.track(a, 100) as counted, pool.track(a, 20):
+        assert (a.pending_tokens, b.pending_tokens) == (120, 0)
+        counted.move_to(B)  # a fallback served it: its work is there now
+        assert (a.pending_tokens, b.pending_tokens) == (20, 100)
+        counted.release()
+        assert (a.pending_tokens, b.pending_tokens) == (20, 0)
+    assert (a.pending_tokens, b.pending_tokens) == (0, 0)
