@@ -3,7 +3,7 @@
 Everything is counted in prompt tokens of work, so that a cached prefix and a queue weigh in
 the same unit (a token's prefill cost cancels out). Each candidate scores
 
-    cached − (pending_tokens + (in flight + foreign) × kv_request_tokens)
+    kv_cached_token_weight × cached − (pending_tokens + (in flight + foreign) × kv_request_tokens)
 
 `cached` is the prompt's leading tokens it holds (from the engines' KV events:
 `PickRequest.cached`, full blocks × block size): on P the prefill not computed, on D the KV not
@@ -11,8 +11,11 @@ transferred (vLLM's connector asks P only for the blocks D lacks). The rest is t
 of the request there: `pending_tokens`, the tokens of this sidecar's requests in flight there
 that the engine did not hold when they were picked (raised at the pick, so a burst sees it at
 once), and a fixed cost per request (ours in flight, and others' seen at the last scrape) for
-what a request costs beyond its tokens. So the engine holding the prompt wins until the work
-queued there exceeds what its cache saves; then the next request goes where it waits least.
+what a request costs beyond its tokens. A cached token counts twice by default: once for this
+request's wait, once for the requests queued after it on that engine, which sending it where
+the prompt must be computed again would delay by as much (and a second copy of the prefix
+takes cache room from others). So the engine holding the prompt wins until the work queued
+there exceeds twice what its cache saves; then the next request goes where it waits least.
 Ties go to the prompt's rendezvous order, so equal candidates still spread by prompt.
 
 For an engine that publishes no events, `cached` counts the prompt's leading blocks this sidecar
@@ -39,6 +42,9 @@ class KvCacheOptions(BaseModel):
     # What a request in flight or queued costs beyond its tokens (a share of a step, the
     # scheduling, its KV push), in prompt tokens.
     kv_request_tokens: int = Field(default=64, ge=0)
+    # What a cached token is worth in queued tokens: this request's wait, and the wait of
+    # those queued after it where the prompt would be computed again.
+    kv_cached_token_weight: float = Field(default=2.0, ge=0)
 
 
 def work_ahead(endpoint: EndpointView, request_tokens: int) -> float:
@@ -48,7 +54,9 @@ def work_ahead(endpoint: EndpointView, request_tokens: int) -> float:
 
 class KvCachePicker:
     def __init__(self, options: KvCacheOptions | None = None) -> None:
-        self._request_tokens = (options or KvCacheOptions()).kv_request_tokens
+        options = options or KvCacheOptions()
+        self._request_tokens = options.kv_request_tokens
+        self._weight = options.kv_cached_token_weight
         self._fallback = PrefixPicker()
 
     def pick(self, candidates: Sequence[E], request: PickRequest) -> E:
@@ -64,7 +72,7 @@ class KvCachePicker:
         return max(
             candidates,
             key=lambda c: (
-                min(cached.get(c.address, 0), request.prompt_tokens)
+                self._weight * min(cached.get(c.address, 0), request.prompt_tokens)
                 - work_ahead(c, self._request_tokens),
                 -rank[id(c)],
             ),

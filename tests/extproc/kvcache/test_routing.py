@@ -162,14 +162,18 @@ def test_with_equal_load_the_engine_holding_the_prompt_wins() -> None:
 
 
 def test_the_holder_loses_once_the_work_queued_there_exceeds_what_its_cache_saves() -> None:
-    picker = KvCachePicker(KvCacheOptions(kv_request_tokens=0))
+    picker = KvCachePicker(KvCacheOptions(kv_request_tokens=0, kv_cached_token_weight=1))
     holder, other = states(P2, P1)
     holder.pending_tokens = SYSTEM - 1  # the saving: SYSTEM tokens not computed
     assert picker.pick([other, holder], HELD) is holder
     holder.pending_tokens = SYSTEM + 1
     assert picker.pick([other, holder], HELD) is other
+    # by default a cached token counts twice (this request's wait, and those after it)
+    assert KvCachePicker().pick([other, holder], HELD) is holder
+    holder.pending_tokens = 2 * SYSTEM + 1
+    assert KvCachePicker().pick([other, holder], HELD) is other
     # requests count `kv_request_tokens` each on top of their tokens: 33 × 64 > 2048
-    picker = KvCachePicker(KvCacheOptions(kv_request_tokens=64))
+    picker = KvCachePicker(KvCacheOptions(kv_request_tokens=64, kv_cached_token_weight=1))
     holder.pending_tokens, holder.in_flight = 0, 33
     assert picker.pick([other, holder], HELD) is other
 
@@ -216,8 +220,11 @@ def test_a_burst_spreads_once_the_holders_queue_outweighs_its_cache(tokenizer_di
     on_p = [p.prefill for p in picks if isinstance(p, WithPrefill)]
     on_d = [p.decodes[0] for p in picks if isinstance(p, WithPrefill)]
     for role, went, (holder, other) in (("P", on_p, (P2, P1)), ("D", on_d, (D2, D1))):
-        assert went[:16] == [holder] * 16, role  # 64 uncached + 64 a pick: 16 × 128 = 2048
-        assert went.count(other) >= 3, role  # then the other engine's turns come
+        # 64 uncached + 64 a pick: 32 × 128 = 2 × 2048
+        assert went[:32] == [holder] * 32, role
+        # then the other engine's turns come: 62 questions (3968 tokens) on the holder,
+        # 2 whole prompts (4224) on the other, about the same prefill time on each
+        assert went.count(other) == 2, role
         assert went.count(holder) > went.count(other), role  # the cache still pays
     for load, holder, other in ((prefill_load, P2, P1), (decode_load, D2, D1)):
         # each pick counted the tokens its engine lacked: the question on the holder, all on
@@ -226,7 +233,7 @@ def test_a_burst_spreads_once_the_holders_queue_outweighs_its_cache(tokenizer_di
         assert load[other][1] == load[other][0] * (SYSTEM + QUESTION)
         ahead = {e: pending + n * 64 for e, (n, pending) in load.items()}
         # the work queued on the holder, less its saving, is within one request of the other's
-        assert abs(ahead[holder] - SYSTEM - ahead[other]) <= SYSTEM + QUESTION + 64
+        assert abs(ahead[holder] - 2 * SYSTEM - ahead[other]) <= SYSTEM + QUESTION + 64
 
 
 def test_nothing_known_to_be_cached_falls_back_to_prompt_hashing() -> None:
