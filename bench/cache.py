@@ -789,6 +789,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: write one report from these runs' cache.json (the same flags)",
+    )
     args = parser.parse_args()
     args.topologies = args.topologies.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -829,8 +836,37 @@ def load_summary(samples: list[float]) -> str:
     )
 
 
+def merged(paths: list[Path]) -> tuple[list[dict], dict, dict, list[str]]:
+    """The records, counters, meta and notes of several runs' cache.json (one topology
+    each, say), as one: durations added, load samples pooled, the rest joined."""
+    records, deltas, notes, metas = [], {}, [], []
+    for path in paths:
+        saved = json.loads(path.read_text())
+        records += saved["runs"]
+        deltas |= saved["cache_counters"]
+        notes += saved["notes"]
+        metas.append(saved["meta"])
+    samples = [x for m in metas for x in m.get("load_1m_samples", [])]
+    meta = {
+        **metas[0],
+        "when": " and ".join(m["when"] for m in metas),
+        "duration_s": sum(m["duration_s"] for m in metas),
+        "load_before": " / ".join(m["load_before"] for m in metas),
+        "load_after": " / ".join(m["load_after"] for m in metas),
+        "load_during": load_summary(samples),
+        "load_1m_samples": samples,
+        "commits": " / ".join(dict.fromkeys(m["commits"] for m in metas)),
+        "merged_from": [str(p) for p in paths],
+    }
+    return records, deltas, meta, notes
+
+
 async def main() -> None:
     args = parse_args()
+    if args.merge:
+        records, deltas, meta, notes = merged(args.merge)
+        write_outputs(records, deltas, args, meta, notes)
+        return
     started, load_before = time.monotonic(), os.getloadavg()
     commits, records, deltas, notes = [commit()], [], {}, []
     samples: list[float] = []
