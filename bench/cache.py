@@ -666,7 +666,7 @@ def write_outputs(
     lines = [
         "# Routing by the KV cache: pd-extproc against vllm-router, vllmsim engines",
         "",
-        f"Profile {args.profile}; {meta['when']}; {args.runs} run(s) per cell, pooled; "
+        f"Profile {args.profile}; {meta['when']}; {runs_per_cell(records, args)}, pooled; "
         f"{meta['duration_s']:.0f} s; load average before {meta['load_before']}, after "
         f"{meta['load_after']}; 1-minute load average during the run (every 30 s) "
         f"{meta['load_during']}; pinning: {meta['pinning']}; commit {meta['commits']}. TTFT "
@@ -839,12 +839,17 @@ def load_summary(samples: list[float]) -> str:
 def merged(paths: list[Path]) -> tuple[list[dict], dict, dict, list[str]]:
     """The records, counters, meta and notes of several runs' cache.json (one topology
     each, say), as one: durations added, load samples pooled, the rest joined."""
-    records, deltas, notes, metas = [], {}, [], []
-    for path in paths:
+    records: list[dict] = []
+    deltas: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    notes: list[str] = []
+    metas = []
+    for source, path in enumerate(paths):
         saved = json.loads(path.read_text())
-        records += saved["runs"]
-        deltas |= saved["cache_counters"]
-        notes += saved["notes"]
+        records += [{**r, "source": source} for r in saved["runs"]]
+        for cell, counters in saved["cache_counters"].items():  # a cell run twice: summed
+            for key, value in counters.items():
+                deltas[cell][key] += value
+        notes += [n for n in saved["notes"] if n not in notes]
         metas.append(saved["meta"])
     samples = [x for m in metas for x in m.get("load_1m_samples", [])]
     meta = {
@@ -858,7 +863,17 @@ def merged(paths: list[Path]) -> tuple[list[dict], dict, dict, list[str]]:
         "commits": " / ".join(dict.fromkeys(m["commits"] for m in metas)),
         "merged_from": [str(p) for p in paths],
     }
-    return records, deltas, meta, notes
+    return records, {k: dict(v) for k, v in deltas.items()}, meta, notes
+
+
+def runs_per_cell(records: list[dict], args: argparse.Namespace) -> str:
+    """How many runs each topology's cells pool (merged reports: the runs holding it)."""
+    if not any("source" in r for r in records):
+        return f"{args.runs} run(s) per cell"
+    by_topology: dict[str, set[int]] = defaultdict(set)
+    for r in records:
+        by_topology[r["topology"].split("/")[1]].add(r["source"])
+    return "runs per cell: " + ", ".join(f"{t} {len(s)}" for t, s in by_topology.items())
 
 
 async def main() -> None:
