@@ -17,12 +17,25 @@ engine publishing vLLM's KV events over ZMQ), these configurations are started a
 and `vllm bench serve` drives three workloads at each concurrency C (bench/workload.py):
 
   shared-prefix  G system prompts of S tokens, a fresh question of Q tokens per request,
-                 max(32, 4 × C) requests (--min-requests, --requests-per-c)
+                 max(64, 4 × C) requests (--min-requests, --requests-per-c)
   multi-turn     max(8, 2 × C) conversations of T turns (--min-conversations,
                  --conversations-per-c); the client sends turn k of every conversation as
                  one run (C at a time), turn k + 1 only after all of turn k
   random         vllm bench serve's random 1024 in / 64 out, max(0, 2 × C) prompts
                  (--random-min, --random-per-c)
+
+The regime (--regime) says how much the caches can hold:
+
+  tight (default)  as deployments run: more groups than one prefill engine can keep. G = 8 × n
+                   groups (16 on 2P2D, 32 on 4P4D) of S = 2048 tokens, and every prefill
+                   engine's KV cache (vllmsim --num-gpu-blocks) holds 1.25 × G / n system
+                   prompts (10): the pool holds every group's with a quarter to spare, one
+                   engine about half of them on 2P2D. Decode engines keep the profile's blocks
+                   (D's cache must hold its running requests' whole prompts).
+  roomy            the first run's: G = 8, S = 1024, the profile's blocks everywhere (every
+                   engine holds every group's system prompt).
+
+--groups, --system-tokens and --prefill-kv-blocks override the regime's.
 
 Every run gets its own words (a salt per configuration, C and repetition), so that no
 configuration finds blocks another one left in the caches; the shape (groups, lengths, order)
@@ -33,7 +46,8 @@ and the prompt tokens they computed. Aim: pd-cache's (and pd-cache+decide's) TTF
 every cell is checked.
 Output: bench/results/cache.md, cache.json, cache.png.
 
-    python bench/cache.py                   # 2P2D and 4P4D, C = 4, 16, 64, 1 run
+    python bench/cache.py                   # 2P2D and 4P4D, C = 4, 16, 64, 1 run, tight
+    python bench/cache.py --regime roomy    # the first run's regime
     python bench/cache.py --topologies 2P2D --concurrency 4 --workloads shared-prefix \\
         --requests-per-c 2 --turns 2        # a smoke run
     python bench/cache.py --vllmsim-from ../other-checkout   # engines from another tree
@@ -42,8 +56,10 @@ Output: bench/results/cache.md, cache.json, cache.png.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -79,6 +95,49 @@ CACHE_CONFIGS = ("pd-cache", "pd-cache+decide")  # checked against the aim
 ROUTERS = ("router-cache", "router-kv")
 AIM_VS_ROUTER, AIM_VS_BASELINE = 0.7, 1.02
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+BLOCK = 16  # tokens per KV block (vllmsim's, vLLM's default)
+REGIMES = ("tight", "roomy")
+
+
+@dataclass(frozen=True)
+class Regime:
+    """How much the engines' caches hold against the shared-prefix workload, per topology."""
+
+    shape: SharedPrefix
+    prefill_kv_blocks: int | None  # vllmsim --num-gpu-blocks of every P; None: the profile's
+
+    def describe(self, n: int) -> str:
+        prompts = self.shape.groups
+        if self.prefill_kv_blocks is None:
+            return (
+                f"G = {prompts} system prompts of {self.shape.system_tokens} tokens; "
+                "the profile's KV blocks"
+            )
+        held = self.prefill_kv_blocks / prefix_blocks(self.shape)
+        return (
+            f"G = {prompts} system prompts of {self.shape.system_tokens} tokens "
+            f"({prefix_blocks(self.shape)} blocks each); every P's KV cache "
+            f"{self.prefill_kv_blocks} blocks: {held:.1f} of the {prompts} prompts on one, "
+            f"{n * held:.0f} on the {n}; D: the profile's blocks"
+        )
+
+
+def prefix_blocks(shape: SharedPrefix) -> int:
+    """The full blocks of one group's system prompt (with the BOS)."""
+    return (1 + shape.system_tokens) // BLOCK
+
+
+def regime(args: argparse.Namespace, n: int) -> Regime:
+    """The workload shape and prefill cache size of `args.regime` on nPnD, with the flags
+    given overriding it."""
+    tight = args.regime == "tight"
+    groups = args.groups or (8 * n if tight else 8)
+    system = args.system_tokens or (2048 if tight else 1024)
+    shape = SharedPrefix(groups, system, args.question_tokens)
+    blocks = args.prefill_kv_blocks
+    if blocks is None and tight:
+        blocks = math.ceil(1.25 * groups / n * prefix_blocks(shape))
+    return Regime(shape, blocks)
 
 
 @dataclass(frozen=True)
@@ -342,7 +401,8 @@ def cell_runs(cell: Cell, index: int, args: argparse.Namespace, url: str, work: 
         )
     elif cell.workload == "shared-prefix":
         count = max(args.min_requests, args.requests_per_c * conc)
-        rows = shared_prefix(tiny_model(), args.shared, count, seed, salt)
+        shape = regime(args, int(cell.topology[0])).shape
+        rows = shared_prefix(tiny_model(), shape, count, seed, salt)
         runs.append(_file_run(tag, cell, index, url, work, rows, seed))
     else:
         conversations = max(args.min_conversations, args.conversations_per_c * conc)
@@ -417,6 +477,14 @@ async def bench_topology(
     has_events, why = engine_cache_flags(args.engine_env)
     flags = EventFlags(has_events, work / f"events-{topology}")
     flags.folder.mkdir()
+    mine = regime(args, n)
+    blocks = (
+        [] if mine.prefill_kv_blocks is None else ["--num-gpu-blocks", str(mine.prefill_kv_blocks)]
+    )
+
+    def own_flags(role: str, index: int) -> list[str]:
+        return [*flags(role, index), *(blocks if role == "prefill" else [])]
+
     async with contextlib.AsyncExitStack() as stack:
         engines = await stack.enter_async_context(
             running_engines(
@@ -427,12 +495,12 @@ async def bench_topology(
                 tiny_model(),
                 ("--profile", args.profile),
                 engine_cpus,
-                flags,
+                own_flags,
                 args.engine_env,
             )
         )
         events = flags.endpoints(engines)
-        notes.append(f"{topology}: engines: {why}")
+        notes.append(f"{topology}: engines: {why}; {args.regime} regime: {mine.describe(n)}")
         targets = {}
         for name in args.configs:
             if reason := runnable(CONFIGS[name], engines, events, has_events, why):
@@ -598,9 +666,10 @@ def write_outputs(
     lines = [
         "# Routing by the KV cache: pd-extproc against vllm-router, vllmsim engines",
         "",
-        f"Profile {args.profile}; {meta['when']}; {args.runs} run(s) per cell, pooled; "
+        f"Profile {args.profile}; {meta['when']}; {runs_per_cell(records, args)}, pooled; "
         f"{meta['duration_s']:.0f} s; load average before {meta['load_before']}, after "
-        f"{meta['load_after']}; pinning: {meta['pinning']}; commit {meta['commits']}. TTFT "
+        f"{meta['load_after']}; 1-minute load average during the run (every 30 s) "
+        f"{meta['load_during']}; pinning: {meta['pinning']}; commit {meta['commits']}. TTFT "
         "and TPOT in ms; cached % = prompt tokens found in the engines' prefix caches "
         "over all prompt tokens of that role (vllm:prompt_tokens_by_source_total), "
         "computed = prompt tokens the role prefilled itself. Best router: per cell, the "
@@ -608,7 +677,9 @@ def write_outputs(
         f"{AIM_VS_ROUTER} × best router on {', '.join(CACHE_WORKLOADS)}, ≤ "
         f"{AIM_VS_BASELINE} × pd-rr on random.",
         "",
-        f"Workloads: shared-prefix {vars(args.shared)}, max({args.min_requests}, "
+        f"Workloads: shared-prefix ({args.regime} regime: groups, system prompt and P's KV "
+        f"cache per topology below), question {args.question_tokens} tokens, "
+        f"max({args.min_requests}, "
         f"{args.requests_per_c} × C) requests; multi-turn "
         f"{ {k: v for k, v in vars(args.chat).items() if k != 'conversations'} }, "
         f"max({args.min_conversations}, {args.conversations_per_c} × C) conversations; "
@@ -689,7 +760,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=14)
     parser.add_argument("--requests-per-c", type=int, default=4, help="shared-prefix requests")
     parser.add_argument(
-        "--min-requests", type=int, default=32, help="shared-prefix requests at least"
+        "--min-requests", type=int, default=64, help="shared-prefix requests at least"
     )
     parser.add_argument(
         "--conversations-per-c", type=int, default=2, help="multi-turn conversations"
@@ -699,8 +770,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--random-per-c", type=int, default=2, help="random prompts")
     parser.add_argument("--random-min", type=int, default=0, help="random prompts at least")
-    parser.add_argument("--groups", type=int, default=SharedPrefix.groups)
-    parser.add_argument("--system-tokens", type=int, default=SharedPrefix.system_tokens)
+    parser.add_argument(
+        "--regime", choices=REGIMES, default="tight", help="what the caches hold (see above)"
+    )
+    parser.add_argument("--groups", type=int, help="shared-prefix groups (default: the regime's)")
+    parser.add_argument("--system-tokens", type=int, help="shared-prefix system prompt tokens")
+    parser.add_argument(
+        "--prefill-kv-blocks", type=int, help="every P's KV cache, in blocks (--num-gpu-blocks)"
+    )
     parser.add_argument("--question-tokens", type=int, default=SharedPrefix.question_tokens)
     parser.add_argument("--turns", type=int, default=MultiTurn.turns)
     parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
@@ -712,6 +789,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: write one report from these runs' cache.json (the same flags)",
+    )
     args = parser.parse_args()
     args.topologies = args.topologies.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -724,7 +808,9 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"unknown {name} {unknown}; choose from {', '.join(known)}")
     if bad := [t for t in args.topologies if not re.fullmatch(r"([1-9])P\1D", t)]:
         parser.error(f"topologies are nPnD with n in 1..9, not {bad}")
-    args.shared = SharedPrefix(args.groups, args.system_tokens, args.question_tokens)
+    for name in ("groups", "system_tokens", "prefill_kv_blocks"):
+        if (value := getattr(args, name)) is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, not {value}")
     args.chat = MultiTurn(turns=args.turns)
     root = args.vllmsim_from
     if root is not None and not (root / "vllmsim" / "__init__.py").is_file():
@@ -733,22 +819,92 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+async def sample_load(samples: list[float], every_s: float = 30.0) -> None:
+    """The 1-minute load average, every `every_s` (the machine is shared: say how busy)."""
+    while True:
+        samples.append(os.getloadavg()[0])
+        await asyncio.sleep(every_s)
+
+
+def load_summary(samples: list[float]) -> str:
+    if not samples:
+        return "not sampled"
+    ordered = sorted(samples)
+    return (
+        f"min {ordered[0]:.1f}, median {ordered[len(ordered) // 2]:.1f}, max {ordered[-1]:.1f} "
+        f"({len(samples)} samples)"
+    )
+
+
+def merged(paths: list[Path]) -> tuple[list[dict], dict, dict, list[str]]:
+    """The records, counters, meta and notes of several runs' cache.json (one topology
+    each, say), as one: durations added, load samples pooled, the rest joined."""
+    records: list[dict] = []
+    deltas: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    notes: list[str] = []
+    metas = []
+    for source, path in enumerate(paths):
+        saved = json.loads(path.read_text())
+        records += [{**r, "source": source} for r in saved["runs"]]
+        for cell, counters in saved["cache_counters"].items():  # a cell run twice: summed
+            for key, value in counters.items():
+                deltas[cell][key] += value
+        notes += [n for n in saved["notes"] if n not in notes]
+        metas.append(saved["meta"])
+    samples = [x for m in metas for x in m.get("load_1m_samples", [])]
+    meta = {
+        **metas[0],
+        "when": " and ".join(m["when"] for m in metas),
+        "duration_s": sum(m["duration_s"] for m in metas),
+        "load_before": " / ".join(m["load_before"] for m in metas),
+        "load_after": " / ".join(m["load_after"] for m in metas),
+        "load_during": load_summary(samples),
+        "load_1m_samples": samples,
+        "commits": " / ".join(dict.fromkeys(m["commits"] for m in metas)),
+        "merged_from": [str(p) for p in paths],
+    }
+    return records, {k: dict(v) for k, v in deltas.items()}, meta, notes
+
+
+def runs_per_cell(records: list[dict], args: argparse.Namespace) -> str:
+    """How many runs each topology's cells pool (merged reports: the runs holding it)."""
+    if not any("source" in r for r in records):
+        return f"{args.runs} run(s) per cell"
+    by_topology: dict[str, set[int]] = defaultdict(set)
+    for r in records:
+        by_topology[r["topology"].split("/")[1]].add(r["source"])
+    return "runs per cell: " + ", ".join(f"{t} {len(s)}" for t, s in by_topology.items())
+
+
 async def main() -> None:
     args = parse_args()
+    if args.merge:
+        records, deltas, meta, notes = merged(args.merge)
+        write_outputs(records, deltas, args, meta, notes)
+        return
     started, load_before = time.monotonic(), os.getloadavg()
     commits, records, deltas, notes = [commit()], [], {}, []
-    with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
-        for topology in args.topologies:
-            mine, counters = await bench_topology(topology, args, Path(tmp), notes)
-            records += mine
-            deltas |= counters
-            commits.append(commit())
+    samples: list[float] = []
+    sampler = asyncio.create_task(sample_load(samples))
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
+            for topology in args.topologies:
+                mine, counters = await bench_topology(topology, args, Path(tmp), notes)
+                records += mine
+                deltas |= counters
+                commits.append(commit())
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
     engine_cpus, proxy_cpus = cpu_split(args.pin)
     meta = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "duration_s": time.monotonic() - started,
         "load_before": " ".join(f"{x:.2f}" for x in load_before),
         "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "load_during": load_summary(samples),
+        "load_1m_samples": samples,
         "pinning": f"engines and client on CPU {sorted(engine_cpus)}, proxies on CPU "
         f"{sorted(proxy_cpus or ())}"
         if engine_cpus

@@ -629,6 +629,10 @@ class TimeoutConfig(_Strict):
     # for a decode waiting on KV that never comes; Envoy answers 504 (or resets a started
     # stream) after this. Non-streaming answers are silent until done: keep it above them.
     kv_wait_s: Annotated[float, seconds(0.1, DAY)] = 300.0
+    # How long after P's answer its pushed KV may still be on its way to a streaming D while P
+    # lives: a P seen restarted or down before that ends those streams at once
+    # (extproc.request.pushed_kv)
+    pushed_kv_s: Annotated[float, seconds(0.1, 600)] = 1.0
     # Longest a request may stay open (a long generation); then the sidecar stops watching it.
     request_s: Annotated[float, seconds(0.1, 7 * DAY)] = 3600.0
     # Streamed request body (the LLM routes): longest silence while the client's body comes in;

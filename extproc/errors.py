@@ -1,7 +1,8 @@
 """Errors that end a client request, and their one mapping to OpenAI-style JSON.
 
 Every request-ending error is a `RequestEnded`: an HTTP status, a message for the client, and
-optionally `retry_after_s` (sent as Retry-After) and `param` (the offending field). The
+optionally `retry_after_s` (sent as Retry-After), `param` (the offending field) and `detail`,
+for the log only: the engines' addresses and raw causes never reach the client. The
 processor catches it at one place and answers with an ImmediateResponse carrying `body`
 (`error_body`); `LegError`s also count in metrics and logs under their `label`.
 
@@ -23,6 +24,8 @@ RequestEnded
                          retryable; P's health is left alone: P is not to blame)
     IdentityChanged      P's answer shows a new engine id: it restarted under a request
                          already dispatched to D with the old one (503, retryable)
+    KvLost               P answered, D's 200 passed, then P restarted or went down before
+                         its pushed KV could land: the started stream is reset (503 label)
     NoHealthyPrefill     no prefill endpoint is healthy for this request's model, and
                          dispatch.no_healthy_prefill is not decode_only (503, retryable)
     NoHealthyDecode      no decode endpoint is healthy for this request (503, retryable)
@@ -47,6 +50,7 @@ import orjson
 __all__ = [
     "ClientError",
     "IdentityChanged",
+    "KvLost",
     "KvMismatch",
     "LegError",
     "ListenerUnreachable",
@@ -93,12 +97,14 @@ def error_body(status: int, message: str, param: str | None = None) -> bytes:
 @dataclass
 class RequestEnded(Exception):
     status: int
-    message: str
+    message: str  # for the client: never an engine's address
     retry_after_s: int | None = None
     param: str | None = None
+    detail: str | None = None  # for the operator's log only: which engine, the raw cause
 
     def __str__(self) -> str:
-        return f"{self.status} {self.message}"
+        detail = "" if self.detail is None else f" ({self.detail})"
+        return f"{self.status} {self.message}{detail}"
 
     @property
     def body(self) -> bytes:
@@ -143,6 +149,13 @@ class ListenerUnreachable(LegError):
 
 class IdentityChanged(LegError):
     label = "identity_changed"
+
+
+class KvLost(LegError):
+    """The prefill engine that still owed a streamed answer its pushed KV restarted or went
+    down after it answered (`extproc.request.pushed_kv`): the started stream is reset."""
+
+    label = "kv_lost"
 
 
 class NoHealthyPrefill(LegError):

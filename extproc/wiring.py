@@ -33,7 +33,7 @@ from extproc.membership.discovery import Discovery
 from extproc.membership.eds import Memberships, pool_cluster_name
 from extproc.metrics import Metrics
 from extproc.model_labels import ModelLabels
-from extproc.protocol.identity import IdentityCache
+from extproc.protocol.identity import IdentityCache, of_where
 from extproc.request.access_log import AccessLogStreams
 from extproc.request.body_budget import BodyBudget
 from extproc.request.client_key import client_key_checked_here
@@ -45,6 +45,7 @@ from extproc.request.prefill_client import (
     TrackedPrefillSender,
 )
 from extproc.request.processor import RequestDeps
+from extproc.request.pushed_kv import PushedKv
 from extproc.request.strategies import LegServices
 from extproc.roles import Role
 from extproc.scheduling.pool import EndpointState, Pool
@@ -133,6 +134,7 @@ class Runtime:
         self.config = config
         self.metrics = Metrics()
         dispatch = config.dispatch
+        self.pushed_kv = PushedKv()  # what the prefills still owe open streams
         self.identities = IdentityCache(
             dispatch.flap_threshold,
             dispatch.flap_window_s,
@@ -221,6 +223,7 @@ class Runtime:
                 self.kv_check.note_dispatch,
                 self.metrics,
                 self.kv_check.note_decode_only,
+                self.pushed_kv,
             ),
             self.scheduler,
             self.tracing.request,
@@ -267,6 +270,21 @@ class Runtime:
         self.metrics.identity_events.labels(endpoint, event).inc()
         if event in ("changed", "flapping", "dropped"):
             log.info("prefill %s: identity %s", endpoint, event)
+        identity = self.identities.get(*of_where(endpoint))  # `endpoint` names the rank too
+        if identity is None or event not in ("refreshed", "learned", "changed"):
+            return
+        if event == "changed":  # the engine before it is gone
+            self._pushes_lost(endpoint, self.pushed_kv.engine_changed(endpoint, identity.engine_id))
+        self.pushed_kv.seen_alive(endpoint, identity.engine_id)
+
+    def _pushes_lost(self, endpoint: str, streams: int) -> None:
+        if streams:
+            log.warning(
+                "prefill %s: the engine that owed %d streaming answers their KV is gone;"
+                " they are ended",
+                endpoint,
+                streams,
+            )
 
     def _restarted(self, address: str) -> None:
         """A new process start time: the prefill identity is stale before any request, and
@@ -293,6 +311,8 @@ class Runtime:
         def record(state: EndpointState) -> None:
             self.metrics.inflight.labels(role, state.address).set(state.in_flight)
             self.metrics.healthy.labels(role, state.address).set(1 if state.healthy else 0)
+            if role is Role.PREFILL and not state.healthy:  # what it still owed will not come
+                self._pushes_lost(state.address, self.pushed_kv.endpoint_down(state.address))
 
         return record
 
@@ -309,6 +329,7 @@ class Runtime:
         for address in removed:
             log.info("%s %s left the pool", role, address)
             self.identities.forget(address)
+            self.pushed_kv.forget(address)
             self.kv_compat.forget(address)
             self.kv_check.forget(address)
             self.scheduler.forget(address)

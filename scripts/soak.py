@@ -7,10 +7,12 @@ registrations, a restart (new engine id), refused connections. Every request has
 deadline far above the sidecar's own bounds, so a request that reaches it is a hang.
 
 At the end it prints one line: sent, succeeded, failed with a clear error, cut mid-stream,
-client hang-ups, hung (must be 0), the in-flight counters (must be 0), the ext_proc's memory at
-start and end, and the engines' blocks still held once their leases ran out (must be 0).
+client hang-ups, hung (must be 0), silent streams (a 200, then no byte for SILENT_S; must be
+0), the in-flight counters (must be 0), the ext_proc's memory at start and end, and the
+engines' blocks still held once their leases ran out (must be 0). `--faults restart` injects
+prefill restarts only (`--stream-share 1`: every request streams).
 
-    python scripts/soak.py [--seconds 600] [--concurrency 12] [--seed 1]
+    python scripts/soak.py [--seconds 600] [--concurrency 12] [--seed 1] [--faults restart,...]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ PREFILL = (
 DECODE = '{"kv_connector":"NixlPushConnector","kv_role":"kv_consumer"}'
 CLIENT_DEADLINE_S = 60.0  # the sidecar bounds everything well below this (see CONFIG)
 CONFIG = {"timeouts": {"prefill_s": 5, "kv_wait_s": 10}, "health": {"interval_s": 1}}
+SILENT_S = 8.0  # a 200 then no byte this long: a stream left waiting for KV (kv_wait_s cuts it)
 
 
 def rss_mib(pid: int) -> float:
@@ -48,8 +51,10 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Random) -> str:
-    stream = rng.random() < 0.5
+async def one_request(
+    session: aiohttp.ClientSession, url: str, rng: random.Random, stream_share: float
+) -> str:
+    stream = rng.random() < stream_share
     body = {
         "model": "sim-model",
         "prompt": "soak " * rng.randint(5, 400),
@@ -69,7 +74,13 @@ async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Rand
                 if hang_up:
                     await response.content.readany()
                     return "hung_up"
-                text = await response.text()
+                first = b""
+                if stream:  # the first bytes after the 200, within SILENT_S
+                    try:
+                        first = await asyncio.wait_for(response.content.readany(), SILENT_S)
+                    except TimeoutError:
+                        return "silent"
+                text = (first + await response.read()).decode()
                 if stream and "data: [DONE]" not in text:
                     return "clear_error" if '"error"' in text else "cut"
                 return "ok"
@@ -85,6 +96,7 @@ async def inject(
     rng: random.Random,
     stop: asyncio.Event,
     log: Counter[str],
+    only: set[str] | None,
 ) -> None:
     prefills, decodes = engines[:2], engines[2:]
     faults = [
@@ -101,7 +113,8 @@ async def inject(
             await asyncio.wait_for(stop.wait(), rng.uniform(2, 6))
         if stop.is_set():
             return
-        name, targets, body = rng.choice([*faults, ("restart", prefills, None)])
+        chosen = [f for f in [*faults, ("restart", prefills, None)] if not only or f[0] in only]
+        name, targets, body = rng.choice(chosen)
         engine = rng.choice(targets)
         path = "/sim/restart" if body is None else "/sim/faults"
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
@@ -134,7 +147,9 @@ async def settle(
     return inflight, blocks
 
 
-async def main(seconds: float, concurrency: int, seed: int) -> int:
+async def main(
+    seconds: float, concurrency: int, seed: int, only: set[str] | None, stream_share: float
+) -> int:
     rng = random.Random(seed)
     flags = [("--kv-transfer-config", PREFILL)] * 2 + [("--kv-transfer-config", DECODE)] * 2
     async with contextlib.AsyncExitStack() as stack:
@@ -153,9 +168,9 @@ async def main(seconds: float, concurrency: int, seed: int) -> int:
 
         async def client() -> None:
             while time.monotonic() < deadline:
-                results[await one_request(session, sidecar.url, rng)] += 1
+                results[await one_request(session, sidecar.url, rng, stream_share)] += 1
 
-        injector = asyncio.create_task(inject(session, engines, rng, stop, faults))
+        injector = asyncio.create_task(inject(session, engines, rng, stop, faults, only))
         await asyncio.gather(*(client() for _ in range(concurrency)))
         stop.set()
         await injector
@@ -166,11 +181,13 @@ async def main(seconds: float, concurrency: int, seed: int) -> int:
         f"soak {seconds:g} s, concurrency {concurrency}: sent {sent}, ok {results['ok']}, "
         f"clear errors {results['clear_error']}, cut mid-stream {results['cut']}, "
         f"client hang-ups {results['hung_up']}, unclear errors {results['unclear_error']}, "
-        f"hung {results['hung']}; in-flight after {inflight}; ext_proc RSS "
+        f"hung {results['hung']}, silent streams {results['silent']}; in-flight after {inflight}; "
+        f"ext_proc RSS "
         f"{rss_start:.1f} -> {rss_end:.1f} MiB; blocks held after leases {blocks}; "
         f"faults {dict(faults)}"
     )
-    return 0 if results["hung"] == 0 and inflight == 0 and blocks == 0 else 1
+    clean = results["hung"] == results["silent"] == 0
+    return 0 if clean and inflight == 0 and blocks == 0 else 1
 
 
 if __name__ == "__main__":
@@ -178,5 +195,8 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=600)
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--faults", help="comma-separated fault names (default: all)")
+    parser.add_argument("--stream-share", type=float, default=0.5, help="share of streams")
     args = parser.parse_args()
-    sys.exit(asyncio.run(main(args.seconds, args.concurrency, args.seed)))
+    only = set(args.faults.split(",")) if args.faults else None
+    sys.exit(asyncio.run(main(args.seconds, args.concurrency, args.seed, only, args.stream_share)))

@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens",
     )
+    p.add_argument(
+        "--pre-0-28",
+        action="store_true",
+        help="P's kv_transfer_params leave out transfer_mode, as vLLM before 0.28 (pull only)",
+    )
     p.add_argument("--kv-events-config", help="JSON, as for vllm serve (ZMQ KV cache events)")
     p.add_argument(
         "--data-parallel-size",
@@ -167,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig:
     names = tuple(args.served_model_name or [args.model or args.model_tag or "sim-model"])
     kv = parse_kv_transfer_config(args.kv_transfer_config) if args.kv_transfer_config else None
+    if args.pre_0_28:
+        if kv is None or kv.transfer_mode != "pull":
+            raise ConfigError("--pre-0-28 needs a pull connector: vLLM before 0.28 only pulls")
+        kv = dataclasses.replace(kv, names_transfer_mode=False)
     try:
         side_port = int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
     except ValueError as exc:

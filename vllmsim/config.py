@@ -78,6 +78,8 @@ class KVTransferConfig:
     engine_id: str | None = None  # pinned id; otherwise a new uuid4 per (re)start
     lease_duration_s: float = 30.0  # kv_connector_extra_config.kv_lease_duration
     load_failure_policy: str = "fail"  # kv_load_failure_policy: fail | recompute
+    # P's params name transfer_mode (vLLM 0.28 on); False: as older vLLM, pull-only (--pre-0-28)
+    names_transfer_mode: bool = True
 
     @property
     def transfer_mode(self) -> str:

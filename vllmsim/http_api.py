@@ -165,9 +165,6 @@ async def _run(
     ids: tuple[str, str],
 ) -> web.StreamResponse:
     external, internal = ids
-    gen = rank.current
-    rec["data_parallel_rank"], rec["engine_id"] = rank.index, gen.engine_id
-    engine = gen.engine
     req = SimRequest(
         internal,
         parsed.prompt_ids,
@@ -179,6 +176,11 @@ async def _run(
     rec["events"] = req.timeline  # the same list: P's push events arrive after its answer
     if sim.cfg.cost.api_overhead_ms > 0:  # vLLM's API server: parse, tokenize, IPC
         await asyncio.sleep(sim.cfg.cost.api_overhead_ms / 1000.0)
+    # Read after the waits above: a restart meanwhile ended the engine of the generation
+    # before, whose loop no longer steps (a request handed to it would never be answered).
+    gen = rank.current
+    rec["data_parallel_rank"], rec["engine_id"] = rank.index, gen.engine_id
+    engine = gen.engine
     engine.submit(req)
     try:
         if parsed.stream:

@@ -66,5 +66,8 @@ class EngineLoad:
         state = self._endpoint(address)
         if state is not None:
             state.waiting, state.running, state.kv_usage = parse_load(families)
-            state.rank_load = rank_loads(families)
+            state.rank_load = {
+                rank: max(0.0, load - state.rank_in_flight.get(rank, 0))
+                for rank, load in rank_loads(families).items()
+            }
             state.foreign = max(0.0, state.running + state.waiting - state.in_flight)

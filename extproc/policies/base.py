@@ -46,6 +46,8 @@ class EndpointView(Protocol):
     @property
     def queued_tokens(self) -> int: ...  # prefill: prompt tokens of our P legs in flight there
     @property
+    def pending_tokens(self) -> int: ...  # KV routing: tokens it lacked, of our requests there
+    @property
     def waiting(self) -> float: ...  # the engine's queue at the last scrape
     @property
     def running(self) -> float: ...  # the engine's batch at the last scrape

@@ -1,11 +1,22 @@
-"""kv_cache: the engine that holds most of the prompt in its KV cache, weighed against its load.
+"""kv_cache: the engine where the request is served soonest, counting what its KV cache holds.
 
-Each candidate scores `kv_cache_weight × share − load`: `share` is the prompt's leading tokens
-it holds (from the engines' KV events: `PickRequest.cached`, full blocks × block size) over the
-prompt's tokens, `load` its requests in flight from here plus its queue at the last scrape. A
-prompt held whole is worth `kv_cache_weight` requests of load: on P the prefill it saves, on D
-the transfer (vLLM's connector asks P only for the blocks D lacks). Ties go to the prompt's
-rendezvous order, so equal candidates still spread by prompt.
+Everything is counted in prompt tokens of work, so that a cached prefix and a queue weigh in
+the same unit (a token's prefill cost cancels out). Each candidate scores
+
+    kv_cached_token_weight × cached − (pending_tokens + (in flight + foreign) × kv_request_tokens)
+
+`cached` is the prompt's leading tokens it holds (from the engines' KV events:
+`PickRequest.cached`, full blocks × block size): on P the prefill not computed, on D the KV not
+transferred (vLLM's connector asks P only for the blocks D lacks). The rest is the work ahead
+of the request there: `pending_tokens`, the tokens of this sidecar's requests in flight there
+that the engine did not hold when they were picked (raised at the pick, so a burst sees it at
+once), and a fixed cost per request (ours in flight, and others' seen at the last scrape) for
+what a request costs beyond its tokens. A cached token counts twice by default: once for this
+request's wait, once for the requests queued after it on that engine, which sending it where
+the prompt must be computed again would delay by as much (and a second copy of the prefix
+takes cache room from others). So the engine holding the prompt wins until the work queued
+there exceeds twice what its cache saves; then the next request goes where it waits least.
+Ties go to the prompt's rendezvous order, so equal candidates still spread by prompt.
 
 For an engine that publishes no events, `cached` counts the prompt's leading blocks this sidecar
 routed there (an estimate: evictions are not seen). Where no candidate is known to hold any of
@@ -19,22 +30,33 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from extproc.policies.base import E, PickRequest, hrw_order
+from extproc.policies.base import E, EndpointView, PickRequest, hrw_order
 from extproc.policies.prefix import PrefixPicker
 
-__all__ = ["KvCacheOptions", "KvCachePicker"]
+__all__ = ["KvCacheOptions", "KvCachePicker", "work_ahead"]
 
 
 class KvCacheOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # What a prompt held whole is worth, in requests of load (in flight + queued).
-    kv_cache_weight: float = Field(default=4.0, ge=0)
+    # What a request in flight or queued costs beyond its tokens (a share of a step, the
+    # scheduling, its KV push), in prompt tokens.
+    kv_request_tokens: int = Field(default=64, ge=0)
+    # What a cached token is worth in queued tokens: this request's wait, and the wait of
+    # those queued after it where the prompt would be computed again.
+    kv_cached_token_weight: float = Field(default=2.0, ge=0)
+
+
+def work_ahead(endpoint: EndpointView, request_tokens: int) -> float:
+    """The work queued at `endpoint` ahead of a new request, in prompt tokens."""
+    return endpoint.pending_tokens + (endpoint.in_flight + endpoint.foreign) * request_tokens
 
 
 class KvCachePicker:
     def __init__(self, options: KvCacheOptions | None = None) -> None:
-        self._weight = (options or KvCacheOptions()).kv_cache_weight
+        options = options or KvCacheOptions()
+        self._request_tokens = options.kv_request_tokens
+        self._weight = options.kv_cached_token_weight
         self._fallback = PrefixPicker()
 
     def pick(self, candidates: Sequence[E], request: PickRequest) -> E:
@@ -45,13 +67,13 @@ class KvCachePicker:
             or not any(cached.get(c.address, 0) for c in candidates)
         ):
             return self._fallback.pick(candidates, request)
-        per_token = self._weight / request.prompt_tokens
         order = hrw_order(request.prefix, candidates)
         rank = {id(c): i for i, c in enumerate(order)}
         return max(
             candidates,
             key=lambda c: (
-                per_token * cached.get(c.address, 0) - c.in_flight - c.waiting,
+                self._weight * min(cached.get(c.address, 0), request.prompt_tokens)
+                - work_ahead(c, self._request_tokens),
                 -rank[id(c)],
             ),
         )

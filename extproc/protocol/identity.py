@@ -107,6 +107,12 @@ def where(endpoint: str, rank: int | None) -> str:
     return endpoint if rank is None else f"{endpoint} dp{rank}"
 
 
+def of_where(label: str) -> tuple[str, int | None]:
+    """The endpoint and rank `where` named."""
+    endpoint, _, rank = label.partition(" dp")
+    return endpoint, int(rank) if rank.isdigit() else None
+
+
 @dataclass
 class _Entry:
     identity: PrefillIdentity | None = None

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
+from extproc.errors import KvLost
 from extproc.request.envoy_msgs import LABELS_NAMESPACE
 from extproc.request.plan import Strategy
 
@@ -91,6 +92,10 @@ class AccessLogStreams:
         return self.open > 0
 
 
+# What the ext_proc may say of an answer it cut itself (a bounded set, whatever an entry holds)
+_TOLD_OUTCOMES = frozenset({KvLost.label})
+
+
 def answer_outcome(entry: Any) -> str:
     """What the client got of an answer whose 2xx headers had passed: all of it (ok), or a
     stream Envoy cut (its response flags say why)."""
@@ -141,7 +146,9 @@ def observe_entry(
     model = model_label(_field(fields, "model")) if model_label is not None else OTHER
     code = _code_class(entry.response.response_code.value)
     if "reason" in fields:
-        outcome = answer_outcome(entry)
+        # "outcome": the ext_proc cut the answer itself (its push was lost) and says why
+        told = fields["outcome"].string_value if "outcome" in fields else None
+        outcome = told if told in _TOLD_OUTCOMES else answer_outcome(entry)
         reason = bounded(_field(fields, "reason"), REASONS)
         metrics.requests.labels(outcome, strategy, reason, model).inc()
         if streams is not None and streams.awaiting > 0:  # an entry of another process: not ours

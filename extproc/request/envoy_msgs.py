@@ -156,14 +156,17 @@ def _continue_labelled(labels: Labels, reason: str | None) -> ep.ProcessingRespo
 
 
 @functools.lru_cache(maxsize=1024)
-def request_labels(labels: Labels, reason: str | None = None) -> Struct:
+def request_labels(labels: Labels, reason: str | None = None, outcome: str | None = None) -> Struct:
     """The request's labels as the stream's dynamic metadata: Envoy puts them in the request's
     access-log entry, so whichever ext_proc process receives the entry labels it right.
-    `reason` present: that entry decides and counts the request's outcome."""
+    `reason` present: that entry decides and counts the request's outcome; `outcome` present:
+    the ext_proc ended the started answer itself, and that is the outcome to count."""
     strategy, model = labels
     fields = {"strategy": strategy, "model": model}
     if reason is not None:
         fields["reason"] = reason
+    if outcome is not None:
+        fields["outcome"] = outcome
     metadata = Struct()
     metadata.update({LABELS_NAMESPACE: fields})
     return metadata
@@ -268,11 +271,17 @@ def extend_timeout(seconds: float) -> ep.ProcessingResponse:
     )
 
 
-def immediate(error: RequestEnded, labels: Labels | None = None) -> ep.ProcessingResponse:
+def immediate(
+    error: RequestEnded,
+    labels: Labels | None = None,
+    reason: str | None = None,
+    outcome: str | None = None,
+) -> ep.ProcessingResponse:
     """End the client request with an OpenAI-style JSON error.
 
     Before the response started the client gets it as is; after, Envoy can no longer change
-    the status it sent, so it resets the client and the decode upstream instead.
+    the status it sent, so it resets the client and the decode upstream instead (and
+    `reason` and `outcome` tell the access-log entry what to count, `request_labels`).
     """
     headers = [_header("content-type", "application/json")]
     if error.retry_after_s is not None:
@@ -284,7 +293,7 @@ def immediate(error: RequestEnded, labels: Labels | None = None) -> ep.Processin
             body=error.body,
             details=f"pd_extproc_{error.status}",
         ),
-        dynamic_metadata=None if labels is None else request_labels(labels),
+        dynamic_metadata=None if labels is None else request_labels(labels, reason, outcome),
     )
 
 

@@ -18,6 +18,7 @@ keeps each prefill endpoint's `queued_tokens` exact around the legs it sends.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
@@ -83,9 +84,12 @@ def prefill_error(status: int, flags: str | None, body: bytes, endpoint: str) ->
     """The error for a non-2xx answer of P (`flags`: Envoy's response flags, when it replied)."""
     if flags is not None and _UNREACHABLE_FLAGS & set(flags.split(",")):
         return PrefillUnreachable(
-            503, f"prefill endpoint {endpoint} is unreachable ({flags}); retry", retry_after_s=1
+            503,
+            f"the prefill engine is unreachable ({flags}); retry",
+            retry_after_s=1,
+            detail=f"prefill {endpoint}",
         )
-    message = f"prefill endpoint {endpoint} answered {status}"
+    message = f"the prefill engine answered {status}"
     try:
         detail = orjson.loads(body)["error"]
         # OpenAI-style {"error": {"message": ...}}, or vLLM's 401 {"error": "Unauthorized"}
@@ -93,9 +97,10 @@ def prefill_error(status: int, flags: str | None, body: bytes, endpoint: str) ->
     except (orjson.JSONDecodeError, KeyError, TypeError):
         pass
     # 4xx from P means the request is bad for the engine: pass it on; 5xx becomes 502.
+    where = f"prefill {endpoint}"
     if status == 503:
-        return PrefillBusy(502, message)  # serial dispatch may retry it elsewhere
-    return PrefillFailed(status if 400 <= status < 500 else 502, message)
+        return PrefillBusy(502, message, detail=where)  # serial dispatch may retry it elsewhere
+    return PrefillFailed(status if 400 <= status < 500 else 502, message, detail=where)
 
 
 def prefill_result(
@@ -108,7 +113,9 @@ def prefill_result(
     try:
         params = orjson.loads(payload).get("kv_transfer_params")
     except (orjson.JSONDecodeError, AttributeError):
-        raise PrefillFailed(502, f"prefill endpoint {endpoint} sent a non-JSON body") from None
+        raise PrefillFailed(
+            502, "the prefill engine sent a non-JSON body", detail=f"prefill {endpoint}"
+        ) from None
     return PrefillResult(status, params, started, elapsed)
 
 
@@ -174,14 +181,19 @@ class ThroughListener:
         self, call: PrefillCall, error: aiohttp.ClientConnectorError | None
     ) -> LegError:
         if error is None:
-            why = f"did not accept a connection within {self.connect_timeout_s:g} s"
+            why, detail = f"did not accept a connection within {self.connect_timeout_s:g} s", None
         else:
-            why = f"is unreachable ({error.strerror})"
-        return ListenerUnreachable(503, f"the prefill listener {why}; retry", retry_after_s=1)
+            why, detail = f"is unreachable ({_os_reason(error)})", error.strerror
+        return ListenerUnreachable(
+            503, f"the prefill listener {why}; retry", retry_after_s=1, detail=detail
+        )
 
     def broke(self, call: PrefillCall, error: aiohttp.ClientError) -> LegError:
         return PrefillUnreachable(
-            503, f"the prefill leg's connection broke ({error}); retry", retry_after_s=1
+            503,
+            "the prefill leg's connection broke; retry",
+            retry_after_s=1,
+            detail=f"prefill {call.endpoint}: {error}",
         )
 
 
@@ -220,15 +232,21 @@ class ToEngine:
     ) -> LegError:
         if error is None:
             return _unreachable(call, f"no connection within {self.connect_timeout_s:g} s")
-        return _unreachable(call, error.strerror or "connection refused")
+        return _unreachable(call, _os_reason(error), error.strerror)
 
     def broke(self, call: PrefillCall, error: aiohttp.ClientError) -> LegError:
-        return _unreachable(call, f"the connection broke: {error}")
+        return _unreachable(call, "the connection broke", str(error))
 
 
-def _unreachable(call: PrefillCall, why: str) -> PrefillUnreachable:
+def _os_reason(error: aiohttp.ClientConnectorError) -> str:
+    """The OS's reason alone: asyncio's own text names the address it could not reach."""
+    return os.strerror(error.errno).lower() if error.errno else "connection refused"
+
+
+def _unreachable(call: PrefillCall, why: str, cause: str | None = None) -> PrefillUnreachable:
+    detail = f"prefill {call.endpoint}" + ("" if cause is None else f": {cause}")
     return PrefillUnreachable(
-        503, f"prefill endpoint {call.endpoint} is unreachable ({why}); retry", retry_after_s=1
+        503, f"the prefill engine is unreachable ({why}); retry", retry_after_s=1, detail=detail
     )
 
 
@@ -269,7 +287,9 @@ class PrefillClient:
             raise route.not_connected(call, error) from None
         except TimeoutError:
             raise PrefillTimeout(
-                504, f"prefill endpoint {call.endpoint} did not answer within {call.timeout_s:g} s"
+                504,
+                f"the prefill engine did not answer within {call.timeout_s:g} s",
+                detail=f"prefill {call.endpoint}",
             ) from None
         except aiohttp.ClientError as error:
             raise route.broke(call, error) from None

@@ -195,7 +195,13 @@ class RequestProcessor:
                 extra=self._log_fields(self.outcome),
             )
         if not self.stream.ended:
-            await self.stream.write(envoy_msgs.immediate(error, self._labels()))
+            # After D's 2xx passed, Envoy resets the stream and its access-log entry counts the
+            # request: it is told the outcome, which its response flags would not say.
+            outcome = reason = None
+            if self.counted_by_access_log and isinstance(error, LegError):
+                outcome, reason = error.label, self.plan.reason
+            answer = envoy_msgs.immediate(error, self._labels(), reason, outcome)
+            await self.stream.write(answer)
 
     def _labels(self) -> envoy_msgs.Labels:
         """The labels of the client-side metrics, for Envoy's access-log entry."""
@@ -260,7 +266,8 @@ class RequestProcessor:
             config,
             streamed,
             picker.destination_namespace if picker else None,
-            single or None,
+            single_headers=single or None,
+            stream_answer=request.stream,
         )
         self.dispatch = start_dispatch(plan, self.deps.legs, exchange, plan.prefill_counted)
         if await self.dispatch.send(started):

@@ -31,11 +31,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from extproc.errors import (
     IdentityChanged,
+    KvLost,
     LegError,
     PrefillBusy,
     PrefillFailed,
@@ -48,6 +49,7 @@ from extproc.protocol.identity import PrefillIdentity, identity_from_params, whe
 from extproc.request import envoy_msgs
 from extproc.request.plan import DecodeOnlyPlan, ParallelPlan, Plan, SerialPlan, check_fits
 from extproc.request.prefill_client import PrefillCall
+from extproc.request.pushed_kv import Owed, PushedKv
 
 if TYPE_CHECKING:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -115,6 +117,8 @@ class LegServices:
     metrics: Metrics
     # a decode-only request went to this decode, with a body of this many bytes
     note_decode_only: Callable[[str, int], None] = lambda decode, body_bytes: None
+    # the pushes P still owes the streams whose headers passed (`extproc.request.pushed_kv`)
+    pushed_kv: PushedKv = field(default_factory=PushedKv)
 
 
 @dataclass(slots=True)  # not frozen: built per request, and a frozen init costs ~4x
@@ -132,6 +136,7 @@ class Exchange:
     destination_namespace: str | None = None
     # forwarded headers the client repeated: D gets each once, with P's value
     single_headers: dict[str, str] | None = None
+    stream_answer: bool = False  # the client asked for a streamed answer (`stream: true`)
 
 
 def decode_answers(
@@ -164,7 +169,7 @@ def decode_answers(
 
 class Dispatch(Protocol):
     async def send(self, started: float) -> bool: ...
-    def watch(self) -> asyncio.Task[PrefillResult] | None: ...
+    def watch(self) -> asyncio.Future[Any] | None: ...
     async def on_decode_headers(self, status: int, reached: bool) -> bool: ...
     def close(self, client_gone: bool) -> None: ...
 
@@ -226,6 +231,7 @@ class _PrefillLeg:
         self._trace = exchange.trace
         self._counted = counted
         self.started = time.perf_counter()
+        self.identity: PrefillIdentity | None = None  # P's, once its answer is checked
         exchange.trace.prefill_started()
         timeout_s = exchange.config.timeouts.prefill_s if timeout_s is None else timeout_s
         headers = exchange.forwarded
@@ -269,14 +275,20 @@ class _PrefillLeg:
         except ValueError as error:
             identities.drop(self.prefill, rank=self.rank)
             raise PrefillFailed(
-                502, f"prefill {self.prefill} sent unusable params: {error}"
+                502,
+                "the prefill engine sent unusable kv_transfer_params",
+                detail=f"prefill {self.prefill}: {error}",
             ) from None
         identities.learn(self.prefill, identity, self.rank)
+        self.identity = identity
         if given is not None and identity != given:
             engine = where(self.prefill, self.rank)
             self._services.metrics.identity_events.labels(engine, "mismatched").inc()
             raise IdentityChanged(
-                503, f"prefill {engine} restarted (new engine id); retry", retry_after_s=1
+                503,
+                "the prefill engine restarted (new engine id); retry",
+                retry_after_s=1,
+                detail=f"prefill {engine}",
             )
         return result.kv_transfer_params  # type: ignore[no-any-return]
 
@@ -316,6 +328,48 @@ async def _answer(
     )
 
 
+class _OwedPush:
+    """The push P still owes a stream whose 2xx headers passed, watched until the stream ends:
+    `watch` raises KvLost once the engine that owes it is known to be gone before it could
+    write it (`extproc.request.pushed_kv`)."""
+
+    def __init__(self, services: LegServices, exchange: Exchange) -> None:
+        self._pushed = services.pushed_kv
+        self._exchange = exchange
+        self._owed: Owed | None = None
+
+    def start(self, prefill: str, identity: PrefillIdentity) -> None:
+        """D's headers passed; `identity` is the P that answered. A whole answer is sent once
+        D is done (its KV was there long before); only a streamed one can wait in silence."""
+        if self._exchange.stream_answer:
+            config = self._exchange.config
+            landing_s = config.timeouts.pushed_kv_s
+            # a P lost meanwhile is seen by then: a failed health check, or its new engine id
+            # once the probe that follows a restart has learned it
+            keep_s = landing_s + 2 * (config.health.interval_s + config.health.timeout_s)
+            self._owed = self._pushed.owe(prefill, identity.engine_id, landing_s, keep_s)
+
+    def watch(self) -> asyncio.Future[None] | None:
+        owed = self._owed
+        if owed is None:
+            return None
+        if owed.lost.done():
+            self.stop()
+            raise KvLost(
+                503,
+                "the prefill engine restarted or stopped before its KV reached the decode"
+                " engine; retry",
+                retry_after_s=1,
+                detail=f"prefill {owed.endpoint}, engine {owed.engine_id}",
+            )
+        return owed.lost
+
+    def stop(self) -> None:
+        if self._owed is not None:
+            self._pushed.release(self._owed)
+            self._owed = None
+
+
 class DecodeOnlyDispatch:
     """D's body is the client's: one answer, then nothing to watch or cancel."""
 
@@ -348,6 +402,8 @@ class SerialDispatch:
         self._counted = counted
         self._prefill = plan.prefill  # the P that answered (the fallback after a retry)
         self._rank = plan.prefill_rank  # its rank (a fallback's is chosen when it is counted)
+        self._identity: PrefillIdentity | None = None  # the P that answered, once checked
+        self._owed = _OwedPush(services, exchange)
 
     async def send(self, started: float) -> bool:
         plan, exchange = self._plan, self._exchange
@@ -391,7 +447,9 @@ class SerialDispatch:
                     stream.take()
                     return None
                 try:
-                    return leg.learn(leg.record_outcome(), given=None)
+                    params = leg.learn(leg.record_outcome(), given=None)
+                    self._identity = leg.identity
+                    return params
                 except (PrefillUnreachable, PrefillBusy) as error:
                     timeout_s = deadline - time.perf_counter()
                     if fallback is None or timeout_s <= 0:
@@ -409,16 +467,21 @@ class SerialDispatch:
             finally:
                 leg.cancel()  # the client went away while P computed (or this task was cancelled)
 
-    def watch(self) -> None:
-        return None  # P settled before D's body left
+    def watch(self) -> asyncio.Future[None] | None:
+        return self._owed.watch()  # P settled before D's body left; its push may not have
 
     async def on_decode_headers(self, status: int, reached: bool) -> bool:
         if status >= 500 and reached:
             self._services.identities.drop(self._prefill, rank=self._rank)  # D failed: learn again
+        identity = self._identity
+        if status < 400 and identity is not None and identity.transfer_mode == "push":
+            self._owed.start(
+                where(self._prefill, self._rank), identity
+            )  # pull: D reads, and fails if P is gone
         return True
 
     def close(self, client_gone: bool) -> None:
-        pass  # `send` settled or cancelled its leg
+        self._owed.stop()  # `send` settled or cancelled its leg
 
 
 class ParallelDispatch:
@@ -441,15 +504,16 @@ class ParallelDispatch:
             rank=plan.prefill_rank,
         )
         self._settled = False  # P's outcome is known (or no longer matters)
+        self._owed = _OwedPush(services, exchange)
 
     async def send(self, started: float) -> bool:
         await _answer(self._plan, self._plan.d_body, started, self._services, self._exchange)
         self._services.metrics.skew_seconds.observe(abs(time.perf_counter() - self._leg.started))
         return True
 
-    def watch(self) -> asyncio.Task[PrefillResult] | None:
+    def watch(self) -> asyncio.Future[Any] | None:
         if self._settled:
-            return None
+            return self._owed.watch()
         if self._leg.task.done():  # P may have finished while the answer was written
             self._settle()
             return None
@@ -470,7 +534,12 @@ class ParallelDispatch:
         if status >= 400:
             self._stop()  # D's refusal is the answer; P's cannot change it
             return True
-        return await self._hold_until_settled()
+        if not await self._hold_until_settled():
+            return False
+        self._owed.start(
+            where(self._plan.prefill, self._plan.prefill_rank), self._plan.given
+        )  # P answered as `given`
+        return True
 
     async def _hold_until_settled(self) -> bool:
         """Hold D's response headers until P is settled; raise if it failed.
@@ -500,7 +569,9 @@ class ParallelDispatch:
             if not task.done():
                 self._stop()
                 raise PrefillTimeout(
-                    504, f"prefill endpoint {self._plan.prefill} did not answer within {wait_s:g} s"
+                    504,
+                    f"the prefill engine did not answer within {wait_s:g} s",
+                    detail=f"prefill {self._plan.prefill}",
                 )
         self._settle()
         return True
@@ -531,3 +602,4 @@ class ParallelDispatch:
         if client_gone and not self._leg.task.done():
             log.info("request %s: stream ended before P answered", self._plan.request_id)
         self._leg.cancel()
+        self._owed.stop()

@@ -9,7 +9,9 @@ running by the prefill's compute time (the stall).
   off         always disaggregate
   threshold   decode-only for prompts of at most `max_prompt_tokens` (estimated)
   load_aware  decode-only when the expected TTFT alone is lower than through P, D's KV cache
-              is not nearly full, and the stall fits D's budget; disaggregate otherwise
+              is not nearly full, the stall fits D's budget, and the time it saves this
+              request exceeds the time it costs the requests D is running (the stall, once
+              per running request); disaggregate otherwise
 
 The prompt's size is estimated from the JSON bytes of every member that reaches it
 (`extproc.request.prompt_size`: messages or prompt, tools, documents, template kwargs, ...;
@@ -123,6 +125,10 @@ def decide(
     stall = stall_ms(cfg, tokens_d, sides.running_d)
     if stall > cfg.max_stall_ms or stall > stall_credit_ms:
         return Decision(False, "stall_budget", alone, pd)
+    # Every request D is running waits out the stall once: a busy batch pays more in all
+    # than this request saves (a short P path: P holds the prompt too, or is idle).
+    if stall * sides.running_d >= pd - alone:
+        return Decision(False, "decode_busy", alone, pd)
     return Decision(True, "faster_alone", alone, pd)
 
 

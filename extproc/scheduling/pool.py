@@ -27,12 +27,16 @@ class EndpointState:
     waiting: float = 0.0  # the engine's vllm:num_requests_waiting, when scraped
     running: float = 0.0  # the engine's vllm:num_requests_running, when scraped
     queued_tokens: int = 0  # prefill: prompt tokens of the P legs this ext_proc has there
+    # KV-cache routing: the prompt tokens of the requests (legs) counted here that the engine
+    # did not hold when they were picked: what it computes (P), or takes in by transfer (D)
+    pending_tokens: int = 0
     # the engine's running + waiting requests beyond this ext_proc's in-flight ones at the
     # last scrape: load other routers sent (ours is known exactly, and fresher, in in_flight)
     foreign: float = 0.0
     kv_usage: float = 0.0  # the engine's vllm:kv_cache_usage_perc (0-1), when scraped
     # data-parallel ranks: requests this ext_proc has in flight at each, and each engine's
-    # scraped waiting + running (its `engine` label on /metrics)
+    # scraped waiting + running (its `engine` label on /metrics) beyond those at the scrape:
+    # as `foreign`, so that a scrape taken while our own request ran does not count it twice
     rank_in_flight: dict[int, int] = field(default_factory=dict)
     rank_load: dict[int, float] = field(default_factory=dict)
     next_rank: int = 0  # where the next rank choice starts looking: ties go in turn
@@ -44,12 +48,13 @@ class EndpointState:
         return len(ranks) if len(ranks) > 1 and set(ranks) == set(range(len(ranks))) else 1
 
     def least_loaded_rank(self, ranks: int) -> int:
-        """The rank of `ranks` to send the next request to (vLLM's DP balancing score)."""
+        """The rank of `ranks` to send the next request to: the fewest requests, ours (exact)
+        and other routers' (scraped)."""
         order = [(self.next_rank + i) % ranks for i in range(ranks)]
         self.next_rank = (self.next_rank + 1) % ranks
         return min(
             order,
-            key=lambda r: max(self.rank_in_flight.get(r, 0), self.rank_load.get(r, 0.0)),
+            key=lambda r: self.rank_in_flight.get(r, 0) + self.rank_load.get(r, 0.0),
         )
 
 
@@ -143,9 +148,10 @@ class Pool:
             self._on_change(state)
 
     @contextmanager
-    def track(self, state: EndpointState) -> Iterator[Counted]:
-        """Count one request in flight at `state` until the block ends (or its `release`)."""
-        counted = Counted(self, state, self._rank_for(state))
+    def track(self, state: EndpointState, tokens: int = 0) -> Iterator[Counted]:
+        """Count one request in flight at `state` until the block ends (or its `release`),
+        with `tokens` of work there (`pending_tokens`; they move with it)."""
+        counted = Counted(self, state, self._rank_for(state), tokens)
         self._count(counted, +1)
         try:
             yield counted
@@ -183,6 +189,7 @@ class Pool:
     def _count(self, counted: Counted, change: int) -> None:
         state = counted.state
         state.in_flight += change
+        state.pending_tokens += change * counted.tokens
         if counted.rank is not None:
             state.rank_in_flight[counted.rank] = state.rank_in_flight.get(counted.rank, 0) + change
         self._on_change(state)
@@ -192,10 +199,13 @@ class Counted:
     """One request counted in flight at an endpoint of `pool`, from its `track` until that
     ends or, earlier, until `release` (a P leg is counted only while it runs)."""
 
-    def __init__(self, pool: Pool, state: EndpointState, rank: int | None = None) -> None:
+    def __init__(
+        self, pool: Pool, state: EndpointState, rank: int | None = None, tokens: int = 0
+    ) -> None:
         self.pool = pool
         self.state = state
         self.rank = rank  # the data-parallel rank it goes to (None: the endpoint has none)
+        self.tokens = tokens  # its pending_tokens wherever it is counted
         self.counting = True  # counted at `state` now
         self.open = True  # its `track` has not ended: it may be counted again
 

@@ -234,7 +234,9 @@ class Scheduler:
                     return DecodeAlone(decodes, counted, decision.reason)
             if config.admission.enabled:  # only a request that will use P waits for one
                 self._admit(wanted, group, Role.PREFILL, config)
-            prefill_counted = inflight.enter_context(self.prefill.track(prefill))
+            prefill_counted = inflight.enter_context(
+                self.prefill.track(prefill, _uncached(wanted, prefill.address))
+            )
             fallback = prefills[1].address if len(prefills) > 1 else None
             self._count_cached(wanted, Role.PREFILL, prefill.address)
             self._count_cached(wanted, Role.DECODE, decodes[0])
@@ -296,7 +298,9 @@ class Scheduler:
         )
         if not decodes:
             raise NoHealthyDecode(503, _none_healthy(Role.DECODE, subset), retry_after_s=1)
-        counted = inflight.enter_context(self.decode.track(decodes[0]))
+        counted = inflight.enter_context(
+            self.decode.track(decodes[0], _uncached(wanted, decodes[0].address))
+        )
         rank = counted.rank
         # Envoy's fallback gets the same rank header: only a server that has that rank
         fallback = [
@@ -321,3 +325,9 @@ class Scheduler:
         value = role_saturation(healthy, limits)
         self._metrics.saturation.labels(role).set(value)
         check_admission(wanted.priority, role, value, admission)
+
+
+def _uncached(wanted: PickRequest, address: str) -> int:
+    """The prompt tokens `address` does not hold (KV-cache routing; 0 where not tokenized):
+    the work the request brings there, counted in the endpoint's `pending_tokens`."""
+    return max(0, wanted.prompt_tokens - (wanted.cached or {}).get(address, 0))

@@ -85,8 +85,12 @@ async def test_without_probe_first_request_per_prefill_is_serial_then_parallel()
         assert metrics[requests_total("ok", "cache_hit", "parallel")] == 2
 
 
-async def test_pull_mode_is_serial_with_params_verbatim() -> None:
-    async with topology(connectors=PULL) as topo:
+@pytest.mark.parametrize("flags", [(), ("--pre-0-28",)], ids=["named", "before-0.28"])
+async def test_pull_mode_is_serial_with_params_verbatim(flags: tuple[str, ...]) -> None:
+    # Before vLLM 0.28 P's params name no transfer_mode (pull was the only one): in auto mode
+    # a known identity without it is served serially too, as pull, never in parallel.
+    mode = None if flags else "pull"
+    async with topology(connectors=PULL, engine_flags=flags) as topo:
         answers = []
         for _ in range(3):
             status, body, _ = await topo.post("/v1/completions", COMPLETION)
@@ -99,12 +103,15 @@ async def test_pull_mode_is_serial_with_params_verbatim() -> None:
             # P's answer is not visible to the test, but its id and block ids are: they
             # must have reached D untouched.
             params = d["body"]["kv_transfer_params"]
-            assert params["transfer_mode"] == "pull"
+            assert params.get("transfer_mode") == mode
             assert params["remote_request_id"].startswith(f"cmpl-{p['x_request_id']}-0-")
             assert params["remote_block_ids"] and isinstance(params["remote_block_ids"][0], list)
         metrics = await topo.metrics()
         assert metrics[requests_total("ok", "pull", "serial")] == 3
         assert answers == [await topo.aggregated("/v1/completions", COMPLETION)] * 3
+        [identity] = (await topo.ready())["identities"].values()
+        assert identity["engine_id"] == topo.prefills[0].engine_id
+        assert identity["transfer_mode"] == mode
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 
@@ -387,3 +388,102 @@ async def test_no_healthy_prefill_can_fall_back_to_decode_only() -> None:
             assert "kv_transfer_params" not in record["body"], record["body"]
         metrics = await topo.metrics()
         assert metrics[requests_total("ok", "no_prefill", "decode_only")] == 2
+
+
+# A streaming answer whose P answered, but whose pushed KV never lands: D's 200 has passed and
+# D waits in silence (vLLM has no timeout for it). The stream must end soon, not after
+# timeouts.kv_wait_s (60 s here; the tests' bounds are far below it).
+SILENT_BOUND_S = 8.0
+LOST_KV = {"timeouts": {"kv_wait_s": 60}}
+
+
+async def read_stream(topo: Topology, body: dict[str, object], bound_s: float) -> str:
+    """How a streaming request ended: "ok" (whole), "error <status>" (JSON before any byte),
+    "stream error" (D's error event inside its 200), "reset" (cut after its 200) or "silent"
+    (a 200, then nothing within `bound_s`)."""
+    url = topo.sidecar.url + "/v1/completions"
+    try:
+        async with asyncio.timeout(bound_s), topo.session.post(url, json=body) as response:
+            if response.status != 200:
+                error = orjson.loads(await response.read())["error"]
+                assert error["code"] == response.status and error["message"], error
+                return f"error {response.status}"
+            text = await response.read()
+            assert text.endswith(b"data: [DONE]\n\n"), text
+            return "stream error" if b'data: {"error"' in text else "ok"
+    except TimeoutError:
+        return "silent"
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
+        return "reset"
+
+
+async def stream_waiting_for_kv(topo: Topology) -> asyncio.Task[str]:
+    """A streaming request whose 200 has passed and whose push P will never write."""
+    await topo.sim(topo.prefills[0], "POST", "/sim/faults", {"drop_registrations": True})
+    started = asyncio.create_task(
+        read_stream(topo, COMPLETION | {"stream": True}, SILENT_BOUND_S + 2)
+    )
+    for _ in range(100):  # D waits for its KV once P has answered
+        if any(r["outcome"] == "ok" for r in await topo.seen(topo.prefills[0])):
+            return started
+        await asyncio.sleep(0.05)
+    raise AssertionError("P never answered")
+
+
+@pytest.mark.parametrize("fault", ["restart", "down"])
+async def test_a_stream_whose_prefill_is_lost_after_answering_is_ended_soon(fault: str) -> None:
+    async with topology(**LOST_KV) as topo:
+        stream = await stream_waiting_for_kv(topo)
+        prefill = topo.prefills[0]
+        started = time.perf_counter()
+        if fault == "restart":  # a new engine: what the old one owed will never come
+            await topo.sim(prefill, "POST", "/sim/restart")
+        else:  # P stops answering (a crash): its health check fails
+            await topo.sim(prefill, "POST", "/sim/faults", {"refuse_connections": True})
+        assert await stream == "reset"
+        assert time.perf_counter() - started < SILENT_BOUND_S
+        metrics = await topo.metrics()
+        assert metrics[requests_total("kv_lost", "cache_hit", "parallel")] == 1
+
+
+async def test_a_burst_of_streams_across_a_prefill_restart_leaves_none_silent() -> None:
+    # 1P2D push, streams in flight while P restarts just after its first answers: each ends
+    # whole, with a JSON error before any byte, or reset; none stays silent after its 200.
+    async with topology(n_decode=2, **LOST_KV) as topo:
+        bodies = [COMPLETION | {"stream": True, "prompt": f"stream {i} " * 30} for i in range(100)]
+        streams = [
+            asyncio.create_task(read_stream(topo, body, SILENT_BOUND_S + 10)) for body in bodies
+        ]
+        for _ in range(200):  # restart once P has answered some of them
+            if any(r["outcome"] == "ok" for r in await topo.seen(topo.prefills[0])):
+                break
+            await asyncio.sleep(0.01)
+        await topo.sim(topo.prefills[0], "POST", "/sim/restart")
+        ended = collections.Counter(await asyncio.gather(*streams))
+        assert ended["silent"] == 0, ended
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"),
+    [
+        ({"fail_next": 1, "fail_status": 500}, 502),
+        ({"hang_next": 1}, 504),
+        ({"refuse_connections": True}, 503),
+    ],
+    ids=["answers-500", "hangs", "refuses"],
+)
+async def test_a_prefill_failure_never_shows_the_client_an_engines_address(
+    fault: dict[str, object], status: int
+) -> None:
+    # Slow health checks and no probe: the request is the first to meet the fault; serial
+    # dispatch (no identity yet) has P's leg fail before anything reaches D.
+    config = {"dispatch": {"probe": False}, "health": {"interval_s": 30}}
+    async with topology(timeouts={"prefill_s": 1.0}, **config) as topo:
+        await topo.sim(topo.prefills[0], "POST", "/sim/faults", fault)
+        got, body, _ = await topo.post("/v1/completions", COMPLETION)
+        assert got == status, body
+        message = orjson.loads(body)["error"]["message"]
+        assert "prefill engine" in message, message
+        for secret in ("127.0.0.1", str(topo.prefills[0].port), "localhost"):
+            assert secret not in body.decode(), body
+        assert str(topo.prefills[0].port) in topo.sidecar.log_text()  # the operator's log has it

@@ -34,6 +34,16 @@ def test_bad_kv_transfer_config_is_one_line() -> None:
         assert "Traceback" not in proc.stderr
 
 
+def test_pre_0_28_needs_a_pull_connector() -> None:
+    push = '{"kv_connector":"NixlPushConnector","kv_role":"kv_producer"}'
+    for flags in (("--pre-0-28",), ("--pre-0-28", "--kv-transfer-config", push)):
+        proc = _run("--port", "0", *flags)
+        assert proc.returncode == 2
+        assert proc.stderr.strip() == (
+            "vllmsim: error: --pre-0-28 needs a pull connector: vLLM before 0.28 only pulls"
+        ), proc.stderr
+
+
 def test_port_in_use_is_one_line() -> None:
     with running_engine_sync() as eng:
         proc = _run("--port", str(eng.port))

@@ -59,8 +59,10 @@ def prefill_params(
     request_id: str,
     num_tokens: int,
     registration_generation: int = 0,
+    names_mode: bool = True,
 ) -> dict[str, Any]:
-    """P's response params after its 1-token step."""
+    """P's response params after its 1-token step (`names_mode` False: without transfer_mode,
+    as vLLM before 0.28)."""
     params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -76,7 +78,8 @@ def prefill_params(
     }
     if mode == "pull":  # before transfer_mode, as in vLLM 0.32's pull scheduler
         params["remote_blocks_expiry_time"] = None
-    params["transfer_mode"] = mode
+    if names_mode:
+        params["transfer_mode"] = mode
     if mode == "pull":
         params["remote_registration_generation"] = registration_generation
     params["remote_prefill_cached_tokens"] = 0

@@ -56,6 +56,7 @@ class PullConnector(ConnectorBase):
             req.internal_id,
             req.num_computed,
             self.registration_generation,
+            self.kv.names_transfer_mode,
         )
 
     async def handle(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,11 @@ it), and every 1 ms while it holds finished blocks no registration matched yet.
 
 D: the scheduler stages the registration when it allocates the request's blocks; at the start
    of that step the writer handshakes once per P engine (checking P's engine id) and sends
-   PUSH_REG. The request then waits in WAITING_FOR_REMOTE_KVS (no timeout, as in vLLM) for
-   the WRITE-completion notif. The writer forwards that notif to the main thread when it next
+   PUSH_REG. The request then waits in WAITING_FOR_REMOTE_KVS (no timeout, as in vLLM: 0.32's
+   soft watchdog, `push_registration_timeout`, defaulting to `decoder_kv_blocks_ttl` = 480 s,
+   only logs and drops a registration not yet sent; it never fails the request) for the
+   WRITE-completion notif. A P that restarts after answering and before its WRITE leaves it
+   waiting so. The writer forwards that notif to the main thread when it next
    runs (a step end, or a step start that gives it registrations to send); the main thread
    counts forwarded notifs at a step's end; the request decodes from the next step.
 P: after its 1-token step the blocks are leased; they reach the writer in the metadata of

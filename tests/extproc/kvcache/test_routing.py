@@ -34,7 +34,7 @@ IDLE = Sides(0, 0, 0, 0, 0, 0)
 BUSY_D = Sides(
     running_d=8, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, queued_p_tokens=0, waiting_p=0
 )
-P1, P2, D1 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+P1, P2, D1, D2 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
 
 
 @pytest.fixture
@@ -151,12 +151,89 @@ def states(*addresses: str, in_flight: tuple[int, ...] = ()) -> list[EndpointSta
     ]
 
 
-def test_the_engine_holding_the_prompt_wins_until_its_load_outweighs_it() -> None:
-    picker = KvCachePicker(KvCacheOptions(kv_cache_weight=4))
-    request = PickRequest(prefix=b"x", prompt_tokens=100, cached={P1: 0, P2: 80})
-    assert picker.pick(states(P1, P2), request).address == P2
-    assert picker.pick(states(P1, P2, in_flight=(0, 3)), request).address == P2  # 3.2 > 3
-    assert picker.pick(states(P1, P2, in_flight=(0, 4)), request).address == P1
+SYSTEM, QUESTION = 2048, 64  # a shared system prompt and a fresh question, in tokens
+HELD = PickRequest(prefix=b"x", prompt_tokens=SYSTEM + QUESTION, cached={P1: 0, P2: SYSTEM})
+
+
+def test_with_equal_load_the_engine_holding_the_prompt_wins() -> None:
+    picker = KvCachePicker()
+    assert picker.pick(states(P1, P2), HELD).address == P2
+    assert picker.pick(states(P1, P2, in_flight=(3, 3)), HELD).address == P2
+
+
+def test_the_holder_loses_once_the_work_queued_there_exceeds_what_its_cache_saves() -> None:
+    picker = KvCachePicker(KvCacheOptions(kv_request_tokens=0, kv_cached_token_weight=1))
+    holder, other = states(P2, P1)
+    holder.pending_tokens = SYSTEM - 1  # the saving: SYSTEM tokens not computed
+    assert picker.pick([other, holder], HELD) is holder
+    holder.pending_tokens = SYSTEM + 1
+    assert picker.pick([other, holder], HELD) is other
+    # by default a cached token counts twice (this request's wait, and those after it)
+    assert KvCachePicker().pick([other, holder], HELD) is holder
+    holder.pending_tokens = 2 * SYSTEM + 1
+    assert KvCachePicker().pick([other, holder], HELD) is other
+    # requests count `kv_request_tokens` each on top of their tokens: 33 × 64 > 2048
+    picker = KvCachePicker(KvCacheOptions(kv_request_tokens=64, kv_cached_token_weight=1))
+    holder.pending_tokens, holder.in_flight = 0, 33
+    assert picker.pick([other, holder], HELD) is other
+
+
+Load = dict[str, tuple[int, int]]  # endpoint → (in flight, pending tokens)
+
+
+def burst(
+    scheduler: Scheduler, cfg: object, wanted: PickRequest, count: int
+) -> tuple[list[object], Load, Load]:
+    """`count` requests picked one after another, all still in flight (a burst): the picks,
+    and the prefill and decode pools' load at its end."""
+    from extproc.config import Config
+
+    assert isinstance(cfg, Config)
+    with ExitStack() as inflight:
+        picks = [scheduler.pick(wanted, inflight, cfg) for _ in range(count)]
+        loads = [
+            {s.address: (s.in_flight, s.pending_tokens) for s in pool}
+            for pool in (scheduler.prefill, scheduler.decode)
+        ]
+    assert all(s.pending_tokens == s.in_flight == 0 for s in scheduler.prefill)
+    assert all(s.pending_tokens == s.in_flight == 0 for s in scheduler.decode)
+    return picks, loads[0], loads[1]
+
+
+def test_a_burst_spreads_once_the_holders_queue_outweighs_its_cache(tokenizer_dir: Path) -> None:
+    """64 requests of one group at once, P2 and D2 holding its system prompt: each pick raises
+    the work counted where it went, so the holders take requests only while that is less than
+    what their caches save, and the others take the rest (P/D, nothing decode-only)."""
+    cfg = parse_config(
+        {
+            "prefill": {"endpoints": [P1, P2], "policy": "kv_cache", "kv_events": {}},
+            "decode": {"endpoints": [D1, D2], "policy": "kv_cache", "kv_events": {}},
+            "tokenizer": str(tokenizer_dir),
+        }
+    )
+    scheduler = scheduler_for(cfg, KvRouting(KvIndex(100), Metrics()))
+    wanted = PickRequest(
+        prefix=b"x", prompt_tokens=SYSTEM + QUESTION, cached={P2: SYSTEM, D2: SYSTEM}
+    )
+    picks, prefill_load, decode_load = burst(scheduler, cfg, wanted, 64)
+    assert all(isinstance(p, WithPrefill) for p in picks)
+    on_p = [p.prefill for p in picks if isinstance(p, WithPrefill)]
+    on_d = [p.decodes[0] for p in picks if isinstance(p, WithPrefill)]
+    for role, went, (holder, other) in (("P", on_p, (P2, P1)), ("D", on_d, (D2, D1))):
+        # 64 uncached + 64 a pick: 32 × 128 = 2 × 2048
+        assert went[:32] == [holder] * 32, role
+        # then the other engine's turns come: 62 questions (3968 tokens) on the holder,
+        # 2 whole prompts (4224) on the other, about the same prefill time on each
+        assert went.count(other) == 2, role
+        assert went.count(holder) > went.count(other), role  # the cache still pays
+    for load, holder, other in ((prefill_load, P2, P1), (decode_load, D2, D1)):
+        # each pick counted the tokens its engine lacked: the question on the holder, all on
+        # the other
+        assert load[holder][1] == load[holder][0] * QUESTION
+        assert load[other][1] == load[other][0] * (SYSTEM + QUESTION)
+        ahead = {e: pending + n * 64 for e, (n, pending) in load.items()}
+        # the work queued on the holder, less its saving, is within one request of the other's
+        assert abs(ahead[holder] - 2 * SYSTEM - ahead[other]) <= SYSTEM + QUESTION + 64
 
 
 def test_nothing_known_to_be_cached_falls_back_to_prompt_hashing() -> None:

@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from extproc.config import DispatchMode
-from extproc.protocol.identity import IdentityCache, PrefillIdentity, identity_from_params
+from extproc.protocol.identity import (
+    IdentityCache,
+    PrefillIdentity,
+    identity_from_params,
+    of_where,
+    where,
+)
 from extproc.request.plan import Strategy, choose_strategy
 
 P_PARAMS = {
@@ -119,6 +125,7 @@ def test_flapping_endpoint_becomes_serial_for_the_cooldown() -> None:
 
 PUSH = identity_from_params(P_PARAMS)
 PULL = identity_from_params(P_PARAMS | {"transfer_mode": "pull"})
+PRE_0_28 = identity_from_params({k: v for k, v in P_PARAMS.items() if k != "transfer_mode"})
 
 
 @pytest.mark.parametrize(
@@ -127,13 +134,14 @@ PULL = identity_from_params(P_PARAMS | {"transfer_mode": "pull"})
         (DispatchMode.AUTO, PUSH, False, (Strategy.PARALLEL, "cache_hit")),
         (DispatchMode.AUTO, None, False, (Strategy.SERIAL, "cache_miss")),
         (DispatchMode.AUTO, PULL, False, (Strategy.SERIAL, "pull")),
+        (DispatchMode.AUTO, PRE_0_28, False, (Strategy.SERIAL, "pull")),  # vLLM < 0.28: pull
         (DispatchMode.AUTO, PUSH, True, (Strategy.SERIAL, "serial_only")),
         (DispatchMode.PUSH, PULL, False, (Strategy.PARALLEL, "cache_hit")),
         (DispatchMode.PUSH, None, False, (Strategy.SERIAL, "cache_miss")),
         (DispatchMode.PULL, PUSH, False, (Strategy.SERIAL, "pull")),
         (DispatchMode.SERIAL_PUSH, PUSH, False, (Strategy.SERIAL, "serial_only")),
     ],
-    ids=lambda v: str(v) if not hasattr(v, "engine_id") else v.transfer_mode,
+    ids=lambda v: str(v) if not hasattr(v, "engine_id") else str(v.transfer_mode),
 )
 def test_strategy_table(mode, identity, serial_only, expected) -> None:
     assert choose_strategy(mode, identity, serial_only) == expected
@@ -420,3 +428,8 @@ def test_a_ranks_drop_is_its_own_and_the_endpoints_drop_is_every_rank() -> None:
     cache.learn("p", E1, rank=0)
     cache.forget("p")
     assert cache.get("p", 0) is None and cache.snapshot() == {}
+
+
+def test_where_names_a_rank_and_of_where_reads_it_back() -> None:
+    for endpoint, rank in (("10.0.0.1:8100", None), ("10.0.0.1:8100", 3), ("[::1]:8100", 0)):
+        assert of_where(where(endpoint, rank)) == (endpoint, rank)

@@ -127,7 +127,7 @@ async def test_a_2xx_that_is_not_a_json_object_is_a_502(
     with pytest.raises(PrefillFailed) as caught:
         await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5))
     assert caught.value.status == 502
-    assert "10.0.0.7:8100 sent a non-JSON body" in caught.value.message
+    assert caught.value.message == "the prefill engine sent a non-JSON body"
 
 
 @pytest.mark.parametrize(
@@ -142,7 +142,8 @@ async def test_p_errors_map_to_the_clients_status(
     with pytest.raises(PrefillFailed) as caught:
         await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5))
     assert caught.value.status == client_status
-    assert caught.value.message == f"prefill endpoint 10.0.0.7:8100 answered {p_status}"
+    assert caught.value.message == f"the prefill engine answered {p_status}"
+    assert caught.value.detail == "prefill 10.0.0.7:8100"  # the log's, never the client's
     assert caught.value.retry_after_s is None
 
 
@@ -153,9 +154,7 @@ async def test_ps_own_error_message_is_passed_on(
     listener.handler = answer(400, orjson.dumps(error))
     with pytest.raises(PrefillFailed) as caught:
         await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5))
-    assert caught.value.message == (
-        "prefill endpoint 10.0.0.7:8100 answered 400: max_tokens is too large"
-    )
+    assert caught.value.message == "the prefill engine answered 400: max_tokens is too large"
 
 
 async def test_a_flat_error_string_is_passed_on(
@@ -167,7 +166,7 @@ async def test_a_flat_error_string_is_passed_on(
         await client.send(PrefillCall("p1", "/v1/completions", b"{}", "r", 5))
     assert (caught.value.status, caught.value.message) == (
         401,
-        "prefill endpoint p1 answered 401: Unauthorized",
+        "the prefill engine answered 401: Unauthorized",
     )
 
 
@@ -180,7 +179,7 @@ async def test_error_bodies_of_other_shapes_are_not_quoted(
     listener.handler = answer(500, body)
     with pytest.raises(PrefillFailed) as caught:
         await client.send(PrefillCall("p1", "/v1/completions", b"{}", "r", 5))
-    assert caught.value.message == "prefill endpoint p1 answered 500"
+    assert caught.value.message == "the prefill engine answered 500"
 
 
 @pytest.mark.parametrize("flags", ["UF", "UH", "URX", "UO", "UC", "UR", "NR", "LR", "DC,UF"])
@@ -191,7 +190,7 @@ async def test_envoys_own_connect_failure_is_unreachable(
     with pytest.raises(PrefillUnreachable) as caught:
         await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5))
     assert (caught.value.status, caught.value.retry_after_s) == (503, 1)
-    assert caught.value.message == f"prefill endpoint 10.0.0.7:8100 is unreachable ({flags}); retry"
+    assert caught.value.message == f"the prefill engine is unreachable ({flags}); retry"
 
 
 @pytest.mark.parametrize("flags", ["DC", "UT", "-", ""])
@@ -218,7 +217,8 @@ async def test_silent_p_times_out_with_504(listener: FakeListener, client: Prefi
         await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 0.2))
     release.set()
     assert caught.value.status == 504
-    assert caught.value.message == "prefill endpoint 10.0.0.7:8100 did not answer within 0.2 s"
+    assert caught.value.message == "the prefill engine did not answer within 0.2 s"
+    assert caught.value.detail == "prefill 10.0.0.7:8100"
 
 
 async def test_legs_in_flight_are_not_queued_behind_each_other(
@@ -252,8 +252,8 @@ async def test_unreachable_listener_is_a_retryable_503() -> None:
     finally:
         await prefill.close()
     assert (caught.value.status, caught.value.retry_after_s) == (503, 1)
-    assert caught.value.message.startswith("the prefill listener is unreachable (")
-    assert caught.value.message.endswith("); retry")
+    assert caught.value.message == "the prefill listener is unreachable (connection refused); retry"
+    assert "127.0.0.1" in str(caught.value.detail)  # asyncio's text names the address: log only
 
 
 async def test_unix_socket_listener(tmp_path: Path) -> None:

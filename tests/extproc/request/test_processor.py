@@ -302,7 +302,7 @@ async def test_unusable_p_params_are_never_forwarded(params: Any) -> None:
     sent = await r.envoy.until_sent(3)
     status, message, _ = error(sent[2])
     assert status == 502
-    assert message.startswith(f"prefill {P} sent unusable params: ")
+    assert message == "the prefill engine sent unusable kv_transfer_params"  # no address
     assert r.rt.identities.get(P) is None
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.outcome("prefill_error", "serial", "serial_only") == 1
@@ -346,13 +346,66 @@ async def test_parallel_dispatch_sends_both_legs_at_once() -> None:
     assert r.idle()
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_p_restart_after_its_answer_ends_a_stream_still_owed_its_kv(stream: bool) -> None:
+    # D's 200 passed once P answered; P then restarts (a new engine id is learned) before its
+    # push could land: the streamed answer is ended at once (Envoy resets it). A whole answer
+    # comes once D is done, its KV long there: it is left alone.
+    r = Request(cached=True)
+    await r.start(REQUEST | {"stream": stream})
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER)
+    await r.send(response_headers(200))
+    await r.envoy.until_sent(3)
+    assert len(r.rt.pushed_kv) == (1 if stream else 0)
+    r.rt.identities.learn(P, identity_from_params(IDENTITY | {"remote_engine_id": "e2"}))
+    if stream:
+        sent = await r.envoy.until_sent(4)
+        assert error(sent[3]) == (
+            503,
+            "the prefill engine restarted or stopped before its KV reached the decode engine;"
+            " retry",
+            "1",
+        )
+        await asyncio.wait_for(r.task, WAIT_S)
+        assert r.outcome("kv_lost", "parallel", "cache_hit") == 1
+    else:
+        await r.end()
+        assert r.envoy.kinds()[2:] == ["response_headers"]
+        assert r.outcome("ok", "parallel", "cache_hit") == 1
+    assert len(r.rt.pushed_kv) == 0 and r.idle()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+async def test_a_p_going_down_after_a_serial_answer_ends_a_push_stream_only(mode: str) -> None:
+    # Serial push: D registers once it has P's params, P writes after that, so a P lost after
+    # its answer leaves D waiting too. Pull: D reads P's blocks itself and fails if P is gone.
+    r = Request()
+    await r.start(REQUEST | {"stream": True})
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER | {"transfer_mode": mode})
+    await r.envoy.until_sent(3)  # D's body, with P's params
+    await r.send(response_headers(200))
+    await r.envoy.until_sent(4)
+    r.rt.prefill.set_healthy(P, False)  # its health check failed
+    if mode == "push":
+        sent = await r.envoy.until_sent(5)
+        assert error(sent[4])[0] == 503
+        await asyncio.wait_for(r.task, WAIT_S)
+        assert r.outcome("kv_lost", "serial", "cache_miss") == 1
+    else:
+        await r.end()
+        assert r.outcome("ok", "serial", "cache_miss") == 1
+    assert len(r.rt.pushed_kv) == 0
+
+
 async def test_p_restarted_under_a_parallel_request_is_a_retryable_503() -> None:
     r = Request(cached=True)
     await r.start()
     await r.envoy.until_sent(2)
     r.prefill.answer(P_ANSWER | {"remote_engine_id": "e2"})
     sent = await r.envoy.until_sent(3)
-    assert error(sent[2]) == (503, f"prefill {P} restarted (new engine id); retry", "1")
+    assert error(sent[2]) == (503, "the prefill engine restarted (new engine id); retry", "1")
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.rt.identities.get(P).engine_id == "e2"  # learned for the next request
     assert r.sample("pd_extproc_identity_events_total", endpoint=P, event="mismatched") == 1

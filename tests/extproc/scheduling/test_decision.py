@@ -22,6 +22,9 @@ IDLE = Sides(
 BUSY_D = Sides(
     running_d=8, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, queued_p_tokens=0, waiting_p=0
 )
+TWO_RUNNING = Sides(
+    running_d=2, waiting_d=0, kv_usage_d=0.2, pending_d_tokens=0, queued_p_tokens=0, waiting_p=0
+)
 
 
 def test_tokens_are_estimated_from_bytes() -> None:
@@ -43,8 +46,18 @@ def test_idle_engines_go_alone_for_any_prompt() -> None:
 
 def test_a_busy_decode_gets_p_d_for_a_long_prompt_and_alone_for_a_short_one() -> None:
     assert decide(LOAD_AWARE, 1024, BUSY_D, 30.0).reason == "stall_budget"  # 59 ms > 30 ms
-    assert decide(LOAD_AWARE, 64, BUSY_D, 30.0).decode_only  # ~4 ms stall
-    assert decide(LOAD_AWARE, 64, BUSY_D, 1.0).reason == "stall_budget"  # bucket nearly empty
+    assert decide(LOAD_AWARE, 64, TWO_RUNNING, 30.0).decode_only  # ~4 ms stall, twice
+    assert decide(LOAD_AWARE, 64, TWO_RUNNING, 1.0).reason == "stall_budget"  # bucket empty
+
+
+def test_a_busy_decode_batch_gets_p_d_where_alone_saves_less_than_the_batch_pays() -> None:
+    # 64 tokens: alone saves the P path's 25 ms; the stall (3.7 ms) costs 2 running
+    # requests 7.4 ms, 8 of them 29.7 ms
+    assert decide(LOAD_AWARE, 64, TWO_RUNNING, 30.0).reason == "faster_alone"
+    assert decide(LOAD_AWARE, 64, BUSY_D, 30.0).reason == "decode_busy"
+    # where P would have to compute what D holds, alone saves more than the batch pays
+    assert decide(LOAD_AWARE, 2000, BUSY_D, 30.0, d_cached=1936).reason == "faster_alone"
+    assert decide(LOAD_AWARE, 2000, BUSY_D, 30.0, 1936, 1936).reason == "decode_busy"
 
 
 def test_a_queued_decode_and_an_idle_prefill_give_p_d() -> None:
@@ -71,6 +84,7 @@ class Load:
     running: float = 0.0
     kv_usage: float = 0.0
     queued_tokens: int = 0
+    pending_tokens: int = 0
     foreign: float = 0.0
 
 
@@ -78,7 +92,7 @@ def test_the_stall_bucket_empties_and_counts_decisions() -> None:
     metrics = Metrics()
     decider = Decider(metrics)
     cfg = LOAD_AWARE.model_copy(update={"bytes_per_token": 1.0})
-    busy = Load(in_flight=5)
+    busy = Load(in_flight=2)  # one running besides this request
     made = [decider.decide(cfg, 200, "d", busy, Load()).reason for _ in range(3)]
     assert made == ["faster_alone", "faster_alone", "stall_budget"]  # 11.6 ms each, 30 ms bucket
     text = metrics.render().decode()

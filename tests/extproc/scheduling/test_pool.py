@@ -202,8 +202,8 @@ def test_a_released_count_is_counted_again_only_where_it_moves_and_only_once() -
 
 
 def test_ranks_are_chosen_by_their_load_and_counted_apart() -> None:
-    """vLLM's DP score: the greater of our in-flight count at the rank and the engine's own
-    waiting + running there; ties go in turn."""
+    """A rank's load: our in-flight requests there plus other routers' (the engine's scraped
+    waiting + running beyond ours); ties go in turn."""
     pool = Pool(Role.PREFILL, [A, B], Last())
     pool.ranks_of = lambda address: 2 if address == A else 1
     state = next(s for s in pool if s.address == A)
@@ -230,3 +230,15 @@ def test_ranks_are_chosen_by_their_load_and_counted_apart() -> None:
         sent.move_to(B)  # Envoy's fallback served it, with the rank header already sent
         assert sent.rank == rank and other.rank_in_flight == {rank: 1}
         assert state.rank_in_flight == {0: 0, 1: 0}
+
+
+def test_a_counts_pending_tokens_end_and_move_with_it() -> None:
+    pool = Pool(Role.PREFILL, [A, B], Last())
+    a, b = pool
+    with pool.track(a, 100) as counted, pool.track(a, 20):
+        assert (a.pending_tokens, b.pending_tokens) == (120, 0)
+        counted.move_to(B)  # a fallback served it: its work is there now
+        assert (a.pending_tokens, b.pending_tokens) == (20, 100)
+        counted.release()
+        assert (a.pending_tokens, b.pending_tokens) == (20, 0)
+    assert (a.pending_tokens, b.pending_tokens) == (0, 0)
