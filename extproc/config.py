@@ -30,7 +30,12 @@ from pydantic import (
 )
 
 from extproc.durations import DAY, INTERVAL, seconds
-from extproc.headers import DESTINATION_HEADER, LOCAL_REPLY_HEADER, RANK_HEADER
+from extproc.headers import (
+    DESTINATION_HEADER,
+    ENGINE_PRIORITY_HEADER,
+    LOCAL_REPLY_HEADER,
+    RANK_HEADER,
+)
 from extproc.policies import POLICIES, NoOptions, option_keys, parse_options
 from extproc.roles import Role
 
@@ -479,6 +484,10 @@ class DispatchConfig(_Strict):
     # and CPU: see docs/benchmarks.md; the only way where no prefill listener exists), or "listener"
     # through Envoy's prefill listener (Envoy's pooling, per-cluster stats, pool check).
     prefill_leg: Literal["listener", "direct"] = "direct"
+    # vLLM's own priority (the body's `priority`, the X-Vllm-Priority header), which orders an
+    # engine's queue under --scheduling-policy priority: a client's reaches the engines only
+    # when the operator lets it (its gateway then sets or checks it); otherwise both are removed.
+    client_engine_priority: bool = False
 
     @field_validator("forward_headers")
     @classmethod
@@ -488,6 +497,15 @@ class DispatchConfig(_Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return names
+
+    @model_validator(mode="after")
+    def _check_engine_priority(self) -> DispatchConfig:
+        if ENGINE_PRIORITY_HEADER in self.forward_headers and not self.client_engine_priority:
+            raise ValueError(
+                f"forward_headers lists {ENGINE_PRIORITY_HEADER!r}, which the engines never get "
+                "from a client unless client_engine_priority is true: set it, or drop the header"
+            )
+        return self
 
 
 class DecisionMode(StrEnum):

@@ -162,8 +162,10 @@ class Runtime:
             for state in pool:
                 self._endpoint_changed(pool.role)(state)
         self.prefill_client = PrefillPaths(
-            PrefillClient(ThroughListener(prefill_listener, config.timeouts.connect_s)),
-            PrefillClient(ToEngine(config.timeouts.connect_s, self._direct_leg_key)),
+            PrefillClient(
+                ThroughListener(prefill_listener, config.timeouts.connect_s, self._p_leg_key)
+            ),
+            PrefillClient(ToEngine(config.timeouts.connect_s, self._p_leg_key)),
             # an endpoint picker has no prefill listener: its P legs go to the engine
             (lambda: "direct") if endpoint_picker else lambda: self.config.dispatch.prefill_leg,
         )
@@ -348,11 +350,12 @@ class Runtime:
             self._session = aiohttp.ClientSession()
         await self.discovery.refresh()
 
-    def _direct_leg_key(self) -> dict[str, str]:
-        """The engines' key for a P leg sent straight to the engine, only where the client's
-        own key is not forwarded: otherwise P sees the key D sees (a client without one gets
-        the engines' 401 from both legs, and nothing is computed). Where it is sent, the
-        ext_proc checks the client's key itself first (`extproc.request.client_key`)."""
+    def _p_leg_key(self) -> dict[str, str]:
+        """The engines' key for a P leg (straight to the engine or through Envoy's prefill
+        listener), only where the client's own key is not forwarded: otherwise P sees the key
+        D sees (a client without one gets the engines' 401 from both legs, and nothing is
+        computed). Where it is sent, the ext_proc checks the client's key itself first
+        (`extproc.request.client_key`)."""
         return self.config.engines.auth_headers if client_key_checked_here(self.config) else {}
 
     def reload(self, config: Config) -> list[str]:

@@ -7,7 +7,7 @@ from aiohttp.typedefs import Middleware
 
 from vllmsim.auth import auth_middleware
 from vllmsim.faults import add_admin_routes
-from vllmsim.http_api import add_routes, record_unrouted
+from vllmsim.http_api import add_routes, record_passed_through, record_unrouted
 from vllmsim.server import SIM_KEY, SimServer
 
 
@@ -15,6 +15,7 @@ def build_app(sim: SimServer) -> web.Application:
     middlewares: list[Middleware] = [record_unrouted]
     if sim.cfg.api_keys:
         middlewares.append(auth_middleware(sim.cfg.api_keys))
+    middlewares.append(record_passed_through)  # after the key check: what the API served
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
     app[SIM_KEY] = sim
     add_routes(app)

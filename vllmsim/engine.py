@@ -122,6 +122,7 @@ class SimRequest:
     chain: list[bytes] = field(default_factory=list)  # the prompt's KV fingerprints (lazy)
     kv_from_transfer: bool = False  # the prompt's KV (past the cached blocks) came over NIXL
     output_ids: list[int] = field(default_factory=list)  # generated tokens (prefix caching)
+    session_id: str | None = None  # the client's, as vLLM reads it; its KV events carry it
 
     @property
     def num_cached_tokens(self) -> int:
@@ -388,7 +389,11 @@ class Engine:
         full = min(req.num_computed // self.block_size, len(req.block_hashes))
         if full > req.num_hashed_blocks:
             self.pool.cache(
-                req.blocks[:full], req.block_hashes[:full], req.num_hashed_blocks, req.prompt_ids
+                req.blocks[:full],
+                req.block_hashes[:full],
+                req.num_hashed_blocks,
+                req.prompt_ids,
+                req.session_id,
             )
             req.num_hashed_blocks = full
 
@@ -410,7 +415,9 @@ class Engine:
             fingerprint = block_fingerprint(index, before, all_ids[index * bs : (index + 1) * bs])
             self.pool.write([req.blocks[index]], [BlockContent(fingerprint, LOCAL, self.engine_id)])
         extend_hashes(req.block_hashes, all_ids[: full * bs], bs)
-        self.pool.cache(req.blocks[:full], req.block_hashes, req.num_hashed_blocks, all_ids)
+        self.pool.cache(
+            req.blocks[:full], req.block_hashes, req.num_hashed_blocks, all_ids, req.session_id
+        )
         req.num_hashed_blocks = full
 
     def _count_prompt_sources(self, req: SimRequest) -> None:

@@ -2,7 +2,9 @@
 
 Every completion request leaves one record in `SimServer.records` (see GET /sim/requests), and
 so does every request no route matched (outcome "unrouted"): a proxy in front must never let a
-request through to a path it did not mean to, and tests see such a request here.
+request through to a path it did not mean to, and tests see such a request here. So do the
+bodies a proxy passes through untouched (POST /tokenize and /detokenize): tests see what
+reached the engine past the ext_proc.
 """
 
 from __future__ import annotations
@@ -124,6 +126,20 @@ async def _serve(
 RANK_HEADER = "X-data-parallel-rank"
 
 
+def session_id(headers: Any, body: dict[str, Any]) -> str | None:
+    """The request's session as vLLM 0.32 reads it: the body's `session_id`, else the
+    X-Session-ID header, else `vllm_xargs.session_id`."""
+    xargs = body.get("vllm_xargs")
+    for value in (
+        body.get("session_id"),
+        headers.get("X-Session-ID"),
+        xargs.get("session_id") if isinstance(xargs, dict) else None,
+    ):
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
 def choose_rank(sim: SimServer, header: str | None) -> Rank:
     """The rank a request goes to, as vLLM: the header's (an integer; anything else counts as
     no header), else the load balancer's; a rank out of range is the client's error (400)."""
@@ -150,7 +166,12 @@ async def _run(
 ) -> web.StreamResponse:
     external, internal = ids
     req = SimRequest(
-        internal, parsed.prompt_ids, parsed.max_tokens, mode=parsed.mode, remote=parsed.kv_params
+        internal,
+        parsed.prompt_ids,
+        parsed.max_tokens,
+        mode=parsed.mode,
+        remote=parsed.kv_params,
+        session_id=session_id(request.headers, rec["body"]),
     )
     rec["events"] = req.timeline  # the same list: P's push events arrive after its answer
     if sim.cfg.cost.api_overhead_ms > 0:  # vLLM's API server: parse, tokenize, IPC
@@ -379,6 +400,41 @@ def _update_gauges(rank: Rank) -> None:
             stages[req.fetch_stage] += 1
     for stage, count in stages.items():
         m.lbl(m.fetch_by_stage, stage=stage).set(count)
+
+
+@web.middleware
+async def record_passed_through(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Record a request to an endpoint that computes nothing (/tokenize, /detokenize) with
+    its headers and body, as it reached the engine."""
+    if request.path not in _PASSED_THROUGH or request.method != "POST":
+        return await handler(request)
+    raw = await request.read()
+    response = await handler(request)
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = raw.decode(errors="replace")
+    request.app[SIM_KEY].records.append(
+        {
+            "x_request_id": request.headers.get("X-Request-Id"),
+            "internal_id": None,
+            "method": request.method,
+            "path": request.path,
+            "received_at": time.time(),
+            "body": body,
+            "headers": _headers(request),
+            "status": response.status,
+            "outcome": "passed_through",
+            "kv": None,
+            "kv_evidence": None,
+            "first_token_at": None,
+            "body_bytes": len(raw),
+        }
+    )
+    return response
+
+
+_PASSED_THROUGH = ("/tokenize", "/detokenize")
 
 
 async def tokenize(request: web.Request) -> web.Response:

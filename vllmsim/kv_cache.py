@@ -97,9 +97,15 @@ class BlockPool:
             self._free.move_to_end(block_id, last=False)
 
     def cache(
-        self, blocks: Sequence[int], hashes: Sequence[bytes], start: int, token_ids: Sequence[int]
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[bytes],
+        start: int,
+        token_ids: Sequence[int],
+        session_id: str | None = None,
     ) -> None:
-        """Blocks [start, len(hashes)) became full: record their hashes, queue a BlockStored."""
+        """Blocks [start, len(hashes)) became full: record their hashes, queue a BlockStored
+        (tagged with the request's `session_id`, as vLLM does)."""
         if not self.caching or start >= len(hashes):
             return
         for block_id, block_hash in zip(blocks[start:], hashes[start:], strict=False):
@@ -113,6 +119,7 @@ class BlockPool:
                 parent,
                 list(token_ids[start * bs : len(hashes) * bs]),
                 bs,
+                session_id,
             )
         )
 

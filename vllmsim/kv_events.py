@@ -38,11 +38,12 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    session_id: str | None = None  # the request's (vLLM 0.32: its session_id, as sent)
 
     def as_wire(self) -> dict[str, Any]:
         # vLLM's fields in order; lora_id..lora_name have no default (always sent), the later
         # ones are left out at their default (None) except group_idx, which vLLM sets.
-        return {
+        wire: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": self.block_hashes,
             "parent_block_hash": self.parent_block_hash,
@@ -53,6 +54,9 @@ class BlockStored:
             "lora_name": None,
             "group_idx": 0,
         }
+        if self.session_id is not None:
+            wire["session_id"] = self.session_id
+        return wire
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,16 @@ from typing import Any
 from extproc.bootstrap.common import TYPED, buffer_limit, duration
 from extproc.bootstrap.ext_proc_filter import EXT_PROC_PER_ROUTE, streamed_body_route
 from extproc.config import Config
-from extproc.headers import DESTINATION_HEADER
+from extproc.headers import SIDECAR_HEADERS
 from extproc.request.parse import PASSTHROUGH, PATHS
 
 
 def without_extproc() -> dict[str, Any]:
-    """What every route that skips the ext_proc needs: a client's destination header must not
-    steer it. A new dict per call: rendered pieces never share (and so never co-mutate) state."""
+    """What every route that skips the ext_proc needs: a client's copies of the sidecar's
+    headers (the destination, the data-parallel rank) must not steer it. A new dict per call:
+    rendered pieces never share (and so never co-mutate) state."""
     return {
-        "request_headers_to_remove": [DESTINATION_HEADER],
+        "request_headers_to_remove": list(SIDECAR_HEADERS),
         "typed_per_filter_config": {
             "envoy.filters.http.ext_proc": {TYPED: EXT_PROC_PER_ROUTE, "disabled": True}
         },

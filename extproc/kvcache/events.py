@@ -27,7 +27,10 @@ __all__ = [
 # Bounds on one payload, far above what an engine sends (a batch is one scheduler step).
 MAX_EVENTS_PER_BATCH = 65_536
 _MAX_ARRAY = 1 << 20  # the longest array: token ids of one BlockStored
-_MAX_STR = 4096
+# No bound of its own on strings: vLLM copies a client's `session_id` (any length) into the
+# BlockStored events of its request, and a batch refused for it would lose the other requests'
+# events of that engine step. A string is never longer than its payload, which the subscriber
+# bounds (ZMQ_MAXMSGSIZE).
 _MAX_BIN = 1024  # a block hash is 32 bytes
 _MAX_MAP = 64
 _HASH_MASK = (1 << 60) - 1  # of vLLM's 64: below 2**60 a Python int is 32 bytes, above it 36
@@ -93,7 +96,7 @@ def decode_batch(payload: bytes) -> EventBatch:
             strict_map_key=True,
             max_array_len=_MAX_ARRAY,
             max_map_len=_MAX_MAP,
-            max_str_len=_MAX_STR,
+            max_str_len=len(payload),
             max_bin_len=_MAX_BIN,
             max_ext_len=0,
         )

@@ -23,7 +23,7 @@ __all__ = ["check_client_key", "client_key_checked_here"]
 
 def client_key_checked_here(config: Config) -> bool:
     """Whether P never sees the client's key: the engines' keys are known and `authorization`
-    is not forwarded (a direct P leg then carries the sidecar's key instead)."""
+    is not forwarded (the P leg then carries the sidecar's key instead)."""
     return bool(config.engines.api_keys) and "authorization" not in config.dispatch.forward_headers
 
 

@@ -12,7 +12,12 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.struct_pb2 import Struct
 
 from extproc.errors import RequestEnded
-from extproc.headers import DESTINATION_HEADER, RANK_HEADER
+from extproc.headers import (
+    DESTINATION_HEADER,
+    ENGINE_PRIORITY_HEADER,
+    RANK_HEADER,
+    SIDECAR_HEADERS,
+)
 
 __all__ = [
     "DESTINATION_HEADER",
@@ -167,18 +172,35 @@ def request_labels(labels: Labels, reason: str | None = None, outcome: str | Non
     return metadata
 
 
+# The client's copies of the sidecar's headers that an answer does not set itself (it
+# overwrites the others): removed, so that none reaches an engine.
+_NOT_SET_ON_D = [h for h in SIDECAR_HEADERS if h != DESTINATION_HEADER]
+# D's: by (rank set, the client's engine priority kept); vLLM's priority header goes too
+# unless the operator lets clients set it.
+_REMOVED_ON_D = {
+    (ranked, kept): [
+        *(h for h in _NOT_SET_ON_D if not (ranked and h == RANK_HEADER)),
+        *([] if kept else [ENGINE_PRIORITY_HEADER]),
+    ]
+    for ranked in (False, True)
+    for kept in (False, True)
+}
+
+
 def route_mutation(
     destinations: Iterable[str],
     request_id: str,
     length: int,
     rank: int | None = None,
     single: Mapping[str, str] | None = None,
+    engine_priority: bool = False,
 ) -> ep.HeaderMutation:
     """Route to `destinations` (ordered fallbacks), set the request id and the new body's
     exact content-length (a buffered body fails on a stale one; a streamed one would not be
     checked, and D would get a chunked or misframed body), and D's data-parallel rank: ours,
     never the client's (removed when D has no ranks). `single`: repeated client headers, each
-    replaced by its one value (`repeated_headers`)."""
+    replaced by its one value (`repeated_headers`). The client's X-Vllm-Priority is removed
+    unless `engine_priority` (dispatch.client_engine_priority)."""
     headers = [
         _header(DESTINATION_HEADER, ",".join(destinations)),
         _header("x-request-id", request_id),
@@ -186,9 +208,10 @@ def route_mutation(
     ]
     if single:
         headers.extend(_header(name, value) for name, value in single.items())
-    if rank is None:
-        return ep.HeaderMutation(set_headers=headers, remove_headers=[RANK_HEADER])
-    return ep.HeaderMutation(set_headers=[*headers, _header(RANK_HEADER, str(rank))])
+    removed = _REMOVED_ON_D[rank is not None, engine_priority]
+    if rank is not None:
+        headers.append(_header(RANK_HEADER, str(rank)))
+    return ep.HeaderMutation(set_headers=headers, remove_headers=removed)
 
 
 def body_answer(
@@ -197,9 +220,10 @@ def body_answer(
     request_id: str,
     rank: int | None = None,
     single: Mapping[str, str] | None = None,
+    engine_priority: bool = False,
 ) -> ep.ProcessingResponse:
     """Buffered body: replace it, with the headers of `route_mutation` in the same answer."""
-    mutation = route_mutation(destinations, request_id, len(body), rank, single)
+    mutation = route_mutation(destinations, request_id, len(body), rank, single, engine_priority)
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(
             response=ep.CommonResponse(
@@ -299,6 +323,10 @@ def body_passthrough(chunk: ep.HttpBody, request_side: bool) -> ep.ProcessingRes
 
 
 def destination_answer(destinations: Iterable[str]) -> ep.ProcessingResponse:
-    """The request headers' answer that only routes (a request passed through as it is)."""
-    mutation = ep.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, ",".join(destinations))])
+    """The request headers' answer that only routes (a request passed through as it is, but
+    for the client's copies of the sidecar's headers, removed)."""
+    mutation = ep.HeaderMutation(
+        set_headers=[_header(DESTINATION_HEADER, ",".join(destinations))],
+        remove_headers=_NOT_SET_ON_D,
+    )
     return headers_answer(mutation)

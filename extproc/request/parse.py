@@ -198,8 +198,14 @@ def _not_json(raw: bytes, error: orjson.JSONDecodeError) -> ClientError:
     return _bad(f"the body is not valid JSON: {error}")
 
 
-def parse_request(api: Api, raw: bytes, limit: int) -> ClientRequest:
-    """Parse and check a body; raises ClientError with the status the client should get."""
+# vLLM's own scheduling priority (`extproc.headers.ENGINE_PRIORITY_HEADER`): the operator's.
+_ENGINE_PRIORITY = "priority"
+
+
+def parse_request(api: Api, raw: bytes, limit: int, engine_priority: bool = False) -> ClientRequest:
+    """Parse and check a body; raises ClientError with the status the client should get.
+    The client's `priority` is dropped from the legs' bodies unless `engine_priority`
+    (dispatch.client_engine_priority)."""
     if len(raw) > limit:
         raise ClientError(413, f"request body is {len(raw)} bytes; the limit is {limit} bytes")
     if not raw:
@@ -220,4 +226,6 @@ def parse_request(api: Api, raw: bytes, limit: int) -> ClientRequest:
     except BodyError as error:  # orjson accepted it, so this is our scanner's gap: say so
         raise _bad(f"unsupported JSON layout: {error}") from None
     parts = without_router_xargs(parts, doc.get("vllm_xargs"))
+    if not engine_priority and _ENGINE_PRIORITY in doc:
+        parts = [(key, chunk) for key, chunk in parts if key != _ENGINE_PRIORITY]
     return ClientRequest(api, model, bool(doc.get("stream")), doc, parts)

@@ -138,11 +138,20 @@ class Route(Protocol):
 
 class ThroughListener:
     """Envoy's prefill listener ("unix:/path" or "host:port"), which routes by the
-    destination header."""
+    destination header and passes the other headers on to P.
 
-    def __init__(self, listener: str, connect_timeout_s: float) -> None:
+    `auth_headers` as for `ToEngine`: the engines' key where the wiring wants it sent.
+    """
+
+    def __init__(
+        self,
+        listener: str,
+        connect_timeout_s: float,
+        auth_headers: Callable[[], dict[str, str]] = dict,
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self._listener = listener
+        self._auth_headers = auth_headers
         unix = listener.startswith("unix:")
         self._base = "http://prefill" if unix else f"http://{listener}"
 
@@ -159,6 +168,7 @@ class ThroughListener:
             "content-type": "application/json",
             DESTINATION_HEADER: call.endpoint,
             "x-request-id": call.request_id,
+            **self._auth_headers(),
             **(call.headers or {}),
         }
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -69,6 +69,7 @@ from extproc.request.strategies import (
 )
 from extproc.request.stream import EnvoyStream
 from extproc.request.upload import Upload, UploadLimits, gather_body
+from extproc.scheduling.admission import request_priority
 from extproc.scheduling.subset_hint import Subset, subset_hint
 
 if TYPE_CHECKING:
@@ -227,7 +228,7 @@ class RequestProcessor:
         forwarded |= single
         method, path = headers.get(":method", ""), headers.get(":path", "")
         if picker is not None and is_passthrough(method, path):
-            await self._pass_through(picker, inflight)
+            await self._pass_through(picker, headers, inflight)
             return
         api = check_route(method, path)
         check_client_key(headers, config)  # before the upload, before any leg
@@ -238,7 +239,10 @@ class RequestProcessor:
         if upload is None:
             return
         started = time.perf_counter()
-        request = parse_request(api, upload.body, config.limits.max_body_bytes)
+        dispatch = config.dispatch
+        request = parse_request(
+            api, upload.body, config.limits.max_body_bytes, dispatch.client_engine_priority
+        )
         self.model = request.model
         fallbacks = 1 if picker is None else picker.fallbacks
         tokens = await request_tokens(request, self.deps.scheduler)  # None: not KV-routed
@@ -269,12 +273,18 @@ class RequestProcessor:
         if await self.dispatch.send(started):
             await self._watch()
 
-    async def _pass_through(self, picker: EndpointPickerConfig, inflight: ExitStack) -> None:
+    async def _pass_through(
+        self, picker: EndpointPickerConfig, headers: Mapping[str, str], inflight: ExitStack
+    ) -> None:
         """Endpoint picker: an engine's own endpoint (GET /v1/models, POST /tokenize, ...), which
-        the gateway routes through the picker too, goes to a decode as it is; its bodies pass."""
+        the gateway routes through the picker too, goes to a decode as it is (admitted at the
+        request's priority, as every request; without the sidecar's own headers); its bodies
+        pass."""
         self.plan = _PASSED_THROUGH  # its labels, should no D be picked
-        picked = self.deps.scheduler.pick_decodes(
-            PickRequest(), inflight, self.config, self.subset, picker.fallbacks
+        scheduler, config = self.deps.scheduler, self.config
+        priority = request_priority(headers, config.admission, scheduler.count_invalid_priority)
+        picked = scheduler.pick_decodes(
+            PickRequest(priority=priority), inflight, config, self.subset, picker.fallbacks
         )
         self.plan = NoPlan(Strategy.DECODE_ONLY, picked.reason, picked.decode_counted)
         decodes = picked.decodes

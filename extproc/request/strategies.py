@@ -147,15 +147,17 @@ def decode_answers(
     Buffered: one body answer carrying the headers. Streamed: the headers' answer, then the
     whole new body.
     """
+    kept = exchange.config.dispatch.client_engine_priority
+    single = exchange.single_headers
     if not exchange.streamed:
         answers = [
             envoy_msgs.body_answer(
-                body, plan.decodes, plan.request_id, plan.decode_rank, exchange.single_headers
+                body, plan.decodes, plan.request_id, plan.decode_rank, single, kept
             )
         ]
     else:
         mutation = envoy_msgs.route_mutation(
-            plan.decodes, plan.request_id, len(body), plan.decode_rank, exchange.single_headers
+            plan.decodes, plan.request_id, len(body), plan.decode_rank, single, kept
         )
         answers = [envoy_msgs.headers_answer(mutation), envoy_msgs.streamed_body_answer(body)]
     if exchange.destination_namespace is not None:  # the answer that sets the header

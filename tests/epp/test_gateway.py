@@ -3,6 +3,7 @@ cluster variants), with vllmsim prefill and decode engines."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import statistics
@@ -225,3 +226,52 @@ async def test_sigterm_lets_an_open_streamed_answer_finish() -> None:
                 events.append(line)
         assert b"data: [DONE]\n" in events  # the open stream finished whole
         assert len([e for e in events if e.startswith(b"data: {")]) >= 40
+
+
+async def test_a_passed_through_request_carries_no_routing_header_of_the_client(
+    push_2p2d: GatewayTopology,
+) -> None:
+    """The picker passes /tokenize through untouched, but the headers the sidecar owns (the
+    data-parallel rank, in any case, and Envoy's local-reply flags) never reach the engine."""
+    topo = push_2p2d
+    await topo.clear()
+    owned = {"X-Data-Parallel-Rank": "1", "x-pd-extproc-envoy-flags": "UF"}
+    status, body, _ = await topo.post(
+        "/tokenize", {"model": MODEL, "prompt": "hello world"}, headers=owned | {"x-kept": "1"}
+    )
+    assert status == 200, body
+    [record] = [r for e in topo.decodes for r in await topo.seen(e)]
+    assert record["path"] == "/tokenize" and record["body"]["prompt"] == "hello world"
+    assert record["headers"]["x-kept"] == "1"  # the client's other headers pass
+    assert not {name.lower() for name in owned} & set(record["headers"]), record["headers"]
+
+
+async def test_a_passed_through_request_is_admitted_at_the_requests_priority() -> None:
+    """Admission treats a passed-through request as any other: the default priority (-1 here,
+    shed at 50 % of the limits), or the gateway's trusted header's value."""
+    admission = {
+        "enabled": True,
+        "decode": {"max_in_flight": 2},
+        "priority_header": "x-gateway-priority",
+        "priority_min": -1,
+        "priority_max": 0,
+        "priority_default": -1,
+        "priority_step": 0.5,
+    }
+    variant = Variant.OVERRIDE_HOST
+    tokenize = {"model": MODEL, "prompt": "hello world"}
+    async with epp_topology(variant, admission=admission, **picker_settings(variant)) as topo:
+        status, body, _ = await topo.post("/tokenize", tokenize)  # idle: admitted
+        assert status == 200, body
+        held = {**COMPLETION, "max_tokens": 2000, "stream": True}
+        async with topo.session.post(topo.url + "/v1/completions", json=held) as stream:
+            assert stream.status == 200, await stream.text()
+            await asyncio.wait_for(stream.content.readline(), 10)  # D at 1 of 2: 50 %
+            for headers in ({}, {"x-gateway-priority": "-5"}, {"x-gateway-priority": "٣"}):
+                status, body, response_headers = await topo.post("/tokenize", tokenize, headers)
+                assert status == 429, (headers, body)
+                assert response_headers["retry-after"] == "1"
+            status, body, _ = await topo.post("/tokenize", tokenize, {"x-gateway-priority": "0"})
+            assert status == 200, body
+            async with topo.session.get(topo.url + "/v1/models") as response:
+                assert response.status == 429

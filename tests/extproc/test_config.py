@@ -192,6 +192,17 @@ def test_forward_headers_refuse_hop_by_hop_and_routing_headers(name: str, why: s
     assert line.startswith("dispatch.forward_headers: ") and why in line, line
 
 
+def test_the_engine_priority_header_is_forwarded_only_where_clients_may_set_it() -> None:
+    dispatch = {"forward_headers": ["X-Vllm-Priority"]}
+    with pytest.raises(ConfigError) as caught:
+        parse_config(MINIMAL | {"dispatch": dispatch})
+    [line] = str(caught.value).splitlines()
+    assert line.startswith("dispatch: ") and "client_engine_priority is true" in line, line
+    assert not parse_config(MINIMAL).dispatch.client_engine_priority
+    allowed = parse_config(MINIMAL | {"dispatch": dispatch | {"client_engine_priority": True}})
+    assert allowed.dispatch.forward_headers == ["x-vllm-priority"]
+
+
 def test_engine_api_key_is_read_at_load_and_never_shown(tmp_path: Path) -> None:
     assert parse_config(MINIMAL).engines.auth_headers == {}
     key_file = tmp_path / "key"

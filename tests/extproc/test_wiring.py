@@ -70,7 +70,7 @@ def test_reload_applies_the_identity_flap_settings() -> None:
     [(["authorization"], {}), (["traceparent"], {"authorization": "Bearer engine-key"})],
     ids=["client key forwarded", "client key not forwarded"],
 )
-def test_a_direct_p_leg_carries_the_engines_key_only_without_the_clients(
+def test_a_p_leg_carries_the_engines_key_only_without_the_clients(
     tmp_path: Path, forward: list[str], sent: dict[str, str]
 ) -> None:
     key_file = tmp_path / "key"
@@ -80,4 +80,4 @@ def test_a_direct_p_leg_carries_the_engines_key_only_without_the_clients(
         "dispatch": {"forward_headers": forward},
     }
     runtime = Runtime(parse_config(MINIMAL | settings), "unix:/nonexistent")
-    assert runtime._direct_leg_key() == sent
+    assert runtime._p_leg_key() == sent

@@ -152,20 +152,33 @@ async def test_a_client_without_the_key_starts_no_leg_where_p_gets_the_sidecars_
         assert d["headers"]["authorization"] == f"bearer {KEY}"
 
 
-async def test_every_key_of_the_engines_is_accepted_and_the_first_is_the_sidecars() -> None:
+@pytest.mark.parametrize("prefill_leg", ["direct", "listener"])
+async def test_every_key_of_the_engines_is_accepted_and_the_first_is_the_sidecars(
+    prefill_leg: str,
+) -> None:
+    """Both P-leg paths carry the sidecar's key: straight to the engine, and through Envoy's
+    prefill listener (which passes the ext_proc's headers on to P)."""
     second = "sk-pd-second-91ab"
     flags = ("--api-key", KEY, second)
     with tempfile.TemporaryDirectory(prefix="pd-key-") as tmp:
         key_file = Path(tmp) / "engine-key"
         key_file.write_text(f"{KEY}\n{second}\n")
         async with topology(
-            engine_flags=flags, engines={"api_key_file": str(key_file)}, dispatch=NOT_FORWARDED
+            engine_flags=flags,
+            engines={"api_key_file": str(key_file)},
+            dispatch=NOT_FORWARDED | {"prefill_leg": prefill_leg},
         ) as topo:
             await topo.clear()
-            status, body, _ = await topo.post(
-                "/v1/completions", COMPLETION, headers={"Authorization": f"Bearer {second}"}
-            )
-            assert status == 200, body
-            [(p, d)] = await legs(topo)
-            assert p["headers"]["authorization"] == f"Bearer {KEY}"
-            assert d["headers"]["authorization"] == f"Bearer {second}"
+            for stream in (False, True):
+                status, body, _ = await topo.post(
+                    "/v1/completions",
+                    COMPLETION | {"stream": stream},
+                    headers={"Authorization": f"Bearer {second}"},
+                )
+                assert status == 200, body
+            pairs = await legs(topo)
+            assert len(pairs) == 2, pairs
+            for p, d in pairs:
+                assert p is not None and p["status"] == 200, p
+                assert p["headers"]["authorization"] == f"Bearer {KEY}"
+                assert d["headers"]["authorization"] == f"Bearer {second}"

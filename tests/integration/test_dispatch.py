@@ -214,6 +214,45 @@ async def test_client_connector_params_in_vllm_xargs_reach_no_engine() -> None:
             assert "ec_transfer_params" not in record["body"]
 
 
+PRIORITY_BODY = b', "priority": -100, "pr\\u0069ority": -99}'  # the escaped key counts too
+
+
+async def test_a_clients_engine_priority_reaches_no_engine() -> None:
+    """vLLM's `priority` field and X-Vllm-Priority header order an engine's queue (and pick
+    whom it preempts) under --scheduling-policy priority: the operator's, not the client's."""
+    decision = {"mode": "threshold", "max_prompt_tokens": 64}
+    async with topology(decision=decision) as topo:
+        short = COMPLETION | {"prompt": "Say hi"}
+        for body in (short, COMPLETION | {"prompt": "The quick brown fox " * 50}):
+            raw = orjson.dumps(body)[:-1] + PRIORITY_BODY
+            status, payload, _ = await topo.post(
+                "/v1/completions", raw, headers={"X-Vllm-Priority": "-5"}
+            )
+            assert status == 200, payload
+        records = [r for e in topo.engines for r in await topo.seen(e)]
+        assert len(records) == 3  # D alone, then P and D
+        for record in records:
+            assert "priority" not in record["body"], record["body"]
+            assert "x-vllm-priority" not in record["headers"], record["headers"]
+
+
+async def test_an_operator_may_let_clients_set_the_engine_priority() -> None:
+    dispatch = {
+        "client_engine_priority": True,
+        "forward_headers": ["authorization", "x-vllm-priority"],
+    }
+    async with topology(dispatch=dispatch) as topo:
+        raw = orjson.dumps(COMPLETION)[:-1] + b', "priority": -100}'
+        status, payload, _ = await topo.post(
+            "/v1/completions", raw, headers={"X-Vllm-Priority": "-5"}
+        )
+        assert status == 200, payload
+        [(p, d)] = await legs(topo)
+        for record in (p, d):
+            assert record["body"]["priority"] == -100
+            assert record["headers"]["x-vllm-priority"] == "-5"
+
+
 async def test_a_repeated_trace_header_reaches_each_leg_once(push_1p1d: Topology) -> None:
     topo = push_1p1d
     await topo.clear()

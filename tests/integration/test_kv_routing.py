@@ -103,6 +103,23 @@ async def test_a_prompt_cached_on_one_prefill_goes_there(topo_2p2d: Topology) ->
     assert routed == 123 and cached == 120  # the BOS and 119 words: 30 full blocks
 
 
+async def test_a_clients_long_session_id_does_not_blind_the_index(topo_2p2d: Topology) -> None:
+    """vLLM tags a request's KV events with its `session_id` (or X-Session-ID), any length a
+    client sends: the batch carrying it, with every other request's blocks of that engine
+    step, is still applied, and the prompt it cached is routed to."""
+    topo = topo_2p2d
+    shared = words(200, 120)
+    body = completion_body(f"{shared} marker-s w7")
+    elsewhere = fallback_choice(topo.prefills, Api.COMPLETIONS, body)
+    holder = next(p for p in topo.prefills if address(p) != elsewhere)
+    filling = orjson.loads(completion_body(f"{shared} w1 w2 w3")) | {"session_id": "s" * 5000}
+    await direct(topo, holder, "/v1/completions", orjson.dumps(filling))
+    await held_by_index(topo, holder)
+    status, text, _ = await topo.post("/v1/completions", body)
+    assert status == 200, text
+    assert await served(topo, topo.prefills, "marker-s") == [address(holder)]
+
+
 async def test_the_next_turn_goes_decode_only_to_the_decode_that_holds_it(
     topo_2p2d: Topology,
 ) -> None:

@@ -189,3 +189,25 @@ async def test_an_engines_metrics_are_not_served_on_the_client_port(topo: Topolo
             assert response.status == 404, (target, body[:200])
             assert orjson.loads(body)["error"]["code"] == 404
             assert b"vllm:" not in body
+
+
+async def test_a_passed_through_request_carries_no_routing_header_of_the_client(
+    topo: Topology,
+) -> None:
+    """The pass-through routes skip the ext_proc, but Envoy removes the client's copies of the
+    headers the sidecar owns (destination, data-parallel rank in any case, local-reply flags)."""
+    await topo.clear()
+    owned = {
+        "X-Data-Parallel-Rank": "1",
+        "x-pd-extproc-envoy-flags": "UF",
+        "X-Gateway-Destination-Endpoint": "10.9.9.9:1",
+    }
+    async with topo.session.post(
+        topo.sidecar.url + "/tokenize",
+        json={"model": MODEL, "prompt": "hi"},
+        headers=owned | {"x-kept": "1"},
+    ) as response:
+        assert response.status == 200, await response.text()
+    [record] = [r for e in topo.engines for r in await topo.seen(e)]
+    assert record["path"] == "/tokenize" and record["headers"]["x-kept"] == "1"
+    assert not {name.lower() for name in owned} & set(record["headers"]), record["headers"]

@@ -323,7 +323,8 @@ async def test_api_key_guards_the_api_like_vllm(http: aiohttp.ClientSession) -> 
             assert (await call("GET", open_path, None))[0] == 200, open_path
         assert (await call("OPTIONS", "/v1/completions", None))[0] != 401
         records = await get_json(http, keyed, "/sim/requests")
-        assert len(records) == 2  # refused requests never reached the engine
+        # refused requests never reached the engine (GET /v1/models leaves no record)
+        assert [r["path"] for r in records] == ["/v1/completions"] * 2 + ["/tokenize"] * 2
 
 
 async def test_api_key_from_the_environment(http: aiohttp.ClientSession) -> None:
@@ -333,3 +334,19 @@ async def test_api_key_from_the_environment(http: aiohttp.ClientSession) -> None
         headers = {"Authorization": "Bearer envkey"}
         async with http.get(keyed.url + "/v1/models", headers=headers) as response:
             assert response.status == 200
+
+
+async def test_a_tokenize_request_is_recorded_as_it_arrived(
+    http: aiohttp.ClientSession, eng: EngineHandle
+) -> None:
+    """A proxy passes /tokenize through untouched: tests read what reached the engine."""
+    async with http.delete(eng.url + "/sim/requests"):
+        pass
+    headers = {"X-Data-Parallel-Rank": "1", "X-Request-Id": "tok-1"}
+    async with http.post(eng.url + "/tokenize", json={"prompt": "hi"}, headers=headers) as r:
+        assert r.status == 200
+    [record] = await get_json(http, eng, "/sim/requests")
+    assert record["path"] == "/tokenize" and record["outcome"] == "passed_through"
+    assert record["status"] == 200 and record["body"] == {"prompt": "hi"}
+    assert record["headers"]["x-data-parallel-rank"] == "1"
+    assert record["x_request_id"] == "tok-1"

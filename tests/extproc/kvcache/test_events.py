@@ -68,6 +68,14 @@ def test_unknown_tags_and_fields_are_skipped_not_errors() -> None:
     assert decoded.skipped == 2
 
 
+def test_a_clients_long_session_id_does_not_refuse_the_batch() -> None:
+    """vLLM copies a request's session_id, any length, into its BlockStored events."""
+    decoded = decode_batch(
+        batch(stored([1], None, [1, 2, 3, 4], session_id="s" * 100_000), removed([9]))
+    )
+    assert decoded.events == (BlocksStored((1,), None, (1, 2, 3, 4), 4, True), BlocksRemoved((9,)))
+
+
 def test_blocks_keyed_by_more_than_tokens_are_marked() -> None:
     decoded = decode_batch(
         batch(

@@ -8,6 +8,7 @@ from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.errors import ClientError, PrefillUnreachable
+from extproc.headers import ENGINE_PRIORITY_HEADER, LOCAL_REPLY_HEADER, SIDECAR_HEADERS
 from extproc.request import envoy_msgs
 
 OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -15,10 +16,14 @@ OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 def set_headers(mutation: ep.HeaderMutation) -> dict[str, str]:
     """The headers a mutation sets; each must replace the client's, never add a second one.
-    Only a client's data-parallel rank header may be removed (D has no ranks)."""
+    Only the client's copies of the sidecar's own headers may be removed, and none is both set
+    and removed."""
     assert all(h.append_action == OVERWRITE for h in mutation.set_headers)
-    assert list(mutation.remove_headers) in ([], ["x-data-parallel-rank"])
-    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    removed = set(mutation.remove_headers)
+    assert removed <= {*SIDECAR_HEADERS, ENGINE_PRIORITY_HEADER}
+    set_ = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    assert not removed & set(set_)
+    return set_
 
 
 def test_header_map_prefers_raw_value_and_survives_bad_bytes() -> None:
@@ -43,10 +48,17 @@ def test_header_map_prefers_raw_value_and_survives_bad_bytes() -> None:
 def test_d_gets_our_rank_header_or_none_at_all() -> None:
     """A client's X-data-parallel-rank never reaches D: replaced by ours, or removed."""
     ranked = envoy_msgs.route_mutation(["10.0.0.1:8200"], "rid", 2, rank=1)
-    assert set_headers(ranked)["x-data-parallel-rank"] == "1" and not ranked.remove_headers
+    assert set_headers(ranked)["x-data-parallel-rank"] == "1"
+    assert list(ranked.remove_headers) == [LOCAL_REPLY_HEADER, ENGINE_PRIORITY_HEADER]
     plain = envoy_msgs.route_mutation(["10.0.0.1:8200"], "rid", 2)
     assert "x-data-parallel-rank" not in set_headers(plain)
-    assert list(plain.remove_headers) == ["x-data-parallel-rank"]
+    assert list(plain.remove_headers) == [
+        "x-data-parallel-rank",
+        LOCAL_REPLY_HEADER,
+        ENGINE_PRIORITY_HEADER,
+    ]
+    kept = envoy_msgs.route_mutation(["10.0.0.1:8200"], "rid", 2, engine_priority=True)
+    assert ENGINE_PRIORITY_HEADER not in kept.remove_headers
     answer = envoy_msgs.body_answer(b"{}", ["10.0.0.1:8200"], "rid", rank=0)
     assert set_headers(answer.request_body.response.header_mutation)["x-data-parallel-rank"] == "0"
 

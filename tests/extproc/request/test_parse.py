@@ -325,3 +325,11 @@ def test_route_refusals(method: str, path: str, status: int, message: str) -> No
 def test_routes_served() -> None:
     assert check_route("POST", "/v1/chat/completions") is Api.CHAT
     assert check_route("POST", "/v1/completions?a=b?c") is Api.COMPLETIONS
+
+
+def test_the_clients_engine_priority_is_dropped_unless_allowed() -> None:
+    raw = b'{"model":"m","prompt":"p","priority":-100,"pr\\u0069ority":-9,"top_k":2}'
+    dropped = parse_request(Api.COMPLETIONS, raw, 1 << 20)
+    assert [key for key, _ in dropped.parts] == ["model", "prompt", "top_k"]
+    kept = parse_request(Api.COMPLETIONS, raw, 1 << 20, engine_priority=True)
+    assert [key for key, _ in kept.parts] == ["model", "prompt", "priority", "priority", "top_k"]
