@@ -259,6 +259,12 @@ class PoolConfig(_Strict):
         nested = data.pop("options", None) or {}
         if not isinstance(nested, dict):
             raise ValueError("options: expected a mapping")
+        if "kv_cache_weight" in data or "kv_cache_weight" in nested:  # before 2026-12
+            raise ValueError(
+                "kv_cache_weight was replaced by kv_cached_token_weight (what a cached token is"
+                " worth in queued tokens, default 2) and kv_request_tokens (default 64); see"
+                " docs/kv-cache.md"
+            )
         owners = option_keys()
         keys = {k: data.pop(k) for k in list(data) if k in owners} | nested
         policy = data.get("policy", "round_robin")

@@ -284,3 +284,9 @@ def test_inference_pool_roles_follow_llm_d_by_default() -> None:
     custom = {"inference_pool": {"name": "x", "role_label": "tier", "roles": ["gen"]}}
     source = parse_config({"prefill": pool, "decode": custom}).decode.inference_pool
     assert takes(Role.DECODE, {"tier": "gen"}) and not takes(Role.DECODE, {})
+
+
+def test_the_old_kv_cache_weight_names_its_replacements() -> None:
+    pool = {"endpoints": ["127.0.0.1:8100"], "policy": "kv_cache", "kv_cache_weight": 4}
+    with pytest.raises(ConfigError, match="replaced by kv_cached_token_weight"):
+        parse_config(MINIMAL | {"prefill": pool})
