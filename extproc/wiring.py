@@ -155,9 +155,8 @@ class Runtime:
                 self._endpoint_changed(pool.role)(state)
         self.prefill_client = PrefillPaths(
             PrefillClient(ThroughListener(prefill_listener, config.timeouts.connect_s)),
-            PrefillClient(ToEngine(config.timeouts.connect_s, self._direct_leg_key)),
-            # an endpoint picker has no prefill listener: its P legs go to the engine
-            (lambda: "direct") if endpoint_picker else lambda: self.config.dispatch.prefill_leg,
+            PrefillClient(ToEngine(config.timeouts.connect_s)),
+            no_listener=endpoint_picker,  # an endpoint picker's P legs go to the engine
         )
         self.model_labels = ModelLabels(lambda: self.config.models.keys())
         self.kv_compat = KvCompatibility()  # P/D pairs the probe saw fail to exchange KV
@@ -203,9 +202,7 @@ class Runtime:
         self.access_log_streams = AccessLogStreams()  # Envoy's, which decide answers' outcomes
         self.request_deps = RequestDeps(
             LegServices(
-                TrackedPrefillSender(
-                    self.prefill_client, self._prefill_state, lambda: self.config.decision
-                ),
+                TrackedPrefillSender(self.prefill_client, self._prefill_state),
                 self.identities,
                 lambda prefill: self.prefill.set_healthy(prefill, False),
                 self.kv_check.note_dispatch,
@@ -312,14 +309,6 @@ class Runtime:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         await self.discovery.refresh()
-
-    def _direct_leg_key(self) -> dict[str, str]:
-        """The engines' key for a P leg sent straight to the engine, only where the client's
-        own key is not forwarded: otherwise P sees the key D sees (a client without one gets
-        the engines' 401 from both legs, and nothing is computed)."""
-        if "authorization" in self.config.dispatch.forward_headers:
-            return {}
-        return self.config.engines.auth_headers
 
     def reload(self, config: Config) -> list[str]:
         """Take a new config for new requests; returns the settings that need a restart.

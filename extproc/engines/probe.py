@@ -116,7 +116,9 @@ class Prober:
             self._on_served(model)
             client_body = orjson.dumps({"model": model, "prompt": "probe", "temperature": 0})
             p_body = prefill_body(members(client_body), False, prefill_kv_params())
-            call = PrefillCall(address, "/v1/completions", p_body, request_id, timeout_s, auth)
+            call = PrefillCall(
+                address, "/v1/completions", p_body, request_id, timeout_s, config, auth
+            )
             result = await self._prefill_client.send(call)
             identity = identity_from_params(result.kv_transfer_params)
         except (

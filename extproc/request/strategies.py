@@ -206,8 +206,11 @@ class _PrefillLeg:
         self._counted = counted
         self.started = time.perf_counter()
         exchange.trace.prefill_started()
-        timeout_s = exchange.config.timeouts.prefill_s if timeout_s is None else timeout_s
-        call = PrefillCall(prefill, exchange.path, body, request_id, timeout_s, exchange.forwarded)
+        config = exchange.config
+        timeout_s = config.timeouts.prefill_s if timeout_s is None else timeout_s
+        call = PrefillCall(
+            prefill, exchange.path, body, request_id, timeout_s, config, exchange.forwarded
+        )
         self.task: asyncio.Task[PrefillResult] = asyncio.create_task(self._sent(call))
 
     async def _sent(self, call: PrefillCall) -> PrefillResult:
