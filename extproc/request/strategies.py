@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -152,10 +152,17 @@ class Dispatch(Protocol):
     def close(self, client_gone: bool) -> None: ...
 
 
-class _NotDispatched:
-    """Before a plan exists (refused or unfinished requests): nothing to watch or cancel."""
+class DecodeOnlyDispatch:
+    """No P leg: `send` writes D's body (`answer`, the client's own), then there is nothing to
+    watch, hold or cancel. Without an answer it is NOT_DISPATCHED, the runner of a request with
+    no plan yet (refused or unfinished)."""
+
+    def __init__(self, answer: Callable[[float], Awaitable[None]] | None = None) -> None:
+        self._answer = answer
 
     async def send(self, started: float) -> bool:
+        if self._answer is not None:
+            await self._answer(started)
         return True
 
     def watch(self) -> None:
@@ -168,7 +175,7 @@ class _NotDispatched:
         pass
 
 
-NOT_DISPATCHED = _NotDispatched()
+NOT_DISPATCHED = DecodeOnlyDispatch()
 
 
 def start_dispatch(
@@ -183,7 +190,10 @@ def start_dispatch(
         case SerialPlan():
             return SerialDispatch(plan, services, exchange, counted)
         case DecodeOnlyPlan():
-            return DecodeOnlyDispatch(plan, services, exchange)
+            d_body = plan.d_body
+            return DecodeOnlyDispatch(
+                lambda started: _answer(plan, d_body, started, services, exchange)
+            )
 
 
 class _PrefillLeg:
@@ -292,28 +302,6 @@ async def _answer(
         plan.prefill,
         plan.decodes[0],
     )
-
-
-class DecodeOnlyDispatch:
-    """D's body is the client's: one answer, then nothing to watch or cancel."""
-
-    def __init__(self, plan: DecodeOnlyPlan, services: LegServices, exchange: Exchange) -> None:
-        self._plan = plan
-        self._services = services
-        self._exchange = exchange
-
-    async def send(self, started: float) -> bool:
-        await _answer(self._plan, self._plan.d_body, started, self._services, self._exchange)
-        return True
-
-    def watch(self) -> None:
-        return None
-
-    async def on_decode_headers(self, status: int, reached: bool) -> bool:
-        return True
-
-    def close(self, client_gone: bool) -> None:
-        pass
 
 
 class SerialDispatch:
