@@ -287,9 +287,7 @@ class PrefillPaths:
     "direct"), or always the engine where no prefill listener exists (`no_listener`: an
     endpoint picker). Each client opens its connections on first use only."""
 
-    def __init__(
-        self, listener: PrefillClient, direct: PrefillClient, no_listener: bool = False
-    ) -> None:
+    def __init__(self, listener: PrefillClient, direct: PrefillClient, no_listener: bool) -> None:
         self._clients = {"listener": listener, "direct": direct}
         self._no_listener = no_listener
 
