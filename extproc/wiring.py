@@ -36,7 +36,6 @@ from extproc.model_labels import ModelLabels
 from extproc.protocol.identity import IdentityCache, of_where
 from extproc.request.access_log import AccessLogStreams
 from extproc.request.body_budget import BodyBudget
-from extproc.request.client_key import client_key_checked_here
 from extproc.request.prefill_client import (
     PrefillClient,
     PrefillPaths,
@@ -162,12 +161,9 @@ class Runtime:
             for state in pool:
                 self._endpoint_changed(pool.role)(state)
         self.prefill_client = PrefillPaths(
-            PrefillClient(
-                ThroughListener(prefill_listener, config.timeouts.connect_s, self._p_leg_key)
-            ),
-            PrefillClient(ToEngine(config.timeouts.connect_s, self._p_leg_key)),
-            # an endpoint picker has no prefill listener: its P legs go to the engine
-            (lambda: "direct") if endpoint_picker else lambda: self.config.dispatch.prefill_leg,
+            PrefillClient(ThroughListener(prefill_listener, config.timeouts.connect_s)),
+            PrefillClient(ToEngine(config.timeouts.connect_s)),
+            no_listener=endpoint_picker,  # an endpoint picker's P legs go to the engine
         )
         self.model_labels = ModelLabels(lambda: self.config.models.keys())
         self.kv_compat = KvCompatibility()  # P/D pairs the probe saw fail to exchange KV
@@ -215,9 +211,7 @@ class Runtime:
         self.access_log_streams = AccessLogStreams()  # Envoy's, which decide answers' outcomes
         self.request_deps = RequestDeps(
             LegServices(
-                TrackedPrefillSender(
-                    self.prefill_client, self._prefill_state, lambda: self.config.decision
-                ),
+                TrackedPrefillSender(self.prefill_client, self._prefill_state),
                 self.identities,
                 lambda prefill: self.prefill.set_healthy(prefill, False),
                 self.kv_check.note_dispatch,
@@ -349,14 +343,6 @@ class Runtime:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         await self.discovery.refresh()
-
-    def _p_leg_key(self) -> dict[str, str]:
-        """The engines' key for a P leg (straight to the engine or through Envoy's prefill
-        listener), only where the client's own key is not forwarded: otherwise P sees the key
-        D sees (a client without one gets the engines' 401 from both legs, and nothing is
-        computed). Where it is sent, the ext_proc checks the client's key itself first
-        (`extproc.request.client_key`)."""
-        return self.config.engines.auth_headers if client_key_checked_here(self.config) else {}
 
     def reload(self, config: Config) -> list[str]:
         """Take a new config for new requests; returns the settings that need a restart.

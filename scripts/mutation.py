@@ -135,7 +135,8 @@ def load_module(module: str) -> list[Mutant]:
     def_lines = _function_lines(_source(module).read_text())
     result = []
     for name, code in sorted(exit_codes.items(), key=lambda kv: _natural(kv[0])):
-        key = name.removeprefix(f"extproc.{module}.")
+        # a package's __init__ is named for the package: extproc.policies.x_build_picker
+        key = name.removeprefix(f"extproc.{module.removesuffix('.__init__')}.")
         mangled = key.rsplit("__mutmut_", 1)[0]
         offset, before, after = _first_change(blocks[f"{mangled}__mutmut_orig"], blocks[key])
         function = _readable(mangled)
@@ -143,6 +144,14 @@ def load_module(module: str) -> list[Mutant]:
         status = _STATUS.get(code, "other")
         result.append(Mutant(name, module, status, function, line, before, after))
     return result
+
+
+def _mutant_glob(module: str) -> str:
+    """mutmut's names of a module's mutants; a package's __init__ has the package's name, and
+    its functions' mangled names (x_f, xǁClassǁmethod) tell them from its submodules'."""
+    if module.endswith(".__init__"):
+        return f"extproc.{module.removesuffix('.__init__')}.x*"
+    return f"extproc.{module}.*"
 
 
 def _natural(name: str) -> tuple[str, int]:
@@ -276,7 +285,7 @@ def main() -> int:
         if names:
             run_mutmut(names, args.time_box)
     elif not args.report:
-        run_mutmut([f"extproc.{module}.*" for module in modules], args.time_box)
+        run_mutmut([_mutant_glob(module) for module in modules], args.time_box)
     return report(modules)
 
 

@@ -132,7 +132,9 @@ class Prober:
             client_body = orjson.dumps({"model": model, "prompt": "probe", "temperature": 0})
             p_body = prefill_body(members(client_body), False, prefill_kv_params())
             pinned = auth if rank is None else auth | {RANK_HEADER: str(rank)}
-            call = PrefillCall(address, "/v1/completions", p_body, request_id, timeout_s, pinned)
+            call = PrefillCall(
+                address, "/v1/completions", p_body, request_id, timeout_s, config, pinned
+            )
             result = await self._prefill_client.send(call)
             identity = identity_from_params(result.kv_transfer_params)
         except (

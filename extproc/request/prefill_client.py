@@ -12,8 +12,10 @@ only check then). Its connections are kept alive per engine, shorter than the en
 keep-alive (vLLM closes idle connections after 5 s), so that a request never goes out on a
 connection the engine is closing.
 
-`PrefillPaths` chooses the route per request (dispatch.prefill_leg); `TrackedPrefillSender`
-keeps each prefill endpoint's `queued_tokens` exact around the legs it sends.
+`PrefillPaths` chooses the route per leg (dispatch.prefill_leg); `TrackedPrefillSender`
+keeps each prefill endpoint's `queued_tokens` exact around the legs it sends. Each leg carries
+the config snapshot of whoever sent it (`PrefillCall.config`: the request's, or the probe's),
+and everything here that depends on settings reads that one: a reload never reaches a leg.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from extproc.errors import (
     PrefillUnreachable,
 )
 from extproc.headers import DESTINATION_HEADER, LOCAL_REPLY_HEADER
+from extproc.request.client_key import client_key_checked_here
 from extproc.scheduling.decision import estimate_tokens
 
 if TYPE_CHECKING:
-    from extproc.config import DecisionConfig
+    from extproc.config import Config
     from extproc.scheduling.pool import EndpointState
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "ThroughListener",
     "ToEngine",
     "TrackedPrefillSender",
+    "p_leg_key",
     "prefill_error",
 ]
 
@@ -61,14 +65,17 @@ _KEEPALIVE_S = 4.0  # straight to the engine: below vLLM's (uvicorn's) 5 s idle 
 
 @dataclass(slots=True)  # not frozen: built per P leg, and a frozen init costs ~7x (~1.5 µs)
 class PrefillCall:
-    """One P leg: the prefill endpoint ("host:port"), the API path, P's body, and the headers
-    it carries beyond the route's own (the client's forwarded ones, or the probe's key)."""
+    """One P leg: the prefill endpoint ("host:port"), the API path, P's body, the config
+    snapshot it is sent under (its route, the engines' key, its token estimate), and the
+    headers it carries beyond the route's own (the client's forwarded ones, or the probe's
+    key)."""
 
     endpoint: str
     path: str
     body: bytes
     request_id: str
     timeout_s: float
+    config: Config
     headers: Mapping[str, str] | None = None
 
 
@@ -138,20 +145,12 @@ class Route(Protocol):
 
 class ThroughListener:
     """Envoy's prefill listener ("unix:/path" or "host:port"), which routes by the
-    destination header and passes the other headers on to P.
-
-    `auth_headers` as for `ToEngine`: the engines' key where the wiring wants it sent.
+    destination header and passes the other headers on to P (the key of `p_leg_key` too).
     """
 
-    def __init__(
-        self,
-        listener: str,
-        connect_timeout_s: float,
-        auth_headers: Callable[[], dict[str, str]] = dict,
-    ) -> None:
+    def __init__(self, listener: str, connect_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
         self._listener = listener
-        self._auth_headers = auth_headers
         unix = listener.startswith("unix:")
         self._base = "http://prefill" if unix else f"http://{listener}"
 
@@ -168,7 +167,7 @@ class ThroughListener:
             "content-type": "application/json",
             DESTINATION_HEADER: call.endpoint,
             "x-request-id": call.request_id,
-            **self._auth_headers(),
+            **p_leg_key(call.config),
             **(call.headers or {}),
         }
 
@@ -197,18 +196,20 @@ class ThroughListener:
         )
 
 
+def p_leg_key(config: Config) -> dict[str, str]:
+    """The engines' key (engines.api_key_file) for a P leg, on either route, only where the
+    client's own key is not forwarded: otherwise P sees the key D sees (a client without one
+    gets the engines' 401 from both legs, and nothing is computed). Where it is sent, the
+    ext_proc checks the client's key itself first (`extproc.request.client_key`)."""
+    return config.engines.auth_headers if client_key_checked_here(config) else {}
+
+
 class ToEngine:
-    """The prefill engine itself, one kept-alive connection pool per engine.
+    """The prefill engine itself, one kept-alive connection pool per engine. The leg carries
+    `p_leg_key`; a client key forwarded by dispatch.forward_headers wins over it."""
 
-    `auth_headers` gives the engines' key (engines.api_key_file) where the wiring wants it
-    sent; a client key forwarded by dispatch.forward_headers wins over it.
-    """
-
-    def __init__(
-        self, connect_timeout_s: float, auth_headers: Callable[[], dict[str, str]]
-    ) -> None:
+    def __init__(self, connect_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
-        self._auth_headers = auth_headers
 
     def connector(self) -> aiohttp.BaseConnector:
         return aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S)
@@ -219,7 +220,7 @@ class ToEngine:
     def headers(self, call: PrefillCall) -> dict[str, str]:
         return {
             "content-type": "application/json",
-            **self._auth_headers(),
+            **p_leg_key(call.config),
             **(call.headers or {}),
             "x-request-id": call.request_id,
         }
@@ -304,17 +305,17 @@ class PrefillSender(Protocol):
 
 
 class PrefillPaths:
-    """The P leg's route for each request: dispatch.prefill_leg, read live (a reload switches
-    it). Each client opens its connections on first use only."""
+    """Each P leg's route: dispatch.prefill_leg of the leg's own config ("listener" or
+    "direct"), or always the engine where no prefill listener exists (`no_listener`: an
+    endpoint picker). Each client opens its connections on first use only."""
 
-    def __init__(
-        self, listener: PrefillClient, direct: PrefillClient, path: Callable[[], str]
-    ) -> None:
+    def __init__(self, listener: PrefillClient, direct: PrefillClient, no_listener: bool) -> None:
         self._clients = {"listener": listener, "direct": direct}
-        self._path = path
+        self._no_listener = no_listener
 
     def send(self, call: PrefillCall) -> Coroutine[Any, Any, PrefillResult]:
-        return self._clients[self._path()].send(call)
+        route = "direct" if self._no_listener else call.config.dispatch.prefill_leg
+        return self._clients[route].send(call)
 
     async def close(self) -> None:
         for client in self._clients.values():
@@ -324,20 +325,14 @@ class PrefillPaths:
 class TrackedPrefillSender:
     """A PrefillSender that keeps each prefill endpoint's `queued_tokens` (the prompt tokens
     of the P legs in flight there, estimated from the bodies) exact, for the decode-only
-    decision (`extproc.scheduling.decision`)."""
+    decision (`extproc.scheduling.decision`), at the leg's decision.bytes_per_token."""
 
-    def __init__(
-        self,
-        inner: PrefillSender,
-        state: Callable[[str], EndpointState | None],
-        settings: Callable[[], DecisionConfig],
-    ) -> None:
+    def __init__(self, inner: PrefillSender, state: Callable[[str], EndpointState | None]) -> None:
         self._inner = inner
         self._state = state  # address → its state in the prefill pool (None: not a member)
-        self._settings = settings
 
     async def send(self, call: PrefillCall) -> PrefillResult:
-        tokens = estimate_tokens(len(call.body), self._settings().bytes_per_token)
+        tokens = estimate_tokens(len(call.body), call.config.decision.bytes_per_token)
         state = self._state(call.endpoint)
         if state is not None:
             state.queued_tokens += tokens

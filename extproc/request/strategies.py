@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -174,10 +174,17 @@ class Dispatch(Protocol):
     def close(self, client_gone: bool) -> None: ...
 
 
-class _NotDispatched:
-    """Before a plan exists (refused or unfinished requests): nothing to watch or cancel."""
+class DecodeOnlyDispatch:
+    """No P leg: `send` writes D's body (`answer`, the client's own), then there is nothing to
+    watch, hold or cancel. Without an answer it is NOT_DISPATCHED, the runner of a request with
+    no plan yet (refused or unfinished)."""
+
+    def __init__(self, answer: Callable[[float], Awaitable[None]] | None = None) -> None:
+        self._answer = answer
 
     async def send(self, started: float) -> bool:
+        if self._answer is not None:
+            await self._answer(started)
         return True
 
     def watch(self) -> None:
@@ -190,7 +197,7 @@ class _NotDispatched:
         pass
 
 
-NOT_DISPATCHED = _NotDispatched()
+NOT_DISPATCHED = DecodeOnlyDispatch()
 
 
 def start_dispatch(
@@ -205,7 +212,10 @@ def start_dispatch(
         case SerialPlan():
             return SerialDispatch(plan, services, exchange, counted)
         case DecodeOnlyPlan():
-            return DecodeOnlyDispatch(plan, services, exchange)
+            d_body = plan.d_body
+            return DecodeOnlyDispatch(
+                lambda started: _answer(plan, d_body, started, services, exchange)
+            )
 
 
 class _PrefillLeg:
@@ -233,11 +243,12 @@ class _PrefillLeg:
         self.started = time.perf_counter()
         self.identity: PrefillIdentity | None = None  # P's, once its answer is checked
         exchange.trace.prefill_started()
-        timeout_s = exchange.config.timeouts.prefill_s if timeout_s is None else timeout_s
+        config = exchange.config
+        timeout_s = config.timeouts.prefill_s if timeout_s is None else timeout_s
         headers = exchange.forwarded
         if rank is not None:
             headers = headers | {RANK_HEADER: str(rank)}
-        call = PrefillCall(prefill, exchange.path, body, request_id, timeout_s, headers)
+        call = PrefillCall(prefill, exchange.path, body, request_id, timeout_s, config, headers)
         self.task: asyncio.Task[PrefillResult] = asyncio.create_task(self._sent(call))
 
     async def _sent(self, call: PrefillCall) -> PrefillResult:
@@ -368,28 +379,6 @@ class _OwedPush:
         if self._owed is not None:
             self._pushed.release(self._owed)
             self._owed = None
-
-
-class DecodeOnlyDispatch:
-    """D's body is the client's: one answer, then nothing to watch or cancel."""
-
-    def __init__(self, plan: DecodeOnlyPlan, services: LegServices, exchange: Exchange) -> None:
-        self._plan = plan
-        self._services = services
-        self._exchange = exchange
-
-    async def send(self, started: float) -> bool:
-        await _answer(self._plan, self._plan.d_body, started, self._services, self._exchange)
-        return True
-
-    def watch(self) -> None:
-        return None
-
-    async def on_decode_headers(self, status: int, reached: bool) -> bool:
-        return True
-
-    def close(self, client_gone: bool) -> None:
-        pass
 
 
 class SerialDispatch:

@@ -29,7 +29,7 @@ from tests.support.scripted_envoy import (
     response_headers,
 )
 from tests.support.scripted_envoy import STREAMED_REQUEST as REQUEST
-from tests.support.scripted_prefill import Prefill
+from tests.support.scripted_prefill import ScriptedPrefill
 
 P1, P2 = "127.0.0.1:8100", "127.0.0.1:8101"
 D1, D2, D3 = "127.0.0.1:8200", "127.0.0.1:8201", "127.0.0.1:8202"
@@ -45,7 +45,7 @@ class PickerRequest:
             **config,
         }
         self.rt = Runtime(parse_config(config), "", endpoint_picker=True)
-        self.prefill = Prefill()
+        self.prefill = ScriptedPrefill()
         deps = self.rt.request_deps
         legs = dataclasses.replace(deps.legs, prefill_client=self.prefill)
         self.rt.request_deps = dataclasses.replace(deps, legs=legs)
@@ -113,7 +113,7 @@ async def test_both_legs_are_picked_inside_the_subset_hint() -> None:
     header, metadata = destination(sent[0])
     assert header == metadata == D3  # the subset leaves no fallback
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
-    assert r.prefill.calls[0][0] == P2
+    assert r.prefill.calls[0].endpoint == P2
     await r.end()
 
 

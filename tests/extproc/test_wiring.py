@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from pydantic import BaseModel
 
@@ -63,21 +61,3 @@ def test_reload_applies_the_identity_flap_settings() -> None:
     for engine_id in ("a", "b", "a"):  # two changes: flapping under 2, not under 5
         runtime.identities.learn(P, _engine(engine_id))
     assert not runtime.identities.serial_only(P)
-
-
-@pytest.mark.parametrize(
-    ("forward", "sent"),
-    [(["authorization"], {}), (["traceparent"], {"authorization": "Bearer engine-key"})],
-    ids=["client key forwarded", "client key not forwarded"],
-)
-def test_a_p_leg_carries_the_engines_key_only_without_the_clients(
-    tmp_path: Path, forward: list[str], sent: dict[str, str]
-) -> None:
-    key_file = tmp_path / "key"
-    key_file.write_text("engine-key\n")
-    settings = {
-        "engines": {"api_key_file": str(key_file)},
-        "dispatch": {"forward_headers": forward},
-    }
-    runtime = Runtime(parse_config(MINIMAL | settings), "unix:/nonexistent")
-    assert runtime._p_leg_key() == sent

@@ -17,11 +17,16 @@ import orjson
 import pytest
 from aiohttp import web
 
+from extproc.config import parse_config
 from extproc.errors import ListenerUnreachable, PrefillFailed, PrefillTimeout, PrefillUnreachable
 from extproc.headers import LOCAL_REPLY_HEADER
 from extproc.request.prefill_client import PrefillCall, PrefillClient, ThroughListener
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# the legs' config snapshot: nothing in it changes a leg through the listener
+CONFIG = parse_config(
+    {"prefill": {"endpoints": ["10.0.0.7:8100"]}, "decode": {"endpoints": ["10.0.0.8:8200"]}}
+)
 PARAMS = {"remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 5600}
 
 
@@ -79,6 +84,7 @@ async def test_p_receives_the_body_and_the_routing_headers(
             b'{"prompt":"p"}',
             "rid-1",
             5,
+            CONFIG,
             headers={"traceparent": "00-abc-def-01"},
         )
     )
@@ -102,7 +108,9 @@ async def test_result_times_the_leg(listener: FakeListener, client: PrefillClien
 
     listener.handler = slow
     before = time.perf_counter()
-    sending = asyncio.create_task(client.send(PrefillCall("p", "/v1/completions", b"{}", "r", 5)))
+    sending = asyncio.create_task(
+        client.send(PrefillCall("p", "/v1/completions", b"{}", "r", 5, CONFIG))
+    )
     await asyncio.wait_for(reached.wait(), 5)
     asyncio.get_running_loop().call_later(0.05, release.set)  # P takes at least 50 ms
     result = await sending
@@ -115,7 +123,7 @@ async def test_answer_without_params_gives_none(
     listener: FakeListener, client: PrefillClient
 ) -> None:
     listener.handler = answer(200, b'{"id":"cmpl-1"}')
-    result = await client.send(PrefillCall("p", "/v1/completions", b"{}", "r", 5))
+    result = await client.send(PrefillCall("p", "/v1/completions", b"{}", "r", 5, CONFIG))
     assert result.kv_transfer_params is None
 
 
@@ -125,7 +133,7 @@ async def test_a_2xx_that_is_not_a_json_object_is_a_502(
 ) -> None:
     listener.handler = answer(200, body)
     with pytest.raises(PrefillFailed) as caught:
-        await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5))
+        await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5, CONFIG))
     assert caught.value.status == 502
     assert caught.value.message == "the prefill engine sent a non-JSON body"
 
@@ -140,7 +148,7 @@ async def test_p_errors_map_to_the_clients_status(
     """4xx is the request's fault and is passed on; anything else from P is a bad gateway."""
     listener.handler = answer(p_status, b"oops")
     with pytest.raises(PrefillFailed) as caught:
-        await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5))
+        await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5, CONFIG))
     assert caught.value.status == client_status
     assert caught.value.message == f"the prefill engine answered {p_status}"
     assert caught.value.detail == "prefill 10.0.0.7:8100"  # the log's, never the client's
@@ -153,7 +161,7 @@ async def test_ps_own_error_message_is_passed_on(
     error = {"error": {"message": "max_tokens is too large", "type": "BadRequestError"}}
     listener.handler = answer(400, orjson.dumps(error))
     with pytest.raises(PrefillFailed) as caught:
-        await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5))
+        await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5, CONFIG))
     assert caught.value.message == "the prefill engine answered 400: max_tokens is too large"
 
 
@@ -163,7 +171,7 @@ async def test_a_flat_error_string_is_passed_on(
     """vLLM's own 401 answers {"error": "Unauthorized"}: the string is the message."""
     listener.handler = answer(401, b'{"error": "Unauthorized"}')
     with pytest.raises(PrefillFailed) as caught:
-        await client.send(PrefillCall("p1", "/v1/completions", b"{}", "r", 5))
+        await client.send(PrefillCall("p1", "/v1/completions", b"{}", "r", 5, CONFIG))
     assert (caught.value.status, caught.value.message) == (
         401,
         "the prefill engine answered 401: Unauthorized",
@@ -178,7 +186,7 @@ async def test_error_bodies_of_other_shapes_are_not_quoted(
 ) -> None:
     listener.handler = answer(500, body)
     with pytest.raises(PrefillFailed) as caught:
-        await client.send(PrefillCall("p1", "/v1/completions", b"{}", "r", 5))
+        await client.send(PrefillCall("p1", "/v1/completions", b"{}", "r", 5, CONFIG))
     assert caught.value.message == "the prefill engine answered 500"
 
 
@@ -188,7 +196,7 @@ async def test_envoys_own_connect_failure_is_unreachable(
 ) -> None:
     listener.handler = answer(503, b"no healthy upstream", {LOCAL_REPLY_HEADER: flags})
     with pytest.raises(PrefillUnreachable) as caught:
-        await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5))
+        await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 5, CONFIG))
     assert (caught.value.status, caught.value.retry_after_s) == (503, 1)
     assert caught.value.message == f"the prefill engine is unreachable ({flags}); retry"
 
@@ -200,7 +208,7 @@ async def test_other_envoy_flags_are_ps_answer(
     """Only flags that mean "never reached" or "connection dropped" make P unreachable."""
     listener.handler = answer(503, b"", {LOCAL_REPLY_HEADER: flags})
     with pytest.raises(PrefillFailed) as caught:
-        await client.send(PrefillCall("p1", "/v1/completions", b"{}", "r", 5))
+        await client.send(PrefillCall("p1", "/v1/completions", b"{}", "r", 5, CONFIG))
     assert not isinstance(caught.value, PrefillUnreachable)
     assert caught.value.status == 502
 
@@ -214,7 +222,7 @@ async def test_silent_p_times_out_with_504(listener: FakeListener, client: Prefi
 
     listener.handler = hang
     with pytest.raises(PrefillTimeout) as caught:
-        await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 0.2))
+        await client.send(PrefillCall("10.0.0.7:8100", "/v1/completions", b"{}", "r", 0.2, CONFIG))
     release.set()
     assert caught.value.status == 504
     assert caught.value.message == "the prefill engine did not answer within 0.2 s"
@@ -238,7 +246,10 @@ async def test_legs_in_flight_are_not_queued_behind_each_other(
 
     listener.handler = wait_for_all
     results = await asyncio.gather(
-        *(client.send(PrefillCall("p", "/v1/completions", b"{}", f"r{i}", 5)) for i in range(120))
+        *(
+            client.send(PrefillCall("p", "/v1/completions", b"{}", f"r{i}", 5, CONFIG))
+            for i in range(120)
+        )
     )
     assert [r.status for r in results] == [200] * 120
 
@@ -248,7 +259,7 @@ async def test_unreachable_listener_is_a_retryable_503() -> None:
     prefill = PrefillClient(ThroughListener("127.0.0.1:1", connect_timeout_s=2))
     try:
         with pytest.raises(ListenerUnreachable) as caught:
-            await prefill.send(PrefillCall("p", "/v1/completions", b"{}", "r", 5))
+            await prefill.send(PrefillCall("p", "/v1/completions", b"{}", "r", 5, CONFIG))
     finally:
         await prefill.close()
     assert (caught.value.status, caught.value.retry_after_s) == (503, 1)
@@ -271,7 +282,7 @@ async def test_unix_socket_listener(tmp_path: Path) -> None:
     await web.UnixSite(runner, str(path)).start()
     prefill = PrefillClient(ThroughListener(f"unix:{path}", connect_timeout_s=2))
     try:
-        result = await prefill.send(PrefillCall("p", "/v1/chat/completions", b"{}", "r", 5))
+        result = await prefill.send(PrefillCall("p", "/v1/chat/completions", b"{}", "r", 5, CONFIG))
     finally:
         await prefill.close()
         await runner.cleanup()
@@ -282,12 +293,12 @@ async def test_unix_socket_listener(tmp_path: Path) -> None:
 async def test_close_then_send_opens_a_new_session(
     listener: FakeListener, client: PrefillClient
 ) -> None:
-    await client.send(PrefillCall("p", "/v1/completions", b"{}", "r1", 5))
+    await client.send(PrefillCall("p", "/v1/completions", b"{}", "r1", 5, CONFIG))
     first = client.session
     await client.close()
     assert first.closed
     await client.close()  # twice is harmless
-    result = await client.send(PrefillCall("p", "/v1/completions", b"{}", "r2", 5))
+    result = await client.send(PrefillCall("p", "/v1/completions", b"{}", "r2", 5, CONFIG))
     assert result.status == 200 and client.session is not first
 
 
@@ -306,7 +317,7 @@ async def test_connect_is_bounded_by_the_connect_timeout_not_the_leg_timeout() -
         started = time.perf_counter()
         try:
             with pytest.raises(ListenerUnreachable) as caught:
-                await prefill.send(PrefillCall("p", "/v1/completions", b"{}", "r", 10))
+                await prefill.send(PrefillCall("p", "/v1/completions", b"{}", "r", 10, CONFIG))
         finally:
             await prefill.close()
             for filler in fillers:

@@ -12,9 +12,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from extproc.config import parse_config
 from extproc.errors import ListenerUnreachable, PrefillTimeout
 from extproc.request.prefill_client import PrefillCall, PrefillClient, ThroughListener
 
+# the legs' config snapshot: nothing in it changes a leg through the listener
+CONFIG = parse_config(
+    {"prefill": {"endpoints": ["10.0.0.7:8100"]}, "decode": {"endpoints": ["10.0.0.8:8200"]}}
+)
 CONNECT_S = 0.2
 PREFILL_S = 3.0
 
@@ -36,7 +41,9 @@ async def client(listener: str) -> AsyncIterator[PrefillClient]:
 async def send(prefill: PrefillClient) -> tuple[BaseException, float]:
     started = time.perf_counter()
     with pytest.raises((ListenerUnreachable, PrefillTimeout)) as caught:
-        await prefill.send(PrefillCall("127.0.0.1:8100", "/v1/completions", b"{}", "r", PREFILL_S))
+        await prefill.send(
+            PrefillCall("127.0.0.1:8100", "/v1/completions", b"{}", "r", PREFILL_S, CONFIG)
+        )
     return caught.value, time.perf_counter() - started
 
 

@@ -22,7 +22,6 @@ from extproc.config import parse_config
 from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUnreachable
 from extproc.policies import PickRequest
 from extproc.protocol.identity import identity_from_params
-from extproc.request.prefill_client import PrefillCall, PrefillResult
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.scheduling.pool import EndpointState
@@ -47,7 +46,7 @@ from tests.support.scripted_envoy import (
 from tests.support.scripted_envoy import (
     STREAMED_REQUEST as REQUEST,
 )
-from tests.support.scripted_prefill import Prefill
+from tests.support.scripted_prefill import ScriptedPrefill
 
 
 class Trace(RequestTrace):
@@ -76,14 +75,14 @@ class Request:
     def __init__(
         self,
         cached: bool = False,
-        p_leg: Prefill | None = None,
+        p_leg: ScriptedPrefill | None = None,
         runtime: Runtime | None = None,
         **config: Any,
     ) -> None:
         config.setdefault("prefill", {"endpoints": [P]})
         config.setdefault("decode", {"endpoints": [D1, D2]})
         self.rt = runtime or Runtime(parse_config(config), "unix:/nonexistent")
-        self.prefill = p_leg or Prefill()
+        self.prefill = p_leg or ScriptedPrefill()
         self.trace = Trace()
         deps = self.rt.request_deps
         legs = dataclasses.replace(deps.legs, prefill_client=self.prefill)
@@ -128,21 +127,6 @@ class Request:
 # ---- serial -------------------------------------------------------------------------------
 
 
-class FailsOnce(Prefill):
-    """The first P leg fails with `error`; the next one is answered by the test."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__()
-        self._error: Exception | None = error
-
-    async def send(self, call: PrefillCall) -> PrefillResult:
-        if self._error is not None:
-            self.calls.append(dataclasses.astuple(call))
-            error, self._error = self._error, None
-            raise error
-        return await super().send(call)
-
-
 @pytest.mark.parametrize(
     "error",
     [
@@ -154,7 +138,7 @@ class FailsOnce(Prefill):
 async def test_serial_retries_a_failed_p_once_on_the_fallback_within_the_prefill_timeout(
     error: Exception,
 ) -> None:
-    prefill = FailsOnce(error)
+    prefill = ScriptedPrefill(error)  # the first leg fails; the test answers the second
     r = Request(
         p_leg=prefill,
         prefill={"endpoints": [P, P2]},
@@ -162,9 +146,10 @@ async def test_serial_retries_a_failed_p_once_on_the_fallback_within_the_prefill
         timeouts={"prefill_s": 10},
     )
     await r.start()
-    await asyncio.wait_for(prefill.called.wait(), WAIT_S)  # the second leg
-    (first, *_, first_timeout, _), (second, *_, second_timeout, _) = prefill.calls
-    assert {first, second} == {P, P2} and first_timeout == 10 and 9 < second_timeout < 10
+    first_leg, second_leg = await prefill.until_called(2)
+    first, second = first_leg.endpoint, second_leg.endpoint
+    assert {first, second} == {P, P2}
+    assert first_leg.timeout_s == 10 and 9 < second_leg.timeout_s < 10
     prefill.answer(P_ANSWER)
     sent = await r.envoy.until_sent(3)
     assert routed(sent[2])[0]["kv_transfer_params"]["remote_engine_id"] == "e1"
@@ -191,9 +176,10 @@ async def test_serial_dispatch_waits_for_p_and_forwards_its_params() -> None:
     timer = sent[1].override_message_timeout
     assert (timer.seconds, timer.nanos) == (13, 500_000_000)  # prefill_s + 1
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
-    endpoint, path, _, request_id, timeout_s, forwarded = r.prefill.calls[0]
-    assert (endpoint, path, timeout_s) == (P, "/v1/completions", 12.5)
-    assert forwarded == {"authorization": "Bearer k"}  # only dispatch.forward_headers
+    call = r.prefill.calls[0]
+    request_id = call.request_id
+    assert (call.endpoint, call.path, call.timeout_s) == (P, "/v1/completions", 12.5)
+    assert call.headers == {"authorization": "Bearer k"}  # only dispatch.forward_headers
     p_body = r.prefill.body
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
     assert p_body["kv_transfer_params"]["do_remote_decode"] is True
@@ -246,7 +232,7 @@ async def test_chat_and_max_completion_tokens_reach_p() -> None:
     }
     await r.start(chat, path="/v1/chat/completions")
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
-    assert r.prefill.calls[0][1] == "/v1/chat/completions"
+    assert r.prefill.calls[0].path == "/v1/chat/completions"
     p_body = r.prefill.body
     assert (p_body["max_tokens"], p_body["max_completion_tokens"]) == (1, 1)
     assert "min_tokens" not in p_body
@@ -313,7 +299,7 @@ async def test_client_gone_while_p_computes_cancels_p() -> None:
     await r.start()
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
     await r.end()  # Envoy closes the stream
-    assert r.prefill.cancelled
+    assert r.prefill.cancelled.is_set()
     assert r.envoy.kinds() == ["request_headers", None]  # nothing written for D
     assert r.outcome("cancelled", "serial", "cache_miss") == 1
     assert r.idle()
@@ -331,7 +317,7 @@ async def test_parallel_dispatch_sends_both_legs_at_once() -> None:
     d_body, set_headers = routed(sent[1])
     request_id = set_headers["x-request-id"]
     transfer_id = r.prefill.body["kv_transfer_params"]["transfer_id"]
-    assert transfer_id == f"xfer-{request_id}" and r.prefill.calls[0][3] == request_id
+    assert transfer_id == f"xfer-{request_id}" and r.prefill.calls[0].request_id == request_id
     identity = identity_from_params(IDENTITY)
     d_params = identity.decode_params(request_id, transfer_id)
     assert d_body == REQUEST | {"kv_transfer_params": d_params}
@@ -445,7 +431,7 @@ async def test_d_5xx_drops_the_identity_it_was_given_and_cancels_p() -> None:
     timer = sent[2].override_message_timeout
     assert (timer.seconds, timer.nanos) == (1, 100_000_000)  # grace + 1
     assert r.envoy.kinds()[3] == "response_headers"  # D's error goes to the client as it is
-    assert r.prefill.cancelled
+    assert r.prefill.cancelled.is_set()
     assert r.rt.identities.get(P) is None
     await r.end()
     assert r.outcome("decode_5xx", "parallel", "cache_hit") == 1
@@ -462,7 +448,7 @@ async def test_d_5xx_then_p_answers_the_same_engine_in_the_grace() -> None:
     await r.envoy.until_sent(4)
     assert r.envoy.kinds()[3] == "response_headers"
     assert r.rt.identities.get(P) is None  # D failed with it: learn it again
-    assert not r.prefill.cancelled
+    assert not r.prefill.cancelled.is_set()
     await r.end()
 
 
@@ -502,7 +488,7 @@ async def test_d_4xx_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
     assert r.envoy.kinds()[2] == "response_headers"  # D's refusal is the answer: not held
     assert r.rt.identities.get(P) is not None
     await r.end()
-    assert r.prefill.cancelled  # P's answer cannot change D's refusal
+    assert r.prefill.cancelled.is_set()  # P's answer cannot change D's refusal
     assert r.outcome("client_error", "parallel", "cache_hit") == 1  # D refused the request
 
 
@@ -514,7 +500,7 @@ async def test_d_below_400_is_held_until_p_answers_and_keeps_the_identity() -> N
     sent = await r.envoy.until_sent(3)
     assert r.envoy.kinds()[2] is None  # held: Envoy's timer extended for P's answer
     assert sent[2].override_message_timeout.seconds == 8  # prefill_s + 1
-    assert r.rt.identities.get(P) is not None and not r.prefill.cancelled
+    assert r.rt.identities.get(P) is not None and not r.prefill.cancelled.is_set()
     r.prefill.answer(P_ANSWER)
     await r.envoy.until_sent(4)
     assert r.envoy.kinds()[3] == "response_headers"
@@ -752,7 +738,7 @@ async def test_requests_go_only_to_their_models_engines() -> None:
     r = Request(models=models)
     await r.start(REQUEST | {"model": "b"})
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
-    assert r.prefill.calls[0][0] == other_p
+    assert r.prefill.calls[0].endpoint == other_p
     r.prefill.answer(P_ANSWER)
     _, set_headers = routed((await r.envoy.until_sent(3))[2])
     assert set_headers["x-gateway-destination-endpoint"] == other_d
@@ -811,7 +797,7 @@ async def test_a_client_without_the_engines_key_is_refused_at_its_headers(
     r = Request(**keyed)
     await r.start(authorization="bearer sk-engines")  # vLLM's scheme is case-insensitive
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
-    assert "authorization" not in (r.prefill.calls[0][5] or {})  # P gets the sidecar's key
+    assert "authorization" not in (r.prefill.calls[0].headers or {})  # P gets the sidecar's key
     await r.end()
 
 
@@ -831,7 +817,7 @@ async def test_watching_stops_after_request_s() -> None:
     await r.start()
     await r.envoy.until_sent(2)
     await asyncio.wait_for(r.task, WAIT_S)  # neither P nor D ever answers
-    assert r.prefill.cancelled and r.idle()
+    assert r.prefill.cancelled.is_set() and r.idle()
 
 
 def _reload(rt: Runtime, **timeouts: float) -> None:
@@ -876,7 +862,7 @@ async def test_a_reload_keeps_the_request_s_of_a_request_in_flight() -> None:
     await r.send(body(REQUEST))
     await r.envoy.until_sent(2)
     await asyncio.wait_for(r.task, WAIT_S)  # its own 0.1 s ended the watch
-    assert r.prefill.cancelled
+    assert r.prefill.cancelled.is_set()
     assert not after.task.done()  # began watching first, and is still watching
     await after.end()
 
@@ -919,7 +905,7 @@ async def test_leg_failures_are_logged_with_both_ids(caplog: pytest.LogCaptureFi
         await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
         r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
         await asyncio.wait_for(r.task, WAIT_S)
-    request_id = r.prefill.calls[0][3]
+    request_id = r.prefill.calls[0].request_id
     [line] = caplog.records
     assert line.getMessage() == (
         f"request {request_id} (client id 'c-2') failed: 502 prefill endpoint p answered 500"
@@ -957,7 +943,7 @@ async def test_no_stream_ended_line_once_d_has_answered(caplog: pytest.LogCaptur
         await r.send(response_headers(200))  # D answered; P is still running
         await r.envoy.until_sent(3)
         await r.end()
-    assert caplog.records == [] and r.prefill.cancelled
+    assert caplog.records == [] and r.prefill.cancelled.is_set()
 
 
 async def test_no_stream_ended_line_for_decode_only(caplog: pytest.LogCaptureFixture) -> None:

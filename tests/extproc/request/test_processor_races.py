@@ -23,7 +23,10 @@ from tests.support.scripted_envoy import (
     headers,
     response_headers,
 )
-from tests.support.scripted_prefill import FakePrefill, GatedPrefill, run, runtime
+from tests.support.scripted_prefill import ScriptedPrefill, run, runtime
+
+RESTARTED = IDENTITY | {"remote_engine_id": "e2", "remote_request_id": "x"}
+SAME = IDENTITY | {"remote_request_id": "x"}
 
 
 async def send_request(envoy: ScriptedEnvoy, doc: dict[str, Any]) -> None:
@@ -40,7 +43,7 @@ async def dispatched(envoy: ScriptedEnvoy, doc: dict[str, Any]) -> None:
 
 async def test_prefill_failing_while_the_answer_is_written_still_ends_the_request() -> None:
     envoy = ScriptedEnvoy()
-    prefill = FakePrefill(PrefillFailed(500, "boom"))  # fails at its first step
+    prefill = ScriptedPrefill(PrefillFailed(500, "boom"))  # fails at its first step
     rt = runtime(prefill, cached=True)
     task = await run(rt, envoy)
     await send_request(envoy, REQUEST)
@@ -53,7 +56,7 @@ async def test_prefill_failing_while_the_answer_is_written_still_ends_the_reques
 
 async def test_parallel_answer_carries_identity_routing_and_content_length() -> None:
     envoy = ScriptedEnvoy()
-    rt = runtime(FakePrefill(0.05), cached=True)
+    rt = runtime(ScriptedPrefill(SAME, compute_s=0.05), cached=True)
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST | {"kv_transfer_params": {"remote_host": "evil"}})
     answer = envoy.sent[1].request_body.response
@@ -80,26 +83,22 @@ async def test_parallel_answer_carries_identity_routing_and_content_length() -> 
 )
 async def test_refusals_at_the_headers_phase(message: ep.ProcessingRequest, status: int) -> None:
     envoy = ScriptedEnvoy()
-    prefill = FakePrefill(0.0)
+    prefill = ScriptedPrefill()
     task = await run(runtime(prefill, cached=True), envoy)
     await envoy.inbox.put(message)
     await asyncio.wait_for(task, timeout=2)
     assert envoy.sent[-1].immediate_response.status.code == status
-    assert prefill.calls == 0
-
-
-RESTARTED = IDENTITY | {"remote_engine_id": "e2", "remote_request_id": "x"}
-SAME = IDENTITY | {"remote_request_id": "x"}
+    assert prefill.calls == []
 
 
 async def test_restart_seen_in_the_wake_up_of_decode_headers_gives_503_not_200() -> None:
     envoy = ScriptedEnvoy()
-    prefill = GatedPrefill(RESTARTED)
-    task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
+    prefill = ScriptedPrefill()
+    task = await run(runtime(prefill, cached=True), envoy)
     await dispatched(envoy, REQUEST | {"stream": True})
     # D's headers and P's answer (a new engine id) complete before the processor wakes up
     envoy.inbox.put_nowait(response_headers(200))
-    prefill.gate.set()
+    prefill.answer(RESTARTED)
     await asyncio.wait_for(task, timeout=2)
     kinds = [m.WhichOneof("response") for m in envoy.sent]
     assert kinds == ["request_headers", "request_body", "immediate_response"]
@@ -120,15 +119,15 @@ async def test_decode_headers_before_prefill_answers_are_held_until_it_settles(
     params: dict[str, Any], answer: str
 ) -> None:
     envoy = ScriptedEnvoy()
-    prefill = GatedPrefill(params)
-    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    prefill = ScriptedPrefill()
+    rt = runtime(prefill, cached=True)
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST | {"stream": True})
     await envoy.inbox.put(response_headers(200))  # a streaming D answers at once
     await envoy.until_sent(3)
     held = envoy.sent[2]
     assert held.WhichOneof("response") is None and held.override_message_timeout.seconds > 1
-    prefill.gate.set()
+    prefill.answer(params)
     await envoy.until_sent(4)
     assert envoy.sent[3].WhichOneof("response") == answer
     await envoy.inbox.put(aio.EOF)
@@ -139,9 +138,8 @@ async def test_decode_headers_before_prefill_answers_are_held_until_it_settles(
 async def test_serial_decode_body_over_envoys_buffer_is_refused_before_it_leaves() -> None:
     envoy = ScriptedEnvoy()
     blocks = {"remote_block_ids": [list(range(100_000, 120_000))]}  # ~140 kB of block ids
-    prefill = GatedPrefill(SAME | blocks)
-    prefill.gate.set()
-    rt = runtime(prefill, cached=False, limits={"max_body_bytes": 1024})  # type: ignore[arg-type]
+    prefill = ScriptedPrefill(SAME | blocks)
+    rt = runtime(prefill, cached=False, limits={"max_body_bytes": 1024})
     task = await run(rt, envoy)  # no identity cached: serial, D's body is built after P
     await send_request(envoy, REQUEST)
     await asyncio.wait_for(task, timeout=2)
@@ -154,8 +152,8 @@ async def test_serial_decode_body_over_envoys_buffer_is_refused_before_it_leaves
 
 async def test_decode_refusal_passes_at_once_and_cancels_the_prefill_leg() -> None:
     envoy = ScriptedEnvoy()
-    prefill = GatedPrefill(SAME)  # P never answers unless cancelled
-    task = await run(runtime(prefill, cached=True), envoy)  # type: ignore[arg-type]
+    prefill = ScriptedPrefill()  # P never answers unless cancelled
+    task = await run(runtime(prefill, cached=True), envoy)
     await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(400))
     await envoy.until_sent(3)
@@ -169,7 +167,9 @@ async def test_decode_refusal_passes_at_once_and_cancels_the_prefill_leg() -> No
 async def test_parallel_prefill_leaves_before_the_decode_answer_is_written() -> None:
     timeline: list[str] = []
     envoy = ScriptedEnvoy(timeline)
-    task = await run(runtime(FakePrefill(0.05, timeline), cached=True), envoy)
+    task = await run(
+        runtime(ScriptedPrefill(SAME, compute_s=0.05, timeline=timeline), cached=True), envoy
+    )
     await dispatched(envoy, REQUEST)
     # P's request is on its way while Envoy is still receiving D's body: never after it
     assert timeline == ["request_headers", "P leg created", "P leg sent", "request_body"]
@@ -179,7 +179,7 @@ async def test_parallel_prefill_leaves_before_the_decode_answer_is_written() -> 
 
 async def test_answer_names_a_fallback_decode_for_envoys_connect_retry() -> None:
     envoy = ScriptedEnvoy()
-    rt = runtime(FakePrefill(0.05), cached=True, decodes=(D1, D2))
+    rt = runtime(ScriptedPrefill(SAME, compute_s=0.05), cached=True, decodes=(D1, D2))
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)
     answer = envoy.sent[1].request_body.response
@@ -193,7 +193,7 @@ async def test_answer_names_a_fallback_decode_for_envoys_connect_retry() -> None
 
 async def test_decode_5xx_drops_the_identity_it_was_given() -> None:
     envoy = ScriptedEnvoy()
-    rt = runtime(FakePrefill(0.05), cached=True)
+    rt = runtime(ScriptedPrefill(SAME, compute_s=0.05), cached=True)
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(503))
@@ -217,14 +217,14 @@ def outcomes(rt: Runtime) -> dict[tuple[str, str, str], float]:
 async def test_decode_failing_before_a_restarted_prefill_answers_gives_503() -> None:
     """D fails its handshake at once; P, answered within the grace, reveals a new engine."""
     envoy = ScriptedEnvoy()
-    prefill = GatedPrefill(RESTARTED)
-    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    prefill = ScriptedPrefill()
+    rt = runtime(prefill, cached=True)
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(500))
     await envoy.until_sent(3)  # the message timer extended for the grace
     assert envoy.sent[2].override_message_timeout.seconds >= 1
-    prefill.gate.set()
+    prefill.answer(RESTARTED)
     await asyncio.wait_for(task, timeout=2)
     reply = envoy.sent[-1].immediate_response
     assert reply.status.code == 503 and "restarted" in orjson.loads(reply.body)["error"]["message"]
@@ -234,8 +234,8 @@ async def test_decode_failing_before_a_restarted_prefill_answers_gives_503() -> 
 
 async def test_decode_failing_with_prefill_silent_past_the_grace_cancels_it() -> None:
     envoy = ScriptedEnvoy()
-    prefill = GatedPrefill(SAME)  # P never answers unless cancelled
-    rt = runtime(prefill, cached=True, timeouts={"decode_error_grace_s": 0.05})  # type: ignore[arg-type]
+    prefill = ScriptedPrefill()  # P never answers unless cancelled
+    rt = runtime(prefill, cached=True, timeouts={"decode_error_grace_s": 0.05})
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)
     await envoy.inbox.put(response_headers(502))
@@ -249,8 +249,8 @@ async def test_decode_failing_with_prefill_silent_past_the_grace_cancels_it() ->
 
 async def test_stream_ending_while_prefill_computes_cancels_the_leg() -> None:
     envoy = ScriptedEnvoy()
-    prefill = GatedPrefill(SAME)
-    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    prefill = ScriptedPrefill()
+    rt = runtime(prefill, cached=True)
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)
     await envoy.inbox.put(aio.EOF)  # the client went away before D answered
@@ -262,8 +262,8 @@ async def test_stream_ending_while_prefill_computes_cancels_the_leg() -> None:
 
 async def test_serial_client_gone_while_prefill_computes_cancels_it_and_sends_no_decode() -> None:
     envoy = ScriptedEnvoy()
-    prefill = GatedPrefill(SAME)
-    rt = runtime(prefill, cached=False)  # type: ignore[arg-type]
+    prefill = ScriptedPrefill()
+    rt = runtime(prefill, cached=False)
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST)  # the timer extended while P computes
     await envoy.inbox.put(aio.EOF)
@@ -275,8 +275,8 @@ async def test_serial_client_gone_while_prefill_computes_cancels_it_and_sends_no
 
 async def test_prefill_silent_while_decode_headers_are_held_gives_504_and_cancels_it() -> None:
     envoy = ScriptedEnvoy()
-    prefill = GatedPrefill(SAME)  # P never answers unless cancelled
-    rt = runtime(prefill, cached=True, timeouts={"prefill_s": 0.3})  # type: ignore[arg-type]
+    prefill = ScriptedPrefill()  # P never answers unless cancelled
+    rt = runtime(prefill, cached=True, timeouts={"prefill_s": 0.3})
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST | {"stream": True})
     await envoy.inbox.put(response_headers(200))
@@ -294,8 +294,8 @@ async def test_prefill_silent_while_decode_headers_are_held_gives_504_and_cancel
 
 async def test_stream_ending_while_decode_headers_are_held_cancels_the_prefill_leg() -> None:
     envoy = ScriptedEnvoy()
-    prefill = GatedPrefill(SAME)
-    rt = runtime(prefill, cached=True)  # type: ignore[arg-type]
+    prefill = ScriptedPrefill()
+    rt = runtime(prefill, cached=True)
     task = await run(rt, envoy)
     await dispatched(envoy, REQUEST | {"stream": True})
     await envoy.inbox.put(response_headers(200))

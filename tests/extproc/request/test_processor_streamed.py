@@ -17,7 +17,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc import aio
 
 from extproc.errors import PrefillFailed
-from extproc.request.prefill_client import PrefillResult
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from tests.support.scripted_envoy import (
@@ -28,21 +27,9 @@ from tests.support.scripted_envoy import (
     headers,
     response_headers,
 )
-from tests.support.scripted_prefill import FakePrefill, GatedPrefill, run, runtime
+from tests.support.scripted_prefill import ScriptedPrefill, run, runtime
 
-
-class StartedPrefill(GatedPrefill):
-    """A gated P that says when its leg has started."""
-
-    def __init__(self, params: dict[str, Any]) -> None:
-        super().__init__(params)
-        self.started = asyncio.Event()
-
-    async def send(self, *args: Any, **kwargs: Any) -> PrefillResult:
-        self.started.set()
-        return await super().send(*args, **kwargs)
-
-
+SAME = IDENTITY | {"remote_request_id": "x"}  # P's answer: the engine D was given
 STREAMED = ep.ProtocolConfiguration(request_body_mode=ProcessingMode.FULL_DUPLEX_STREAMED)
 
 
@@ -82,7 +69,7 @@ def kinds(envoy: ScriptedEnvoy) -> list[str | None]:
 async def test_headers_are_answered_once_the_body_is_in_then_the_new_body() -> None:
     timeline: list[str] = []
     envoy = ScriptedEnvoy(timeline)
-    rt = runtime(FakePrefill(0.05, timeline), cached=True)
+    rt = runtime(ScriptedPrefill(SAME, compute_s=0.05, timeline=timeline), cached=True)
     task = await run(rt, envoy)
     await upload(envoy, REQUEST | {"kv_transfer_params": {"remote_host": "evil"}})
     await envoy.until_sent(2)
@@ -104,12 +91,12 @@ async def test_headers_are_answered_once_the_body_is_in_then_the_new_body() -> N
 async def test_serial_awaits_p_before_the_headers_answer_and_sets_no_envoy_timer() -> None:
     timeline: list[str] = []
     envoy = ScriptedEnvoy(timeline)
-    prefill = StartedPrefill(IDENTITY | {"remote_request_id": "x"})
-    task = await run(runtime(prefill, cached=False), envoy)  # type: ignore[arg-type]
+    prefill = ScriptedPrefill()
+    task = await run(runtime(prefill, cached=False), envoy)
     await upload(envoy, REQUEST)
-    await asyncio.wait_for(prefill.started.wait(), 2)
+    await asyncio.wait_for(prefill.called.wait(), 2)
     assert envoy.sent == []  # no override_message_timeout: Envoy runs no timer here
-    prefill.gate.set()
+    prefill.answer(SAME)
     await envoy.until_sent(2)
     assert kinds(envoy) == ["request_headers", "request_body"]
     body = envoy.sent[1].request_body.response.body_mutation.streamed_response.body
@@ -120,7 +107,7 @@ async def test_serial_awaits_p_before_the_headers_answer_and_sets_no_envoy_timer
 
 async def test_a_body_over_the_limit_is_refused_as_it_arrives() -> None:
     envoy = ScriptedEnvoy()
-    prefill = FakePrefill(0.0)
+    prefill = ScriptedPrefill()
     task = await run(runtime(prefill, cached=True, limits={"max_body_bytes": 100}), envoy)
     await envoy.inbox.put(streamed_headers())
     await envoy.inbox.put(chunk(b"x" * 60))
@@ -128,31 +115,31 @@ async def test_a_body_over_the_limit_is_refused_as_it_arrives() -> None:
     await asyncio.wait_for(task, timeout=2)
     assert kinds(envoy) == ["immediate_response"]
     assert envoy.sent[0].immediate_response.status.code == 413
-    assert prefill.calls == 0
+    assert prefill.calls == []
 
 
 async def test_a_stalled_upload_ends_with_408() -> None:
     envoy = ScriptedEnvoy()
-    prefill = FakePrefill(0.0)
+    prefill = ScriptedPrefill()
     task = await run(runtime(prefill, cached=True, timeouts={"upload_idle_s": 0.1}), envoy)
     await envoy.inbox.put(streamed_headers())
     await envoy.inbox.put(chunk(b'{"model": "m", '))
     await asyncio.wait_for(task, timeout=2)
     reply = envoy.sent[-1].immediate_response
     assert reply.status.code == 408 and "stalled" in orjson.loads(reply.body)["error"]["message"]
-    assert kinds(envoy) == ["immediate_response"] and prefill.calls == 0
+    assert kinds(envoy) == ["immediate_response"] and prefill.calls == []
 
 
 async def test_the_client_gone_mid_upload_ends_quietly() -> None:
     envoy = ScriptedEnvoy()
-    prefill = FakePrefill(0.0)
+    prefill = ScriptedPrefill()
     rt = runtime(prefill, cached=True)
     task = await run(rt, envoy)
     await envoy.inbox.put(streamed_headers())
     await envoy.inbox.put(chunk(b'{"model": "m", '))
     await envoy.inbox.put(aio.EOF)
     await asyncio.wait_for(task, timeout=2)
-    assert envoy.sent == [] and prefill.calls == 0
+    assert envoy.sent == [] and prefill.calls == []
     assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
     # not a 400; the model is not known yet
     counted = {"outcome": "cancelled", "strategy": "serial", "reason": "none", "model": "none"}
@@ -161,7 +148,7 @@ async def test_the_client_gone_mid_upload_ends_quietly() -> None:
 
 async def test_a_body_with_trailers_is_refused_before_any_leg() -> None:
     envoy = ScriptedEnvoy()
-    prefill = FakePrefill(0.0)
+    prefill = ScriptedPrefill()
     task = await run(runtime(prefill, cached=True), envoy)
     await envoy.inbox.put(streamed_headers())
     await envoy.inbox.put(chunk(orjson.dumps(REQUEST)))
@@ -169,24 +156,24 @@ async def test_a_body_with_trailers_is_refused_before_any_leg() -> None:
     await asyncio.wait_for(task, timeout=2)
     reply = envoy.sent[-1].immediate_response
     assert reply.status.code == 400 and "trailers" in orjson.loads(reply.body)["error"]["message"]
-    assert kinds(envoy) == ["immediate_response"] and prefill.calls == 0
+    assert kinds(envoy) == ["immediate_response"] and prefill.calls == []
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b""], ids=["not json", "empty"])
 async def test_a_bad_body_is_refused_before_any_leg(raw: bytes) -> None:
     envoy = ScriptedEnvoy()
-    prefill = FakePrefill(0.0)
+    prefill = ScriptedPrefill()
     task = await run(runtime(prefill, cached=True), envoy)
     await envoy.inbox.put(streamed_headers())
     await envoy.inbox.put(chunk(raw, end=True))
     await asyncio.wait_for(task, timeout=2)
     assert envoy.sent[-1].immediate_response.status.code == 400
-    assert prefill.calls == 0
+    assert prefill.calls == []
 
 
 async def test_decode_headers_are_held_until_p_fails_then_the_request_ends() -> None:
     envoy = ScriptedEnvoy()
-    prefill = FakePrefill(PrefillFailed(500, "boom"))
+    prefill = ScriptedPrefill(PrefillFailed(500, "boom"))
     task = await run(runtime(prefill, cached=True), envoy)
     await upload(envoy, REQUEST | {"stream": True})
     await envoy.inbox.put(response_headers(200))
@@ -197,7 +184,7 @@ async def test_decode_headers_are_held_until_p_fails_then_the_request_ends() -> 
 
 async def test_response_trailers_are_let_through() -> None:
     envoy = ScriptedEnvoy()
-    task = await run(runtime(FakePrefill(0.0), cached=True), envoy)
+    task = await run(runtime(ScriptedPrefill(SAME), cached=True), envoy)
     await upload(envoy, REQUEST)
     await envoy.inbox.put(response_headers(200))
     await envoy.until_sent(3)
@@ -217,7 +204,7 @@ async def test_a_refused_request_leaves_nothing_for_the_collector(
 ) -> None:
     # Its error kept with a traceback would hold the processor in a cycle, and with it the
     # stream (gRPC's call, with what it holds of the body), until a collection ran.
-    rt = runtime(FakePrefill(0.0), cached=True, limits=limits)
+    rt = runtime(ScriptedPrefill(), cached=True, limits=limits)
     envoy = ScriptedEnvoy()
     processor = RequestProcessor(rt.request_deps, EnvoyStream(envoy))  # type: ignore[arg-type]
     gone = weakref.ref(processor)
