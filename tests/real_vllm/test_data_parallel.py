@@ -32,7 +32,8 @@ async def _prefill(
         **body("completions", PROMPTS[0], False, max_tokens=1),
         "kv_transfer_params": P_PARAMS,
     }
-    headers = {} if rank is None else {RANK_HEADER: rank}
+    # a fresh connection each: one the server is closing (after a 400) is never reused
+    headers = {"Connection": "close"} | ({} if rank is None else {RANK_HEADER: rank})
     timeout = aiohttp.ClientTimeout(total=FIRST_ANSWER_TIMEOUT_S)
     async with session.post(
         engine.url + PATHS["completions"], json=request, headers=headers, timeout=timeout
