@@ -81,14 +81,21 @@ def hooks_dir() -> Path:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What to start: role P/D, connector (None = plain engine), core to pin to, and whether it
-    publishes KV events (prefix caching on, ZMQ PUB and replay on ports chosen at start)."""
+    """What to start: role P/D, connector (None = plain engine), core to pin to, whether it
+    publishes KV events (prefix caching on, ZMQ PUB and replay on ports chosen at start), and
+    its data-parallel ranks (`--data-parallel-size`; rank r runs on core + r, modulo the cores)."""
 
     role: Literal["P", "D"]
     connector: str | None
     core: int
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     kv_events: bool = False
+    data_parallel_size: int = 1
+
+    def rank_cores(self) -> list[int]:
+        """The core of each rank, in rank order."""
+        count = os.cpu_count() or 1
+        return [(self.core + rank) % count for rank in range(self.data_parallel_size)]
 
     def kv_transfer_config(self) -> str | None:
         if self.connector is None:
@@ -133,7 +140,8 @@ def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
     env.update(
         {
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; 2M tokens for the tiny model, plenty
-            "VLLM_CPU_OMP_THREADS_BIND": str(spec.core),
+            # one core list per rank, `|`-separated (vLLM's CPU worker takes its rank's)
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, spec.rank_cores())),
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
@@ -167,7 +175,7 @@ def engine_argv(
     argv = [
         "taskset",
         "-c",
-        str(spec.core),
+        ",".join(map(str, sorted(set(spec.rank_cores())))),
         python,
         "-m",
         "vllm.entrypoints.openai.api_server",
@@ -185,6 +193,8 @@ def engine_argv(
     ]
     if kv_events_ports is not None:
         argv += kv_events_flags(kv_events_ports)
+    if spec.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(spec.data_parallel_size)]
     config = spec.kv_transfer_config()
     return [*argv, "--kv-transfer-config", config] if config else argv
 

@@ -17,7 +17,17 @@ import pytest_asyncio
 
 from tests.support.real_vllm import EnginePool
 
-PAIR_ORDER = ("push", "push_restart", "push_contract", "push_plain_decode", "pull", "pull_contract")
+# push_dp follows push_contract, whose D is gone: its P and D start together, and so do the
+# next kind's (P back to one rank, the plain D), so the DP pair costs about one start.
+PAIR_ORDER = (
+    "push",
+    "push_restart",
+    "push_contract",
+    "push_dp",
+    "push_plain_decode",
+    "pull",
+    "pull_contract",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,9 @@ EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 def specs_for(kind: str) -> tuple[EngineSpec, EngineSpec]:
     if kind.startswith("pull"):
         return pair_specs("pull", extra_kv_config=KV_EXTRA)
+    if kind == "push_dp":  # P with two data-parallel ranks (one per core), the push kinds' D
+        prefill, decode = specs_for("push")
+        return replace(prefill, kv_events=False, data_parallel_size=2), decode
     # Push engines publish KV events (test_kv_events_real); answers are unchanged by it (prefix
     # caching is vLLM's default already), so every push kind shares that pair.
     return pair_specs(
