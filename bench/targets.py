@@ -107,6 +107,8 @@ async def running_extproc(
         engines.addresses("prefill"), engines.addresses("decode"), dispatch=dispatch, **extra
     )
     env = None if baseline is None else {"PYTHONPATH": str(baseline), "PYTHONSAFEPATH": "1"}
+    if baseline is not None:  # an older version refuses the settings it does not know
+        config["metrics"].pop("ready_detail", None)
     with pinned(cpus):
         runner = running_sidecar(config, log_level="WARNING", env=env)
         sidecar = await runner.__aenter__()
