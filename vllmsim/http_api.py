@@ -326,28 +326,7 @@ async def record_unrouted(request: web.Request, handler: Handler) -> web.StreamR
     refusal = request.match_info.http_exception
     if refusal is None or request.method == "OPTIONS":  # vLLM's CORS layer answers preflights
         return await handler(request)
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw) if raw else None
-    except orjson.JSONDecodeError:
-        body = raw.decode(errors="replace")
-    request.app[SIM_KEY].records.append(
-        {
-            "x_request_id": request.headers.get("X-Request-Id"),
-            "internal_id": None,
-            "method": request.method,
-            "path": request.raw_path,
-            "received_at": time.time(),
-            "body": body,
-            "headers": _headers(request),
-            "status": refusal.status,
-            "outcome": "unrouted",
-            "kv": None,
-            "kv_evidence": None,
-            "first_token_at": None,
-            "body_bytes": len(raw),
-        }
-    )
+    _record_bare(request, await request.read(), request.raw_path, refusal.status, "unrouted")
     raise refusal
 
 
@@ -410,27 +389,7 @@ async def record_passed_through(request: web.Request, handler: Handler) -> web.S
         return await handler(request)
     raw = await request.read()
     response = await handler(request)
-    try:
-        body = orjson.loads(raw) if raw else None
-    except orjson.JSONDecodeError:
-        body = raw.decode(errors="replace")
-    request.app[SIM_KEY].records.append(
-        {
-            "x_request_id": request.headers.get("X-Request-Id"),
-            "internal_id": None,
-            "method": request.method,
-            "path": request.path,
-            "received_at": time.time(),
-            "body": body,
-            "headers": _headers(request),
-            "status": response.status,
-            "outcome": "passed_through",
-            "kv": None,
-            "kv_evidence": None,
-            "first_token_at": None,
-            "body_bytes": len(raw),
-        }
-    )
+    _record_bare(request, raw, request.path, response.status, "passed_through")
     return response
 
 
@@ -477,3 +436,28 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+
+
+def _record_bare(request: web.Request, raw: bytes, path: str, status: int, outcome: str) -> None:
+    """Record a request that no engine step served, with its headers and body as it came."""
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = raw.decode(errors="replace")
+    request.app[SIM_KEY].records.append(
+        {
+            "x_request_id": request.headers.get("X-Request-Id"),
+            "internal_id": None,
+            "method": request.method,
+            "path": path,
+            "received_at": time.time(),
+            "body": body,
+            "headers": _headers(request),
+            "status": status,
+            "outcome": outcome,
+            "kv": None,
+            "kv_evidence": None,
+            "first_token_at": None,
+            "body_bytes": len(raw),
+        }
+    )
