@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -14,7 +15,12 @@ from grpc import aio
 
 from extproc.membership.eds import ASSIGNMENT_TYPE
 
-__all__ = ["pool_members", "send_access_log"]
+__all__ = ["REFUSED", "pool_members", "send_access_log"]
+
+# How a port that does not serve a service refuses these streams: UNIMPLEMENTED, or, when the
+# server's answer ends the stream before the client's first message is sent, that send's
+# INTERNAL failure ("execute_batch"). A served call raises neither.
+REFUSED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL)
 
 
 async def pool_members(channel: aio.Channel, pool: str, timeout_s: float = 5) -> list[str]:
