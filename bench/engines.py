@@ -95,3 +95,31 @@ async def clear_sim_requests(http: aiohttp.ClientSession, engines: Engines) -> N
     for engine in engines.all:
         async with http.delete(engine.url + "/sim/requests") as resp:
             resp.raise_for_status()
+
+
+async def step_lateness(http: aiohttp.ClientSession, engines: Sequence[Engines]) -> dict:
+    """The engines' step lateness so far (GET /sim/state), summed: steps, planned and late
+    seconds, steps per lateness bucket (ms)."""
+    total: dict = {"steps": 0, "planned_s": 0.0, "late_s": 0.0, "buckets_ms": {}}
+    for handle in (h for group in engines for h in group.all):
+        async with http.get(handle.url + "/sim/state") as resp:
+            resp.raise_for_status()
+            one = (await resp.json())["step_lateness"]
+        for key in ("steps", "planned_s", "late_s"):
+            total[key] += one[key]
+        for le, n in one["buckets_ms"].items():
+            total["buckets_ms"][le] = total["buckets_ms"].get(le, 0) + n
+    return total
+
+
+def lateness_delta(after: dict, before: dict) -> dict:
+    """What a run added to the cumulative counters of `step_lateness`."""
+    return {
+        "steps": after["steps"] - before["steps"],
+        "planned_s": round(after["planned_s"] - before["planned_s"], 6),
+        "late_s": round(after["late_s"] - before["late_s"], 6),
+        "buckets_ms": {
+            le: n - before["buckets_ms"].get(le, 0) for le, n in after["buckets_ms"].items()
+        },
+    }
+

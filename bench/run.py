@@ -26,11 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 from bench.client import Run, run_plan
-from bench.engines import Engines, running_engines
+from bench.engines import Engines, lateness_delta, running_engines, step_lateness
 from bench.procs import ALL_CPUS, run_bench
 from bench.targets import CONFIGS, ENGINE_KIND, Target, running_target
 from scripts.cached_envs import tiny_model, vllm_router_venv
@@ -106,13 +108,26 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path) ->
         }
         runs = plan(topology, targets, args.concurrency, args.runs, args.min_requests, work)
         print(f"{topology}: {len(runs)} runs over {', '.join(targets)}", flush=True)
-        results = await run_plan(runs, MODEL, tokenizer, work, engine_cpus)
+        lateness: dict[str, dict] = {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            last: dict = {}
+
+            async def between(done: str | None, upcoming: str | None) -> None:
+                """Each run's step lateness: the engines' counters at its two ends."""
+                nonlocal last
+                now = await step_lateness(http, list(engines.values()))
+                if done is not None:
+                    lateness[done] = lateness_delta(now, last)
+                last = now
+
+            results = await run_plan(runs, MODEL, tokenizer, work, engine_cpus, between)
     return [
         {
             "topology": r.topology,
             "config": r.config,
             "concurrency": r.concurrency,
             "index": r.index,
+            "step_lateness": lateness.get(r.id),
             **_slim(results[r.id]),
         }
         for r in runs

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -161,6 +162,40 @@ class KVConnector(Protocol):
     def abort(self, req: SimRequest) -> None: ...
 
 
+# Upper bounds (ms) of the step-lateness buckets: how much later than its cost model a step
+# ended (the process got the CPU late, or its event loop was busy with HTTP work).
+LATENESS_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, math.inf)
+
+
+@dataclass
+class StepLateness:
+    """Steps run so far, their planned time and how late they ended, cumulative (a caller
+    takes differences over a run)."""
+
+    steps: int = 0
+    planned_s: float = 0.0
+    late_s: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(LATENESS_BUCKETS_MS))
+
+    def record(self, planned: float, took: float) -> None:
+        late = max(0.0, took - planned)
+        self.steps += 1
+        self.planned_s += planned
+        self.late_s += late
+        index = next(i for i, le in enumerate(LATENESS_BUCKETS_MS) if 1e3 * late <= le)
+        self.buckets[index] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "planned_s": round(self.planned_s, 6),
+            "late_s": round(self.late_s, 6),
+            "buckets_ms": {
+                str(le): n for le, n in zip(LATENESS_BUCKETS_MS, self.buckets, strict=True)
+            },
+        }
+
+
 @dataclass
 class _Batch:
     prefill: list[tuple[SimRequest, int]] = field(default_factory=list)
@@ -196,10 +231,17 @@ class Engine:
         self.running: list[SimRequest] = []
         self.remote_wait: set[SimRequest] = set()
         self.steps = 0  # steps started so far
+        self.lateness = StepLateness()
         self._in_step = False  # between a step's start and its end
         self._wake = asyncio.Event()
 
     # -- API used by the HTTP layer -------------------------------------------------
+    async def api_path(self) -> None:
+        """What vLLM's API server does before the scheduler sees a request: parse, tokenize,
+        IPC to the engine core."""
+        if self.cost.api_overhead_ms > 0:
+            await asyncio.sleep(self.cost.api_overhead_ms / 1000.0)
+
     def submit(self, req: SimRequest) -> None:
         if req.mode in (KVMode.PULL, KVMode.PUSH):
             req.fetch_stage = "waiting_to_start"
@@ -288,7 +330,10 @@ class Engine:
                 if busy
                 else self.cost.idle_step_ms / 1000.0
             )
+            loop = asyncio.get_running_loop()
+            began = loop.time()
             await asyncio.sleep(seconds)
+            self.lateness.record(seconds, loop.time() - began)
             self._in_step = False
             self._apply(batch)
             if self.connector is not None:

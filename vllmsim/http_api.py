@@ -174,8 +174,7 @@ async def _run(
         session_id=session_id(request.headers, rec["body"]),
     )
     rec["events"] = req.timeline  # the same list: P's push events arrive after its answer
-    if sim.cfg.cost.api_overhead_ms > 0:  # vLLM's API server: parse, tokenize, IPC
-        await asyncio.sleep(sim.cfg.cost.api_overhead_ms / 1000.0)
+    await rank.current.engine.api_path()
     # Read after the waits above: a restart meanwhile ended the engine of the generation
     # before, whose loop no longer steps (a request handed to it would never be answered).
     gen = rank.current

@@ -32,8 +32,10 @@ GPU_8B = CostModel(
     # PR #207 measured D-side "HTTP parsing, tokenization and admission" at ~32 ms p50 on a
     # 3P1D H100 setup; admission is modelled by the scheduler here, so about a third of it.
     api_overhead_ms=10.0,
-    max_num_batched_tokens=2048,  # vLLM's default for online serving on a GPU
-    max_num_seqs=256,  # vLLM's default
+    # vLLM's defaults for `vllm serve` on a GPU of >= 70 GiB that is not an A100 (H100, H200):
+    # EngineArgs._set_default_args in vllm/engine/arg_utils.py.
+    max_num_batched_tokens=8192,
+    max_num_seqs=1024,
     max_model_len=8192,
     num_gpu_blocks=8192,  # ~16 GiB of KV cache at 2 MiB per block
     # Llama-3-8B: 32 layers x K,V x 8 KV heads x 128 dims x 2 bytes x 16 tokens = 2 MiB.

@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from vllmsim.config import SimConfig
-from vllmsim.engine import Engine
+from vllmsim.engine import Engine, StepLateness
 from vllmsim.kv_events import EventPublisher
 from vllmsim.metrics import Metrics
 from vllmsim.nixl.base import ConnectorBase
@@ -297,4 +297,16 @@ class SimServer:
             "process_start_time": gen.start_time,
             "data_parallel_size": len(self.ranks),
             "ranks": self.rank_views(),
+            # every rank's steps together: how late they ran against the cost model
+            "step_lateness": self.step_lateness(),
         }
+
+    def step_lateness(self) -> dict[str, Any]:
+        total = StepLateness()
+        for rank in self.ranks:
+            one = rank.current.engine.lateness
+            total.steps += one.steps
+            total.planned_s += one.planned_s
+            total.late_s += one.late_s
+            total.buckets = [a + b for a, b in zip(total.buckets, one.buckets, strict=True)]
+        return total.as_dict()
