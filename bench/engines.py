@@ -122,4 +122,3 @@ def lateness_delta(after: dict, before: dict) -> dict:
             le: n - before["buckets_ms"].get(le, 0) for le, n in after["buckets_ms"].items()
         },
     }
-
