@@ -61,10 +61,15 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--concurrency", default="1,8,32,128")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, help="fixed for the search (default: the profile's)"
+    )
     args = parser.parse_args()
     cs = tuple(int(c) for c in args.concurrency.split(","))
     rng = random.Random(args.seed)
     best = PROFILES[args.profile]
+    if args.max_num_batched_tokens:
+        best = dataclasses.replace(best, max_num_batched_tokens=args.max_num_batched_tokens)
     best_rows = table(best, cs, runs=1)
     best_score = score(best_rows)
     print(f"start {best_score:.4f}", flush=True)

@@ -15,10 +15,19 @@ def step_seconds(cost: CostModel, prefill_tokens: int, decode_seqs: int) -> floa
     return ms / 1000.0
 
 
-def transfer_seconds(cost: CostModel, num_blocks: int) -> float:
-    """Time for one NIXL READ/WRITE of `num_blocks` blocks: latency + bytes / bandwidth."""
-    nbytes = num_blocks * cost.block_bytes
-    return cost.kv_message_latency_ms / 1000.0 + nbytes / (cost.kv_bandwidth_gbps * 1e9)
+class Link:
+    """One engine's NIC: the bytes of its transfers cross it one after another, at the link's
+    bandwidth (a transfer posted while others are in flight waits for their bytes), each
+    transfer then paying the wire's latency once."""
+
+    def __init__(self) -> None:
+        self._free_at = 0.0  # when the bytes already posted have crossed
+
+    def transfer(self, cost: CostModel, num_blocks: int, now: float) -> float:
+        """Seconds from `now` until a transfer of `num_blocks` posted now completes."""
+        start = max(now, self._free_at)
+        self._free_at = start + num_blocks * cost.block_bytes / (cost.kv_bandwidth_gbps * 1e9)
+        return self._free_at - now + cost.kv_message_latency_ms / 1000.0
 
 
 def message_seconds(cost: CostModel) -> float:

@@ -19,11 +19,11 @@ from vllmsim.config import CostModel
 GPU_8B = CostModel(
     # Decode step of an 8B model at small batch on an H100: ~16 GB of bf16 weights read per step
     # at ~3 TB/s is 5-6 ms, plus scheduler and launch overhead.
-    step_base_ms=10.0,
+    step_base_ms=5.0,
     # 2 x 8e9 FLOPs per token at ~30 % of the H100's ~990 dense bf16 TFLOPS (attention,
     # kernel launches and chunking included) is ~0.058 ms per token: a 1024-token prompt alone
     # takes ~70 ms, the simulator's long-standing default.
-    prefill_per_token_ms=0.058,
+    prefill_per_token_ms=0.0425,
     # Each running sequence adds its KV reads (~0.13 MB per 1k tokens per layer) to a decode step.
     decode_per_seq_ms=0.02,
     # A step with nothing to run: scheduler pass plus the connector's get_finished, no forward.
@@ -31,7 +31,7 @@ GPU_8B = CostModel(
     # HTTP parse, tokenization of 1024 tokens and IPC to the engine core. vllm-project/router
     # PR #207 measured D-side "HTTP parsing, tokenization and admission" at ~32 ms p50 on a
     # 3P1D H100 setup; admission is modelled by the scheduler here, so about a third of it.
-    api_overhead_ms=10.0,
+    api_overhead_ms=9.4,
     # vLLM's defaults for `vllm serve` on a GPU of >= 70 GiB that is not an A100 (H100, H200):
     # EngineArgs._set_default_args in vllm/engine/arg_utils.py.
     max_num_batched_tokens=8192,
@@ -40,7 +40,7 @@ GPU_8B = CostModel(
     num_gpu_blocks=8192,  # ~16 GiB of KV cache at 2 MiB per block
     # Llama-3-8B: 32 layers x K,V x 8 KV heads x 128 dims x 2 bytes x 16 tokens = 2 MiB.
     block_bytes=2 * 1024 * 1024,
-    kv_bandwidth_gbps=25.0,  # one 200 Gb/s RDMA NIC
+    kv_bandwidth_gbps=17.0,  # one 200 Gb/s RDMA NIC
     kv_message_latency_ms=0.2,  # one NIXL notif or side-channel message between hosts
 )
 

@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from vllmsim.config import Faults, KVTransferConfig
-from vllmsim.cost_model import message_seconds
+from vllmsim.cost_model import Link, message_seconds
 from vllmsim.engine import Engine, SimRequest
 from vllmsim.kv_cache import Lease, LeaseTable
 from vllmsim.nixl.params import Identity
@@ -33,6 +33,7 @@ class ConnectorBase:
         self.leases = LeaseTable(engine.pool, kv.lease_duration_s, self._on_lease_expired)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._recv_tasks: dict[SimRequest, asyncio.Task[None]] = {}
+        self.nic = Link()  # what this engine serves (pull READs) and posts (push WRITEs)
 
     @property
     def latency_s(self) -> float:
@@ -93,6 +94,15 @@ class ConnectorBase:
     def _on_lease_expired(self, lease: Lease) -> None:
         log.warning("Releasing expired KV blocks for request %s", lease.request_id)
         self.engine.metrics.lbl(self.engine.metrics.nixl_expired).inc()
+
+    async def transfer(self, num_blocks: int) -> float:
+        """One transfer through this engine's NIC, behind the bytes already on it; returns its
+        duration from post to completion (what NIXL's transfer time measures)."""
+        loop = asyncio.get_running_loop()
+        seconds = self.nic.transfer(self.engine.cost, num_blocks, loop.time())
+        await asyncio.sleep(seconds)
+        self.record_transfer(num_blocks, seconds)
+        return seconds
 
     def record_transfer(self, num_blocks: int, seconds: float) -> None:
         metrics = self.engine.metrics

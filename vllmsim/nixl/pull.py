@@ -12,12 +12,10 @@ P does not check that the blocks asked for belong to the request.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
 
-from vllmsim.cost_model import transfer_seconds
 from vllmsim.engine import SimRequest
 from vllmsim.kv_cache import Lease
 from vllmsim.kv_content import from_wire, to_wire
@@ -70,9 +68,7 @@ class PullConnector(ConnectorBase):
         block_ids = block_group(msg.get("remote_block_ids"))
         if block_ids is None:
             return {"ok": False, "error": "remote_block_ids is not a list of block id lists"}
-        seconds = transfer_seconds(self.engine.cost, len(block_ids))
-        await asyncio.sleep(seconds)
-        self.record_transfer(len(block_ids), seconds)
+        await self.transfer(len(block_ids))  # the READ, through P's NIC
         blocks = to_wire(self.engine.pool.read(self.transfer_block_ids(block_ids)))
         self.leases.release(lease.request_id)
         return {

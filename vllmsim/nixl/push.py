@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllmsim.cost_model import transfer_seconds
 from vllmsim.engine import SimRequest, State
 from vllmsim.kv_cache import Lease
 from vllmsim.kv_content import from_wire, num_prompt_blocks, to_wire
@@ -208,9 +207,7 @@ class PushConnector(ConnectorBase):
             return
         d_blocks = block_group(reg.msg.get("local_block_ids")) or []
         sources = _suffix_for(lease, d_blocks, self.engine.block_size)
-        seconds = transfer_seconds(self.engine.cost, len(sources))
-        await asyncio.sleep(seconds)  # the NIXL WRITE into D's blocks
-        self.record_transfer(len(sources), seconds)
+        await self.transfer(len(sources))  # the NIXL WRITE into D's blocks, through P's NIC
         blocks = to_wire(self.engine.pool.read(sources))
         self.leases.release(lease.request_id)
         self._note(lease.request_id, "write_done")
