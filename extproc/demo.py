@@ -72,7 +72,7 @@ def _timeline(records: Records, ttfts: list[float], prefills: int) -> list[str]:
     return lines
 
 
-# The simulator's 8B-on-H100 profile, checked against vllm-project/router PR #187's push results.
+# The simulator's 8B-class GPU profile, fitted to vllm-project/router PR #187's push table.
 DEMO_PROFILE = "gpu-8b"
 
 

@@ -1,9 +1,10 @@
 """Named cost-model profiles: a handful of physical parameters, each with where it comes from.
 
-`gpu-8b`    an 8B-class model (Llama-3-8B shapes) on one H100 per engine with an RDMA NIC, the
-            setup of vllm-project/router PR #187's push benchmark (input 1024 / output 64).
-            It is the default, and it is not fitted to any P/D measurement: calibration only
-            checks it (bench/calibrate.py).
+`gpu-8b`    an 8B-class model (Llama-3-8B shapes) on one GPU per engine with one NIC, the setup
+            of vllm-project/router PR #187's push benchmark (4P4D, input 1024 / output 64). It
+            is the default. Its step, prefill, API and NIXL values are fitted to the PR's rows
+            (bench/fit.py on bench/fastsim.py's virtual clock, within the ranges commented
+            there), each within what the hardware allows; bench/calibrate.py checks the fit.
 `cpu-tiny`  the tiny random-weight Llama (hidden 128, 2 layers, 2 KV heads of 32 dims) served
             by real vLLM 0.32 on one core of this project's 2-core CPU machine, NIXL over
             loopback (scripts/real_vllm.py). Fitted to the engine metrics of the real run
@@ -17,31 +18,36 @@ from __future__ import annotations
 from vllmsim.config import CostModel
 
 GPU_8B = CostModel(
-    # Decode step of an 8B model at small batch on an H100: ~16 GB of bf16 weights read per step
-    # at ~3 TB/s is 5-6 ms, plus scheduler and launch overhead.
-    step_base_ms=5.0,
-    # 2 x 8e9 FLOPs per token at ~30 % of the H100's ~990 dense bf16 TFLOPS (attention,
-    # kernel launches and chunking included) is ~0.058 ms per token: a 1024-token prompt alone
-    # takes ~70 ms, the simulator's long-standing default.
-    prefill_per_token_ms=0.0425,
-    # Each running sequence adds its KV reads (~0.13 MB per 1k tokens per layer) to a decode step.
-    decode_per_seq_ms=0.02,
-    # A step with nothing to run: scheduler pass plus the connector's get_finished, no forward.
-    idle_step_ms=1.0,
-    # HTTP parse, tokenization of 1024 tokens and IPC to the engine core. vllm-project/router
-    # PR #207 measured D-side "HTTP parsing, tokenization and admission" at ~32 ms p50 on a
-    # 3P1D H100 setup; admission is modelled by the scheduler here, so about a third of it.
-    api_overhead_ms=9.4,
-    # vLLM's defaults for `vllm serve` on a GPU of >= 70 GiB that is not an A100 (H100, H200):
-    # EngineArgs._set_default_args in vllm/engine/arg_utils.py.
-    max_num_batched_tokens=8192,
-    max_num_seqs=1024,
+    # Fitted (range 5-20 ms). A decode step reads ~16 GB of bf16 weights, 5 ms at ~3.3 TB/s,
+    # plus scheduling, input preparation and kernel launches.
+    step_base_ms=10.0,
+    # Fitted (range 0.015-0.07). 2 x 8e9 FLOPs per token in 0.040 ms is ~400 TFLOPS, 40 % of
+    # an H100's dense bf16 peak: a 1024-token prompt alone takes 10 + 41 = 51 ms.
+    prefill_per_token_ms=0.040,
+    # Fitted (range 0-0.3): each running sequence's KV reads (~128 KiB per token) in a step.
+    decode_per_seq_ms=0.016,
+    # Fitted (range 0.3-3): a step with nothing to run, scheduler pass plus the connector's
+    # get_finished, no forward.
+    idle_step_ms=0.8,
+    # Fitted (range 1-15): HTTP parse, tokenization of 1024 tokens and IPC to the engine core,
+    # one request alone. (vllm-project/router PR #207 measured D-side "HTTP parsing,
+    # tokenization and admission" at ~32 ms p50 on a loaded 3P1D H100 setup.)
+    api_overhead_ms=8.5,
+    # The fit's choice between vLLM's two GPU defaults for `vllm serve`: 2048 tokens and 256
+    # sequences on every GPU but the >= 70 GiB non-A100 class (H100/H200: 8192 and 1024;
+    # EngineArgs._set_default_args in vllm/engine/arg_utils.py). The PR names no GPU; with 8192
+    # the fit's error is 2.6 x larger: a burst of 8 prompts per P (C = 32) then waits for one
+    # 8192-token step, where the PR's TTFT grows far less from C = 8 to 32.
+    max_num_batched_tokens=2048,
+    max_num_seqs=256,
     max_model_len=8192,
     num_gpu_blocks=8192,  # ~16 GiB of KV cache at 2 MiB per block
     # Llama-3-8B: 32 layers x K,V x 8 KV heads x 128 dims x 2 bytes x 16 tokens = 2 MiB.
     block_bytes=2 * 1024 * 1024,
-    kv_bandwidth_gbps=17.0,  # one 200 Gb/s RDMA NIC
-    kv_message_latency_ms=0.2,  # one NIXL notif or side-channel message between hosts
+    # Fitted (range 10-50 GB/s): ~100 Gb/s of RDMA per engine, shared by its transfers.
+    kv_bandwidth_gbps=13.0,
+    # Fitted (range 0.02-1 ms): one NIXL notif or side-channel message between hosts.
+    kv_message_latency_ms=0.08,
 )
 
 CPU_TINY = CostModel(
