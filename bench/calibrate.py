@@ -22,6 +22,7 @@ Writes bench/results/calibration.md and calibration.png and prints the tables.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import itertools
 import json
@@ -211,6 +212,8 @@ def run_gpu_plan(out: Path, runs: int, concurrency: tuple[int, ...], profile: st
         str(runs),
         "--min-requests",
         "0",
+        "--num-warmups",
+        str(fastsim.WARMUPS),
         "--out",
         str(out),
     ]
@@ -402,13 +405,16 @@ def real_recording(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
 
 
-def gpu_lines(
+async def gpu_lines(
     args: argparse.Namespace,
 ) -> tuple[list[str], dict[str, dict[int, float]], dict[int, dict[str, float]]]:
     lines, misses = [], []
     virtual, processes = {}, {}
     if not args.skip_gpu:
-        table, misses_v, virtual = virtual_table(DEFAULT_PROFILE, args.gpu_runs)
+        # its own event loop (a virtual clock), so in a thread of its own
+        table, misses_v, virtual = await asyncio.to_thread(
+            virtual_table, DEFAULT_PROFILE, args.gpu_runs
+        )
         lines += [
             f"## GPU: the `{DEFAULT_PROFILE}` cost model vs PR #187 (virtual clock)",
             "",
@@ -472,7 +478,7 @@ async def main() -> None:
     real_raw = real_recording(args.real)
     real = medians(real_raw["cells"])
     sim = medians(await simulate_cpu(real_raw))
-    gpu, processes, virtual = gpu_lines(args)
+    gpu, processes, virtual = await gpu_lines(args)
     lines = [
         "# vllmsim calibration",
         "",

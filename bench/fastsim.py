@@ -35,6 +35,7 @@ from vllmsim.nixl.push import PushConnector
 
 INPUT_LEN, OUTPUT_LEN = 1024, 64
 T = TypeVar("T")
+WARMUPS = 8  # PR #187's --num-warmups
 HOP_S = 0.0003  # one proxy hop (client -> proxy -> engine) on the PR's hosts: a Rust router
 
 
@@ -182,10 +183,6 @@ async def _bench(proxy: Proxy, concurrency: int, batch: list[list[int]]) -> list
     return ttfts
 
 
-def _warmups(concurrency: int) -> int:
-    return min(max(2, concurrency), 8)  # as bench/client.py
-
-
 async def _cell(
     cost: CostModel, mode: str, concurrency: int, runs: int, n: int, seed: int | None
 ) -> list[float]:
@@ -199,8 +196,9 @@ async def _cell(
         means = []
         for run in range(runs):
             batch = prompts(1000 + run if seed is None else seed, 2 * concurrency)
-            warm = _warmups(concurrency)
-            await _bench(proxy, warm, [batch[0]] * warm)  # vllm bench serve: the first prompt
+            # vllm bench serve's warm-ups, at C, send the first prompt: the engines they reach
+            # cache it
+            await _bench(proxy, concurrency, [batch[0]] * WARMUPS)
             means.append(statistics.fmean(await _bench(proxy, concurrency, batch)))
         return means
     finally:

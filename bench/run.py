@@ -63,6 +63,7 @@ def plan(
     runs: int,
     min_requests: int,
     work: Path,
+    num_warmups: int | None = None,
 ) -> list[Run]:
     """Interleaved: run 0 of every (C, config), then run 1, ...; the config order rotates."""
     names = list(targets)
@@ -83,6 +84,7 @@ def plan(
                         index,
                         targets[name].url,
                         work / f"{run_id}.json",
+                        num_warmups=num_warmups,
                     )
                 )
     return out
@@ -106,7 +108,15 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path) ->
             )
             for c in args.configs
         }
-        runs = plan(topology, targets, args.concurrency, args.runs, args.min_requests, work)
+        runs = plan(
+            topology,
+            targets,
+            args.concurrency,
+            args.runs,
+            args.min_requests,
+            work,
+            args.num_warmups,
+        )
         print(f"{topology}: {len(runs)} runs over {', '.join(targets)}", flush=True)
         lateness: dict[str, dict] = {}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
@@ -198,6 +208,11 @@ def parse_args() -> argparse.Namespace:
         "--min-requests",
         type=int,
         help="add runs at low C until a cell pools this many requests (default 48)",
+    )
+    parser.add_argument(
+        "--num-warmups",
+        type=int,
+        help="warm-up requests per run (default: C, within 2..8; PR #187 used 8)",
     )
     parser.add_argument("--topologies", help="comma list of nPnD (default 1P1D,2P2D)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list")

@@ -23,22 +23,22 @@ class CostModel:
     each value comes from).
 
     step = step_base + prefill_per_token x prefill tokens + decode_per_seq x decode seqs,
-    so a 1024-token prompt alone takes ~51 ms and a decode step 10-14 ms.
+    so a 1024-token prompt alone takes ~52 ms and a decode step 11-16 ms.
     """
 
-    step_base_ms: float = 10.0
+    step_base_ms: float = 11.0
     prefill_per_token_ms: float = 0.040
-    decode_per_seq_ms: float = 0.016
-    idle_step_ms: float = 0.8  # a step with nothing to compute (scheduler + connector only)
-    api_overhead_ms: float = 8.5  # HTTP request -> scheduler queue (parse, tokenize, IPC)
+    decode_per_seq_ms: float = 0.018
+    idle_step_ms: float = 0.6  # a step with nothing to compute (scheduler + connector only)
+    api_overhead_ms: float = 14.0  # HTTP request -> scheduler queue (parse, tokenize, IPC)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 8192
     num_gpu_blocks: int = 8192
     # Llama-3-8B: 32 layers x K,V x 8 heads x 128 dims x 2 bytes x 16 tokens = 2 MiB.
     block_bytes: int = 2 * 1024 * 1024
-    kv_bandwidth_gbps: float = 13.0  # GB/s, one engine's NIC (its transfers share it)
-    kv_message_latency_ms: float = 0.08  # one-way, per side-channel message
+    kv_bandwidth_gbps: float = 10.0  # GB/s, one engine's NIC (its transfers share it)
+    kv_message_latency_ms: float = 0.09  # one-way, per side-channel message
 
 
 @dataclass

@@ -20,23 +20,23 @@ from vllmsim.config import CostModel
 GPU_8B = CostModel(
     # Fitted (range 5-20 ms). A decode step reads ~16 GB of bf16 weights, 5 ms at ~3.3 TB/s,
     # plus scheduling, input preparation and kernel launches.
-    step_base_ms=10.0,
+    step_base_ms=11.0,
     # Fitted (range 0.015-0.07). 2 x 8e9 FLOPs per token in 0.040 ms is ~400 TFLOPS, 40 % of
-    # an H100's dense bf16 peak: a 1024-token prompt alone takes 10 + 41 = 51 ms.
+    # an H100's dense bf16 peak: a 1024-token prompt alone takes 11 + 41 = 52 ms.
     prefill_per_token_ms=0.040,
     # Fitted (range 0-0.3): each running sequence's KV reads (~128 KiB per token) in a step.
-    decode_per_seq_ms=0.016,
+    decode_per_seq_ms=0.018,
     # Fitted (range 0.3-3): a step with nothing to run, scheduler pass plus the connector's
     # get_finished, no forward.
-    idle_step_ms=0.8,
-    # Fitted (range 1-15): HTTP parse, tokenization of 1024 tokens and IPC to the engine core,
-    # one request alone. (vllm-project/router PR #207 measured D-side "HTTP parsing,
-    # tokenization and admission" at ~32 ms p50 on a loaded 3P1D H100 setup.)
-    api_overhead_ms=8.5,
+    idle_step_ms=0.6,
+    # Fitted (range 1-15): HTTP parse, tokenization of 1024 tokens, input processing and IPC
+    # to the engine core, one request alone. (vllm-project/router PR #207 measured D-side
+    # "HTTP parsing, tokenization and admission" at ~32 ms p50 on a loaded 3P1D H100 setup.)
+    api_overhead_ms=14.0,
     # The fit's choice between vLLM's two GPU defaults for `vllm serve`: 2048 tokens and 256
     # sequences on every GPU but the >= 70 GiB non-A100 class (H100/H200: 8192 and 1024;
     # EngineArgs._set_default_args in vllm/engine/arg_utils.py). The PR names no GPU; with 8192
-    # the fit's error is 2.6 x larger: a burst of 8 prompts per P (C = 32) then waits for one
+    # the fit's error is 4 x larger: a burst of 8 prompts per P (C = 32) then waits for one
     # 8192-token step, where the PR's TTFT grows far less from C = 8 to 32.
     max_num_batched_tokens=2048,
     max_num_seqs=256,
@@ -44,10 +44,10 @@ GPU_8B = CostModel(
     num_gpu_blocks=8192,  # ~16 GiB of KV cache at 2 MiB per block
     # Llama-3-8B: 32 layers x K,V x 8 KV heads x 128 dims x 2 bytes x 16 tokens = 2 MiB.
     block_bytes=2 * 1024 * 1024,
-    # Fitted (range 10-50 GB/s): ~100 Gb/s of RDMA per engine, shared by its transfers.
-    kv_bandwidth_gbps=13.0,
+    # Fitted (range 10-50 GB/s, at its low end): ~80 Gb/s per engine, shared by its transfers.
+    kv_bandwidth_gbps=10.0,
     # Fitted (range 0.02-1 ms): one NIXL notif or side-channel message between hosts.
-    kv_message_latency_ms=0.08,
+    kv_message_latency_ms=0.09,
 )
 
 CPU_TINY = CostModel(
