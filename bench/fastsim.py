@@ -113,7 +113,7 @@ class Cluster:
 
 async def _serve(e: _Engine, req: SimRequest) -> tuple[float | None, dict[str, Any] | None]:
     """One request through the engine's API path: (time of the first token, final params)."""
-    await e.engine.api_path()
+    await e.engine.api_path(req.prompt_tokens)
     e.engine.submit(req)
     first = None
     while True:

@@ -30,7 +30,10 @@ class CostModel:
     prefill_per_token_ms: float = 0.040
     decode_per_seq_ms: float = 0.018
     idle_step_ms: float = 0.6  # a step with nothing to compute (scheduler + connector only)
-    api_overhead_ms: float = 14.0  # HTTP request -> scheduler queue (parse, tokenize, IPC)
+    api_overhead_ms: float = 14.0  # HTTP request -> scheduler queue (parse, IPC), concurrent
+    # The prompt's tokenization, on the API server's one tokenizer thread: requests that
+    # arrive together are tokenized one after another.
+    tokenize_per_token_ms: float = 0.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 8192

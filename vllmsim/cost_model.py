@@ -15,19 +15,31 @@ def step_seconds(cost: CostModel, prefill_tokens: int, decode_seqs: int) -> floa
     return ms / 1000.0
 
 
+class Fifo:
+    """A resource that does one thing at a time, in order of arrival: a NIC's bytes, the API
+    server's tokenizer thread. It only keeps the books; the caller sleeps."""
+
+    def __init__(self) -> None:
+        self._free_at = 0.0  # when the work already taken on is done
+
+    def take(self, seconds: float, now: float) -> float:
+        """Seconds from `now` until `seconds` of work taken on now is done."""
+        self._free_at = max(now, self._free_at) + seconds
+        return self._free_at - now
+
+
 class Link:
     """One engine's NIC: the bytes of its transfers cross it one after another, at the link's
     bandwidth (a transfer posted while others are in flight waits for their bytes), each
     transfer then paying the wire's latency once."""
 
     def __init__(self) -> None:
-        self._free_at = 0.0  # when the bytes already posted have crossed
+        self._bytes = Fifo()
 
     def transfer(self, cost: CostModel, num_blocks: int, now: float) -> float:
         """Seconds from `now` until a transfer of `num_blocks` posted now completes."""
-        start = max(now, self._free_at)
-        self._free_at = start + num_blocks * cost.block_bytes / (cost.kv_bandwidth_gbps * 1e9)
-        return self._free_at - now + cost.kv_message_latency_ms / 1000.0
+        crossing = num_blocks * cost.block_bytes / (cost.kv_bandwidth_gbps * 1e9)
+        return self._bytes.take(crossing, now) + cost.kv_message_latency_ms / 1000.0
 
 
 def message_seconds(cost: CostModel) -> float:

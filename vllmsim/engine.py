@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vllmsim.config import BLOCK_SIZE, CacheConfig, CostModel
-from vllmsim.cost_model import blocks_for, step_seconds
+from vllmsim.cost_model import Fifo, blocks_for, step_seconds
 from vllmsim.kv_cache import BlockPool
 from vllmsim.kv_content import (
     LOCAL,
@@ -215,8 +215,11 @@ class Engine:
         cache: CacheConfig | None = None,
         publish: Callable[[list[KVEvent]], None] | None = None,
         token_ids: Callable[[str], list[int]] | None = None,
+        tokenizer: Fifo | None = None,
     ) -> None:
+        """`tokenizer`: the API server's tokenizer thread, shared by its data-parallel ranks."""
         self.cost = cost
+        self.tokenizer = tokenizer or Fifo()
         self.engine_id = engine_id
         self.metrics = metrics
         self.cache = cache or CacheConfig()
@@ -236,11 +239,17 @@ class Engine:
         self._wake = asyncio.Event()
 
     # -- API used by the HTTP layer -------------------------------------------------
-    async def api_path(self) -> None:
-        """What vLLM's API server does before the scheduler sees a request: parse, tokenize,
-        IPC to the engine core."""
-        if self.cost.api_overhead_ms > 0:
-            await asyncio.sleep(self.cost.api_overhead_ms / 1000.0)
+    async def api_path(self, prompt_tokens: int) -> None:
+        """What vLLM's API server does before the scheduler sees a request: parse and IPC to
+        the engine core (concurrent), and the tokenization, which its renderer runs on a pool
+        of `renderer_num_workers` threads, 1 by default: one prompt after another."""
+        loop = asyncio.get_running_loop()
+        seconds = self.cost.api_overhead_ms / 1000.0
+        tokenize = self.cost.tokenize_per_token_ms * prompt_tokens / 1000.0
+        if tokenize > 0:
+            seconds += self.tokenizer.take(tokenize, loop.time())
+        if seconds > 0:
+            await asyncio.sleep(seconds)
 
     def submit(self, req: SimRequest) -> None:
         if req.mode in (KVMode.PULL, KVMode.PUSH):

@@ -174,7 +174,7 @@ async def _run(
         session_id=session_id(request.headers, rec["body"]),
     )
     rec["events"] = req.timeline  # the same list: P's push events arrive after its answer
-    await rank.current.engine.api_path()
+    await rank.current.engine.api_path(len(parsed.prompt_ids))
     # Read after the waits above: a restart meanwhile ended the engine of the generation
     # before, whose loop no longer steps (a request handed to it would never be answered).
     gen = rank.current

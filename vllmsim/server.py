@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from vllmsim.config import SimConfig
+from vllmsim.cost_model import Fifo
 from vllmsim.engine import Engine, StepLateness
 from vllmsim.kv_events import EventPublisher
 from vllmsim.metrics import Metrics
@@ -110,6 +111,7 @@ class SimServer:
         self._site: web.TCPSite | None = None
         self._relisten: asyncio.Task[None] | None = None
         self.events: EventPublisher | None = None  # --kv-events-config
+        self.tokenizer = Fifo()  # the API server's one tokenizer thread, for every rank
 
     @property
     def current(self) -> Generation:
@@ -207,6 +209,7 @@ class SimServer:
             self.cfg.cache,
             self.events.publish if self.events is not None else None,
             self.tokens.output_ids,
+            self.tokenizer,
         )
         connector: ConnectorBase | None = None
         if kv is not None:
