@@ -33,7 +33,7 @@ class CostModel:
     api_overhead_ms: float = 14.0  # HTTP request -> scheduler queue (parse, IPC), concurrent
     # The prompt's tokenization, on the API server's one tokenizer thread: requests that
     # arrive together are tokenized one after another.
-    tokenize_per_token_ms: float = 0.0
+    tokenize_per_token_ms: float = 0.001
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 8192

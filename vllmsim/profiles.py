@@ -33,9 +33,11 @@ GPU_8B = CostModel(
     # to the engine core, one request alone. (vllm-project/router PR #207 measured D-side
     # "HTTP parsing, tokenization and admission" at ~32 ms p50 on a loaded 3P1D H100 setup.)
     api_overhead_ms=14.0,
-    # Fitted (range 0.0005-0.01): a fast tokenizer's 0.1-2 M tokens/s on the API server's one
-    # tokenizer thread (vLLM's renderer_num_workers defaults to 1), one prompt after another.
-    tokenize_per_token_ms=0.002,
+    # A fast tokenizer's ~1 M tokens/s on the API server's one tokenizer thread (vLLM's
+    # renderer_num_workers defaults to 1), one prompt after another. Not fitted: the search
+    # (range 0.0005-0.01) found 0.0022 with a larger error, as a 1 ms stagger of a burst
+    # decides which prompts share P's next step.
+    tokenize_per_token_ms=0.001,
     # The fit's choice between vLLM's two GPU defaults for `vllm serve`: 2048 tokens and 256
     # sequences on every GPU but the >= 70 GiB non-A100 class (H100/H200: 8192 and 1024;
     # EngineArgs._set_default_args in vllm/engine/arg_utils.py). The PR names no GPU; with 8192
@@ -70,6 +72,7 @@ CPU_TINY = CostModel(
     # vllm:request_prefill_time_seconds: parse, tokenize, IPC to the engine core and back,
     # on the core the engine also runs on.
     api_overhead_ms=27.5,
+    tokenize_per_token_ms=0.0,  # measured as part of api_overhead_ms above
     max_num_batched_tokens=2048,  # scripts/real_vllm.py starts vLLM with --max-model-len 2048
     max_num_seqs=256,
     max_model_len=2048,
