@@ -290,7 +290,7 @@ _HEAD = (
 def gpu_table(cells: dict[str, dict[int, Cell]]) -> tuple[list[str], list[str]]:
     """The PR's rows against the real-process run; a cell whose engines ran late is no result."""
     lines = [
-        _HEAD[:-1] + " step lateness: mean ms, share > 10 ms | verdict |",
+        _HEAD + " step lateness: mean ms, share > 10 ms | verdict |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     misses = []
