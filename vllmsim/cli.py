@@ -131,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--port-file", help="write {port, side_channel_port, engine_id, pid, ranks} here"
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    cost = p.add_argument_group("cost model (default profile: gpu-8b, an 8B model on one H100)")
+    cost = p.add_argument_group(
+        "cost model (default profile: gpu-8b, an 8B-class model on one GPU, fitted to "
+        "vllm-project/router PR #187)"
+    )
     cost.add_argument(
         "--profile",
         choices=sorted(PROFILES),
