@@ -11,8 +11,8 @@ Endpoints follow vLLM: a PUB endpoint with "*" or "::" (or ipc/inproc) is bound,
 connected to (the subscriber binds); the replay endpoint is always bound; "tcp://*:0" binds
 an ephemeral port on this node's IP (VLLM_HOST_IP). With data parallelism every rank publishes
 on its own sockets, as vLLM's per-rank schedulers do: both endpoints' ports plus the rank (a
-port of 0 stays 0: any free port), an inproc name with `_dp<rank>` appended, and the rank in
-every batch.
+port of 0 stays 0: any free port), an inproc name with `_dp<rank>` appended (an ipc one is
+refused), and the rank in every batch.
 """
 
 from __future__ import annotations
@@ -142,8 +142,10 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
         return endpoint
     if "inproc" in endpoint:
         return f"{endpoint}_dp{rank}"
+    if "tcp" not in endpoint:  # vLLM refuses an ipc endpoint with data parallelism too
+        raise ValueError("with --data-parallel-size the endpoint must be tcp:// or inproc://")
     base, colon, port = endpoint.rpartition(":")
-    if not endpoint.startswith("tcp") or not colon or not port.isdigit() or int(port) == 0:
+    if not colon or not port.isdigit() or int(port) == 0:
         return endpoint
     return f"{base}:{int(port) + rank}"
 
@@ -159,10 +161,17 @@ def _node_ip() -> str:
 
 
 def _bind(sock: Any, endpoint: str) -> str:
-    """Bind; returns the endpoint actually bound (the port of a port-0 endpoint)."""
+    """Bind; returns the endpoint actually bound (the port of a port-0 endpoint).
+
+    Simulator-only: with VLLM_HOST_IP set, `tcp://*:<port>` binds that IP alone (vLLM binds
+    every interface), so that tests keep their fixed ports on the loopback."""
     import zmq
 
-    sock.bind(f"tcp://{_node_ip()}:0" if endpoint == "tcp://*:0" else endpoint)
+    if endpoint == "tcp://*:0":
+        endpoint = f"tcp://{_node_ip()}:0"
+    elif endpoint.startswith("tcp://*:") and (ip := os.environ.get("VLLM_HOST_IP")):
+        endpoint = f"tcp://{ip}:{endpoint.removeprefix('tcp://*:')}"
+    sock.bind(endpoint)
     last = sock.getsockopt(zmq.LAST_ENDPOINT)
     return last.decode() if isinstance(last, bytes) else str(last)
 
@@ -188,8 +197,9 @@ class EventPublisher:
         self._pub.set_hwm(cfg.hwm)
         self._replay: Any = None
         self.replay_endpoint: str | None = None
-        ep = rank_endpoint(cfg.endpoint, rank)
+        ep = cfg.endpoint
         try:
+            ep = rank_endpoint(ep, rank)
             if "*" in ep or "::" in ep or ep.startswith(("ipc://", "inproc://")):
                 self.endpoint = _bind(self._pub, ep)
             else:

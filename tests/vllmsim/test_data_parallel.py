@@ -6,7 +6,8 @@ import asyncio
 
 import aiohttp
 
-from tests.vllmsim.vsim_helpers import d_body, get_json, p_body, post, record, two_free_ports
+from tests.support.engines import two_free_ports
+from tests.vllmsim.vsim_helpers import d_body, get_json, p_body, post, record
 from vllmsim.launcher import FAST, PUSH_D, PUSH_P, running_engine
 
 DP2 = ("--data-parallel-size", "2")

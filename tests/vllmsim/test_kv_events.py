@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import msgpack
 
+from tests.support.engines import two_free_ports
 from tests.vllmsim.kv_event_helpers import (
     LOOPBACK_ENV,
     Subscriber,
@@ -19,7 +20,7 @@ from tests.vllmsim.kv_event_helpers import (
     replay,
     subscriber,
 )
-from tests.vllmsim.vsim_helpers import post, two_free_ports
+from tests.vllmsim.vsim_helpers import post
 from vllmsim.launcher import FAST, EngineHandle, running_engine, vllmsim_command
 
 
@@ -197,8 +198,8 @@ async def test_each_data_parallel_rank_publishes_on_its_own_ports_with_its_rank(
     flag = events_flag(endpoint=f"tcp://*:{pub}", replay_endpoint=f"tcp://127.0.0.1:{rep}")
     async with running_engine(*FAST, "-dp", "2", *flag, env=LOOPBACK_ENV) as eng:
         assert [(r["kv_events_endpoint"], r["kv_events_replay_endpoint"]) for r in eng.ranks] == [
-            (f"tcp://0.0.0.0:{pub}", f"tcp://127.0.0.1:{rep}"),
-            (f"tcp://0.0.0.0:{pub + 1}", f"tcp://127.0.0.1:{rep + 1}"),
+            (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"),
+            (f"tcp://127.0.0.1:{pub + 1}", f"tcp://127.0.0.1:{rep + 1}"),
         ]
         prompt = tokens(77, 40)
         await on_rank(http, eng, prompt, 1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -108,18 +107,3 @@ async def record(http: aiohttp.ClientSession, eng: EngineHandle, rid: str) -> di
     recs = [r for r in await get_json(http, eng, "/sim/requests") if r["x_request_id"] == rid]
     assert len(recs) == 1
     return recs[0]
-
-
-def two_free_ports() -> int:
-    """A port p with p + 1 free as well (what ranks 0 and 1 of a DP server listen on)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return int(port)
-    raise AssertionError("no two consecutive free ports")
