@@ -64,6 +64,7 @@ class KvRouting:
         self._warned: set[str] = set()
         self._wanted: dict[str, EventSource] = {}
         self._rank_of: dict[str, tuple[str, int]] = {}  # a rank's engine → (server, rank)
+        self._ranks: dict[str, list[str]] = {}  # a data-parallel server → its ranks' engines
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -151,8 +152,7 @@ class KvRouting:
                 self.routed.remember(engine, keys)
 
     def _heard_from(self, address: str) -> bool:
-        ranks = [e for e, (a, _) in self._rank_of.items() if a == address] if self._rank_of else []
-        return any(self.index.heard_from(e) for e in ranks or [address])
+        return any(self.index.heard_from(e) for e in self._ranks.get(address) or [address])
 
     def forget(self, engine: str) -> None:
         """The engine left its pool: what was routed to it no longer counts."""
@@ -171,6 +171,9 @@ class KvRouting:
             for engine, source in sources.items()
             if source.address is not None and source.rank is not None
         }
+        self._ranks = {}
+        for engine, (address, _) in self._rank_of.items():
+            self._ranks.setdefault(address, []).append(engine)
         self._changed.set()
 
     @property
@@ -186,8 +189,7 @@ class KvRouting:
         """The engine's process changed (the restart detector): what it held is gone (every
         rank's, for a data-parallel server: one process)."""
         self.routed.forget(engine)
-        ranks = [e for e, (address, _) in self._rank_of.items() if address == engine]
-        for each in [engine, *ranks]:
+        for each in [engine, *self._ranks.get(engine, ())]:
             if each in self._wanted:
                 self.index.clear_engine(each)
                 self._metrics.kv_index_resets.labels(each, "restart").inc()
