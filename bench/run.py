@@ -93,11 +93,18 @@ def plan(
 
 
 def data_parallel_flags(size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(every engine's, vllm-router's) flags for `size` ranks per engine. The router refuses DP
-    routing without an API key; the engines ask for none, so any key does."""
+    """(every engine's, vllm-router's) flags for `size` ranks per engine.
+
+    The plan runs the same seeds, so the same prompts, through every configuration: the
+    configuration that comes second finds them in P's prefix cache. With one engine that is
+    every configuration's luck in turn; with ranks, only where its rank choice happens to send
+    a prompt back to the rank that computed it. The engines' prefix cache is off, so that
+    every prompt is computed, as the seed's workload of random prompts means.
+    The router refuses DP routing without an API key; the engines ask for none, so any key
+    does."""
     if size == 1:
         return (), ()
-    return ("--data-parallel-size", str(size)), (
+    return ("--data-parallel-size", str(size), "--no-enable-prefix-caching"), (
         "--intra-node-data-parallel-size",
         str(size),
         "--api-key",
