@@ -173,8 +173,10 @@ def plot(
     configs: list[str],
     concurrencies: list[int],
     path: Path,
+    engines: str = "vllmsim engines",
 ) -> None:
-    """Top row: median TTFT against concurrency; bottom row: each configuration / vllm-router."""
+    """Top row: median TTFT against concurrency; bottom row: each configuration / vllm-router.
+    `engines`: how the titles name the engines."""
     fig, axes = plt.subplots(
         2, len(topologies), figsize=(6 * len(topologies), 8), squeeze=False, height_ratios=[3, 2]
     )
@@ -193,7 +195,7 @@ def plot(
                 bottom.plot(*zip(*ratios, strict=True), **style)
         top.set_yscale("log")
         top.set_ylabel("median TTFT (ms)")
-        top.set_title(f"{topology}, vllmsim engines, input 1024 / output 64")
+        top.set_title(f"{topology}, {engines}, input 1024 / output 64")
         bottom.axhline(1.0, color="black", linewidth=0.8)
         bottom.set_ylabel("median TTFT / vllm-router's")
         bottom.set_xlabel("concurrency (prompts = 2 × concurrency)")

@@ -206,7 +206,10 @@ def write_outputs(records: list[dict], args: argparse.Namespace, meta: dict) -> 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.md").write_text("\n".join(lines))
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "runs": records}, indent=1))
-    report.plot(table, args.topologies, args.configs, args.concurrency, args.out / f"{stem}.png")
+    engines = "vllmsim engines" + (f" of {dp} DP ranks" if dp > 1 else "")
+    report.plot(
+        table, args.topologies, args.configs, args.concurrency, args.out / f"{stem}.png", engines
+    )
     print("\n".join(lines))
 
 
