@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support.engines import two_free_ports
 from tests.support.kv_routing import BLOCK, completion_body, loopback_events, model_dir, words
 from tests.support.topology import (
@@ -144,11 +146,14 @@ async def test_a_clients_rank_header_never_reaches_an_engine(push_1p1d: Topology
     assert RANK_HEADER not in p["headers"] and RANK_HEADER not in d["headers"]
 
 
-async def test_a_cached_prefix_goes_to_the_rank_that_holds_it(model_dir: Path) -> None:
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "learned"])
+async def test_a_cached_prefix_goes_to_the_rank_that_holds_it(
+    model_dir: Path, declared: bool
+) -> None:
     """Each rank publishes its own KV events (vLLM: the pool's ports plus the rank), and the
     index keeps them per rank: prompts sharing a prefix that rank 1 of P holds are all pinned
     to rank 1 (without per-rank keys the sidecar hears rank 0's socket alone and spreads them
-    by load)."""
+    by load). Ranks learned from P's /metrics move the subscriptions to the ranks' sockets."""
     pub, replay = two_free_ports(), two_free_ports()
     events = {
         "enable_kv_cache_events": True,
@@ -160,7 +165,7 @@ async def test_a_cached_prefix_goes_to_the_rank_that_holds_it(model_dir: Path) -
     flags = (*common, "--kv-events-config", json.dumps(events))
     async with running_engine(*flags, "--kv-transfer-config", PUSH[0]) as p:
         prefill = {
-            **RANKS,
+            **(RANKS if declared else {}),
             "policy": "kv_cache",
             "kv_events": {"port": pub, "replay_port": replay},
         }
