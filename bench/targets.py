@@ -120,14 +120,19 @@ async def running_extproc(
 
 @contextlib.asynccontextmanager
 async def running_target(
-    name: str, engines: Engines, router_bin: Path | None, cpus: set[int] | None = None
+    name: str,
+    engines: Engines,
+    router_bin: Path | None,
+    cpus: set[int] | None = None,
+    router_flags: Sequence[str] = (),
 ) -> AsyncIterator[Target]:
+    """`router_flags`: more of vllm-router's flags (its data-parallel size)."""
     if name == "direct":
         yield Target("direct", engines.decode[0].url, None)
     elif name == "vllm-router":
         if router_bin is None:
             raise RuntimeError("vllm-router is not available")
-        async with running_router(engines, router_bin, cpus) as target:
+        async with running_router(engines, router_bin, cpus, extra=router_flags) as target:
             yield target
     else:
         async with running_extproc(name, engines, cpus) as target:
