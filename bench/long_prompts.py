@@ -37,17 +37,19 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import pyspy
 from bench.engines import INSTANT, running_engines
 from bench.openloop import percentile
 from bench.overhead import learn_identity
 from bench.procs import child_pids, pinned, run_bench
 from bench.run import cpu_split
-from bench.targets import running_target
+from bench.targets import Target, running_extproc, running_target
 from scripts.cached_envs import vllm_router_venv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LONG = INSTANT
-PATHS = ("direct P/D", "pd-extproc", "vllm-router")
+PATHS = ["direct P/D", "pd-extproc", "vllm-router"]  # with --baseline, its pd-extproc too
+BASELINE = "pd-extproc (baseline)"
 OUTPUT_TOKENS = 4
 TTFT_FACTOR = 2.0  # the check: pd-extproc's added TTFT p99 at the highest C ≤ 2 × the router's
 
@@ -146,6 +148,13 @@ def direct(
     return run
 
 
+def sidecar_pids(target: Target) -> dict[str, int]:
+    """`pd-extproc up`'s ext_proc and its Envoy (its child)."""
+    assert target.pid is not None
+    envoy = child_pids(target.pid)
+    return {"ext_proc": target.pid, **({"envoy": envoy[0]} if envoy else {})}
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -194,6 +203,7 @@ async def main(args: argparse.Namespace) -> None:
     router_bin = vllm_router_venv() / "bin" / "vllm-router"
     load_before, began = " ".join(f"{x:.2f}" for x in os.getloadavg()), time.time()
     results: dict[int, dict[str, Step]] = {}
+    profile: Path | None = None
     async with contextlib.AsyncExitStack() as stack:
         engines = await stack.enter_async_context(
             running_engines("push", 1, 1, "sim-model", None, LONG, engine_cpus)
@@ -211,24 +221,35 @@ async def main(args: argparse.Namespace) -> None:
         )
         p, d = engines.prefill[0], engines.decode[0]
         identity = await learn_identity(session, p)
-        paths = {
-            "direct P/D": direct(session, p.url, d.url, args.prompt_kb, identity),
-            "pd-extproc": through(session, ours.url, args.prompt_kb),
-            "vllm-router": through(session, router.url, args.prompt_kb),
-        }
-        assert ours.pid is not None and router.pid is not None
-        envoy = child_pids(ours.pid)
-        watched = {
-            "pd-extproc": {"ext_proc": ours.pid, **({"envoy": envoy[0]} if envoy else {})},
-            "vllm-router": {"vllm-router": router.pid},
-        }
+        paths = {"direct P/D": direct(session, p.url, d.url, args.prompt_kb, identity)}
+        watched: dict[str, dict[str, int]] = {}
+        if args.baseline is not None:  # the A side of an A/B: another version, same run
+            base = await stack.enter_async_context(
+                running_extproc("push", engines, proxy_cpus, baseline=args.baseline)
+            )
+            PATHS.insert(1, BASELINE)
+            paths[BASELINE] = through(session, base.url, args.prompt_kb)
+            watched[BASELINE] = sidecar_pids(base)
+        paths["pd-extproc"] = through(session, ours.url, args.prompt_kb)
+        paths["vllm-router"] = through(session, router.url, args.prompt_kb)
+        watched["pd-extproc"] = sidecar_pids(ours)
+        assert router.pid is not None
+        watched["vllm-router"] = {"vllm-router": router.pid}
         with pinned(engine_cpus):
             for run in paths.values():  # warm-up: connections, the router's first request
                 await closed_loop(run, 4, 1.0, {})
             for concurrency in args.concurrency:
                 results[concurrency] = {}
                 for name, run in paths.items():
+                    recording = None
+                    if name == "pd-extproc" and concurrency == args.profile_c:
+                        out = args.out / f"profile-extproc-long{args.tag}.txt"
+                        recording = asyncio.create_task(
+                            pyspy.record(watched[name]["ext_proc"], args.step_s, out)
+                        )
                     step = await closed_loop(run, concurrency, args.step_s, watched.get(name, {}))
+                    if recording is not None:
+                        profile = await recording
                     results[concurrency][name] = step
                     print(
                         f"  C={concurrency} {name}: {len(step.ttfts)} ok, "
@@ -246,7 +267,7 @@ async def main(args: argparse.Namespace) -> None:
         if engine_cpus and proxy_cpus
         else "none",
     }
-    write_report(results, args, meta)
+    write_report(results, args, meta, profile)
 
 
 def _ms(values: list[float], q: float) -> float:
@@ -290,8 +311,14 @@ def check_lines(results: dict[int, dict[str, Step]]) -> list[str]:
         name: max(len(s[name].ttfts) / s[name].elapsed_s for s in results.values())
         for name in PATHS
     }
+    if BASELINE in steps:
+        before = _ms(steps[BASELINE].ttfts, 99) - base
+        theirs_note = f", {BASELINE} {before:+.1f} ms"
+    else:
+        theirs_note = ""
     lines = [
-        f"- added TTFT p99 at C = {top}: pd-extproc {ours:+.1f} ms, vllm-router {theirs:+.1f} ms "
+        f"- added TTFT p99 at C = {top}: pd-extproc {ours:+.1f} ms, vllm-router {theirs:+.1f} ms"
+        f"{theirs_note} "
         f"(check: ≤ {TTFT_FACTOR:g} × the router's: "
         f"{'met' if ours <= TTFT_FACTOR * max(theirs, 0.0) else 'missed'})",
         "- throughput ceiling (highest req/s over the steps): "
@@ -305,7 +332,34 @@ def check_lines(results: dict[int, dict[str, Step]]) -> list[str]:
     return lines
 
 
-def write_report(results: dict[int, dict[str, Step]], args: argparse.Namespace, meta: dict) -> None:
+def profile_lines(raw: Path | None, concurrency: int) -> list[str]:
+    if raw is None:
+        return []
+    total, self_top, _ = pyspy.summarize(raw, top=12)
+    _, _, ours = pyspy.summarize(raw, top=12, only="extproc/")
+    lines = [
+        f"## py-spy profile of the ext_proc at C = {concurrency}",
+        "",
+        f"{total} samples (raw stacks: `{raw.name}`).",
+        "",
+        "| top self cost | share |",
+        "|---|---|",
+        *(f"| `{frame}` | {count / total:.1%} |" for frame, count in self_top),
+        "",
+        "| top inclusive cost in extproc/ | share |",
+        "|---|---|",
+        *(f"| `{frame}` | {count / total:.1%} |" for frame, count in ours),
+        "",
+    ]
+    return lines
+
+
+def write_report(
+    results: dict[int, dict[str, Step]],
+    args: argparse.Namespace,
+    meta: dict,
+    profile: Path | None,
+) -> None:
     lines = [
         f"# Long prompts: {args.prompt_kb} KB prompts, instant vllmsim 1P1D, closed loop",
         "",
@@ -322,6 +376,7 @@ def write_report(results: dict[int, dict[str, Step]], args: argparse.Namespace, 
         "",
         *check_lines(results),
         "",
+        *profile_lines(profile, args.profile_c),
     ]
     out = args.out / f"long-prompts{args.tag}.md"
     out.write_text("\n".join(lines))
@@ -333,11 +388,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-kb", type=int, default=200)
     parser.add_argument("--concurrency", default="20,50,100,150")
     parser.add_argument("--step-s", type=float, default=6.0)
+    parser.add_argument(
+        "--profile-c",
+        type=int,
+        default=0,
+        help="py-spy pd-extproc's ext_proc at this concurrency (0: no profile; it slows it)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="also measure the extproc package found in this directory (e.g. "
+        "`git archive BASE extproc | tar -x -C DIR`): before/after in one run",
+    )
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.baseline = args.baseline.resolve() if args.baseline is not None else None
     args.out.mkdir(parents=True, exist_ok=True)
     return args
 
