@@ -265,6 +265,11 @@ async def main(args: argparse.Namespace) -> None:
             targets[LISTENER_LEG] = await stack.enter_async_context(
                 running_extproc("push", engines, proxy_cpus, dispatch={"prefill_leg": "listener"})
             )
+        for label, settings in args.variants:  # one lever each, beside the default
+            PROXIES.append(f"pd-extproc ({label})")
+            targets[PROXIES[-1]] = await stack.enter_async_context(
+                running_extproc("push", engines, proxy_cpus, **settings)
+            )
         for n in args.workers:
             PROXIES.append(f"pd-extproc ×{n}")
             targets[PROXIES[-1]] = await stack.enter_async_context(
@@ -604,6 +609,14 @@ def parse_args() -> argparse.Namespace:
         help="also measure pd-extproc with extproc.workers = each N (comma list; '' for none)",
     )
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="also measure pd-extproc with these config sections merged in, e.g. "
+        """'no access log={"access_log": {"enabled": false}}' (repeatable)""",
+    )
+    parser.add_argument(
         "--floors",
         default="same,fewest",
         help="the do-nothing ext_procs to measure beside them (comma list of "
@@ -614,6 +627,16 @@ def parse_args() -> argparse.Namespace:
     args.rates = [float(r) for r in args.rates.split(",")]
     args.workers = [int(n) for n in args.workers.split(",") if n]
     args.floors = [mode for mode in args.floors.split(",") if mode]
+    args.variants = []
+    for given in args.variant:
+        label, _, settings = given.partition("=")
+        try:
+            parsed = orjson.loads(settings)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            parser.error(f"--variant {given!r}: expected LABEL={{config sections as JSON}}")
+        args.variants.append((label, parsed))
     unknown = set(args.floors) - set(FLOORS)
     if unknown:
         parser.error(f"--floors: unknown {', '.join(sorted(unknown))} (known: {', '.join(FLOORS)})")
