@@ -17,15 +17,17 @@ Modes (the processing mode of the LLM routes; the rest of the bootstrap is uncha
            as pd-extproc's must). Per request 4 messages in, 3 out.
   fewest   the fewest Envoy allows for reading the body and routing it: request headers
            SKIP, body BUFFERED, everything else SKIP: Envoy sends the whole body in one
-           message and the one answer carries both the headers (destination, id,
-           content-length) and the new body. 1 in, 1 out: a body needs a message to be read and
-           a mutation needs an answer; the observability mode sends without waiting but cannot
-           mutate. What it gives up: the client's headers (x-request-id, traceparent, the
-           forwarded ones, the key, the path) and D's status (holding D's 2xx until P settles,
-           the request's outcome, the in-flight count at D until the answer ends).
+           message and one answer routes it and replaces it. 1 in, 1 out: a body needs a
+           message to be read and a mutation needs an answer; the observability mode sends
+           without waiting but cannot mutate. Envoy applies no header mutation of a body
+           answer when the headers were skipped, so the destination goes as dynamic metadata
+           and Envoy drops the stale content-length (`floor_bootstrap`). What it gives up: the
+           client's headers (x-request-id, traceparent, the forwarded ones, the key, the path)
+           and D's status (holding D's 2xx until P settles, the request's outcome, the
+           in-flight count at D until the answer ends).
 
-    python bench/floor_extproc.py --prefill H:P --decode H:P --identity JSON \
-        --mode same --ready-file F [--config CONFIG.yaml]
+    python bench/floor_extproc.py --config CONFIG.yaml --prefill H:P --decode H:P \
+        --identity JSON --prompt JSON --mode same --ready-file F   (bench/targets.running_floor)
 """
 
 from __future__ import annotations
