@@ -3,6 +3,9 @@ without re-serialising, and what the bodies tell the engines."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -201,3 +204,42 @@ def test_malformed_objects_name_the_byte_where_scanning_stopped(raw: bytes, mess
     with pytest.raises(BodyError) as caught:
         members(raw)
     assert str(caught.value) == message
+
+
+ESCAPED = [
+    'a"b',  # an escaped quote
+    "ends in a backslash \\",  # \\ right before the closing quote
+    "\\" * 7 + '"',  # an odd run: the quote is escaped
+    "\\" * 20,  # a run past the walk's bound: the regex decides
+    "\\" * 21 + '" and on',
+    'say "hi" ' * 100,  # more escaped quotes than the fast path looks past
+    '[{"nested": "]}"}]',  # brackets and quotes inside a string
+    "line\nline\ttab \u2028 \x00",
+]
+
+
+@pytest.mark.parametrize("text", ESCAPED)
+@pytest.mark.parametrize("where", ["prompt", "messages"])
+def test_strings_with_escapes_end_where_json_says(text: str, where: str) -> None:
+    value = text if where == "prompt" else [{"role": "user", "content": text}, {"x": [text]}]
+    doc = {"model": "m", where: value, "after": "a\\", "n": 1}
+    parts = members(orjson.dumps(doc))
+    assert [key for key, _ in parts] == list(doc)
+    for key, chunk in parts:
+        assert orjson.loads(b"{" + chunk + b"}") == {key: doc[key]}
+
+
+def test_skipping_a_long_prompt_costs_less_than_parsing_it() -> None:
+    """What the splice is for: a long prompt's members are found faster than orjson parses the
+    body (a regex over the whole string took ~10 ns a byte, ten times orjson's parse)."""
+    raw = orjson.dumps({"model": "m", "prompt": "line of text\n" * 80_000, "max_tokens": 4})
+
+    def fastest(call: Callable[[], object]) -> float:
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    assert fastest(lambda: members(raw)) < fastest(lambda: orjson.loads(raw))
