@@ -5,7 +5,9 @@ One 1P1D push topology whose engines answer in ~1 ms, so the figures are the pro
 
   1. sequential requests, interleaved in rounds: latency of aggregated (client → D), direct P/D
      (the client sends both legs itself), pd-extproc (push; its P leg straight to the engine,
-     and through Envoy's prefill listener), vllm-router; added latency =
+     and through Envoy's prefill listener), vllm-router, and the floors: a do-nothing ext_proc
+     behind the same Envoy, with pd-extproc's messages and with the fewest Envoy allows
+     (`bench/floor_extproc.py`; pd-extproc's figures as ratios to them); added latency =
      proxy − direct P/D at p50 and p99; dispatch skew |D arrival − P arrival| from each engine's
      GET /sim/requests; CPU seconds per request of the ext_proc, of its Envoy and of the router.
   2. open-loop rate steps: the highest rate at which each proxy's p99 added latency stays < 5 ms.
@@ -40,13 +42,20 @@ from bench.openloop import open_loop, percentile
 from bench.overhead import BODY, direct_pd, learn_identity
 from bench.procs import child_pids, cpu_seconds, pinned, run_bench
 from bench.run import cpu_split
-from bench.targets import Target, running_extproc, running_target
+from bench.targets import Target, running_extproc, running_floor, running_target
 from scripts.cached_envs import vllm_router_venv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROXIES = ["pd-extproc", "vllm-router"]  # extended by --listener-leg, --baseline, --workers
 LISTENER_LEG = "pd-extproc (P leg via listener)"  # pd-extproc's default sends P straight
 ADDED_P99_LIMIT_MS = 5.0
+# The do-nothing ext_procs (`bench/floor_extproc.py`) by mode: pd-extproc's processing mode,
+# and the fewest messages Envoy allows for the job.
+FLOORS = {"same": "floor, pd-extproc's messages", "fewest": "floor, fewest messages"}
+# The issue's aims: within this factor of the floor, and these absolute figures.
+FLOOR_FACTOR = 1.25
+AIM_TO_PREFILL_MS = 1.0
+AIM_CPU_MS = 2.0
 
 
 @dataclass
@@ -196,6 +205,19 @@ async def envoy_counters(session: aiohttp.ClientSession, admin: str | None) -> l
     return [line for line in text.splitlines() if line and not line.endswith(": 0")]
 
 
+async def extproc_messages(session: aiohttp.ClientSession, admin: str | None) -> float | None:
+    """gRPC messages per ext_proc stream on the ingress, both ways, from Envoy's totals."""
+    if admin is None:
+        return None
+    async with session.get(admin + "/stats?filter=^http.ingress.ext_proc.") as resp:
+        text = await resp.text()
+    stats = {k: int(v) for k, _, v in (line.partition(": ") for line in text.splitlines()) if v}
+    streams = stats.get("http.ingress.ext_proc.streams_started", 0)
+    sent = stats.get("http.ingress.ext_proc.stream_msgs_sent", 0)
+    received = stats.get("http.ingress.ext_proc.stream_msgs_received", 0)
+    return (sent + received) / streams if streams else None
+
+
 def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/", 1)[0])
 
@@ -243,6 +265,11 @@ async def main(args: argparse.Namespace) -> None:
             targets[LISTENER_LEG] = await stack.enter_async_context(
                 running_extproc("push", engines, proxy_cpus, dispatch={"prefill_leg": "listener"})
             )
+        for label, settings in args.variants:  # one lever each, beside the default
+            PROXIES.append(f"pd-extproc ({label})")
+            targets[PROXIES[-1]] = await stack.enter_async_context(
+                running_extproc("push", engines, proxy_cpus, **settings)
+            )
         for n in args.workers:
             PROXIES.append(f"pd-extproc ×{n}")
             targets[PROXIES[-1]] = await stack.enter_async_context(
@@ -255,6 +282,11 @@ async def main(args: argparse.Namespace) -> None:
         )
         p, d = engines.prefill[0], engines.decode[0]
         identity = await learn_identity(session, p)
+        for mode in args.floors:
+            PROXIES.append(FLOORS[mode])
+            targets[FLOORS[mode]] = await stack.enter_async_context(
+                running_floor(mode, engines, identity, BODY, proxy_cpus, FLOORS[mode])
+            )
         paths: dict[str, Callable[[], Awaitable[float]]] = {
             "aggregated (client → D)": lambda: timed(session, d.url),
             "direct P/D": lambda: direct_pd(session, p, d, identity),
@@ -291,6 +323,10 @@ async def main(args: argparse.Namespace) -> None:
                 args.out / f"profile-extproc{args.tag}.txt",
             )
             counters = await envoy_counters(session, targets["pd-extproc"].envoy_admin)
+            messages = {
+                name: await extproc_messages(session, target.envoy_admin)
+                for name, target in targets.items()
+            }
     meta = {
         "load_before": load_before,
         "duration_s": time.time() - started,
@@ -301,6 +337,7 @@ async def main(args: argparse.Namespace) -> None:
         else "none",
         "versions": versions(),
         "envoy": counters,
+        "messages": messages,
     }
     write_report(seq, rows, raw, args, meta)
 
@@ -358,6 +395,49 @@ def sequential_lines(seq: dict[str, PathStats]) -> list[str]:
             else "— | —"
         )
         lines.append(f"| {name} | {added} | {skew} | {wire_skew} | {to_p} | {cpu} |")
+    return lines
+
+
+def _cpu_ms(st: PathStats) -> float:
+    return sum(st.cpu.values()) / max(1, len(st.latencies)) * 1e3
+
+
+def floor_lines(seq: dict[str, PathStats], messages: dict[str, float | None]) -> list[str]:
+    """pd-extproc's CPU per request and client → P leg as ratios to each floor, and the aims."""
+    floors = [name for name in FLOORS.values() if name in seq]
+    if not floors:
+        return ["No floor measured (`--floors ''`)."]
+    ours = seq["pd-extproc"]
+    figures = {
+        "CPU per request, ext_proc + Envoy (ms)": _cpu_ms,
+        "client → P leg p50 (ms)": lambda st: _ms(st.to_prefill, 50),
+        "client → P leg p99 (ms)": lambda st: _ms(st.to_prefill, 99),
+        "added latency p50 (ms)": lambda st: (
+            _ms(st.latencies, 50) - _ms(seq["direct P/D"].latencies, 50)
+        ),
+    }
+    head = ["figure", "pd-extproc", *(f"{f} | ratio" for f in floors)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * (2 + 2 * len(floors))]
+    for label, figure in figures.items():
+        mine = figure(ours)
+        cells = [f"{figure(seq[f]):.3f} | {mine / figure(seq[f]):.2f}×" for f in floors]
+        lines.append(f"| {label} | {mine:.3f} | " + " | ".join(cells) + " |")
+    counts = [messages.get(n) for n in ("pd-extproc", *floors)]
+    shown = ["—" if c is None else f"{c:.1f}" for c in counts]
+    cells = [shown[0], *(x for c in shown[1:] for x in (c, ""))]
+    lines.append("| ext_proc messages per request (both ways) | " + " | ".join(cells) + " |")
+    same = floors[0]
+    cpu, to_p = _cpu_ms(ours), _ms(ours.to_prefill, 50)
+    checks = [
+        (f"CPU per request ≤ {FLOOR_FACTOR:g} × {same}", cpu <= FLOOR_FACTOR * _cpu_ms(seq[same])),
+        (
+            f"client → P leg p50 ≤ {FLOOR_FACTOR:g} × {same}",
+            to_p <= FLOOR_FACTOR * _ms(seq[same].to_prefill, 50),
+        ),
+        (f"client → P leg p50 ≤ {AIM_TO_PREFILL_MS:g} ms", to_p <= AIM_TO_PREFILL_MS),
+        (f"CPU per request ≤ {AIM_CPU_MS:g} ms", cpu <= AIM_CPU_MS),
+    ]
+    lines += ["", *(f"- {label}: {'met' if ok else 'missed'}" for label, ok in checks)]
     return lines
 
 
@@ -466,6 +546,10 @@ def write_report(
         "",
         *sequential_lines(seq),
         "",
+        "## pd-extproc against the floor",
+        "",
+        *floor_lines(seq, meta["messages"]),
+        "",
         f"## Open-loop rate steps ({args.step_s:g} s per rate and path, latencies in ms)",
         "",
         *rate_lines(rows),
@@ -524,10 +608,38 @@ def parse_args() -> argparse.Namespace:
         default="2",
         help="also measure pd-extproc with extproc.workers = each N (comma list; '' for none)",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="also measure pd-extproc with these config sections merged in, e.g. "
+        """'no access log={"access_log": {"enabled": false}}' (repeatable)""",
+    )
+    parser.add_argument(
+        "--floors",
+        default="same,fewest",
+        help="the do-nothing ext_procs to measure beside them (comma list of "
+        f"{', '.join(FLOORS)}; '' for none)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     args.workers = [int(n) for n in args.workers.split(",") if n]
+    args.floors = [mode for mode in args.floors.split(",") if mode]
+    args.variants = []
+    for given in args.variant:
+        label, _, settings = given.partition("=")
+        try:
+            parsed = orjson.loads(settings)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            parser.error(f"--variant {given!r}: expected LABEL={{config sections as JSON}}")
+        args.variants.append((label, parsed))
+    unknown = set(args.floors) - set(FLOORS)
+    if unknown:
+        parser.error(f"--floors: unknown {', '.join(sorted(unknown))} (known: {', '.join(FLOORS)})")
     args.baseline = args.baseline.resolve() if args.baseline is not None else None
     args.out.mkdir(parents=True, exist_ok=True)
     return args

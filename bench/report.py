@@ -122,14 +122,61 @@ def target_checks(
     return [f"- {name}: " + ("met" if not bad else f"MISSED at C = {bad}") for name, bad in checks]
 
 
+PUSH_TARGET = 0.95  # the data-parallel benchmark's aim: push ≤ 0.95 × vllm-router
+
+
+def _ratio(mine: float | None, theirs: float | None) -> float | None:
+    return mine / theirs if mine is not None and theirs else None
+
+
+def p50_p99_table(
+    table: dict[Key, dict[str, float]], topology: str, concurrencies: list[int]
+) -> list[str]:
+    """vllm-router and push side by side: median and p99 TTFT, each with push / router."""
+    lines = [
+        "| concurrency | vllm-router p50 | push p50 | push / router p50 | vllm-router p99 | "
+        "push p99 | push / router p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for conc in concurrencies:
+        row = [str(conc)]
+        for metric in ("median_ttft_ms", "p99_ttft_ms"):
+            theirs = table.get((topology, BASELINE, conc), {}).get(metric)
+            mine = table.get((topology, "push", conc), {}).get(metric)
+            row += [_fmt(theirs), _fmt(mine), _fmt(_ratio(mine, theirs), 2)]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def ratio_checks(
+    table: dict[Key, dict[str, float]], topology: str, concurrencies: list[int]
+) -> list[str]:
+    """push / vllm-router ≤ PUSH_TARGET at every C, for p50 and p99, with the misses."""
+    lines = []
+    for label, metric in (("p50", "median_ttft_ms"), ("p99", "p99_ttft_ms")):
+        bad = []
+        for conc in concurrencies:
+            ratio = _ratio(
+                table.get((topology, "push", conc), {}).get(metric),
+                table.get((topology, BASELINE, conc), {}).get(metric),
+            )
+            if ratio is None or ratio > PUSH_TARGET:
+                bad.append(conc)
+        verdict = "met" if not bad else f"MISSED at C = {bad}"
+        lines.append(f"- push / vllm-router ≤ {PUSH_TARGET} ({label} TTFT) at every C: {verdict}")
+    return lines
+
+
 def plot(
     table: dict[Key, dict[str, float]],
     topologies: list[str],
     configs: list[str],
     concurrencies: list[int],
     path: Path,
+    engines: str = "vllmsim engines",
 ) -> None:
-    """Top row: median TTFT against concurrency; bottom row: each configuration / vllm-router."""
+    """Top row: median TTFT against concurrency; bottom row: each configuration / vllm-router.
+    `engines`: how the titles name the engines."""
     fig, axes = plt.subplots(
         2, len(topologies), figsize=(6 * len(topologies), 8), squeeze=False, height_ratios=[3, 2]
     )
@@ -148,7 +195,7 @@ def plot(
                 bottom.plot(*zip(*ratios, strict=True), **style)
         top.set_yscale("log")
         top.set_ylabel("median TTFT (ms)")
-        top.set_title(f"{topology}, vllmsim engines, input 1024 / output 64")
+        top.set_title(f"{topology}, {engines}, input 1024 / output 64")
         bottom.axhline(1.0, color="black", linewidth=0.8)
         bottom.set_ylabel("median TTFT / vllm-router's")
         bottom.set_xlabel("concurrency (prompts = 2 × concurrency)")

@@ -11,6 +11,12 @@ bench/results/ttft.md (table, ratios to vllm-router, targets), ttft.json (every 
     python bench/run.py --quick         # a few minutes: C = 1, 4, 16, 1 run, 1P1D
     python bench/run.py --concurrency 1,8,64 --runs 4 --topologies 2P2D
     python bench/run.py --profile gpu-8b --topologies 1P1D,4P4D   # engines' cost profile
+    python bench/run.py --data-parallel-size 4 --concurrency 1,8,32,64   # DP ranks, see below
+
+With `--data-parallel-size N` every engine is one API server over N ranks (`vllmsim -dp N`),
+vllm-router runs with `--intra-node-data-parallel-size N`, pd-extproc learns the ranks from the
+engines' /metrics; the default configs are vllm-router and push, and the outputs are
+ttft-dpN.{md,json,png} with p50 and p99 side by side.
 """
 
 from __future__ import annotations
@@ -90,21 +96,48 @@ def plan(
     return out
 
 
+def data_parallel_flags(size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(every engine's, vllm-router's) flags for `size` ranks per engine.
+
+    The plan runs the same seeds, so the same prompts, through every configuration: the
+    configuration that comes second finds them in P's prefix cache. With one engine that is
+    every configuration's luck in turn; with ranks, only where its rank choice happens to send
+    a prompt back to the rank that computed it. The engines' prefix cache is off, so that
+    every prompt is computed, as the seed's workload of random prompts means.
+    The router refuses DP routing without an API key; the engines ask for none, so any key
+    does."""
+    if size == 1:
+        return (), ()
+    return ("--data-parallel-size", str(size), "--no-enable-prefix-caching"), (
+        "--intra-node-data-parallel-size",
+        str(size),
+        "--api-key",
+        "bench",
+    )
+
+
 async def bench_topology(topology: str, args: argparse.Namespace, work: Path) -> list[dict]:
     n = int(topology[0])
     engine_cpus, proxy_cpus = cpu_split(args.pin)
     tokenizer, router = tiny_model(), vllm_router_venv() / "bin" / "vllm-router"
+    engine_dp, router_dp = data_parallel_flags(args.data_parallel_size)
     async with contextlib.AsyncExitStack() as stack:
         engines: dict[str, Engines] = {}
         for kind in sorted({ENGINE_KIND[c] for c in args.configs}):
             engines[kind] = await stack.enter_async_context(
                 running_engines(
-                    kind, n, n, MODEL, tokenizer, ("--profile", args.profile), cpus=engine_cpus
+                    kind,
+                    n,
+                    n,
+                    MODEL,
+                    tokenizer,
+                    ("--profile", args.profile, *engine_dp),
+                    cpus=engine_cpus,
                 )
             )
         targets = {
             c: await stack.enter_async_context(
-                running_target(c, engines[ENGINE_KIND[c]], router, proxy_cpus)
+                running_target(c, engines[ENGINE_KIND[c]], router, proxy_cpus, router_dp)
             )
             for c in args.configs
         }
@@ -165,9 +198,11 @@ def _slim(result: dict) -> dict:
 
 def write_outputs(records: list[dict], args: argparse.Namespace, meta: dict) -> None:
     table = report.cells(records)
+    dp = args.data_parallel_size
     lines = [
-        f"# Median TTFT (ms), vllmsim engines (profile {args.profile}), input 1024 / "
-        "output 64, prompts = 2 × C",
+        f"# Median TTFT (ms), vllmsim engines (profile {args.profile}"
+        + (f", {dp} data-parallel ranks per engine" if dp > 1 else "")
+        + "), input 1024 / output 64, prompts = 2 × C",
         "",
         f"{meta['when']}; {args.runs} run(s) per cell, more at low C so that a cell "
         f"has at least {args.min_requests} requests; cell = median TTFT of all the "
@@ -177,13 +212,13 @@ def write_outputs(records: list[dict], args: argparse.Namespace, meta: dict) -> 
         "",
     ]
     for topology in args.topologies:
-        lines += [
-            f"## {topology}",
-            "",
-            *report.ttft_table(table, topology, args.configs, args.concurrency),
-            "",
-        ]
-        lines += ["Targets:", *report.target_checks(table, topology, args.concurrency), ""]
+        lines += [f"## {topology}" + (f", DP = {dp} on each side" if dp > 1 else ""), ""]
+        if dp > 1:
+            lines += [*report.p50_p99_table(table, topology, args.concurrency), ""]
+            lines += ["Target:", *report.ratio_checks(table, topology, args.concurrency), ""]
+        else:
+            lines += [*report.ttft_table(table, topology, args.configs, args.concurrency), ""]
+            lines += ["Targets:", *report.target_checks(table, topology, args.concurrency), ""]
         lines += [
             "<details><summary>p99 TTFT, TPOT</summary>",
             "",
@@ -192,10 +227,14 @@ def write_outputs(records: list[dict], args: argparse.Namespace, meta: dict) -> 
             "</details>",
             "",
         ]
+    stem = "ttft" if dp == 1 else f"ttft-dp{dp}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ttft.md").write_text("\n".join(lines))
-    (args.out / "ttft.json").write_text(json.dumps({"meta": meta, "runs": records}, indent=1))
-    report.plot(table, args.topologies, args.configs, args.concurrency, args.out / "ttft.png")
+    (args.out / f"{stem}.md").write_text("\n".join(lines))
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "runs": records}, indent=1))
+    engines = "vllmsim engines" + (f" of {dp} DP ranks" if dp > 1 else "")
+    report.plot(
+        table, args.topologies, args.configs, args.concurrency, args.out / f"{stem}.png", engines
+    )
     print("\n".join(lines))
 
 
@@ -215,7 +254,15 @@ def parse_args() -> argparse.Namespace:
         help="warm-up requests per run (default: C, within 2..8; PR #187 used 8)",
     )
     parser.add_argument("--topologies", help="comma list of nPnD (default 1P1D,2P2D)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list")
+    parser.add_argument(
+        "--configs", help=f"comma list (default {','.join(CONFIGS)}; with DP: vllm-router,push)"
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine ranks behind each engine's one port (vllmsim -dp N; default 1)",
+    )
     parser.add_argument(
         "--no-pin",
         dest="pin",
@@ -237,8 +284,12 @@ def parse_args() -> argparse.Namespace:
     args.runs = args.runs or (1 if quick else 3)
     if args.min_requests is None:
         args.min_requests = 0 if quick else 48
-    args.topologies = (args.topologies or ("1P1D" if quick else "1P1D,2P2D")).split(",")
-    args.configs = args.configs.split(",")
+    one_topology = quick or args.data_parallel_size > 1
+    args.topologies = (args.topologies or ("1P1D" if one_topology else "1P1D,2P2D")).split(",")
+    if args.data_parallel_size < 1:
+        parser.error("--data-parallel-size must be at least 1")
+    dp_configs = "vllm-router,push" if args.data_parallel_size > 1 else ",".join(CONFIGS)
+    args.configs = (args.configs or dp_configs).split(",")
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}; choose from {CONFIGS}")

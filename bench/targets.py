@@ -9,15 +9,22 @@ push          pd-extproc, push engines, both legs at once
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+import yaml
+
 from bench.engines import Engines
 from bench.procs import free_port, pinned, running_process, wait_http_ok
 from extproc.testing import ephemeral_config, running_sidecar
+
+FLOOR = Path(__file__).resolve().parent / "floor_extproc.py"
 
 CONFIGS = ("direct", "vllm-router", "pull", "serial-push", "push")
 # The engine kind each configuration runs on.
@@ -120,15 +127,71 @@ async def running_extproc(
 
 @contextlib.asynccontextmanager
 async def running_target(
-    name: str, engines: Engines, router_bin: Path | None, cpus: set[int] | None = None
+    name: str,
+    engines: Engines,
+    router_bin: Path | None,
+    cpus: set[int] | None = None,
+    router_flags: Sequence[str] = (),
 ) -> AsyncIterator[Target]:
+    """`router_flags`: more of vllm-router's flags (its data-parallel size)."""
     if name == "direct":
         yield Target("direct", engines.decode[0].url, None)
     elif name == "vllm-router":
         if router_bin is None:
             raise RuntimeError("vllm-router is not available")
-        async with running_router(engines, router_bin, cpus) as target:
+        async with running_router(engines, router_bin, cpus, extra=router_flags) as target:
             yield target
     else:
         async with running_extproc(name, engines, cpus) as target:
             yield target
+
+
+@contextlib.asynccontextmanager
+async def running_floor(
+    mode: str,
+    engines: Engines,
+    identity: dict,
+    prompt: dict,
+    cpus: set[int] | None = None,
+    name: str = "floor",
+) -> AsyncIterator[Target]:
+    """The do-nothing ext_proc of `bench/floor_extproc.py` behind the Envoy pd-extproc renders
+    for the same config (push dispatch); `mode`: its LLM routes' processing mode."""
+    config = ephemeral_config(
+        engines.addresses("prefill"), engines.addresses("decode"), dispatch={"mode": "push"}
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-floor-") as tmp:
+        config_path, ready = Path(tmp) / "config.yaml", Path(tmp) / "ready.json"
+        config_path.write_text(yaml.safe_dump(config))
+        argv = [
+            sys.executable,
+            str(FLOOR),
+            "--config",
+            str(config_path),
+            "--prefill",
+            engines.addresses("prefill")[0],
+            "--decode",
+            engines.addresses("decode")[0],
+            "--identity",
+            orjson.dumps(identity).decode(),
+            "--prompt",
+            orjson.dumps(prompt).decode(),
+            "--mode",
+            mode,
+            "--ready-file",
+            str(ready),
+        ]
+        with pinned(cpus):
+            runner = running_process(argv, Path(tmp) / "floor.log")
+            process = await runner.__aenter__()
+        try:
+            async with asyncio.timeout(60):
+                while not ready.exists():
+                    if process.returncode is not None:
+                        log = (Path(tmp) / "floor.log").read_text(errors="replace")[-3000:]
+                        raise RuntimeError(f"the floor ext_proc exited:\n{log}")
+                    await asyncio.sleep(0.1)
+            info = orjson.loads(ready.read_bytes())
+            yield Target(name, info["url"], process.pid, None, info["envoy_admin"])
+        finally:
+            await runner.__aexit__(None, None, None)

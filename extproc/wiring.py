@@ -192,7 +192,11 @@ class Runtime:
                 self.decode.addresses,
             ),
             lambda: self.config.health.timeout_s,
-            [self.restarts, EngineLoad(self._endpoint_state), self.kv_check],
+            [
+                self.restarts,
+                EngineLoad(self._endpoint_state, lambda address: self._follow_kv_events()),
+                self.kv_check,
+            ],
         )
         probe_refused: set[str] = set()  # endpoints that refused the probe's API key
         self.health = HealthChecker(
@@ -289,9 +293,14 @@ class Runtime:
             self.identities.drop(address)
 
     def _follow_kv_events(self) -> None:
-        """Subscribe to the KV events of every member of a pool with kv_events."""
+        """Subscribe to the KV events of every member of a pool with kv_events (each rank of
+        a data-parallel one: called again when a page shows its ranks)."""
         members = {name: g.members for name, g in self.scheduler.groups.items()}
-        self.kv.follow(event_sources(self.config, members, self.kv.routed_groups))
+        self.kv.follow(
+            event_sources(
+                self.config, members, self.kv.routed_groups, self.scheduler.data_parallel_size
+            )
+        )
 
     def _endpoint_state(self, address: str) -> EndpointState | None:
         return next(

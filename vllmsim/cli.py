@@ -208,11 +208,6 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
         raise ConfigError(f"--block-size must be a positive integer, got {args.block_size}")
     if not 1 <= args.data_parallel_size <= 64:
         raise ConfigError(f"--data-parallel-size must be 1 to 64, got {args.data_parallel_size}")
-    if args.data_parallel_size > 1 and args.kv_events_config:
-        raise ConfigError(
-            "--kv-events-config is not simulated with --data-parallel-size > 1 "
-            "(vLLM publishes one socket per rank); drop one of the two"
-        )
     events = None
     if args.kv_events_config:
         try:

@@ -9,7 +9,10 @@ batch from there on, then an end marker (an empty topic, sequence -1, an empty p
 
 Endpoints follow vLLM: a PUB endpoint with "*" or "::" (or ipc/inproc) is bound, any other is
 connected to (the subscriber binds); the replay endpoint is always bound; "tcp://*:0" binds
-an ephemeral port on this node's IP (VLLM_HOST_IP).
+an ephemeral port on this node's IP (VLLM_HOST_IP). With data parallelism every rank publishes
+on its own sockets, as vLLM's per-rank schedulers do: both endpoints' ports plus the rank (a
+port of 0 stays 0: any free port), an inproc name with `_dp<rank>` appended (an ipc one is
+refused), and the rank in every batch.
 """
 
 from __future__ import annotations
@@ -133,6 +136,20 @@ def encode_batch(ts: float, events: list[KVEvent], dp_rank: int = 0) -> bytes:
     return bytes(msgpack.packb([ts, [e.as_wire() for e in events], dp_rank]))
 
 
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Rank `rank`'s endpoint of a data-parallel server (vLLM's port offset)."""
+    if rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    if "tcp" not in endpoint:  # vLLM refuses an ipc endpoint with data parallelism too
+        raise ValueError("with --data-parallel-size the endpoint must be tcp:// or inproc://")
+    base, colon, port = endpoint.rpartition(":")
+    if not colon or not port.isdigit() or int(port) == 0:
+        return endpoint
+    return f"{base}:{int(port) + rank}"
+
+
 def _node_ip() -> str:
     """This node's IP as vLLM finds it: VLLM_HOST_IP, else the route to a public address."""
     if ip := os.environ.get("VLLM_HOST_IP"):
@@ -144,10 +161,17 @@ def _node_ip() -> str:
 
 
 def _bind(sock: Any, endpoint: str) -> str:
-    """Bind; returns the endpoint actually bound (the port of a port-0 endpoint)."""
+    """Bind; returns the endpoint actually bound (the port of a port-0 endpoint).
+
+    Simulator-only: with VLLM_HOST_IP set, `tcp://*:<port>` binds that IP alone (vLLM binds
+    every interface), so that tests keep their fixed ports on the loopback."""
     import zmq
 
-    sock.bind(f"tcp://{_node_ip()}:0" if endpoint == "tcp://*:0" else endpoint)
+    if endpoint == "tcp://*:0":
+        endpoint = f"tcp://{_node_ip()}:0"
+    elif endpoint.startswith("tcp://*:") and (ip := os.environ.get("VLLM_HOST_IP")):
+        endpoint = f"tcp://{ip}:{endpoint.removeprefix('tcp://*:')}"
+    sock.bind(endpoint)
     last = sock.getsockopt(zmq.LAST_ENDPOINT)
     return last.decode() if isinstance(last, bytes) else str(last)
 
@@ -161,11 +185,12 @@ class EventPublisher:
     simulated restart (a restarted vLLM binds the same ports); `restart` starts the sequence
     again from 0 with an empty buffer, as a new vLLM process does."""
 
-    def __init__(self, cfg: KVEventsConfig) -> None:
+    def __init__(self, cfg: KVEventsConfig, rank: int = 0) -> None:
         import zmq
         import zmq.asyncio
 
         self.cfg = cfg
+        self.rank = rank  # the data-parallel rank: its ports' offset, and in every batch
         self._ctx = zmq.asyncio.Context()  # the replay socket awaits requests on the loop
         self._pub_ctx = zmq.Context()  # PUB sends without blocking: a plain socket will do
         self._pub = self._pub_ctx.socket(zmq.PUB)
@@ -174,13 +199,14 @@ class EventPublisher:
         self.replay_endpoint: str | None = None
         ep = cfg.endpoint
         try:
+            ep = rank_endpoint(ep, rank)
             if "*" in ep or "::" in ep or ep.startswith(("ipc://", "inproc://")):
                 self.endpoint = _bind(self._pub, ep)
             else:
                 self._pub.connect(ep)
                 self.endpoint = ep
             if cfg.replay_endpoint:
-                ep = cfg.replay_endpoint
+                ep = rank_endpoint(cfg.replay_endpoint, rank)
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self.replay_endpoint = _bind(self._replay, ep)
         except (zmq.ZMQError, ValueError) as exc:
@@ -206,7 +232,7 @@ class EventPublisher:
         if not events:
             return
         seq = next(self._seq)
-        payload = encode_batch(time.time(), events)
+        payload = encode_batch(time.time(), events, self.rank)
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart(
                 [self._topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK

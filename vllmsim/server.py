@@ -66,6 +66,7 @@ class Rank:
         self.side = SideChannelServer(self._side_message)
         self.gen: Generation | None = None
         self.in_flight = 0  # requests the API server sent here and that have not ended
+        self.events: EventPublisher | None = None  # --kv-events-config: this rank's sockets
 
     @property
     def current(self) -> Generation:
@@ -94,7 +95,18 @@ class Rank:
             "running": len(gen.engine.running),
             "waiting": gen.engine.num_waiting,
             "in_flight": self.in_flight,
+            **kv_events_endpoints(self.events),
         }
+
+
+def kv_events_endpoints(events: EventPublisher | None) -> dict[str, str | None]:
+    """Where one rank's KV events go (the bound ports of port-0 endpoints)."""
+    if events is None:
+        return {}
+    return {
+        "kv_events_endpoint": events.endpoint,
+        "kv_events_replay_endpoint": events.replay_endpoint,
+    }
 
 
 class SimServer:
@@ -110,7 +122,6 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._relisten: asyncio.Task[None] | None = None
-        self.events: EventPublisher | None = None  # --kv-events-config
         self.tokenizer = Fifo()  # the API server's one tokenizer thread, for every rank
 
     @property
@@ -151,8 +162,9 @@ class SimServer:
             port = base + rank.index if base else 0
             await rank.side.start(_bind_host(self.cfg.side_channel_host), port)
         if self.cfg.kv_events is not None and self.cfg.kv_events.enabled:
-            self.events = EventPublisher(self.cfg.kv_events)
-            self.events.start()
+            for rank in self.ranks:  # vLLM: one publisher per rank's scheduler
+                rank.events = EventPublisher(self.cfg.kv_events, rank.index)
+                rank.events.start()
         self._start_generations()
 
     async def stop(self) -> None:
@@ -162,8 +174,8 @@ class SimServer:
             if rank.gen is not None:
                 await self._end_generation(rank.gen)
             await rank.side.stop()
-        if self.events is not None:
-            await self.events.close()
+            if rank.events is not None:
+                await rank.events.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -175,13 +187,13 @@ class SimServer:
             return
         if down_for_s > 0:
             await self.set_refuse(True, down_for_s)
-        if self.events is not None:  # a new process: sequence from 0, nothing to replay
-            self.events.restart()
         base, start = self._base_engine_id(), time.time()
         for each in self.ranks:
             await self._restart_rank(each, base, start)
 
     async def _restart_rank(self, rank: Rank, base_id: str, start: float) -> None:
+        if rank.events is not None:  # a new engine: sequence from 0, nothing to replay
+            rank.events.restart()
         old = rank.current
         rank.gen = self._new_generation(rank, base_id, start)
         await self._end_generation(old)
@@ -207,7 +219,7 @@ class SimServer:
             metrics,
             engine_id,
             self.cfg.cache,
-            self.events.publish if self.events is not None else None,
+            rank.events.publish if rank.events is not None else None,
             self.tokens.output_ids,
             self.tokenizer,
         )
@@ -271,13 +283,8 @@ class SimServer:
 
     # -- admin views ------------------------------------------------------------------------
     def kv_events_endpoints(self) -> dict[str, str | None]:
-        """Where KV events go (the bound ports of port-0 endpoints)."""
-        if self.events is None:
-            return {}
-        return {
-            "kv_events_endpoint": self.events.endpoint,
-            "kv_events_replay_endpoint": self.events.replay_endpoint,
-        }
+        """Where rank 0's KV events go (every rank's: `rank_views`)."""
+        return kv_events_endpoints(self.ranks[0].events)
 
     def state(self) -> dict[str, Any]:
         gen, kv = self.current, self.cfg.kv

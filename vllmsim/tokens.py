@@ -68,7 +68,9 @@ class TokenCounter:
         if self._tok is not None:
             return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
         ids = [1] if add_special_tokens else []  # a BOS, as most HF tokenizers add
-        for piece in _PIECE_RE.findall(text):
+        # Split on whitespace first (same pieces: none spans or holds whitespace); the regex
+        # alone scans a long run of whitespace at ~85 ns a character.
+        for piece in (p for word in text.split() for p in _PIECE_RE.findall(word)):
             for start in range(0, len(piece), 6):
                 digest = hashlib.blake2b(piece[start : start + 6].encode(), digest_size=4)
                 ids.append(2 + int.from_bytes(digest.digest(), "big") % (_APPROX_VOCAB - 2))

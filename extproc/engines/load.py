@@ -59,15 +59,23 @@ class EngineLoad:
 
     families = ("vllm:num_requests_waiting", "vllm:num_requests_running", *_KV_USAGE_NAMES)
 
-    def __init__(self, endpoint: Callable[[str], EndpointState | None]) -> None:
+    def __init__(
+        self,
+        endpoint: Callable[[str], EndpointState | None],
+        ranks_changed: Callable[[str], None] = lambda address: None,
+    ) -> None:
         self._endpoint = endpoint  # address → its state in a pool (None: not a member)
+        self._ranks_changed = ranks_changed  # its page shows another number of DP ranks
 
     def consume(self, address: str, families: Families) -> None:
         state = self._endpoint(address)
         if state is not None:
             state.waiting, state.running, state.kv_usage = parse_load(families)
+            ranks = state.scraped_ranks
             state.rank_load = {
                 rank: max(0.0, load - state.rank_in_flight.get(rank, 0))
                 for rank, load in rank_loads(families).items()
             }
+            if state.scraped_ranks != ranks:
+                self._ranks_changed(address)
             state.foreign = max(0.0, state.running + state.waiting - state.in_flight)

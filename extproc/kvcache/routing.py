@@ -3,14 +3,20 @@
 The wiring says which engines publish where (`follow`, from the pools' membership and their
 `kv_events`) and which tokenizer each model group has (`configure`); the request path asks for
 a request's token ids (`tokenizer_for`: None where the group does not route by the KV cache, so
-that such requests cost nothing) and what each engine holds of them (`cached_tokens`).
+that such requests cost nothing) and what each engine holds of them (`lookup`).
+
+A data-parallel server (vLLM's `--data-parallel-size N`) runs N engines, and each publishes its
+own events, as vLLM does, on the pool's ports plus its rank: each rank is followed and indexed
+as an engine of its own, `<address> dp<rank>` (named as its identity is), and a lookup gives
+the server what its best rank holds, and per rank what each holds (the rank choice's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from extproc.config import Config, KvEventsConfig, PoolConfig, parse_host_port
 from extproc.kvcache.index import KvIndex
@@ -21,12 +27,27 @@ from extproc.metrics import Metrics
 from extproc.roles import Role
 from extproc.stopping import cancel_and_wait
 
-__all__ = ["KvRouting", "event_sources", "kv_groups"]
+__all__ = ["Cached", "KvRouting", "event_sources", "kv_groups", "rank_engine"]
 
 log = logging.getLogger("extproc")
 
 _FOLLOW_WAIT_S = 5.0  # the follower's wake-up when nothing changes (every wait has a timeout)
 _ROUTED_BLOCKS = 65_536  # (engine, block) entries remembered for engines without events
+
+
+def rank_engine(address: str, rank: int) -> str:
+    """The index's name of one rank of a data-parallel server (its identity's name too)."""
+    return f"{address} dp{rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class Cached:
+    """What the engines hold of one prompt, in leading tokens: per pool member (a
+    data-parallel server: its best rank), and per rank of each data-parallel server heard
+    from."""
+
+    by_endpoint: dict[str, int] = field(default_factory=dict)
+    by_rank: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 class KvRouting:
@@ -42,6 +63,8 @@ class KvRouting:
         self._by_group: dict[str, OffLoopTokenizer] = {}
         self._warned: set[str] = set()
         self._wanted: dict[str, EventSource] = {}
+        self._rank_of: dict[str, tuple[str, int]] = {}  # a rank's engine → (server, rank)
+        self._ranks: dict[str, list[str]] = {}  # a data-parallel server → its ranks' engines
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -94,13 +117,25 @@ class KvRouting:
         return bool(self._by_group)
 
     def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """Per pool member: how many leading tokens of `token_ids` it holds (`lookup`)."""
+        return self.lookup(token_ids).by_endpoint
+
+    def lookup(self, token_ids: Sequence[int]) -> Cached:
         """Per engine: how many leading tokens of `token_ids` it holds, by its events; for an
-        engine not heard from, how many of them this sidecar routed to it (an estimate)."""
+        engine not heard from, how many of them this sidecar routed to it (an estimate). A
+        data-parallel server's ranks are folded into it (its best), and kept per rank."""
         found = self.index.cached_tokens(token_ids)
+        by_rank: dict[str, dict[int, int]] = {}
+        if self._rank_of:
+            for engine in [e for e in found if e in self._rank_of]:
+                address, rank = self._rank_of[engine]
+                tokens = found.pop(engine)
+                by_rank.setdefault(address, {})[rank] = tokens
+                found[address] = max(found.get(address, 0), tokens)
         silent = self.routed.engines() - found.keys()
         if silent:
             found |= self.routed.held(self._routed_keys(token_ids), silent)
-        return found
+        return Cached(found, by_rank)
 
     def _routed_keys(self, token_ids: Sequence[int]) -> list[int]:
         """The prompt's keys for `routed`, computed once for its lookup and its `remember`."""
@@ -110,11 +145,14 @@ class KvRouting:
 
     def remember(self, engines: Sequence[str], token_ids: Sequence[int]) -> None:
         """The prompt was routed to `engines`: those not heard from probably hold it now."""
-        silent = [e for e in engines if not self.index.heard_from(e)]
+        silent = [e for e in engines if not self._heard_from(e)]
         if silent:
             keys = self._routed_keys(token_ids)
             for engine in silent:
                 self.routed.remember(engine, keys)
+
+    def _heard_from(self, address: str) -> bool:
+        return any(self.index.heard_from(e) for e in self._ranks.get(address) or [address])
 
     def forget(self, engine: str) -> None:
         """The engine left its pool: what was routed to it no longer counts."""
@@ -128,20 +166,34 @@ class KvRouting:
         for engine in set(self._wanted) - set(sources):
             self.index.remove_engine(engine)
         self._wanted = dict(sources)
+        self._rank_of = {
+            engine: (source.address, source.rank)
+            for engine, source in sources.items()
+            if source.address is not None and source.rank is not None
+        }
+        self._ranks = {}
+        for engine, (address, _) in self._rank_of.items():
+            self._ranks.setdefault(address, []).append(engine)
         self._changed.set()
 
     @property
     def watched(self) -> Collection[str]:
-        """The engines whose KV events are followed."""
-        return self._wanted.keys()
+        """The pool members whose KV events are followed (a data-parallel server's ranks are
+        followed under their own names)."""
+        if not self._rank_of:
+            return self._wanted.keys()
+        ranks = self._rank_of
+        return {ranks[e][0] if e in ranks else e for e in self._wanted}
 
     def engine_restarted(self, engine: str) -> None:
-        """The engine's process changed (the restart detector): what it held is gone."""
+        """The engine's process changed (the restart detector): what it held is gone (every
+        rank's, for a data-parallel server: one process)."""
         self.routed.forget(engine)
-        if engine in self._wanted:
-            self.index.clear_engine(engine)
-            self._metrics.kv_index_resets.labels(engine, "restart").inc()
-            self._metrics.kv_index_blocks.set(self.index.blocks)
+        for each in [engine, *self._ranks.get(engine, ())]:
+            if each in self._wanted:
+                self.index.clear_engine(each)
+                self._metrics.kv_index_resets.labels(each, "restart").inc()
+        self._metrics.kv_index_blocks.set(self.index.blocks)
 
     def start(self) -> None:
         if self._task is None:
@@ -182,9 +234,11 @@ def event_sources(
     config: Config,
     members: Mapping[str, Mapping[Role, Collection[str]]],
     routed: Collection[str],
+    ranks_of: Callable[[Role, str], int] = lambda role, address: 1,
 ) -> dict[str, EventSource]:
     """Where every member of a pool with kv_events publishes: its host, the pool's ports (or
-    its own, for a static endpoint that sets them). `members`: model group → role → its
+    its own, for a static endpoint that sets them); each rank of a data-parallel member
+    (`ranks_of` > 1) on those ports plus its rank. `members`: model group → role → its
     current members; `routed`: the groups that route by the KV cache (a tokenizer)."""
     sources: dict[str, EventSource] = {}
     for model, group in config.groups().items():
@@ -192,10 +246,36 @@ def event_sources(
             continue
         for role in Role:
             pool: PoolConfig = getattr(group, role)
-            if pool.kv_events is not None:
-                for address in members[model].get(role, ()):
-                    sources[address] = _source(pool.kv_events, pool, address)
+            if pool.kv_events is None:
+                continue
+            for address in members[model].get(role, ()):
+                source = _source(pool.kv_events, pool, address)
+                ranks = ranks_of(role, address)
+                if ranks <= 1:
+                    sources[address] = source
+                    continue
+                for rank in range(ranks):
+                    sources[rank_engine(address, rank)] = _of_rank(source, address, rank)
     return sources
+
+
+def _of_rank(source: EventSource, address: str, rank: int) -> EventSource:
+    """Rank `rank`'s sockets: vLLM adds the rank to each TCP port (it refuses an ipc endpoint
+    with data parallelism; an inproc one never leaves its process)."""
+    return EventSource(
+        _offset(source.endpoint, rank),
+        None if source.replay_endpoint is None else _offset(source.replay_endpoint, rank),
+        source.topic,
+        address,
+        rank,
+    )
+
+
+def _offset(endpoint: str, rank: int) -> str:
+    base, _, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not port.isdigit():
+        return endpoint
+    return f"{base}:{int(port) + rank}"
 
 
 def _source(events: KvEventsConfig, pool: PoolConfig, address: str) -> EventSource:

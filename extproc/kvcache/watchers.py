@@ -20,11 +20,15 @@ __all__ = ["EventSource", "KvEventWatchers"]
 
 @dataclass(frozen=True, slots=True)
 class EventSource:
-    """Where an engine publishes its KV events (vLLM's `--kv-events-config`)."""
+    """Where an engine publishes its KV events (vLLM's `--kv-events-config`). One rank of a
+    data-parallel server publishes on sockets of its own: `rank` names it, `address` its
+    server (the pool member)."""
 
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+    address: str | None = None  # set with `rank`
+    rank: int | None = None
 
 
 class KvEventWatchers:

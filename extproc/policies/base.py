@@ -33,6 +33,10 @@ class PickRequest:
     # prompt's token count, and per engine heard from, how many leading tokens it holds.
     prompt_tokens: int = 0
     cached: Mapping[str, int] | None = field(default=None, repr=False, compare=False)
+    # per data-parallel server whose ranks publish events: rank → the leading tokens it holds
+    rank_cached: Mapping[str, Mapping[int, int]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
 
 class EndpointView(Protocol):

@@ -18,6 +18,10 @@ takes cache room from others). So the engine holding the prompt wins until the w
 there exceeds twice what its cache saves; then the next request goes where it waits least.
 Ties go to the prompt's rendezvous order, so equal candidates still spread by prompt.
 
+The ranks of a data-parallel server are scored the same way, each as an engine of its own
+(`pick_rank`): the cached tokens of each rank's events against the requests queued at that
+rank (ours in flight there and the engine's scraped waiting + running), in the same units.
+
 For an engine that publishes no events, `cached` counts the prompt's leading blocks this sidecar
 routed there (an estimate: evictions are not seen). Where no candidate is known to hold any of
 the prompt (no tokenizer, a new prompt), the pick is `prefix`'s: rendezvous hashing of the
@@ -26,7 +30,7 @@ prompt's start with bounded load.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -75,5 +79,23 @@ class KvCachePicker:
                 self._weight * min(cached.get(c.address, 0), request.prompt_tokens)
                 - work_ahead(c, self._request_tokens),
                 -rank[id(c)],
+            ),
+        )
+
+    def pick_rank(
+        self, loads: Sequence[float], cached: Mapping[int, int], prompt_tokens: int
+    ) -> int | None:
+        """The rank of a data-parallel server (`loads[r]`: the requests queued at rank r)
+        where the request is served soonest, counting what each rank holds; None where no
+        rank holds any of the prompt (the least loaded one then, as without the index)."""
+        if prompt_tokens <= 0 or not any(cached.get(r, 0) for r in range(len(loads))):
+            return None
+        return max(
+            range(len(loads)),
+            key=lambda r: (
+                self._weight * min(cached.get(r, 0), prompt_tokens)
+                - loads[r] * self._request_tokens,
+                -loads[r],
+                -r,
             ),
         )

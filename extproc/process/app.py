@@ -23,6 +23,7 @@ import orjson
 
 from extproc.bootstrap.render import render_bootstrap, render_yaml
 from extproc.config import Config
+from extproc.process.cpus import available_cpus, workers_above_cpus
 from extproc.process.envoy_process import EnvoyProcess
 from extproc.process.extproc_service import ExtProcService
 from extproc.process.workers import WorkerProcesses
@@ -98,8 +99,11 @@ class Sidecar:
     async def bind(self) -> None:
         """The ext_proc (its first membership, then its ports), its workers, then Envoy."""
         await self.extproc.bind()  # Envoy's first EDS answer holds every member
+        workers = self.config.extproc.workers
+        if (above := workers_above_cpus(workers, available_cpus())) is not None:
+            log.warning("%s", above)
         try:
-            await self.workers.start(self.config.extproc.workers - 1)
+            await self.workers.start(workers - 1)
             extproc = self._extproc_addresses()
             bootstrap = render_bootstrap(self.config, extproc, self.prefill_listener)
             self.envoy.config_path.write_text(render_yaml(bootstrap))

@@ -42,7 +42,7 @@ from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime
 
-__all__ = ["ENVOY_STATS_PATH", "LIVE_PATH", "READY_PATH", "ExtProcServer"]
+__all__ = ["ENVOY_STATS_PATH", "GRPC_OPTIONS", "LIVE_PATH", "READY_PATH", "ExtProcServer"]
 
 log = logging.getLogger("extproc.process.server")
 
@@ -53,7 +53,7 @@ _ENVOY_STATS_TIMEOUT = aiohttp.ClientTimeout(total=5)
 _ENVOY_STATS_MAX_BYTES = 8 * 1024 * 1024  # far above the stats of the clusters pd-extproc renders
 
 # Whole bodies travel in one gRPC message; Python's default 4 MiB would cap prompts.
-_GRPC_OPTIONS = [
+GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_concurrent_streams", 100_000),
@@ -148,7 +148,7 @@ class ExtProcServer:
         return_large_buffers()  # request bodies' memory is returned once they end
         cfg = self.runtime.config
         side = None if self._listen else cfg.extproc.eds_access_log  # `up`: all on its socket
-        self._grpc = aio.server(options=_GRPC_OPTIONS)
+        self._grpc = aio.server(options=GRPC_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
         if side is None and not self.endpoint_picker:  # a gateway calls the ext_proc only
             self._add_envoys_feeds(self._grpc)
@@ -158,7 +158,7 @@ class ExtProcServer:
         self.address = _bind(self._grpc, wanted, credentials, "extproc.port")
         await self._grpc.start()
         if side is not None:
-            self._side = aio.server(options=_GRPC_OPTIONS)
+            self._side = aio.server(options=GRPC_OPTIONS)
             self._add_envoys_feeds(self._side)
             setting = "extproc.eds_access_log.port"
             self.eds_access_log_address = _bind(self._side, side.address, None, setting)

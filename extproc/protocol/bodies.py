@@ -3,8 +3,9 @@
 A 1 MB prompt costs ~22 ms to json.loads+dumps and ~0.5 ms to splice (measured). So the
 top-level members of the client's object are located once (`members`), each member's raw
 bytes are kept as they are, members the sidecar owns are dropped, and the injected members
-are appended. Values are skipped with C-speed regexes, so the prompt itself is never walked
-character by character in Python.
+are appended. A string is skipped by finding its quotes with `bytes.find` (memchr: a 200 KB
+prompt in ~5 µs, where the string regex took ~2 ms), other values with C-speed regexes, so the
+prompt itself is never walked character by character in Python.
 
 Keys are compared after JSON-decoding, so an escaped key (`"kv\\u005ftransfer_params"`)
 cannot smuggle a field past the filter.
@@ -34,7 +35,12 @@ _WS = re.compile(rb"[ \t\n\r]*")
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _SCALAR = re.compile(rb"[^,}\]\s]+")
 # Inside a container only strings and brackets matter.
-_STRUCTURAL = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+_NEXT_STRUCTURAL = re.compile(rb'["\[\]{}]')
+# `_string_end` looks past this many escaped quotes, or a backslash run this long, before it
+# leaves the string to `_STRING` (linear in C): no input makes its Python loop long.
+_QUOTES_TRIED = 64
+_BACKSLASH_RUN = 16
+_QUOTE, _BACKSLASH, _OPENERS = 0x22, 0x5C, (0x5B, 0x7B)
 
 # Fields of the client body that only the sidecar may set: the KV connector's parameters and
 # the encoder-cache connector's (E/P/D), which tell an engine where to send or fetch caches.
@@ -59,27 +65,56 @@ class BodyError(ValueError):
     """The bytes are not a single JSON object (callers parse with orjson first)."""
 
 
+def _string_end(raw: bytes, pos: int) -> int | None:
+    """The end of the JSON string whose opening quote is raw[pos]; None if it never closes.
+    A quote ends it unless an odd run of backslashes precedes it (then it is escaped)."""
+    start = pos + 1
+    for _ in range(_QUOTES_TRIED):
+        quote = raw.find(b'"', start)
+        if quote < 0:
+            return None
+        run = 0  # the walk back stops at raw[pos] at the latest: a quote
+        while run < _BACKSLASH_RUN and raw[quote - 1 - run] == _BACKSLASH:
+            run += 1
+        if run == _BACKSLASH_RUN:
+            break
+        if run % 2 == 0:
+            return quote + 1
+        start = quote + 1
+    match = _STRING.match(raw, pos)
+    return None if match is None else match.end()
+
+
 def _skip_container(raw: bytes, pos: int) -> int:
     depth = 0
-    for match in _STRUCTURAL.finditer(raw, pos):
-        token = match.group()
-        if token in (b"[", b"{"):
+    while (match := _NEXT_STRUCTURAL.search(raw, pos)) is not None:
+        token = raw[match.start()]
+        if token == _QUOTE:
+            end = _string_end(raw, match.start())
+            if end is None:
+                break
+            pos = end
+            continue
+        pos = match.end()
+        if token in _OPENERS:
             depth += 1
-        elif token in (b"]", b"}"):
+        else:
             depth -= 1
             if depth == 0:
-                return match.end()
+                return pos
     raise BodyError("unterminated container")
 
 
 def _skip_value(raw: bytes, pos: int) -> int:
     first = raw[pos : pos + 1]
     if first == b'"':
-        match = _STRING.match(raw, pos)
-    elif first in (b"{", b"["):
+        end = _string_end(raw, pos)
+        if end is None:
+            raise BodyError(f"bad value at byte {pos}")
+        return end
+    if first in (b"{", b"["):
         return _skip_container(raw, pos)
-    else:
-        match = _SCALAR.match(raw, pos)
+    match = _SCALAR.match(raw, pos)
     if match is None:
         raise BodyError(f"bad value at byte {pos}")
     return match.end()

@@ -224,13 +224,11 @@ def body_answer(
 ) -> ep.ProcessingResponse:
     """Buffered body: replace it, with the headers of `route_mutation` in the same answer."""
     mutation = route_mutation(destinations, request_id, len(body), rank, single, engine_priority)
-    return ep.ProcessingResponse(
-        request_body=ep.BodyResponse(
-            response=ep.CommonResponse(
-                header_mutation=mutation, body_mutation=ep.BodyMutation(body=body)
-            )
-        )
-    )
+    answer = ep.ProcessingResponse()
+    common = answer.request_body.response
+    common.header_mutation.CopyFrom(mutation)
+    common.body_mutation.body = body  # in place: `_with_body`
+    return answer
 
 
 def headers_answer(mutation: ep.HeaderMutation) -> ep.ProcessingResponse:
@@ -240,14 +238,21 @@ def headers_answer(mutation: ep.HeaderMutation) -> ep.ProcessingResponse:
     )
 
 
+def _with_body(body: bytes, end_of_stream: bool, request_side: bool) -> ep.ProcessingResponse:
+    """A streamed body answer, built in place: a message passed to its parent's constructor is
+    copied at each of the four levels (0.65 ms for a 200 KB body, against 0.02 ms in place)."""
+    answer = ep.ProcessingResponse()
+    side = answer.request_body if request_side else answer.response_body
+    streamed = side.response.body_mutation.streamed_response
+    streamed.SetInParent()  # present even when empty
+    streamed.body = body
+    streamed.end_of_stream = end_of_stream
+    return answer
+
+
 def streamed_body_answer(body: bytes) -> ep.ProcessingResponse:
     """Streamed body: the whole new body in one chunk (the client's chunks were consumed)."""
-    streamed = ep.StreamedBodyResponse(body=body, end_of_stream=True)
-    return ep.ProcessingResponse(
-        request_body=ep.BodyResponse(
-            response=ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed))
-        )
-    )
+    return _with_body(body, True, True)
 
 
 _CONTINUE_REQUEST_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
@@ -313,13 +318,7 @@ def with_destination_metadata(
 def body_passthrough(chunk: ep.HttpBody, request_side: bool) -> ep.ProcessingResponse:
     """A streamed body chunk sent back unchanged (a gateway streams both bodies through the
     endpoint picker: FULL_DUPLEX_STREAMED)."""
-    streamed = ep.StreamedBodyResponse(body=chunk.body, end_of_stream=chunk.end_of_stream)
-    answer = ep.BodyResponse(
-        response=ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed))
-    )
-    if request_side:
-        return ep.ProcessingResponse(request_body=answer)
-    return ep.ProcessingResponse(response_body=answer)
+    return _with_body(chunk.body, chunk.end_of_stream, request_side)
 
 
 def destination_answer(destinations: Iterable[str]) -> ep.ProcessingResponse:

@@ -183,7 +183,8 @@ def pick_request(
         prompt_bytes(request, TOKENIZED[request.api]),  # what the tokenizer did not count
         priority,
         len(tokens),
-        kv.cached_tokens(tokens),
+        (cached := kv.lookup(tokens)).by_endpoint,
+        cached.by_rank,
     )
 
 

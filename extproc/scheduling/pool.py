@@ -47,15 +47,15 @@ class EndpointState:
         ranks = self.rank_load
         return len(ranks) if len(ranks) > 1 and set(ranks) == set(range(len(ranks))) else 1
 
+    def rank_queue(self, rank: int) -> float:
+        """The requests at `rank`: ours in flight (exact) and other routers' (scraped)."""
+        return self.rank_in_flight.get(rank, 0) + self.rank_load.get(rank, 0.0)
+
     def least_loaded_rank(self, ranks: int) -> int:
-        """The rank of `ranks` to send the next request to: the fewest requests, ours (exact)
-        and other routers' (scraped)."""
+        """The rank of `ranks` to send the next request to: the fewest requests."""
         order = [(self.next_rank + i) % ranks for i in range(ranks)]
         self.next_rank = (self.next_rank + 1) % ranks
-        return min(
-            order,
-            key=lambda r: self.rank_in_flight.get(r, 0) + self.rank_load.get(r, 0.0),
-        )
+        return min(order, key=self.rank_queue)
 
 
 _ANY = PickRequest()  # probes and tools: nothing known of the request
@@ -148,10 +148,15 @@ class Pool:
             self._on_change(state)
 
     @contextmanager
-    def track(self, state: EndpointState, tokens: int = 0) -> Iterator[Counted]:
+    def track(
+        self, state: EndpointState, tokens: int = 0, rank: int | None = None
+    ) -> Iterator[Counted]:
         """Count one request in flight at `state` until the block ends (or its `release`),
-        with `tokens` of work there (`pending_tokens`; they move with it)."""
-        counted = Counted(self, state, self._rank_for(state), tokens)
+        with `tokens` of work there (`pending_tokens`; they move with it). `rank`: the
+        data-parallel rank chosen for it (by its cached prefix), else the least loaded."""
+        if rank is None or rank >= self.ranks_of(state.address):
+            rank = self._rank_for(state)
+        counted = Counted(self, state, rank, tokens)
         self._count(counted, +1)
         try:
             yield counted

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 from extproc.config import Config, DecisionMode, DispatchMode, PoolConfig
 from extproc.errors import NoHealthyDecode, NoHealthyPrefill
-from extproc.policies import Picker, PickRequest, build_picker
+from extproc.policies import KvCachePicker, Picker, PickRequest, build_picker
 from extproc.roles import Role
 from extproc.scheduling.admission import check_admission, role_saturation
 from extproc.scheduling.decision import Decider
-from extproc.scheduling.pool import Counted, Pool
+from extproc.scheduling.pool import Counted, EndpointState, Pool
 
 if TYPE_CHECKING:
     from extproc.kvcache.routing import KvRouting  # carried for the planner, never called here
@@ -234,8 +234,9 @@ class Scheduler:
                     return DecodeAlone(decodes, counted, decision.reason)
             if config.admission.enabled:  # only a request that will use P waits for one
                 self._admit(wanted, group, Role.PREFILL, config)
+            rank = self._cached_rank(wanted, group.pickers[Role.PREFILL], Role.PREFILL, prefill)
             prefill_counted = inflight.enter_context(
-                self.prefill.track(prefill, _uncached(wanted, prefill.address))
+                self.prefill.track(prefill, _uncached(wanted, prefill.address, rank), rank)
             )
             fallback = prefills[1].address if len(prefills) > 1 else None
             self._count_cached(wanted, Role.PREFILL, prefill.address)
@@ -298,8 +299,10 @@ class Scheduler:
         )
         if not decodes:
             raise NoHealthyDecode(503, _none_healthy(Role.DECODE, subset), retry_after_s=1)
+        first = decodes[0]
+        rank = self._cached_rank(wanted, group.pickers[Role.DECODE], Role.DECODE, first)
         counted = inflight.enter_context(
-            self.decode.track(decodes[0], _uncached(wanted, decodes[0].address))
+            self.decode.track(first, _uncached(wanted, first.address, rank), rank)
         )
         rank = counted.rank
         # Envoy's fallback gets the same rank header: only a server that has that rank
@@ -309,6 +312,17 @@ class Scheduler:
             if rank is None or self.data_parallel_size(Role.DECODE, d.address) > rank
         ]
         return [decodes[0].address, *fallback], counted
+
+    def _cached_rank(
+        self, wanted: PickRequest, picker: Picker, role: Role, state: EndpointState
+    ) -> int | None:
+        """The rank of a data-parallel endpoint that the kv_cache policy prefers for what its
+        ranks hold (None: no rank holds any of the prompt, or not routed by the KV cache)."""
+        held = (wanted.rank_cached or {}).get(state.address)
+        if not held or not isinstance(picker, KvCachePicker):
+            return None
+        loads = [state.rank_queue(r) for r in range(self.data_parallel_size(role, state.address))]
+        return picker.pick_rank(loads, held, wanted.prompt_tokens) if len(loads) > 1 else None
 
     def _admit(self, wanted: PickRequest, group: ModelGroup, role: Role, config: Config) -> None:
         """Shed (429) if the group's engines of `role` are saturated for the request's
@@ -327,7 +341,11 @@ class Scheduler:
         check_admission(wanted.priority, role, value, admission)
 
 
-def _uncached(wanted: PickRequest, address: str) -> int:
-    """The prompt tokens `address` does not hold (KV-cache routing; 0 where not tokenized):
-    the work the request brings there, counted in the endpoint's `pending_tokens`."""
-    return max(0, wanted.prompt_tokens - (wanted.cached or {}).get(address, 0))
+def _uncached(wanted: PickRequest, address: str, rank: int | None = None) -> int:
+    """The prompt tokens `address` (its `rank`, if chosen for its cache) does not hold
+    (KV-cache routing; 0 where not tokenized): the work the request brings there, counted in
+    the endpoint's `pending_tokens`."""
+    held = (wanted.cached or {}).get(address, 0)
+    if rank is not None:
+        held = (wanted.rank_cached or {}).get(address, {}).get(rank, 0)
+    return max(0, wanted.prompt_tokens - held)

@@ -3,10 +3,17 @@ vllmsim server with two ranks on each side, each rank its own NIXL engine."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from tests.support.engines import two_free_ports
+from tests.support.kv_routing import BLOCK, completion_body, loopback_events, model_dir, words
 from tests.support.topology import (
     MODEL,
+    PUSH,
     Topology,
     address,
     identity_events,
@@ -14,6 +21,9 @@ from tests.support.topology import (
     topology,
     until,
 )
+from vllmsim.launcher import FAST, running_engine
+
+__all__ = ["loopback_events", "model_dir"]  # the fixtures, from tests/support
 
 DP2 = ("--data-parallel-size", "2")
 RANKS = {"data_parallel_size": 2}
@@ -134,3 +144,63 @@ async def test_a_clients_rank_header_never_reaches_an_engine(push_1p1d: Topology
     assert status == 200, body
     [p], [d] = await topo.seen(topo.prefills[0]), await topo.seen(topo.decodes[0])
     assert RANK_HEADER not in p["headers"] and RANK_HEADER not in d["headers"]
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "learned"])
+async def test_a_cached_prefix_goes_to_the_rank_that_holds_it(
+    model_dir: Path, declared: bool
+) -> None:
+    """Each rank publishes its own KV events (vLLM: the pool's ports plus the rank), and the
+    index keeps them per rank: prompts sharing a prefix that rank 1 of P holds are all pinned
+    to rank 1 (without per-rank keys the sidecar hears rank 0's socket alone and spreads them
+    by load). Ranks learned from P's /metrics move the subscriptions to the ranks' sockets."""
+    pub, replay = two_free_ports(), two_free_ports()
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+    }
+    common = (*FAST, "--tokenizer", str(model_dir), "--block-size", str(BLOCK), *DP2)
+    flags = (*common, "--kv-events-config", json.dumps(events))
+    async with running_engine(*flags, "--kv-transfer-config", PUSH[0]) as p:
+        prefill = {
+            **(RANKS if declared else {}),
+            "policy": "kv_cache",
+            "kv_events": {"port": pub, "replay_port": replay},
+        }
+        async with topology(
+            0,
+            1,
+            engine_flags=common,
+            extra_prefills=[p],
+            prefill=prefill,
+            decode=RANKS,
+            tokenizer=str(model_dir),
+        ) as topo:
+            shared = words(0, 120)
+            async with topo.session.post(
+                p.url + "/v1/completions",
+                data=completion_body(f"{shared} w1 w2"),
+                headers={"content-type": "application/json", RANK_HEADER: "1"},
+            ) as response:
+                assert response.status == 200, await response.text()
+            batches = (
+                "pd_extproc_kv_event_batches_total"
+                f'{{endpoint="{address(p)} dp1",outcome="applied"}}'
+            )
+
+            async def heard() -> bool:
+                return (await topo.metrics()).get(batches, 0) >= 1
+
+            await until(heard, "rank 1's KV events applied")
+            await topo.clear()
+            for i in range(4):
+                status, text, _ = await topo.post(
+                    "/v1/completions", completion_body(f"{shared} marker-{i} w7")
+                )
+                assert status == 200, text
+            ranks = [r["data_parallel_rank"] for r in await topo.seen(p)]
+            assert ranks == [1, 1, 1, 1]
+            cached = await topo.metrics()
+            assert cached.get('pd_extproc_kv_cached_prompt_tokens_total{role="prefill"}') == 480

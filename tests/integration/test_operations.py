@@ -62,3 +62,19 @@ async def test_several_extproc_workers_share_the_streams() -> None:
             # counted from Envoy's access-log entry, by whichever process receives it)
             served.append(samples.get("pd_extproc_processing_seconds_count", 0.0))
         assert len(served) == 2 and all(n >= 1 for n in served) and sum(served) == 12, served
+
+
+async def test_more_workers_than_cpus_are_worded_at_start() -> None:
+    """One ext_proc process per CPU the process may use: `up` pinned to one CPU says that two
+    workers would take turns on it (they still start)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})  # the engines and `up` inherit it
+    try:
+        async with topology(extproc={"workers": 2}) as topo:
+            status, _, _ = await topo.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+            assert status == 200
+            assert (
+                "extproc.workers is 2 but this process may use 1 CPU(s)" in topo.sidecar.log_text()
+            )
+    finally:
+        os.sched_setaffinity(0, before)

@@ -1,7 +1,8 @@
 """A real prefill engine with two data-parallel ranks (`--data-parallel-size 2`: one API server,
 two engine cores, one per CPU core): the per-rank shapes vllmsim reproduces (docs/simulator.md's
-data-parallel table) hold against vLLM itself. (A parallel push through the sidecar to rank 1 is
-not checked here: on this CPU build rank 1 never pushed to D, see docs/dispatch-and-failures.md.)"""
+data-parallel table) hold against vLLM itself. (A push from rank 1 is not checked here: rank 1
+shares D's core on a 2-core box and, holding the push's blocks, starves D until its lease ends;
+see docs/dispatch-and-failures.md.)"""
 
 from __future__ import annotations
 

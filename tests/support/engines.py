@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,3 +46,18 @@ async def clear_engines(session: aiohttp.ClientSession, engines: Sequence[Engine
             pass
         async with session.delete(engine.url + "/sim/faults"):
             pass
+
+
+def two_free_ports() -> int:
+    """A port p with p + 1 free as well (for ranks 0 and 1 of a data-parallel server)."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return int(port)
+    raise AssertionError("no two consecutive free ports")

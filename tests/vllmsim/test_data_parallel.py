@@ -3,29 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 
+from tests.support.engines import two_free_ports
 from tests.vllmsim.vsim_helpers import d_body, get_json, p_body, post, record
 from vllmsim.launcher import FAST, PUSH_D, PUSH_P, running_engine
 
 DP2 = ("--data-parallel-size", "2")
-
-
-def _two_free_ports() -> int:
-    """A port p with p + 1 free as well (the side channels of ranks 0 and 1)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return int(port)
-    raise AssertionError("no two consecutive free ports")
 
 
 async def _rank_header(
@@ -42,7 +27,7 @@ async def _rank_header(
 async def test_ranks_have_vllms_engine_ids_and_side_channel_ports(
     http: aiohttp.ClientSession,
 ) -> None:
-    base = _two_free_ports()
+    base = two_free_ports()
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(base)}
     async with running_engine(*FAST, *DP2, "--kv-transfer-config", PUSH_P, env=env) as p:
         ranks = p.ranks

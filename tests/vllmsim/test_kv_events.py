@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import msgpack
 
+from tests.support.engines import two_free_ports
 from tests.vllmsim.kv_event_helpers import (
     LOOPBACK_ENV,
     Subscriber,
@@ -178,3 +179,39 @@ async def test_block_size_sets_the_blocks_hashed(http: aiohttp.ClientSession) ->
             vllm_hash(root, prompt[:32]),
             vllm_hash(full_hash(root, prompt[:32]), prompt[32:64]),
         ]
+
+
+async def on_rank(
+    http: aiohttp.ClientSession, eng: EngineHandle, prompt: list[int], rank: int
+) -> None:
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2}
+    headers = {"X-data-parallel-rank": str(rank)}
+    async with http.post(eng.url + "/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def test_each_data_parallel_rank_publishes_on_its_own_ports_with_its_rank(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM's per-rank publishers: the endpoints' ports plus the rank, the rank in the batch."""
+    pub, rep = two_free_ports(), two_free_ports()
+    flag = events_flag(endpoint=f"tcp://*:{pub}", replay_endpoint=f"tcp://127.0.0.1:{rep}")
+    async with running_engine(*FAST, "-dp", "2", *flag, env=LOOPBACK_ENV) as eng:
+        assert [(r["kv_events_endpoint"], r["kv_events_replay_endpoint"]) for r in eng.ranks] == [
+            (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"),
+            (f"tcp://127.0.0.1:{pub + 1}", f"tcp://127.0.0.1:{rep + 1}"),
+        ]
+        prompt = tokens(77, 40)
+        await on_rank(http, eng, prompt, 1)
+        assert replay(f"tcp://127.0.0.1:{rep}", 0) == []  # rank 0 computed nothing
+        [(_, seq, payload)] = replay(f"tcp://127.0.0.1:{rep + 1}", 0)
+        batch = msgpack.unpackb(payload)
+        assert seq == 0 and batch[2] == 1
+        assert events_of(batch, "BlockStored")[0]["token_ids"] == prompt[:32]
+        with subscriber(f"tcp://127.0.0.1:{pub + 1}") as sub:  # the live socket is rank 1's too
+            got = None
+            for first in range(1, 60):
+                await on_rank(http, eng, tokens(first, 40), 1)
+                if (got := sub.next(timeout=0.2)) is not None:
+                    break
+            assert got is not None and got[2][2] == 1

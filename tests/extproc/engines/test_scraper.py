@@ -267,5 +267,10 @@ vllm:num_requests_running{engine="1",model_name="m"} 2.0
     assert rank_loads(parse_families("vllm:num_requests_waiting 3.0\n")) == {}
     # our own requests at the scrape are not other routers' load (counted exactly elsewhere)
     state.rank_in_flight = {0: 3, 1: 5}
-    EngineLoad(lambda address: state).consume("p", parse_families(page))
+    changed: list[str] = []
+    load = EngineLoad(lambda address: state, changed.append)
+    load.consume("p", parse_families(page))
     assert state.rank_load == {0: 1.0, 1: 0.0}
+    assert changed == []  # two ranks, as before
+    load.consume("p", parse_families(page.replace('engine="1"', 'engine="0"')))
+    assert changed == ["p"]  # one rank now: its KV event sources follow

@@ -339,6 +339,70 @@ def test_the_chain_is_keyed_per_process() -> None:
     assert chain_keys([-1, 2, 3, 4], 4) == [] and chain_keys([1 << 40, 2, 3, 4], 4) == []
 
 
+def test_each_rank_of_a_data_parallel_member_publishes_on_the_ports_plus_its_rank(
+    tokenizer_dir: Path,
+) -> None:
+    cfg = parse_config(config(str(tokenizer_dir), kv_events={"port": 7000, "replay_port": 7100}))
+    members = {"": {Role.PREFILL: [P1, P2], Role.DECODE: [D1]}}
+    sources = event_sources(cfg, members, {""}, lambda role, a: 2 if a == P1 else 1)
+    assert sources == {
+        f"{P1} dp0": EventSource("tcp://10.0.0.1:7000", "tcp://10.0.0.1:7100", "", P1, 0),
+        f"{P1} dp1": EventSource("tcp://10.0.0.1:7001", "tcp://10.0.0.1:7101", "", P1, 1),
+        P2: EventSource("tcp://10.0.0.2:7000", "tcp://10.0.0.2:7100"),
+        D1: EventSource("tcp://10.0.0.3:7000", "tcp://10.0.0.3:7100"),
+    }
+
+
+def test_a_lookup_folds_a_servers_ranks_into_it_and_keeps_each() -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    rank = {
+        f"{P1} dp{r}": EventSource(f"tcp://10.0.0.1:{7000 + r}", None, "", P1, r) for r in (0, 1)
+    }
+    routing.follow({**rank, P2: EventSource("tcp://10.0.0.2:7000")})
+    assert set(routing.watched) == {P1, P2}  # the pool members (the restart detector's)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    routing.index.apply(f"{P1} dp1", _decoded(chain(1, prompt[:8])))
+    routing.index.apply(f"{P1} dp0", _decoded(chain(1, prompt[:4])))
+    found = routing.lookup(prompt)
+    assert found.by_endpoint == {P1: 8} and found.by_rank == {P1: {0: 4, 1: 8}}
+    assert routing.cached_tokens(prompt) == {P1: 8}
+    routing.remember([P1], list(range(100, 140)))  # heard from (its ranks): nothing guessed
+    assert routing.cached_tokens(list(range(100, 140))) == {P1: 0}
+    routing.engine_restarted(P1)  # one process: every rank's entries go
+    assert routing.index.blocks == 0
+
+
+def test_the_kv_cache_policy_pins_the_rank_holding_the_prompt(tokenizer_dir: Path) -> None:
+    cfg = parse_config(
+        config(str(tokenizer_dir), kv_events={}, policy="kv_cache", data_parallel_size=2)
+    )
+    routing = KvRouting(KvIndex(100), Metrics())
+    routing.follow(
+        event_sources(
+            cfg, {"": {role: cfg.static_addresses(role) for role in Role}}, {""}, lambda r, a: 2
+        )
+    )
+    tokens = list(range(1, 10))
+    routing.index.apply(f"{P2} dp1", _decoded(chain(1, tokens[:8])))
+    routing.index.apply(f"{D1} dp0", _decoded(chain(1, tokens[:4])))
+    found = routing.lookup(tokens)
+    wanted = PickRequest(
+        prefix=b"x", prompt_tokens=9, cached=found.by_endpoint, rank_cached=found.by_rank
+    )
+    scheduler = scheduler_for(cfg, routing)
+    for _ in range(3):  # every time, not in turn
+        with ExitStack() as inflight:
+            picked = scheduler.pick(wanted, inflight, cfg)
+            assert isinstance(picked, WithPrefill) and picked.prefill == P2
+            assert (picked.prefill_counted.rank, picked.decode_counted.rank) == (1, 0)
+            assert scheduler.prefill.get(P2).pending_tokens == 1  # what rank 1 lacks
+    picker = KvCachePicker()
+    assert picker.pick_rank([0, 0], {}, 9) is None  # no rank holds any: the least loaded
+    assert picker.pick_rank([0, 0, 0], {2: 8}, 9) == 2
+    assert picker.pick_rank([0, 1], {1: 8}, 9) == 0  # a request queued outweighs 8 tokens
+    assert picker.pick_rank([0, 1], {1: SYSTEM}, SYSTEM + QUESTION) == 1  # not a long prefix
+
+
 def test_the_example_config_in_the_docs_loads(tokenizer_dir: Path) -> None:
     text = (Path(__file__).parents[3] / "docs" / "kv-cache.md").read_text()
     example = yaml.safe_load(text.split("```yaml\n", 1)[1].split("```", 1)[0])

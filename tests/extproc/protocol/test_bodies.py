@@ -201,3 +201,26 @@ def test_malformed_objects_name_the_byte_where_scanning_stopped(raw: bytes, mess
     with pytest.raises(BodyError) as caught:
         members(raw)
     assert str(caught.value) == message
+
+
+ESCAPED = [
+    'a"b',  # an escaped quote
+    "ends in a backslash \\",  # \\ right before the closing quote
+    "\\" * 7 + '"',  # an odd run: the quote is escaped
+    "\\" * 20,  # a run past the walk's bound: the regex decides
+    "\\" * 21 + '" and on',
+    'say "hi" ' * 100,  # more escaped quotes than the fast path looks past
+    '[{"nested": "]}"}]',  # brackets and quotes inside a string
+    "line\nline\ttab \u2028 \x00",
+]
+
+
+@pytest.mark.parametrize("text", ESCAPED)
+@pytest.mark.parametrize("where", ["prompt", "messages"])
+def test_strings_with_escapes_end_where_json_says(text: str, where: str) -> None:
+    value = text if where == "prompt" else [{"role": "user", "content": text}, {"x": [text]}]
+    doc = {"model": "m", where: value, "after": "a\\", "n": 1}
+    parts = members(orjson.dumps(doc))
+    assert [key for key, _ in parts] == list(doc)
+    for key, chunk in parts:
+        assert orjson.loads(b"{" + chunk + b"}") == {key: doc[key]}

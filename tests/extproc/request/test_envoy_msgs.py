@@ -186,3 +186,27 @@ def test_repeated_forwarded_headers_get_one_value_on_both_legs() -> None:
         h.append_action == core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
         for h in mutation.set_headers
     )
+
+
+@pytest.mark.parametrize("body", [b"", b"{}", b"x" * 100_000])
+def test_streamed_body_answer_is_the_whole_new_body_in_one_chunk(body: bytes) -> None:
+    answer = envoy_msgs.streamed_body_answer(body)
+    assert answer.WhichOneof("response") == "request_body"
+    streamed = answer.request_body.response.body_mutation.streamed_response
+    assert streamed.body == body and streamed.end_of_stream
+    assert ep.ProcessingResponse.FromString(answer.SerializeToString()) == answer
+
+
+@pytest.mark.parametrize("request_side", [True, False])
+@pytest.mark.parametrize(("body", "end"), [(b"", False), (b"", True), (b"data: 1\n\n", False)])
+def test_a_passed_through_chunk_goes_back_on_its_side_even_empty(
+    request_side: bool, body: bytes, end: bool
+) -> None:
+    answer = envoy_msgs.body_passthrough(ep.HttpBody(body=body, end_of_stream=end), request_side)
+    side = "request_body" if request_side else "response_body"
+    assert answer.WhichOneof("response") == side  # an empty chunk's answer is still an answer
+    streamed = getattr(answer, side).response.body_mutation.streamed_response
+    assert answer.ByteSize() > 0
+    assert (streamed.body, streamed.end_of_stream) == (body, end)
+    parsed = ep.ProcessingResponse.FromString(answer.SerializeToString())
+    assert parsed.WhichOneof("response") == side

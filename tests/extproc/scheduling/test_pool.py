@@ -224,6 +224,10 @@ def test_ranks_are_chosen_by_their_load_and_counted_apart() -> None:
         plain.move_to(A)  # a retry on the endpoint with ranks gets one of its ranks
         assert plain.rank in (0, 1) and state.rank_in_flight[plain.rank] == 1
     assert state.rank_in_flight == {0: 0, 1: 0}
+    with pool.track(state, rank=1) as chosen, pool.track(state, rank=1) as again:
+        assert (chosen.rank, again.rank) == (1, 1)  # chosen for its cache: kept, even busier
+    with pool.track(other, rank=1) as none:
+        assert none.rank is None  # B has no ranks: a chosen one is dropped
     pool.ranks_of = lambda address: 2
     with pool.track(state) as sent:
         rank = sent.rank
