@@ -265,7 +265,7 @@ class Runtime:
         return self.scheduler.data_parallel_size(Role.PREFILL, address)
 
     def _identity_event(self, endpoint: str, event: str) -> None:
-        self.metrics.identity_events.labels(endpoint, event).inc()
+        self.metrics.series(self.metrics.identity_events, endpoint, event).inc()
         if event in ("changed", "flapping", "dropped"):
             log.info("prefill %s: identity %s", endpoint, event)
         identity = self.identities.get(*of_where(endpoint))  # `endpoint` names the rank too
@@ -312,8 +312,7 @@ class Runtime:
 
     def _endpoint_changed(self, role: Role) -> Callable[[EndpointState], None]:
         def record(state: EndpointState) -> None:
-            self.metrics.inflight.labels(role, state.address).set(state.in_flight)
-            self.metrics.healthy.labels(role, state.address).set(1 if state.healthy else 0)
+            self.metrics.endpoint_state(role, state.address, state.in_flight, state.healthy)
             if role is Role.PREFILL and not state.healthy:  # what it still owed will not come
                 self._pushes_lost(state.address, self.pushed_kv.endpoint_down(state.address))
 

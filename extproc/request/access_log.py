@@ -139,7 +139,7 @@ def observe_entry(
     common = entry.common_properties
     labels = common.metadata.filter_metadata.get(LABELS_NAMESPACE)
     if labels is None:
-        metrics.access_log_entries.labels("skipped").inc()
+        metrics.series(metrics.access_log_entries, "skipped").inc()
         return False
     fields = labels.fields
     strategy = bounded(_field(fields, "strategy"), STRATEGIES)
@@ -150,16 +150,16 @@ def observe_entry(
         told = fields["outcome"].string_value if "outcome" in fields else None
         outcome = told if told in _TOLD_OUTCOMES else answer_outcome(entry)
         reason = bounded(_field(fields, "reason"), REASONS)
-        metrics.requests.labels(outcome, strategy, reason, model).inc()
+        metrics.series(metrics.requests, outcome, strategy, reason, model).inc()
         if streams is not None and streams.awaiting > 0:  # an entry of another process: not ours
             streams.awaiting -= 1
     if common.HasField("time_to_first_downstream_tx_byte"):
         first = _seconds(common.time_to_first_downstream_tx_byte)
-        metrics.client_first_byte_seconds.labels(strategy, model, code).observe(first)
+        metrics.series(metrics.client_first_byte_seconds, strategy, model, code).observe(first)
     if common.HasField("time_to_last_downstream_tx_byte"):
         last = _seconds(common.time_to_last_downstream_tx_byte)
-        metrics.client_duration_seconds.labels(strategy, model, code).observe(last)
-    metrics.access_log_entries.labels("observed").inc()
+        metrics.series(metrics.client_duration_seconds, strategy, model, code).observe(last)
+    metrics.series(metrics.access_log_entries, "observed").inc()
     return True
 
 

@@ -169,7 +169,8 @@ class RequestProcessor:
                 self.deps.access_log.awaiting += 1
             else:
                 labels = (outcome, plan.strategy, plan.reason, self._model_label())
-                self.deps.metrics.requests.labels(*labels).inc()
+                metrics = self.deps.metrics
+                metrics.series(metrics.requests, *labels).inc()
             fields = self._log_fields(outcome)
             self.trace.finish(fields)
             if self.config.log.requests and plan.request_id:

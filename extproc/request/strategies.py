@@ -261,11 +261,12 @@ class _PrefillLeg:
         """Record how the finished leg ended (metrics, trace; on failure the identity dropped
         and an unreachable endpoint marked down), then return its result or raise."""
         services = self._services
+        metrics = services.metrics
         try:
             result = self.task.result()
         except LegError as error:
             self._trace.prefill_finished(error.label)
-            services.metrics.prefill_seconds.labels(error.label).observe(
+            metrics.series(metrics.prefill_seconds, error.label).observe(
                 time.perf_counter() - self.started
             )
             if not _refused_request(error):
@@ -273,7 +274,7 @@ class _PrefillLeg:
             if isinstance(error, PrefillUnreachable):
                 services.mark_unreachable(self.prefill)
             raise
-        services.metrics.prefill_seconds.labels("ok").observe(result.elapsed_s)
+        metrics.series(metrics.prefill_seconds, "ok").observe(result.elapsed_s)
         self._trace.prefill_finished("ok")
         return result
 

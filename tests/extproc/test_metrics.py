@@ -11,6 +11,7 @@ import sys
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.metrics import Metrics
+from extproc.roles import Role
 
 
 def exposed(metrics: Metrics) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -80,3 +81,24 @@ def test_client_durations_reach_long_generations_and_work_keeps_sub_ms_buckets()
         max(b for b in buckets(metrics, "pd_extproc_prefill_leg_seconds") if b != float("inf"))
         >= 300
     )
+
+
+def test_an_endpoints_series_come_back_after_it_left_and_returned() -> None:
+    # `endpoint_state` keeps the series it looked up: a left endpoint's must be forgotten, or
+    # its gauges would be set on series no longer in the registry
+    metrics = Metrics()
+    metrics.endpoint_state(Role.DECODE, "10.0.0.1:8000", 3, True)
+    metrics.forget_endpoint(Role.DECODE, "10.0.0.1:8000")
+    assert "pd_extproc_inflight_requests" not in exposed(metrics)
+    metrics.endpoint_state(Role.DECODE, "10.0.0.1:8000", 2, False)
+    labels = {"role": "decode", "endpoint": "10.0.0.1:8000"}
+    assert exposed(metrics)["pd_extproc_inflight_requests"] == [(labels, 2.0)]
+    assert exposed(metrics)["pd_extproc_endpoint_healthy"] == [(labels, 0.0)]
+
+
+def test_a_kept_series_is_the_one_exposed() -> None:
+    metrics = Metrics()
+    for _ in range(2):
+        metrics.series(metrics.requests, "ok", "parallel", "cache_hit", "m").inc()
+    labels = {"outcome": "ok", "strategy": "parallel", "reason": "cache_hit", "model": "m"}
+    assert exposed(metrics)["pd_extproc_requests_total"] == [(labels, 2.0)]
