@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 
+from extproc.engines.kv_compat import Mismatch
 from extproc.protocol.identity import identity_from_params
 from tests.support.picker_request import (
     D1,
@@ -134,3 +136,71 @@ async def test_the_clients_trace_context_is_joined_in_either_mode() -> None:
         await r.envoy.until_sent(1)
         await r.end()
         assert r.trace.joined == [("00-ab-cd-01", "k=v")]
+
+
+# ---- which D served: its count, and a P/D pair known not to exchange KV ---------------------
+
+
+def served_by(status: int, served: str | None) -> ep.ProcessingRequest:
+    answer = response_headers(status)
+    if served is not None:
+        lb = answer.metadata_context.filter_metadata["envoy.lb"]
+        lb.fields["x-gateway-destination-endpoint-served"].string_value = served
+    return answer
+
+
+async def test_the_count_moves_to_the_fallback_that_served_a_passed_through_request() -> None:
+    r = PickerRequest(endpoint_picker={"fallbacks": 2})
+    await r.send(tokenize(D2))
+    await r.envoy.until_sent(1)
+    assert [s.in_flight for s in r.rt.decode] == [0, 1, 0]
+    await r.send(served_by(200, D3), response_chunk(b"{}", True))
+    sent = await r.envoy.until_sent(3)
+    passed = sent[2].response_body.response.body_mutation.streamed_response
+    assert (passed.body, passed.end_of_stream) == (b"{}", True)
+    assert [s.in_flight for s in r.rt.decode] == [0, 0, 1]
+    await r.end()
+
+
+def mismatch_request(decode: str) -> PickerRequest:
+    r = PickerRequest(endpoint_picker={"fallbacks": 2})
+    for p in (P1, P2):
+        r.rt.identities.learn(p, identity_from_params(IDENTITY))
+        r.rt.kv_compat.failed(Mismatch(p, decode, "push", "HTTP 500: transfer failed"))
+    return r
+
+
+@pytest.mark.parametrize(
+    ("status", "served", "expected"),
+    [
+        (500, D2, 502),  # the fallback that served is the pair known to fail
+        (503, None, None),  # Envoy did not say: the choice, D1, answered
+        (499, D2, None),  # not D failing
+    ],
+    ids=["served-fallback", "choice", "below-500"],
+)
+async def test_d_failing_a_pair_known_not_to_exchange_kv_tells_the_client_why(
+    status: int, served: str | None, expected: int | None
+) -> None:
+    r = mismatch_request(D2)
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(served_by(status, served))
+    [answer] = (await r.envoy.until_sent(3))[2:]
+    await r.end()
+    if expected is None:
+        assert answer.WhichOneof("response") != "immediate_response"
+        return
+    code, message, _ = error(answer)
+    assert code == expected and "their KV connectors do not match" in message
+
+
+async def test_a_known_mismatch_at_the_choice_is_told_when_envoy_does_not_say_who_served() -> None:
+    r = mismatch_request(D1)
+    await r.start()
+    await r.envoy.until_sent(2)
+    await r.send(served_by(500, None))
+    [answer] = (await r.envoy.until_sent(3))[2:]
+    await r.end()
+    code, message, _ = error(answer)
+    assert code == 502 and "their KV connectors do not match" in message
