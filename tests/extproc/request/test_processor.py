@@ -1080,13 +1080,14 @@ async def test_a_prefill_refusing_the_request_is_a_client_error() -> None:
     assert r.outcome("client_error", "parallel", "cache_hit") == 1
 
 
-async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
+@pytest.mark.parametrize("status", [400, 404])
+async def test_a_model_the_decode_refuses_is_labelled_other(status: int) -> None:
     r = Request()
     await r.start(REQUEST | {"model": "invented"})
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
     r.prefill.answer(P_ANSWER)
     await r.envoy.until_sent(3)
-    await r.send(response_headers(404))  # vLLM: the model does not exist
+    await r.send(response_headers(status))  # vLLM: a bad request, or no such model
     sent = await r.envoy.until_sent(4)
     await r.end()
     assert labels(sent[3]) == {"strategy": "serial", "model": "other"}
@@ -1138,3 +1139,19 @@ async def test_a_configured_model_is_its_own_label() -> None:
     assert r.rt.model_labels.label("invented") == "other"  # configured, served or accepted only
     assert r.rt.model_labels.label("") == "none"
     await r.end()
+
+
+async def test_a_model_no_decode_answered_is_labelled_other() -> None:
+    r = Request(p_leg=ScriptedPrefill(PrefillFailed(500, "prefill failed")))
+    await r.start(REQUEST | {"model": "invented"})
+    answer = (await r.envoy.until_sent(3))[2]  # after the headers and the timer
+    assert answer.WhichOneof("response") == "immediate_response"
+    await r.end()
+    models = {
+        sample.labels["model"]
+        for metric in r.rt.metrics.registry.collect()
+        if metric.name == "pd_extproc_requests"
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }
+    assert models == {"other"}  # never served: the name is not learnt
