@@ -4,95 +4,31 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
-from typing import Any
 
-import orjson
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as modes
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
-from grpc import aio
 
-from extproc.config import parse_config
 from extproc.protocol.identity import PrefillIdentity, identity_from_params
-from extproc.request.processor import RequestProcessor
-from extproc.request.stream import EnvoyStream
-from extproc.wiring import Runtime
+from tests.support.picker_request import (
+    D1,
+    D2,
+    D3,
+    P1,
+    P2,
+    PickerRequest,
+    chunk,
+    destination,
+    response_chunk,
+    strings,
+)
 from tests.support.scripted_envoy import (
     IDENTITY,
     P_ANSWER,
     WAIT_S,
-    ScriptedEnvoy,
     error,
     headers,
     response_headers,
 )
-from tests.support.scripted_envoy import STREAMED_REQUEST as REQUEST
-from tests.support.scripted_prefill import ScriptedPrefill
-
-P1, P2 = "127.0.0.1:8100", "127.0.0.1:8101"
-D1, D2, D3 = "127.0.0.1:8200", "127.0.0.1:8201", "127.0.0.1:8202"
-DESTINATION = "x-gateway-destination-endpoint"
-
-
-class PickerRequest:
-    def __init__(self, **config: Any) -> None:
-        config = {
-            "prefill": {"endpoints": [P1, P2]},
-            "decode": {"endpoints": [D1, D2, D3]},
-            "dispatch": {"probe": False},
-            **config,
-        }
-        self.rt = Runtime(parse_config(config), "", endpoint_picker=True)
-        self.prefill = ScriptedPrefill()
-        deps = self.rt.request_deps
-        legs = dataclasses.replace(deps.legs, prefill_client=self.prefill)
-        self.rt.request_deps = dataclasses.replace(deps, legs=legs)
-        self.envoy = ScriptedEnvoy()
-        stream = EnvoyStream(self.envoy)  # type: ignore[arg-type]
-        self.task = asyncio.create_task(RequestProcessor(self.rt.request_deps, stream).run())
-
-    async def send(self, *messages: Any) -> None:
-        for message in messages:
-            await self.envoy.inbox.put(message)
-
-    async def start(self, subset: Any = None) -> None:
-        opening = headers()
-        opening.protocol_config.request_body_mode = modes.ProcessingMode.FULL_DUPLEX_STREAMED
-        opening.protocol_config.response_body_mode = modes.ProcessingMode.FULL_DUPLEX_STREAMED
-        if subset is not None:
-            hint = opening.metadata_context.filter_metadata["envoy.lb.subset_hint"]
-            hint.fields["x-gateway-destination-endpoint-subset"].CopyFrom(subset)
-        raw = orjson.dumps(REQUEST)
-        await self.send(opening, chunk(raw[:10], False), chunk(raw[10:], True))
-
-    async def end(self) -> None:
-        await self.send(aio.EOF)
-        await asyncio.wait_for(self.task, WAIT_S)
-
-
-def chunk(data: bytes, end: bool) -> Any:
-    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=end))
-
-
-def response_chunk(data: bytes, end: bool) -> Any:
-    return ep.ProcessingRequest(response_body=ep.HttpBody(body=data, end_of_stream=end))
-
-
-def strings(*values: str) -> struct_pb2.Value:
-    listed = struct_pb2.ListValue(values=[struct_pb2.Value(string_value=v) for v in values])
-    return struct_pb2.Value(list_value=listed)
-
-
-def destination(answer: ep.ProcessingResponse) -> tuple[str, str]:
-    """(the header, the envoy.lb metadata) of the headers' answer."""
-    mutation = answer.request_headers.response.header_mutation
-    header = next(
-        h.header.raw_value.decode() for h in mutation.set_headers if h.header.key == DESTINATION
-    )
-    lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value.fields
-    return header, lb[DESTINATION].string_value
 
 
 async def test_destination_goes_out_as_header_and_metadata_with_fallbacks() -> None:

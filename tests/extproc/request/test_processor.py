@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,33 @@ async def test_serial_retries_a_failed_p_once_on_the_fallback_within_the_prefill
     await r.envoy.until_sent(4)
     await r.end()
     assert r.outcome("ok", "serial", "serial_only") == 1
+
+
+async def test_a_retry_is_counted_at_its_fallback_and_logged_with_both_ps(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prefill = ScriptedPrefill(PrefillBusy(502, "prefill endpoint answered 503"))
+    r = Request(
+        p_leg=prefill,
+        prefill={"endpoints": [P, P2]},
+        dispatch={"mode": "serial_push"},
+        timeouts={"prefill_s": 0.8},  # under a second left: still time for the retry
+    )
+    with caplog.at_level(logging.INFO, logger="extproc"):
+        await r.start()
+        first_leg, second_leg = await prefill.until_called(2)
+    first, second = first_leg.endpoint, second_leg.endpoint
+    in_flight = {s.address: s.in_flight for s in r.rt.prefill}
+    assert (in_flight[first], in_flight[second]) == (0, 1)
+    [line] = [m for m in caplog.messages if "retrying" in m]
+    expected = rf"request [0-9a-f-]{{36}}: prefill {first} busy, retrying on {second}"
+    assert re.fullmatch(expected, line)
+    prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(3)
+    await r.send(response_headers(200))
+    await r.envoy.until_sent(4)
+    await r.end()
+    assert r.idle() and r.outcome("ok", "serial", "serial_only") == 1
 
 
 async def test_serial_dispatch_waits_for_p_and_forwards_its_params() -> None:
@@ -1052,13 +1080,14 @@ async def test_a_prefill_refusing_the_request_is_a_client_error() -> None:
     assert r.outcome("client_error", "parallel", "cache_hit") == 1
 
 
-async def test_a_model_the_decode_refuses_is_labelled_other() -> None:
+@pytest.mark.parametrize("status", [400, 404])
+async def test_a_model_the_decode_refuses_is_labelled_other(status: int) -> None:
     r = Request()
     await r.start(REQUEST | {"model": "invented"})
     await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
     r.prefill.answer(P_ANSWER)
     await r.envoy.until_sent(3)
-    await r.send(response_headers(404))  # vLLM: the model does not exist
+    await r.send(response_headers(status))  # vLLM: a bad request, or no such model
     sent = await r.envoy.until_sent(4)
     await r.end()
     assert labels(sent[3]) == {"strategy": "serial", "model": "other"}
@@ -1110,3 +1139,19 @@ async def test_a_configured_model_is_its_own_label() -> None:
     assert r.rt.model_labels.label("invented") == "other"  # configured, served or accepted only
     assert r.rt.model_labels.label("") == "none"
     await r.end()
+
+
+async def test_a_model_no_decode_answered_is_labelled_other() -> None:
+    r = Request(p_leg=ScriptedPrefill(PrefillFailed(500, "prefill failed")))
+    await r.start(REQUEST | {"model": "invented"})
+    answer = (await r.envoy.until_sent(3))[2]  # after the headers and the timer
+    assert answer.WhichOneof("response") == "immediate_response"
+    await r.end()
+    models = {
+        sample.labels["model"]
+        for metric in r.rt.metrics.registry.collect()
+        if metric.name == "pd_extproc_requests"
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }
+    assert models == {"other"}  # never served: the name is not learnt

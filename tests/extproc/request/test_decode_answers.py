@@ -1,0 +1,77 @@
+"""Envoy's answers that send D its body: buffered (one answer) or streamed (the headers, then
+the body), each carrying D's rank, the client's repeated headers made single, the client's
+engine priority as the operator allows, and, for the endpoint picker, the destination as
+metadata."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extproc.config import parse_config
+from extproc.headers import DESTINATION_HEADER, ENGINE_PRIORITY_HEADER, RANK_HEADER
+from extproc.request.plan import DecodeOnlyPlan
+from extproc.request.strategies import Exchange, decode_answers
+from extproc.request.stream import EnvoyStream
+from extproc.tracing import RequestTrace
+from tests.support.scripted_envoy import ScriptedEnvoy
+
+D1, D2 = "127.0.0.1:8201", "127.0.0.1:8202"
+BODY = b'{"model":"m","prompt":"hi"}'
+
+
+def exchange(streamed: bool, kept: bool = False, **fields: Any) -> Exchange:
+    config = parse_config(
+        {
+            "prefill": {"endpoints": ["127.0.0.1:8101"]},
+            "decode": {"endpoints": [D1, D2]},
+            "dispatch": {"client_engine_priority": kept},
+        }
+    )
+    stream = EnvoyStream(ScriptedEnvoy())  # type: ignore[arg-type]
+    return Exchange(stream, RequestTrace(), "/v1/completions", {}, "", config, streamed, **fields)
+
+
+def plan(rank: int | None) -> DecodeOnlyPlan:
+    return DecodeOnlyPlan("r1", [D1, D2], BODY, "decision", None, rank)
+
+
+def headers_of(answers: tuple[Any, ...], streamed: bool) -> tuple[dict[str, str], list[str]]:
+    side = answers[0].request_headers if streamed else answers[0].request_body
+    mutation = side.response.header_mutation
+    values = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    return values, list(mutation.remove_headers)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "streamed"])
+def test_d_gets_its_rank_and_the_single_headers(streamed: bool) -> None:
+    answers = decode_answers(plan(2), BODY, exchange(streamed, single_headers={"x-tenant": "a"}))
+    values, removed = headers_of(answers, streamed)
+    assert values[DESTINATION_HEADER] == f"{D1},{D2}" and values["x-request-id"] == "r1"
+    assert (values[RANK_HEADER], values["x-tenant"]) == ("2", "a")
+    assert values["content-length"] == str(len(BODY))
+    assert RANK_HEADER not in removed and ENGINE_PRIORITY_HEADER in removed
+    sent = answers[-1].request_body.response.body_mutation
+    assert (sent.streamed_response.body if streamed else sent.body) == BODY
+    assert len(answers) == (2 if streamed else 1)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "streamed"])
+def test_a_d_without_ranks_has_the_clients_rank_removed_and_its_priority_kept_if_allowed(
+    streamed: bool,
+) -> None:
+    answers = decode_answers(plan(None), BODY, exchange(streamed, kept=True))
+    values, removed = headers_of(answers, streamed)
+    assert RANK_HEADER not in values and RANK_HEADER in removed
+    assert ENGINE_PRIORITY_HEADER not in removed and "x-tenant" not in values
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "streamed"])
+def test_the_endpoint_pickers_answer_carries_the_destination_as_metadata(streamed: bool) -> None:
+    answers = decode_answers(plan(None), BODY, exchange(streamed, destination_namespace="my.lb"))
+    fields = answers[0].dynamic_metadata.fields["my.lb"].struct_value.fields
+    assert fields[DESTINATION_HEADER].string_value == f"{D1},{D2}"
+    assert all(not a.HasField("dynamic_metadata") for a in answers[1:])
+    plain = decode_answers(plan(None), BODY, exchange(streamed))
+    assert not plain[0].HasField("dynamic_metadata")
