@@ -265,7 +265,7 @@ class Runtime:
         return self.scheduler.data_parallel_size(Role.PREFILL, address)
 
     def _identity_event(self, endpoint: str, event: str) -> None:
-        self.metrics.series(self.metrics.identity_events, endpoint, event).inc()
+        self.metrics.identity_events.labels(endpoint, event).inc()  # rare: not kept
         if event in ("changed", "flapping", "dropped"):
             log.info("prefill %s: identity %s", endpoint, event)
         identity = self.identities.get(*of_where(endpoint))  # `endpoint` names the rank too
