@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from extproc.config import MAX_DATA_PARALLEL
 from extproc.engines.scraper import Families
 
 if TYPE_CHECKING:
@@ -43,13 +44,15 @@ def parse_load(families: Families) -> tuple[float, float, float]:
 
 def rank_loads(families: Families) -> dict[int, float]:
     """Waiting + running requests per data-parallel engine (the `engine` label vLLM puts on
-    each rank's series); empty for an engine without the label."""
+    each rank's series); empty for an engine without the label. A label past the configurable
+    maximum is ignored: each rank found is followed (KV events, identity), so a page must not
+    set how many."""
     loads: dict[int, float] = {}
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
         family = families.get(name)
         for sample in [] if family is None else family.samples:
             engine = sample.labels.get("engine", "")
-            if sample.name == name and engine.isdigit():
+            if sample.name == name and engine.isdigit() and int(engine) < MAX_DATA_PARALLEL:
                 loads[int(engine)] = loads.get(int(engine), 0.0) + sample.value
     return loads
 

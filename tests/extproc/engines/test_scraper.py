@@ -265,6 +265,11 @@ vllm:num_requests_running{engine="1",model_name="m"} 2.0
     EngineLoad(lambda address: state).consume("p", parse_families(page))
     assert state.rank_load == {0: 4.0, 1: 2.0} and (state.waiting, state.running) == (3.0, 3.0)
     assert rank_loads(parse_families("vllm:num_requests_waiting 3.0\n")) == {}
+    huge = 'vllm:num_requests_waiting{engine="99999999",model_name="m"} 1.0\n'
+    with_huge = page.replace(
+        "# TYPE vllm:num_requests_running", huge + "# TYPE vllm:num_requests_running"
+    )
+    assert rank_loads(parse_families(with_huge)) == {0: 4.0, 1: 2.0}  # ranks are bounded
     # our own requests at the scrape are not other routers' load (counted exactly elsewhere)
     state.rank_in_flight = {0: 3, 1: 5}
     changed: list[str] = []
