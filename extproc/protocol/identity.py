@@ -10,6 +10,7 @@ endpoint (or rank) whose identity keeps changing is served serially for a cool-d
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import time
 from collections import deque
@@ -60,9 +61,8 @@ def _positive_int(params: Mapping[str, Any], key: str, default: int | None = Non
     return value
 
 
-def _valid_host(value: Any) -> str:
-    if not isinstance(value, str) or not value or len(value) > 253:
-        raise ValueError(f"remote_host must be a host name or IP (got {value!r})")
+@functools.lru_cache(maxsize=1024)  # a P answers with the same host every time: parse it once
+def _checked_host(value: str) -> str:
     try:
         ipaddress.ip_address(value)
     except ValueError:
@@ -70,6 +70,12 @@ def _valid_host(value: Any) -> str:
         if not all(label and label.replace("-", "").isalnum() for label in labels):
             raise ValueError(f"remote_host is not a valid host name (got {value!r})") from None
     return value
+
+
+def _valid_host(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 253:
+        raise ValueError(f"remote_host must be a host name or IP (got {value!r})")
+    return _checked_host(value)
 
 
 def identity_from_params(params: Any) -> PrefillIdentity:

@@ -10,7 +10,7 @@
 | auto, push  | yes (push)               | parallel | cache_hit    |
 
 Serial: wait for P, forward its kv_transfer_params verbatim to D (works for pull and push).
-Parallel: D gets the cached identity while P computes; both legs leave in one loop turn.
+Parallel: D gets the cached identity while P computes; P's leg leaves first, D's a loop turn later.
 Decode-only: D prefills the prompt itself, either by decision (`extproc.scheduling.decision`: the
 reason says why) or because no P is healthy and `no_healthy_prefill: decode_only`
 (reason `no_prefill`).

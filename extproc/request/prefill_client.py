@@ -12,6 +12,9 @@ only check then). Its connections are kept alive per engine, shorter than the en
 keep-alive (vLLM closes idle connections after 5 s), so that a request never goes out on a
 connection the engine is closing.
 
+Both write HTTP/1.1 over `extproc.request.http1`'s kept-alive connections, not aiohttp: the P
+leg is on every request's path, and there aiohttp cost more CPU than the request's planning.
+
 `PrefillPaths` chooses the route per leg (dispatch.prefill_leg); `TrackedPrefillSender`
 keeps each prefill endpoint's `queued_tokens` exact around the legs it sends. Each leg carries
 the config snapshot of whoever sent it (`PrefillCall.config`: the request's, or the probe's),
@@ -20,13 +23,13 @@ and everything here that depends on settings reads that one: a reload never reac
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
 import orjson
 
 from extproc.errors import (
@@ -39,6 +42,7 @@ from extproc.errors import (
 )
 from extproc.headers import DESTINATION_HEADER, LOCAL_REPLY_HEADER
 from extproc.request.client_key import client_key_checked_here
+from extproc.request.http1 import BrokenConnection, Connections, Destination, NotConnected, head
 from extproc.scheduling.decision import estimate_tokens
 
 if TYPE_CHECKING:
@@ -131,16 +135,16 @@ class Route(Protocol):
     blamed when no connection is had."""
 
     connect_timeout_s: float
+    keepalive_s: float  # how long an idle connection is kept for the next leg
+    answer_headers: tuple[str, ...]  # the answer's headers `flags` reads
 
-    def connector(self) -> aiohttp.BaseConnector: ...
-    def url(self, call: PrefillCall) -> str: ...
+    def destination(self, call: PrefillCall) -> Destination: ...
+    def host(self, call: PrefillCall) -> str: ...
     def headers(self, call: PrefillCall) -> dict[str, str]: ...
-    def flags(self, response: aiohttp.ClientResponse) -> str | None: ...
+    def flags(self, headers: Mapping[str, str]) -> str | None: ...
     # `error` None: no connection within connect_timeout_s
-    def not_connected(
-        self, call: PrefillCall, error: aiohttp.ClientConnectorError | None
-    ) -> LegError: ...
-    def broke(self, call: PrefillCall, error: aiohttp.ClientError) -> LegError: ...
+    def not_connected(self, call: PrefillCall, error: OSError | None) -> LegError: ...
+    def broke(self, call: PrefillCall, error: Exception) -> LegError: ...
 
 
 class ThroughListener:
@@ -148,19 +152,21 @@ class ThroughListener:
     destination header and passes the other headers on to P (the key of `p_leg_key` too).
     """
 
+    keepalive_s = 60.0  # Envoy keeps its listener's idle connections for an hour
+    answer_headers = (LOCAL_REPLY_HEADER,)
+
     def __init__(self, listener: str, connect_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
-        self._listener = listener
         unix = listener.startswith("unix:")
-        self._base = "http://prefill" if unix else f"http://{listener}"
+        self._host = "prefill" if unix else listener
+        path = listener.removeprefix("unix:") if unix else None
+        self._destination = Destination(listener, path)
 
-    def connector(self) -> aiohttp.BaseConnector:
-        if self._listener.startswith("unix:"):
-            return aiohttp.UnixConnector(path=self._listener.removeprefix("unix:"), limit=0)
-        return aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    def destination(self, call: PrefillCall) -> Destination:
+        return self._destination
 
-    def url(self, call: PrefillCall) -> str:
-        return self._base + call.path
+    def host(self, call: PrefillCall) -> str:
+        return self._host
 
     def headers(self, call: PrefillCall) -> dict[str, str]:
         return {
@@ -171,23 +177,21 @@ class ThroughListener:
             **(call.headers or {}),
         }
 
-    def flags(self, response: aiohttp.ClientResponse) -> str | None:
-        return response.headers.get(LOCAL_REPLY_HEADER)
+    def flags(self, headers: Mapping[str, str]) -> str | None:
+        return headers.get(LOCAL_REPLY_HEADER)
 
     # Not getting a connection to Envoy's own listener is not P's fault: ListenerUnreachable
     # leaves P's health alone.
-    def not_connected(
-        self, call: PrefillCall, error: aiohttp.ClientConnectorError | None
-    ) -> LegError:
+    def not_connected(self, call: PrefillCall, error: OSError | None) -> LegError:
         if error is None:
             why, detail = f"did not accept a connection within {self.connect_timeout_s:g} s", None
         else:
-            why, detail = f"is unreachable ({_os_reason(error)})", error.strerror
+            why, detail = f"is unreachable ({_os_reason(error)})", str(error)
         return ListenerUnreachable(
             503, f"the prefill listener {why}; retry", retry_after_s=1, detail=detail
         )
 
-    def broke(self, call: PrefillCall, error: aiohttp.ClientError) -> LegError:
+    def broke(self, call: PrefillCall, error: Exception) -> LegError:
         return PrefillUnreachable(
             503,
             "the prefill leg's connection broke; retry",
@@ -208,14 +212,17 @@ class ToEngine:
     """The prefill engine itself, one kept-alive connection pool per engine. The leg carries
     `p_leg_key`; a client key forwarded by dispatch.forward_headers wins over it."""
 
+    keepalive_s = _KEEPALIVE_S
+    answer_headers = ()
+
     def __init__(self, connect_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
 
-    def connector(self) -> aiohttp.BaseConnector:
-        return aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S)
+    def destination(self, call: PrefillCall) -> Destination:
+        return Destination(call.endpoint)
 
-    def url(self, call: PrefillCall) -> str:
-        return f"http://{call.endpoint}{call.path}"
+    def host(self, call: PrefillCall) -> str:
+        return call.endpoint
 
     def headers(self, call: PrefillCall) -> dict[str, str]:
         return {
@@ -225,21 +232,19 @@ class ToEngine:
             "x-request-id": call.request_id,
         }
 
-    def flags(self, response: aiohttp.ClientResponse) -> None:
+    def flags(self, headers: Mapping[str, str]) -> None:
         return None  # no Envoy in between: every answer is the engine's
 
-    def not_connected(
-        self, call: PrefillCall, error: aiohttp.ClientConnectorError | None
-    ) -> LegError:
+    def not_connected(self, call: PrefillCall, error: OSError | None) -> LegError:
         if error is None:
             return _unreachable(call, f"no connection within {self.connect_timeout_s:g} s")
-        return _unreachable(call, _os_reason(error), error.strerror)
+        return _unreachable(call, _os_reason(error), str(error))
 
-    def broke(self, call: PrefillCall, error: aiohttp.ClientError) -> LegError:
+    def broke(self, call: PrefillCall, error: Exception) -> LegError:
         return _unreachable(call, "the connection broke", str(error))
 
 
-def _os_reason(error: aiohttp.ClientConnectorError) -> str:
+def _os_reason(error: OSError) -> str:
     """The OS's reason alone: asyncio's own text names the address it could not reach."""
     return os.strerror(error.errno).lower() if error.errno else "connection refused"
 
@@ -256,45 +261,42 @@ class PrefillClient:
 
     def __init__(self, route: Route) -> None:
         self._route = route
-        self._session: aiohttp.ClientSession | None = None
+        self._connections: Connections | None = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=self._route.connector(), skip_auto_headers=("User-Agent",)
-            )
-        return self._session
+    def connections(self) -> Connections:
+        if self._connections is None:
+            route = self._route
+            self._connections = Connections(route.keepalive_s, route.answer_headers)
+        return self._connections
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._connections is not None:
+            self._connections.close()
+            self._connections = None
 
     async def send(self, call: PrefillCall) -> PrefillResult:
         """POST P's body; PrefillResult on 2xx, else a LegError subclass is raised."""
-        route, session = self._route, self.session
+        route, connections = self._route, self.connections
         started = time.perf_counter()
-        timeout = aiohttp.ClientTimeout(total=call.timeout_s, sock_connect=route.connect_timeout_s)
+        request = head(call.path, route.host(call), route.headers(call), len(call.body))
         try:
-            async with session.post(
-                route.url(call), data=call.body, headers=route.headers(call), timeout=timeout
-            ) as response:
-                payload = await response.read()
-                status, flags = response.status, route.flags(response)
-        except aiohttp.ConnectionTimeoutError:  # a TimeoutError too: it comes first
-            raise route.not_connected(call, None) from None
-        except aiohttp.ClientConnectorError as error:
-            raise route.not_connected(call, error) from None
+            async with asyncio.timeout(call.timeout_s):
+                answer = await connections.post(
+                    route.destination(call), request + call.body, route.connect_timeout_s
+                )
+        except NotConnected as error:
+            raise route.not_connected(call, error.error) from None
         except TimeoutError:
             raise PrefillTimeout(
                 504,
                 f"the prefill engine did not answer within {call.timeout_s:g} s",
                 detail=f"prefill {call.endpoint}",
             ) from None
-        except aiohttp.ClientError as error:
+        except BrokenConnection as error:
             raise route.broke(call, error) from None
-        return prefill_result(status, flags, payload, call.endpoint, started)
+        flags = route.flags(answer.headers)
+        return prefill_result(answer.status, flags, answer.body, call.endpoint, started)
 
 
 class PrefillSender(Protocol):

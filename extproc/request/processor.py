@@ -5,7 +5,7 @@
 2. request body, whole: parse once, then one call plans it (`extproc.request.plan`: P and D
    from the scheduler, the strategy, the bodies); its runner (`extproc.request.strategies`)
    sends the legs:
-     parallel: start the P leg and write D's answers in the same loop turn
+     parallel: start the P leg, let it write its request, then write D's answers
      serial:   await P, forward its params to D
    Streamed (FULL_DUPLEX_STREAMED, what the rendered LLM routes use): the chunks are gathered
    while the headers wait (`extproc.request.upload`), then the headers are answered (destination,
@@ -347,16 +347,21 @@ class RequestProcessor:
 
     async def _watch(self) -> None:
         """Until the stream ends: P leg outcome and D's response headers, whichever first."""
+        timeout_s = self.config.timeouts.request_s
         while not self.stream.ended:
             leg = self.dispatch.watch()  # raises P's failure once known
+            if leg is None:  # Envoy's next message alone: no task, no wait set
+                message = await self.stream.read(timeout_s)
+                if message is None and not self.stream.ended:
+                    return  # request_s elapsed: stop watching, Envoy's timeouts own it now
+                await self._on_message(message)
+                continue
             read = self.stream.next_message()
             done, _ = await asyncio.wait(
-                {read} if leg is None else {read, leg},
-                timeout=self.config.timeouts.request_s,
-                return_when=asyncio.FIRST_COMPLETED,
+                {read, leg}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
-                return  # request_s elapsed: stop watching, Envoy's timeouts own it now
+                return
             if read.done():
                 await self._on_message(self.stream.take())
 

@@ -475,7 +475,8 @@ class SerialDispatch:
 
 
 class ParallelDispatch:
-    """P and D leave in one event-loop turn; D carries P's cached identity (`plan.given`)."""
+    """P leaves, then D's answer one event-loop turn later; D carries P's cached identity
+    (`plan.given`)."""
 
     def __init__(
         self, plan: ParallelPlan, services: LegServices, exchange: Exchange, counted: InFlight
@@ -483,7 +484,7 @@ class ParallelDispatch:
         self._plan = plan
         self._services = services
         self._exchange = exchange
-        # Created before the answer is written: both leave in this event-loop turn.
+        # Created before the answer is written; `send` lets it write its request first.
         self._leg = _PrefillLeg(
             plan.prefill,
             plan.p_body,
@@ -497,6 +498,9 @@ class ParallelDispatch:
         self._owed = _OwedPush(services, exchange)
 
     async def send(self, started: float) -> bool:
+        # One loop turn for the P leg's task, whose request then leaves on a kept-alive
+        # connection at once: P starts computing before Envoy has D's body.
+        await asyncio.sleep(0)
         await _answer(self._plan, self._plan.d_body, started, self._services, self._exchange)
         self._services.metrics.skew_seconds.observe(abs(time.perf_counter() - self._leg.started))
         return True

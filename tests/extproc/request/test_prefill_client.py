@@ -36,6 +36,7 @@ class FakeListener:
     def __init__(self) -> None:
         self.handler: Handler = self._ok
         self.received: list[tuple[web.Request, bytes]] = []
+        self.peers: list[int] = []  # the client port of each request's connection
         self.address = ""
 
     async def _ok(self, request: web.Request) -> web.Response:
@@ -43,6 +44,7 @@ class FakeListener:
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         self.received.append((request, await request.read()))
+        self.peers.append(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
         return await self.handler(request)
 
 
@@ -290,16 +292,16 @@ async def test_unix_socket_listener(tmp_path: Path) -> None:
     assert received == [("prefill", "/v1/chat/completions")]
 
 
-async def test_close_then_send_opens_a_new_session(
+async def test_close_then_send_opens_new_connections(
     listener: FakeListener, client: PrefillClient
 ) -> None:
     await client.send(PrefillCall("p", "/v1/completions", b"{}", "r1", 5, CONFIG))
-    first = client.session
+    first = client.connections
     await client.close()
-    assert first.closed
     await client.close()  # twice is harmless
     result = await client.send(PrefillCall("p", "/v1/completions", b"{}", "r2", 5, CONFIG))
-    assert result.status == 200 and client.session is not first
+    assert result.status == 200 and client.connections is not first
+    assert len(set(listener.peers)) == 2  # the first connection was closed, not reused
 
 
 async def test_connect_is_bounded_by_the_connect_timeout_not_the_leg_timeout() -> None:
