@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import platform
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -20,10 +21,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from extproc.roles import Role
 
-__all__ = ["Metrics", "package_version"]
+__all__ = ["InFlightCounts", "Metrics", "package_version"]
 
 # No `*_created` series: a counter's start time is noise on every scrape (rate() does not use
 # it). The library's switch is process-wide, and this process exports only these registries.
@@ -97,13 +100,37 @@ def package_version() -> str:
         return "unknown"
 
 
+class InFlightCounts(Collector):
+    """`pd_extproc_inflight_requests`, read from the pools when scraped: a gauge set at every
+    change cost the request path two writes under a lock per leg. `read` gives (role,
+    endpoint, count) of every member; the wiring sets it."""
+
+    NAME = "pd_extproc_inflight_requests"
+    HELP = (
+        "Requests in flight per endpoint, as counted by this ext_proc: at a decode for the "
+        "whole request, at a prefill while its P leg runs only."
+    )
+
+    def __init__(self) -> None:
+        self.read: Callable[[], Iterable[tuple[str, str, int]]] = lambda: ()
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.NAME, self.HELP, labels=["role", "endpoint"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.NAME, self.HELP, labels=["role", "endpoint"])
+        for role, endpoint, count in self.read():
+            family.add_metric([role, endpoint], count)
+        yield family
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        # `labels()` looked up once per series (`series`, `endpoint_state`): it costs several
+        # `labels()` looked up once per series (`series`, `endpoint_health`): it costs several
         # microseconds, and the request path ran it 14 times a request.
         self._series: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._endpoint_series: dict[tuple[Role, str], tuple[Any, Any]] = {}
+        self._endpoint_series: dict[tuple[Role, str], Any] = {}
         r = self.registry
         self.build_info = Info(
             "pd_extproc_build",
@@ -174,13 +201,8 @@ class Metrics:
             ["endpoint", "event"],
             registry=r,
         )
-        self.inflight = Gauge(
-            "pd_extproc_inflight_requests",
-            "Requests in flight per endpoint, as counted by this ext_proc: at a decode for the "
-            "whole request, at a prefill while its P leg runs only.",
-            ["role", "endpoint"],
-            registry=r,
-        )
+        self.in_flight = InFlightCounts()
+        r.register(self.in_flight)
         self.healthy = Gauge(
             "pd_extproc_endpoint_healthy",
             "1 if the endpoint passes health checks and accepts connections, else 0.",
@@ -328,23 +350,19 @@ class Metrics:
             child = self._series[key] = metric.labels(*labels)
         return child
 
-    def endpoint_state(self, role: Role, address: str, in_flight: int, healthy: bool) -> None:
-        """An endpoint's in-flight and health gauges: set at every in-flight change, so twice
-        per leg; their series are kept until `forget_endpoint`."""
+    def endpoint_health(self, role: Role, address: str, healthy: bool) -> None:
+        """An endpoint's health gauge; its series is kept until `forget_endpoint`."""
         key = (role, address)
-        gauges = self._endpoint_series.get(key)
-        if gauges is None:
-            gauges = (self.inflight.labels(role, address), self.healthy.labels(role, address))
-            self._endpoint_series[key] = gauges
-        gauges[0].set(in_flight)
-        gauges[1].set(1 if healthy else 0)
+        gauge = self._endpoint_series.get(key)
+        if gauge is None:
+            gauge = self._endpoint_series[key] = self.healthy.labels(role, address)
+        gauge.set(1 if healthy else 0)
 
     def forget_endpoint(self, role: Role, address: str) -> None:
         """Drop the per-endpoint series of an endpoint that left its pool."""
         self._endpoint_series.pop((role, address), None)
-        for gauge in (self.inflight, self.healthy):
-            with contextlib.suppress(KeyError):
-                gauge.remove(role, address)
+        with contextlib.suppress(KeyError):
+            self.healthy.remove(role, address)
         if role == Role.DECODE:
             with contextlib.suppress(KeyError):
                 self.kv_transfer_share.remove(address)

@@ -160,6 +160,7 @@ class Runtime:
         for pool in (self.prefill, self.decode):
             for state in pool:
                 self._endpoint_changed(pool.role)(state)
+        self.metrics.in_flight.read = self._in_flight_counts
         self.prefill_client = PrefillPaths(
             PrefillClient(ThroughListener(prefill_listener, config.timeouts.connect_s)),
             PrefillClient(ToEngine(config.timeouts.connect_s)),
@@ -302,6 +303,11 @@ class Runtime:
             )
         )
 
+    def _in_flight_counts(self) -> Iterator[tuple[str, str, int]]:
+        for pool in (self.prefill, self.decode):
+            for state in pool:
+                yield pool.role, state.address, state.in_flight
+
     def _endpoint_state(self, address: str) -> EndpointState | None:
         return next(
             (s for pool in (self.prefill, self.decode) for s in pool if s.address == address), None
@@ -312,7 +318,7 @@ class Runtime:
 
     def _endpoint_changed(self, role: Role) -> Callable[[EndpointState], None]:
         def record(state: EndpointState) -> None:
-            self.metrics.endpoint_state(role, state.address, state.in_flight, state.healthy)
+            self.metrics.endpoint_health(role, state.address, state.healthy)
             if role is Role.PREFILL and not state.healthy:  # what it still owed will not come
                 self._pushes_lost(state.address, self.pushed_kv.endpoint_down(state.address))
 

@@ -37,6 +37,7 @@ __all__ = [
     "repeated_headers",
     "request_labels",
     "route_mutation",
+    "status_of",
     "streamed_body_answer",
     "with_destination_metadata",
 ]
@@ -66,6 +67,16 @@ def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
 
 # Headers whose values are lists (W3C trace context): their repeats are one combined list.
 _LIST_HEADERS = frozenset({"tracestate", "baggage"})
+
+
+def status_of(headers: ep.HttpHeaders) -> int:
+    """The response's `:status` (0 when missing or not a number): the one header the response
+    phase reads, found without building the whole map."""
+    for header in headers.headers.headers:
+        if header.key == ":status":
+            value = _value(header)
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 def repeated_headers(headers: ep.HttpHeaders, names: Iterable[str]) -> dict[str, str]:

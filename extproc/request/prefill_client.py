@@ -152,8 +152,8 @@ class ThroughListener:
     destination header and passes the other headers on to P (the key of `p_leg_key` too).
     """
 
-    keepalive_s = 60.0  # Envoy keeps its listener's idle connections for an hour
-    answer_headers = (LOCAL_REPLY_HEADER,)
+    keepalive_s: float = 60.0  # Envoy keeps its listener's idle connections for an hour
+    answer_headers: tuple[str, ...] = (LOCAL_REPLY_HEADER,)
 
     def __init__(self, listener: str, connect_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
@@ -212,8 +212,8 @@ class ToEngine:
     """The prefill engine itself, one kept-alive connection pool per engine. The leg carries
     `p_leg_key`; a client key forwarded by dispatch.forward_headers wins over it."""
 
-    keepalive_s = _KEEPALIVE_S
-    answer_headers = ()
+    keepalive_s: float = _KEEPALIVE_S
+    answer_headers: tuple[str, ...] = ()
 
     def __init__(self, connect_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s

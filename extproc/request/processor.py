@@ -375,16 +375,17 @@ class RequestProcessor:
             return
         if kind != "response_headers":
             return
-        status = int(envoy_msgs.header_map(message.response_headers).get(":status", "0"))
+        status = envoy_msgs.status_of(message.response_headers)
         served = envoy_msgs.served_endpoint(message)
         counted = self.plan.decode_counted
         if served and counted is not None:
             counted.move_to(served)  # a fallback served it: count it there
         self.decode_status = status
         self.trace.decode_answered(status)
-        if envoy_msgs.decode_was_reached(message):
+        reached = envoy_msgs.decode_was_reached(message)
+        if reached:
             self._check_kv_mismatch(status, served)
-        if await self.dispatch.on_decode_headers(status, envoy_msgs.decode_was_reached(message)):
+        if await self.dispatch.on_decode_headers(status, reached):
             # An answer that started may still be cut; only Envoy's access log will know.
             by_log = status < 400 and self.deps.access_log.decide_outcomes
             reason = self.plan.reason if by_log else None

@@ -62,7 +62,7 @@ class EnvoyStream:
         if message is None or message is aio.EOF:
             self.ended = True
             return None
-        return message  # type: ignore[no-any-return]
+        return message
 
     async def write(self, response: ep.ProcessingResponse) -> None:
         await self._context.write(response)

@@ -69,6 +69,7 @@ class Pool:
         role: Role,
         addresses: Sequence[str],
         policy: Picker,
+        # an endpoint joined, or its health changed (not its counts: they change per leg)
         on_change: Callable[[EndpointState], None] = lambda state: None,
     ) -> None:
         self.role = role
@@ -192,12 +193,12 @@ class Pool:
         return state.least_loaded_rank(ranks) if ranks > 1 else None
 
     def _count(self, counted: Counted, change: int) -> None:
+        """No `on_change`: the counts are read where they are needed (the metric when scraped)."""
         state = counted.state
         state.in_flight += change
         state.pending_tokens += change * counted.tokens
         if counted.rank is not None:
             state.rank_in_flight[counted.rank] = state.rank_in_flight.get(counted.rank, 0) + change
-        self._on_change(state)
 
 
 class Counted:

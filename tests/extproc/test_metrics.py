@@ -84,16 +84,26 @@ def test_client_durations_reach_long_generations_and_work_keeps_sub_ms_buckets()
 
 
 def test_an_endpoints_series_come_back_after_it_left_and_returned() -> None:
-    # `endpoint_state` keeps the series it looked up: a left endpoint's must be forgotten, or
-    # its gauges would be set on series no longer in the registry
+    # `endpoint_health` keeps the series it looked up: a left endpoint's must be forgotten, or
+    # its gauge would be set on a series no longer in the registry
     metrics = Metrics()
-    metrics.endpoint_state(Role.DECODE, "10.0.0.1:8000", 3, True)
+    metrics.endpoint_health(Role.DECODE, "10.0.0.1:8000", True)
     metrics.forget_endpoint(Role.DECODE, "10.0.0.1:8000")
-    assert "pd_extproc_inflight_requests" not in exposed(metrics)
-    metrics.endpoint_state(Role.DECODE, "10.0.0.1:8000", 2, False)
+    assert "pd_extproc_endpoint_healthy" not in exposed(metrics)
+    metrics.endpoint_health(Role.DECODE, "10.0.0.1:8000", False)
     labels = {"role": "decode", "endpoint": "10.0.0.1:8000"}
-    assert exposed(metrics)["pd_extproc_inflight_requests"] == [(labels, 2.0)]
     assert exposed(metrics)["pd_extproc_endpoint_healthy"] == [(labels, 0.0)]
+
+
+def test_in_flight_counts_are_read_when_scraped() -> None:
+    metrics = Metrics()
+    assert "pd_extproc_inflight_requests" not in exposed(metrics)  # nothing to read yet
+    counts = {"10.0.0.1:8000": 3}
+    metrics.in_flight.read = lambda: [("decode", a, n) for a, n in counts.items()]
+    labels = {"role": "decode", "endpoint": "10.0.0.1:8000"}
+    assert exposed(metrics)["pd_extproc_inflight_requests"] == [(labels, 3.0)]
+    counts["10.0.0.1:8000"] = 1  # no write: the next scrape reads it
+    assert exposed(metrics)["pd_extproc_inflight_requests"] == [(labels, 1.0)]
 
 
 def test_a_kept_series_is_the_one_exposed() -> None:

@@ -45,6 +45,22 @@ def test_header_map_prefers_raw_value_and_survives_bad_bytes() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("sent", "status"),
+    [
+        ([("content-type", b"application/json"), (":status", b"503")], 503),
+        ([(":status", b"200"), (":status", b"404")], 200),  # the first, as header_map reads it
+        ([(":status", b"ok")], 0),
+        ([("content-type", b"text/plain")], 0),
+    ],
+)
+def test_the_status_of_response_headers(sent: list[tuple[str, bytes]], status: int) -> None:
+    headers = ep.HttpHeaders(
+        headers=core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v) for k, v in sent])
+    )
+    assert envoy_msgs.status_of(headers) == status
+
+
 def test_d_gets_our_rank_header_or_none_at_all() -> None:
     """A client's X-data-parallel-rank never reaches D: replaced by ours, or removed."""
     ranked = envoy_msgs.route_mutation(["10.0.0.1:8200"], "rid", 2, rank=1)

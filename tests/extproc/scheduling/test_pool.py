@@ -146,8 +146,7 @@ def test_fallback_uses_the_request_group_and_policy_given() -> None:
 
 
 def test_track_counts_in_flight_even_when_the_request_fails() -> None:
-    counts: list[int] = []
-    pool = Pool(Role.DECODE, [A], Last(), on_change=lambda s: counts.append(s.in_flight))
+    pool = Pool(Role.DECODE, [A], Last())
     [state] = pool
     with pool.track(state):
         assert state.in_flight == 1
@@ -157,12 +156,10 @@ def test_track_counts_in_flight_even_when_the_request_fails() -> None:
     with pytest.raises(RuntimeError), pool.track(state):
         raise RuntimeError("leg failed")
     assert state.in_flight == 0
-    assert counts == [1, 2, 1, 0, 1, 0]
 
 
 def test_a_count_moves_to_the_endpoint_that_served_and_ends_there() -> None:
-    changed: list[tuple[str, int]] = []
-    pool = Pool(Role.DECODE, [A, B], Last(), lambda s: changed.append((s.address, s.in_flight)))
+    pool = Pool(Role.DECODE, [A, B], Last())
     first, fallback = pool
     with pool.track(first) as counted:
         counted.move_to(C)  # not a member (any more): the count stays
@@ -171,7 +168,6 @@ def test_a_count_moves_to_the_endpoint_that_served_and_ends_there() -> None:
         counted.move_to(B)
         assert (first.in_flight, fallback.in_flight) == (0, 1)
     assert (first.in_flight, fallback.in_flight) == (0, 0)  # released where it was moved
-    assert changed == [(A, 1), (A, 0), (B, 1), (B, 0)]
 
 
 def test_each_configured_endpoint_is_in_the_metrics_under_its_role_from_the_start() -> None:
