@@ -4,6 +4,10 @@ A message is read by awaiting the stream itself (`read`), except where the proce
 wait on "Envoy's next message" and "the P leg finished" at once: there the read is kept as a
 task (`next_message`), so that no message is ever lost, and cancelled on close. A task and an
 `asyncio.wait` per message cost more of the request's CPU than all of its planning.
+
+Each read is bounded, by one timer per stream rather than one per read (an `asyncio.timeout`
+per message was the largest cost left): a read sets its deadline, the timer is moved only to
+an earlier one, and when it fires before a later deadline it is set again for that one.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ class EnvoyStream:
         self._context = context
         self._pending: asyncio.Future[Any] | None = None
         self.ended = False
+        self._deadline = 0.0  # when the read in progress gives up (loop time)
+        self._timer: asyncio.TimerHandle | None = None
+        self._reader: asyncio.Task[Any] | None = None  # the task inside `read`, if any
+        self._expired = False  # the timer cancelled `_reader`: its read timed out
 
     def next_message(self) -> asyncio.Future[Any]:
         """The task reading Envoy's next message (created once, reused until consumed)."""
@@ -47,16 +55,43 @@ class EnvoyStream:
         """Envoy's next message, or None when the stream ended or nothing came in time."""
         # A read already running (or a message put back) is awaited, else the stream; a
         # timeout cancels the read: every caller ends the request then.
+        self._arm(timeout_s)
         pending, self._pending = self._pending, None
-        timeout = asyncio.timeout(timeout_s)
+        self._reader = asyncio.current_task()
         try:
-            async with timeout:
-                message = await (self._context.read() if pending is None else pending)
+            message = await (self._context.read() if pending is None else pending)
+        except asyncio.CancelledError:
+            if not self._expired:
+                raise
+            self._expired = False
+            self._reader.uncancel()  # type: ignore[union-attr]
+            return None
         except Exception:  # as a failed read task: the stream is gone
-            if timeout.expired():
-                return None
             message = None
+        finally:
+            self._reader = None
         return self._received(message)
+
+    def _arm(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + timeout_s
+        timer = self._timer
+        if timer is None or timer.when() > self._deadline:
+            if timer is not None:
+                timer.cancel()
+            self._timer = loop.call_at(self._deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        reader = self._reader
+        if reader is None:  # no read waits now: the next one sets the timer again
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._deadline:  # this read's deadline is later than the last one's
+            self._timer = loop.call_at(self._deadline, self._on_timer)
+            return
+        self._expired = True
+        reader.cancel()
 
     def _received(self, message: Any) -> ep.ProcessingRequest | None:
         if message is None or message is aio.EOF:
@@ -71,3 +106,6 @@ class EnvoyStream:
         if self._pending is not None and not self._pending.done():
             self._pending.cancel()
         self._pending = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
