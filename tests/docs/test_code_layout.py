@@ -23,7 +23,7 @@ def _named(tree: str) -> set[str]:
             folder = head.group(1)
         elif re.match(r"  \S", line):
             folder = ""
-        for module in re.findall(r"\b([a-z_]+\.py)\b", line):
+        for module in re.findall(r"\b([a-z_][a-z0-9_]*\.py)\b", line):
             named.add(folder + module)
     return named
 
