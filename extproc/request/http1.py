@@ -203,6 +203,7 @@ class Connections:
         return None
 
     async def _connect(self, destination: Destination, timeout_s: float) -> _Connection:
+        self._sweep()
         connection = _Connection(self._wanted)
         timeout = asyncio.timeout(timeout_s)
         try:
@@ -212,6 +213,18 @@ class Connections:
             connection.close()
             raise NotConnected(None if timeout.expired() else error) from None
         return connection
+
+    def _sweep(self) -> None:
+        """Forget every idle connection that is closed or past its keep-alive, and the
+        destinations left with none (an engine that left the pool is never asked for again).
+        Done when a connection opens, which is rare next to the legs that reuse one."""
+        oldest_kept = asyncio.get_running_loop().time() - self._keepalive_s
+        for key, idle in list(self._idle.items()):
+            for connection in [c for c in idle if c.closed or c.idle_since < oldest_kept]:
+                idle.remove(connection)
+                connection.close()
+            if not idle:
+                del self._idle[key]
 
     def close(self) -> None:
         """Close every connection; legs in flight fail as broken."""

@@ -279,7 +279,10 @@ class PrefillClient:
         """POST P's body; PrefillResult on 2xx, else a LegError subclass is raised."""
         route, connections = self._route, self.connections
         started = time.perf_counter()
-        request = head(call.path, route.host(call), route.headers(call), len(call.body))
+        try:
+            request = head(call.path, route.host(call), route.headers(call), len(call.body))
+        except ValueError as error:  # Envoy forwards no such header: a client's own, if any
+            raise PrefillFailed(400, f"the request cannot be sent on: {error}") from None
         try:
             async with asyncio.timeout(call.timeout_s):
                 answer = await connections.post(

@@ -11,6 +11,7 @@ import pytest
 
 from extproc.request.http1 import (
     MAX_ANSWER_BYTES,
+    Answer,
     BrokenConnection,
     Connections,
     Destination,
@@ -68,7 +69,7 @@ def request() -> bytes:
     return head("/v1/completions", "p", {"x-request-id": "r"}, 2) + b"{}"
 
 
-async def post(connections: Connections, server: ScriptedServer) -> object:
+async def post(connections: Connections, server: ScriptedServer) -> Answer:
     return await asyncio.wait_for(connections.post(server.destination, request(), WAIT_S), WAIT_S)
 
 
@@ -80,7 +81,7 @@ async def test_an_answer_is_read_whole_and_its_connection_reused(server: Scripte
     finally:
         connections.close()
     assert first == second
-    assert (first.status, first.headers, first.body) == (200, {"x-flags": "UF"}, b"{}")  # type: ignore[attr-defined]
+    assert (first.status, first.headers, first.body) == (200, {"x-flags": "UF"}, b"{}")
     assert server.connections == 1
     assert server.requests[0] == (
         b"POST /v1/completions HTTP/1.1\r\nhost: p\r\ncontent-length: 2\r\n"
@@ -90,15 +91,14 @@ async def test_an_answer_is_read_whole_and_its_connection_reused(server: Scripte
 
 async def test_a_chunked_answer_is_joined(server: ScriptedServer) -> None:
     server.script = lambda request: (
-        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-        b"3\r\n{\"a\r\n5\r\n\": 1}\r\n0\r\n\r\n"
+        b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\n{"a\r\n5\r\n": 1}\r\n0\r\n\r\n'
     )
     connections = Connections(60)
     try:
         answer = await post(connections, server)
     finally:
         connections.close()
-    assert answer.body == b'{"a": 1}'  # type: ignore[attr-defined]
+    assert answer.body == b'{"a": 1}'
 
 
 async def test_an_answer_that_closes_its_connection_is_not_reused(server: ScriptedServer) -> None:
@@ -113,7 +113,7 @@ async def test_an_answer_that_closes_its_connection_is_not_reused(server: Script
 
 
 async def test_a_leg_given_up_mid_answer_closes_its_connection(server: ScriptedServer) -> None:
-    partial = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"kv"
+    partial = b'HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{"kv'
     server.script = lambda request: partial  # and the rest never comes
     connections = Connections(60)
     try:
@@ -124,12 +124,12 @@ async def test_a_leg_given_up_mid_answer_closes_its_connection(server: ScriptedS
         answer = await post(connections, server)
     finally:
         connections.close()
-    assert answer.status == 200  # type: ignore[attr-defined]
+    assert answer.status == 200
     assert server.connections == 2  # the half-read connection was closed, not used again
 
 
 async def test_a_connection_closed_mid_answer_fails_the_leg(server: ScriptedServer) -> None:
-    server.script = lambda request: b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"kv"
+    server.script = lambda request: b'HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{"kv'
     server.hang_up_after = True
     connections = Connections(60)
     try:
@@ -174,3 +174,21 @@ async def test_no_listener_is_not_connected_with_the_os_reason() -> None:
 def test_a_header_with_a_line_break_is_refused() -> None:
     with pytest.raises(ValueError, match="line break"):
         head("/v1/completions", "p", {"x-forwarded": "a\r\nGET / HTTP/1.1"}, 2)
+
+
+async def test_a_destination_with_no_open_connection_left_is_forgotten(
+    server: ScriptedServer,
+) -> None:
+    server.script = lambda request: OK.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
+    gone = ScriptedServer(lambda request: OK)
+    listening = await asyncio.start_server(gone.handle, "127.0.0.1", 0)
+    gone.destination = Destination(f"127.0.0.1:{listening.sockets[0].getsockname()[1]}")
+    connections = Connections(keepalive_s=0)  # every idle connection is past its keep-alive
+    try:
+        await post(connections, gone)  # kept for reuse: the server keeps it open
+        listening.close()
+        await post(connections, server)  # opening a connection sweeps the expired one
+        assert connections._idle == {}  # white-box: what the sweep leaves is the point
+    finally:
+        connections.close()
+        await listening.wait_closed()

@@ -329,3 +329,13 @@ async def test_connect_is_bounded_by_the_connect_timeout_not_the_leg_timeout() -
     assert caught.value.message == (
         "the prefill listener did not accept a connection within 0.3 s; retry"
     )
+
+
+async def test_a_header_with_a_line_break_is_the_clients_400_and_nothing_is_sent(
+    listener: FakeListener, client: PrefillClient
+) -> None:
+    call = PrefillCall("p", "/v1/completions", b"{}", "r", 5, CONFIG, {"x-tag": "a\r\nb: c"})
+    with pytest.raises(PrefillFailed) as caught:
+        await client.send(call)
+    assert caught.value.status == 400 and "line break" in caught.value.message
+    assert listener.received == []
