@@ -364,9 +364,11 @@ class ExtProcListenConfig(ListenConfig):
     # tls) keeps the documented port instead of the base class's 0 (an ephemeral port).
     port: int = Field(default=50051, ge=0, lt=65536)
     tls: TlsConfig | None = None  # plaintext by default: it listens on loopback or a socket
-    # `up`: this many ext_proc processes (one core each), behind Envoy by least open streams.
-    # The extra ones listen on Unix sockets too; each keeps its own identity cache and counters.
-    workers: int = Field(default=1, ge=1, le=64)
+    # `up`: this many ext_proc processes (one core each), behind Envoy by least open streams;
+    # "auto": the CPUs the process may use (affinity, cgroup CPU limit) less Envoy's worker
+    # threads, at least 1. The extra ones listen on Unix sockets too, each with its own share of
+    # the in-flight limits; the metrics port shows them all (docs/benchmarks.md, sizing).
+    workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     # serve, epp: the pools' EDS and the access-log service on a listener of their own
     # (loopback or unix:/path: it has no authentication), off the ext_proc's port, which may
     # then face other hosts. None: serve has them on the ext_proc's port, epp has none (a
@@ -561,7 +563,8 @@ _PRIORITY_BOUND = 1000  # far beyond any useful number of levels
 class AdmissionLimits(_Strict):
     """Saturation limits of one role's endpoints; None: not checked."""
 
-    max_in_flight: int | None = Field(default=None, gt=0)  # requests this ext_proc sent there
+    # requests the sidecar has in flight there (its ext_proc processes each admit their share)
+    max_in_flight: int | None = Field(default=None, gt=0)
     max_waiting: float | None = Field(default=None, gt=0)  # vllm:num_requests_waiting
     max_kv_usage: float | None = Field(default=None, gt=0, le=1)  # vllm:kv_cache_usage_perc
 
@@ -681,9 +684,9 @@ class LimitConfig(_Strict):
     # at most 1 GiB: Envoy's buffers, an eighth larger (extproc.protocol.bodies.buffer_bytes),
     # are 32-bit
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, le=1024**3)
-    # the client bodies one ext_proc process holds at once, across its requests (each until it
-    # ends); a body that would pass it gets 503 + Retry-After. At least max_body_bytes; None:
-    # 256 MiB, or max_body_bytes if that is larger.
+    # the client bodies the sidecar holds at once, across its requests (each until it ends;
+    # its ext_proc processes each hold their share); a body that would pass it gets 503 +
+    # Retry-After. At least max_body_bytes; None: 256 MiB, or max_body_bytes if that is larger.
     max_body_bytes_in_flight: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")

@@ -23,14 +23,17 @@ __all__ = ["HangupReloads", "reload_runtime"]
 log = logging.getLogger("extproc")
 
 
-async def reload_runtime(runtime: Runtime, path: Path) -> Config | None:
-    """Load `path` and hand it to the runtime; None (config kept) when the file is invalid."""
+async def reload_runtime(
+    runtime: Runtime, path: Path, adjust: Callable[[Config], Config] = lambda config: config
+) -> Config | None:
+    """Load `path` and hand it to the runtime (`adjust`ed: a worker's share of the limits);
+    the loaded config, or None (config kept) when the file is invalid."""
     try:
         config = await asyncio.to_thread(load_config, path)
     except ConfigError as error:
         log.error("reload refused, keeping the running config:\n%s", error)
         return None
-    for section in runtime.reload(config):
+    for section in runtime.reload(adjust(config)):
         log.warning("reload: %s changed; that takes a restart to apply", section)
     await runtime.discover()
     log.info("configuration reloaded from %s", path)

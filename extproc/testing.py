@@ -51,7 +51,8 @@ def ephemeral_config(prefill: list[Any], decode: list[Any], **extra: Any) -> dic
     config: dict[str, Any] = {
         "prefill": {"endpoints": prefill},
         "decode": {"endpoints": decode},
-        "extproc": {"port": 0},
+        # one process whatever the machine (not `auto`): a test that wants more says so
+        "extproc": {"port": 0, "workers": 1},
         "metrics": {"port": 0, "ready_detail": True},  # tests read /ready?verbose
         "envoy": {"listen": {"port": 0}},
         "health": {"interval_s": 0.5, "timeout_s": 0.5},

@@ -23,10 +23,10 @@ import orjson
 
 from extproc.bootstrap.render import render_bootstrap, render_yaml
 from extproc.config import Config
-from extproc.process.cpus import available_cpus, workers_above_cpus
+from extproc.process.cpus import available_cpus, worker_count, workers_above_cpus
 from extproc.process.envoy_process import EnvoyProcess
 from extproc.process.extproc_service import ExtProcService
-from extproc.process.workers import WorkerProcesses
+from extproc.process.workers import WorkerProcesses, limits_share
 
 __all__ = ["Sidecar", "SidecarAddresses"]
 
@@ -74,13 +74,18 @@ class Sidecar:
     ) -> None:
         """`listen_setting`: what moves the clients' port, named when it is taken."""
         self.config = config
+        self.cpus = available_cpus()
+        # the ext_proc processes, this one too (extproc.workers: auto leaves Envoy its CPUs)
+        self.processes = worker_count(config.extproc.workers, self.cpus, config.envoy.concurrency)
         self._own_run_dir = run_dir is None  # a temporary one is removed on stop
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="pd-extproc-"))
         self.prefill_listener = (
             config.envoy.prefill_listener or f"unix:{self.run_dir / 'prefill.sock'}"
         )
         self.extproc = ExtProcService(
-            config, self.prefill_listener, listen=private_extproc_socket(config, self.run_dir)
+            self._share(config),
+            self.prefill_listener,
+            listen=private_extproc_socket(config, self.run_dir),
         )
         self.runtime = self.extproc.runtime
         self.envoy = EnvoyProcess(
@@ -99,11 +104,11 @@ class Sidecar:
     async def bind(self) -> None:
         """The ext_proc (its first membership, then its ports), its workers, then Envoy."""
         await self.extproc.bind()  # Envoy's first EDS answer holds every member
-        workers = self.config.extproc.workers
-        if (above := workers_above_cpus(workers, available_cpus())) is not None:
+        if (above := workers_above_cpus(self.processes, self.cpus)) is not None:
             log.warning("%s", above)
         try:
-            await self.workers.start(workers - 1)
+            await self.workers.start(self.processes - 1)
+            self.extproc.server.worker_metrics = self.workers.metrics
             extproc = self._extproc_addresses()
             bootstrap = render_bootstrap(self.config, extproc, self.prefill_listener)
             self.envoy.config_path.write_text(render_yaml(bootstrap))
@@ -141,11 +146,15 @@ class Sidecar:
 
     async def reload(self, config_path: Path) -> None:
         """SIGHUP: new requests use the new config; requests in flight are untouched."""
-        config = await self.extproc.reload(config_path)
+        config = await self.extproc.reload(config_path, self._share)
         if config is None:
             return
         await self.workers.reload(config)  # they serve EDS too: same members everywhere
         self.config = config
+
+    def _share(self, config: Config) -> Config:
+        """This process's part of the limits the sidecar's processes share."""
+        return limits_share(config, self.processes)
 
     async def failed(self) -> str:
         """Envoy exited by itself."""

@@ -1,5 +1,6 @@
 """The CPUs this process may use: its affinity, capped by the cgroup v2 CPU quota (a pod's
-CPU limit), rounded up. One ext_proc process uses at most one of them (`extproc.workers`).
+CPU limit), rounded up. One ext_proc process uses at most one of them (`extproc.workers`), and
+Envoy's worker threads (`envoy.concurrency`) want theirs: "auto" leaves them those.
 """
 
 from __future__ import annotations
@@ -8,7 +9,13 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["CGROUP_CPU_MAX", "available_cpus", "cgroup_cpu_quota", "workers_above_cpus"]
+__all__ = [
+    "CGROUP_CPU_MAX",
+    "available_cpus",
+    "cgroup_cpu_quota",
+    "worker_count",
+    "workers_above_cpus",
+]
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
@@ -36,6 +43,12 @@ def available_cpus(path: Path = CGROUP_CPU_MAX) -> int:
     if quota is not None:
         cpus = min(cpus, math.ceil(quota))
     return max(1, cpus)
+
+
+def worker_count(setting: int | str, cpus: int, envoy_threads: int) -> int:
+    """`extproc.workers` as a number of processes: "auto" is the CPUs left beside Envoy's
+    worker threads, at least 1 (on 2 CPUs with one Envoy thread: 1)."""
+    return max(1, cpus - envoy_threads) if setting == "auto" else int(setting)
 
 
 def workers_above_cpus(workers: int, cpus: int) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,9 +94,12 @@ class ExtProcService:
             server.eds_access_log_address,
         )
 
-    async def reload(self, config_path: Path) -> Config | None:
-        """SIGHUP: new requests use the new config; None (config kept) when it is invalid."""
-        return await reload_runtime(self.runtime, config_path)
+    async def reload(
+        self, config_path: Path, adjust: Callable[[Config], Config] = lambda config: config
+    ) -> Config | None:
+        """SIGHUP: new requests use the new config (`adjust`ed); None (config kept) when it
+        is invalid."""
+        return await reload_runtime(self.runtime, config_path, adjust)
 
     async def failed(self) -> str:
         """Nothing ends the ext_proc alone but a signal."""

@@ -37,6 +37,7 @@ from extproc.process.grpc_health import HealthServices, health_server
 from extproc.process.memory import return_large_buffers
 from extproc.process.ports import PortInUse
 from extproc.process.serving_tls import configured_credentials, self_signed_credentials
+from extproc.process.worker_pages import merged_pages, worker_pages
 from extproc.request.access_log import ClientLatency
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
@@ -129,6 +130,8 @@ class ExtProcServer:
         self.metrics_port = 0
         # Envoy's admin ("http://host:port"), whose stats ENVOY_STATS_PATH serves; "": none known
         self.envoy_admin = ""
+        # `up`'s other ext_proc processes ("http://host:port"): their series join this /metrics
+        self.worker_metrics: list[str] = []
         self.health_port = 0  # the plaintext health port of an endpoint picker (0: none)
         self._grpc: aio.Server | None = None
         self._health = HealthServices(gated=endpoint_picker)
@@ -210,9 +213,12 @@ class ExtProcServer:
         return app
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=self.runtime.metrics.render(), content_type="text/plain", charset="utf-8"
-        )
+        body = self.runtime.metrics.render()
+        if self.worker_metrics:
+            async with aiohttp.ClientSession() as session:
+                pages = await worker_pages(session, self.worker_metrics)
+            body = await asyncio.to_thread(merged_pages, [body, *pages])
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def _ready(self, request: web.Request) -> web.Response:
         """The probe's answer; `?verbose` adds the engines' detail when metrics.ready_detail

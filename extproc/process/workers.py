@@ -3,14 +3,19 @@
 Each worker is a `pd-extproc serve` child with the same configuration but its own free port
 (or socket) and metrics port; Envoy spreads streams over all of them (LEAST_REQUEST). Each
 keeps its own identity cache, health view and in-flight counts: they learn the same facts
-from the same engines, and least-request picking works per process. Each also serves the pools'
-members over EDS (Envoy's stream may reach any of them), so a reload reaches every worker.
+from the same engines, and least-request picking works per process. The limits on what the
+sidecar holds are shared out (`limits_share`): each process admits its part of every
+`admission.*.max_in_flight` and holds its part of the body budget, so that together they keep
+the operator's numbers. Each also serves the pools' members over EDS (Envoy's stream may reach
+any of them), so a reload reaches every worker; their metrics join the main process's page
+(`extproc.process.worker_pages`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import signal
 import sys
 from pathlib import Path
@@ -19,15 +24,41 @@ from typing import Any
 import orjson
 import yaml
 
-from extproc.config import Config
+from extproc.config import AdmissionLimits, Config
 from extproc.process.subprocesses import terminate
 
-__all__ = ["WorkerProcesses"]
+__all__ = ["WorkerProcesses", "limits_share"]
 
 
-def _worker_config(config: Config, index: int, private: Path | None) -> dict[str, Any]:
-    """`private`: the run directory whose Unix sockets `up`'s ext_procs listen on."""
-    data = config.model_dump(mode="json", exclude_none=True)
+def limits_share(config: Config, processes: int) -> Config:
+    """`config` for one of `processes` ext_procs of one sidecar: its part of each role's
+    `max_in_flight` (rounded up) and of the body budget (at least one body of max_body_bytes)."""
+    if processes <= 1:
+        return config
+
+    def share(limits: AdmissionLimits) -> AdmissionLimits:
+        most = limits.max_in_flight
+        part = None if most is None else math.ceil(most / processes)
+        return limits.model_copy(update={"max_in_flight": part})
+
+    admission, limits = config.admission, config.limits
+    budget = max(limits.max_body_bytes, limits.body_budget_bytes // processes)
+    return config.model_copy(
+        update={
+            "admission": admission.model_copy(
+                update={"prefill": share(admission.prefill), "decode": share(admission.decode)}
+            ),
+            "limits": limits.model_copy(update={"max_body_bytes_in_flight": budget}),
+        }
+    )
+
+
+def _worker_config(
+    config: Config, index: int, private: Path | None, processes: int
+) -> dict[str, Any]:
+    """`private`: the run directory whose Unix sockets `up`'s ext_procs listen on;
+    `processes`: how many share the limits, this one too."""
+    data = limits_share(config, processes).model_dump(mode="json", exclude_none=True)
     extproc = data["extproc"]
     if extproc["host"].startswith("unix:"):
         extproc["host"] = f"{extproc['host']}.{index}"
@@ -64,9 +95,11 @@ class WorkerProcesses:
         self.processes: list[asyncio.subprocess.Process] = []
         self.addresses: list[str] = []
         self.metrics: list[str] = []
+        self._sharing = 1  # the ext_procs the limits are shared among, the main one too
 
     async def start(self, count: int, timeout_s: float = 30.0) -> None:
         """Start `count` workers and wait (bounded) until each listens."""
+        self._sharing = count + 1
         ready_files = [await self._spawn(index) for index in range(1, count + 1)]
         async with asyncio.timeout(timeout_s):
             for ready in ready_files:
@@ -80,7 +113,8 @@ class WorkerProcesses:
     async def _spawn(self, index: int) -> Path:
         config_path = self._config_path(index)
         ready = self.run_dir / f"worker-{index}.ready"
-        config_path.write_text(yaml.safe_dump(_worker_config(self.config, index, self._private)))
+        data = _worker_config(self.config, index, self._private, self._sharing)
+        config_path.write_text(yaml.safe_dump(data))
         with (self.run_dir / f"worker-{index}.log").open("wb") as log:
             self.processes.append(
                 await asyncio.create_subprocess_exec(
@@ -105,7 +139,7 @@ class WorkerProcesses:
         """Hand a reloaded config to every worker (its file rewritten, then SIGHUP)."""
         self.config = config
         for index, process in enumerate(self.processes, start=1):
-            text = yaml.safe_dump(_worker_config(config, index, self._private))
+            text = yaml.safe_dump(_worker_config(config, index, self._private, self._sharing))
             await asyncio.to_thread(self._config_path(index).write_text, text)
             if process.returncode is None:
                 process.send_signal(signal.SIGHUP)

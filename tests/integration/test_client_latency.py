@@ -241,8 +241,8 @@ async def test_entries_label_right_whichever_ext_proc_process_receives_them() ->
     one process, while requests are spread over both. The labels travel in each entry, so the
     entries of the other process's requests are counted right all the same."""
     async with topology(extproc={"workers": 2}) as topo:
-        urls = [topo.sidecar.metrics, *topo.sidecar.worker_metrics]
-        assert len(urls) == 2
+        assert len(topo.sidecar.worker_metrics) == 1
+        workers = ("0", "1")  # the `worker` label of each process's series on the pod's page
         body = {"model": MODEL, "prompt": "workers " * 10, "max_tokens": 2}
         sent, handled = 0, [Counter[str](), Counter[str]()]
         while sent < 8 or not all(handled):  # until both processes handled some
@@ -250,33 +250,35 @@ async def test_entries_label_right_whichever_ext_proc_process_receives_them() ->
             statuses = await asyncio.gather(*(topo.post("/v1/completions", body) for _ in range(4)))
             assert all(status == 200 for status, _, _ in statuses)
             sent += 4
-            handled = [await by_strategy(topo, url, "pd_extproc_requests_total") for url in urls]
+            handled = [await by_strategy(topo, w, "pd_extproc_requests_total") for w in workers]
 
         async def all_handled() -> bool:  # a request is counted once Envoy closes its stream
             nonlocal handled
-            handled = [await by_strategy(topo, url, "pd_extproc_requests_total") for url in urls]
+            handled = [await by_strategy(topo, w, "pd_extproc_requests_total") for w in workers]
             return (handled[0] + handled[1]).total() == sent
 
         await until(all_handled, f"{sent} requests counted")
         total_handled = handled[0] + handled[1]
 
         async def all_counted() -> bool:
-            observed = [await by_strategy(topo, url, TTFB + "_count") for url in urls]
+            observed = [await by_strategy(topo, w, TTFB + "_count") for w in workers]
             return (observed[0] + observed[1]) == total_handled
 
         await until(all_counted, f"{sent} access-log entries, labelled as the requests were")
-        observed = [await by_strategy(topo, url, TTFB + "_count") for url in urls]
+        observed = [await by_strategy(topo, w, TTFB + "_count") for w in workers]
         # entries did cross processes: one process counted requests it never saw
         assert observed != handled, (observed, handled)
 
 
-async def by_strategy(topo: Topology, url: str, name: str) -> Counter[str]:
-    """The counts of `name`{model=MODEL} of one process, by strategy (2xx/ok ones only)."""
+async def by_strategy(topo: Topology, worker: str, name: str) -> Counter[str]:
+    """The counts of `name`{model=MODEL} of one process (its `worker` label on the sidecar's
+    page), by strategy (2xx/ok ones only)."""
     counts: Counter[str] = Counter()
-    for key, value in (await scrape(topo.session, url + "/metrics")).items():
+    for key, value in (await scrape(topo.session, topo.sidecar.metrics + "/metrics")).items():
         if (
             key.startswith(name + "{")
             and f'model="{MODEL}"' in key
+            and f'worker="{worker}"' in key
             and ('outcome="ok"' in key or 'code="2xx"' in key)
         ):
             counts[key.partition('strategy="')[2].partition('"')[0]] += int(value)

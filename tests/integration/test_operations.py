@@ -49,19 +49,22 @@ async def test_sigterm_drains_open_streams_and_refuses_new_requests() -> None:
         assert await topo.sidecar.wait_exit(timeout_s=15) == 0
 
 
-async def test_several_extproc_workers_share_the_streams() -> None:
+async def test_several_extproc_workers_share_the_streams_and_one_metrics_page() -> None:
     async with topology(extproc={"workers": 2}) as topo:
         body = {"model": MODEL, "prompt": "workers", "max_tokens": 2}
         results = await asyncio.gather(*(topo.post("/v1/completions", body) for _ in range(12)))
         assert [status for status, _, _ in results] == [200] * 12
-        await topo.metrics()
-        served = []
-        for base in [topo.sidecar.metrics, *topo.sidecar.worker_metrics]:
-            samples = await scrape(topo.session, base + "/metrics")
-            # the process that handled a stream times its body answer (a request's outcome is
-            # counted from Envoy's access-log entry, by whichever process receives it)
-            served.append(samples.get("pd_extproc_processing_seconds_count", 0.0))
-        assert len(served) == 2 and all(n >= 1 for n in served) and sum(served) == 12, served
+        # the process that handled a stream times its body answer (a request's outcome is
+        # counted from Envoy's access-log entry, by whichever process receives it); the pod's
+        # metrics port shows both processes, each under its `worker` label
+        page = await scrape(topo.session, topo.sidecar.metrics + "/metrics")
+        name = "pd_extproc_processing_seconds_count"
+        served = [page.get(f'{name}{{worker="{w}"}}', 0.0) for w in ("0", "1")]
+        assert all(n >= 1 for n in served) and sum(served) == 12, served
+        assert page['pd_extproc_worker_up{worker="1"}'] == 1
+        [worker] = topo.sidecar.worker_metrics
+        own = await scrape(topo.session, worker + "/metrics")  # the worker's page, unlabelled
+        assert own[name] == served[1]
 
 
 async def test_more_workers_than_cpus_are_worded_at_start() -> None:

@@ -57,7 +57,7 @@ def write_config(tmp_path: Path, **sections: Any) -> Path:
     config: dict[str, Any] = {
         "prefill": {"endpoints": ["127.0.0.1:9"]},
         "decode": {"endpoints": ["127.0.0.1:10"]},
-        "extproc": {"port": 0},
+        "extproc": {"port": 0, "workers": 1},
         "metrics": {"port": 0},
         "envoy": {"listen": {"port": 0}},
     }

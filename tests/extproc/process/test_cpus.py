@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from extproc.process.cpus import available_cpus, cgroup_cpu_quota, workers_above_cpus
+from extproc.process.cpus import (
+    available_cpus,
+    cgroup_cpu_quota,
+    worker_count,
+    workers_above_cpus,
+)
 
 
 def _cpu_max(tmp_path: Path, text: str) -> Path:
@@ -58,3 +63,10 @@ def test_more_workers_than_cpus_is_worded() -> None:
     warning = workers_above_cpus(4, 2)
     assert warning is not None
     assert "extproc.workers is 4" in warning and "extproc.workers: 2" in warning
+
+
+def test_auto_workers_leave_envoys_threads_their_cpus() -> None:
+    assert worker_count("auto", cpus=2, envoy_threads=1) == 1  # this repository's CI machine
+    assert worker_count("auto", cpus=8, envoy_threads=2) == 6
+    assert worker_count("auto", cpus=1, envoy_threads=1) == 1  # never none
+    assert worker_count(3, cpus=1, envoy_threads=1) == 3  # a number is taken as it is
