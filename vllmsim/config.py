@@ -34,6 +34,11 @@ class CostModel:
     # The prompt's tokenization, on the API server's one tokenizer thread: requests that
     # arrive together are tokenized one after another.
     tokenize_per_token_ms: float = 0.001
+    # The API server's one event loop (cost_model.ApiProcess): a request's intake (parse,
+    # input processing, hand-off to the engine core) and each output token's detokenization
+    # and streaming, one after another. Off unless a profile sets them.
+    api_intake_ms: float = 0.0
+    stream_per_token_ms: float = 0.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 8192
