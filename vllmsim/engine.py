@@ -10,6 +10,8 @@ finished in the previous step to the connector's writer; `connector.end_step()` 
 get_finished) returns the receives the main thread now sees as done, and those requests
 decode from the next step.
 Each request keeps a timeline of (event, step, wall time) entries (GET /sim/requests).
+A step's tokens reach their requests through the API server's one event loop, which also takes
+in every new request (`api_path`): both queue on cost_model.ApiProcess.
 
 Request life cycle (vLLM v1 names):
   WAITING --(blocks allocated)--> RUNNING --(last token)--> FINISHED

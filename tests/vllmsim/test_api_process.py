@@ -101,9 +101,10 @@ def test_intakes_and_tokens_share_the_one_loop_in_order() -> None:
         # ending at 10 ms is streamed after them
         loop = asyncio.get_running_loop()
         await asyncio.sleep(0.009)
-        for _ in range(4):
-            loop.create_task(engine.api_path(3))
-        return await _first_token_at(req)
+        intakes = [loop.create_task(engine.api_path(3)) for _ in range(4)]
+        first = await _first_token_at(req)
+        await asyncio.gather(*intakes)
+        return first
 
     assert abs(_on_engine(body) - (9.0 + 4 * INTAKE_MS + PER_TOKEN_MS) / 1e3) < EPS
 
