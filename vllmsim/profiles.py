@@ -30,11 +30,11 @@ GPU_8B = CostModel(
     # get_finished, no forward.
     idle_step_ms=1.5,
     # Fitted (range 0.5-15): the request path beside the API server's loop and tokenizer
-    # thread (IPC to the engine core, its input thread, the router's handling), one request
-    # alone. Physically it would be a few ms; the fit keeps it near 14 ms because the PR's
-    # C = 8 row wants a long path (see docs/simulator.md, calibration). (vllm-project/router PR
-    # #207 measured D-side "HTTP parsing, tokenization and admission" at ~32 ms p50 on a
-    # loaded 3P1D H100 setup.)
+    # thread (IPC to the engine core, its input thread, the router), one request alone. What
+    # that covers physically is small; the fit keeps it near 14 ms because the PR's C = 8 row
+    # wants a long serial path (docs/simulator.md, calibration). (vllm-project/router PR #207
+    # measured D-side "HTTP parsing, tokenization and admission" at ~32 ms p50 on a loaded
+    # 3P1D H100 setup.)
     api_overhead_ms=13.7,
     # Fitted (range 0.3-5) on the API server's one event loop: a request's intake (HTTP parse
     # and validation of a 1024-token prompt, input processing, the hand-off to the engine
