@@ -45,9 +45,10 @@ GPU_8B = CostModel(
     # streaming 8 requests (C = 32) spends 1 ms of each ~12 ms step on it.
     stream_per_token_ms=0.125,
     # A fast tokenizer's ~1 M tokens/s on the API server's one tokenizer thread (vLLM's
-    # renderer_num_workers defaults to 1), one prompt after another. Not fitted: the search
+    # renderer_num_workers defaults to 1), one prompt after another. Not fitted: a search
     # (range 0.0005-0.01) found 0.0022 with a larger error, as a 1 ms stagger of a burst
-    # decides which prompts share P's next step.
+    # decides which prompts share P's next step; the search with the API loop left it at
+    # 0.00096.
     tokenize_per_token_ms=0.001,
     # The fit's choice between vLLM's two GPU defaults for `vllm serve`: 2048 tokens and 256
     # sequences on every GPU but the >= 70 GiB non-A100 class (H100/H200: 8192 and 1024;
