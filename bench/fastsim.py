@@ -5,9 +5,10 @@ simulator processes) takes minutes per trial on this machine and its CPU content
 cost model. Here the same `Engine`, `PullConnector` and `PushConnector` run in one event loop
 whose clock jumps to the next timer (nothing else runs while a step "takes" its time), with the
 side channel delivered in-process after its modelled latency. What this replaces of the real run:
-the HTTP API (the engine's `api_path` queue is kept), the proxy (a fixed hop each way, round
-robin over P and D as pd-extproc's default policy) and the client (`vllm bench serve`'s plan:
-warm-ups, then 2 x C requests at concurrency C, TTFT at the client). A cell takes well under a
+the HTTP API (the engine's `api_path` is kept, and with it the API server's event loop and
+tokenizer thread, which the engine's tokens go through too), the proxy (a fixed hop each way,
+round robin over P and D as pd-extproc's default policy) and the client (`vllm bench serve`'s
+plan: warm-ups, then 2 x C requests at concurrency C, TTFT at the client). A cell takes well under a
 second of CPU, so a fit can try hundreds of profiles; bench/calibrate.py confirms with the real
 processes.
 """

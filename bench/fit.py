@@ -7,6 +7,7 @@ best profile's values and its table; the values are then written, with their rea
 vllmsim/profiles.py by hand (the profile is not generated).
 
     nice python bench/fit.py --trials 150
+    nice python bench/fit.py --set api_intake_ms=1.5,stream_per_token_ms=0.2  # start elsewhere
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ RANGES: dict[str, tuple[float, float]] = {
     "prefill_per_token_ms": (0.015, 0.07),  # 16 GFLOP/token at 25-100 % of ~990 TFLOPS
     "decode_per_seq_ms": (0.0, 0.3),  # KV reads of one running sequence per step
     "idle_step_ms": (0.3, 3.0),  # an empty step: scheduler pass + connector
-    "api_overhead_ms": (1.0, 15.0),  # HTTP parse, input processing, IPC
+    "api_overhead_ms": (0.5, 15.0),  # what of the request path runs beside the API loop: IPC
+    # the API server's one event loop: a request's intake (HTTP parse, validation, input
+    # processing, hand-off to the engine core: ~0.3-5 ms of Python for a 1024-token prompt) and
+    # each output token's detokenization and SSE chunk (~20-1000 us of Python per token)
+    "api_intake_ms": (0.3, 5.0),
+    "stream_per_token_ms": (0.02, 1.0),
     # a fast tokenizer encodes ~0.1-2 M tokens/s on one thread (vLLM's renderer has one)
     "tokenize_per_token_ms": (0.0005, 0.01),
     "kv_message_latency_ms": (0.02, 1.0),  # one NIXL notif or side-channel message
@@ -66,12 +72,26 @@ def main() -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, help="fixed for the search (default: the profile's)"
     )
+    parser.add_argument(
+        "--set",
+        default="",
+        help="start values, name=value,...: the search moves a value by a factor, so one the "
+        "profile has at 0 needs a start here",
+    )
     args = parser.parse_args()
     cs = tuple(int(c) for c in args.concurrency.split(","))
     rng = random.Random(args.seed)
     best = PROFILES[args.profile]
     if args.max_num_batched_tokens:
         best = dataclasses.replace(best, max_num_batched_tokens=args.max_num_batched_tokens)
+    for item in filter(None, args.set.split(",")):
+        name, _, value = item.partition("=")
+        if name not in RANGES:
+            parser.error(f"--set {item}: {name!r} is not one of {', '.join(RANGES)}")
+        try:
+            best = dataclasses.replace(best, **{name: float(value)})
+        except ValueError:
+            parser.error(f"--set {item}: {value!r} is not a number")
     best_rows = table(best, cs, runs=1)
     best_score = score(best_rows)
     print(f"start {best_score:.4f}", flush=True)

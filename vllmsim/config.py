@@ -20,20 +20,25 @@ ROLES = frozenset({"kv_producer", "kv_consumer", "kv_both"})
 @dataclass(frozen=True)
 class CostModel:
     """Knobs of the step-time model; defaults are the `gpu-8b` profile (profiles.py says where
-    each value comes from).
+    each value comes from), but for the API server loop's costs, off unless a profile sets them.
 
     step = step_base + prefill_per_token x prefill tokens + decode_per_seq x decode seqs,
-    so a 1024-token prompt alone takes ~52 ms and a decode step 11-16 ms.
+    so a 1024-token prompt alone takes ~51 ms and a decode step 11-16 ms.
     """
 
     step_base_ms: float = 11.0
-    prefill_per_token_ms: float = 0.040
+    prefill_per_token_ms: float = 0.039
     decode_per_seq_ms: float = 0.018
-    idle_step_ms: float = 0.6  # a step with nothing to compute (scheduler + connector only)
-    api_overhead_ms: float = 14.0  # HTTP request -> scheduler queue (parse, IPC), concurrent
+    idle_step_ms: float = 1.5  # a step with nothing to compute (scheduler + connector only)
+    api_overhead_ms: float = 13.7  # HTTP request -> scheduler queue (IPC), concurrent
     # The prompt's tokenization, on the API server's one tokenizer thread: requests that
     # arrive together are tokenized one after another.
     tokenize_per_token_ms: float = 0.001
+    # The API server's one event loop (cost_model.ApiProcess): a request's intake (parse,
+    # input processing, hand-off to the engine core) and each output token's detokenization
+    # and streaming, one after another. Off unless a profile sets them.
+    api_intake_ms: float = 0.0
+    stream_per_token_ms: float = 0.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 8192
@@ -41,7 +46,7 @@ class CostModel:
     # Llama-3-8B: 32 layers x K,V x 8 heads x 128 dims x 2 bytes x 16 tokens = 2 MiB.
     block_bytes: int = 2 * 1024 * 1024
     kv_bandwidth_gbps: float = 10.0  # GB/s, one engine's NIC (its transfers share it)
-    kv_message_latency_ms: float = 0.09  # one-way, per side-channel message
+    kv_message_latency_ms: float = 0.14  # one-way, per side-channel message
 
 
 @dataclass

@@ -28,6 +28,18 @@ class Fifo:
         return self._free_at - now
 
 
+class ApiProcess:
+    """vLLM's API server process, shared by the engine ranks behind it. Its one asyncio event
+    loop (`loop`) takes in every request (parse, input processing, hand-off to the engine core)
+    and detokenizes and streams every output token of every running request, one thing at a
+    time: a request arriving at a busy server waits behind that work. Its renderer tokenizes
+    prompts on `renderer_num_workers` threads, one by default (`tokenizer`)."""
+
+    def __init__(self) -> None:
+        self.loop = Fifo()
+        self.tokenizer = Fifo()
+
+
 class Link:
     """One engine's NIC: the bytes of its transfers cross it one after another, at the link's
     bandwidth (a transfer posted while others are in flight waits for their bytes), each

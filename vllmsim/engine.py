@@ -10,6 +10,8 @@ finished in the previous step to the connector's writer; `connector.end_step()` 
 get_finished) returns the receives the main thread now sees as done, and those requests
 decode from the next step.
 Each request keeps a timeline of (event, step, wall time) entries (GET /sim/requests).
+A step's tokens reach their requests through the API server's one event loop, which also takes
+in every new request (`api_path`): both queue on cost_model.ApiProcess.
 
 Request life cycle (vLLM v1 names):
   WAITING --(blocks allocated)--> RUNNING --(last token)--> FINISHED
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vllmsim.config import BLOCK_SIZE, CacheConfig, CostModel
-from vllmsim.cost_model import Fifo, blocks_for, step_seconds
+from vllmsim.cost_model import ApiProcess, blocks_for, step_seconds
 from vllmsim.kv_cache import BlockPool
 from vllmsim.kv_content import (
     LOCAL,
@@ -215,11 +217,11 @@ class Engine:
         cache: CacheConfig | None = None,
         publish: Callable[[list[KVEvent]], None] | None = None,
         token_ids: Callable[[str], list[int]] | None = None,
-        tokenizer: Fifo | None = None,
+        api: ApiProcess | None = None,
     ) -> None:
-        """`tokenizer`: the API server's tokenizer thread, shared by its data-parallel ranks."""
+        """`api`: the API server process in front, shared by its data-parallel ranks."""
         self.cost = cost
-        self.tokenizer = tokenizer or Fifo()
+        self.api = api or ApiProcess()
         self.engine_id = engine_id
         self.metrics = metrics
         self.cache = cache or CacheConfig()
@@ -240,14 +242,19 @@ class Engine:
 
     # -- API used by the HTTP layer -------------------------------------------------
     async def api_path(self, prompt_tokens: int) -> None:
-        """What vLLM's API server does before the scheduler sees a request: parse and IPC to
-        the engine core (concurrent), and the tokenization, which its renderer runs on a pool
-        of `renderer_num_workers` threads, 1 by default: one prompt after another."""
+        """What vLLM's API server does before the scheduler sees a request: its intake on the
+        server's one event loop, behind whatever the loop has taken on (other intakes, the
+        running requests' tokens); the tokenization, which its renderer runs on a pool of
+        `renderer_num_workers` threads, 1 by default: one prompt after another; and the rest
+        (IPC to the engine core), concurrent."""
         loop = asyncio.get_running_loop()
+        intake = self.cost.api_intake_ms / 1000.0
+        if intake > 0:
+            await asyncio.sleep(self.api.loop.take(intake, loop.time()))
         seconds = self.cost.api_overhead_ms / 1000.0
         tokenize = self.cost.tokenize_per_token_ms * prompt_tokens / 1000.0
         if tokenize > 0:
-            seconds += self.tokenizer.take(tokenize, loop.time())
+            seconds += self.api.tokenizer.take(tokenize, loop.time())
         if seconds > 0:
             await asyncio.sleep(seconds)
 
@@ -423,8 +430,23 @@ class Engine:
                 self._count_prompt_sources(req)
                 done.append(req)
         done.extend(r for r in batch.decode if r.state is State.RUNNING)
+        outputs: list[tuple[SimRequest, Event]] = []
         for req in done:
-            self._emit_token(req)
+            self._emit_token(req, outputs)
+        self._stream(outputs)
+
+    def _stream(self, outputs: list[tuple[SimRequest, Event]]) -> None:
+        """A step's outputs go to the API server, whose one event loop detokenizes and sends
+        each token in turn: the clients see them once the loop has done that, after what it
+        had taken on before (intakes, earlier steps' tokens). In step order: each batch ends
+        after the one before."""
+        tokens = sum(isinstance(event, TokenEvent) for _, event in outputs)
+        seconds = self.cost.stream_per_token_ms * tokens / 1000.0
+        if seconds <= 0:
+            _deliver(outputs)
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.api.loop.take(seconds, loop.time()), _deliver, outputs)
 
     def _compute_kv(self, req: SimRequest, start: int, end: int) -> None:
         """A prefill chunk (prompt tokens [start, end)): the blocks it touches get the
@@ -496,7 +518,7 @@ class Engine:
         if req.num_cached_blocks:
             req.kv_evidence["cached_blocks"] = req.num_cached_blocks
 
-    def _emit_token(self, req: SimRequest) -> None:
+    def _emit_token(self, req: SimRequest, outputs: list[tuple[SimRequest, Event]]) -> None:
         if req.num_output == 0:
             req.note("first_token", self.steps)
             self.metrics.lbl(self.metrics.ttft).observe(time.monotonic() - req.arrival)
@@ -504,7 +526,7 @@ class Engine:
             self._read_kv(req)
         token = output_token(req.context, req.num_output)
         self._cache_generated(req, token)
-        req.events.put_nowait(TokenEvent(req.num_output, token))
+        outputs.append((req, TokenEvent(req.num_output, token)))
         req.num_output += 1
         self.metrics.lbl(self.metrics.generation_tokens).inc()
         if req.num_output >= req.max_tokens:
@@ -514,7 +536,7 @@ class Engine:
             if req.mode is KVMode.PREFILL and self.connector is not None:
                 params = self.connector.request_finished(req)  # takes over the blocks
             self._finish(req, params)
-            req.events.put_nowait(FinishEvent("length", params))
+            outputs.append((req, FinishEvent("length", params)))
 
     def _finish(self, req: SimRequest, params: dict[str, Any] | None) -> None:
         req.state = State.FINISHED
@@ -526,3 +548,8 @@ class Engine:
     def _discard_waiting(self, req: SimRequest) -> None:
         with contextlib.suppress(ValueError):
             self.waiting.remove(req)
+
+
+def _deliver(outputs: list[tuple[SimRequest, Event]]) -> None:
+    for req, event in outputs:
+        req.events.put_nowait(event)

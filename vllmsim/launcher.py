@@ -36,6 +36,10 @@ FAST = (
     "0",
     "--api-overhead-ms",
     "0",
+    "--api-intake-ms",
+    "0",
+    "--stream-per-token-ms",
+    "0",
 )
 
 

@@ -21,22 +21,34 @@ GPU_8B = CostModel(
     # Fitted (range 5-20 ms). A decode step reads ~16 GB of bf16 weights, 5 ms at ~3.3 TB/s,
     # plus scheduling, input preparation and kernel launches.
     step_base_ms=11.0,
-    # Fitted (range 0.015-0.07). 2 x 8e9 FLOPs per token in 0.040 ms is ~400 TFLOPS, 40 % of
-    # an H100's dense bf16 peak: a 1024-token prompt alone takes 11 + 41 = 52 ms.
-    prefill_per_token_ms=0.040,
+    # Fitted (range 0.015-0.07). 2 x 8e9 FLOPs per token in 0.039 ms is ~410 TFLOPS, 41 % of
+    # an H100's dense bf16 peak: a 1024-token prompt alone takes 11 + 40 = 51 ms.
+    prefill_per_token_ms=0.039,
     # Fitted (range 0-0.3): each running sequence's KV reads (~128 KiB per token) in a step.
     decode_per_seq_ms=0.018,
     # Fitted (range 0.3-3): a step with nothing to run, scheduler pass plus the connector's
     # get_finished, no forward.
-    idle_step_ms=0.6,
-    # Fitted (range 1-15): HTTP parse, tokenization of 1024 tokens, input processing and IPC
-    # to the engine core, one request alone. (vllm-project/router PR #207 measured D-side
-    # "HTTP parsing, tokenization and admission" at ~32 ms p50 on a loaded 3P1D H100 setup.)
-    api_overhead_ms=14.0,
+    idle_step_ms=1.5,
+    # Fitted (range 0.5-15): the request path beside the API server's loop and tokenizer
+    # thread (IPC to the engine core, its input thread, the router), one request alone. What
+    # that covers physically is small; the fit keeps it near 14 ms because the PR's C = 8 row
+    # wants a long serial path (docs/simulator.md, calibration). (vllm-project/router PR #207
+    # measured D-side "HTTP parsing, tokenization and admission" at ~32 ms p50 on a loaded
+    # 3P1D H100 setup.)
+    api_overhead_ms=13.7,
+    # Fitted (range 0.3-5) on the API server's one event loop: a request's intake (HTTP parse
+    # and validation of a 1024-token prompt, input processing, the hand-off to the engine
+    # core), ~1-2 ms of Python. It waits behind what the loop streams.
+    api_intake_ms=1.4,
+    # Fitted (range 0.02-1) on the same loop: one output token's incremental detokenization
+    # and its SSE chunk (the response object, its JSON, the write), ~0.1 ms of Python: a D
+    # streaming 8 requests (C = 32) spends 1 ms of each ~12 ms step on it.
+    stream_per_token_ms=0.125,
     # A fast tokenizer's ~1 M tokens/s on the API server's one tokenizer thread (vLLM's
-    # renderer_num_workers defaults to 1), one prompt after another. Not fitted: the search
+    # renderer_num_workers defaults to 1), one prompt after another. Not fitted: a search
     # (range 0.0005-0.01) found 0.0022 with a larger error, as a 1 ms stagger of a burst
-    # decides which prompts share P's next step.
+    # decides which prompts share P's next step; the search with the API loop left it at
+    # 0.00096.
     tokenize_per_token_ms=0.001,
     # The fit's choice between vLLM's two GPU defaults for `vllm serve`: 2048 tokens and 256
     # sequences on every GPU but the >= 70 GiB non-A100 class (H100/H200: 8192 and 1024;
@@ -52,7 +64,7 @@ GPU_8B = CostModel(
     # Fitted (range 10-50 GB/s, at its low end): ~80 Gb/s per engine, shared by its transfers.
     kv_bandwidth_gbps=10.0,
     # Fitted (range 0.02-1 ms): one NIXL notif or side-channel message between hosts.
-    kv_message_latency_ms=0.09,
+    kv_message_latency_ms=0.14,
 )
 
 CPU_TINY = CostModel(
@@ -73,6 +85,10 @@ CPU_TINY = CostModel(
     # on the core the engine also runs on.
     api_overhead_ms=27.5,
     tokenize_per_token_ms=0.0,  # measured as part of api_overhead_ms above
+    # Not separated from api_overhead_ms either: the real run's API servers streamed at most
+    # four requests, and the fit above is to their means.
+    api_intake_ms=0.0,
+    stream_per_token_ms=0.0,
     max_num_batched_tokens=2048,  # scripts/real_vllm.py starts vLLM with --max-model-len 2048
     max_num_seqs=256,
     max_model_len=2048,

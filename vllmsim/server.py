@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from vllmsim.config import SimConfig
-from vllmsim.cost_model import Fifo
+from vllmsim.cost_model import ApiProcess
 from vllmsim.engine import Engine, StepLateness
 from vllmsim.kv_events import EventPublisher
 from vllmsim.metrics import Metrics
@@ -122,7 +122,7 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._relisten: asyncio.Task[None] | None = None
-        self.tokenizer = Fifo()  # the API server's one tokenizer thread, for every rank
+        self.api = ApiProcess()  # the one API server process in front of every rank
 
     @property
     def current(self) -> Generation:
@@ -221,7 +221,7 @@ class SimServer:
             self.cfg.cache,
             rank.events.publish if rank.events is not None else None,
             self.tokens.output_ids,
-            self.tokenizer,
+            self.api,
         )
         connector: ConnectorBase | None = None
         if kv is not None:
