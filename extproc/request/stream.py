@@ -57,14 +57,15 @@ class EnvoyStream:
         # timeout cancels the read: every caller ends the request then.
         self._arm(timeout_s)
         pending, self._pending = self._pending, None
-        self._reader = asyncio.current_task()
+        reader = self._reader = asyncio.current_task()
+        assert reader is not None  # always called from a task
         try:
             message = await (self._context.read() if pending is None else pending)
         except asyncio.CancelledError:
             if not self._expired:
                 raise
             self._expired = False
-            self._reader.uncancel()  # type: ignore[union-attr]
+            reader.uncancel()
             return None
         except Exception:  # as a failed read task: the stream is gone
             message = None
