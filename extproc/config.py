@@ -368,7 +368,7 @@ class ExtProcListenConfig(ListenConfig):
     # "auto": the CPUs the process may use (affinity, cgroup CPU limit) less Envoy's worker
     # threads, at least 1. The extra ones listen on Unix sockets too, each with its own share of
     # the in-flight limits; the metrics port shows them all (docs/benchmarks.md, sizing).
-    workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
+    workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"  # 64: MAX_WORKERS
     # serve, epp: the pools' EDS and the access-log service on a listener of their own
     # (loopback or unix:/path: it has no authentication), off the ext_proc's port, which may
     # then face other hosts. None: serve has them on the ext_proc's port, epp has none (a

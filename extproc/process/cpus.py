@@ -11,6 +11,7 @@ from pathlib import Path
 
 __all__ = [
     "CGROUP_CPU_MAX",
+    "MAX_WORKERS",
     "available_cpus",
     "cgroup_cpu_quota",
     "worker_count",
@@ -45,10 +46,15 @@ def available_cpus(path: Path = CGROUP_CPU_MAX) -> int:
     return max(1, cpus)
 
 
+MAX_WORKERS = 64  # as the config's bound: each process probes and scrapes every engine too
+
+
 def worker_count(setting: int | str, cpus: int, envoy_threads: int) -> int:
     """`extproc.workers` as a number of processes: "auto" is the CPUs left beside Envoy's
-    worker threads, at least 1 (on 2 CPUs with one Envoy thread: 1)."""
-    return max(1, cpus - envoy_threads) if setting == "auto" else int(setting)
+    worker threads, at least 1 (on 2 CPUs with one Envoy thread: 1), at most MAX_WORKERS."""
+    if setting != "auto":
+        return int(setting)
+    return min(max(1, cpus - envoy_threads), MAX_WORKERS)
 
 
 def workers_above_cpus(workers: int, cpus: int) -> str | None:

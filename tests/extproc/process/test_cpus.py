@@ -69,4 +69,5 @@ def test_auto_workers_leave_envoys_threads_their_cpus() -> None:
     assert worker_count("auto", cpus=2, envoy_threads=1) == 1  # this repository's CI machine
     assert worker_count("auto", cpus=8, envoy_threads=2) == 6
     assert worker_count("auto", cpus=1, envoy_threads=1) == 1  # never none
+    assert worker_count("auto", cpus=256, envoy_threads=4) == 64  # nor more than the config allows
     assert worker_count(3, cpus=1, envoy_threads=1) == 3  # a number is taken as it is
