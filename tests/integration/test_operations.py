@@ -52,15 +52,23 @@ async def test_sigterm_drains_open_streams_and_refuses_new_requests() -> None:
 async def test_several_extproc_workers_share_the_streams_and_one_metrics_page() -> None:
     async with topology(extproc={"workers": 2}) as topo:
         body = {"model": MODEL, "prompt": "workers", "max_tokens": 2}
-        results = await asyncio.gather(*(topo.post("/v1/completions", body) for _ in range(12)))
-        assert [status for status, _, _ in results] == [200] * 12
-        # the process that handled a stream times its body answer (a request's outcome is
-        # counted from Envoy's access-log entry, by whichever process receives it); the pod's
-        # metrics port shows both processes, each under its `worker` label
-        page = await scrape(topo.session, topo.sidecar.metrics + "/metrics")
         name = "pd_extproc_processing_seconds_count"
-        served = [page.get(f'{name}{{worker="{w}"}}', 0.0) for w in ("0", "1")]
-        assert all(n >= 1 for n in served) and sum(served) == 12, served
+        sent, served, page = 0, [0.0, 0.0], {}
+
+        async def both_served() -> bool:
+            """Four more requests; True once Envoy has given both processes some (a worker
+            joins the rotation at its first passing health check, every 5 s). The process that
+            handled a stream times its body answer; the pod's page shows both, by `worker`."""
+            nonlocal sent, served, page
+            results = await asyncio.gather(*(topo.post("/v1/completions", body) for _ in range(4)))
+            assert [status for status, _, _ in results] == [200] * 4
+            sent += 4
+            page = await scrape(topo.session, topo.sidecar.metrics + "/metrics")
+            served = [page.get(f'{name}{{worker="{w}"}}', 0.0) for w in ("0", "1")]
+            return all(served)
+
+        await until(both_served, "both ext_proc processes to serve requests", timeout_s=30)
+        assert sum(served) == sent, (served, sent)
         assert page['pd_extproc_worker_up{worker="1"}'] == 1
         [worker] = topo.sidecar.worker_metrics
         own = await scrape(topo.session, worker + "/metrics")  # the worker's page, unlabelled
