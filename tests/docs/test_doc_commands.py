@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -112,14 +113,25 @@ def test_the_snippet_and_bootstrap_commands(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ the `up` + vllmsim recipe
 
 
+# Below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768 and up by default):
+# a port taken there and let go could be handed straight to a bind(0) of the recipe's own
+# engines (their side channels) before `up` binds it; one found free here cannot be.
+_RECIPE_PORTS = range(20000, 32000)
+
+
 def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    """`count` distinct ports on 127.0.0.1 that nothing holds now, outside the ephemeral range."""
+    ports: list[int] = []
+    for port in random.sample(_RECIPE_PORTS, len(_RECIPE_PORTS)):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise AssertionError(f"no {count} free ports in {_RECIPE_PORTS}")
 
 
 def _on_free_ports(script: str) -> tuple[str, dict[str, str]]:
