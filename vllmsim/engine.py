@@ -76,6 +76,7 @@ class KVMode(enum.Enum):
 class TokenEvent:
     index: int
     text: str
+    final: bool = False  # the request's last token: its FinishEvent follows in the same batch
 
 
 @dataclass
@@ -526,10 +527,11 @@ class Engine:
             self._read_kv(req)
         token = output_token(req.context, req.num_output)
         self._cache_generated(req, token)
-        outputs.append((req, TokenEvent(req.num_output, token)))
+        final = req.num_output + 1 >= req.max_tokens
+        outputs.append((req, TokenEvent(req.num_output, token, final)))
         req.num_output += 1
         self.metrics.lbl(self.metrics.generation_tokens).inc()
-        if req.num_output >= req.max_tokens:
+        if final:
             self.running.remove(req)
             params = None
             req.note("finished", self.steps)

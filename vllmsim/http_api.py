@@ -250,7 +250,7 @@ async def _stream(
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": shapes.SSE_CONTENT_TYPE})
     await resp.prepare(request)
-    created, model, pending, n = int(time.time()), parsed.model, None, 0
+    created, model, last, n = int(time.time()), parsed.model, None, 0
     async for event in _events(req, rec):
         if isinstance(event, ErrorEvent):
             if event.reset:
@@ -259,14 +259,16 @@ async def _stream(
             await resp.write(shapes.sse_error(event.message, event.status))
             break
         if isinstance(event, TokenEvent):
-            if pending is not None:  # hold one token back: the last one carries finish_reason
-                await resp.write(_chunk(parsed, external, created, pending.text, None))
-            elif parsed.chat:
+            if n == 0 and parsed.chat:
                 await resp.write(shapes.sse(shapes.chat_role_chunk(external, created, model)))
-            pending, n = event, n + 1
+            n += 1
+            if event.final:  # its chunk carries the finish, which the same batch delivers
+                last = event
+            else:  # as vLLM: each token leaves as soon as its step produced it
+                await resp.write(_chunk(parsed, external, created, event.text, None))
             continue
-        assert isinstance(event, FinishEvent) and pending is not None
-        await resp.write(_chunk(parsed, external, created, pending.text, event))
+        assert isinstance(event, FinishEvent) and last is not None
+        await resp.write(_chunk(parsed, external, created, last.text, event))
         if parsed.include_usage:
             make = shapes.chat_usage_chunk if parsed.chat else shapes.completion_usage_chunk
             await resp.write(

@@ -173,6 +173,29 @@ async def test_completion_stream_bytes(http: aiohttp.ClientSession, eng: EngineH
     assert "".join(c["choices"][0]["text"] for c in chunks[:3]) == whole["choices"][0]["text"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_streamed_token_leaves_in_the_step_that_made_it(
+    http: aiohttp.ClientSession, path: str
+) -> None:
+    """As vLLM's API server: the first token reaches the client before the engine has made the
+    second one (a stream that held each token back for the next would add a decode step to
+    every TTFT). Each step takes 400 ms, so the client has read the first chunk and scraped
+    /metrics long before the second step ends."""
+    async with running_engine("--step-base-ms", "400", "--prefill-per-token-ms", "0") as slow:
+        chat = path.endswith("chat/completions")
+        prompt = {"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT}
+        body = {**prompt, "max_tokens": 3, "stream": True}
+        async with http.post(slow.url + path, json=body) as resp:
+            async for line in resp.content:
+                chunk = json.loads(line[len(b"data: ") :]) if line.startswith(b"data: {") else {}
+                delta = chunk.get("choices", [{}])[0]
+                if delta.get("text") or delta.get("delta", {}).get("content"):
+                    break
+            made = await metric(http, slow, "vllm:generation_tokens_total")
+            assert made == 1, "the first token left only after the engine made another"
+            assert delta["finish_reason"] is None
+
+
 async def test_chat_stream_bytes(http: aiohttp.ClientSession, eng: EngineHandle) -> None:
     body = {
         "messages": [{"role": "user", "content": "hi"}],
