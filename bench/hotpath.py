@@ -13,7 +13,7 @@ One 1P1D push topology whose engines answer in ~1 ms, so the figures are the pro
   2. open-loop rate steps: the highest rate at which each proxy's p99 added latency stays < 5 ms.
   3. a py-spy profile of the ext_proc process under open-loop load, top self/inclusive costs.
 
-    python bench/hotpath.py [--requests 400] [--rates 20,40,60,80,100,125,150] [--step-s 4]
+    python bench/hotpath.py [--requests 400] [--rates 20,40,60,80,100,125,150] [--step-s 10]
 """
 
 from __future__ import annotations
@@ -591,7 +591,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=400, help="sequential, per path")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rates", default="20,40,60,80,100,125,150")
-    parser.add_argument("--step-s", type=float, default=4.0)
+    parser.add_argument("--step-s", type=float, default=10.0, help="long enough for a p99")
     parser.add_argument("--profile-rate", type=float, default=50.0)
     parser.add_argument("--profile-s", type=float, default=15.0)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
