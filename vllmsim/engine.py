@@ -167,6 +167,7 @@ class KVConnector(Protocol):
 
 # Upper bounds (ms) of the step-lateness buckets: how much later than its cost model a step
 # ended (the process got the CPU late, or its event loop was busy with HTTP work).
+CATCH_UP_S = 0.002  # how far a step may start in the past, on the model's timeline
 LATENESS_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, math.inf)
 
 
@@ -239,6 +240,7 @@ class Engine:
         self.steps = 0  # steps started so far
         self.lateness = StepLateness()
         self._in_step = False  # between a step's start and its end
+        self._step_end: float | None = None  # the model's end of the step just taken
         self._wake = asyncio.Event()
 
     # -- API used by the HTTP layer -------------------------------------------------
@@ -338,6 +340,7 @@ class Engine:
             batch = self._plan()
             busy = bool(batch.prefill or batch.decode)
             if not busy and not self._must_step():
+                self._step_end = None  # idle: the next step starts when its work comes
                 await self._wake.wait()
                 continue
             self.steps += 1
@@ -348,15 +351,26 @@ class Engine:
                 else self.cost.idle_step_ms / 1000.0
             )
             loop = asyncio.get_running_loop()
-            began = loop.time()
-            await asyncio.sleep(seconds)
+            began = self._step_start(loop.time())
+            await asyncio.sleep(max(0.0, began + seconds - loop.time()))
             self.lateness.record(seconds, loop.time() - began)
+            self._step_end = began + seconds
             self._in_step = False
             self._apply(batch)
             if self.connector is not None:
                 for req in self.connector.end_step():
                     self.kv_ready(req)
             self._publish_events()
+
+    def _step_start(self, now: float) -> float:
+        """Where a step starts on the model's timeline. One that follows another at once
+        starts where the cost model ended that one, up to CATCH_UP_S in the past: a timer fires
+        up to ~1 ms late (epoll counts whole milliseconds), which would otherwise add up over
+        every step of a decode, whereas a GPU's next step, queued ahead by the host, does not
+        wait for it. A process held up for longer than that stays late (step lateness)."""
+        if self._step_end is None:
+            return now
+        return max(self._step_end, now - CATCH_UP_S)
 
     def _publish_events(self) -> None:
         """What the step stored and evicted, as one KV event batch (as vLLM's scheduler)."""

@@ -8,6 +8,7 @@ import time
 
 import aiohttp
 
+from bench.fastsim import VirtualLoop
 from tests.vllmsim.vsim_helpers import get_json, post
 from vllmsim.config import CostModel
 from vllmsim.engine import Engine, FinishEvent, SimRequest
@@ -44,6 +45,44 @@ async def test_a_step_the_event_loop_holds_up_is_counted_late_by_that_much() -> 
     assert 0.035 <= late.late_s - on_time < 0.1
     # the held-up step lands in the (20, 50] ms bucket
     assert late.as_dict()["buckets_ms"]["50.0"] == 1
+
+
+class _LateTimers(VirtualLoop):
+    """A virtual clock whose every timed wait ends TIMER_LATE_S after its deadline, as epoll's
+    millisecond timeouts end a real one."""
+
+    TIMER_LATE_S = 0.0007
+
+    def __init__(self) -> None:
+        super().__init__()
+        select = self._clock.select
+        self._clock.select = lambda timeout=None: select(  # type: ignore[method-assign]
+            timeout + self.TIMER_LATE_S if timeout else timeout
+        )
+
+
+def test_late_timers_do_not_add_up_over_a_decode() -> None:
+    """50 back-to-back 20 ms steps end 1 s after the first began, plus one timer's lateness,
+    not 50 of them (35 ms more)."""
+
+    async def decode() -> float:
+        engine = Engine(STEP, Metrics("m"), "e")
+        task = asyncio.get_running_loop().create_task(engine.run())
+        try:
+            began = asyncio.get_running_loop().time()
+            await _generate(engine, 50)
+            return asyncio.get_running_loop().time() - began
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    loop = _LateTimers()
+    try:
+        took = loop.run_until_complete(decode())
+    finally:
+        loop.close()
+    assert 50 * 0.020 <= took <= 50 * 0.020 + 2 * _LateTimers.TIMER_LATE_S
 
 
 async def test_the_engine_state_reports_its_steps_lateness(http: aiohttp.ClientSession) -> None:
