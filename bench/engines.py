@@ -97,6 +97,17 @@ async def clear_sim_requests(http: aiohttp.ClientSession, engines: Engines) -> N
             resp.raise_for_status()
 
 
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # the engines' env for POST /reset_prefix_cache
+
+
+async def reset_prefix_caches(http: aiohttp.ClientSession, engines: Sequence[Engines]) -> None:
+    """Every engine forgets its cached prompts (started with DEV_MODE), so that a run finds
+    none of the prompts an earlier run, or another configuration on the same engines, left."""
+    for handle in (h for group in engines for h in group.all):
+        async with http.post(handle.url + "/reset_prefix_cache") as resp:
+            resp.raise_for_status()
+
+
 async def step_lateness(http: aiohttp.ClientSession, engines: Sequence[Engines]) -> dict:
     """The engines' step lateness so far (GET /sim/state), summed: steps, planned and late
     seconds, steps per lateness bucket (ms)."""

@@ -38,7 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 from bench.client import Run, run_plan
-from bench.engines import Engines, lateness_delta, running_engines, step_lateness
+from bench.engines import (
+    DEV_MODE,
+    Engines,
+    lateness_delta,
+    reset_prefix_caches,
+    running_engines,
+    step_lateness,
+)
 from bench.procs import ALL_CPUS, run_bench
 from bench.targets import CONFIGS, ENGINE_KIND, Target, running_target
 from scripts.cached_envs import tiny_model, vllm_router_venv
@@ -99,11 +106,10 @@ def plan(
 def data_parallel_flags(size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(every engine's, vllm-router's) flags for `size` ranks per engine.
 
-    The plan runs the same seeds, so the same prompts, through every configuration: the
-    configuration that comes second finds them in P's prefix cache. With one engine that is
-    every configuration's luck in turn; with ranks, only where its rank choice happens to send
-    a prompt back to the rank that computed it. The engines' prefix cache is off, so that
-    every prompt is computed, as the seed's workload of random prompts means.
+    The plan runs the same seeds, so the same prompts, through every configuration; each run
+    starts on empty prefix caches (`between`), whose warm-ups then cache the first prompt as
+    in the PR. With ranks the engines' prefix cache is off besides, so that a run's prompt
+    never depends on a rank choice that sends it back to the rank that computed it.
     The router refuses DP routing without an API key; the engines ask for none, so any key
     does."""
     if size == 1:
@@ -133,6 +139,7 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path) ->
                     tokenizer,
                     ("--profile", args.profile, *engine_dp),
                     cpus=engine_cpus,
+                    env=DEV_MODE,
                 )
             )
         targets = {
@@ -156,11 +163,14 @@ async def bench_topology(topology: str, args: argparse.Namespace, work: Path) ->
             last: dict = {}
 
             async def between(done: str | None, upcoming: str | None) -> None:
-                """Each run's step lateness: the engines' counters at its two ends."""
+                """Each run's step lateness: the engines' counters at its two ends; and each
+                run starts on empty prefix caches, its warm-ups then filling them as in the PR."""
                 nonlocal last
                 now = await step_lateness(http, list(engines.values()))
                 if done is not None:
                     lateness[done] = lateness_delta(now, last)
+                if upcoming is not None:
+                    await reset_prefix_caches(http, list(engines.values()))
                 last = now
 
             results = await run_plan(runs, MODEL, tokenizer, work, engine_cpus, between)

@@ -3,7 +3,7 @@
 Flags follow `vllm serve` where they mean the same thing (--host, --port, --model,
 --served-model-name, --kv-transfer-config, --tokenizer, --api-key, --block-size,
 --enable-prefix-caching / --no-enable-prefix-caching, --enable-prompt-tokens-details,
---kv-events-config; VLLM_API_KEY,
+--kv-events-config; VLLM_API_KEY, VLLM_SERVER_DEV_MODE (POST /reset_prefix_cache),
 VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT). Cost-model and fault flags are the
 simulator's own.
 
@@ -230,6 +230,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
         events,
         args.enable_prompt_tokens_details,
         args.data_parallel_size,
+        env.get("VLLM_SERVER_DEV_MODE") == "1",
     )
 
 

@@ -111,6 +111,7 @@ class SimConfig:
     kv_events: KVEventsConfig | None = None  # --kv-events-config
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     data_parallel_size: int = 1  # --data-parallel-size: engine ranks behind this API server
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: the development routes (/reset_prefix_cache)
 
 
 @dataclass(frozen=True)

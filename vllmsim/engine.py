@@ -372,6 +372,12 @@ class Engine:
             return now
         return max(self._step_end, now - CATCH_UP_S)
 
+    def reset_prefix_cache(self) -> bool:
+        """POST /reset_prefix_cache: False (and nothing done) while a block is in use."""
+        done = self.pool.reset_prefix_cache()
+        self._publish_events()  # an idle engine takes no step that would send it
+        return done
+
     def _publish_events(self) -> None:
         """What the step stored and evicted, as one KV event batch (as vLLM's scheduler)."""
         events = self.pool.take_events()

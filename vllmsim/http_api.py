@@ -428,6 +428,15 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"prompt": sim.tokens.decode(ids)})
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's development route: every rank forgets its cached prefixes (a rank with a block in
+    use keeps them and says so in the log, as vLLM does), 200 either way."""
+    for rank in request.app[SIM_KEY].ranks:
+        if not rank.current.engine.reset_prefix_cache():
+            log.warning("rank %d: prefix cache not reset, some blocks are in use", rank.index)
+    return web.Response(status=200)
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -437,6 +446,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    if app[SIM_KEY].cfg.dev_mode:
+        app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
 
 
 def _record_bare(request: web.Request, raw: bytes, path: str, status: int, outcome: str) -> None:

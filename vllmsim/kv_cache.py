@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vllmsim.kv_content import BlockContent
-from vllmsim.kv_events import BlockRemoved, BlockStored, KVEvent
+from vllmsim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from vllmsim.prefix_cache import external_hash
 
 
@@ -122,6 +122,19 @@ class BlockPool:
                 session_id,
             )
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block's hash (an AllBlocksCleared event), as vLLM's
+        BlockPool.reset_prefix_cache: only when no block is in use, else nothing (False)."""
+        if self._refs:
+            return False
+        for block_id in self._hash_of:
+            self._content.pop(block_id, None)
+        self._hash_of.clear()
+        self._blocks_of.clear()
+        if self.caching:
+            self.events.append(AllBlocksCleared())
+        return True
 
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []

@@ -11,7 +11,10 @@ import aiohttp
 import pytest
 
 from tests.vllmsim.vsim_helpers import get_json, metric, post
+from vllmsim.kv_cache import BlockPool
+from vllmsim.kv_events import AllBlocksCleared
 from vllmsim.launcher import FAST, PULL_D, PULL_P, PUSH_D, PUSH_P, EngineHandle, running_engine
+from vllmsim.prefix_cache import block_hashes
 
 # Prefill costs 0.5 ms a token here, so a 1024-token prompt takes ~0.5 s to compute.
 SLOW_PREFILL = (
@@ -199,3 +202,38 @@ async def test_the_next_turn_finds_the_blocks_the_answer_filled(
         # the cached blocks hold what a prefill of those tokens gives: the same answer
         reference = await complete(http, fresh, second, max_tokens=8)
         assert body["choices"][0]["text"] == reference["choices"][0]["text"]
+
+
+async def test_reset_prefix_cache_forgets_every_cached_prompt_in_dev_mode(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM's POST /reset_prefix_cache, which exists only with VLLM_SERVER_DEV_MODE=1: the
+    next request computes its whole prompt again (the benchmarks reset between runs)."""
+    flags = (*FAST, "--enable-prompt-tokens-details")
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    async with running_engine(*flags, env=dev) as eng, running_engine(*flags) as plain:
+        prompt = tokens(3, 64)
+        await complete(http, eng, prompt)
+        cached = (await complete(http, eng, prompt))["usage"]["prompt_tokens_details"]
+        assert cached == {"cached_tokens": 48}
+        async with http.post(eng.url + "/reset_prefix_cache") as resp:
+            assert resp.status == 200
+        assert (await complete(http, eng, prompt))["usage"]["prompt_tokens_details"] is None
+        async with http.post(plain.url + "/reset_prefix_cache") as resp:
+            assert resp.status == 404
+
+
+def test_a_pool_with_a_block_in_use_keeps_its_prefixes() -> None:
+    pool = BlockPool(8, caching=True, block_size=16)
+    ids = tokens(5, 32)
+    hashes = block_hashes(ids, 16)
+    blocks = pool.allocate(2)
+    assert blocks is not None
+    pool.cache(blocks, hashes, 0, ids)
+    assert not pool.reset_prefix_cache()  # in use: nothing forgotten
+    assert pool.lookup(hashes, 2) == blocks
+    pool.free(blocks)
+    pool.take_events()
+    assert pool.reset_prefix_cache()
+    assert pool.lookup(hashes, 2) == [] and pool.cached_blocks == 0
+    assert [type(e) for e in pool.take_events()] == [AllBlocksCleared]
