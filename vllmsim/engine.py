@@ -165,9 +165,9 @@ class KVConnector(Protocol):
     def abort(self, req: SimRequest) -> None: ...
 
 
+CATCH_UP_S = 0.002  # how far a step may start in the past, on the model's timeline (_step_start)
 # Upper bounds (ms) of the step-lateness buckets: how much later than its cost model a step
 # ended (the process got the CPU late, or its event loop was busy with HTTP work).
-CATCH_UP_S = 0.002  # how far a step may start in the past, on the model's timeline
 LATENESS_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, math.inf)
 
 
