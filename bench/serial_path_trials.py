@@ -9,10 +9,6 @@ trial is only worth modelling if it moves the gaps toward the PR's without break
 - `cache_aware`: vllm-router's default policy instead of round robin. With random prompts it
   sends a prompt back to the engine that holds it (the warm-ups' prompt) and every other one
   to the engine with the smallest radix tree.
-- `busy_listener_G`: the push side channel of the revision of vllm#35264 that PR #187 ran
-  (before its merge): D's scheduler registers its blocks with a blocking request to a
-  listener thread in P's engine-core process. Here that listener waits G ms for the GIL
-  whenever P is in a step (Python's thread switch interval is 5 ms).
 - `post_X`: NIXL's transfer post (building and posting the descriptors) costs X ms of CPU per
   1024-token transfer on the thread that posts it: in pull, D's model thread posts its READs
   before the step's forward, one request after another, so the step is longer by them all;
@@ -22,6 +18,10 @@ trial is only worth modelling if it moves the gaps toward the PR's without break
   runs the current one, so what becomes schedulable while an engine steps (a new request, KV
   seen done) joins the step after next: one step later than the simulator's synchronous loop,
   on P (a prefill step) and on D (a decode step).
+- `busy_listener_G`: the push side channel of the revision of vllm#35264 that PR #187 ran
+  (before its merge): D's scheduler registers its blocks with a blocking request to a
+  listener thread in P's engine-core process. Here that listener waits G ms for the GIL
+  whenever P is in a step (Python's thread switch interval is 5 ms).
 - `busy_hops_G`: as above, and the WRITE that follows goes through two more threads of that
   process (the push dispatcher, then the worker's trigger listener), each waiting G ms on a
   busy P. This applies to parallel push as well.
@@ -279,9 +279,10 @@ def main() -> None:
             rows = fastsim.table(GPU_8B, cs)
         lines.append(f"| {name} | " + " | ".join(_cell(rows[c]) for c in cs) + " |")
         print(lines[-1], flush=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(f"wrote {RESULTS}")
+    if not args.only:  # the results file holds every trial
+        RESULTS.write_text("\n".join(lines) + "\n")
+        print(f"wrote {RESULTS}")
 
 
 def _cell(row: dict[str, float]) -> str:
