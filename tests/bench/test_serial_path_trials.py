@@ -29,7 +29,7 @@ def test_a_late_listener_on_a_busy_p_slows_serial_push_only() -> None:
     assert _ms("serial_push", 8) == before["serial_push"]  # the patch is gone
 
 
-def test_a_read_post_on_ds_model_thread_delays_pull_by_at_least_the_post() -> None:
+def test_a_read_post_on_ds_model_thread_delays_pull() -> None:
     before = _ms("pull", 1)
     handlers = (PullConnector.start_recv, PushConnector._write)
     with post_cost(0.008):
