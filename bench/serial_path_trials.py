@@ -86,18 +86,21 @@ class CacheAwareProxy(fastsim.Proxy):
 
 
 @contextlib.contextmanager
-def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(obj, name)
-    setattr(obj, name, value)
+def _patched(*patches: tuple[Any, str, Any]) -> Iterator[None]:
+    """Set each (object, attribute, value) for the block, then put every original back."""
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
         yield
     finally:
-        setattr(obj, name, original)
+        for obj, name, original in originals:
+            setattr(obj, name, original)
 
 
 @contextlib.contextmanager
 def cache_aware() -> Iterator[None]:
-    with _patched(fastsim, "Proxy", CacheAwareProxy):
+    with _patched((fastsim, "Proxy", CacheAwareProxy)):
         yield
 
 
@@ -117,10 +120,7 @@ def busy_p(gil_s: float, hops: int) -> Iterator[None]:
             await asyncio.sleep(hops * gil_s)
         await write(self, lease, reg)
 
-    with (
-        _patched(PushConnector, "handle", late_handle),
-        _patched(PushConnector, "_write", late_write),
-    ):
+    with _patched((PushConnector, "handle", late_handle), (PushConnector, "_write", late_write)):
         yield
 
 
@@ -169,7 +169,7 @@ def post_cost(seconds: float) -> Iterator[None]:
         await write(self, lease, reg)
 
     _recv = PullConnector._recv
-    patches = [
+    with _patched(
         (PullConnector, "start_recv", post_then_recv),
         (PullConnector, "start_step", longer_step),
         (PullConnector, "end_step", restore),
@@ -180,10 +180,7 @@ def post_cost(seconds: float) -> Iterator[None]:
         ),
         (PullConnector, "_recv", late_read),
         (PushConnector, "_write", posted_write),
-    ]
-    with contextlib.ExitStack() as stack:
-        for obj, name, value in patches:
-            stack.enter_context(_patched(obj, name, value))
+    ):
         yield
 
 
@@ -228,14 +225,12 @@ def async_scheduling() -> Iterator[None]:
         finally:
             self.running = running
 
-    with contextlib.ExitStack() as stack:
-        for name, value in (
-            ("_admit", late_admit),
-            ("kv_ready", late_ready),
-            ("_plan", plan_ahead),
-            ("_must_step", lambda self: must_step(self) or bool(held(self))),
-        ):
-            stack.enter_context(_patched(Engine, name, value))
+    with _patched(
+        (Engine, "_admit", late_admit),
+        (Engine, "kv_ready", late_ready),
+        (Engine, "_plan", plan_ahead),
+        (Engine, "_must_step", lambda self: must_step(self) or bool(held(self))),
+    ):
         yield
 
 
