@@ -287,6 +287,7 @@ async def test_a_routed_request_is_looked_up_and_its_share_counted(tokenizer_dir
     routing = KvRouting(KvIndex(100), metrics)
     routing.configure(kv_groups(cfg))
     routing.index.apply(P2, _decoded(chain(1, [1, 2, 3, 4, 5, 6, 7, 8])))
+    routing.learn_base_model(P2, "m")  # "m" is no LoRA adapter
     scheduler = scheduler_for(cfg, routing, metrics)
     request = parse_request(Api.COMPLETIONS, completion("w0 w1 w2 w3 w4 w5 w6 w7 w8"), 1 << 20)
     tokens = await request_tokens(request, scheduler)

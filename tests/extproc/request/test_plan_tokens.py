@@ -63,7 +63,9 @@ def runtime(model_dir: Path, **extra: Any) -> Runtime:
         "prefill": {"endpoints": [P1, P2], "kv_events": {}},
         "decode": {"endpoints": [D1], "kv_events": {}},
     }
-    return Runtime(parse_config(pools | {"tokenizer": str(model_dir)} | extra), "unix:/x")
+    rt = Runtime(parse_config(pools | {"tokenizer": str(model_dir)} | extra), "unix:/x")
+    rt.kv.learn_base_model(D1, "m")  # as the scraper learns it: "m" is no LoRA adapter
+    return rt
 
 
 async def tokens_of(rt: Runtime, api: Api, doc: dict[str, Any]) -> list[int] | None:
