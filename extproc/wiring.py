@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import aiohttp
 
 from extproc.config import Config
+from extproc.engines.base_models import BaseModels
 from extproc.engines.health import HealthChecker
 from extproc.engines.kv_check import KvCheck
 from extproc.engines.kv_compat import KvCompatibility
@@ -197,6 +198,7 @@ class Runtime:
                 self.restarts,
                 EngineLoad(self._endpoint_state, lambda address: self._follow_kv_events()),
                 self.kv_check,
+                BaseModels(self.kv.learn_base_model),
             ],
         )
         probe_refused: set[str] = set()  # endpoints that refused the probe's API key

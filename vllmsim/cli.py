@@ -3,9 +3,9 @@
 Flags follow `vllm serve` where they mean the same thing (--host, --port, --model,
 --served-model-name, --kv-transfer-config, --tokenizer, --api-key, --block-size,
 --enable-prefix-caching / --no-enable-prefix-caching, --enable-prompt-tokens-details,
---kv-events-config; VLLM_API_KEY, VLLM_SERVER_DEV_MODE (POST /reset_prefix_cache),
-VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT). Cost-model and fault flags are the
-simulator's own.
+--kv-events-config, --enable-lora / --lora-modules; VLLM_API_KEY, VLLM_SERVER_DEV_MODE
+(POST /reset_prefix_cache), VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT).
+Cost-model and fault flags are the simulator's own.
 
 Deviation from vLLM, by design: a push decode request missing a required
 kv_transfer_params key (remote_engine_id, remote_host, remote_port, tp_size,
@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 = ephemeral")
     p.add_argument("--kv-transfer-config", help="JSON, as for vllm serve")
     p.add_argument("--tokenizer", help="local HF tokenizer folder, for exact token counts")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        help="LoRA adapters served under their own model names: name=path, or JSON with "
+        '"name" and "path" (no weights are read; the name keys the prefix cache)',
+    )
     p.add_argument(
         "--block-size",
         type=int,
@@ -231,7 +239,27 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> SimConfig
         args.enable_prompt_tokens_details,
         args.data_parallel_size,
         env.get("VLLM_SERVER_DEV_MODE") == "1",
+        lora_modules=_lora_names(args.lora_modules, args.enable_lora, names),
     )
+
+
+def _lora_names(modules: list[str], enabled: bool, served: tuple[str, ...]) -> tuple[str, ...]:
+    """The adapters' names, in the order given (vLLM numbers them from 1 in that order)."""
+    if modules and not enabled:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    names: list[str] = []
+    for module in modules:
+        try:
+            parsed = json.loads(module) if module.lstrip().startswith("{") else None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--lora-modules {module}: not valid JSON: {exc}") from exc
+        name = parsed.get("name") if isinstance(parsed, dict) else module.partition("=")[0]
+        if not isinstance(name, str) or not name or (parsed is None and "=" not in module):
+            raise ConfigError(f"--lora-modules {module}: expected name=path or JSON with a name")
+        if name in served or name in names:
+            raise ConfigError(f"--lora-modules: the name {name} is already served")
+        names.append(name)
+    return tuple(names)
 
 
 def _model_folder_tokenizer(model: str | None) -> str | None:

@@ -112,6 +112,7 @@ class SimConfig:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     data_parallel_size: int = 1  # --data-parallel-size: engine ranks behind this API server
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: the development routes (/reset_prefix_cache)
+    lora_modules: tuple[str, ...] = ()  # --lora-modules: the adapters' names (ids 1, 2, ...)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from vllmsim.kv_content import (
 )
 from vllmsim.kv_events import KVEvent
 from vllmsim.metrics import Metrics
-from vllmsim.prefix_cache import block_hashes, extend_hashes
+from vllmsim.prefix_cache import NO_SCOPE, HashScope, block_hashes, extend_hashes
 from vllmsim.tokens import output_token
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ class SimRequest:
     kv_from_transfer: bool = False  # the prompt's KV (past the cached blocks) came over NIXL
     output_ids: list[int] = field(default_factory=list)  # generated tokens (prefix caching)
     session_id: str | None = None  # the client's, as vLLM reads it; its KV events carry it
+    scope: HashScope = NO_SCOPE  # its adapter and cache_salt: its blocks' hashes cover them
 
     @property
     def num_cached_tokens(self) -> int:
@@ -266,7 +267,7 @@ class Engine:
             req.fetch_stage = "waiting_to_start"
         req.block_size = self.block_size
         if self.pool.caching:
-            req.block_hashes = block_hashes(req.prompt_ids, self.block_size)
+            req.block_hashes = block_hashes(req.prompt_ids, self.block_size, req.scope)
         self.waiting.append(req)
         self._wake.set()
 
@@ -491,6 +492,7 @@ class Engine:
                 req.num_hashed_blocks,
                 req.prompt_ids,
                 req.session_id,
+                req.scope,
             )
             req.num_hashed_blocks = full
 
@@ -511,9 +513,14 @@ class Engine:
             [before] = self.pool.read([req.blocks[index - 1]]) if index else [None]
             fingerprint = block_fingerprint(index, before, all_ids[index * bs : (index + 1) * bs])
             self.pool.write([req.blocks[index]], [BlockContent(fingerprint, LOCAL, self.engine_id)])
-        extend_hashes(req.block_hashes, all_ids[: full * bs], bs)
+        extend_hashes(req.block_hashes, all_ids[: full * bs], bs, req.scope)
         self.pool.cache(
-            req.blocks[:full], req.block_hashes, req.num_hashed_blocks, all_ids, req.session_id
+            req.blocks[:full],
+            req.block_hashes,
+            req.num_hashed_blocks,
+            all_ids,
+            req.session_id,
+            req.scope,
         )
         req.num_hashed_blocks = full
 

@@ -172,6 +172,7 @@ async def _run(
         mode=parsed.mode,
         remote=parsed.kv_params,
         session_id=session_id(request.headers, rec["body"]),
+        scope=parsed.scope,
     )
     rec["events"] = req.timeline  # the same list: P's push events arrive after its answer
     await rank.current.engine.api_path(len(parsed.prompt_ids))
@@ -346,6 +347,18 @@ async def models(request: web.Request) -> web.Response:
             "max_model_len": sim.cfg.cost.max_model_len,
         }
         for name in sim.cfg.served_model_names
+    ]
+    data += [  # as vLLM lists its LoRA adapters: after the base model, which is their parent
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": name,
+            "parent": sim.cfg.served_model_names[0],
+            "max_model_len": sim.cfg.cost.max_model_len,
+        }
+        for name in sim.cfg.lora_modules
     ]
     return json_response({"object": "list", "data": data})
 

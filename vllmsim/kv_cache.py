@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from vllmsim.kv_content import BlockContent
 from vllmsim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from vllmsim.prefix_cache import external_hash
+from vllmsim.prefix_cache import NO_SCOPE, HashScope, external_hash
 
 
 class BlockPool:
@@ -103,9 +103,11 @@ class BlockPool:
         start: int,
         token_ids: Sequence[int],
         session_id: str | None = None,
+        scope: HashScope = NO_SCOPE,
     ) -> None:
         """Blocks [start, len(hashes)) became full: record their hashes, queue a BlockStored
-        (tagged with the request's `session_id`, as vLLM does)."""
+        (tagged with the request's `session_id`, and with the adapter and each block's extra
+        keys of its `scope`, as vLLM does)."""
         if not self.caching or start >= len(hashes):
             return
         for block_id, block_hash in zip(blocks[start:], hashes[start:], strict=False):
@@ -113,6 +115,7 @@ class BlockPool:
             self._blocks_of.setdefault(block_hash, {})[block_id] = None
         bs = self.block_size
         parent = external_hash(hashes[start - 1]) if start > 0 else None
+        extra_keys = [scope.extra_keys(index) for index in range(start, len(hashes))]
         self.events.append(
             BlockStored(
                 [external_hash(h) for h in hashes[start:]],
@@ -120,6 +123,9 @@ class BlockPool:
                 list(token_ids[start * bs : len(hashes) * bs]),
                 bs,
                 session_id,
+                scope.lora_id,
+                scope.lora_name,
+                extra_keys if any(keys is not None for keys in extra_keys) else None,
             )
         )
 

@@ -42,6 +42,11 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     session_id: str | None = None  # the request's (vLLM 0.32: its session_id, as sent)
+    lora_id: int | None = None
+    lora_name: str | None = None
+    # Per block, the extra keys its hash covers (adapter, then the salt on a first block);
+    # None when no block has any.
+    extra_keys: list[tuple[str, ...] | None] | None = None
 
     def as_wire(self) -> dict[str, Any]:
         # vLLM's fields in order; lora_id..lora_name have no default (always sent), the later
@@ -52,11 +57,13 @@ class BlockStored:
             "parent_block_hash": self.parent_block_hash,
             "token_ids": self.token_ids,
             "block_size": self.block_size,
-            "lora_id": None,
+            "lora_id": self.lora_id,
             "medium": MEDIUM_GPU,
-            "lora_name": None,
-            "group_idx": 0,
+            "lora_name": self.lora_name,
         }
+        if self.extra_keys is not None:
+            wire["extra_keys"] = self.extra_keys
+        wire["group_idx"] = 0
         if self.session_id is not None:
             wire["session_id"] = self.session_id
         return wire

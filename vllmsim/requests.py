@@ -16,6 +16,7 @@ from vllmsim.chat_template import ChatTemplateError
 from vllmsim.config import SimConfig
 from vllmsim.engine import KVMode
 from vllmsim.nixl.params import PULL_REQUIRED, PUSH_REQUIRED, missing_keys
+from vllmsim.prefix_cache import NO_SCOPE, HashScope
 from vllmsim.tokens import TokenCounter
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class ParsedRequest:
     include_usage: bool
     mode: KVMode
     kv_params: dict[str, Any] | None
+    scope: HashScope = NO_SCOPE  # the adapter it names and its cache_salt
 
     @property
     def prompt_tokens(self) -> int:
@@ -210,11 +212,12 @@ def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> Parsed
         raise ApiError(400, "The request body must be a JSON object")
     _check_kv_params_type(body.get("kv_transfer_params"))
     model = body.get("model") or cfg.served_model_names[0]
-    if model not in cfg.served_model_names:
+    if model not in cfg.served_model_names and model not in cfg.lora_modules:
         aliases = ", ".join(cfg.served_model_names)
         raise ApiError(
             404, f"The model `{model}` does not exist. Valid aliases: {aliases}.", "model"
         )
+    scope = _hash_scope(cfg, model, body.get("cache_salt"))
     ids = prompt_ids(body, chat, tokens)
     max_tokens = _max_tokens(body, chat, len(ids), cfg.cost.max_model_len)
     stream = body.get("stream", False)
@@ -233,4 +236,15 @@ def parse(cfg: SimConfig, tokens: TokenCounter, body: Any, chat: bool) -> Parsed
         bool(isinstance(opts, dict) and opts.get("include_usage")),
         kv_mode(cfg, params),
         params if isinstance(params, dict) else None,
+        scope,
     )
+
+
+def _hash_scope(cfg: SimConfig, model: str, salt: Any) -> HashScope:
+    """What the request's block hashes cover besides its tokens: the adapter its model names
+    (vLLM's LoRA request), and its cache_salt, which vLLM requires to be a non-empty string."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.")
+    if model in cfg.lora_modules:
+        return HashScope(model, cfg.lora_modules.index(model) + 1, salt)
+    return HashScope(cache_salt=salt)

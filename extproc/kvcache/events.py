@@ -53,7 +53,11 @@ class BlocksStored:
     parent_engine_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
-    plain: bool  # no LoRA, multimodal input, cache salt or secondary group: keyed by tokens alone
+    # Keyed by tokens, LoRA adapter and cache salt alone: no multimodal input, prompt embeds,
+    # unnamed adapter or secondary group (such blocks are not indexed).
+    plain: bool
+    lora_name: str | None = None  # the adapter of every block (vLLM keys each by it)
+    cache_salt: str | None = None  # in the first block's extra keys (a block with no parent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,16 +153,48 @@ def _stored(fields: dict[str, Any]) -> BlocksStored | None:
     ):
         raise MalformedBatch("stored_tokens")
     parent = fields.get("parent_block_hash")
-    extra = fields.get("extra_keys")
-    plain = (
-        fields.get("lora_name") is None
-        and fields.get("lora_id") is None
-        and fields.get("group_idx") in (None, 0)
-        and (not extra or all(e is None for e in extra))
-    )
+    lora_name = fields.get("lora_name")
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise MalformedBatch("stored_fields")
+    salt, plain = _scope(fields.get("extra_keys"), len(hashes), lora_name, parent is None)
+    plain = plain and fields.get("group_idx") in (None, 0)
+    plain = plain and (lora_name is not None or fields.get("lora_id") is None)
     return BlocksStored(
-        hashes, None if parent is None else engine_hash(parent), tuple(tokens), block_size, plain
+        hashes,
+        None if parent is None else engine_hash(parent),
+        tuple(tokens),
+        block_size,
+        plain,
+        lora_name,
+        salt,
     )
+
+
+def _scope(
+    extra: object, blocks: int, lora_name: str | None, first: bool
+) -> tuple[str | None, bool]:
+    """(the cache salt, whether every block's extra keys are its adapter and salt alone).
+
+    vLLM's extra keys of a block, one entry per block: None, or the adapter's name, then any
+    multimodal identifiers, then the salt (first block only), then a prompt-embeds hash."""
+    if extra is None:
+        return None, True  # vLLM before per-block extra keys: the adapter is all it tells
+    if not isinstance(extra, list) or len(extra) != blocks:
+        raise MalformedBatch("extra_keys")
+    adapter = [] if lora_name is None else [lora_name]
+    salt: str | None = None
+    for position, keys in enumerate(extra):
+        if keys is not None and not isinstance(keys, list):
+            raise MalformedBatch("extra_keys")
+        rest = keys or []
+        if rest[: len(adapter)] != adapter:
+            return None, False
+        rest = rest[len(adapter) :]
+        if position == 0 and first and len(rest) == 1 and isinstance(rest[0], str):
+            salt = rest[0]
+        elif rest:
+            return None, False
+    return salt, True
 
 
 def _hashes(value: object) -> tuple[int, ...]:

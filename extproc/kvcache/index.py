@@ -4,7 +4,9 @@ vLLM's own block hashes start from a seed that is random per process for its fas
 algorithms (and PYTHONHASHSEED or `--prefix-caching-hash-algo` change it), so a router cannot
 recompute them. The index keys a block by its own chain instead: the key of its parent and its
 token ids, which BlockStored carries. Per engine it maps the engine's hash to our key, because
-BlockRemoved and a child's parent name engine hashes.
+BlockRemoved and a child's parent name engine hashes. Like vLLM's, the chain depends on the
+block's cache scope (`extproc.kvcache.scope`): a cache salt starts it from a root of its own,
+and a LoRA adapter's name goes into every block's key.
 
 Compact on purpose (a million entries in about 40 MB): the maps are `IntMap`s, sorted arrays
 of machine ints, not dicts of int objects. Our key -> a bitmask of the engines holding it; per
@@ -29,11 +31,13 @@ from dataclasses import dataclass, field
 
 from extproc.kvcache.events import AllCleared, BlocksRemoved, BlocksStored, KvEvent
 from extproc.kvcache.intmap import ARRAY_BYTES, KEY_BITS, IntMap, column_code
+from extproc.kvcache.scope import PLAIN, CacheScope
 
 __all__ = ["KvIndex", "chain_keys"]
 
 _KEY_MASK = (1 << KEY_BITS) - 1
-_ROOT = 0  # the parent key of a prompt's first block
+_ROOT = 0  # the parent key of an unsalted prompt's first block
+_BASE_TAG = bytes(8)  # the adapter's part of a block's key, for the base model
 # Records in a chunk of an engine's storage log: 1/64 of the bound, at most 1024. A block
 # stored again while in the newest chunk keeps its place: the order's grain.
 _CHUNK_FRACTION, _CHUNK_MAX = 64, 1024
@@ -49,22 +53,48 @@ _TOKEN = "I"  # token ids as 4-byte unsigned ints (vocabularies stay far below 2
 _TOKEN_BYTES = 4
 
 
-def chain_keys(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
-    """Our key of each full block of `token_ids` (at most `limit` blocks)."""
-    return list(itertools.islice(_chain(_ROOT, token_ids, block_size), limit))
+def chain_keys(
+    token_ids: Sequence[int], block_size: int, limit: int | None = None, scope: CacheScope = PLAIN
+) -> list[int]:
+    """Our key of each full block of `token_ids` (at most `limit` blocks) in `scope`."""
+    chain = _chain(_root(scope.salt), token_ids, block_size, _adapter_tag(scope.adapter))
+    return list(itertools.islice(chain, limit))
 
 
-def _chain(parent: int, token_ids: Sequence[int], block_size: int) -> Iterator[int]:
-    """The keys of the full blocks of `token_ids` after `parent`, lazily (a lookup stops at
-    the first block no engine holds). Ids that are no token (negative, over 2**32) give none."""
+def _keyed(*parts: bytes) -> int:
+    hasher = _KEYED.copy()
+    for part in parts:
+        hasher.update(len(part).to_bytes(8, "little") + part)  # length-prefixed: unambiguous
+    return int.from_bytes(hasher.digest(), "little") & _KEY_MASK
+
+
+def _root(salt: str | None) -> int:
+    """The parent key of a prompt's first block: a salt's own root, as vLLM's first block
+    hash covers the salt (and every later one, through the chain)."""
+    return _ROOT if salt is None else _keyed(b"salt", salt.encode("utf-8", "surrogatepass"))
+
+
+def _adapter_tag(adapter: str | None) -> bytes:
+    """What every block's key covers of its LoRA adapter, as every vLLM block hash does."""
+    if adapter is None:
+        return _BASE_TAG
+    return _keyed(b"lora", adapter.encode("utf-8", "surrogatepass")).to_bytes(8, "little")
+
+
+def _chain(parent: int, token_ids: Sequence[int], block_size: int, tag: bytes) -> Iterator[int]:
+    """The keys of the full blocks of `token_ids` after `parent` under adapter `tag`, lazily
+    (a lookup stops at the first block no engine holds). Ids that are no token (negative,
+    over 2**32) give none."""
     try:
         data = array(_TOKEN, token_ids).tobytes()
     except (OverflowError, TypeError):
         return
     step = block_size * _TOKEN_BYTES
     digest = parent.to_bytes(8, "little")
+    tagged = _KEYED.copy()
+    tagged.update(tag)  # fixed width: a block's input has one length per block size
     for start in range(0, len(data) // step * step, step):
-        hasher = _KEYED.copy()
+        hasher = tagged.copy()
         hasher.update(digest + data[start : start + step])
         key = int.from_bytes(hasher.digest(), "little") & _KEY_MASK
         digest = key.to_bytes(8, "little")
@@ -212,7 +242,7 @@ class KvIndex:
 
     def _store(self, state: _Engine, event: BlocksStored) -> None:
         if event.parent_engine_hash is None:
-            parent: int | None = _ROOT
+            parent: int | None = _root(event.cache_salt)
         else:
             parent = state.held.get(_mixed(event.parent_engine_hash))
         if parent is None or not event.plain:
@@ -220,7 +250,7 @@ class KvIndex:
             return
         state.block_size = event.block_size
         bit = 1 << state.slot
-        keys = _chain(parent, event.token_ids, event.block_size)
+        keys = _chain(parent, event.token_ids, event.block_size, _adapter_tag(event.lora_name))
         for engine_hash, key in zip(event.engine_hashes, keys, strict=False):
             self._put(state, (engine_hash * _MIX) & _KEY_MASK, key, bit)  # _mixed, inlined
         self._tidy(state)
@@ -322,8 +352,8 @@ class KvIndex:
 
     # -- lookups -------------------------------------------------------------------------------
 
-    def longest_prefix(self, token_ids: Sequence[int]) -> dict[str, int]:
-        """Per engine, how many leading full blocks of `token_ids` it holds."""
+    def longest_prefix(self, token_ids: Sequence[int], scope: CacheScope = PLAIN) -> dict[str, int]:
+        """Per engine, how many leading full blocks of `token_ids` it holds in `scope`."""
         by_size: dict[int, list[_Engine]] = {}
         for state in self._engines.values():
             if state.block_size:
@@ -331,14 +361,15 @@ class KvIndex:
         found = dict.fromkeys(self._engines, 0)
         names = {state.slot: name for name, state in self._engines.items()}
         for size, states in by_size.items():
-            for slot, blocks in self._walk(token_ids, size, [s.slot for s in states]).items():
+            slots = [s.slot for s in states]
+            for slot, blocks in self._walk(token_ids, size, slots, scope).items():
                 found[names[slot]] = blocks
         return found
 
-    def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+    def cached_tokens(self, token_ids: Sequence[int], scope: CacheScope = PLAIN) -> dict[str, int]:
         """Per engine whose events have told its block size, how many leading tokens of
-        `token_ids` it holds (full blocks × block size). Engines not yet heard from are left
-        out: what they hold is unknown, not nothing."""
+        `token_ids` it holds (full blocks × block size) in `scope`. Engines not yet heard from
+        are left out: what they hold is unknown, not nothing."""
         sizes = {
             name: state.block_size for name, state in self._engines.items() if state.block_size
         }
@@ -346,16 +377,18 @@ class KvIndex:
             return {}
         return {
             name: blocks * sizes[name]
-            for name, blocks in self.longest_prefix(token_ids).items()
+            for name, blocks in self.longest_prefix(token_ids, scope).items()
             if name in sizes
         }
 
-    def _walk(self, token_ids: Sequence[int], size: int, slots: list[int]) -> dict[int, int]:
+    def _walk(
+        self, token_ids: Sequence[int], size: int, slots: list[int], scope: CacheScope
+    ) -> dict[int, int]:
         alive = sum(1 << slot for slot in slots)
         reached = dict.fromkeys(slots, 0)
         holders, depth = self._holders, 0
         buckets, masks, shift = holders.keys, holders.values, holders.shift
-        for key in _chain(_ROOT, token_ids, size):
+        for key in _chain(_root(scope.salt), token_ids, size, _adapter_tag(scope.adapter)):
             bucket = key >> shift  # holders.get, inlined: this is the per-request path
             keys = buckets[bucket]
             position = bisect_left(keys, key)

@@ -3,8 +3,10 @@ probably holds.
 
 An approximation (it cannot see evictions), kept for engines the index knows nothing of, so that
 the blocks of a prompt this sidecar sent there count as held. Keys are the index's keyed chain
-at one block size (vLLM's default); entries are (engine, block key), oldest routed first, at
-most `max_blocks`, the oldest going first in batches.
+at one block size (vLLM's default), in the prompt's cache scope (its LoRA adapter and cache
+salt, as the engine keys its blocks): a prompt is credited only with what went there in its
+own scope. Entries are (engine, block key), oldest routed first, at most `max_blocks`, the
+oldest going first in batches.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import itertools
 from collections.abc import Collection, Sequence
 
 from extproc.kvcache.index import chain_keys
+from extproc.kvcache.scope import PLAIN, CacheScope
 
 __all__ = ["RoutedBlocks"]
 
@@ -27,8 +30,8 @@ class RoutedBlocks:
         self._routed: dict[tuple[str, int], None] = {}  # insertion order: oldest routed first
         self._per_engine: dict[str, int] = {}
 
-    def keys(self, token_ids: Sequence[int]) -> list[int]:
-        return chain_keys(token_ids, self.block_size)
+    def keys(self, token_ids: Sequence[int], scope: CacheScope = PLAIN) -> list[int]:
+        return chain_keys(token_ids, self.block_size, scope=scope)
 
     def remember(self, engine: str, keys: Sequence[int]) -> None:
         """`engine` was sent a prompt of these block keys."""

@@ -9,6 +9,10 @@ A data-parallel server (vLLM's `--data-parallel-size N`) runs N engines, and eac
 own events, as vLLM does, on the pool's ports plus its rank: each rank is followed and indexed
 as an engine of its own, `<address> dp<rank>` (named as its identity is), and a lookup gives
 the server what its best rank holds, and per rank what each holds (the rank choice's).
+
+Every lookup is in the request's cache scope (`extproc.kvcache.scope`: its LoRA adapter and
+cache salt); which model names are base models, the engines tell (`learn_base_model`, from
+their scraped metrics).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from extproc.config import Config, KvEventsConfig, PoolConfig, parse_host_port
 from extproc.kvcache.index import KvIndex
 from extproc.kvcache.routed import RoutedBlocks
+from extproc.kvcache.scope import PLAIN, CacheScope, request_scope
 from extproc.kvcache.tokens import OffLoopTokenizer, RequestTokenizer, TokenizerFilesError
 from extproc.kvcache.watchers import EventSource, KvEventWatchers
 from extproc.metrics import Metrics
@@ -33,6 +38,7 @@ log = logging.getLogger("extproc")
 
 _FOLLOW_WAIT_S = 5.0  # the follower's wake-up when nothing changes (every wait has a timeout)
 _ROUTED_BLOCKS = 65_536  # (engine, block) entries remembered for engines without events
+_MAX_BASE_MODELS = 1024  # engines whose base model is kept: far more than any pool has
 
 
 def rank_engine(address: str, rank: int) -> str:
@@ -57,7 +63,8 @@ class KvRouting:
         self.index = index
         self.watchers = watchers or KvEventWatchers(index, metrics)
         self.routed = RoutedBlocks(_ROUTED_BLOCKS)  # where prompts went, for silent engines
-        self._last_keys: tuple[Sequence[int] | None, list[int]] = (None, [])
+        self._last_keys: tuple[Sequence[int] | None, CacheScope, list[int]] = (None, PLAIN, [])
+        self._base_of: dict[str, str] = {}  # engine address → the base model it serves
         self._metrics = metrics
         self._by_path: dict[str, OffLoopTokenizer] = {}
         self._by_group: dict[str, OffLoopTokenizer] = {}
@@ -116,15 +123,16 @@ class KvRouting:
     def enabled(self) -> bool:
         return bool(self._by_group)
 
-    def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+    def cached_tokens(self, token_ids: Sequence[int], scope: CacheScope = PLAIN) -> dict[str, int]:
         """Per pool member: how many leading tokens of `token_ids` it holds (`lookup`)."""
-        return self.lookup(token_ids).by_endpoint
+        return self.lookup(token_ids, scope).by_endpoint
 
-    def lookup(self, token_ids: Sequence[int]) -> Cached:
-        """Per engine: how many leading tokens of `token_ids` it holds, by its events; for an
-        engine not heard from, how many of them this sidecar routed to it (an estimate). A
-        data-parallel server's ranks are folded into it (its best), and kept per rank."""
-        found = self.index.cached_tokens(token_ids)
+    def lookup(self, token_ids: Sequence[int], scope: CacheScope = PLAIN) -> Cached:
+        """Per engine: how many leading tokens of `token_ids` it holds in `scope`, by its
+        events; for an engine not heard from, how many of them this sidecar routed to it in
+        that scope (an estimate). A data-parallel server's ranks are folded into it (its
+        best), and kept per rank."""
+        found = self.index.cached_tokens(token_ids, scope)
         by_rank: dict[str, dict[int, int]] = {}
         if self._rank_of:
             for engine in [e for e in found if e in self._rank_of]:
@@ -134,22 +142,37 @@ class KvRouting:
                 found[address] = max(found.get(address, 0), tokens)
         silent = self.routed.engines() - found.keys()
         if silent:
-            found |= self.routed.held(self._routed_keys(token_ids), silent)
+            found |= self.routed.held(self._routed_keys(token_ids, scope), silent)
         return Cached(found, by_rank)
 
-    def _routed_keys(self, token_ids: Sequence[int]) -> list[int]:
+    def _routed_keys(self, token_ids: Sequence[int], scope: CacheScope) -> list[int]:
         """The prompt's keys for `routed`, computed once for its lookup and its `remember`."""
-        if self._last_keys[0] is not token_ids:
-            self._last_keys = (token_ids, self.routed.keys(token_ids))
-        return self._last_keys[1]
+        if self._last_keys[0] is not token_ids or self._last_keys[1] != scope:
+            self._last_keys = (token_ids, scope, self.routed.keys(token_ids, scope))
+        return self._last_keys[2]
 
-    def remember(self, engines: Sequence[str], token_ids: Sequence[int]) -> None:
-        """The prompt was routed to `engines`: those not heard from probably hold it now."""
+    def remember(
+        self, engines: Sequence[str], token_ids: Sequence[int], scope: CacheScope = PLAIN
+    ) -> None:
+        """The prompt was routed to `engines` in `scope`: those not heard from probably hold
+        it now."""
         silent = [e for e in engines if not self._heard_from(e)]
         if silent:
-            keys = self._routed_keys(token_ids)
+            keys = self._routed_keys(token_ids, scope)
             for engine in silent:
                 self.routed.remember(engine, keys)
+
+    # -- cache scopes --------------------------------------------------------------------------
+
+    def learn_base_model(self, address: str, model: str) -> None:
+        """The engine at `address` serves `model` as its base model (not a LoRA adapter)."""
+        if address in self._base_of or len(self._base_of) < _MAX_BASE_MODELS:
+            self._base_of[address] = model
+
+    def scope_of(self, model: str, doc: Mapping[str, object]) -> CacheScope:
+        """The cache scope of a request for `model` with body `doc`: keyed by its adapter
+        unless `model` is the base model of an engine."""
+        return request_scope(model, doc, self._base_of.values())
 
     def _heard_from(self, address: str) -> bool:
         return any(self.index.heard_from(e) for e in self._ranks.get(address) or [address])
@@ -157,6 +180,7 @@ class KvRouting:
     def forget(self, engine: str) -> None:
         """The engine left its pool: what was routed to it no longer counts."""
         self.routed.forget(engine)
+        self._base_of.pop(engine, None)
 
     # -- subscribers ---------------------------------------------------------------------------
 

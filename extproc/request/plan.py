@@ -171,7 +171,8 @@ def pick_request(
     kv: KvRouting | None = None,
 ) -> PickRequest:
     """What the policies and the decision see of the request; with its `tokens`, what each
-    engine holds of them (KV-cache routing), looked up now, just before the pick."""
+    engine holds of them in the request's cache scope (its LoRA adapter and cache salt: it is
+    credited with no block stored under another), looked up now, just before the pick."""
     prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
     prefix = prompt[:_PREFIX_BYTES]
     if tokens is None or kv is None:
@@ -183,7 +184,7 @@ def pick_request(
         prompt_bytes(request, TOKENIZED[request.api]),  # what the tokenizer did not count
         priority,
         len(tokens),
-        (cached := kv.lookup(tokens)).by_endpoint,
+        (cached := kv.lookup(tokens, kv.scope_of(request.model, request.doc))).by_endpoint,
         cached.by_rank,
     )
 
@@ -244,7 +245,8 @@ def plan_request(
     picked = scheduler.pick(wanted, inflight, config, subset, fallbacks)
     if tokens is not None and scheduler.kv is not None:  # KV-routed: where its blocks went
         with_p = [picked.prefill] if isinstance(picked, WithPrefill) else []
-        scheduler.kv.remember([*with_p, picked.decodes[0]], tokens)
+        scope = scheduler.kv.scope_of(request.model, request.doc)
+        scheduler.kv.remember([*with_p, picked.decodes[0]], tokens, scope)
     request_id = str(uuid.uuid4())
     if isinstance(picked, DecodeAlone):
         d_body = decode_body(request.parts, None)  # the client's own, minus fields: it fits

@@ -150,6 +150,83 @@ async def test_the_next_turn_goes_decode_only_to_the_decode_that_holds_it(
     assert await metric(topo, decode_only) == 1
 
 
+async def test_a_salted_prompt_is_credited_only_with_blocks_of_its_own_salt(
+    topo_2p2d: Topology,
+) -> None:
+    """vLLM reuses a block only for a request of the same cache_salt: a long prompt D holds
+    unsalted goes decode-only, the same prompt salted is not credited with D's blocks and is
+    disaggregated; a prompt D holds under a salt goes decode-only for that salt alone."""
+    topo = topo_2p2d
+    long_prompt = words(100, 200)  # 50 blocks
+
+    def body(marker: str, salt: str | None = None) -> bytes:
+        doc = orjson.loads(completion_body(f"{long_prompt} {marker} w4", max_tokens=4))
+        return orjson.dumps(doc if salt is None else doc | {"cache_salt": salt})
+
+    holder = next(
+        d
+        for d in topo.decodes
+        if address(d) != fallback_choice(topo.decodes, Api.COMPLETIONS, body("mk-plain"))
+    )
+    await direct(topo, holder, "/v1/completions", body("w1"))  # D holds the prompt, unsalted
+    await direct(topo, holder, "/v1/completions", body("w2", salt="mine"))  # and salted
+    await held_by_index(topo, holder, at_least=2)
+
+    for marker, salt, decode_only in (
+        ("mk-other", "other", False),  # vLLM would compute it all again
+        ("mk-mine", "mine", True),
+        ("mk-plain", None, True),
+    ):
+        status, text, _ = await topo.post("/v1/completions", body(marker, salt))
+        assert status == 200, text
+        through_p = await served(topo, topo.prefills, marker)
+        assert (through_p == []) is decode_only, (marker, through_p)
+        if decode_only:
+            assert await served(topo, topo.decodes, marker) == [address(holder)]
+    decisions = await topo.metrics()
+    assert (
+        decisions.get(
+            'pd_extproc_dispatch_decisions_total{decision="decode_only",reason="faster_alone"}'
+        )
+        == 2
+    )
+
+
+async def test_a_lora_request_is_credited_only_with_its_adapters_blocks(model_dir: Path) -> None:
+    """vLLM keys every block of an adapter's request by the adapter's name: the base model's
+    blocks on D do not make an adapter's long prompt decode-only, the adapter's own do."""
+    lora = ("--enable-lora", "--lora-modules", "sim-lora=/adapters/sim-lora")
+    async with topology(
+        1,
+        1,
+        engine_flags=(*engine_flags(model_dir), *lora),
+        endpoint=kv_endpoint,
+        prefill=kv_pool(),
+        decode=kv_pool(),
+        tokenizer=str(model_dir),
+        decision={"mode": "threshold", "max_prompt_tokens": 64},
+    ) as topo:
+        [holder] = topo.decodes
+        prompt = words(300, 200)
+
+        def body(marker: str, model: str) -> bytes:
+            doc = orjson.loads(completion_body(f"{prompt} {marker} w4", max_tokens=4))
+            return orjson.dumps(doc | {"model": model})
+
+        await direct(topo, holder, "/v1/completions", body("w1", MODEL))  # base blocks on D
+        await held_by_index(topo, holder)
+        status, text, _ = await topo.post("/v1/completions", body("mk-lora", "sim-lora"))
+        assert status == 200, text
+        assert len(await served(topo, topo.prefills, "mk-lora")) == 1  # not credited: P/D
+        await direct(topo, holder, "/v1/completions", body("w2", "sim-lora"))
+        await held_by_index(topo, holder, at_least=2)
+        for marker, model in (("mk-lora2", "sim-lora"), ("mk-base", MODEL)):
+            status, text, _ = await topo.post("/v1/completions", body(marker, model))
+            assert status == 200, text
+            assert await served(topo, topo.prefills, marker) == []  # decode-only
+            assert await served(topo, topo.decodes, marker) == [address(holder)]
+
+
 async def test_a_new_prompt_on_idle_engines_still_disaggregates(topo_2p2d: Topology) -> None:
     """The decision's other side: nothing cached, P/D costs no more here, so P computes it."""
     topo = topo_2p2d

@@ -44,6 +44,19 @@ def test_pre_0_28_needs_a_pull_connector() -> None:
         ), proc.stderr
 
 
+def test_bad_lora_modules_are_one_line() -> None:
+    for flags, message in (
+        (("--lora-modules", "a=/x"), "--lora-modules needs --enable-lora"),
+        (("--enable-lora", "--lora-modules", "a"), "--lora-modules a: expected name=path"),
+        (("--enable-lora", "--lora-modules", "{bad"), "--lora-modules {bad: not valid JSON"),
+        (("--enable-lora", "--lora-modules", "sim-model=/x"), "sim-model is already served"),
+    ):
+        proc = _run("--port", "0", *flags)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
 def test_port_in_use_is_one_line() -> None:
     with running_engine_sync() as eng:
         proc = _run("--port", str(eng.port))

@@ -215,3 +215,47 @@ async def test_each_data_parallel_rank_publishes_on_its_own_ports_with_its_rank(
                 if (got := sub.next(timeout=0.2)) is not None:
                     break
             assert got is not None and got[2][2] == 1
+
+
+def scoped_hash(parent: bytes, ids: list[int], extra_keys: tuple[str, ...] | None) -> bytes:
+    return hashlib.sha256(pickle.dumps((parent, tuple(ids), extra_keys), protocol=5)).digest()
+
+
+async def test_salted_and_adapter_blocks_carry_their_extra_keys_as_vllms_do(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM's extra keys: the adapter's name on every block, the salt on the first block only;
+    the hashes cover them (so each differs from the plain prompt's) and BlockStored carries
+    them per block, with the adapter's name and id."""
+    lora = ("--enable-lora", "--lora-modules", "sim-lora=/adapters/sim-lora")
+    async with running_engine(*FAST, *lora, *events_flag(), env=LOOPBACK_ENV) as eng:
+        assert eng.kv_events_endpoint is not None
+        with subscriber(eng.kv_events_endpoint) as sub:
+            await first_batch(http, eng, sub)
+            root = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+            prompt = tokens(600, 40)  # 2 full blocks
+            stored = {}
+            for name, extra in (
+                ("salted", {"cache_salt": "s"}),
+                ("adapter", {"model": "sim-lora", "cache_salt": "s"}),
+            ):
+                body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2, **extra}
+                status, _ = await post(http, eng, "/v1/completions", body)
+                assert status == 200
+                got = sub.next()
+                assert got is not None
+                [stored[name]] = events_of(got[2], "BlockStored")
+    first = scoped_hash(root, prompt[:16], ("s",))
+    second = scoped_hash(first, prompt[16:32], None)
+    assert stored["salted"]["block_hashes"] == [vllm_low(first), vllm_low(second)]
+    assert stored["salted"]["extra_keys"] == [["s"], None]
+    assert (stored["salted"]["lora_name"], stored["salted"]["lora_id"]) == (None, None)
+    first = scoped_hash(root, prompt[:16], ("sim-lora", "s"))
+    second = scoped_hash(first, prompt[16:32], ("sim-lora",))
+    assert stored["adapter"]["block_hashes"] == [vllm_low(first), vllm_low(second)]
+    assert stored["adapter"]["extra_keys"] == [["sim-lora", "s"], ["sim-lora"]]
+    assert (stored["adapter"]["lora_name"], stored["adapter"]["lora_id"]) == ("sim-lora", 1)
+
+
+def vllm_low(block_hash: bytes) -> int:
+    return int.from_bytes(block_hash, "big") & (2**64 - 1)

@@ -237,3 +237,50 @@ def test_a_pool_with_a_block_in_use_keeps_its_prefixes() -> None:
     assert pool.reset_prefix_cache()
     assert pool.lookup(hashes, 2) == [] and pool.cached_blocks == 0
     assert [type(e) for e in pool.take_events()] == [AllBlocksCleared]
+
+
+LORA = ("--enable-lora", "--lora-modules", "sim-lora=/adapters/sim-lora")
+
+
+async def test_a_salted_or_adapter_prompt_misses_what_the_plain_one_cached(
+    http: aiohttp.ClientSession,
+) -> None:
+    """As vLLM: a block's hash covers the request's cache_salt and LoRA adapter, so the same
+    tokens under another salt or adapter are computed again, and hit only their own."""
+    async with running_engine(*FAST, *LORA, "--enable-prompt-tokens-details") as eng:
+        prompt = tokens(5, 100)
+
+        async def cached(**extra: Any) -> Any:
+            return (await complete(http, eng, prompt, **extra))["usage"]["prompt_tokens_details"]
+
+        assert await cached() is None
+        assert await cached() == {"cached_tokens": 96}
+        assert await cached(cache_salt="tenant-a") is None
+        assert await cached(cache_salt="tenant-b") is None
+        assert await cached(cache_salt="tenant-a") == {"cached_tokens": 96}
+        assert await cached(model="sim-lora") is None
+        assert await cached(model="sim-lora", cache_salt="tenant-a") is None
+        assert await cached(model="sim-lora") == {"cached_tokens": 96}
+
+
+@pytest.mark.parametrize("salt", ["", 7, ["s"]])
+async def test_a_cache_salt_that_is_no_nonempty_string_is_refused(
+    http: aiohttp.ClientSession, salt: object
+) -> None:
+    async with running_engine(*FAST) as eng:
+        status, body = await post(
+            http,
+            eng,
+            "/v1/completions",
+            {"model": "sim-model", "prompt": tokens(6, 20), "max_tokens": 1, "cache_salt": salt},
+        )
+    assert status == 400 and "cache_salt" in body["error"]["message"]
+
+
+async def test_adapters_are_listed_under_their_base_model(http: aiohttp.ClientSession) -> None:
+    async with running_engine(*FAST, *LORA) as eng:
+        listed = await get_json(http, eng, "/v1/models")
+    assert [(m["id"], m["parent"]) for m in listed["data"]] == [
+        ("sim-model", None),
+        ("sim-lora", "sim-model"),
+    ]

@@ -3,6 +3,8 @@ what is not a batch."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 
@@ -76,16 +78,57 @@ def test_a_clients_long_session_id_does_not_refuse_the_batch() -> None:
     assert decoded.events == (BlocksStored((1,), None, (1, 2, 3, 4), 4, True), BlocksRemoved((9,)))
 
 
-def test_blocks_keyed_by_more_than_tokens_are_marked() -> None:
+def test_blocks_carry_their_adapter_and_salt_as_vllms_extra_keys_tell() -> None:
+    """vLLM's extra keys of a block: the adapter's name on every block, then the cache salt on
+    the first (a block with no parent)."""
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
     decoded = decode_batch(
         batch(
-            stored([1], None, [1, 2, 3, 4], lora_name="a"),
-            stored([2], None, [1, 2, 3, 4], extra_keys=[["salt"]]),
+            stored([1, 2], None, tokens, lora_name="a", lora_id=3, extra_keys=[["a"], ["a"]]),
+            stored([3, 4], None, tokens, extra_keys=[["salt"], None]),
+            stored([5, 6], None, tokens, lora_name="a", extra_keys=[["a", "s"], ["a"]]),
+            stored([7], None, tokens[:4], lora_name="a"),  # vLLM before per-block extra keys
         )
     )
-    lora, salted = decoded.events
-    assert isinstance(lora, BlocksStored) and not lora.plain
-    assert isinstance(salted, BlocksStored) and not salted.plain
+    scopes = [(e.plain, e.lora_name, e.cache_salt) for e in decoded.events]  # type: ignore[union-attr]
+    assert scopes == [(True, "a", None), (True, None, "salt"), (True, "a", "s"), (True, "a", None)]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"lora_id": 3},  # an adapter without its name: its key is unknown
+        {"extra_keys": [[["image-uuid", 0]]]},  # multimodal input
+        {"extra_keys": [["mm-hash", "salt"]]},  # more than a salt
+        {"lora_name": "a", "extra_keys": [["b"]]},  # another adapter's keys
+        {"group_idx": 1},
+    ],
+)
+def test_blocks_keyed_by_what_a_request_cannot_name_are_marked(fields: dict[str, Any]) -> None:
+    [event] = decode_batch(batch(stored([1], None, [1, 2, 3, 4], **fields))).events
+    assert isinstance(event, BlocksStored) and not event.plain
+
+
+def test_a_salt_below_the_first_block_is_no_salt() -> None:
+    """vLLM puts the salt in the first block's keys only: a child block with one is not
+    keyed as a request can name it."""
+    [event] = decode_batch(batch(stored([2], 1, [1, 2, 3, 4], extra_keys=[["salt"]]))).events
+    assert isinstance(event, BlocksStored) and not event.plain and event.cache_salt is None
+
+
+@pytest.mark.parametrize(
+    "extra_keys",
+    [{"salt": 1}, "salt", [["a"], ["b"]], [7], [{"k": 1}]],
+)
+def test_extra_keys_of_another_shape_are_malformed(extra_keys: object) -> None:
+    with pytest.raises(MalformedBatch) as caught:
+        decode_batch(batch(stored([1], None, [1, 2, 3, 4], extra_keys=extra_keys)))
+    assert caught.value.reason == "extra_keys"
+
+
+def test_a_lora_name_that_is_no_string_is_malformed() -> None:
+    with pytest.raises(MalformedBatch):
+        decode_batch(batch(stored([1], None, [1, 2, 3, 4], lora_name=7)))
 
 
 @pytest.mark.parametrize(

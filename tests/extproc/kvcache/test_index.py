@@ -12,6 +12,7 @@ import pytest
 
 from extproc.kvcache.events import AllCleared, BlocksRemoved, BlocksStored
 from extproc.kvcache.index import KvIndex, chain_keys
+from extproc.kvcache.scope import PLAIN, CacheScope
 
 TOKENS = list(range(100, 132))  # 8 blocks of 4
 
@@ -238,3 +239,58 @@ def test_the_index_agrees_with_a_plain_model_of_it_through_random_events() -> No
                         depth += 1
                     expected[name] = depth
                 assert index.longest_prefix(tokens) == expected
+
+
+# ---- cache scopes: vLLM keys blocks by LoRA adapter and cache salt too -------------------------
+
+
+def scoped(
+    hashes: list[int],
+    tokens: list[int],
+    parent: int | None = None,
+    lora: str | None = None,
+    salt: str | None = None,
+) -> BlocksStored:
+    return BlocksStored(tuple(hashes), parent, tuple(tokens), 4, True, lora, salt)
+
+
+SALTED, OTHER_SALT = CacheScope(salt="s"), CacheScope(salt="t")
+ADAPTER, OTHER_ADAPTER = CacheScope(adapter="a"), CacheScope(adapter="b")
+
+
+def test_a_salted_or_adapter_request_is_not_credited_with_plain_blocks() -> None:
+    index = KvIndex(max_blocks=100)
+    index.apply("d", [store([1, 2, 3], TOKENS[:12])])
+    assert index.longest_prefix(TOKENS) == {"d": 3}
+    for scope in (SALTED, ADAPTER, CacheScope("a", "s")):
+        assert index.longest_prefix(TOKENS, scope) == {"d": 0}
+        assert index.cached_tokens(TOKENS, scope) == {"d": 0}
+
+
+def test_salted_blocks_serve_only_their_own_salt() -> None:
+    index = KvIndex(max_blocks=100)
+    index.apply("d", [scoped([1, 2], TOKENS[:8], salt="s"), scoped([3], TOKENS[8:12], parent=2)])
+    assert index.longest_prefix(TOKENS, SALTED) == {"d": 3}  # the chain carries the salt on
+    assert index.longest_prefix(TOKENS) == {"d": 0}
+    assert index.longest_prefix(TOKENS, OTHER_SALT) == {"d": 0}
+    assert index.longest_prefix(TOKENS, CacheScope("a", "s")) == {"d": 0}
+
+
+def test_adapter_blocks_serve_only_their_own_adapter() -> None:
+    index = KvIndex(max_blocks=100)
+    index.apply("d", [scoped([1, 2], TOKENS[:8], lora="a")])
+    index.apply("d", [scoped([3], TOKENS[8:12], parent=2, lora="a")])
+    assert index.longest_prefix(TOKENS, ADAPTER) == {"d": 3}
+    assert index.longest_prefix(TOKENS) == {"d": 0}
+    assert index.longest_prefix(TOKENS, OTHER_ADAPTER) == {"d": 0}
+    # A child stored under another adapter than its parent's is keyed as vLLM's hash is: by
+    # its own adapter, so a request of the parent's adapter does not reach it.
+    index.apply("d", [scoped([4], TOKENS[12:16], parent=3, lora="b")])
+    assert index.longest_prefix(TOKENS, ADAPTER) == {"d": 3}
+
+
+def test_keys_differ_by_scope_and_agree_within_one() -> None:
+    keys = {scope: chain_keys(TOKENS, 4, scope=scope) for scope in (PLAIN, SALTED, ADAPTER)}
+    assert keys[PLAIN] == chain_keys(TOKENS, 4)
+    assert len({key for chain in keys.values() for key in chain}) == 3 * 8
+    assert chain_keys(TOKENS, 4, scope=CacheScope(salt="s")) == keys[SALTED]

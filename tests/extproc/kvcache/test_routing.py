@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from extproc.config import ConfigError, DecisionConfig, parse_config
 from extproc.kvcache.index import KvIndex, chain_keys
 from extproc.kvcache.routing import KvRouting, event_sources, kv_groups
+from extproc.kvcache.scope import PLAIN, CacheScope
 from extproc.kvcache.watchers import EventSource
 from extproc.metrics import Metrics
 from extproc.policies import KvCacheOptions, KvCachePicker, PickRequest, PrefixPicker
@@ -287,6 +288,7 @@ async def test_a_routed_request_is_looked_up_and_its_share_counted(tokenizer_dir
     routing = KvRouting(KvIndex(100), metrics)
     routing.configure(kv_groups(cfg))
     routing.index.apply(P2, _decoded(chain(1, [1, 2, 3, 4, 5, 6, 7, 8])))
+    routing.learn_base_model(P2, "m")  # "m" is no LoRA adapter
     scheduler = scheduler_for(cfg, routing, metrics)
     request = parse_request(Api.COMPLETIONS, completion("w0 w1 w2 w3 w4 w5 w6 w7 w8"), 1 << 20)
     tokens = await request_tokens(request, scheduler)
@@ -475,6 +477,34 @@ def test_routed_blocks_count_for_engines_not_heard_from_only() -> None:
     routing.remember([P1], prompt)
     routing.engine_restarted(P1)  # a restart empties it
     assert routing.cached_tokens(prompt) == {P2: 0}
+
+
+def test_routed_blocks_count_only_in_the_scope_they_were_routed_in() -> None:
+    """A prompt sent plain is not credited to the same prompt salted or for an adapter (the
+    engine would not reuse those blocks), and a salted one only to its own salt."""
+    routing = KvRouting(KvIndex(100), Metrics())
+    prompt = list(range(40))  # two blocks of 16
+    routing.remember([P1], prompt)
+    salted, adapter = CacheScope(salt="s"), CacheScope(adapter="a")
+    assert routing.cached_tokens(prompt) == {P1: 32}
+    assert routing.cached_tokens(prompt, salted) == {}
+    assert routing.cached_tokens(prompt, adapter) == {}
+    routing.remember([P2], prompt, salted)
+    assert routing.cached_tokens(prompt, salted) == {P2: 32}
+    assert routing.cached_tokens(prompt, CacheScope(salt="t")) == {}
+    assert routing.cached_tokens(prompt) == {P1: 32}
+
+
+def test_a_model_is_an_adapter_unless_an_engine_serves_it_as_its_base() -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    assert routing.scope_of("m", {}) == CacheScope(adapter="m")  # nothing learnt: no credit
+    routing.learn_base_model(D1, "m")
+    assert routing.scope_of("m", {}) == PLAIN
+    assert routing.scope_of("m", {"cache_salt": "s"}) == CacheScope(salt="s")
+    assert routing.scope_of("m-lora", {}) == CacheScope(adapter="m-lora")
+    assert routing.scope_of("m", {"cache_salt": 7}) == CacheScope(salt="7")
+    routing.forget(D1)  # it left its pool
+    assert routing.scope_of("m", {}) == CacheScope(adapter="m")
 
 
 def test_routed_blocks_stay_within_their_bound() -> None:

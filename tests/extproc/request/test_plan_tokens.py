@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from extproc.config import parse_config
 from extproc.errors import ClientError
+from extproc.kvcache.events import BlocksStored
 from extproc.metrics import Metrics
 from extproc.request.parse import Api, parse_request
 from extproc.request.plan import (
@@ -63,7 +64,9 @@ def runtime(model_dir: Path, **extra: Any) -> Runtime:
         "prefill": {"endpoints": [P1, P2], "kv_events": {}},
         "decode": {"endpoints": [D1], "kv_events": {}},
     }
-    return Runtime(parse_config(pools | {"tokenizer": str(model_dir)} | extra), "unix:/x")
+    rt = Runtime(parse_config(pools | {"tokenizer": str(model_dir)} | extra), "unix:/x")
+    rt.kv.learn_base_model(D1, "m")  # as the scraper learns it: "m" is no LoRA adapter
+    return rt
 
 
 async def tokens_of(rt: Runtime, api: Api, doc: dict[str, Any]) -> list[int] | None:
@@ -217,6 +220,33 @@ async def test_the_pick_sees_what_each_engine_holds_of_the_tokens(model_dir: Pat
                 request, {}, rt.config, rt.scheduler, rt.identities, inflight, tokens=ids_
             )
         assert isinstance(plan, SerialPlan) and plan.prefill == holder
+
+
+@pytest.mark.parametrize(
+    ("fields", "decode_only"),
+    [
+        ({}, True),  # D holds the prompt: nothing left to prefill
+        ({"cache_salt": "mine"}, False),  # vLLM would not reuse D's blocks for it
+        ({"model": "m-lora"}, False),  # nor for a LoRA adapter
+    ],
+)
+async def test_only_blocks_of_the_requests_own_scope_make_it_decode_only(
+    model_dir: Path, fields: dict[str, Any], decode_only: bool
+) -> None:
+    """Threshold mode: a long prompt D holds goes decode-only; the same prompt salted, or for
+    an adapter, is not credited with D's blocks and goes through P."""
+    rt = runtime(model_dir, decision={"mode": "threshold", "max_prompt_tokens": 8})
+    tokens = await request_tokens(completion(), rt.scheduler)
+    assert tokens is not None and len(tokens) == 48
+    hashes = list(range(1, 4))
+    stored = BlocksStored(tuple(hashes), None, tuple(tokens), 16, True)
+    rt.kv.index.apply(D1, [stored])  # D1's events: it holds the whole prompt
+    request = completion(**fields)
+    with ExitStack() as inflight:
+        plan = plan_request(
+            request, {}, rt.config, rt.scheduler, rt.identities, inflight, tokens=tokens
+        )
+    assert isinstance(plan, DecodeOnlyPlan) is decode_only
 
 
 def test_pick_request_carries_the_model_session_priority_and_prompt() -> None:
