@@ -1214,6 +1214,27 @@ async def test_a_ranks_new_engine_ends_the_streams_that_rank_owed() -> None:
     assert r.outcome("kv_lost", "serial", "cache_miss") == 1
 
 
+async def test_a_ranks_new_engine_ends_the_parallel_streams_that_rank_owed() -> None:
+    r = Request(prefill={"endpoints": [P], "data_parallel_size": 2})
+    r.rt.identities.learn(P, identity_from_params(IDENTITY), 1)  # rank 1's engine is known
+    state = r.rt.prefill.get(P)
+    assert state is not None
+    state.next_rank = 1
+    await r.start(REQUEST | {"stream": True})
+    await r.envoy.until_sent(2)  # D's body with rank 1's identity: no wait for P
+    [leg] = r.prefill.calls
+    assert leg.headers is not None and leg.headers[RANK_HEADER] == "1"
+    r.prefill.answer(P_ANSWER)
+    await r.send(response_headers(200))
+    await r.envoy.until_sent(3)
+    assert len(r.rt.pushed_kv) == 1
+    r.rt.identities.learn(P, identity_from_params(IDENTITY | {"remote_engine_id": "e2"}), 1)
+    sent = await r.envoy.until_sent(4)
+    assert error(sent[3])[0] == 503
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.outcome("kv_lost", "parallel", "cache_hit") == 1
+
+
 @pytest.mark.parametrize("first_rank", [0, 3], ids=["rank-the-fallback-has", "rank-it-lacks"])
 async def test_a_serial_retry_chooses_its_rank_at_the_fallback(first_rank: int) -> None:
     prefill = ScriptedPrefill(PrefillBusy(502, "prefill endpoint answered 503"))
