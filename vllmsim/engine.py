@@ -394,7 +394,8 @@ class Engine:
         return self.connector is not None and self.connector.has_pending_work()
 
     def wake(self) -> None:
-        """A connector event: an idle engine takes its next (empty) step."""
+        """A connector event: an idle engine admits what now fits (a lease freed its blocks)
+        and takes its next (empty) step if one is due."""
         self._wake.set()
 
     def _admit(self) -> None:

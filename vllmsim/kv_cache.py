@@ -180,14 +180,24 @@ class Lease:
 
 
 class LeaseTable:
-    """P-side leases keyed by P's internal request id; expiry frees the blocks."""
+    """P-side leases keyed by P's internal request id; expiry frees the blocks.
+
+    Blocks go back to the pool outside the engine's step (a transfer done, a lease expired), so
+    every release calls `on_free`: requests waiting for blocks may fit now, and the engine must
+    not wait for an unrelated arrival to admit them.
+    """
 
     def __init__(
-        self, pool: BlockPool, duration_s: float, on_expire: Callable[[Lease], None]
+        self,
+        pool: BlockPool,
+        duration_s: float,
+        on_expire: Callable[[Lease], None],
+        on_free: Callable[[], None],
     ) -> None:
         self._pool = pool
         self._duration = duration_s
         self._on_expire = on_expire
+        self._on_free = on_free
         self._leases: dict[str, Lease] = {}
 
     def __len__(self) -> int:
@@ -212,6 +222,7 @@ class LeaseTable:
             if lease.timer is not None:
                 lease.timer.cancel()
             self._pool.free(lease.blocks)
+            self._on_free()
         return lease
 
     def clear(self) -> None:
@@ -223,4 +234,5 @@ class LeaseTable:
         if lease is None:
             return
         self._pool.free(lease.blocks)
+        self._on_free()
         self._on_expire(lease)

@@ -10,9 +10,11 @@ batch from there on, then an end marker (an empty topic, sequence -1, an empty p
 Endpoints follow vLLM: a PUB endpoint with "*" or "::" (or ipc/inproc) is bound, any other is
 connected to (the subscriber binds); the replay endpoint is always bound; "tcp://*:0" binds
 an ephemeral port on this node's IP (VLLM_HOST_IP). With data parallelism every rank publishes
-on its own sockets, as vLLM's per-rank schedulers do: both endpoints' ports plus the rank (a
-port of 0 stays 0: any free port), an inproc name with `_dp<rank>` appended (an ipc one is
-refused), and the rank in every batch.
+on its own sockets, as vLLM's per-rank schedulers do: both endpoints' ports plus the rank, an
+inproc name with `_dp<rank>` appended (an ipc one is refused), and the rank in every batch.
+Simulator-only: a bound endpoint of port 0 with data parallelism gives rank 0 a free port and
+rank r the port r after it (`rank_publishers` tries other ports while one is taken), so that a
+subscriber finds each rank at the reported port plus the rank, as with fixed ports.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import os
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from itertools import count
 from typing import Any
 
@@ -217,7 +219,7 @@ class EventPublisher:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self.replay_endpoint = _bind(self._replay, ep)
         except (zmq.ZMQError, ValueError) as exc:
-            self._pub.close(linger=0)
+            self._close_sockets()
             raise KVEventsSocketError(f"KV events endpoint {ep}: {exc}") from exc
         self._topic = cfg.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(1, cfg.buffer_steps))
@@ -267,8 +269,52 @@ class EventPublisher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
         self._ctx.term()
         self._pub_ctx.term()
+
+
+BIND_ATTEMPTS = 50  # free ports tried for rank 0 of a port-0 data-parallel publisher
+
+
+async def rank_publishers(cfg: KVEventsConfig, ranks: int) -> list[EventPublisher]:
+    """One publisher per data-parallel rank, rank r's ports r after rank 0's. Where a bound
+    endpoint's port is 0, rank 0 takes a free one and the other ranks the ports after it;
+    when one of those is taken, every socket is closed and another free port tried."""
+    if ranks == 1 or not (_bound_any_port(cfg.endpoint) or _bound_any_port(cfg.replay_endpoint)):
+        return [EventPublisher(cfg, rank) for rank in range(ranks)]
+    for _ in range(BIND_ATTEMPTS):
+        first = EventPublisher(cfg, 0)
+        fixed = replace(
+            cfg,
+            endpoint=_port_of(cfg.endpoint, first.endpoint),
+            replay_endpoint=cfg.replay_endpoint
+            and _port_of(cfg.replay_endpoint, first.replay_endpoint or ""),
+        )
+        publishers = [first]
+        try:
+            publishers += [EventPublisher(fixed, rank) for rank in range(1, ranks)]
+        except KVEventsSocketError:
+            for publisher in publishers:
+                await publisher.close()
+            continue
+        return publishers
+    raise KVEventsSocketError(
+        f"KV events endpoint {cfg.endpoint}: no {ranks} consecutive free ports"
+    )
+
+
+def _bound_any_port(endpoint: str | None) -> bool:
+    return bool(endpoint) and str(endpoint).startswith("tcp://") and str(endpoint).endswith(":0")
+
+
+def _port_of(endpoint: str, bound: str) -> str:
+    """`endpoint` with the port `bound` got, where it asked for any (port 0)."""
+    if not _bound_any_port(endpoint):
+        return endpoint
+    return f"{endpoint.removesuffix(':0')}:{bound.rpartition(':')[2]}"

@@ -28,7 +28,7 @@ from aiohttp import web
 from vllmsim.config import SimConfig
 from vllmsim.cost_model import ApiProcess
 from vllmsim.engine import Engine, StepLateness
-from vllmsim.kv_events import EventPublisher
+from vllmsim.kv_events import EventPublisher, rank_publishers
 from vllmsim.metrics import Metrics
 from vllmsim.nixl.base import ConnectorBase
 from vllmsim.nixl.params import Identity
@@ -162,9 +162,11 @@ class SimServer:
             port = base + rank.index if base else 0
             await rank.side.start(_bind_host(self.cfg.side_channel_host), port)
         if self.cfg.kv_events is not None and self.cfg.kv_events.enabled:
-            for rank in self.ranks:  # vLLM: one publisher per rank's scheduler
-                rank.events = EventPublisher(self.cfg.kv_events, rank.index)
-                rank.events.start()
+            # vLLM: one publisher per rank's scheduler
+            publishers = await rank_publishers(self.cfg.kv_events, len(self.ranks))
+            for rank, events in zip(self.ranks, publishers, strict=True):
+                rank.events = events
+                events.start()
         self._start_generations()
 
     async def stop(self) -> None:

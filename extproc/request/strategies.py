@@ -78,14 +78,14 @@ class InFlight(Protocol):
 
     rank: int | None  # the data-parallel rank chosen at its endpoint (None: it has none)
 
-    def move_to(self, address: str) -> None: ...
+    def move_to(self, address: str, same_rank: bool = True) -> None: ...
     def release(self) -> None: ...
 
 
 class _NotCounted:
     rank: int | None = None
 
-    def move_to(self, address: str) -> None:
+    def move_to(self, address: str, same_rank: bool = True) -> None:
         pass
 
     def release(self) -> None:
@@ -416,7 +416,8 @@ class SerialDispatch:
         plan, services, stream = self._plan, self._services, self._exchange.stream
         fallback, timeout_s = plan.fallback, None
         while True:
-            self._counted.move_to(self._prefill)  # a retry is counted at its fallback
+            # a retry is counted at its fallback, at a rank chosen there: its leg is to leave
+            self._counted.move_to(self._prefill, same_rank=False)
             if self._prefill != plan.prefill:
                 self._rank = self._counted.rank
             leg = _PrefillLeg(

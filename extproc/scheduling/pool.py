@@ -165,9 +165,12 @@ class Pool:
             self.release(counted)
             counted.open = False
 
-    def move(self, counted: Counted, address: str) -> None:
+    def move(self, counted: Counted, address: str, same_rank: bool = True) -> None:
         """Count `counted`'s request at `address` from now on: Envoy's fallback served it, or a
-        retry went there (counted again after its release). Nothing once its `track` ended."""
+        retry went there (counted again after its release). Nothing once its `track` ended.
+        `same_rank`: the rank already sent is kept where the new endpoint has it (Envoy's
+        fallback D got the same header); False: the leg is still to leave (a retry's P leg),
+        and the new endpoint's own least loaded rank is chosen."""
         state = self._endpoints.get(address)
         if not counted.open or state is None:
             return
@@ -175,9 +178,11 @@ class Pool:
             return
         self.release(counted)
         if state is not counted.state:
-            # The rank already sent is kept where the new endpoint has it (Envoy's fallback D
-            # got the same header); else one of its own (a retry's P leg is still to leave).
-            kept = counted.rank is not None and counted.rank < self.ranks_of(state.address)
+            kept = (
+                same_rank
+                and counted.rank is not None
+                and counted.rank < self.ranks_of(state.address)
+            )
             counted.rank = counted.rank if kept else self._rank_for(state)
         counted.state, counted.counting = state, True
         self._count(counted, +1)
@@ -215,8 +220,8 @@ class Counted:
         self.counting = True  # counted at `state` now
         self.open = True  # its `track` has not ended: it may be counted again
 
-    def move_to(self, address: str) -> None:
-        self.pool.move(self, address)
+    def move_to(self, address: str, same_rank: bool = True) -> None:
+        self.pool.move(self, address, same_rank)
 
     def release(self) -> None:
         self.pool.release(self)

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from tests.support.engines import two_free_ports
 from tests.support.kv_routing import BLOCK, completion_body, loopback_events, model_dir, words
 from tests.support.topology import (
     MODEL,
@@ -28,6 +27,13 @@ __all__ = ["loopback_events", "model_dir"]  # the fixtures, from tests/support
 DP2 = ("--data-parallel-size", "2")
 RANKS = {"data_parallel_size": 2}
 RANK_HEADER = "x-data-parallel-rank"
+
+
+ENDPOINTS = ("kv_events_endpoint", "kv_events_replay_endpoint")
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rpartition(":")[2])
 
 
 def _body(i: int) -> dict[str, Any]:
@@ -154,16 +160,18 @@ async def test_a_cached_prefix_goes_to_the_rank_that_holds_it(
     index keeps them per rank: prompts sharing a prefix that rank 1 of P holds are all pinned
     to rank 1 (without per-rank keys the sidecar hears rank 0's socket alone and spreads them
     by load). Ranks learned from P's /metrics move the subscriptions to the ranks' sockets."""
-    pub, replay = two_free_ports(), two_free_ports()
+    # P binds its own ports (port 0: rank 0 a free one, rank 1 the next) and reports them
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{pub}",
-        "replay_endpoint": f"tcp://*:{replay}",
+        "endpoint": "tcp://*:0",
+        "replay_endpoint": "tcp://*:0",
     }
     common = (*FAST, "--tokenizer", str(model_dir), "--block-size", str(BLOCK), *DP2)
     flags = (*common, "--kv-events-config", json.dumps(events))
     async with running_engine(*flags, "--kv-transfer-config", PUSH[0]) as p:
+        pub, replay = (_port(p.ranks[0][key]) for key in ENDPOINTS)
+        assert [_port(p.ranks[1][key]) for key in ENDPOINTS] == [pub + 1, replay + 1]
         prefill = {
             **(RANKS if declared else {}),
             "policy": "kv_cache",

@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import msgpack
+import pytest
 
 from tests.support.engines import two_free_ports
 from tests.vllmsim.kv_event_helpers import (
@@ -21,6 +22,7 @@ from tests.vllmsim.kv_event_helpers import (
     subscriber,
 )
 from tests.vllmsim.vsim_helpers import post
+from vllmsim import kv_events
 from vllmsim.launcher import FAST, EngineHandle, running_engine, vllmsim_command
 
 
@@ -259,3 +261,42 @@ async def test_salted_and_adapter_blocks_carry_their_extra_keys_as_vllms_do(
 
 def vllm_low(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, "big") & (2**64 - 1)
+
+
+async def test_port_zero_gives_the_ranks_consecutive_ports_it_reports() -> None:
+    """Simulator-only: a caller that cannot reserve ports lets the engine bind them and reads
+    them back; a subscriber still finds rank r at rank 0's port plus r."""
+    flag = events_flag(endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    async with running_engine(*FAST, "-dp", "3", *flag, env=LOOPBACK_ENV) as eng:
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            ports = [int(str(r[key]).rpartition(":")[2]) for r in eng.ranks]
+            assert ports[0] > 0 and ports == [ports[0], ports[0] + 1, ports[0] + 2], key
+
+
+async def test_a_taken_port_after_rank_zeros_moves_every_rank_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    taken: list[int] = []
+
+    def publisher(cfg: kv_events.KVEventsConfig, rank: int = 0) -> kv_events.EventPublisher:
+        if rank == 1 and not taken:  # the first try finds rank 1's port taken
+            taken.append(rank)
+            raise kv_events.KVEventsSocketError("Address already in use")
+        return real(cfg, rank)
+
+    real = kv_events.EventPublisher
+    monkeypatch.setattr(kv_events, "EventPublisher", publisher)
+    cfg = kv_events.KVEventsConfig(True, "zmq", "tcp://*:0", "tcp://*:0")
+    publishers = await kv_events.rank_publishers(cfg, 2)
+    try:
+        assert taken == [1]
+        for endpoints in (
+            [p.endpoint for p in publishers],
+            [p.replay_endpoint for p in publishers],
+        ):
+            first, second = (int(str(e).rpartition(":")[2]) for e in endpoints)
+            assert second == first + 1
+    finally:
+        for p in publishers:
+            await p.close()

@@ -90,7 +90,9 @@ async def test_serial_push_waits_for_d_allocation_and_p_next_step(
 async def test_parallel_push_writes_one_p_step_after_the_finish(
     http: aiohttp.ClientSession,
 ) -> None:
-    slow_prefill = (*FAST, "--prefill-per-token-ms", "2")  # prefill steps of ~100 ms
+    # prefill steps of ~100 ms, the warm-up's prompt not cached: "par" is computed again, so
+    # that D registers while P still prefills it
+    slow_prefill = (*FAST, "--prefill-per-token-ms", "2", "--no-enable-prefix-caching")
     async with (
         running_engine(*slow_prefill, "--kv-transfer-config", PUSH_P) as p,
         running_engine(*FAST, "--kv-transfer-config", PUSH_D) as d,

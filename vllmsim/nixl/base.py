@@ -30,7 +30,9 @@ class ConnectorBase:
         self.kv = kv
         self.ident = ident
         self.faults = faults
-        self.leases = LeaseTable(engine.pool, kv.lease_duration_s, self._on_lease_expired)
+        self.leases = LeaseTable(
+            engine.pool, kv.lease_duration_s, self._on_lease_expired, engine.wake
+        )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._recv_tasks: dict[SimRequest, asyncio.Task[None]] = {}
         self.nic = Link()  # what this engine serves (pull READs) and posts (push WRITEs)

@@ -153,3 +153,11 @@ def test_what_is_not_a_batch_is_rejected_with_a_reason(payload: bytes, reason: s
     with pytest.raises(MalformedBatch) as raised:
         decode_batch(payload)
     assert raised.value.reason == reason
+
+
+def test_a_removal_from_another_tier_is_skipped() -> None:
+    """KV offloading: a block's CPU copy evicted says nothing of its GPU copy, which still
+    counts as cached."""
+    decoded = decode_batch(batch(removed([7]) | {"medium": "CPU"}, removed([8])))
+    assert decoded.events == (BlocksRemoved((8,)),)
+    assert decoded.skipped == 1

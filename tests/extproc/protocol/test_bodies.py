@@ -224,3 +224,11 @@ def test_strings_with_escapes_end_where_json_says(text: str, where: str) -> None
     assert [key for key, _ in parts] == list(doc)
     for key, chunk in parts:
         assert orjson.loads(b"{" + chunk + b"}") == {key: doc[key]}
+
+
+def test_vllm_xargs_carrying_only_the_report_mode_lose_it() -> None:
+    # kv_cache_report_mode changes the KV events the index reads: only the sidecar sets it,
+    # even in xargs that carry no kv_transfer_params
+    raw = b'{"model":"m","vllm_xargs":{"kv_cache_report_mode":"all","mine":1}}'
+    assert _xargs_of(raw) == {"mine": 1}
+    assert _xargs_of(b'{"model":"m","vllm_xargs":{"kv_cache_report_mode":"all"}}') == "absent"

@@ -21,6 +21,7 @@ from grpc import aio
 
 from extproc.config import parse_config
 from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUnreachable
+from extproc.headers import RANK_HEADER
 from extproc.policies import PickRequest
 from extproc.protocol.identity import identity_from_params
 from extproc.request.processor import RequestProcessor
@@ -1155,3 +1156,110 @@ async def test_a_model_no_decode_answered_is_labelled_other() -> None:
         if sample.name.endswith("_total")
     }
     assert models == {"other"}  # never served: the name is not learnt
+
+
+# ---- owed pushes and data-parallel ranks ----------------------------------------------------
+
+
+class Clock:
+    """The owed pushes' clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def owed_serial_push(r: Request) -> None:
+    """A streamed serial push request through D's 200: the push P answered for is owed."""
+    await r.start(REQUEST | {"stream": True})
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(3)  # D's body, with P's params
+    await r.send(response_headers(200))
+    await r.envoy.until_sent(4)
+    assert len(r.rt.pushed_kv) == 1
+
+
+async def test_an_owed_push_is_kept_until_a_lost_p_can_be_seen() -> None:
+    # P's push lands within pushed_kv_s of its answer, but P's loss is seen only after two
+    # failed health checks: a P down past the landing time still owed the stream its KV
+    clock = Clock()
+    r = Request(timeouts={"pushed_kv_s": 1}, health={"interval_s": 2, "timeout_s": 1})
+    r.rt.pushed_kv._clock = clock
+    await owed_serial_push(r)
+    clock.now += 1 + 2 * (2 + 1) - 0.5  # past the landing time, within two health rounds
+    r.rt.prefill.set_healthy(P, False)
+    sent = await r.envoy.until_sent(5)
+    assert error(sent[4])[0] == 503
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.outcome("kv_lost", "serial", "cache_miss") == 1
+
+
+async def test_a_ranks_new_engine_ends_the_streams_that_rank_owed() -> None:
+    # each rank of a data-parallel P is an engine of its own: the push is owed by rank 1
+    r = Request(prefill={"endpoints": [P], "data_parallel_size": 2})
+    state = r.rt.prefill.get(P)
+    assert state is not None
+    state.next_rank = 1  # the rank the least-loaded choice tries first
+    await owed_serial_push(r)
+    [leg] = r.prefill.calls
+    assert leg.headers is not None and leg.headers[RANK_HEADER] == "1"
+    # rank 1's engine restarted (its new identity learnt from an answer or the probe)
+    r.rt.identities.learn(P, identity_from_params(IDENTITY | {"remote_engine_id": "e2"}), 1)
+    sent = await r.envoy.until_sent(5)
+    assert error(sent[4])[0] == 503
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.outcome("kv_lost", "serial", "cache_miss") == 1
+
+
+async def test_a_ranks_new_engine_ends_the_parallel_streams_that_rank_owed() -> None:
+    r = Request(prefill={"endpoints": [P], "data_parallel_size": 2})
+    r.rt.identities.learn(P, identity_from_params(IDENTITY), 1)  # rank 1's engine is known
+    state = r.rt.prefill.get(P)
+    assert state is not None
+    state.next_rank = 1
+    await r.start(REQUEST | {"stream": True})
+    await r.envoy.until_sent(2)  # D's body with rank 1's identity: no wait for P
+    [leg] = r.prefill.calls
+    assert leg.headers is not None and leg.headers[RANK_HEADER] == "1"
+    r.prefill.answer(P_ANSWER)
+    await r.send(response_headers(200))
+    await r.envoy.until_sent(3)
+    assert len(r.rt.pushed_kv) == 1
+    r.rt.identities.learn(P, identity_from_params(IDENTITY | {"remote_engine_id": "e2"}), 1)
+    sent = await r.envoy.until_sent(4)
+    assert error(sent[3])[0] == 503
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.outcome("kv_lost", "parallel", "cache_hit") == 1
+
+
+@pytest.mark.parametrize("first_rank", [0, 3], ids=["rank-the-fallback-has", "rank-it-lacks"])
+async def test_a_serial_retry_chooses_its_rank_at_the_fallback(first_rank: int) -> None:
+    prefill = ScriptedPrefill(PrefillBusy(502, "prefill endpoint answered 503"))
+    r = Request(
+        p_leg=prefill,
+        prefill={
+            "endpoints": [P, {"address": P2, "data_parallel_size": 2}],
+            "data_parallel_size": 4,
+        },
+        dispatch={"mode": "serial_push"},
+        timeouts={"prefill_s": 10},
+    )
+    first, fallback = r.rt.prefill.get(P), r.rt.prefill.get(P2)
+    assert first is not None and fallback is not None
+    first.next_rank = first_rank
+    fallback.rank_load = {0: 5.0, 1: 0.0}  # other routers' requests queue at its rank 0
+    await r.start()
+    first_leg, retry = await prefill.until_called(2)
+    assert (first_leg.endpoint, retry.endpoint) == (P, P2)
+    assert first_leg.headers is not None and first_leg.headers[RANK_HEADER] == str(first_rank)
+    assert retry.headers is not None and retry.headers[RANK_HEADER] == "1"  # its least loaded
+    prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(3)
+    assert r.rt.identities.get(P2, 1) == identity_from_params(IDENTITY)
+    await r.send(response_headers(200))
+    await r.envoy.until_sent(4)
+    await r.end()
+    assert r.idle()

@@ -81,3 +81,12 @@ async def test_each_data_parallel_rank_owes_its_own_pushes() -> None:
     assert rank1.lost.done() and not rank0.lost.done()
     assert pushed.endpoint_down("p1") == 1  # the server: every rank of it, not p10's
     assert rank0.lost.done() and not neighbour.lost.done()
+
+
+async def test_a_loss_seen_after_the_landing_time_within_the_keep_time_is_told() -> None:
+    # the push should have landed by now, but a P lost since its answer may be seen only now
+    clock = Clock()
+    pushed = PushedKv(clock)
+    owed = pushed.owe("p1", "e1", LANDING_S, KEEP_S)
+    clock.now += KEEP_S - 0.01
+    assert pushed.endpoint_down("p1") == 1 and owed.lost.done()

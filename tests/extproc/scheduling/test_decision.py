@@ -154,3 +154,16 @@ def test_the_tokenizers_count_and_the_members_it_did_not_render_add_up() -> None
     # 90 tokens counted, and 80 bytes (20 tokens) of documents the tokenizer did not render
     assert decider.decide(threshold, 0, "d", Load(), Load(), prompt_tokens=90).decode_only
     assert not decider.decide(threshold, 80, "d", Load(), Load(), prompt_tokens=90).decode_only
+
+
+def test_a_cached_turn_spends_only_the_stall_of_what_d_lacks() -> None:
+    # D holds 800 of the 1000 tokens: each turn stalls D's running request for 200 tokens'
+    # prefill (11.6 ms of the 30 ms bucket), not the whole prompt's (58 ms): two turns fit
+    decider = Decider(Metrics())
+    cfg = LOAD_AWARE.model_copy(update={"bytes_per_token": 1.0})
+    busy = Load(in_flight=2)  # one running besides this request
+    made = [
+        decider.decide(cfg, 0, "d", busy, Load(), prompt_tokens=1000, d_cached=800).reason
+        for _ in range(3)
+    ]
+    assert made == ["faster_alone", "faster_alone", "stall_budget"]

@@ -232,6 +232,20 @@ def test_ranks_are_chosen_by_their_load_and_counted_apart() -> None:
         assert state.rank_in_flight == {0: 0, 1: 0}
 
 
+def test_a_leg_still_to_leave_takes_a_rank_of_its_new_endpoint() -> None:
+    """A serial retry's P leg has sent no rank yet: it goes to the least loaded rank of the
+    fallback, not the number the first endpoint's rank had."""
+    pool = Pool(Role.PREFILL, [A, B], Last())
+    pool.ranks_of = lambda address: 2
+    first, fallback = (next(s for s in pool if s.address == a) for a in (A, B))
+    fallback.rank_load = {0: 5.0, 1: 0.0}
+    with pool.track(first, rank=0) as retried:
+        retried.release()  # the first leg failed
+        retried.move_to(B, same_rank=False)
+        assert retried.rank == 1 and fallback.rank_in_flight == {1: 1}
+    assert fallback.rank_in_flight == {1: 0} and fallback.in_flight == 0
+
+
 def test_a_counts_pending_tokens_end_and_move_with_it() -> None:
     pool = Pool(Role.PREFILL, [A, B], Last())
     a, b = pool

@@ -124,3 +124,22 @@ def test_ds_rank_and_a_fallback_that_has_that_rank() -> None:
         assert (first.decodes, first.decode_counted.rank) == ([D1, D2], 0)
         assert (second.decodes, second.decode_counted.rank) == ([D2, D1], None)
         assert (third.decodes, third.decode_counted.rank) == ([D1], 1)
+
+
+def test_members_down_are_no_room_for_admission() -> None:
+    """A role is as saturated as its least saturated healthy member: a decode that is down
+    leaves the saturated one to shed (429), and with every member down the answer is 503."""
+    cfg = config(admission={"enabled": True, "decode": {"max_in_flight": 1}})
+    s = scheduler(cfg)
+    d1, d2 = s.decode.get(D1), s.decode.get(D2)
+    assert d1 is not None and d2 is not None
+    d1.in_flight = 1  # at its limit
+    s.decode.set_healthy(D2, False)  # idle, but down
+    with ExitStack() as inflight, pytest.raises(Shed) as shed:
+        s.pick(LONG, inflight, cfg)
+    assert shed.value.status == 429
+    d2.in_flight = 1  # its requests still finishing
+    s.decode.set_healthy(D1, False)
+    with ExitStack() as inflight, pytest.raises(NoHealthyDecode) as none:
+        s.pick(LONG, inflight, cfg)
+    assert none.value.status == 503

@@ -1,0 +1,37 @@
+"""The kv_cache policy's score: the prompt's cached tokens against the work queued ahead, all
+of it (this sidecar's and other routers'), in one unit, for an endpoint and for a rank alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.policies import KvCacheOptions, KvCachePicker, PickRequest
+from extproc.scheduling.pool import EndpointState
+
+HOLDER, OTHER = "10.0.0.1:8000", "10.0.0.2:8000"
+PROMPT = 1000
+HELD = PickRequest(prefix=b"x", prompt_tokens=PROMPT, cached={HOLDER: PROMPT})
+
+
+def test_other_routers_queue_at_the_holder_outweighs_its_cache() -> None:
+    # the default weight: 2 × 1000 cached tokens against 64 tokens per request queued there
+    holder, other = EndpointState(HOLDER), EndpointState(OTHER)
+    holder.foreign = 31  # seen at the last scrape, sent by other replicas: 1984 < 2000
+    assert KvCachePicker().pick([other, holder], HELD) is holder
+    holder.foreign = 32  # 2048 > 2000
+    assert KvCachePicker().pick([other, holder], HELD) is other
+
+
+@pytest.mark.parametrize("weight", [1.0, 2.0, 3.5])
+def test_a_rank_weighs_cached_tokens_as_the_endpoint_choice_does(weight: float) -> None:
+    picker = KvCachePicker(KvCacheOptions(kv_cached_token_weight=weight))
+    holder_wins = []
+    for queued in range(80):
+        endpoint = picker.pick(
+            [EndpointState(OTHER), EndpointState(HOLDER, in_flight=queued)], HELD
+        )
+        rank = picker.pick_rank([0, queued], {1: PROMPT}, PROMPT)
+        assert (rank == 1) is (endpoint.address == HOLDER), queued
+        holder_wins.append(rank == 1)
+    # the holder wins while weight × 1000 tokens outweigh 64 per request queued there
+    assert holder_wins.count(True) == int(weight * PROMPT / 64) + 1
