@@ -16,7 +16,6 @@ processes.
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
 import uuid
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 
 from bench.pr187 import MODES
 from lab.clock import run_virtual
+from lab.workloads import random_prompts
 from vllmsim.config import CacheConfig, CostModel, Faults, KVTransferConfig
 from vllmsim.engine import Engine, ErrorEvent, FinishEvent, KVMode, SimRequest, TokenEvent
 from vllmsim.metrics import Metrics
@@ -143,8 +143,7 @@ class Proxy:
 
 def prompts(seed: int, count: int) -> list[list[int]]:
     """`--dataset-name random --random-range-ratio 0`: `count` prompts of INPUT_LEN token ids."""
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 128_000) for _ in range(INPUT_LEN)] for _ in range(count)]
+    return random_prompts(seed, count, INPUT_LEN)
 
 
 async def _bench(proxy: Proxy, concurrency: int, batch: list[list[int]]) -> list[float]:

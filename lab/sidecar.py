@@ -1,0 +1,344 @@
+"""pd-extproc's own request-side objects, built from a config file, with an in-process transport.
+
+Built as `extproc.wiring.Runtime` builds them: the two pools with the config's policies, the
+KV-cache routing (`KvRouting` over a `KvIndex`), the scheduler (admission, the decode-only
+decision, in-flight and pending-token accounting), the identity cache, the P legs' sender with
+its queued-token accounting (`TrackedPrefillSender`), and the legs' services. A request runs
+the product's own path from the parsed body on: `parse_request`, `request_tokens`,
+`plan_request`, then `start_dispatch`'s strategy (serial, parallel, decode-only), whose P leg
+and Envoy answers are the only things replaced:
+
+- Envoy and gRPC: the body answer the strategy writes is read back from the stand-in stream
+  and its body sent to the plan's D in-process; D's response headers reach the strategy's
+  `on_decode_headers` when the simulated engine starts its answer (a streaming answer);
+- HTTP to P: `InProcessPrefill`, a `PrefillSender` that hands the body to the engine;
+- the background loops: the engine scraper becomes a feed of each engine's own load numbers
+  (its /metrics families, through `EngineLoad`) every load interval of the config; the KV
+  event subscribers become in-process delivery of each engine's encoded batches, decoded by
+  `decode_batch` and applied to the index as the ZMQ subscriber does; each prefill's identity
+  is learnt at start by a one-token P leg, as the identity probe does. Health checks are not
+  modelled: every engine stays healthy.
+
+Latencies the transport adds (`ProxyCosts`) are fixed per request; see docs/lab.md for where
+the defaults come from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from extproc.config import Config
+from extproc.engines.load import EngineLoad
+from extproc.engines.scraper import parse_families
+from extproc.errors import RequestEnded
+from extproc.kvcache.events import MalformedBatch, decode_batch
+from extproc.kvcache.index import KvIndex
+from extproc.kvcache.routing import KvRouting, event_sources, kv_groups
+from extproc.metrics import Metrics
+from extproc.protocol.bodies import prefill_kv_params
+from extproc.protocol.identity import IdentityCache, identity_from_params
+from extproc.request.parse import Api, parse_request
+from extproc.request.plan import DecodeOnlyPlan, Plan, plan_request, request_tokens
+from extproc.request.prefill_client import (
+    PrefillCall,
+    PrefillResult,
+    TrackedPrefillSender,
+    prefill_error,
+)
+from extproc.request.pushed_kv import PushedKv
+from extproc.request.strategies import Exchange, LegServices, start_dispatch
+from extproc.roles import Role
+from extproc.scheduling.pool import EndpointState, Pool
+from extproc.scheduling.scheduler import Scheduler, pool_picker
+from extproc.tracing import RequestTrace
+from lab.engines import MODEL, Cluster, Served, SimEngine
+
+__all__ = ["Outcome", "ProxyCosts", "Sidecar"]
+
+log = logging.getLogger("lab")
+
+_PATH = Api.COMPLETIONS.value
+
+
+@dataclass(frozen=True)
+class ProxyCosts:
+    """What the proxy adds to a request, in ms, fixed per request.
+
+    intake: from the client's request to the legs leaving (Envoy, the ext_proc's decision);
+    answer: the rest of the proxy's added latency, on the first token's way back;
+    hop: one way between the proxy and an engine (each leg out, P's answer back).
+    """
+
+    intake_ms: float = 2.42
+    answer_ms: float = 1.23
+    hop_ms: float = 0.0
+
+
+# bench/results/hotpath.md (1P1D, instant engines, sequential): pd-extproc's "client → P leg"
+# p50 2.422 ms and "added" p50 3.65 ms; vllm-router's 0.322 ms and 1.93 ms.
+PROXIES = {
+    "pd-extproc": ProxyCosts(2.42, 3.65 - 2.42),
+    "vllm-router": ProxyCosts(0.32, 1.93 - 0.32),
+}
+
+
+@dataclass
+class Outcome:
+    """One client request, as the client saw it, and how the sidecar routed it."""
+
+    ok: bool
+    status: int = 200
+    error: str = ""
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    strategy: str = ""
+    prefill: str | None = None
+    decode: str | None = None
+    finished_at: float = 0.0
+
+
+class _Stream:
+    """Envoy's side of the ext_proc stream, as the strategies use it: what they write is kept
+    (the D body is read from it); Envoy sends nothing more while it waits for the answers."""
+
+    def __init__(self) -> None:
+        self.written: list[Any] = []
+        self._silent = asyncio.get_running_loop().create_future()
+
+    async def write(self, response: Any) -> None:
+        self.written.append(response)
+
+    def next_message(self) -> asyncio.Future[Any]:
+        return self._silent
+
+    def take(self) -> None:
+        return None
+
+    def put_back(self, message: Any) -> None:
+        pass
+
+    def decode_body(self) -> bytes:
+        """The body the last body answer sends to D (a buffered request's)."""
+        for answer in reversed(self.written):
+            if answer.HasField("request_body"):
+                return bytes(answer.request_body.response.body_mutation.body)
+        raise RuntimeError("the strategy wrote no body answer for D")
+
+
+class InProcessPrefill:
+    """A `PrefillSender`: P's body to the simulated engine, P's answer back as a result."""
+
+    def __init__(self, cluster: Cluster, costs: ProxyCosts) -> None:
+        self._cluster = cluster
+        self._hop_s = costs.hop_ms / 1e3
+
+    async def send(self, call: PrefillCall) -> PrefillResult:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await _sleep(self._hop_s)
+        try:
+            async with asyncio.timeout(call.timeout_s):
+                served = await self._cluster.by_address[call.endpoint].serve(call.body)
+        except TimeoutError:
+            served = Served(504, "the prefill leg timed out")
+        await _sleep(self._hop_s)
+        if served.status >= 300:
+            body = orjson.dumps({"error": {"message": served.error}})
+            raise prefill_error(served.status, None, body, call.endpoint)
+        return PrefillResult(
+            served.status, served.kv_transfer_params, started, loop.time() - started
+        )
+
+
+async def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+
+
+class Sidecar:
+    """One ext_proc process's request-side state over the lab's cluster."""
+
+    def __init__(self, config: Config, cluster: Cluster, costs: ProxyCosts) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.costs = costs
+        self.metrics = Metrics()
+        loop = asyncio.get_running_loop()
+        dispatch = config.dispatch
+        self.identities = IdentityCache(
+            dispatch.flap_threshold,
+            dispatch.flap_window_s,
+            dispatch.serial_cooldown_s,
+            clock=loop.time,
+        )
+        self.prefill = Pool(
+            Role.PREFILL, config.static_addresses(Role.PREFILL), pool_picker(config.prefill)
+        )
+        self.decode = Pool(
+            Role.DECODE, config.static_addresses(Role.DECODE), pool_picker(config.decode)
+        )
+        self.kv = KvRouting(KvIndex(config.kv_index.max_blocks), self.metrics)
+        self.kv.configure(kv_groups(config))
+        self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics, self.kv)
+        members = {name: g.members for name, g in self.scheduler.groups.items()}
+        # what the subscribers would follow; nothing is started (no ZMQ): see `kv_events`
+        self.kv.follow(
+            event_sources(config, members, self.kv.routed_groups, self.scheduler.data_parallel_size)
+        )
+        self.services = LegServices(
+            TrackedPrefillSender(InProcessPrefill(cluster, costs), self.prefill.get),
+            self.identities,
+            lambda prefill: self.prefill.set_healthy(prefill, False),
+            lambda decode: None,  # the KV check's bookkeeping: not modelled
+            self.metrics,
+            pushed_kv=PushedKv(loop.time),
+        )
+        self._load = EngineLoad(self._state)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _state(self, address: str) -> EndpointState | None:
+        return self.prefill.get(address) or self.decode.get(address)
+
+    # -- the background loops, in-process ---------------------------------------------------
+
+    def kv_events(self, address: str, payload: bytes) -> None:
+        """An engine's KV event batch, as its ZMQ subscriber applies it, if one follows it."""
+        if address not in self.kv.watched:
+            return
+        try:
+            batch = decode_batch(payload)
+        except MalformedBatch:
+            self.kv.index.clear_engine(address)
+            return
+        self.kv.index.apply(address, batch.events)
+
+    def load_interval_s(self) -> float | None:
+        """How often the scraper reads the engines' load (None: no policy of the config reads
+        it, the decision and admission read what the health checks scrape)."""
+        pools = [p for g in self.config.groups().values() for p in (g.prefill, g.decode)]
+        needs = [p.load_interval_s for p in pools if p.needs_load]
+        return min(needs) if needs else self.config.health.interval_s
+
+    async def _feed_load(self, interval_s: float) -> None:
+        while True:
+            for engine in self.cluster.all:
+                self._load.consume(engine.address, parse_families(engine.load_page()))
+            await asyncio.sleep(interval_s)
+
+    async def start(self) -> None:
+        """Learn each prefill's identity (the probe), then keep the load numbers fresh."""
+        interval = self.load_interval_s()
+        if interval is not None:
+            self._tasks.append(asyncio.create_task(self._feed_load(interval)))
+        if self.config.dispatch.probe:
+            await asyncio.gather(*(self._probe(p) for p in self.cluster.prefill))
+
+    async def _probe(self, engine: SimEngine) -> None:
+        """One token to P, as the identity probe sends it: its answer names its engine."""
+        body = orjson.dumps(
+            {
+                "model": MODEL,
+                "prompt": [1],
+                "max_tokens": 1,
+                "kv_transfer_params": prefill_kv_params(f"probe-{engine.address}"),
+            }
+        )
+        call = PrefillCall(engine.address, _PATH, body, "probe", 10.0, self.config)
+        result = await self.services.prefill_client.send(call)
+        self.identities.learn(engine.address, identity_from_params(result.kv_transfer_params))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- one request ----------------------------------------------------------------------------
+
+    async def handle(self, body: bytes, headers: Mapping[str, str]) -> Outcome:
+        """The client's request from its arrival at the proxy to its last token."""
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        await _sleep(self.costs.intake_ms / 1e3)
+        try:
+            request = parse_request(Api.COMPLETIONS, body, self.config.limits.max_body_bytes)
+            tokens = await request_tokens(request, self.scheduler)
+            with ExitStack() as inflight:
+                plan = plan_request(
+                    request,
+                    headers,
+                    self.config,
+                    self.scheduler,
+                    self.identities,
+                    inflight,
+                    tokens=tokens,
+                )
+                return await self._run(plan, sent)
+        except RequestEnded as error:
+            return Outcome(False, error.status, str(error), finished_at=loop.time())
+
+    async def _run(self, plan: Plan, sent: float) -> Outcome:
+        loop = asyncio.get_running_loop()
+        stream = _Stream()
+        exchange = Exchange(
+            stream,  # type: ignore[arg-type]
+            RequestTrace(),
+            _PATH,
+            {},
+            plan.request_id,
+            self.config,
+            stream_answer=True,
+        )
+        dispatch = start_dispatch(plan, self.services, exchange, plan.prefill_counted)
+        try:
+            await dispatch.send(loop.time())
+            served, released = await self._decode(plan, stream.decode_body(), dispatch)
+        finally:
+            dispatch.close(False)
+        outcome = Outcome(
+            served.status < 400,
+            served.status,
+            served.error,
+            strategy="decode_only" if isinstance(plan, DecodeOnlyPlan) else str(plan.strategy),
+            prefill=plan.prefill,
+            decode=plan.decodes[0],
+            finished_at=loop.time(),
+        )
+        if outcome.ok and served.first_token_at is not None and served.last_token_at is not None:
+            first = max(served.first_token_at, released) + self.costs.answer_ms / 1e3
+            outcome.ttft_s = first - sent
+            if served.output_tokens > 1:
+                span = served.last_token_at - served.first_token_at
+                outcome.tpot_s = span / (served.output_tokens - 1)
+        return outcome
+
+    async def _decode(self, plan: Plan, body: bytes, dispatch: Any) -> tuple[Served, float]:
+        """D's leg; D's headers go to the strategy when D starts its answer (a parallel
+        plan holds them until P has answered). (D's outcome, when its headers passed.)"""
+        loop = asyncio.get_running_loop()
+        released: list[float] = []
+        held: list[asyncio.Task[None]] = []
+
+        async def hold(status: int) -> None:
+            await dispatch.on_decode_headers(status, True)
+            released.append(loop.time())
+
+        def on_headers(status: int) -> None:
+            held.append(asyncio.create_task(hold(status)))
+
+        await _sleep(self.costs.hop_ms / 1e3)
+        engine = self.cluster.by_address[plan.decodes[0]]
+        try:
+            async with asyncio.timeout(self.config.timeouts.kv_wait_s):
+                served = await engine.serve(body, on_headers)
+        except TimeoutError:
+            served = Served(504, "the decode engine was silent for timeouts.kv_wait_s")
+        for task in held:
+            await task  # raises the P leg's failure (a LegError) where the strategy does
+        return served, released[0] if released else loop.time()
