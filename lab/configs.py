@@ -66,4 +66,7 @@ def lab_config(path: Path, members: dict[str, list[str]], tokenizer: Path) -> Co
         pool["endpoints"] = list(addresses)
         data[role] = pool
     data["tokenizer"] = str(tokenizer)
-    return parse_config(data, str(path))
+    try:
+        return parse_config(data, str(path))
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None

@@ -140,7 +140,11 @@ def _field(row: dict[str, object], name: str, where: str) -> int:
 
 
 def _mooncake_rows(path: Path) -> Iterator[tuple[str, dict[str, object]]]:
-    with path.open() as lines:
+    try:
+        lines = path.open()
+    except OSError as error:
+        raise TraceError(f"cannot read the trace {path}: {error.strerror}") from None
+    with lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
