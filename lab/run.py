@@ -84,8 +84,13 @@ async def _simulate(
         report = _reporter(path.stem, workload.requests, progress)
         await _drive(workload, sidecar, config.dispatch.session_header, tally, report)
         await sidecar.stop()
+        index = sidecar.kv.index
+        heard = [e.name for e in cluster.all if index.heard_from(e.address)]
     await cluster.close()
-    return summarise(path.stem, tally.outcomes, cluster, settings, tally.started)
+    summary = summarise(path.stem, tally.outcomes, cluster, settings, tally.started)
+    # what the sidecar's KV index learnt from the engines' events (nothing: not followed)
+    summary["kv_index"] = {"engines_heard_from": heard, "blocks": index.blocks}
+    return summary
 
 
 def _reporter(name: str, total: int, progress: Progress | None) -> Callable[[int], None]:

@@ -1,0 +1,111 @@
+"""A configuration's run: the product's own scheduling objects decide it, it is a function of its
+inputs, and a Mooncake trace replays. Every figure is simulated time (none is wall-clock)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extproc.policies import PickRequest, kv_cache
+from lab import sidecar
+from lab.engines import parse_topology
+from lab.run import Settings, percentile, run_config
+from lab.workloads import generate, read_mooncake
+from tests.support.lab import (
+    KV_CACHE,
+    RANDOM,
+    ROUND_ROBIN,
+    config_file,
+    mooncake_trace,
+    shared_block_trace,
+)
+from vllmsim.profiles import PROFILES
+
+SETTINGS = Settings(parse_topology("2P2D"), PROFILES["gpu-8b"], seed=3)
+SHARED = generate("shared-prefix", seed=3, concurrency=4, count=48)
+
+
+def _run(tmp_path: Path, text: str, name: str = "cfg", workload: Any = SHARED) -> dict[str, Any]:
+    return run_config(config_file(tmp_path, name, text), workload, SETTINGS)
+
+
+@pytest.mark.parametrize("config", [KV_CACHE, RANDOM], ids=["kv_cache", "random"])
+def test_two_runs_with_one_seed_are_identical(tmp_path: Path, config: str) -> None:
+    first, second = _run(tmp_path, config), _run(tmp_path, config)
+    assert first == second
+    assert (first["ok"], first["failed"]) == (48, 0)
+    assert first["ttft_ms"]["p50"] > 0
+
+
+def test_the_configs_policy_decides_the_routing(tmp_path: Path) -> None:
+    blind, cached = _run(tmp_path, ROUND_ROBIN, "rr"), _run(tmp_path, KV_CACHE, "kv")
+    assert blind["prefill"]["legs_per_engine"] == {"p0": 24, "p1": 24}  # round robin's turns
+    assert cached["prefill"]["legs_per_engine"] != blind["prefill"]["legs_per_engine"]
+    # the engine holding a group's system prompt gets its requests: less computed there
+    assert cached["prefill"]["computed_tokens"] < blind["prefill"]["computed_tokens"]
+    assert cached["prefill"]["cached_share"] > blind["prefill"]["cached_share"]
+
+
+def test_a_change_in_the_scoring_changes_the_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = _run(tmp_path, KV_CACHE)
+    pick = kv_cache.KvCachePicker.pick
+
+    def against_the_cache(self: Any, candidates: Any, request: PickRequest) -> Any:
+        """A planted sign error: what an engine holds counts against it."""
+        held = {a: -n for a, n in (request.cached or {}).items()}
+        return pick(self, candidates, dataclasses.replace(request, cached=held))
+
+    monkeypatch.setattr(kv_cache.KvCachePicker, "pick", against_the_cache)
+    after = _run(tmp_path, KV_CACHE)
+    assert after["prefill"]["legs_per_engine"] != before["prefill"]["legs_per_engine"]
+    assert after["prefill"]["computed_tokens"] > before["prefill"]["computed_tokens"]
+
+
+def test_the_index_learns_from_the_engines_events_through_the_subscribers_decoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    learnt = _run(tmp_path, KV_CACHE)["kv_index"]
+    assert learnt["engines_heard_from"] == ["p0", "p1", "d0", "d1"]
+    assert learnt["blocks"] > 0
+    assert _run(tmp_path, ROUND_ROBIN)["kv_index"] == {"engines_heard_from": [], "blocks": 0}
+
+    def unreadable(payload: bytes) -> None:
+        raise sidecar.MalformedBatch("msgpack")
+
+    monkeypatch.setattr(sidecar, "decode_batch", unreadable)
+    assert _run(tmp_path, KV_CACHE)["kv_index"] == {"engines_heard_from": [], "blocks": 0}
+
+
+def test_the_configs_decision_sends_follow_up_turns_decode_only(tmp_path: Path) -> None:
+    turns = generate("multi-turn", seed=3, concurrency=4, count=24)
+    aware = _run(tmp_path, KV_CACHE + "decision: {mode: load_aware}\n", "aware", turns)
+    never = _run(tmp_path, KV_CACHE + "decision: {mode: 'off'}\n", "off", turns)
+    assert aware["decode_only_share"] > 0
+    assert aware["decode"]["computed_tokens"] > 0  # D prefilled those itself
+    assert never["decode_only_share"] == 0
+    assert never["decode"]["computed_tokens"] == 0
+    assert aware["ok"] == never["ok"] == 24
+
+
+def test_a_mooncake_trace_replays_at_its_times(tmp_path: Path) -> None:
+    trace = mooncake_trace(tmp_path / "t.jsonl", shared_block_trace(12))
+    fast = run_config(config_file(tmp_path, "kv", KV_CACHE), read_mooncake(trace, 10.0), SETTINGS)
+    assert (fast["ok"], fast["failed"]) == (12, 0)
+    # 11 gaps of 50 ms at 10 x: the last request leaves 55 ms after the first
+    assert 0.055 < fast["simulated_s"] < 1.0
+    assert fast["prefill"]["prompt_tokens"] == 12 * 1000
+    # the shared first blocks (512 tokens, 32 blocks of 16) are found cached
+    assert fast["prefill"]["cached_tokens"] + fast["decode"]["cached_tokens"] > 0
+    slow = run_config(config_file(tmp_path, "kv", KV_CACHE), read_mooncake(trace, 1.0), SETTINGS)
+    assert slow["simulated_s"] > 0.55
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 90) == 9.0
