@@ -1,8 +1,9 @@
 """One configuration's run: its config on the lab's cluster, the workload, the figures.
 
 Each configuration gets a cluster of its own, fresh (empty caches, a clock from 0), and the
-same workload; Python's global `random` (which the `random` and `power_of_two` policies draw
-from) is seeded with the run's seed first, so that a run is a function of its inputs.
+same workload; the policies that draw at random get generators seeded from the run's seed
+(`lab.sidecar`), and Python's global `random` is seeded with it too, so that a run is a
+function of its inputs.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ async def _simulate(
     cluster = Cluster(settings.topology, settings.cost, transfer, deliver)
     tally = _Tally()
     with cluster.running():
-        sidecar = Sidecar(config, cluster, settings.costs)
+        sidecar = Sidecar(config, cluster, settings.costs, settings.seed)
         sidecars.append(sidecar)
         await sidecar.start()
         for engine in cluster.all:  # the workload's figures only (not the identity probes')

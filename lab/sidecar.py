@@ -19,6 +19,9 @@ and Envoy answers are the only things replaced:
   is learnt at start by a one-token P leg, as the identity probe does. Health checks are not
   modelled: every engine stays healthy.
 
+The `random` and `power_of_two` policies are built with generators seeded from the run's seed
+(their constructors' `rng`), so that a run is a function of its inputs.
+
 Latencies the transport adds (`ProxyCosts`) are fixed per request; see docs/lab.md for where
 the defaults come from.
 """
@@ -26,7 +29,9 @@ the defaults come from.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import random
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -42,6 +47,7 @@ from extproc.kvcache.events import MalformedBatch, decode_batch
 from extproc.kvcache.index import KvIndex
 from extproc.kvcache.routing import KvRouting, event_sources, kv_groups
 from extproc.metrics import Metrics
+from extproc.policies import POLICIES
 from extproc.protocol.bodies import prefill_kv_params
 from extproc.protocol.identity import IdentityCache, identity_from_params
 from extproc.request.parse import Api, parse_request
@@ -162,10 +168,24 @@ async def _sleep(seconds: float) -> None:
         await asyncio.sleep(seconds)
 
 
+def _seed_pickers(scheduler: Scheduler, config: Config, seed: int) -> None:
+    """The policies that draw at random (`random`, `power_of_two`) are built anew with a
+    generator seeded from `seed`, through their constructors' `rng`: each otherwise seeds its
+    own from the OS, and a run would not be a function of its inputs."""
+    pools = config.groups()
+    for name, group in scheduler.groups.items():
+        for role in (Role.PREFILL, Role.DECODE):
+            pool = getattr(pools[name], role)
+            factory = POLICIES[pool.policy].picker
+            if "rng" in inspect.signature(factory).parameters:
+                rng = random.Random(f"lab/{seed}/{name}/{role}")
+                group.pickers[role] = factory(pool.options, rng=rng)  # type: ignore[call-arg]
+
+
 class Sidecar:
     """One ext_proc process's request-side state over the lab's cluster."""
 
-    def __init__(self, config: Config, cluster: Cluster, costs: ProxyCosts) -> None:
+    def __init__(self, config: Config, cluster: Cluster, costs: ProxyCosts, seed: int = 1) -> None:
         self.config = config
         self.cluster = cluster
         self.costs = costs
@@ -187,6 +207,7 @@ class Sidecar:
         self.kv = KvRouting(KvIndex(config.kv_index.max_blocks), self.metrics)
         self.kv.configure(kv_groups(config))
         self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics, self.kv)
+        _seed_pickers(self.scheduler, config, seed)
         members = {name: g.members for name, g in self.scheduler.groups.items()}
         # what the subscribers would follow; nothing is started (no ZMQ): see `kv_events`
         self.kv.follow(
