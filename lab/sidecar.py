@@ -20,7 +20,8 @@ and Envoy answers are the only things replaced:
   modelled: every engine stays healthy.
 
 The `random` and `power_of_two` policies are built with generators seeded from the run's seed
-(their constructors' `rng`), so that a run is a function of its inputs.
+(their constructors' `rng`), and the decision's stall buckets run on the simulated clock (the
+`Decider`'s `clock`), so that a run is a function of its inputs.
 
 Latencies the transport adds (`ProxyCosts`) are fixed per request; see docs/lab.md for where
 the defaults come from.
@@ -61,6 +62,7 @@ from extproc.request.prefill_client import (
 from extproc.request.pushed_kv import PushedKv
 from extproc.request.strategies import Exchange, LegServices, start_dispatch
 from extproc.roles import Role
+from extproc.scheduling.decision import Decider
 from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import Scheduler, pool_picker
 from extproc.tracing import RequestTrace
@@ -208,6 +210,8 @@ class Sidecar:
         self.kv.configure(kv_groups(config))
         self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics, self.kv)
         _seed_pickers(self.scheduler, config, seed)
+        # the decision's stall buckets refill in simulated time, as they would in real time
+        self.scheduler.decider = Decider(self.metrics, clock=loop.time)
         members = {name: g.members for name, g in self.scheduler.groups.items()}
         # what the subscribers would follow; nothing is started (no ZMQ): see `kv_events`
         self.kv.follow(

@@ -32,11 +32,22 @@ def _run(tmp_path: Path, text: str, name: str = "cfg", workload: Any = SHARED) -
     return run_config(config_file(tmp_path, name, text), workload, SETTINGS)
 
 
-@pytest.mark.parametrize("config", [KV_CACHE, RANDOM], ids=["kv_cache", "random"])
-def test_two_runs_with_one_seed_are_identical(tmp_path: Path, config: str) -> None:
-    first, second = _run(tmp_path, config), _run(tmp_path, config)
+TURNS = generate("multi-turn", seed=3, concurrency=8, count=96)
+LOAD_AWARE = KV_CACHE + "decision: {mode: load_aware}\n"
+
+
+@pytest.mark.parametrize(
+    ("config", "workload"),
+    [(KV_CACHE, SHARED), (RANDOM, SHARED), (LOAD_AWARE, TURNS)],
+    ids=["kv_cache", "random", "load_aware"],
+)
+def test_two_runs_with_one_seed_are_identical(tmp_path: Path, config: str, workload: Any) -> None:
+    first, second = (
+        _run(tmp_path, config, workload=workload),
+        _run(tmp_path, config, workload=workload),
+    )
     assert first == second
-    assert (first["ok"], first["failed"]) == (48, 0)
+    assert (first["ok"], first["failed"]) == (workload.requests, 0)
     assert first["ttft_ms"]["p50"] > 0
 
 
