@@ -43,7 +43,7 @@ import orjson
 from extproc.config import Config
 from extproc.engines.load import EngineLoad
 from extproc.engines.scraper import parse_families
-from extproc.errors import RequestEnded
+from extproc.errors import PrefillTimeout, RequestEnded
 from extproc.kvcache.events import MalformedBatch, decode_batch
 from extproc.kvcache.index import KvIndex
 from extproc.kvcache.routing import KvRouting, event_sources, kv_groups
@@ -60,7 +60,7 @@ from extproc.request.prefill_client import (
     prefill_error,
 )
 from extproc.request.pushed_kv import PushedKv
-from extproc.request.strategies import Exchange, LegServices, start_dispatch
+from extproc.request.strategies import Dispatch, Exchange, LegServices, start_dispatch
 from extproc.roles import Role
 from extproc.scheduling.decision import Decider
 from extproc.scheduling.pool import EndpointState, Pool
@@ -154,8 +154,12 @@ class InProcessPrefill:
         try:
             async with asyncio.timeout(call.timeout_s):
                 served = await self._cluster.by_address[call.endpoint].serve(call.body)
-        except TimeoutError:
-            served = Served(504, "the prefill leg timed out")
+        except TimeoutError:  # as the product's PrefillClient says it
+            raise PrefillTimeout(
+                504,
+                f"the prefill engine did not answer within {call.timeout_s:g} s",
+                detail=f"prefill {call.endpoint}",
+            ) from None
         await _sleep(self._hop_s)
         if served.status >= 300:
             body = orjson.dumps({"error": {"message": served.error}})
@@ -343,7 +347,7 @@ class Sidecar:
                 outcome.tpot_s = span / (served.output_tokens - 1)
         return outcome
 
-    async def _decode(self, plan: Plan, body: bytes, dispatch: Any) -> tuple[Served, float]:
+    async def _decode(self, plan: Plan, body: bytes, dispatch: Dispatch) -> tuple[Served, float]:
         """D's leg; D's headers go to the strategy when D starts its answer (a parallel
         plan holds them until P has answered). (D's outcome, when its headers passed.)"""
         loop = asyncio.get_running_loop()
@@ -359,11 +363,11 @@ class Sidecar:
 
         await _sleep(self.costs.hop_ms / 1e3)
         engine = self.cluster.by_address[plan.decodes[0]]
-        try:
-            async with asyncio.timeout(self.config.timeouts.kv_wait_s):
+        try:  # the longest a request may stay open (a D waiting for KV that never comes)
+            async with asyncio.timeout(self.config.timeouts.request_s):
                 served = await engine.serve(body, on_headers)
         except TimeoutError:
-            served = Served(504, "the decode engine was silent for timeouts.kv_wait_s")
+            served = Served(504, "the request outlived timeouts.request_s")
         for task in held:
             await task  # raises the P leg's failure (a LegError) where the strategy does
         return served, released[0] if released else loop.time()
