@@ -32,6 +32,7 @@ from vllmsim.nixl.params import Identity
 from vllmsim.nixl.pull import PullConnector
 from vllmsim.nixl.push import PushConnector
 from vllmsim.requests import ApiError, parse
+from vllmsim.shapes import request_ids
 from vllmsim.tokens import TokenCounter
 
 __all__ = [
@@ -122,10 +123,15 @@ class SimEngine:
     totals: EngineTotals = field(default_factory=EngineTotals)
 
     async def serve(
-        self, body: bytes, on_headers: Callable[[int], None] = lambda status: None
+        self,
+        body: bytes,
+        request_id: str,
+        on_headers: Callable[[int], None] = lambda status: None,
     ) -> Served:
         """One leg: vllmsim's parsing of `body`, the API path, the engine; the tokens until
-        the last. `on_headers`: the answer's status, when a streaming server sends it."""
+        the last. `request_id`: the leg's X-Request-Id, which the engine's own request id is
+        made from (a push P pairs a serial D's registration with its blocks by it).
+        `on_headers`: the answer's status, when a streaming server sends it."""
         try:
             parsed = parse(self.config, self.tokens, orjson.loads(body), chat=False)
         except (ApiError, orjson.JSONDecodeError) as error:
@@ -139,8 +145,9 @@ class SimEngine:
             )
             on_headers(status)
             return Served(status, message)
+        _, internal_id = request_ids(request_id, chat=False)
         req = SimRequest(
-            f"cmpl-{uuid.uuid4().hex}",
+            internal_id,
             parsed.prompt_ids,
             parsed.max_tokens,
             mode=parsed.mode,

@@ -153,7 +153,8 @@ class InProcessPrefill:
         await _sleep(self._hop_s)
         try:
             async with asyncio.timeout(call.timeout_s):
-                served = await self._cluster.by_address[call.endpoint].serve(call.body)
+                engine = self._cluster.by_address[call.endpoint]
+                served = await engine.serve(call.body, call.request_id)
         except TimeoutError:  # as the product's PrefillClient says it
             raise PrefillTimeout(
                 504,
@@ -365,7 +366,7 @@ class Sidecar:
         engine = self.cluster.by_address[plan.decodes[0]]
         try:  # the longest a request may stay open (a D waiting for KV that never comes)
             async with asyncio.timeout(self.config.timeouts.request_s):
-                served = await engine.serve(body, on_headers)
+                served = await engine.serve(body, plan.request_id, on_headers)
         except TimeoutError:
             served = Served(504, "the request outlived timeouts.request_s")
         for task in held:

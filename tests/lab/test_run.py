@@ -103,6 +103,26 @@ def test_the_configs_decision_sends_follow_up_turns_decode_only(tmp_path: Path) 
     assert aware["ok"] == never["ok"] == 24
 
 
+@pytest.mark.parametrize(
+    ("dispatch", "strategies"),
+    [
+        ("{mode: pull}", {"serial": 8}),
+        ("{mode: serial_push}", {"serial": 8}),
+        ("{mode: push}", {"parallel": 8}),
+        # P's identity unknown until its first answer: the first wave goes serially
+        ("{mode: auto, probe: false}", {"serial": 2, "parallel": 6}),
+    ],
+)
+def test_every_dispatch_mode_serves_every_request(
+    tmp_path: Path, dispatch: str, strategies: dict[str, int]
+) -> None:
+    seed = generate("seed", seed=3, concurrency=2, count=8)
+    figures = _run(tmp_path, f"{ROUND_ROBIN}dispatch: {dispatch}\n", workload=seed)
+    assert (figures["ok"], figures["failed"]) == (8, 0)
+    assert figures["strategies"] == strategies
+    assert figures["decode"]["computed_tokens"] == 0  # every prompt's KV came from P
+
+
 def test_a_mooncake_trace_replays_at_its_times(tmp_path: Path) -> None:
     trace = mooncake_trace(tmp_path / "t.jsonl", shared_block_trace(12))
     fast = run_config(config_file(tmp_path, "kv", KV_CACHE), read_mooncake(trace, 10.0), SETTINGS)
