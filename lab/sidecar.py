@@ -13,7 +13,7 @@ and Envoy answers are the only things replaced:
   `on_decode_headers` when the simulated engine starts its answer (a streaming answer);
 - HTTP to P: `InProcessPrefill`, a `PrefillSender` that hands the body to the engine;
 - the background loops: the engine scraper becomes a feed of each engine's own load numbers
-  (its /metrics families, through `EngineLoad`) every load interval of the config; the KV
+  (its /metrics families, through `EngineLoad`) at the intervals of the scraper's plan; the KV
   event subscribers become in-process delivery of each engine's encoded batches, decoded by
   `decode_batch` and applied to the index as the ZMQ subscriber does; each prefill's identity
   is learnt at start by a one-token P leg, as the identity probe does. Health checks are not
@@ -42,6 +42,7 @@ import orjson
 
 from extproc.config import Config
 from extproc.engines.load import EngineLoad
+from extproc.engines.scrape_plan import scrape_plan
 from extproc.engines.scraper import parse_families
 from extproc.errors import PrefillTimeout, RequestEnded
 from extproc.kvcache.events import MalformedBatch, decode_batch
@@ -249,24 +250,29 @@ class Sidecar:
             return
         self.kv.index.apply(address, batch.events)
 
-    def load_interval_s(self) -> float | None:
-        """How often the scraper reads the engines' load (None: no policy of the config reads
-        it, the decision and admission read what the health checks scrape)."""
-        pools = [p for g in self.config.groups().values() for p in (g.prefill, g.decode)]
-        needs = [p.load_interval_s for p in pools if p.needs_load]
-        return min(needs) if needs else self.config.health.interval_s
+    def scrape_intervals(self) -> dict[str, float]:
+        """How often each engine's /metrics is read: the scraper's plan (`scrape_plan`), and
+        every prefill engine at `health.interval_s` too (the health check's fetch)."""
+        members = {name: g.members for name, g in self.scheduler.groups.items()}
+        plan = scrape_plan(self.config, members, self.decode.addresses)
+        health = self.config.health.interval_s
+        for address in self.prefill.addresses:
+            plan[address] = min(plan.get(address, health), health)
+        return plan
 
-    async def _feed_load(self, interval_s: float) -> None:
+    async def _feed_load(self, interval_s: float, engines: list[SimEngine]) -> None:
         while True:
-            for engine in self.cluster.all:
+            for engine in engines:
                 self._load.consume(engine.address, parse_families(engine.load_page()))
             await asyncio.sleep(interval_s)
 
     async def start(self) -> None:
         """Learn each prefill's identity (the probe), then keep the load numbers fresh."""
-        interval = self.load_interval_s()
-        if interval is not None:
-            self._tasks.append(asyncio.create_task(self._feed_load(interval)))
+        by_interval: dict[float, list[SimEngine]] = {}
+        for address, interval in self.scrape_intervals().items():
+            by_interval.setdefault(interval, []).append(self.cluster.by_address[address])
+        for interval, engines in sorted(by_interval.items()):
+            self._tasks.append(asyncio.create_task(self._feed_load(interval, engines)))
         if self.config.dispatch.probe:
             await asyncio.gather(*(self._probe(p) for p in self.cluster.prefill))
 
