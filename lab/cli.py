@@ -2,7 +2,7 @@
 
     pd-extproc-lab --topology 2P2D --config a.yaml --config b.yaml \\
         (--trace t.jsonl [--speedup 3] | --workload seed|shared-prefix|multi-turn|mixed
-         (--concurrency C | --rate R)) [--seed 1] --out DIR
+         (--concurrency C | --rate R)) [--workers W] [--replicas R] [--seed 1] --out DIR
 
 A command of its own rather than `pd-extproc lab`: nothing in `extproc` imports the lab (an
 import contract in pyproject.toml), so the product's CLI cannot load it.
@@ -50,6 +50,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rate", type=float, help="open loop: requests (chains) per second")
     parser.add_argument("--requests", type=int, help="how many the generator makes")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="ext_proc processes per sidecar (extproc.workers), each with its own state",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="sidecars the clients spread over in turn"
+    )
     parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
     parser.add_argument(
         "--proxy",
@@ -96,6 +105,8 @@ def _progress(name: str, simulated_s: float, done: int, total: int) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.workers < 1 or args.replicas < 1:
+        raise ValueError("--workers and --replicas must be at least 1")
     stems = [path.stem for path in args.config]
     if len(set(stems)) != len(stems):
         raise ValueError("two --config files have the same name; the output names them by it")
@@ -107,6 +118,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         args.seed,
         args.slo_ttft_ms,
         args.slo_tpot_ms,
+        args.workers,
+        args.replicas,
     )
     configs = [run_config(path, workload, settings, _progress) for path in args.config]
     costs = settings.costs
@@ -116,6 +129,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "workload": workload.name,
         "requests": workload.requests,
         "seed": args.seed,
+        "workers": args.workers,
+        "replicas": args.replicas,
         "proxy": {
             "intake_ms": costs.intake_ms,
             "answer_ms": costs.answer_ms,

@@ -9,6 +9,7 @@ function of its inputs.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import tempfile
 import time
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc.config import DispatchMode
+from extproc.config import Config, DispatchMode
+from extproc.process.workers import limits_share
 from lab.clock import run_virtual
 from lab.configs import lab_config, placeholder_tokenizer
 from lab.engines import MODEL, Cluster, EngineTotals, Topology
@@ -38,6 +40,8 @@ class Settings:
     seed: int = 1
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 100.0
+    workers: int = 1  # extproc.workers: ext_proc processes of one sidecar
+    replicas: int = 1  # sidecars (each with its Envoy) the clients spread over
 
 
 @dataclass
@@ -76,22 +80,57 @@ async def _simulate(
     cluster = Cluster(settings.topology, settings.cost, transfer, deliver)
     tally = _Tally()
     with cluster.running():
-        sidecar = Sidecar(config, cluster, settings.costs, settings.seed)
-        sidecars.append(sidecar)
-        await sidecar.start()
+        replicas = _replicas(config, cluster, settings)
+        sidecars.extend(s for replica in replicas for s in replica)
+        for sidecar in sidecars:
+            await sidecar.start()
         for engine in cluster.all:  # the workload's figures only (not the identity probes')
             engine.totals = EngineTotals()
         tally.started = loop.time()
         report = _reporter(path.stem, workload.requests, progress)
-        await _drive(workload, sidecar, config.dispatch.session_header, tally, report)
-        await sidecar.stop()
-        index = sidecar.kv.index
-        heard = [e.name for e in cluster.all if index.heard_from(e.address)]
+        route = _router(replicas)
+        await _drive(workload, route, config.dispatch.session_header, tally, report)
+        indexes = []
+        for sidecar in sidecars:
+            await sidecar.stop()
+            index = sidecar.kv.index
+            heard = [e.name for e in cluster.all if index.heard_from(e.address)]
+            indexes.append({"engines_heard_from": heard, "blocks": index.blocks})
     await cluster.close()
     summary = summarise(path.stem, tally.outcomes, cluster, settings, tally.started)
-    # what the sidecar's KV index learnt from the engines' events (nothing: not followed)
-    summary["kv_index"] = {"engines_heard_from": heard, "blocks": index.blocks}
+    summary["workers"], summary["replicas"] = settings.workers, settings.replicas
+    # what each scheduler's KV index learnt from the engines' events (nothing: not followed)
+    summary["kv_index"] = indexes
     return summary
+
+
+def _replicas(config: Config, cluster: Cluster, settings: Settings) -> list[list[Sidecar]]:
+    """Each replica's ext_proc processes, each with its own state; a replica's processes
+    share its admission limits out as `extproc.workers` does (`limits_share`)."""
+    share = limits_share(config, settings.workers)
+    return [
+        [
+            Sidecar(share, cluster, settings.costs, settings.seed, r * settings.workers + w)
+            for w in range(settings.workers)
+        ]
+        for r in range(settings.replicas)
+    ]
+
+
+def _router(replicas: list[list[Sidecar]]) -> Callable[[], Sidecar]:
+    """Who takes the next request: the replicas in turn (a Service's spread), and within one
+    the process with the fewest open streams, ties in turn (Envoy's LEAST_REQUEST over its
+    ext_proc cluster, which compares two processes drawn at random: the same for two)."""
+    turn = itertools.cycle(replicas)
+    ties = itertools.count()
+
+    def route() -> Sidecar:
+        processes = next(turn)
+        start = next(ties) % len(processes)
+        ordered = processes[start:] + processes[:start]
+        return min(ordered, key=lambda s: s.active_streams)
+
+    return route
 
 
 def _reporter(name: str, total: int, progress: Progress | None) -> Callable[[int], None]:
@@ -109,17 +148,18 @@ def _reporter(name: str, total: int, progress: Progress | None) -> Callable[[int
 
 async def _drive(
     workload: Workload,
-    sidecar: Sidecar,
+    scheduler: Callable[[], Sidecar],
     session_header: str,
     tally: _Tally,
     report: Callable[[int], None],
 ) -> None:
+    """`scheduler`: the one that takes the next request."""
     loop = asyncio.get_running_loop()
     start = loop.time()
 
     async def one(request: LabRequest) -> None:
         headers = {session_header: request.session} if request.session else {}
-        tally.outcomes.append(await sidecar.handle(_body(request), headers))
+        tally.outcomes.append(await scheduler().handle(_body(request), headers))
         report(len(tally.outcomes))
 
     async def chain_at(index: int) -> None:

@@ -176,7 +176,7 @@ async def _sleep(seconds: float) -> None:
         await asyncio.sleep(seconds)
 
 
-def _seed_pickers(scheduler: Scheduler, config: Config, seed: int) -> None:
+def _seed_pickers(scheduler: Scheduler, config: Config, seed: str) -> None:
     """The policies that draw at random (`random`, `power_of_two`) are built anew with a
     generator seeded from `seed`, through their constructors' `rng`: each otherwise seeds its
     own from the OS, and a run would not be a function of its inputs."""
@@ -193,7 +193,16 @@ def _seed_pickers(scheduler: Scheduler, config: Config, seed: int) -> None:
 class Sidecar:
     """One ext_proc process's request-side state over the lab's cluster."""
 
-    def __init__(self, config: Config, cluster: Cluster, costs: ProxyCosts, seed: int = 1) -> None:
+    def __init__(
+        self,
+        config: Config,
+        cluster: Cluster,
+        costs: ProxyCosts,
+        seed: int = 1,
+        instance: int = 0,
+    ) -> None:
+        """`instance`: which of several ext_proc processes over the same cluster (each
+        draws from its own generators)."""
         self.config = config
         self.cluster = cluster
         self.costs = costs
@@ -215,7 +224,7 @@ class Sidecar:
         self.kv = KvRouting(KvIndex(config.kv_index.max_blocks), self.metrics)
         self.kv.configure(kv_groups(config))
         self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics, self.kv)
-        _seed_pickers(self.scheduler, config, seed)
+        _seed_pickers(self.scheduler, config, f"{seed}/{instance}")
         # the decision's stall buckets refill in simulated time, as they would in real time
         self.scheduler.decider = Decider(self.metrics, clock=loop.time)
         members = {name: g.members for name, g in self.scheduler.groups.items()}
@@ -232,6 +241,7 @@ class Sidecar:
             pushed_kv=PushedKv(loop.time),
         )
         self._load = EngineLoad(self._state)
+        self.active_streams = 0  # requests this process is handling (Envoy balances on it)
         self._tasks: list[asyncio.Task[None]] = []
 
     def _state(self, address: str) -> EndpointState | None:
@@ -301,6 +311,14 @@ class Sidecar:
         """The client's request from its arrival at the proxy to its last token."""
         loop = asyncio.get_running_loop()
         sent = loop.time()
+        self.active_streams += 1
+        try:
+            return await self._handle(body, headers, sent)
+        finally:
+            self.active_streams -= 1
+
+    async def _handle(self, body: bytes, headers: Mapping[str, str], sent: float) -> Outcome:
+        loop = asyncio.get_running_loop()
         await _sleep(self.costs.intake_ms / 1e3)
         try:
             request = parse_request(Api.COMPLETIONS, body, self.config.limits.max_body_bytes)

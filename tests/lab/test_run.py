@@ -80,16 +80,16 @@ def test_a_change_in_the_scoring_changes_the_figures(
 def test_the_index_learns_from_the_engines_events_through_the_subscribers_decoding(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    learnt = _run(tmp_path, KV_CACHE)["kv_index"]
+    (learnt,) = _run(tmp_path, KV_CACHE)["kv_index"]
     assert learnt["engines_heard_from"] == ["p0", "p1", "d0", "d1"]
     assert learnt["blocks"] > 0
-    assert _run(tmp_path, ROUND_ROBIN)["kv_index"] == {"engines_heard_from": [], "blocks": 0}
+    assert _run(tmp_path, ROUND_ROBIN)["kv_index"] == [{"engines_heard_from": [], "blocks": 0}]
 
     def unreadable(payload: bytes) -> None:
         raise sidecar.MalformedBatch("msgpack")
 
     monkeypatch.setattr(sidecar, "decode_batch", unreadable)
-    assert _run(tmp_path, KV_CACHE)["kv_index"] == {"engines_heard_from": [], "blocks": 0}
+    assert _run(tmp_path, KV_CACHE)["kv_index"] == [{"engines_heard_from": [], "blocks": 0}]
 
 
 def test_the_configs_decision_sends_follow_up_turns_decode_only(tmp_path: Path) -> None:
@@ -121,6 +121,28 @@ def test_every_dispatch_mode_serves_every_request(
     assert (figures["ok"], figures["failed"]) == (8, 0)
     assert figures["strategies"] == strategies
     assert figures["decode"]["computed_tokens"] == 0  # every prompt's KV came from P
+
+
+def test_each_ext_proc_process_admits_by_its_own_counts(tmp_path: Path) -> None:
+    """Admission at 2 in flight at D; 8 clients, whose shed requests come back at once: one
+    process admits 2 and sheds the rest; four processes of one sidecar (`extproc.workers: 4`)
+    share the limit out, 1 each; four replicas admit 2 each, and more as requests end."""
+    config = config_file(
+        tmp_path,
+        "admit",
+        ROUND_ROBIN + "admission: {enabled: true, decode: {max_in_flight: 2}}\n",
+    )
+    burst, topology = generate("seed", seed=3, concurrency=8), parse_topology("1P1D")
+
+    def run(workers: int, replicas: int) -> dict[str, Any]:
+        settings = Settings(topology, SETTINGS.cost, workers=workers, replicas=replicas)
+        return run_config(config, burst, settings)
+
+    one, workers, replicas = run(1, 1), run(4, 1), run(1, 4)
+    assert (one["ok"], one["failures_by_status"]) == (2, {"429": 14})
+    assert workers["ok"] == 4
+    assert replicas["ok"] >= 8
+    assert len(workers["kv_index"]) == len(replicas["kv_index"]) == 4  # one state each
 
 
 def test_a_mooncake_trace_replays_at_its_times(tmp_path: Path) -> None:
