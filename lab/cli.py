@@ -11,6 +11,7 @@ import contract in pyproject.toml), so the product's CLI cannot load it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
         "--replicas", type=int, default=1, help="sidecars the clients spread over in turn"
     )
     parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="override the profile's (longer requests fail with 400, as vLLM refuses them)",
+    )
     parser.add_argument(
         "--proxy",
         choices=sorted(PROXIES),
@@ -111,9 +117,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if len(set(stems)) != len(stems):
         raise ValueError("two --config files have the same name; the output names them by it")
     workload = _workload(args)
+    cost = PROFILES[args.profile]
+    if args.max_model_len is not None:
+        if args.max_model_len < 1:
+            raise ValueError("--max-model-len must be at least 1")
+        cost = dataclasses.replace(cost, max_model_len=args.max_model_len)
     settings = Settings(
         parse_topology(args.topology),
-        PROFILES[args.profile],
+        cost,
         _costs(args),
         args.seed,
         args.slo_ttft_ms,
@@ -126,6 +137,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     meta = {
         "topology": str(settings.topology),
         "profile": args.profile,
+        "max_model_len": cost.max_model_len,
         "workload": workload.name,
         "requests": workload.requests,
         "seed": args.seed,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import random
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -70,8 +69,6 @@ from extproc.tracing import RequestTrace
 from lab.engines import MODEL, Cluster, Served, SimEngine
 
 __all__ = ["Outcome", "ProxyCosts", "Sidecar"]
-
-log = logging.getLogger("lab")
 
 _PATH = Api.COMPLETIONS.value
 
@@ -304,6 +301,7 @@ class Sidecar:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.kv.stop()  # its tokenizers' threads (never started: prompts are ids)
 
     # -- one request ----------------------------------------------------------------------------
 

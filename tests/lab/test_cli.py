@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lab.cli import main
-from tests.support.lab import KV_CACHE, ROUND_ROBIN, config_file
+from tests.support.lab import KV_CACHE, ROUND_ROBIN, config_file, mooncake_trace
 
 
 def test_each_config_gets_its_figures_by_its_files_name(
@@ -45,3 +45,19 @@ def test_a_users_mistake_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as ended:
         main(["--topology", "1P1D", "--config", str(config), "--trace", "nope.jsonl", *out])
     assert str(ended.value.code).startswith("pd-extproc-lab: cannot read the trace nope.jsonl")
+
+
+def test_a_prompt_past_the_profiles_context_fails_unless_it_is_raised(tmp_path: Path) -> None:
+    config = config_file(tmp_path, "a", ROUND_ROBIN)
+    trace = mooncake_trace(
+        tmp_path / "long.jsonl",
+        [{"timestamp": 0, "input_length": 9000, "output_length": 4, "hash_ids": [1]}],
+    )
+    args = ["--topology", "1P1D", "--config", str(config), "--trace", str(trace)]
+    out = tmp_path / "out"
+    main([*args, "--out", str(out)])  # gpu-8b: max_model_len 8192
+    (figures,) = json.loads((out / "summary.json").read_text())["configs"]
+    assert (figures["ok"], figures["failures_by_status"]) == (0, {"400": 1})
+    main([*args, "--max-model-len", "16384", "--out", str(out)])
+    (figures,) = json.loads((out / "summary.json").read_text())["configs"]
+    assert (figures["ok"], figures["failed"]) == (1, 0)
