@@ -16,15 +16,14 @@ processes.
 from __future__ import annotations
 
 import asyncio
-import random
-import selectors
 import statistics
 import uuid
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from bench.pr187 import MODES
+from lab.clock import run_virtual
+from lab.workloads import random_prompts
 from vllmsim.config import CacheConfig, CostModel, Faults, KVTransferConfig
 from vllmsim.engine import Engine, ErrorEvent, FinishEvent, KVMode, SimRequest, TokenEvent
 from vllmsim.metrics import Metrics
@@ -35,32 +34,8 @@ from vllmsim.nixl.pull import PullConnector
 from vllmsim.nixl.push import PushConnector
 
 INPUT_LEN, OUTPUT_LEN = 1024, 64
-T = TypeVar("T")
 WARMUPS = 8  # PR #187's --num-warmups
 HOP_S = 0.0003  # one proxy hop (client -> proxy -> engine) on the PR's hosts: a Rust router
-
-
-class _Clock(selectors.SelectSelector):
-    """A selector that never waits: it moves its loop's clock to the next timer instead."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = 0.0
-
-    def select(self, timeout: float | None = None) -> list[Any]:
-        if timeout is None:
-            raise RuntimeError("the simulation is stuck: nothing is scheduled")
-        self.now += max(0.0, timeout)
-        return []
-
-
-class VirtualLoop(asyncio.SelectorEventLoop):
-    def __init__(self) -> None:
-        self._clock = _Clock()
-        super().__init__(self._clock)
-
-    def time(self) -> float:
-        return self._clock.now
 
 
 @dataclass
@@ -168,8 +143,7 @@ class Proxy:
 
 def prompts(seed: int, count: int) -> list[list[int]]:
     """`--dataset-name random --random-range-ratio 0`: `count` prompts of INPUT_LEN token ids."""
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 128_000) for _ in range(INPUT_LEN)] for _ in range(count)]
+    return random_prompts(seed, count, INPUT_LEN)
 
 
 async def _bench(proxy: Proxy, concurrency: int, batch: list[list[int]]) -> list[float]:
@@ -205,14 +179,6 @@ async def _cell(
     finally:
         side_channel.request = original  # type: ignore[assignment]
         await cluster.close()
-
-
-def run_virtual(coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    loop = VirtualLoop()
-    try:
-        return loop.run_until_complete(coro())
-    finally:
-        loop.close()
 
 
 def mean_ttft_ms(

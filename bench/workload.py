@@ -32,21 +32,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-INPUT_MEDIAN, INPUT_SIGMA, INPUT_RANGE = 256, 1.2, (16, 4096)
-OUTPUT_MEDIAN, OUTPUT_SIGMA, OUTPUT_RANGE = 48, 1.0, (8, 512)
+# The shapes and the lengths' distributions are the lab's too (one definition): lab/workloads.py
+from lab.workloads import (
+    INPUT_MEDIAN,
+    INPUT_RANGE,
+    INPUT_SIGMA,
+    OUTPUT_MEDIAN,
+    OUTPUT_RANGE,
+    OUTPUT_SIGMA,
+    MultiTurn,
+    SharedPrefix,
+    draw_length,
+)
+
 SEED, COUNT = 14, 4096
-
-
-def _draw(rng: random.Random, median: int, sigma: float, bounds: tuple[int, int]) -> int:
-    value = round(rng.lognormvariate(math.log(median), sigma))
-    return max(bounds[0], min(bounds[1], value))
+DEFAULT_SHARED_PREFIX, DEFAULT_MULTI_TURN = SharedPrefix(), MultiTurn()
 
 
 def heavy_tailed(tokenizer_dir: Path, count: int = COUNT, seed: int = SEED) -> list[dict]:
@@ -56,8 +61,8 @@ def heavy_tailed(tokenizer_dir: Path, count: int = COUNT, seed: int = SEED) -> l
     vocab, rng = tokenizer.get_vocab_size(), random.Random(seed)
     rows = []
     for _ in range(count):
-        prompt_len = _draw(rng, INPUT_MEDIAN, INPUT_SIGMA, INPUT_RANGE)
-        output_len = _draw(rng, OUTPUT_MEDIAN, OUTPUT_SIGMA, OUTPUT_RANGE)
+        prompt_len = draw_length(rng, INPUT_MEDIAN, INPUT_SIGMA, INPUT_RANGE)
+        output_len = draw_length(rng, OUTPUT_MEDIAN, OUTPUT_SIGMA, OUTPUT_RANGE)
         text = tokenizer.decode([rng.randrange(vocab) for _ in range(prompt_len)])
         ids = tokenizer.encode(text, add_special_tokens=False).ids[:prompt_len]
         rows.append(
@@ -68,23 +73,6 @@ def heavy_tailed(tokenizer_dir: Path, count: int = COUNT, seed: int = SEED) -> l
             }
         )
     return rows
-
-
-@dataclass(frozen=True)
-class SharedPrefix:
-    groups: int = 8
-    system_tokens: int = 1024
-    question_tokens: int = 64
-    output_tokens: int = 64
-
-
-@dataclass(frozen=True)
-class MultiTurn:
-    conversations: int = 16
-    turns: int = 6
-    system_tokens: int = 256
-    user_tokens: int = 96
-    answer_tokens: int = 64  # the fixed previous answers in the history, and each turn's output
 
 
 class Words:
@@ -126,7 +114,7 @@ def _rngs(seed: int, salt: str) -> tuple[random.Random, random.Random]:
 
 def shared_prefix(
     tokenizer_dir: Path,
-    shape: SharedPrefix = SharedPrefix(),
+    shape: SharedPrefix = DEFAULT_SHARED_PREFIX,
     count: int = 256,
     seed: int = SEED,
     salt: str = "",
@@ -153,7 +141,7 @@ def shared_prefix(
 
 
 def multi_turn(
-    tokenizer_dir: Path, shape: MultiTurn = MultiTurn(), seed: int = SEED, salt: str = ""
+    tokenizer_dir: Path, shape: MultiTurn = DEFAULT_MULTI_TURN, seed: int = SEED, salt: str = ""
 ) -> list[list[dict]]:
     """Conversations, each a list of turns: {"conversation", "turn", "messages", "prompt" (the
     messages rendered with the model's chat template, generation prompt added, as vLLM renders

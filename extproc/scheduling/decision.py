@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -135,15 +136,17 @@ def decide(
 @dataclass(slots=True)
 class _DecodeState:
     credit_ms: float  # the stall bucket
-    updated: float  # monotonic seconds
+    updated: float  # the decider's clock, seconds
     pending: list[tuple[float, int]] = field(default_factory=list)  # (expires, tokens)
 
 
 class Decider:
-    """The decision's state: per-D stall buckets and pending prompts."""
+    """The decision's state: per-D stall buckets and pending prompts. `clock`: seconds, for
+    the buckets' refill and the pending prompts' expiry (the lab's is its simulated time)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
         self._metrics = metrics
+        self._clock = clock
         self._decodes: dict[str, _DecodeState] = {}
 
     def decide(
@@ -164,7 +167,7 @@ class Decider:
         `p_cached`: its leading tokens D and P hold (KV-cache routing)."""
         if prompt_bytes is None:
             return self._count(Decision(False, UNBOUNDED))
-        now = time.monotonic()
+        now = self._clock()
         tokens = prompt_tokens + estimate_tokens(prompt_bytes, cfg.bytes_per_token)
         # Ours exactly (this request not counted), plus what others sent as of the last scrape:
         # the scrape alone is up to an interval old, and a request ends in less.

@@ -1,7 +1,7 @@
 """The API server's one event loop takes in new requests and streams every running request's
 tokens, one thing at a time: a request's path to the scheduler is short on an idle server and
-grows with the number of requests it streams. Run on bench/fastsim.py's virtual clock, so every
-time below is the cost model's, exactly, whatever the machine's speed."""
+grows with the number of requests it streams. Run on the lab's virtual clock (lab/clock.py), so
+every time below is the cost model's, exactly, whatever the machine's speed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 
-from bench.fastsim import run_virtual
+from lab.clock import run_virtual
 from vllmsim.cli import build_parser, config_from_args
 from vllmsim.config import CostModel
 from vllmsim.engine import Engine, FinishEvent, SimRequest, TokenEvent

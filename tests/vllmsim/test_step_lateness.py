@@ -8,7 +8,7 @@ import time
 
 import aiohttp
 
-from bench.fastsim import VirtualLoop
+from lab.clock import VirtualLoop
 from tests.vllmsim.vsim_helpers import get_json, post
 from vllmsim.config import CostModel
 from vllmsim.engine import Engine, FinishEvent, SimRequest

@@ -102,6 +102,17 @@ def test_the_stall_bucket_empties_and_counts_decisions() -> None:
     )
 
 
+def test_the_stall_bucket_refills_by_the_deciders_clock() -> None:
+    now = [0.0]
+    decider = Decider(Metrics(), clock=lambda: now[0])
+    cfg = LOAD_AWARE.model_copy(update={"bytes_per_token": 1.0})
+    busy = Load(in_flight=2)
+    made = [decider.decide(cfg, 200, "d", busy, Load()).reason for _ in range(3)]
+    assert made[-1] == "stall_budget"  # emptied, as above
+    now[0] = 60.0  # a minute later by its clock, however little time passed here
+    assert decider.decide(cfg, 200, "d", busy, Load()).reason == "faster_alone"
+
+
 ADMISSION = AdmissionConfig(
     enabled=True, decode=AdmissionLimits(max_in_flight=4, max_waiting=8, max_kv_usage=0.8)
 )

@@ -1,0 +1,72 @@
+"""A pd-extproc config file, as `up` takes it, with the lab's engines as its pools' members.
+
+Everything else in the file is the product's to read (policies and their options, admission,
+the decision, dispatch, timeouts, the KV index); what the lab changes:
+- each top-level pool's members: its `endpoints` become the simulated engines of that role
+  (`dns`, `kubernetes` and `inference_pool` are dropped, and with them any per-endpoint
+  setting such as an endpoint's own `mode`);
+- `tokenizer`: the lab's prompts are token ids, which the sidecar's tokenizer passes on as they
+  are, so a placeholder tokenizer stands in for the model's (the file need not exist here).
+A config the lab cannot model yet is refused with one line saying what.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tokenizers import Tokenizer, models
+
+from extproc.config import Config, ConfigError, parse_config
+
+__all__ = ["lab_config", "placeholder_tokenizer"]
+
+_MEMBER_SOURCES = ("endpoints", "dns", "kubernetes", "inference_pool")
+
+
+def placeholder_tokenizer(folder: Path) -> Path:
+    """A tokenizer.json that loads (KV-cache routing needs one); it never encodes a prompt."""
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    path = folder / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def lab_config(path: Path, members: dict[str, list[str]], tokenizer: Path) -> Config:
+    """The config in `path`, its pools' members replaced by `members` (role → addresses)."""
+    data = _read(path)
+    if data.get("models"):
+        raise ConfigError(
+            f"{path}: the lab replaces the top-level pools' members; per-model pools "
+            "(`models:`) are not modelled yet: use a config without them"
+        )
+    for role, addresses in members.items():
+        pool = data.get(role)
+        pool = dict(pool) if isinstance(pool, dict) else {}
+        if pool.get("data_parallel_size") not in (None, 1):
+            raise ConfigError(
+                f"{path}: {role}.data_parallel_size: data-parallel engines are not modelled "
+                "by the lab yet; remove it"
+            )
+        for key in _MEMBER_SOURCES:
+            pool.pop(key, None)
+        pool["endpoints"] = list(addresses)
+        data[role] = pool
+    data["tokenizer"] = str(tokenizer)
+    try:
+        return parse_config(data, str(path))
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None

@@ -1,0 +1,287 @@
+"""The simulated cluster: vllmsim's own engines, prefix caches and NIXL connectors, in-process.
+
+Each engine is vllmsim's `Engine` with its `PushConnector` or `PullConnector`, as `vllmsim`
+runs it; what is replaced is the process boundary only:
+- the HTTP API: a leg's body goes through vllmsim's own request parsing (`vllmsim.requests.
+  parse`) and the engine's API path (`Engine.api_path`: the API server's loop and tokenizer
+  thread, as modelled), then to the engine; its tokens come back as the engine emits them;
+- the NIXL side channel: a message reaches the peer's connector in-process after the cost
+  model's one-way latency (`side_channel.request` is replaced while the cluster runs);
+- the KV event socket: each step's batch is encoded as vLLM's publisher encodes it and handed
+  to `on_kv_events`, which the sidecar decodes as its ZMQ subscriber does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from vllmsim.config import CacheConfig, CostModel, Faults, KVTransferConfig, SimConfig
+from vllmsim.engine import Engine, ErrorEvent, FinishEvent, SimRequest, TokenEvent
+from vllmsim.kv_events import KVEvent, encode_batch
+from vllmsim.metrics import Metrics
+from vllmsim.nixl import side_channel
+from vllmsim.nixl.base import ConnectorBase
+from vllmsim.nixl.params import Identity
+from vllmsim.nixl.pull import PullConnector
+from vllmsim.nixl.push import PushConnector
+from vllmsim.requests import ApiError, parse
+from vllmsim.shapes import request_ids
+from vllmsim.tokens import TokenCounter
+
+__all__ = [
+    "MODEL",
+    "Cluster",
+    "EngineTotals",
+    "Served",
+    "SimEngine",
+    "Topology",
+    "parse_topology",
+]
+
+MODEL = "lab-model"  # the engines' served model name; the lab's requests name it
+_CONNECTORS = {"push": "NixlPushConnector", "pull": "NixlConnector"}
+_FIRST_SIDE_PORT = 20_000  # the side channels' ports: only keys of the in-process delivery
+
+
+@dataclass(frozen=True)
+class Topology:
+    prefill: int
+    decode: int
+
+    def __str__(self) -> str:
+        return f"{self.prefill}P{self.decode}D"
+
+
+def parse_topology(text: str) -> Topology:
+    """`xPyD`, e.g. 2P2D; ValueError with what is wrong."""
+    head, sep, tail = text.upper().partition("P")
+    if not sep or not tail.endswith("D") or not head.isdigit() or not tail[:-1].isdigit():
+        raise ValueError(f"--topology {text!r}: write it as xPyD, e.g. 2P2D")
+    topology = Topology(int(head), int(tail[:-1]))
+    if not (1 <= topology.prefill <= MAX_PER_ROLE and 1 <= topology.decode <= MAX_PER_ROLE):
+        raise ValueError(f"--topology {text!r}: from 1 to {MAX_PER_ROLE} engines of each role")
+    return topology
+
+
+@dataclass
+class Served:
+    """One leg's outcome at an engine, and what the engine did with its prompt."""
+
+    status: int = 200
+    error: str = ""
+    kv_transfer_params: dict[str, Any] | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # found in this engine's prefix cache
+    transferred_tokens: int = 0  # brought by NIXL from P
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens this engine's forward passes computed."""
+        if self.status >= 400:
+            return 0
+        return self.prompt_tokens - self.cached_tokens - self.transferred_tokens
+
+
+@dataclass
+class EngineTotals:
+    """What one engine did over a run (its own counts, not the sidecar's)."""
+
+    legs: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    cached_tokens: int = 0
+    peak_queue: int = 0  # waiting requests (for blocks, or for remote KV), at most
+
+    def add(self, served: Served) -> None:
+        self.legs += 1
+        self.prompt_tokens += served.prompt_tokens
+        self.computed_tokens += served.computed_tokens
+        self.cached_tokens += served.cached_tokens
+
+
+@dataclass
+class SimEngine:
+    """One engine and the front door of its API server."""
+
+    address: str  # its name in the sidecar's pools
+    name: str  # p0, p1, ..., d0, ...: in the lab's output
+    role: str  # "prefill" | "decode"
+    engine: Engine
+    connector: ConnectorBase
+    config: SimConfig
+    tokens: TokenCounter = field(default_factory=TokenCounter)
+    totals: EngineTotals = field(default_factory=EngineTotals)
+
+    async def serve(
+        self,
+        body: bytes,
+        request_id: str,
+        on_headers: Callable[[int], None] = lambda status: None,
+    ) -> Served:
+        """One leg: vllmsim's parsing of `body`, the API path, the engine; the tokens until
+        the last. `request_id`: the leg's X-Request-Id, which the engine's own request id is
+        made from (a push P pairs a serial D's registration with its blocks by it).
+        `on_headers`: the answer's status, when a streaming server sends it."""
+        try:
+            parsed = parse(self.config, self.tokens, orjson.loads(body), chat=False)
+        except (ApiError, orjson.JSONDecodeError) as error:
+            status, message = (
+                (error.status, error.message)
+                if isinstance(error, ApiError)
+                else (
+                    400,
+                    str(error),
+                )
+            )
+            on_headers(status)
+            return Served(status, message)
+        _, internal_id = request_ids(request_id, chat=False)
+        req = SimRequest(
+            internal_id,
+            parsed.prompt_ids,
+            parsed.max_tokens,
+            mode=parsed.mode,
+            remote=parsed.kv_params,
+        )
+        engine = self.engine
+        await engine.api_path(len(parsed.prompt_ids))
+        on_headers(200)
+        engine.submit(req)
+        self.totals.peak_queue = max(self.totals.peak_queue, engine.num_waiting)
+        try:
+            served = await _collect(req)
+        finally:
+            engine.abort(req)  # nothing once finished; frees the blocks of an abandoned leg
+        served.prompt_tokens = req.prompt_tokens
+        served.cached_tokens = req.num_cached_tokens
+        served.transferred_tokens = req.num_external_tokens
+        self.totals.add(served)
+        return served
+
+    def load_page(self) -> str:
+        """The engine's load as its /metrics shows it (the families the sidecar reads)."""
+        engine = self.engine
+        return (
+            f"vllm:num_requests_waiting {engine.num_waiting}\n"
+            f"vllm:num_requests_running {len(engine.running)}\n"
+            f"vllm:kv_cache_usage_perc {engine.pool.usage()}\n"
+        )
+
+
+async def _collect(req: SimRequest) -> Served:
+    loop = asyncio.get_running_loop()
+    served = Served()
+    while True:
+        event = await req.events.get()
+        if isinstance(event, TokenEvent):
+            now = loop.time()
+            served.first_token_at = now if served.first_token_at is None else served.first_token_at
+            served.last_token_at = now
+            served.output_tokens += 1
+        elif isinstance(event, FinishEvent):
+            served.kv_transfer_params = event.kv_transfer_params
+            return served
+        elif isinstance(event, ErrorEvent):
+            served.status, served.error = event.status, event.message
+            return served
+
+
+_NETWORKS = {"prefill": "192.0.2", "decode": "198.51.100"}  # documentation ranges (RFC 5737)
+MAX_PER_ROLE = 254
+
+
+def _address(role: str, index: int) -> str:
+    """An engine's address in the pools: a name only, nothing is ever sent to it."""
+    return f"{_NETWORKS[role]}.{index + 1}:8000"
+
+
+class Cluster:
+    """xPyD engines of one connector kind; the side channel and KV events in-process."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        cost: CostModel,
+        transfer: str,
+        on_kv_events: Callable[[str, bytes], None],
+    ) -> None:
+        self.cost = cost
+        self._on_kv_events = on_kv_events
+        self._by_port: dict[int, SimEngine] = {}
+        self.prefill = [self._engine("prefill", i, transfer) for i in range(topology.prefill)]
+        self.decode = [self._engine("decode", i, transfer) for i in range(topology.decode)]
+        self.by_address = {e.address: e for e in self.all}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def all(self) -> list[SimEngine]:
+        return [*self.prefill, *self.decode]
+
+    @staticmethod
+    def addresses(topology: Topology) -> dict[str, list[str]]:
+        """The engines' addresses by role, as the sidecar's pools list them."""
+        return {
+            "prefill": [_address("prefill", i) for i in range(topology.prefill)],
+            "decode": [_address("decode", i) for i in range(topology.decode)],
+        }
+
+    def _engine(self, role: str, index: int, transfer: str) -> SimEngine:
+        port = _FIRST_SIDE_PORT + len(self._by_port)
+        address = _address(role, index)
+        host = address.partition(":")[0]
+        engine_id = str(uuid.UUID(int=port))  # fixed: a run's output never depends on uuid4
+        kv = KVTransferConfig(
+            _CONNECTORS[transfer], "kv_producer" if role == "prefill" else "kv_consumer"
+        )
+        publish: Callable[[list[KVEvent]], None] = lambda events: self._publish(address, events)  # noqa: E731
+        engine = Engine(self.cost, Metrics(MODEL, 0.0), engine_id, CacheConfig(), publish)
+        cls = PushConnector if transfer == "push" else PullConnector
+        connector = cls(engine, kv, Identity(engine_id, host, port), Faults())
+        engine.connector = connector
+        config = SimConfig(served_model_names=(MODEL,), kv=kv, cost=self.cost)
+        sim = SimEngine(address, f"{role[0]}{index}", role, engine, connector, config)
+        self._by_port[port] = sim
+        return sim
+
+    def _publish(self, address: str, events: list[KVEvent]) -> None:
+        ts = asyncio.get_running_loop().time()
+        self._on_kv_events(address, encode_batch(ts, events))
+
+    async def _side_request(
+        self, host: str, port: int, msg: dict[str, Any], latency_s: float, **_: Any
+    ) -> dict[str, Any]:
+        """side_channel.request, delivered to the connector of that port after the wire's
+        latency (the only part of the TCP exchange the cost model prices)."""
+        if latency_s > 0:
+            await asyncio.sleep(latency_s)
+        return await self._by_port[port].connector.handle(msg)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Cluster]:
+        """The engines' loops run and the side channel is delivered in-process meanwhile;
+        `close` must be awaited after."""
+        original = side_channel.request
+        side_channel.request = self._side_request  # type: ignore[assignment]
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(e.engine.run()) for e in self.all]
+        try:
+            yield self
+        finally:
+            side_channel.request = original
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for e in self.all:
+            await e.connector.close()

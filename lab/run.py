@@ -1,0 +1,268 @@
+"""One configuration's run: its config on the lab's cluster, the workload, the figures.
+
+Each configuration gets a cluster of its own, fresh (empty caches, a clock from 0), and the
+same workload; the policies that draw at random get generators seeded from the run's seed
+(`lab.sidecar`), and Python's global `random` is seeded with it too, so that a run is a
+function of its inputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from extproc.config import Config, DispatchMode
+from extproc.process.workers import limits_share
+from lab.clock import run_virtual
+from lab.configs import lab_config, placeholder_tokenizer
+from lab.engines import MODEL, Cluster, EngineTotals, Topology
+from lab.sidecar import Outcome, ProxyCosts, Sidecar
+from lab.workloads import LabRequest, Workload
+from vllmsim.config import CostModel
+
+__all__ = ["Progress", "Settings", "percentile", "run_config", "summarise"]
+
+Progress = Callable[[str, float, int, int], None]  # config, simulated s, done, total
+
+
+@dataclass(frozen=True)
+class Settings:
+    topology: Topology
+    cost: CostModel
+    costs: ProxyCosts = field(default_factory=ProxyCosts)
+    seed: int = 1
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 100.0
+    workers: int = 1  # extproc.workers: ext_proc processes of one sidecar
+    replicas: int = 1  # sidecars (each with its Envoy) the clients spread over
+
+
+@dataclass
+class _Tally:
+    outcomes: list[Outcome] = field(default_factory=list)
+    started: float = 0.0
+
+
+def run_config(
+    path: Path, workload: Workload, settings: Settings, progress: Progress | None = None
+) -> dict[str, Any]:
+    """The summary of `workload` through the configuration in `path` (see `summarise`)."""
+    with tempfile.TemporaryDirectory(prefix="lab-tokenizer-") as folder:
+        tokenizer = placeholder_tokenizer(Path(folder))
+        return run_virtual(lambda: _simulate(path, tokenizer, workload, settings, progress))
+
+
+async def _simulate(
+    path: Path,
+    tokenizer: Path,
+    workload: Workload,
+    settings: Settings,
+    progress: Progress | None,
+) -> dict[str, Any]:
+    random.seed(settings.seed)
+    names = Cluster.addresses(settings.topology)
+    config = lab_config(path, names, tokenizer)
+    transfer = "pull" if config.dispatch.mode is DispatchMode.PULL else "push"
+    sidecars: list[Sidecar] = []
+    loop = asyncio.get_running_loop()
+
+    def deliver(address: str, payload: bytes) -> None:  # the ZMQ hop: the next loop turn
+        for sidecar in sidecars:
+            loop.call_soon(sidecar.kv_events, address, payload)
+
+    cluster = Cluster(settings.topology, settings.cost, transfer, deliver)
+    tally = _Tally()
+    with cluster.running():
+        replicas = _replicas(config, cluster, settings)
+        sidecars.extend(s for replica in replicas for s in replica)
+        for sidecar in sidecars:
+            await sidecar.start()
+        for engine in cluster.all:  # the workload's figures only (not the identity probes')
+            engine.totals = EngineTotals()
+        tally.started = loop.time()
+        report = _reporter(path.stem, workload.requests, progress)
+        route = _router(replicas)
+        await _drive(workload, route, config.dispatch.session_header, tally, report)
+        indexes = []
+        for sidecar in sidecars:
+            await sidecar.stop()
+            index = sidecar.kv.index
+            heard = [e.name for e in cluster.all if index.heard_from(e.address)]
+            indexes.append({"engines_heard_from": heard, "blocks": index.blocks})
+    await cluster.close()
+    summary = summarise(path.stem, tally.outcomes, cluster, settings, tally.started)
+    summary["workers"], summary["replicas"] = settings.workers, settings.replicas
+    # what each scheduler's KV index learnt from the engines' events (nothing: not followed)
+    summary["kv_index"] = indexes
+    return summary
+
+
+def _replicas(config: Config, cluster: Cluster, settings: Settings) -> list[list[Sidecar]]:
+    """Each replica's ext_proc processes, each with its own state; a replica's processes
+    share its admission limits out as `extproc.workers` does (`limits_share`)."""
+    share = limits_share(config, settings.workers)
+    return [
+        [
+            Sidecar(share, cluster, settings.costs, settings.seed, r * settings.workers + w)
+            for w in range(settings.workers)
+        ]
+        for r in range(settings.replicas)
+    ]
+
+
+def _router(replicas: list[list[Sidecar]]) -> Callable[[], Sidecar]:
+    """Who takes the next request: the replicas in turn (a Service's spread), and within one
+    the process with the fewest open streams, ties in turn (Envoy's LEAST_REQUEST over its
+    ext_proc cluster, which compares two processes drawn at random: the same for two)."""
+    turn = itertools.cycle(replicas)
+    ties = itertools.count()
+
+    def route() -> Sidecar:
+        processes = next(turn)
+        start = next(ties) % len(processes)
+        ordered = processes[start:] + processes[:start]
+        return min(ordered, key=lambda s: s.active_streams)
+
+    return route
+
+
+def _reporter(name: str, total: int, progress: Progress | None) -> Callable[[int], None]:
+    """Progress at most every half second of wall time (it never changes the simulation)."""
+    shown = [0.0]
+
+    def report(done: int) -> None:
+        now = time.monotonic()
+        if progress is not None and (now - shown[0] >= 0.5 or done == total):
+            shown[0] = now
+            progress(name, asyncio.get_running_loop().time(), done, total)
+
+    return report
+
+
+async def _drive(
+    workload: Workload,
+    scheduler: Callable[[], Sidecar],
+    session_header: str,
+    tally: _Tally,
+    report: Callable[[int], None],
+) -> None:
+    """`scheduler`: the one that takes the next request."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def one(request: LabRequest) -> None:
+        headers = {session_header: request.session} if request.session else {}
+        tally.outcomes.append(await scheduler().handle(_body(request), headers))
+        report(len(tally.outcomes))
+
+    async def chain_at(index: int) -> None:
+        chain = workload.chains[index]
+        await asyncio.sleep(max(0.0, start + chain.at - loop.time()))
+        for request in chain.requests:
+            await one(request)
+
+    if workload.open_loop:
+        await asyncio.gather(*(chain_at(i) for i in range(len(workload.chains))))
+        return
+    queue = iter(workload.chains)
+
+    async def client() -> None:
+        for chain in queue:  # each client takes the next chain when its own is done
+            for request in chain.requests:
+                await one(request)
+
+    await asyncio.gather(*(client() for _ in range(workload.concurrency)))
+
+
+def _body(request: LabRequest) -> bytes:
+    import orjson
+
+    return orjson.dumps(
+        {
+            "model": MODEL,
+            "prompt": request.prompt,
+            "max_tokens": request.output_tokens,
+            "stream": True,
+        }
+    )
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear between the closest ranks; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 3)
+
+
+def _role_figures(cluster: Cluster, role: str) -> dict[str, Any]:
+    engines = cluster.prefill if role == "prefill" else cluster.decode
+    prompt = sum(e.totals.prompt_tokens for e in engines)
+    cached = sum(e.totals.cached_tokens for e in engines)
+    return {
+        "legs": sum(e.totals.legs for e in engines),
+        "prompt_tokens": prompt,
+        "computed_tokens": sum(e.totals.computed_tokens for e in engines),
+        "cached_tokens": cached,
+        "cached_share": round(cached / prompt, 4) if prompt else 0.0,
+        "legs_per_engine": {e.name: e.totals.legs for e in engines},
+        "peak_queue": {e.name: e.totals.peak_queue for e in engines},
+    }
+
+
+def summarise(
+    name: str, outcomes: list[Outcome], cluster: Cluster, settings: Settings, started: float
+) -> dict[str, Any]:
+    """The figures of one configuration's run (times in ms of simulated time)."""
+    ok = [o for o in outcomes if o.ok]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    tpots = [o.tpot_s for o in ok if o.tpot_s is not None]
+    good = [
+        o
+        for o in ok
+        if o.ttft_s is not None
+        and o.ttft_s * 1e3 <= settings.slo_ttft_ms
+        and (o.tpot_s is None or o.tpot_s * 1e3 <= settings.slo_tpot_ms)
+    ]
+    span = max((o.finished_at for o in outcomes), default=started) - started
+    strategies: dict[str, int] = {}
+    for o in ok:
+        strategies[o.strategy] = strategies.get(o.strategy, 0) + 1
+    failures: dict[str, int] = {}
+    for o in outcomes:
+        if not o.ok:
+            failures[str(o.status)] = failures.get(str(o.status), 0) + 1
+    return {
+        "name": name,
+        "ttft_ms": {q: _ms(percentile(ttfts, float(q[1:]))) for q in ("p50", "p90", "p99")},
+        "tpot_ms": {q: _ms(percentile(tpots, float(q[1:]))) for q in ("p50", "p99")},
+        "ok": len(ok),
+        "failed": len(outcomes) - len(ok),
+        "failures_by_status": failures,
+        "goodput": {
+            "ttft_slo_ms": settings.slo_ttft_ms,
+            "tpot_slo_ms": settings.slo_tpot_ms,
+            "requests": len(good),
+            "share": round(len(good) / len(outcomes), 4) if outcomes else 0.0,
+            "per_s": round(len(good) / span, 3) if span > 0 else 0.0,
+        },
+        "decode_only_share": round(strategies.get("decode_only", 0) / len(ok), 4) if ok else 0.0,
+        "strategies": strategies,
+        "prefill": _role_figures(cluster, "prefill"),
+        "decode": _role_figures(cluster, "decode"),
+        "simulated_s": round(span, 3),
+    }

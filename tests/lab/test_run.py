@@ -1,0 +1,165 @@
+"""A configuration's run: the product's own scheduling objects decide it, it is a function of its
+inputs, and a Mooncake trace replays. Every figure is simulated time (none is wall-clock)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extproc.policies import PickRequest, kv_cache
+from lab import sidecar
+from lab.engines import parse_topology
+from lab.run import Settings, percentile, run_config
+from lab.workloads import generate, read_mooncake
+from tests.support.lab import (
+    KV_CACHE,
+    RANDOM,
+    ROUND_ROBIN,
+    config_file,
+    mooncake_trace,
+    shared_block_trace,
+)
+from vllmsim.profiles import PROFILES
+
+SETTINGS = Settings(parse_topology("2P2D"), PROFILES["gpu-8b"], seed=3)
+SHARED = generate("shared-prefix", seed=3, concurrency=4, count=48)
+
+
+def _run(tmp_path: Path, text: str, name: str = "cfg", workload: Any = SHARED) -> dict[str, Any]:
+    return run_config(config_file(tmp_path, name, text), workload, SETTINGS)
+
+
+TURNS = generate("multi-turn", seed=3, concurrency=8, count=96)
+LOAD_AWARE = KV_CACHE + "decision: {mode: load_aware}\n"
+
+
+@pytest.mark.parametrize(
+    ("config", "workload"),
+    [(KV_CACHE, SHARED), (RANDOM, SHARED), (LOAD_AWARE, TURNS)],
+    ids=["kv_cache", "random", "load_aware"],
+)
+def test_two_runs_with_one_seed_are_identical(tmp_path: Path, config: str, workload: Any) -> None:
+    first, second = (
+        _run(tmp_path, config, workload=workload),
+        _run(tmp_path, config, workload=workload),
+    )
+    assert first == second
+    assert (first["ok"], first["failed"]) == (workload.requests, 0)
+    assert first["ttft_ms"]["p50"] > 0
+
+
+def test_the_configs_policy_decides_the_routing(tmp_path: Path) -> None:
+    blind, cached = _run(tmp_path, ROUND_ROBIN, "rr"), _run(tmp_path, KV_CACHE, "kv")
+    assert blind["prefill"]["legs_per_engine"] == {"p0": 24, "p1": 24}  # round robin's turns
+    assert cached["prefill"]["legs_per_engine"] != blind["prefill"]["legs_per_engine"]
+    # the engine holding a group's system prompt gets its requests: less computed there
+    assert cached["prefill"]["computed_tokens"] < blind["prefill"]["computed_tokens"]
+    assert cached["prefill"]["cached_share"] > blind["prefill"]["cached_share"]
+
+
+def test_a_change_in_the_scoring_changes_the_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = _run(tmp_path, KV_CACHE)
+    pick = kv_cache.KvCachePicker.pick
+
+    def against_the_cache(self: Any, candidates: Any, request: PickRequest) -> Any:
+        """A planted sign error: what an engine holds counts against it."""
+        held = {a: -n for a, n in (request.cached or {}).items()}
+        return pick(self, candidates, dataclasses.replace(request, cached=held))
+
+    monkeypatch.setattr(kv_cache.KvCachePicker, "pick", against_the_cache)
+    after = _run(tmp_path, KV_CACHE)
+    assert after["prefill"]["legs_per_engine"] != before["prefill"]["legs_per_engine"]
+    assert after["prefill"]["computed_tokens"] > before["prefill"]["computed_tokens"]
+
+
+def test_the_index_learns_from_the_engines_events_through_the_subscribers_decoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (learnt,) = _run(tmp_path, KV_CACHE)["kv_index"]
+    assert learnt["engines_heard_from"] == ["p0", "p1", "d0", "d1"]
+    assert learnt["blocks"] > 0
+    assert _run(tmp_path, ROUND_ROBIN)["kv_index"] == [{"engines_heard_from": [], "blocks": 0}]
+
+    def unreadable(payload: bytes) -> None:
+        raise sidecar.MalformedBatch("msgpack")
+
+    monkeypatch.setattr(sidecar, "decode_batch", unreadable)
+    assert _run(tmp_path, KV_CACHE)["kv_index"] == [{"engines_heard_from": [], "blocks": 0}]
+
+
+def test_the_configs_decision_sends_follow_up_turns_decode_only(tmp_path: Path) -> None:
+    turns = generate("multi-turn", seed=3, concurrency=4, count=24)
+    aware = _run(tmp_path, KV_CACHE + "decision: {mode: load_aware}\n", "aware", turns)
+    never = _run(tmp_path, KV_CACHE + "decision: {mode: 'off'}\n", "off", turns)
+    assert aware["decode_only_share"] > 0
+    assert aware["decode"]["computed_tokens"] > 0  # D prefilled those itself
+    assert never["decode_only_share"] == 0
+    assert never["decode"]["computed_tokens"] == 0
+    assert aware["ok"] == never["ok"] == 24
+
+
+@pytest.mark.parametrize(
+    ("dispatch", "strategies"),
+    [
+        ("{mode: pull}", {"serial": 8}),
+        ("{mode: serial_push}", {"serial": 8}),
+        ("{mode: push}", {"parallel": 8}),
+        # P's identity unknown until its first answer: the first wave goes serially
+        ("{mode: auto, probe: false}", {"serial": 2, "parallel": 6}),
+    ],
+)
+def test_every_dispatch_mode_serves_every_request(
+    tmp_path: Path, dispatch: str, strategies: dict[str, int]
+) -> None:
+    seed = generate("seed", seed=3, concurrency=2, count=8)
+    figures = _run(tmp_path, f"{ROUND_ROBIN}dispatch: {dispatch}\n", workload=seed)
+    assert (figures["ok"], figures["failed"]) == (8, 0)
+    assert figures["strategies"] == strategies
+    assert figures["decode"]["computed_tokens"] == 0  # every prompt's KV came from P
+
+
+def test_each_ext_proc_process_admits_by_its_own_counts(tmp_path: Path) -> None:
+    """Admission at 2 in flight at D; 8 clients, whose shed requests come back at once: one
+    process admits 2 and sheds the rest; four processes of one sidecar (`extproc.workers: 4`)
+    share the limit out, 1 each; four replicas admit 2 each, and more as requests end."""
+    config = config_file(
+        tmp_path,
+        "admit",
+        ROUND_ROBIN + "admission: {enabled: true, decode: {max_in_flight: 2}}\n",
+    )
+    burst, topology = generate("seed", seed=3, concurrency=8), parse_topology("1P1D")
+
+    def run(workers: int, replicas: int) -> dict[str, Any]:
+        settings = Settings(topology, SETTINGS.cost, workers=workers, replicas=replicas)
+        return run_config(config, burst, settings)
+
+    one, workers, replicas = run(1, 1), run(4, 1), run(1, 4)
+    assert (one["ok"], one["failures_by_status"]) == (2, {"429": 14})
+    assert workers["ok"] == 4
+    assert replicas["ok"] >= 8
+    assert len(workers["kv_index"]) == len(replicas["kv_index"]) == 4  # one state each
+
+
+def test_a_mooncake_trace_replays_at_its_times(tmp_path: Path) -> None:
+    trace = mooncake_trace(tmp_path / "t.jsonl", shared_block_trace(12))
+    fast = run_config(config_file(tmp_path, "kv", KV_CACHE), read_mooncake(trace, 10.0), SETTINGS)
+    assert (fast["ok"], fast["failed"]) == (12, 0)
+    # 11 gaps of 50 ms: the last request leaves 55 ms after the first at 10 x, 550 ms at 1 x
+    assert 0.055 < fast["simulated_s"] < 0.5
+    assert fast["prefill"]["prompt_tokens"] == 12 * 1000
+    # the shared first blocks (512 tokens, 32 blocks of 16) are found cached
+    assert fast["prefill"]["cached_tokens"] + fast["decode"]["cached_tokens"] > 0
+    slow = run_config(config_file(tmp_path, "kv", KV_CACHE), read_mooncake(trace, 1.0), SETTINGS)
+    assert slow["simulated_s"] > 0.55
+    assert fast["ttft_ms"]["p50"] > slow["ttft_ms"]["p50"]  # ten times the rate: they queue
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 90) == 9.0
