@@ -21,6 +21,7 @@ WORKDIR /build
 COPY pyproject.toml README.md wheelhous[e] ./
 COPY extproc ./extproc
 COPY vllmsim ./vllmsim
+COPY lab ./lab
 # [sim]: docker-compose.yml runs the vllmsim engines from this image too.
 # One layer for the install and the user: every layer is a full copy on some storage drivers.
 # The sidecar needs no root (its ports are above 1024).
