@@ -30,7 +30,10 @@ __all__ = [
 
 # Bounds on one payload, far above what an engine sends (a batch is one scheduler step).
 MAX_EVENTS_PER_BATCH = 65_536
-_MAX_ARRAY = 1 << 20  # the longest array: token ids of one BlockStored
+# The longest array: token ids of one BlockStored, which one request fills in one engine step
+# (at most the engine's max_num_batched_tokens). Decoding one event cannot be cut, so this also
+# bounds how long one holds the event loop (a 2**18-token event: about 30 ms).
+_MAX_ARRAY = 1 << 18
 # No bound of its own on strings: vLLM copies a client's `session_id` (any length) into the
 # BlockStored events of its request, and a batch refused for it would lose the other requests'
 # events of that engine step. A string is never longer than its payload, which the subscriber
