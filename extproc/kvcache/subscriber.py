@@ -48,7 +48,7 @@ class SubscriberLimits:
     max_message_bytes: int = 16 << 20  # ZMQ disconnects a peer that sends a larger frame
     # A batch is one scheduler step: 8 MiB is a million tokens stored in one step.
     max_batch_bytes: int = 8 << 20
-    slice_blocks: int = 1024  # blocks decoded and applied between two yields to the loop
+    slice_blocks: int = 512  # blocks decoded and applied between two yields to the loop
     max_replay_batches: int = 10_000  # vLLM's default replay buffer; a longer gap resets
     replay_timeout_s: float = 2.0
     poll_s: float = 1.0
