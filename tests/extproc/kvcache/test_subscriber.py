@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -331,16 +331,17 @@ async def test_an_oversized_batch_is_counted_dropped_and_resets_the_engine(
 
 @pytest.mark.parametrize(
     ("payload", "blocks"),
-    [(many_events(30_000), 60_000), (long_events(4), 1 << 16)],
+    [(lambda: many_events(30_000), 60_000), (lambda: long_events(4), 1 << 16)],
     ids=["30000_events", "a_million_tokens"],
 )
 async def test_a_large_batch_is_applied_in_slices_without_stalling_the_loop(
-    engine: FakeEngine, ctx: Any, payload: bytes, blocks: int
+    engine: FakeEngine, ctx: Any, payload: Callable[[], bytes], blocks: int
 ) -> None:
+    large = payload()
     async with subscribed(engine, ctx, max_blocks=1 << 19) as (events, index, metrics):
         done = await holding_blocks(engine, events, metrics)
         async with loop_lateness() as late:
-            await engine.send(payload)
+            await engine.send(large)
             await applied(events, metrics, done + 1)
         assert late.worst < STALL_BOUND_S
         assert index.blocks == 4 + blocks  # all of it, the long chain across its slices
