@@ -109,6 +109,7 @@ def test_blocks_keyed_by_more_than_tokens_are_marked() -> None:
         (msgpack.packb([1.0, [cleared()] * (MAX_EVENTS_PER_BATCH + 1)]), "too_many_events"),
         (batch(removed([b"\x01" * 2000])), "msgpack"),  # a bin longer than any hash
         (batch() + b"\x00", "msgpack"),  # trailing bytes
+        (batch()[:-2] + b"\x91" * 100_000 + b"\xc0", "msgpack"),  # an event nested too deep
     ],
 )
 def test_what_is_not_a_batch_is_rejected_with_a_reason(payload: bytes, reason: str) -> None:
