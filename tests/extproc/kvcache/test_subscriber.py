@@ -1,6 +1,9 @@
 """An engine's KV events over real ZMQ sockets on 127.0.0.1: in-order batches, gaps filled by
 replay from a ROUTER serving vLLM's protocol, gaps that cannot be filled, restarts, malformed
-messages, a flood, and the set of subscribers following the pools' membership."""
+messages, a flood, and the set of subscribers following the pools' membership. Then a hostile
+publisher: oversized and large batches, a flood, a flooding replay socket and every malformed
+shape hold the event loop under 0.25 s and leave the subscriber alive; a subscriber that fails
+is restarted; a reset between two slices of a batch ends that batch."""
 
 from __future__ import annotations
 
