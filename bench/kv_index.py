@@ -2,7 +2,7 @@
 lookup on the event loop. Prints two tables; run it alone (it times things):
 
     python -m bench.kv_index [--blocks 1000000] [--tokenizer ~/.cache/pd-extproc/tiny-llama]
-                             [--compare main]
+                             [--compare main] [--event-stalls]
 
 Memory is measured in a fresh process per cell, twice: traced by tracemalloc, and as the
 growth of the process's resident set (without tracemalloc). `--compare REF` measures the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import gc
 import importlib.util
@@ -29,9 +30,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from extproc.kvcache.events import BlocksStored
+import msgpack
+
+from extproc.kvcache.events import BlocksStored, MalformedBatch, decode_batch
 from extproc.kvcache.index import KvIndex, chain_keys
+from extproc.kvcache.subscriber import EngineEvents
 from extproc.kvcache.tokens import OffLoopTokenizer, RequestTokenizer
+from extproc.metrics import Metrics
 
 _BLOCK = 16
 _CHAIN = 64  # blocks a prompt: 1024 tokens
@@ -255,6 +260,87 @@ def measure_request_cost(
         print(f"| longest prefix, {engines} engines (one holds it all), {label} | {ms:.3f} |")
 
 
+def _stored_event(first: int, blocks: int, parent: int | None, tokens: list[int]) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": [(first + i).to_bytes(32, "big") for i in range(blocks)],
+        "parent_block_hash": None if parent is None else parent.to_bytes(32, "big"),
+        "token_ids": tokens,
+        "block_size": len(tokens) // blocks,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+
+
+def _large_batches() -> dict[str, bytes]:
+    """Batches as a hostile publisher (or a very large engine step) would send them."""
+    long = 1 << 18  # the longest event the decoder takes
+    batches = {
+        "65 536 BlockRemoved": [
+            {"type": "BlockRemoved", "block_hashes": [i.to_bytes(32, "big")], "medium": "GPU"}
+            for i in range(65_536)
+        ],
+        "30 000 BlockStored of 2 blocks": [
+            _stored_event(10 + 2 * i, 2, None, [(i + t) % 50_000 for t in range(2 * _BLOCK)])
+            for i in range(30_000)
+        ],
+        "4 BlockStored of 2**18 tokens, one chain": [
+            _stored_event(
+                10 + n * long // _BLOCK,
+                long // _BLOCK,
+                9 + n * long // _BLOCK if n else None,
+                [(t + n) % 50_000 for t in range(long)],
+            )
+            for n in range(4)
+        ],
+        "35 000 BlockStored of 2 blocks (over the bound)": [
+            _stored_event(10 + 2 * i, 2, None, [(i + t) % 50_000 for t in range(2 * _BLOCK)])
+            for i in range(35_000)
+        ],
+    }
+    return {name: msgpack.packb([time.time(), events, 0]) for name, events in batches.items()}
+
+
+async def _applied_with_the_loop_watched(payload: bytes) -> tuple[float, float]:
+    """One batch through an engine's subscriber (no sockets): the event loop's longest stall
+    meanwhile, and the wall time until the batch is applied."""
+    index = KvIndex(max_blocks=1_000_000)
+    events = EngineEvents("e", "tcp://127.0.0.1:1", index, Metrics())
+    worst = 0.0
+
+    async def tick() -> None:
+        nonlocal worst
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - before - 0.001)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.01)
+    started = time.perf_counter()
+    await events.on_message([b"", (0).to_bytes(8, "big"), payload])
+    wall = time.perf_counter() - started
+    ticker.cancel()
+    return worst, wall
+
+
+def measure_event_stalls() -> None:
+    """A large KV event batch: the loop held by decoding and applying it in one call (as
+    before the slices), against the subscriber's longest stall and its wall time."""
+    print("\n| batch | MB | one call: loop held, s | subscriber: longest stall, ms | wall, s |")
+    print("|---|---:|---:|---:|---:|")
+    for name, payload in _large_batches().items():
+        index = KvIndex(max_blocks=1_000_000)
+        started = time.perf_counter()
+        with contextlib.suppress(MalformedBatch):
+            index.apply("e", decode_batch(payload).events)
+        one_call = time.perf_counter() - started
+        worst, wall = asyncio.run(_applied_with_the_loop_watched(payload))
+        mb = len(payload) / 1e6
+        print(f"| {name} | {mb:.1f} | {one_call:.2f} | {worst * 1e3:.0f} | {wall:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=1_000_000)
@@ -264,9 +350,15 @@ def main() -> None:
     )
     parser.add_argument("--compare", metavar="REF", help="also measure the index.py of REF")
     parser.add_argument("--cell", help=argparse.SUPPRESS)  # one memory cell, in a child
+    parser.add_argument(
+        "--event-stalls", action="store_true", help="only the table of large KV event batches"
+    )
     args = parser.parse_args()
     if args.cell:
         print(json.dumps(memory_cell(*json.loads(args.cell))))
+        return
+    if args.event_stalls:
+        measure_event_stalls()
         return
     sources = _sources(args.compare)
     measure_memory(args.blocks, args.engines, sources)

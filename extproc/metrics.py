@@ -295,7 +295,8 @@ class Metrics:
         self.kv_event_batches = Counter(
             "pd_extproc_kv_event_batches",
             "KV event batches received from an engine, by outcome: applied, replayed (applied "
-            "from the replay socket), malformed (skipped).",
+            "from the replay socket), malformed (skipped), oversized (over the batch size "
+            "bound, dropped).",
             ["endpoint", "outcome"],
             registry=r,
         )
@@ -317,8 +318,15 @@ class Metrics:
             "pd_extproc_kv_index_resets",
             "Times an engine's index entries were dropped, by why: gap (not filled by replay), "
             "restart (its sequence went back), cleared (it sent AllBlocksCleared), malformed "
-            "(a batch that could not be decoded).",
+            "(a batch that could not be decoded), oversized (a batch too large, dropped).",
             ["endpoint", "reason"],
+            registry=r,
+        )
+        self.kv_event_subscriber_restarts = Counter(
+            "pd_extproc_kv_event_subscriber_restarts",
+            "Times an engine's KV event subscriber failed and was restarted (its index entries "
+            "dropped); the log says why.",
+            ["endpoint"],
             registry=r,
         )
         self.kv_routed_prompt_tokens = Counter(
@@ -370,16 +378,17 @@ class Metrics:
     def forget_kv_engine(self, endpoint: str) -> None:
         """Drop the KV-event series of an engine that left the index."""
         series = {
-            self.kv_event_batches: ("applied", "replayed", "malformed"),
+            self.kv_event_batches: ("applied", "replayed", "malformed", "oversized"),
             self.kv_event_replays: ("filled", "short", "failed", "skipped"),
-            self.kv_index_resets: ("gap", "restart", "cleared", "malformed"),
+            self.kv_index_resets: ("gap", "restart", "cleared", "malformed", "oversized"),
         }
         for counter, values in series.items():
             for value in values:
                 with contextlib.suppress(KeyError):
                     counter.remove(endpoint, value)
-        with contextlib.suppress(KeyError):
-            self.kv_event_gaps.remove(endpoint)
+        for counter in (self.kv_event_gaps, self.kv_event_subscriber_restarts):
+            with contextlib.suppress(KeyError):
+                counter.remove(endpoint)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,9 @@ payload that is not a batch raises `MalformedBatch`, which the subscriber counts
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +25,15 @@ __all__ = [
     "MalformedBatch",
     "decode_batch",
     "engine_hash",
+    "read_batch",
 ]
 
 # Bounds on one payload, far above what an engine sends (a batch is one scheduler step).
 MAX_EVENTS_PER_BATCH = 65_536
-_MAX_ARRAY = 1 << 20  # the longest array: token ids of one BlockStored
+# The longest array: token ids of one BlockStored, which one request fills in one engine step
+# (at most the engine's max_num_batched_tokens). Decoding one event cannot be cut, so this also
+# bounds how long one holds the event loop (a 2**18-token event: about 30 ms).
+_MAX_ARRAY = 1 << 18
 # No bound of its own on strings: vLLM copies a client's `session_id` (any length) into the
 # BlockStored events of its request, and a batch refused for it would lose the other requests'
 # events of that engine step. A string is never longer than its payload, which the subscriber
@@ -93,32 +100,69 @@ def engine_hash(value: object) -> int:
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    try:
-        raw = msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=True,
-            max_array_len=_MAX_ARRAY,
-            max_map_len=_MAX_MAP,
-            max_str_len=len(payload),
-            max_bin_len=_MAX_BIN,
-            max_ext_len=0,
-        )
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # ExtraData is a ValueError
-        raise MalformedBatch("msgpack") from exc
-    if not isinstance(raw, list) or len(raw) < 2:
+    ts, items, read = read_batch(payload)
+    events = [event for event in read if event is not None]
+    return EventBatch(ts, tuple(events), items - len(events))
+
+
+def read_batch(payload: bytes) -> tuple[float, int, Iterator[KvEvent | None]]:
+    """The batch's timestamp, its number of events, and its events decoded one at a time (None
+    for one skipped), so that a caller can yield between them. `MalformedBatch` comes at once
+    for a payload that is no batch, or from the iterator at the event that is wrong."""
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=True,
+        max_buffer_size=max(1, len(payload)),
+        max_array_len=_MAX_ARRAY,
+        max_map_len=_MAX_MAP,
+        max_str_len=len(payload),
+        max_bin_len=_MAX_BIN,
+        max_ext_len=0,
+    )
+    unpacker.feed(payload)
+    fields = _array_header(unpacker, payload)
+    with _as_malformed():
+        ts = unpacker.unpack() if fields >= 2 else None
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise MalformedBatch("not_a_batch")
-    ts, items = raw[0], raw[1]
-    if not isinstance(ts, int | float) or isinstance(ts, bool) or not isinstance(items, list):
-        raise MalformedBatch("not_a_batch")
-    if len(items) > MAX_EVENTS_PER_BATCH:
+    items = _array_header(unpacker, payload)
+    if items > MAX_EVENTS_PER_BATCH:
         raise MalformedBatch("too_many_events")
-    events: list[KvEvent] = []
-    for item in items:
-        event = _decode_event(item)
-        if event is not None:
-            events.append(event)
-    return EventBatch(float(ts), tuple(events), len(items) - len(events))
+    return float(ts), items, _events(unpacker, items, fields - 2, len(payload))
+
+
+def _events(
+    unpacker: msgpack.Unpacker, items: int, rest: int, size: int
+) -> Iterator[KvEvent | None]:
+    for _ in range(items):
+        with _as_malformed():
+            item = unpacker.unpack()
+        yield _decode_event(item)
+    with _as_malformed():
+        for _ in range(rest):  # the data-parallel rank, and what later releases may add
+            unpacker.skip()
+    if unpacker.tell() != size:
+        raise MalformedBatch("msgpack")  # bytes after the batch
+
+
+def _array_header(unpacker: msgpack.Unpacker, payload: bytes) -> int:
+    at = unpacker.tell()
+    try:
+        return int(unpacker.read_array_header())
+    except (ValueError, msgpack.UnpackException) as exc:
+        # msgpack that is not an array, or no msgpack at all (cut short, or 0xc1: never used)
+        broken = payload[at : at + 1] in (b"", b"\xc1")
+        raise MalformedBatch("msgpack" if broken else "not_a_batch") from exc
+
+
+@contextmanager
+def _as_malformed() -> Iterator[None]:
+    try:
+        yield
+    except MalformedBatch:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # OutOfData, ExtraData...
+        raise MalformedBatch("msgpack") from exc
 
 
 def _decode_event(item: object) -> KvEvent | None:
@@ -146,11 +190,9 @@ def _stored(fields: dict[str, Any]) -> BlocksStored | None:
         return None
     hashes = _hashes(fields.get("block_hashes"))
     tokens, block_size = fields.get("token_ids"), fields.get("block_size")
-    if not isinstance(tokens, list) or not isinstance(block_size, int) or block_size <= 0:
+    if not isinstance(tokens, list) or type(block_size) is not int or block_size <= 0:
         raise MalformedBatch("stored_fields")
-    if len(tokens) != len(hashes) * block_size or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in tokens
-    ):
+    if len(tokens) != len(hashes) * block_size or not _token_ids(tokens):
         raise MalformedBatch("stored_tokens")
     parent = fields.get("parent_block_hash")
     lora_name = fields.get("lora_name")
@@ -195,6 +237,18 @@ def _scope(
         elif rest:
             return None, False
     return salt, True
+
+
+def _token_ids(tokens: list[Any]) -> bool:
+    """Every item a token id, an int of 0 to 2**32 - 1 (a bool is no token), checked in C: a
+    batch may hold 10**6 of them."""
+    if not set(map(type, tokens)) <= {int}:
+        return False
+    try:
+        array("I", tokens)
+    except OverflowError:
+        return False
+    return True
 
 
 def _hashes(value: object) -> tuple[int, ...]:

@@ -112,6 +112,7 @@ def _held_map() -> IntMap:
 @dataclass(slots=True)
 class _Engine:
     slot: int  # its bit in the masks
+    epoch: int  # renewed whenever its entries are dropped (see KvIndex.epoch)
     block_size: int = 0  # learned from its events; 0 until the first BlockStored
     held: IntMap = field(default_factory=_held_map)
     # The storage log: (chunk id, mixed hashes in storage order), oldest chunk first; records
@@ -189,13 +190,14 @@ class KvIndex:
         self._entries = 0
         self.orphans = 0  # stored blocks whose parent the index does not know: not indexed
         self.evicted = 0
+        self._epochs = itertools.count()
 
     # -- engines -------------------------------------------------------------------------------
 
     def add_engine(self, engine: str) -> None:
         if engine not in self._engines:
             slot = self._free_slots.pop() if self._free_slots else len(self._engines)
-            self._engines[engine] = _Engine(slot)
+            self._engines[engine] = _Engine(slot, next(self._epochs))
             self._holders.widen(column_code(max(s.slot for s in self._engines.values()) + 1))
 
     def remove_engine(self, engine: str) -> None:
@@ -205,7 +207,10 @@ class KvIndex:
 
     def clear_engine(self, engine: str) -> None:
         state = self._engines.get(engine)
-        if state is None or not state.held.size:
+        if state is None:
+            return
+        state.epoch = next(self._epochs)
+        if not state.held.size:
             return
         bit = 1 << state.slot
         if state.held.size * 8 < self._holders.size:  # a few: one at a time
@@ -216,6 +221,13 @@ class KvIndex:
             self._holders.clear_bits(bit)
         self._entries -= state.held.size
         state.held, state.chunks, state.records, state.sweep = _held_map(), [], 0, 0
+
+    def epoch(self, engine: str) -> int:
+        """Changes whenever the engine's entries are dropped (cleared, or the engine removed):
+        a batch applied in slices stops where its engine was reset between two of them, as if
+        the reset had come after it. -1 for an engine not in the index."""
+        state = self._engines.get(engine)
+        return -1 if state is None else state.epoch
 
     def engines(self) -> list[str]:
         return list(self._engines)

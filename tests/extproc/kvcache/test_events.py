@@ -3,10 +3,13 @@ what is not a batch."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.kvcache.events import (
     MAX_EVENTS_PER_BATCH,
@@ -16,7 +19,7 @@ from extproc.kvcache.events import (
     MalformedBatch,
     decode_batch,
 )
-from tests.extproc.kvcache.kv_events_helpers import batch, cleared, removed, stored
+from tests.extproc.kvcache.kv_events_helpers import BLOCK, batch, cleared, removed, stored
 
 
 def test_a_batch_decodes_to_its_blocks() -> None:
@@ -147,6 +150,7 @@ def test_a_lora_name_that_is_no_string_is_malformed() -> None:
         (msgpack.packb([1.0, [cleared()] * (MAX_EVENTS_PER_BATCH + 1)]), "too_many_events"),
         (batch(removed([b"\x01" * 2000])), "msgpack"),  # a bin longer than any hash
         (batch() + b"\x00", "msgpack"),  # trailing bytes
+        (batch()[:-2] + b"\x91" * 100_000 + b"\xc0", "msgpack"),  # an event nested too deep
     ],
 )
 def test_what_is_not_a_batch_is_rejected_with_a_reason(payload: bytes, reason: str) -> None:
@@ -161,3 +165,88 @@ def test_a_removal_from_another_tier_is_skipped() -> None:
     decoded = decode_batch(batch(removed([7]) | {"medium": "CPU"}, removed([8])))
     assert decoded.events == (BlocksRemoved((8,)),)
     assert decoded.skipped == 1
+
+
+# Any msgpack value, as a hostile or broken publisher could send it.
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=40)
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=30,
+)
+_FIELDS = (
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_TAGS = st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "x"])
+
+
+@st.composite
+def _near_events(draw: st.DrawFn) -> Any:
+    """An event as vLLM writes it (a tagged map, or an older tagged array) with any of its
+    fields replaced by anything: the shapes that reach the decoder's every check."""
+    event = stored([1, 2], draw(st.none() | st.integers(0, 9)), list(range(2 * BLOCK)))
+    event["type"] = draw(_TAGS)
+    for name in draw(st.lists(st.sampled_from(_FIELDS), max_size=3)):
+        event[name] = draw(_SCALARS | _VALUES)
+    if draw(st.booleans()):
+        return [event.pop("type"), *event.values()]
+    return event
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.one_of(
+        _VALUES,
+        st.lists(_near_events(), min_size=1, max_size=3).map(lambda events: [1.0, events, 0]),
+        st.lists(_VALUES, max_size=4).map(lambda events: [1.0, events]),
+    )
+)
+def test_any_msgpack_decodes_or_is_rejected_as_malformed(value: Any) -> None:
+    """Whatever the shape: a batch, or MalformedBatch (never another exception, which would
+    end the engine's subscriber)."""
+    try:
+        decoded = decode_batch(msgpack.packb(value))
+    except MalformedBatch:
+        return
+    assert all(isinstance(e, BlocksStored | BlocksRemoved | AllCleared) for e in decoded.events)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_decode_or_are_rejected_as_malformed(payload: bytes) -> None:
+    with contextlib.suppress(MalformedBatch):
+        decode_batch(payload)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"extra_keys": 5},
+        {"extra_keys": "salt"},
+        {"extra_keys": {"a": 1}},
+        {"token_ids": [{"a": 1}] * 4},
+        {"token_ids": [1, 2, 3, 2**64 - 1]},
+        {"token_ids": [1, 2, 3, -1]},
+        {"token_ids": [1, 2, 3, True]},
+        {"block_size": True, "token_ids": [1]},
+    ],
+)
+def test_wrong_types_in_a_block_stored_are_malformed(bad: dict[str, Any]) -> None:
+    with pytest.raises(MalformedBatch):
+        decode_batch(batch(stored([1], None, [1, 2, 3, 4]) | bad))

@@ -294,3 +294,24 @@ def test_keys_differ_by_scope_and_agree_within_one() -> None:
     assert keys[PLAIN] == chain_keys(TOKENS, 4)
     assert len({key for chain in keys.values() for key in chain}) == 3 * 8
     assert chain_keys(TOKENS, 4, scope=CacheScope(salt="s")) == keys[SALTED]
+
+
+def test_the_epoch_changes_when_an_engines_entries_are_dropped() -> None:
+    """What a batch applied in slices checks between two of them."""
+    index = KvIndex(max_blocks=100)
+    assert index.epoch("a") == -1
+    index.add_engine("a")
+    first = index.epoch("a")
+    index.apply("a", [store([1, 2], TOKENS[:8])])
+    assert index.epoch("a") == first  # applying events is no reset
+    index.clear_engine("a")
+    cleared = index.epoch("a")
+    assert cleared != first
+    index.clear_engine("a")  # even with nothing held
+    assert index.epoch("a") not in (first, cleared)
+    index.apply("a", [AllCleared()])
+    assert index.epoch("a") not in (first, cleared)
+    index.remove_engine("a")
+    assert index.epoch("a") == -1
+    index.add_engine("a")
+    assert index.epoch("a") not in (-1, first, cleared)
