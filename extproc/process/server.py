@@ -31,7 +31,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2_grpc
 
-from extproc.config import Config
+from extproc.config import Config, ConfigError
 from extproc.membership.eds import EndpointDiscovery
 from extproc.process.grpc_health import HealthServices, health_server
 from extproc.process.memory import return_large_buffers
@@ -84,11 +84,31 @@ async def _credentials(cfg: Config, endpoint_picker: bool) -> grpc.ServerCredent
     return None
 
 
+_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the final NUL (Linux)
+
+
+def _check_socket_path(path: str, setting: str) -> None:
+    """What would make a Unix socket fail to bind, named before gRPC says "in use" for all."""
+    folder = os.path.dirname(path) or "."
+    setting = setting.removesuffix(".port") + ".host"  # a socket is named by the host key
+    if not os.path.isdir(folder):
+        raise ConfigError(
+            f"{setting}: unix:{path}: the directory {folder} does not exist; create it or "
+            "choose another path"
+        )
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise ConfigError(
+            f"{setting}: unix:{path}: longer than {_MAX_SOCKET_PATH} bytes, the limit of a "
+            "Unix socket's path; choose a shorter one"
+        )
+
+
 def _bind(
     server: aio.Server, wanted: str, credentials: grpc.ServerCredentials | None, setting: str
 ) -> str:
     """Bind `wanted` ("host:port", port 0 = any free one, or "unix:/path"); the bound address."""
     if wanted.startswith("unix:"):
+        _check_socket_path(wanted.removeprefix("unix:"), setting)
         with contextlib.suppress(FileNotFoundError):  # a previous run's socket
             os.unlink(wanted.removeprefix("unix:"))
     try:  # grpc raises RuntimeError, or returns 0 in older releases
