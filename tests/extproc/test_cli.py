@@ -100,3 +100,18 @@ def test_a_socket_in_a_missing_directory_is_not_reported_as_in_use(
         f"extproc.host: unix:{socket}: the directory {socket.parent} does not exist; "
         "create it or choose another path"
     ), err
+
+
+def test_serve_refuses_eds_and_the_access_log_off_loopback_without_mtls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config |= {"extproc": {"host": "0.0.0.0", "port": 0}, "metrics": {"port": 0}}
+    path.write_text(yaml.safe_dump(config))
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(
+        "extproc.host 0.0.0.0: the pools' EDS and the access-log service, which check no "
+        "client, would listen there too"
+    ), err
