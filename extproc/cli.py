@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.log_level = getattr(args, "log_level", None)
     level = args.log_level or ("WARNING" if args.command == "demo" else "INFO")
-    if level.upper() not in _LOG_LEVELS:
+    if level.upper() not in logging.getLevelNamesMapping():  # also WARN, FATAL, NOTSET
         print(
             f"pd-extproc: --log-level {level}: one of {', '.join(_LOG_LEVELS)} (any case)",
             file=sys.stderr,

@@ -115,3 +115,10 @@ def test_serve_refuses_eds_and_the_access_log_off_loopback_without_mtls(
         "extproc.host 0.0.0.0: the pools' EDS and the access-log service, which check no "
         "client, would listen there too"
     ), err
+
+
+def test_pythons_other_level_names_still_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--log-level", "warn", "render-envoy", "--config", str(write_config(tmp_path))]
+    assert main(argv) == 0
