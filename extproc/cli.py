@@ -177,10 +177,19 @@ def _run(args: argparse.Namespace) -> int:
     )
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.log_level = getattr(args, "log_level", None)
     level = args.log_level or ("WARNING" if args.command == "demo" else "INFO")
+    if level.upper() not in logging.getLevelNamesMapping():  # also WARN, FATAL, NOTSET
+        print(
+            f"pd-extproc: --log-level {level}: one of {', '.join(_LOG_LEVELS)} (any case)",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import typing
+import urllib.parse
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,6 +27,7 @@ from pydantic import (
     PrivateAttr,
     SerializeAsAny,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -90,8 +93,30 @@ def parse_host_port(value: str) -> tuple[str, int]:
     return host, port
 
 
+def _leaf_types(annotation: Any) -> set[Any]:
+    """The types an annotation admits, through Annotated, unions and Optional."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return {type(arg) for arg in args}
+    if not args:
+        return {annotation}
+    if typing.get_origin(annotation) is Annotated:
+        return _leaf_types(args[0])
+    return {leaf for arg in args for leaf in _leaf_types(arg)}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic reads `true` as 1 for a number; a number's key given a bool is a mistake."""
+        if isinstance(value, bool) and info.field_name is not None:
+            leaves = _leaf_types(cls.model_fields[info.field_name].annotation)
+            if bool not in leaves and leaves & {int, float}:
+                raise ValueError(f"a number, not {str(value).lower()}")
+        return value
 
 
 def _off_as_written(value: Any) -> Any:
@@ -104,6 +129,11 @@ OffAsWritten = BeforeValidator(_off_as_written)
 
 
 MAX_DATA_PARALLEL = 256  # ranks behind one port; far beyond any deployment
+MAX_ENVOY_CONCURRENCY = 1024  # Envoy worker threads; beyond the cores of any host
+# Bounds far beyond any useful value, so that a typo (1e100) is refused rather than obeyed.
+_COUNT_BOUND = 1000  # consecutive checks, identity changes
+_TOKEN_BOUND = 100_000_000  # a prompt's or a step's tokens
+_IN_FLIGHT_BOUND = 10_000_000  # requests at once
 
 
 class EndpointKvEvents(_Strict):
@@ -477,7 +507,7 @@ class DispatchConfig(_Strict):
     probe: bool = True
     # Identity changed this many times within `flap_window_s` (data-parallel ranks behind one
     # port): serve the endpoint serially for `serial_cooldown_s`.
-    flap_threshold: int = Field(default=2, ge=1)
+    flap_threshold: int = Field(default=2, ge=1, le=_COUNT_BOUND)
     flap_window_s: Annotated[float, seconds(1, DAY)] = 60.0
     serial_cooldown_s: Annotated[float, seconds(1, DAY)] = 300.0
     # What to do when no prefill endpoint is healthy: refuse (503) or let D prefill itself.
@@ -537,12 +567,12 @@ class DecisionConfig(_Strict):
     # request path); ~4 for English text with a BPE tokenizer.
     bytes_per_token: PositiveFloat = 4.0
     # threshold: decode-only for prompts up to this many (estimated) tokens.
-    max_prompt_tokens: int = Field(default=256, ge=0)
+    max_prompt_tokens: int = Field(default=256, ge=0, le=_TOKEN_BOUND)
     # load_aware: the engines' step cost: base + per prefill token + per running sequence.
     step_base_ms: float = Field(default=10.0, ge=0)
     prefill_per_token_ms: float = Field(default=0.058, ge=0)
     decode_per_seq_ms: float = Field(default=0.02, ge=0)
-    max_batched_tokens: int = Field(default=2048, gt=0)
+    max_batched_tokens: int = Field(default=2048, gt=0, le=_TOKEN_BOUND)
     # What the P/D path costs on top of P's prefill: the P leg's round trip, the KV
     # transfer and D's first step.
     pd_overhead_ms: float = Field(default=25.0, ge=0)
@@ -564,7 +594,7 @@ class AdmissionLimits(_Strict):
     """Saturation limits of one role's endpoints; None: not checked."""
 
     # requests the sidecar has in flight there (its ext_proc processes each admit their share)
-    max_in_flight: int | None = Field(default=None, gt=0)
+    max_in_flight: int | None = Field(default=None, gt=0, le=_IN_FLIGHT_BOUND)
     max_waiting: float | None = Field(default=None, gt=0)  # vllm:num_requests_waiting
     max_kv_usage: float | None = Field(default=None, gt=0, le=1)  # vllm:kv_cache_usage_perc
 
@@ -654,7 +684,7 @@ class TimeoutConfig(_Strict):
 class HealthConfig(_Strict):
     interval_s: Annotated[float, INTERVAL] = 2.0
     timeout_s: Annotated[float, seconds(0.01, 60)] = 1.0
-    unhealthy_after: int = Field(default=2, ge=1)  # consecutive failed checks
+    unhealthy_after: int = Field(default=2, ge=1, le=_COUNT_BOUND)  # consecutive failed checks
 
 
 class KvCheckConfig(_Strict):
@@ -676,6 +706,18 @@ class DiscoveryConfig(_Strict):
     token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
     ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 
+    @field_validator("kubernetes_api")
+    @classmethod
+    def _check_api_url(cls, value: str) -> str:
+        try:
+            url = urllib.parse.urlsplit(value)
+            url.port  # noqa: B018  (raises on a port that is not a number)
+        except ValueError:
+            url = None
+        if url is None or url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"an http:// or https:// URL of the API server (got {value!r})")
+        return value
+
 
 _BODY_BUDGET = 256 * 1024 * 1024
 
@@ -687,7 +729,7 @@ class LimitConfig(_Strict):
     # the client bodies the sidecar holds at once, across its requests (each until it ends;
     # its ext_proc processes each hold their share); a body that would pass it gets 503 +
     # Retry-After. At least max_body_bytes; None: 256 MiB, or max_body_bytes if that is larger.
-    max_body_bytes_in_flight: int | None = Field(default=None, gt=0)
+    max_body_bytes_in_flight: int | None = Field(default=None, gt=0, le=1024**4)
 
     @model_validator(mode="after")
     def _room_for_one_body(self) -> LimitConfig:
@@ -724,7 +766,8 @@ class EnvoyConfig(_Strict):
     # Empty: `up` uses a Unix socket in its run directory, which nothing outside this host
     # reaches; `serve` and `render-envoy`, whose Envoy is the user's, use SHARED_PREFILL_LISTENER.
     prefill_listener: str = ""
-    concurrency: int = Field(default=1, ge=1)
+    # Envoy's worker threads (--concurrency); one per core at most is useful
+    concurrency: int = Field(default=1, ge=1, le=MAX_ENVOY_CONCURRENCY)
     log_level: Annotated[
         Literal["trace", "debug", "info", "warning", "error", "critical", "off"], OffAsWritten
     ] = "warning"
@@ -747,6 +790,9 @@ class EnvoyConfig(_Strict):
         return _loopback_listener(value) if value else value
 
 
+_MAX_KEY_FILE_BYTES = 64 * 1024  # thousands of keys
+
+
 class EnginesConfig(_Strict):
     """How the sidecar itself talks to the engines (not the client's requests)."""
 
@@ -762,10 +808,17 @@ class EnginesConfig(_Strict):
         if self.api_key_file is None:
             return self
         try:
-            text = Path(self.api_key_file).read_text()
+            with Path(self.api_key_file).open("rb") as file:  # /dev/zero would never end
+                data = file.read(_MAX_KEY_FILE_BYTES + 1)
+            text = data.decode()
         except (OSError, UnicodeDecodeError) as error:
             why = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
             raise ValueError(f"api_key_file {self.api_key_file} cannot be read ({why})") from None
+        if len(data) > _MAX_KEY_FILE_BYTES:
+            raise ValueError(
+                f"api_key_file {self.api_key_file} is larger than {_MAX_KEY_FILE_BYTES} bytes: "
+                "give a file of keys, one a line"
+            )
         keys = tuple(line.strip() for line in text.splitlines() if line.strip())
         if not keys:
             raise ValueError(f"api_key_file {self.api_key_file} is empty")
@@ -853,6 +906,17 @@ class Config(_Strict):
     endpoint_picker: EndpointPickerConfig = EndpointPickerConfig()
     metrics: MetricsListenConfig = MetricsListenConfig()
     envoy: EnvoyConfig = EnvoyConfig()
+
+    @field_validator("models")
+    @classmethod
+    def _named_models(cls, value: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
+        for name in value:
+            if not name.strip() or name != name.strip():
+                raise ValueError(
+                    f"{name!r}: a model name as clients send it in `model` (not empty, no "
+                    "surrounding spaces)"
+                )
+        return value
 
     @model_validator(mode="after")
     def _client_ca_needs_tls(self) -> Config:

@@ -3,7 +3,9 @@
 Each pool's members are the union of its sources. Kubernetes sources (pods by label
 selector, an InferencePool's pods of the pool's role) are watched, and kept per pool, pod by
 pod: an event costs one pod's work however many pods there are, and a burst of events reaches
-the `Members` sink once (within `_COALESCE_S`). DNS names (a headless service) are re-resolved every
+the `Members` sink once: when the events pause for `_COALESCE_S`, or every `_COALESCE_MAX_S`
+while they never do (each telling costs the whole pool: the sink's update, every EDS stream's
+push). DNS names (a headless service) are re-resolved every
 `discovery.interval_s`. A source that fails keeps its last members: a DNS hiccup or an API
 server restart must not empty a pool. The sink (the wiring's runtime) updates the pool,
 forgets identities of endpoints that left, and tells Envoy (EDS).
@@ -41,6 +43,7 @@ log = logging.getLogger("extproc.membership.discovery")
 _ROLES = tuple(Role)
 _FIRST_SYNC_S = 10.0  # how long the first membership waits for a new watch's first list
 _COALESCE_S = 0.05  # watch events this close together reach the sink (and Envoy) once
+_COALESCE_MAX_S = 1.0  # ... but a change waits no longer than this in a stream of events
 
 WatchKey = tuple[str, str, str]  # ("pods", namespace, selector) or ("pool", namespace, name)
 
@@ -71,6 +74,7 @@ class Members(Protocol):
 
 Kind = str  # which of a pool's Kubernetes sources: "kubernetes" or "inference_pool"
 PodTable = dict[str, tuple[str, ...]]  # pod key → the addresses it gives one pool
+SourceConfig = KubernetesSource | InferencePoolSource
 
 
 class Discovery:
@@ -92,6 +96,10 @@ class Discovery:
         self._published: dict[tuple[str, Role], list[str]] = {}  # what the sink last got
         self._dirty: set[tuple[str, Role]] = set()  # pools changed since the sink was told
         self._flush: asyncio.TimerHandle | None = None
+        self._users_of_config: Config | None = None  # the config `_users_by_key` is from
+        self._users_by_key: dict[WatchKey, list[tuple[str, Role, Kind, SourceConfig]]] = {}
+        self._first_change = 0.0  # loop time of the oldest change the sink has not heard of
+        self._last_change = 0.0  # ... and of the newest
         self.evaluations = 0  # pod x pool membership evaluations (a test's count)
         self.publishes = 0  # pool member lists handed to the sink (a test's count)
 
@@ -121,12 +129,26 @@ class Discovery:
     def _source_changed(self, key: WatchKey, changes: PodChanges | None) -> None:
         """A watch's pods changed (`changes`; None: any may have): update the pools that use
         it, and tell the sink soon (a burst of events is told once)."""
-        for model, role, kind, source in self._sources():
-            if _watch_key(source) == key:
-                self._pod_changes(model, role, kind, source, changes)
-                self._dirty.add((model, role))
+        for model, role, kind, source in self._users(key):
+            self._pod_changes(model, role, kind, source, changes)
+            self._dirty.add((model, role))
+        loop = asyncio.get_running_loop()
+        self._last_change = now = loop.time()
         if self._flush is None:
-            self._flush = asyncio.get_running_loop().call_later(_COALESCE_S, self._flush_dirty)
+            self._first_change = now
+            self._flush = loop.call_at(now + _COALESCE_S, self._flush_due)
+
+    def _users(self, key: WatchKey) -> list[tuple[str, Role, Kind, SourceConfig]]:
+        """The pools whose source `key` is, found once per config (not once per event)."""
+        config = self._config()
+        if config is not self._users_of_config:
+            self._users_of_config = config
+            self._users_by_key = {}
+            for model, role, kind, source in self._sources():
+                self._users_by_key.setdefault(_watch_key(source), []).append(
+                    (model, role, kind, source)
+                )
+        return self._users_by_key.get(key, [])
 
     def _pod_changes(
         self,
@@ -163,6 +185,16 @@ class Discovery:
         # a ("pool", ...) key always holds an InferencePoolPods
         ports = cast("InferencePoolPods", watch).ports
         return tuple(pod.address(port) for port in ports)
+
+    def _flush_due(self) -> None:
+        """Tell the sink once the events pause, or once the oldest change has waited long
+        enough; else look again then (one timer per burst, not one per event)."""
+        loop = asyncio.get_running_loop()
+        due = min(self._last_change + _COALESCE_S, self._first_change + _COALESCE_MAX_S)
+        if loop.time() < due:
+            self._flush = loop.call_at(due, self._flush_due)
+            return
+        self._flush_dirty()
 
     def _flush_dirty(self) -> None:
         self._flush = None

@@ -13,7 +13,8 @@ Each object is parsed as it arrives (`parse`: its value, None when it is of no i
 `Malformed`); a malformed one counts as absent, with one warning per object however many
 watches see it (`Complaints`; again at most every ten minutes while it stays malformed).
 `on_change` receives what changed: key → the new
-value, None for one gone.
+value, None for one gone. A burst of events is applied in slices of `_EVENTS_PER_SLICE`, each
+followed by a turn of the event loop.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ Changes = dict[str, T | None]  # "namespace/name" → its value now; None: gone 
 _WARN_EVERY_S = 600.0  # a malformed object that stays so is warned about this often
 _COMPLAINTS_KEPT = 10_000  # malformed objects remembered (beyond: the oldest is forgotten)
 _HEALTHY_OPEN_S = 10.0  # a watch open this long without events is a quiet one, not a failure
+_EVENTS_PER_SLICE = 64  # events applied between two turns of the event loop
 _NO_NAME = "(no name)"  # the complaint key of objects that cannot be told apart
 
 
@@ -171,8 +173,14 @@ class Watched(Generic[T]):
         self._delivered = False
         events = self._api.watch(self.query, self.resource_version, self._watch_timeout_s())
         async with contextlib.aclosing(events):  # a cancelled watch closes its connection now
+            applied = 0
             async for event in events:
                 self._apply(event)
+                applied += 1
+                if applied % _EVENTS_PER_SLICE == 0:
+                    # a burst already in the connection's buffer is read without a pause:
+                    # let the requests run between slices of it
+                    await asyncio.sleep(0)
 
     def _apply(self, event: dict[str, Any]) -> None:
         self._delivered = True

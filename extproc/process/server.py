@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 from typing import Any
@@ -31,7 +32,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2_grpc
 
-from extproc.config import Config
+from extproc.config import Config, ConfigError
 from extproc.membership.eds import EndpointDiscovery
 from extproc.process.grpc_health import HealthServices, health_server
 from extproc.process.memory import return_large_buffers
@@ -84,11 +85,70 @@ async def _credentials(cfg: Config, endpoint_picker: bool) -> grpc.ServerCredent
     return None
 
 
+_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the final NUL (Linux)
+
+
+def _check_feeds_private(cfg: Config) -> None:
+    """`serve` with EDS and the access log on the ext_proc port: that port must be loopback, a
+    Unix socket or mTLS, for neither service checks who calls it (the pools' members are read,
+    client latencies written)."""
+    host, tls = cfg.extproc.host, cfg.extproc.tls
+    if host.startswith("unix:") or host == "localhost" or (tls and tls.client_cert_file):
+        return
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback:
+            return
+    raise ConfigError(
+        f"extproc.host {host}: the pools' EDS and the access-log service, which check no "
+        "client, would listen there too: give them a loopback listener of their own "
+        "(extproc.eds_access_log: {host: 127.0.0.1, port: 50052}, or unix:/path), or require "
+        "Envoy's client certificate (extproc.tls with client_cert_file)"
+    )
+
+
+def _verifies_clients(cfg: Config) -> bool:
+    """The endpoint picker's port refuses a client without a certificate it trusts."""
+    if cfg.endpoint_picker.client_ca_file is not None:
+        return True
+    return cfg.extproc.tls is not None and cfg.extproc.tls.client_cert_file is not None
+
+
+def _warn_of_any_client(cfg: Config, address: str) -> None:
+    """GIE's gateways connect without a client certificate by default, so the picker takes any
+    client by default too; whoever reaches the port can then route requests and start P legs."""
+    if _verifies_clients(cfg):
+        return
+    log.warning(
+        "the endpoint picker on %s accepts any client that reaches it (no client certificate "
+        "is checked): anyone there can route requests and start prefills; set "
+        "endpoint_picker.client_ca_file to the CA of the gateway's client certificates, or "
+        "let only the gateway reach the port (a NetworkPolicy)",
+        address,
+    )
+
+
+def _check_socket_path(path: str, setting: str) -> None:
+    """What would make a Unix socket fail to bind, named before gRPC says "in use" for all."""
+    folder = os.path.dirname(path) or "."
+    setting = setting.removesuffix(".port") + ".host"  # a socket is named by the host key
+    if not os.path.isdir(folder):
+        raise ConfigError(
+            f"{setting}: unix:{path}: the directory {folder} does not exist; create it or "
+            "choose another path"
+        )
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise ConfigError(
+            f"{setting}: unix:{path}: longer than {_MAX_SOCKET_PATH} bytes, the limit of a "
+            "Unix socket's path; choose a shorter one"
+        )
+
+
 def _bind(
     server: aio.Server, wanted: str, credentials: grpc.ServerCredentials | None, setting: str
 ) -> str:
     """Bind `wanted` ("host:port", port 0 = any free one, or "unix:/path"); the bound address."""
     if wanted.startswith("unix:"):
+        _check_socket_path(wanted.removeprefix("unix:"), setting)
         with contextlib.suppress(FileNotFoundError):  # a previous run's socket
             os.unlink(wanted.removeprefix("unix:"))
     try:  # grpc raises RuntimeError, or returns 0 in older releases
@@ -154,12 +214,16 @@ class ExtProcServer:
         self._grpc = aio.server(options=GRPC_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.runtime), self._grpc)
         if side is None and not self.endpoint_picker:  # a gateway calls the ext_proc only
+            if not self._listen:  # `up`'s own socket is private
+                _check_feeds_private(cfg)
             self._add_envoys_feeds(self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health.servicer, self._grpc)
         credentials = await _credentials(cfg, self.endpoint_picker)
         wanted = self._listen or cfg.extproc.address
         self.address = _bind(self._grpc, wanted, credentials, "extproc.port")
         await self._grpc.start()
+        if self.endpoint_picker:
+            _warn_of_any_client(cfg, self.address)
         if side is not None:
             self._side = aio.server(options=GRPC_OPTIONS)
             self._add_envoys_feeds(self._side)

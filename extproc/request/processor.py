@@ -108,6 +108,7 @@ class RequestDeps:
 
 
 _PASSED_THROUGH = NoPlan(Strategy.DECODE_ONLY, "passthrough")
+_UNPLANNED = "none"  # the strategy label of a request that ran no leg
 
 
 class RequestProcessor:
@@ -168,7 +169,7 @@ class RequestProcessor:
             if self.counted_by_access_log:
                 self.deps.access_log.awaiting += 1
             else:
-                labels = (outcome, plan.strategy, plan.reason, self._model_label())
+                labels = (outcome, self._strategy, plan.reason, self._model_label())
                 metrics = self.deps.metrics
                 metrics.series(metrics.requests, *labels).inc()
             fields = self._log_fields(outcome)
@@ -176,11 +177,17 @@ class RequestProcessor:
             if self.config.log.requests and plan.request_id:
                 log.info("request %s %s", plan.request_id, outcome, extra=fields)
 
+    @property
+    def _strategy(self) -> str:
+        """How the legs went; "none" before a plan: refused before any leg (or the client
+        left), as Envoy's access-log entry of such a request says too."""
+        return _UNPLANNED if self.plan is NOT_PLANNED else str(self.plan.strategy)
+
     def _log_fields(self, outcome: str) -> dict[str, object]:
         return {
             "request_id": self.plan.request_id,
             "client_request_id": self.client_request_id,
-            "strategy": str(self.plan.strategy),
+            "strategy": self._strategy,
             "reason": self.plan.reason,
             "outcome": outcome,
             "prefill": self.plan.prefill,
@@ -206,7 +213,7 @@ class RequestProcessor:
 
     def _labels(self) -> envoy_msgs.Labels:
         """The labels of the client-side metrics, for Envoy's access-log entry."""
-        strategy = "none" if isinstance(self.plan, NoPlan) else str(self.plan.strategy)
+        strategy = _UNPLANNED if isinstance(self.plan, NoPlan) else str(self.plan.strategy)
         return strategy, self._model_label()
 
     def _model_label(self) -> str:

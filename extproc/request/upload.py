@@ -7,6 +7,12 @@ upload after `idle_s` without a chunk and a slow one after `whole_s` in all (408
 clients end the body with an extra empty end-of-stream chunk; a body with trailers ends with
 the trailers message instead. The chunks are gathered in one growing buffer (a list of
 chunks kept a held upload's memory in the heap after it ended: `extproc.process.memory`).
+
+What a held upload costs is what it has sent: while it waits for its next chunk nothing else
+of it is kept (Envoy sends chunks of megabytes when it has buffered them: the last message,
+its body and the first chunk kept beside the buffer made a held upload cost about twice its
+size). The whole body is copied once from the buffer when it ends (a single-chunk body not at
+all), so one body at a time may cost twice its size, for an instant.
 """
 
 from __future__ import annotations
@@ -47,9 +53,7 @@ async def gather_body(
 ) -> Upload | None:
     """The whole body, or None when the stream ended first (the client went away). Its bytes
     are taken from the budget into `reserved` as they arrive."""
-    first = b""  # one chunk is the body as it is; more are gathered in `rest`
-    rest = bytearray()
-    size = 0
+    gathered = _Gathered(limits, reserved)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.whole_s
     while True:
@@ -58,33 +62,55 @@ async def gather_body(
         if message is None:
             if stream.ended:
                 return None
-            raise _too_slow(limits, size, left_s)
+            raise _too_slow(limits, gathered.size, left_s)
         kind = message.WhichOneof("request")
         if kind == "request_trailers":
-            return Upload(_whole(first, rest), trailers=True)
+            return Upload(gathered.whole(), trailers=True)
         if kind != "request_body":
             return Upload(b"", envoy_reply=message)
-        chunk = message.request_body
-        body = chunk.body
-        if body:
-            size += len(body)
-            if size > limits.body_bytes:
-                raise ClientError(
-                    413, f"request body exceeds the limit of {limits.body_bytes} bytes"
-                )
-            reserved.take(len(body), limits.budget_bytes)
-            if not first:
-                first = body
-            else:  # one growing buffer, not a list of chunks: its memory goes back once freed
-                if not rest:
-                    rest += first
-                rest += body
-        if chunk.end_of_stream:
-            return Upload(_whole(first, rest))
+        end = message.request_body.end_of_stream
+        gathered.add(message.request_body.body)
+        message = None  # the chunk's message goes now, not once the next one has come
+        if end:
+            return Upload(gathered.whole())
 
 
-def _whole(first: bytes, rest: bytearray) -> bytes:
-    return bytes(rest) if rest else first
+class _Gathered:
+    """The chunks so far: the first as it came (a body of one chunk is never copied), then
+    one growing buffer (its memory goes back once freed, unlike a list of small chunks')."""
+
+    __slots__ = ("_buffer", "_first", "_limits", "_reserved", "size")
+
+    def __init__(self, limits: UploadLimits, reserved: Reservation) -> None:
+        self._limits = limits
+        self._reserved = reserved
+        self._first = b""
+        self._buffer = bytearray()
+        self.size = 0
+
+    def add(self, body: bytes) -> None:
+        if not body:
+            return
+        self.size += len(body)
+        if self.size > self._limits.body_bytes:
+            raise ClientError(
+                413, f"request body exceeds the limit of {self._limits.body_bytes} bytes"
+            )
+        self._reserved.take(len(body), self._limits.budget_bytes)
+        if not self._first and not self._buffer:
+            self._first = body
+            return
+        if self._first:  # a second chunk: the first moves into the buffer, kept once
+            self._buffer += self._first
+            self._first = b""
+        self._buffer += body
+
+    def whole(self) -> bytes:
+        if not self._buffer:
+            return self._first
+        body = bytes(self._buffer)
+        self._buffer = bytearray()
+        return body
 
 
 def _too_slow(limits: UploadLimits, size: int, left_s: float) -> ClientError:

@@ -69,6 +69,16 @@ async def test_health_services_serve_on_the_plaintext_port_and_the_tls_port(
             assert await status(channel, service) == SERVING, service
 
 
+ANY_CLIENT = "accepts any client that reaches it (no client certificate is checked)"
+
+
+async def test_a_picker_without_a_client_ca_says_so_at_start(picker: Picker) -> None:
+    lines = picker.log_path.read_text().splitlines()
+    warned = [line for line in lines if ANY_CLIENT in line]
+    assert len(warned) == 1 and " WARNING " in warned[0], lines
+    assert "endpoint_picker.client_ca_file" in warned[0]
+
+
 async def test_the_extproc_port_speaks_only_tls(picker: Picker) -> None:
     async with aio.insecure_channel(picker.extproc) as channel:
         with pytest.raises(aio.AioRpcError) as refused:
@@ -222,3 +232,4 @@ async def test_a_client_ca_lets_only_the_gateways_it_signed_in(
                 await check(stranger)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert await check(gateway_ca) == SERVING
+        assert ANY_CLIENT not in picker.log_path.read_text()

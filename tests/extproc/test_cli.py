@@ -73,3 +73,52 @@ def test_a_prefill_listener_off_loopback_is_refused_in_one_line(
         err[-1] == "--prefill-listener 10.1.2.3:10001: must be a loopback address or "
         "unix:/path (it has no auth)"
     )
+
+
+def test_a_bogus_log_level_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--log-level", "bogus", "render-envoy", "--config", str(write_config(tmp_path))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "pd-extproc: --log-level bogus: one of DEBUG, INFO, WARNING, ERROR, CRITICAL (any case)"
+    ]
+
+
+def test_a_socket_in_a_missing_directory_is_not_reported_as_in_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    socket = tmp_path / "absent" / "extproc.sock"
+    config |= {"extproc": {"host": f"unix:{socket}"}, "metrics": {"port": 0}}
+    path.write_text(yaml.safe_dump(config))
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"extproc.host: unix:{socket}: the directory {socket.parent} does not exist; "
+        "create it or choose another path"
+    ), err
+
+
+def test_serve_refuses_eds_and_the_access_log_off_loopback_without_mtls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config |= {"extproc": {"host": "0.0.0.0", "port": 0}, "metrics": {"port": 0}}
+    path.write_text(yaml.safe_dump(config))
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(
+        "extproc.host 0.0.0.0: the pools' EDS and the access-log service, which check no "
+        "client, would listen there too"
+    ), err
+
+
+def test_pythons_other_level_names_still_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--log-level", "warn", "render-envoy", "--config", str(write_config(tmp_path))]
+    assert main(argv) == 0

@@ -215,6 +215,8 @@ def test_engine_api_key_is_read_at_load_and_never_shown(tmp_path: Path) -> None:
         parse_config(MINIMAL | {"engines": {"api_key_file": str(key_file)}})
     with pytest.raises(ConfigError, match=r"^engines: api_key_file .* cannot be read \(No such"):
         parse_config(MINIMAL | {"engines": {"api_key_file": str(tmp_path / "absent")}})
+    with pytest.raises(ConfigError, match=r"^engines: api_key_file /dev/zero is larger than"):
+        parse_config(MINIMAL | {"engines": {"api_key_file": "/dev/zero"}})  # read with a bound
 
 
 def test_the_engines_keys_are_one_a_line_and_the_sidecar_sends_the_first(tmp_path: Path) -> None:

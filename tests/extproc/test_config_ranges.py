@@ -93,3 +93,36 @@ def test_off_written_bare_in_yaml_is_off() -> None:
 )
 def test_envoy_durations_never_have_an_exponent(seconds: float, text: str) -> None:
     assert duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("extra", "where"),
+    [
+        ({"limits": {"max_body_bytes": True}}, "limits.max_body_bytes: a number, not true"),
+        ({"health": {"interval_s": False}}, "health.interval_s: a number, not false"),
+        ({"extproc": {"workers": True}}, "extproc.workers: a number, not true"),
+        ({"health": {"unhealthy_after": 10**100}}, "health.unhealthy_after: "),
+        ({"dispatch": {"flap_threshold": 10**100}}, "dispatch.flap_threshold: "),
+        ({"decision": {"max_prompt_tokens": 10**100}}, "decision.max_prompt_tokens: "),
+        ({"envoy": {"concurrency": 100_000}}, "envoy.concurrency: "),
+        ({"discovery": {"kubernetes_api": "not a url"}}, "discovery.kubernetes_api: an http"),
+        ({"discovery": {"kubernetes_api": "ftp://api"}}, "discovery.kubernetes_api: an http"),
+        ({"discovery": {"kubernetes_api": "https://"}}, "discovery.kubernetes_api: an http"),
+        ({"models": {"": MINIMAL}}, "models: '': a model name"),
+        ({"models": {" m": MINIMAL}}, "models: ' m': a model name"),
+    ],
+)
+def test_a_hostile_value_is_refused_in_one_line(extra: dict[str, Any], where: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        parse_config(MINIMAL | extra)
+    lines = str(error.value).splitlines()
+    assert len(lines) == 1 and lines[0].startswith(where), lines
+
+
+def test_a_bool_is_still_a_bool_and_off_still_off() -> None:
+    cfg = parse_config(
+        MINIMAL
+        | {"metrics": {"ready_detail": True}, "envoy": {"log_level": False, "concurrency": 1024}}
+        | {"discovery": {"kubernetes_api": "http://127.0.0.1:8001"}}
+    )
+    assert cfg.metrics.ready_detail is True and cfg.envoy.log_level == "off"

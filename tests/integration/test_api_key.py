@@ -141,7 +141,7 @@ async def test_a_client_without_the_key_starts_no_leg_where_p_gets_the_sidecars_
             assert error["code"] == 401 and error["type"] == "AuthenticationError"
             assert error["message"].startswith("Unauthorized")
         metrics = await topo.metrics()
-        assert metrics[requests_total("client_error", "none", "serial", model="none")] == 6
+        assert metrics[requests_total("client_error", "none", "none", model="none")] == 6
         # the key, with vLLM's case-insensitive scheme: P gets the sidecar's, D the client's
         status, body, _ = await topo.post(
             "/v1/completions", COMPLETION, headers={"Authorization": f"bearer {KEY}"}

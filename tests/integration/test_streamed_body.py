@@ -110,7 +110,7 @@ async def test_a_client_gone_mid_upload_leaves_nothing_behind(small_limits: Topo
 
     await until(stream_closed, "the upload's ext_proc stream to close")
     after = await topo.metrics()
-    gone = requests_total("cancelled", "none", "serial", model="none")  # not a 408 ("client_error")
+    gone = requests_total("cancelled", "none", "none", model="none")  # not a 408 ("client_error")
     assert after.get(gone, 0) == before.get(gone, 0) + 1
     await no_engine_saw_a_request(topo)
     status, body, _ = await topo.post("/v1/completions", COMPLETION)  # still serving
@@ -158,7 +158,7 @@ async def test_held_uploads_beyond_the_budget_get_503_and_give_it_back() -> None
         assert status == 400, body
         metrics = await topo.metrics()
         assert metrics[BODY_BYTES] == 0
-        assert metrics[requests_total("shed", "none", "serial", model="none")] == 1
+        assert metrics[requests_total("shed", "none", "none", model="none")] == 1
 
 
 async def test_a_slow_drip_gets_408_at_the_upload_deadline() -> None:

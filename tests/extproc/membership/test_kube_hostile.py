@@ -328,3 +328,37 @@ async def test_thousands_of_pods_and_bursts_cost_per_event(
         assert sink.pushes - pushes <= events // 10
     finally:
         await found.stop()
+
+
+async def test_a_stream_of_events_is_told_once_it_pauses_not_every_few_events(
+    kube: tuple[FakeKubeApi, dict[str, Any]],
+) -> None:
+    """2,000 changes arriving over a few hundred ms, never 50 ms apart: the sink (and every EDS
+    stream) hears of them about once (each telling costs the whole pool), not every 50 ms."""
+    fake, settings = kube
+    source = {"inference_pool": {"name": "llama"}}
+    config = parse_config({"prefill": source, "decode": source, "discovery": settings})
+    sink = Sink()
+    found = Discovery(sink, lambda: config)
+    fake.put_pool(inference_pool("llama", {"app": "vllm"}, 8000))
+    pods, events, slice_size = 100, 2000, 50
+    for i in range(pods):
+        fake.put_pod(pod(f"pod-{i}", f"10.1.0.{i}", PREFILL if i % 2 else DECODE))
+    try:
+        await found.refresh()
+        published, pushes = found.publishes, sink.pushes
+        for i in range(events):
+            j = i % pods
+            fake.put_pod(pod(f"pod-{j}", f"10.{2 + i // pods}.0.{j}", PREFILL if j % 2 else DECODE))
+            if i % slice_size == slice_size - 1:
+                await asyncio.sleep(0.01)  # the next events come soon, in under 50 ms
+        last = f"10.{1 + events // pods}.0."
+
+        def moved() -> int:
+            return sum(m.startswith(last) for role in Role for m in sink.members[role])
+
+        await until_true(lambda: moved() == pods, "the last of the stream", timeout_s=60)
+        assert found.publishes - published <= 6  # each pool told at most thrice
+        assert sink.pushes - pushes <= 6
+    finally:
+        await found.stop()

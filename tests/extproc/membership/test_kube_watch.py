@@ -7,14 +7,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import pytest_asyncio
 
 from extproc.config import DiscoveryConfig, parse_config
 from extproc.membership.discovery import Discovery
-from extproc.membership.kube_api import PODS, KubeApi, Query
+from extproc.membership.kube_api import PODS, KubeApi, Listing, Query
 from extproc.membership.kube_objects import ReadyPod, pod_member
 from extproc.membership.kube_watch import Watched
 from extproc.roles import Role
@@ -315,3 +315,56 @@ async def test_stop_ends_a_watch_whose_list_lost_the_cancellation(
         assert watch.synced.is_set()  # the list returned as if never cancelled: the loop went on
     finally:
         await api.close()
+
+
+class BufferedBurst:
+    """A KubeApi stand-in whose one watch hands out `count` events without ever waiting, as
+    `async for line in response.content` does for a burst already in the connection's buffer;
+    the next watch stays open and quiet."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.watches = 0
+
+    async def list(self, query: Query) -> Listing:
+        return Listing([], "1")
+
+    async def watch(
+        self, query: Query, resource_version: str, timeout_s: int
+    ) -> AsyncIterator[dict[str, Any]]:
+        self.watches += 1
+        if self.watches > 1:
+            await asyncio.Event().wait()
+        for i in range(self.count):
+            labels = {"app": "vllm"}
+            yield {"type": "ADDED", "object": pod(f"p-{i}", f"10.0.{i // 250}.{i % 250}", labels)}
+
+
+async def test_a_burst_of_events_is_applied_in_slices_that_let_the_loop_run() -> None:
+    events = 2000
+    watch = Watched(
+        cast(KubeApi, BufferedBurst(events)),
+        Query(PODS, "default", label_selector="app=vllm"),
+        pod_member,
+        lambda _: None,
+        lambda: 30,
+    )
+    turns = 0
+    burst_done = asyncio.Event()
+
+    async def beside() -> None:  # another task: how often it runs while the burst is applied
+        nonlocal turns
+        while not burst_done.is_set():
+            turns += 1
+            await asyncio.sleep(0)
+
+    watch.start()
+    await asyncio.wait_for(watch.synced.wait(), 5)
+    other = asyncio.create_task(beside())
+    try:
+        await until(lambda: len(watch.objects) == events, "the burst")
+        burst_done.set()
+        await other
+    finally:
+        await watch.stop()
+    assert turns >= events // 64 - 1  # a turn at least every slice, not once for the burst

@@ -598,7 +598,7 @@ async def test_no_healthy_decode_is_a_retryable_503_and_p_is_not_asked() -> None
     assert error(sent[1]) == (503, "no healthy decode endpoint; retry later", "1")
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.prefill.calls == [] and r.idle()
-    assert r.outcome("no_healthy_decode", "serial", "none") == 1
+    assert r.outcome("no_healthy_decode", "none", "none") == 1
 
 
 async def test_no_healthy_prefill_is_a_retryable_503_by_default() -> None:
@@ -641,7 +641,7 @@ async def test_bad_body_is_refused_with_400_before_any_leg() -> None:
     )
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.prefill.calls == [] and r.idle()
-    assert r.outcome("client_error", "serial", "none") == 1
+    assert r.outcome("client_error", "none", "none") == 1
 
 
 async def test_envoys_own_reply_in_the_body_phase_is_let_through() -> None:
@@ -652,7 +652,7 @@ async def test_envoys_own_reply_in_the_body_phase_is_let_through() -> None:
     assert sent[1].response_headers == ep.HeadersResponse()
     assert labels(sent[1]) == {"strategy": "none", "model": "none"}  # for Envoy's access log
     await asyncio.wait_for(r.task, WAIT_S)
-    assert r.outcome("client_error", "serial", "none") == 1
+    assert r.outcome("client_error", "none", "none") == 1
 
 
 @pytest.mark.parametrize("first", [aio.EOF, body(REQUEST)], ids=["stream ended", "no headers"])
@@ -661,7 +661,7 @@ async def test_a_stream_without_request_headers_is_left_alone(first: Any) -> Non
     await r.send(first)
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.envoy.sent == [] and r.prefill.calls == []
-    assert r.outcome("cancelled", "serial", "none") == 1
+    assert r.outcome("cancelled", "none", "none") == 1
 
 
 async def test_stream_ending_after_the_headers_writes_nothing_more() -> None:
@@ -906,7 +906,7 @@ async def test_what_is_reported_for_a_stream_that_never_started() -> None:
             {
                 "request_id": "",
                 "client_request_id": "",
-                "strategy": "serial",
+                "strategy": "none",
                 "reason": "none",
                 "outcome": "cancelled",
                 "prefill": None,

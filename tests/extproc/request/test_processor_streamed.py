@@ -142,7 +142,7 @@ async def test_the_client_gone_mid_upload_ends_quietly() -> None:
     assert envoy.sent == [] and prefill.calls == []
     assert rt.active_streams == 0 and all(e.in_flight == 0 for e in rt.decode)
     # not a 400; the model is not known yet
-    counted = {"outcome": "cancelled", "strategy": "serial", "reason": "none", "model": "none"}
+    counted = {"outcome": "cancelled", "strategy": "none", "reason": "none", "model": "none"}
     assert rt.metrics.registry.get_sample_value("pd_extproc_requests_total", counted) == 1
 
 

@@ -1,7 +1,10 @@
-"""A streamed upload gathered whole, its bytes taken from the process's body budget chunk by
-chunk."""
+"""A streamed upload gathered whole: its bytes taken from the process's body budget chunk by
+chunk, and what it costs in memory while it is held and once whole."""
 
 from __future__ import annotations
+
+import tracemalloc
+from collections.abc import Iterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
@@ -9,6 +12,85 @@ from extproc.request.body_budget import BodyBudget
 from extproc.request.stream import EnvoyStream
 from extproc.request.upload import UploadLimits, gather_body
 from tests.support.scripted_envoy import ScriptedEnvoy
+
+MIB = 1024 * 1024
+LIMITS = UploadLimits(body_bytes=64 * MIB, budget_bytes=256 * MIB, idle_s=5, whole_s=5)
+SLACK = 256 * 1024  # the interpreter's own allocations meanwhile
+WHOLE = 2.25  # the buffer (up to 1/8 more as it grows) and the body copied from it, at the end
+
+
+class Chunks:
+    """Envoy's stream of body chunks; before handing out the next, it notes how much memory
+    (traced) the gathering holds for the bytes it has been given so far."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self._messages = self._build(sizes)
+        self.held_per_sent: list[tuple[int, int]] = []  # (traced bytes held, bytes sent)
+        self._sent = 0
+        self._base = 0
+
+    def _build(self, sizes: list[int]) -> Iterator[ep.ProcessingRequest]:
+        for i, size in enumerate(sizes):
+            message = ep.ProcessingRequest()
+            message.request_body.body = bytes([65 + i % 26]) * size  # freed: the message copies
+            message.request_body.end_of_stream = i == len(sizes) - 1
+            yield message
+
+    def start(self) -> None:
+        self._base = tracemalloc.get_traced_memory()[0]
+
+    async def read(self) -> ep.ProcessingRequest:
+        if self._sent:
+            self.held_per_sent.append((tracemalloc.get_traced_memory()[0] - self._base, self._sent))
+        message = next(self._messages)
+        self._sent += len(message.request_body.body)
+        return message
+
+
+async def gather(sizes: list[int]) -> tuple[Chunks, bytes, int]:
+    """The chunks' record, the body, and the gathering's peak of traced memory over its start."""
+    chunks = Chunks(sizes)
+    tracemalloc.start()
+    try:
+        chunks.start()
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        stream = EnvoyStream(chunks)  # type: ignore[arg-type]
+        upload = await gather_body(stream, LIMITS, BodyBudget().reservation())
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert upload is not None
+    return chunks, upload.body, peak
+
+
+async def test_a_held_upload_costs_what_it_has_sent() -> None:
+    """Chunks of megabytes, as Envoy sends what it buffered: while the next one is awaited,
+    the gathering holds at most 1.5 x what came (the buffer, not the last chunk or the first
+    beside it), and the whole body costs one copy, at the end."""
+    sizes = [4 * MIB] * 4 + [1 * MIB] * 4
+    chunks, body, peak = await gather(sizes)
+    assert len(body) == sum(sizes) and body[: 4 * MIB] == b"A" * (4 * MIB)
+    assert len(chunks.held_per_sent) == len(sizes) - 1
+    for held, sent in chunks.held_per_sent:
+        assert held <= 1.5 * sent + SLACK, (held, sent)
+    assert peak <= WHOLE * len(body) + SLACK
+
+
+async def test_many_small_chunks_are_gathered_in_proportion_too() -> None:
+    sizes = [16 * 1024] * 640  # 10 MiB
+    chunks, body, peak = await gather(sizes)
+    assert len(body) == sum(sizes)
+    for held, sent in chunks.held_per_sent:
+        assert held <= 1.5 * sent + SLACK, (held, sent)
+    assert peak <= WHOLE * len(body) + SLACK
+
+
+async def test_a_body_of_one_chunk_is_not_copied() -> None:
+    _, body, peak = await gather([8 * MIB])
+    assert len(body) == 8 * MIB
+    assert peak <= 8 * MIB + SLACK  # the chunk itself, no second copy
+
 
 CHUNK, CHUNKS = 100, 10
 
