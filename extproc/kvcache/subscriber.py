@@ -44,8 +44,10 @@ _SEQ_BYTES = 8
 
 @dataclass(frozen=True, slots=True)
 class SubscriberLimits:
-    receive_hwm: int = 1000  # messages ZMQ queues before dropping
-    max_message_bytes: int = 16 << 20  # ZMQ disconnects a peer that sends a larger frame
+    # What ZMQ may queue for one engine, at most 64 x 10 MiB: an engine sends one small batch
+    # per step, so 64 is a loop turn's lag and more; past it, a gap (filled by the replay).
+    receive_hwm: int = 64
+    max_message_bytes: int = 10 << 20  # ZMQ disconnects a peer that sends a larger frame
     # A batch is one scheduler step: 8 MiB is a million tokens stored in one step.
     max_batch_bytes: int = 8 << 20
     slice_blocks: int = 512  # blocks decoded and applied between two yields to the loop
