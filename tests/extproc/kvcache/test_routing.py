@@ -546,6 +546,17 @@ def test_a_model_is_an_adapter_unless_an_engine_serves_it_as_its_base() -> None:
     assert routing.scope_of("m", {}) == CacheScope(adapter="m")
 
 
+def test_an_engine_that_leaves_or_restarts_loses_what_it_was_sent_by_bytes() -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    keys = routing.routed_bytes.keys(b"z" * 512)
+    routing.remember_bytes([P1, P2], keys)
+    assert routing.routed_bytes.held(keys) == {P1: 512, P2: 512}
+    routing.forget(P1)  # it left the pool
+    assert routing.routed_bytes.held(keys) == {P2: 512}
+    routing.engine_restarted(P2)  # its cache is gone
+    assert routing.routed_bytes.held(keys) == {}
+
+
 def test_routed_blocks_stay_within_their_bound() -> None:
     from extproc.kvcache.routed import RoutedBlocks
 
