@@ -12,6 +12,7 @@ import pytest
 
 from extproc.config import parse_config
 from extproc.policies import PrefixPicker
+from extproc.request.approx_cache import approximate
 from extproc.request.parse import Api, ClientRequest, parse_request
 from extproc.request.plan import DecodeOnlyPlan, SerialPlan, pick_request, plan_request
 from extproc.scheduling.pool import EndpointState
@@ -119,3 +120,34 @@ def test_without_the_approximation_nothing_is_remembered_and_the_start_is_hashed
             went = plan(rt, request, inflight)
         assert went.prefill == hashed_to(request, [P1, P2])
     assert len(rt.kv.routed_bytes) == 0
+
+
+def chat(messages: list[dict[str, str]], **fields: object) -> ClientRequest:
+    raw = orjson.dumps({"model": "m", "messages": messages, **fields})
+    return parse_request(Api.CHAT, raw, 1 << 20)
+
+
+def test_a_chats_next_turn_is_credited_with_all_but_the_last_block_of_the_turn_before() -> None:
+    """The next turn's `messages` start with the bytes of the last one's (its closing `]`
+    aside); a chat with other `tools` is rendered otherwise: credited with nothing."""
+    rt = runtime()
+    turn1 = [
+        {"role": "system", "content": "be brief " * 60},
+        {"role": "user", "content": "first question"},
+    ]
+    answer = {"role": "assistant", "content": "an answer"}
+    turn2 = [*turn1, answer, {"role": "user", "content": "q"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with ExitStack() as inflight:
+        went = plan(rt, chat(turn1), inflight)
+    blocks = (len(dict(chat(turn1).parts)["messages"]) - 1) // 128  # full blocks before `]`
+    wanted = pick_request(chat(turn2), None)
+    held = approximated(rt, chat(turn2), wanted)
+    assert held == {went.prefill: blocks * 32, went.decodes[0]: blocks * 32}
+    assert approximated(rt, chat(turn2, tools=tools), wanted) == {}
+
+
+def approximated(rt: Runtime, request: ClientRequest, wanted: Any) -> dict[str, int]:
+    found = approximate(request, wanted, rt.kv, "", rt.config.decision.bytes_per_token)
+    assert found is not None
+    return dict(found[0].cached or {})
