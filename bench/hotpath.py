@@ -14,6 +14,11 @@ One 1P1D push topology whose engines answer in ~1 ms, so the figures are the pro
   3. a py-spy profile of the ext_proc process under open-loop load, top self/inclusive costs.
 
     python bench/hotpath.py [--requests 400] [--rates 20,40,60,80,100,125,150] [--step-s 10]
+
+`--kv-approx` adds kv_cache on both pools with no KV events and no tokenizer, twice: routing by
+what the sidecar sent where (`kv_approximate`, its per-request cost: hashing the prompt's bytes,
+the lookup, remembering where it went) and by the prompt-start hash alone (the same policy and
+scrapes without it), so that the difference of the two rows is the estimate's cost.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from extproc.config import HealthConfig
 from scripts.cached_envs import vllm_router_venv
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROLES = ("prefill", "decode")
 PROXIES = ["pd-extproc", "vllm-router"]  # extended by --listener-leg, --baseline, --workers
 # pd-extproc as a user runs it: the product's health checks (every 2 s), not the tests' 0.5 s,
 # whose background checks cost ~0.1 ms of the CPU per request measured here.
@@ -60,6 +66,8 @@ FLOORS = {"same": "floor, pd-extproc's messages", "fewest": "floor, fewest messa
 FLOOR_FACTOR = 1.25
 AIM_TO_PREFILL_MS = 1.0
 AIM_CPU_MS = 2.0
+# --kv-approx: kv_cache with no events or tokenizer, with and without the sent-bytes estimate
+KV_APPROX = (("kv_cache, prompt-start hash", False), ("kv_cache, sent-bytes estimate", True))
 
 
 @dataclass
@@ -628,6 +636,12 @@ def parse_args() -> argparse.Namespace:
         help="the do-nothing ext_procs to measure beside them (comma list of "
         f"{', '.join(FLOORS)}; '' for none)",
     )
+    parser.add_argument(
+        "--kv-approx",
+        action="store_true",
+        help="also measure kv_cache with no KV events or tokenizer, with and without its "
+        "estimate of what each engine was sent (kv_approximate)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
@@ -643,6 +657,11 @@ def parse_args() -> argparse.Namespace:
         if not isinstance(parsed, dict):
             parser.error(f"--variant {given!r}: expected LABEL={{config sections as JSON}}")
         args.variants.append((label, parsed))
+    if args.kv_approx:
+        args.variants += [
+            (label, {role: {"policy": "kv_cache", "kv_approximate": on} for role in ROLES})
+            for label, on in KV_APPROX
+        ]
     unknown = set(args.floors) - set(FLOORS)
     if unknown:
         parser.error(f"--floors: unknown {', '.join(sorted(unknown))} (known: {', '.join(FLOORS)})")

@@ -110,9 +110,12 @@ async def running_extproc(
     """pd-extproc in a dispatch mode; `baseline`: an absolute directory holding another version's
     `extproc` package, run instead of this checkout's (A/B in one run)."""
     dispatch = {"mode": EXTPROC_MODES[name], **extra.pop("dispatch", {})}
+    pools = {role: extra.pop(role) for role in ("prefill", "decode") if role in extra}
     config = ephemeral_config(
         engines.addresses("prefill"), engines.addresses("decode"), dispatch=dispatch, **extra
     )
+    for role, section in pools.items():  # a pool's settings beside its endpoints
+        config[role] = {**config[role], **section}
     env = None if baseline is None else {"PYTHONPATH": str(baseline), "PYTHONSAFEPATH": "1"}
     if baseline is not None:  # an older version refuses the settings it does not know
         config["metrics"].pop("ready_detail", None)

@@ -29,7 +29,7 @@ from extproc.engines.scrape_plan import scrape_plan
 from extproc.engines.scraper import EngineScraper
 from extproc.engines.startup_summary import startup_summary, summary_is_clean
 from extproc.kvcache.index import KvIndex
-from extproc.kvcache.routing import KvRouting, event_sources, kv_groups
+from extproc.kvcache.routing import KvRouting, approximated_groups, event_sources, kv_groups
 from extproc.membership.discovery import Discovery
 from extproc.membership.eds import Memberships, pool_cluster_name
 from extproc.metrics import Metrics
@@ -156,7 +156,7 @@ class Runtime:
         )
         # KV-cache routing: an index of what the engines hold, fed by their KV events
         self.kv = KvRouting(KvIndex(config.kv_index.max_blocks), self.metrics)
-        self.kv.configure(kv_groups(config))
+        self.kv.configure(kv_groups(config), approximated_groups(config))
         self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics, self.kv)
         for pool in (self.prefill, self.decode):
             for state in pool:
@@ -367,7 +367,7 @@ class Runtime:
         """
         restart = needs_restart(self.config, config)
         self.scheduler.reload(config)  # builds everything before it swaps
-        self.kv.configure(kv_groups(config))
+        self.kv.configure(kv_groups(config), approximated_groups(config))
         dispatch = config.dispatch
         self.config = config  # the KV subscribers follow at discovery's refresh, which follows
         self.identities.set_flap_limits(

@@ -10,6 +10,13 @@ own events, as vLLM does, on the pool's ports plus its rank: each rank is follow
 as an engine of its own, `<address> dp<rank>` (named as its identity is), and a lookup gives
 the server what its best rank holds, and per rank what each holds (the rank choice's).
 
+A model group whose requests are not tokenized (no tokenizer, or no pool with `kv_events`) and
+whose pools use `kv_cache` (with `kv_approximate`, the default) is routed by what this sidecar
+sent where instead (`routed_bytes`: block chains over the prompt's raw bytes), for all its
+engines: the index needs the prompt's token ids, so an engine's events cannot be used without
+them, and within a tokenized group an engine not heard from is already estimated by the token
+blocks routed to it (`routed`), in the same units as the index's.
+
 Every lookup is in the request's cache scope (`extproc.kvcache.scope`: its LoRA adapter and
 cache salt); which model names are base models, the engines tell (`learn_base_model`, from
 their scraped metrics).
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 from extproc.config import Config, KvEventsConfig, PoolConfig, parse_host_port
 from extproc.kvcache.index import KvIndex
 from extproc.kvcache.routed import RoutedBlocks
+from extproc.kvcache.routed_bytes import RoutedBytes
 from extproc.kvcache.scope import PLAIN, CacheScope, request_scope
 from extproc.kvcache.tokens import OffLoopTokenizer, RequestTokenizer, TokenizerFilesError
 from extproc.kvcache.watchers import EventSource, KvEventWatchers
@@ -32,7 +40,14 @@ from extproc.metrics import Metrics
 from extproc.roles import Role
 from extproc.stopping import cancel_and_wait
 
-__all__ = ["Cached", "KvRouting", "event_sources", "kv_groups", "rank_engine"]
+__all__ = [
+    "Cached",
+    "KvRouting",
+    "approximated_groups",
+    "event_sources",
+    "kv_groups",
+    "rank_engine",
+]
 
 log = logging.getLogger("extproc")
 
@@ -63,6 +78,8 @@ class KvRouting:
         self.index = index
         self.watchers = watchers or KvEventWatchers(index, metrics)
         self.routed = RoutedBlocks(_ROUTED_BLOCKS)  # where prompts went, for silent engines
+        self.routed_bytes = RoutedBytes()  # where prompts went, for groups not tokenized
+        self._approximated: frozenset[str] = frozenset()
         self._last_keys: tuple[Sequence[int] | None, CacheScope, list[int]] = (None, PLAIN, [])
         self._base_of: dict[str, str] = {}  # engine address → the base model it serves
         self._metrics = metrics
@@ -77,25 +94,25 @@ class KvRouting:
 
     # -- tokenizers ----------------------------------------------------------------------------
 
-    def configure(self, groups: Mapping[str, tuple[bool, str | None]]) -> None:
-        """`groups`: model group → (a pool of it has kv_events, its tokenizer path). A group
-        with events but no tokenizer does not route by the KV cache: one warning says so."""
+    def configure(
+        self, groups: Mapping[str, tuple[bool, str | None]], approximate: Collection[str] = ()
+    ) -> None:
+        """`groups`: model group → (a pool of it has kv_events, its tokenizer path);
+        `approximate`: the groups whose kv_cache pools may route by what was sent where. A
+        group with events but no tokenizer cannot use them: one warning says so, and what
+        it does instead."""
         by_group: dict[str, OffLoopTokenizer] = {}
         for group, (events, path) in groups.items():
             if not events:
                 continue
             if path is None:
-                self._warn_once(
-                    group,
-                    f"{_name(group)}: kv_events are set but no tokenizer; "
-                    "it routes without the KV cache. Set `tokenizer:` (the "
-                    "model's folder or tokenizer.json)",
-                )
+                self._warn_once(group, _no_tokenizer(group, group in approximate))
                 continue
             tokenizer = self._load(path)
             if tokenizer is not None:
                 by_group[group] = tokenizer
         self._by_group = by_group
+        self._approximated = frozenset(g for g in approximate if g not in by_group)
 
     def _load(self, path: str) -> OffLoopTokenizer | None:
         if path not in self._by_path:
@@ -114,6 +131,14 @@ class KvRouting:
     @property
     def routed_groups(self) -> set[str]:
         return set(self._by_group)
+
+    def approximates(self, group: str) -> bool:
+        """Model group `group` is routed by what was sent where (`routed_bytes`)."""
+        return group in self._approximated
+
+    def remember_bytes(self, engines: Sequence[str], keys: Sequence[int]) -> None:
+        """A prompt of these `routed_bytes` keys was routed to `engines`."""
+        self.routed_bytes.remember(engines, keys)
 
     def tokenizer_for(self, group: str) -> OffLoopTokenizer | None:
         """The tokenizer of model group `group` if it routes by the KV cache, else None."""
@@ -180,6 +205,7 @@ class KvRouting:
     def forget(self, engine: str) -> None:
         """The engine left its pool: what was routed to it no longer counts."""
         self.routed.forget(engine)
+        self.routed_bytes.forget(engine)
         self._base_of.pop(engine, None)
 
     # -- subscribers ---------------------------------------------------------------------------
@@ -213,6 +239,7 @@ class KvRouting:
         """The engine's process changed (the restart detector): what it held is gone (every
         rank's, for a data-parallel server: one process)."""
         self.routed.forget(engine)
+        self.routed_bytes.forget(engine)
         for each in [engine, *self._ranks.get(engine, ())]:
             if each in self._wanted:
                 self.index.clear_engine(each)
@@ -244,6 +271,33 @@ class KvRouting:
 
 def _name(group: str) -> str:
     return f"model {group}" if group else "the top-level pools"
+
+
+def _no_tokenizer(group: str, approximated: bool) -> str:
+    """What a group with kv_events but no tokenizer does, and how to route by its events."""
+    instead = (
+        "kv_cache routes by what this sidecar sent where (an estimate over the prompts' bytes)"
+        if approximated
+        else "it routes without the KV cache"
+    )
+    return (
+        f"{_name(group)}: kv_events are set but no tokenizer, and the KV index needs the "
+        f"prompts' token ids: {instead}. Set `tokenizer:` (the model's folder or "
+        "tokenizer.json) to route by the engines' events"
+    )
+
+
+def approximated_groups(config: Config) -> set[str]:
+    """The model groups with a kv_cache pool that may route by what was sent where
+    (`kv_approximate`), for `KvRouting.configure`."""
+    return {
+        model
+        for model, group in config.groups().items()
+        if any(
+            pool.policy == "kv_cache" and getattr(pool.options, "kv_approximate", False)
+            for pool in (group.prefill, group.decode)
+        )
+    }
 
 
 def kv_groups(config: Config) -> dict[str, tuple[bool, str | None]]:

@@ -23,9 +23,11 @@ The ranks of a data-parallel server are scored the same way, each as an engine o
 rank (ours in flight there and the engine's scraped waiting + running), in the same units.
 
 For an engine that publishes no events, `cached` counts the prompt's leading blocks this sidecar
-routed there (an estimate: evictions are not seen). Where no candidate is known to hold any of
-the prompt (no tokenizer, a new prompt), the pick is `prefix`'s: rendezvous hashing of the
-prompt's start with bounded load.
+routed there (an estimate: evictions are not seen). Where the prompts are not tokenized (no
+tokenizer or no `kv_events`), `prompt_tokens` and `cached` are estimated from the prompt's raw
+bytes and what of them this sidecar sent each engine (`kv_approximate`), and scored the same
+way. Where no candidate is known to hold any of the prompt (a new prompt), the pick is
+`prefix`'s: rendezvous hashing of the prompt's start with bounded load.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class KvCacheOptions(BaseModel):
     # What a cached token is worth in queued tokens: this request's wait, and the wait of
     # those queued after it where the prompt would be computed again.
     kv_cached_token_weight: float = Field(default=2.0, ge=0)
+    # Where the prompts are not tokenized (no tokenizer, no kv_events): count what this sidecar
+    # sent each engine, by the prompt's raw bytes (extproc.kvcache.routed_bytes); false: hash
+    # the prompt's start, as `prefix` does.
+    kv_approximate: bool = True
 
 
 def work_ahead(endpoint: EndpointView, request_tokens: int) -> float:

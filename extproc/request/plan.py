@@ -37,6 +37,7 @@ from extproc.kvcache.tokens import ChatTemplateError
 from extproc.policies import PickRequest
 from extproc.protocol.bodies import buffer_bytes, decode_body, prefill_body, prefill_kv_params
 from extproc.protocol.identity import PrefillIdentity
+from extproc.request.approx_cache import approximate
 from extproc.request.parse import Api, ClientRequest
 from extproc.request.prompt_size import TOKENIZED, prompt_bytes
 from extproc.scheduling.admission import request_priority
@@ -242,11 +243,19 @@ def plan_request(
     wanted = pick_request(
         request, headers.get(config.dispatch.session_header), priority, tokens, scheduler.kv
     )
+    kv, sent = scheduler.kv, None
+    if tokens is None and kv is not None:  # not tokenized: what was sent where, if so routed
+        group = scheduler.group(request.model).name
+        sent = approximate(request, wanted, kv, group, config.decision.bytes_per_token)
+        wanted = wanted if sent is None else sent[0]
     picked = scheduler.pick(wanted, inflight, config, subset, fallbacks)
-    if tokens is not None and scheduler.kv is not None:  # KV-routed: where its blocks went
-        with_p = [picked.prefill] if isinstance(picked, WithPrefill) else []
-        scope = scheduler.kv.scope_of(request.model, request.doc)
-        scheduler.kv.remember([*with_p, picked.decodes[0]], tokens, scope)
+    if kv is not None and (tokens is not None or sent is not None):  # where its blocks went
+        engines = [picked.prefill] if isinstance(picked, WithPrefill) else []
+        engines.append(picked.decodes[0])
+        if sent is not None:
+            kv.remember_bytes(engines, sent[1])
+        else:
+            kv.remember(engines, tokens or [], kv.scope_of(request.model, request.doc))
     request_id = str(uuid.uuid4())
     if isinstance(picked, DecodeAlone):
         d_body = decode_body(request.parts, None)  # the client's own, minus fields: it fits

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from extproc.config import ConfigError, DecisionConfig, parse_config
 from extproc.kvcache.index import KvIndex, chain_keys
-from extproc.kvcache.routing import KvRouting, event_sources, kv_groups
+from extproc.kvcache.routing import KvRouting, approximated_groups, event_sources, kv_groups
 from extproc.kvcache.scope import PLAIN, CacheScope
 from extproc.kvcache.watchers import EventSource
 from extproc.metrics import Metrics
@@ -136,10 +136,49 @@ def test_kv_events_without_a_tokenizer_warn_once_and_route_without(
         routing.configure(kv_groups(cfg))
         routing.configure(kv_groups(cfg))  # a reload
     assert [r.getMessage() for r in caplog.records] == [
-        "the top-level pools: kv_events are set but no tokenizer; it routes without the KV "
-        "cache. Set `tokenizer:` (the model's folder or tokenizer.json)"
+        "the top-level pools: kv_events are set but no tokenizer, and the KV index needs the "
+        "prompts' token ids: it routes without the KV cache. Set `tokenizer:` (the model's "
+        "folder or tokenizer.json) to route by the engines' events"
     ]
     assert routing.tokenizer_for("") is None and not routing.enabled
+    assert not routing.approximates("")
+
+
+def test_kv_events_without_a_tokenizer_say_kv_cache_routes_by_what_was_sent_where(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    cfg = parse_config(config(None, kv_events={}, policy="kv_cache"))
+    with caplog.at_level(logging.WARNING, "extproc"):
+        routing.configure(kv_groups(cfg), approximated_groups(cfg))
+    assert [r.getMessage() for r in caplog.records] == [
+        "the top-level pools: kv_events are set but no tokenizer, and the KV index needs the "
+        "prompts' token ids: kv_cache routes by what this sidecar sent where (an estimate "
+        "over the prompts' bytes). Set `tokenizer:` (the model's folder or tokenizer.json) "
+        "to route by the engines' events"
+    ]
+    assert routing.tokenizer_for("") is None and routing.approximates("")
+
+
+@pytest.mark.parametrize(
+    ("pool", "approximated"),
+    [
+        ({"policy": "kv_cache"}, {""}),  # no events, no tokenizer: what was sent where
+        ({"policy": "kv_cache", "kv_approximate": False}, set()),  # the operator said no
+        ({"policy": "prefix"}, set()),
+    ],
+)
+def test_which_groups_route_by_what_was_sent_where(
+    pool: dict[str, object], approximated: set[str], tokenizer_dir: Path
+) -> None:
+    cfg = parse_config(config(None, **pool))
+    assert approximated_groups(cfg) == approximated
+    routing = KvRouting(KvIndex(100), Metrics())
+    routing.configure(kv_groups(cfg), approximated_groups(cfg))
+    assert routing.approximates("") is bool(approximated)
+    tokenized = parse_config(config(str(tokenizer_dir), kv_events={}, **pool))
+    routing.configure(kv_groups(tokenized), approximated_groups(tokenized))
+    assert not routing.approximates("")  # its tokens and the engines' events rule
 
 
 # ---- the policy --------------------------------------------------------------------------
@@ -505,6 +544,17 @@ def test_a_model_is_an_adapter_unless_an_engine_serves_it_as_its_base() -> None:
     assert routing.scope_of("m", {"cache_salt": 7}) == CacheScope(salt="7")
     routing.forget(D1)  # it left its pool
     assert routing.scope_of("m", {}) == CacheScope(adapter="m")
+
+
+def test_an_engine_that_leaves_or_restarts_loses_what_it_was_sent_by_bytes() -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    keys = routing.routed_bytes.keys(b"z" * 512)
+    routing.remember_bytes([P1, P2], keys)
+    assert routing.routed_bytes.held(keys) == {P1: 512, P2: 512}
+    routing.forget(P1)  # it left the pool
+    assert routing.routed_bytes.held(keys) == {P2: 512}
+    routing.engine_restarted(P2)  # its cache is gone
+    assert routing.routed_bytes.held(keys) == {}
 
 
 def test_routed_blocks_stay_within_their_bound() -> None:

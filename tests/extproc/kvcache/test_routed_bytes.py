@@ -1,0 +1,97 @@
+"""What this sidecar sent where, by the prompt's raw bytes: leading blocks credited per engine,
+scopes kept apart, and memory and hashing bounded whatever the prompts."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+from extproc.kvcache.routed_bytes import RoutedBytes
+from extproc.kvcache.scope import PLAIN, CacheScope
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+BLOCK = 128
+SHARED = os.urandom(5 * BLOCK)
+
+
+def test_an_engine_is_credited_with_the_leading_blocks_it_was_sent() -> None:
+    routed = RoutedBytes()
+    routed.remember([A], routed.keys(SHARED + b"first question" * 20))
+    routed.remember([B], routed.keys(SHARED[: 2 * BLOCK] + b"elsewhere" * 40))
+    second = routed.keys(SHARED + b"second question" * 20)
+    assert routed.held(second) == {A: 5 * BLOCK, B: 2 * BLOCK}
+    assert routed.held(second, [B, C]) == {B: 2 * BLOCK}
+    assert routed.held(routed.keys(b"x" + SHARED)) == {}  # shared bytes, not leading ones
+    assert routed.keys(SHARED[: BLOCK - 1]) == []  # no full block: nothing to credit
+
+
+def test_a_salt_an_adapter_or_what_comes_ahead_keeps_a_prompt_apart() -> None:
+    routed = RoutedBytes()
+    salted, adapter = CacheScope(salt="s"), CacheScope(adapter="lora")
+    routed.remember([A], routed.keys(SHARED))
+    routed.remember([B], routed.keys(SHARED, salted))
+    routed.remember([C], routed.keys(SHARED, PLAIN, b"tools=[1]"))
+    assert routed.held(routed.keys(SHARED)) == {A: 5 * BLOCK}
+    assert routed.held(routed.keys(SHARED, salted)) == {B: 5 * BLOCK}
+    assert routed.held(routed.keys(SHARED, CacheScope(salt="t"))) == {}
+    assert routed.held(routed.keys(SHARED, adapter)) == {}
+    assert routed.held(routed.keys(SHARED, PLAIN, b"tools=[1]")) == {C: 5 * BLOCK}
+    assert routed.held(routed.keys(SHARED, PLAIN, b"tools=[2]")) == {}
+
+
+def test_a_huge_prompt_hashes_a_bounded_number_of_blocks() -> None:
+    routed = RoutedBytes(max_blocks=256)
+    huge = os.urandom(8 << 20)  # 8 MiB
+    keys = routed.keys(huge, PLAIN, huge)  # and as much ahead of it
+    assert len(keys) == 256
+    assert routed.keys(huge[: 256 * BLOCK]) == routed.keys(huge, PLAIN, b"")[:256]
+    routed.remember([A], keys)
+    assert routed.held(routed.keys(huge[: 256 * BLOCK] + b"other tail")) == {}
+    assert len(routed) == 256
+
+
+def test_a_flood_of_distinct_prompts_stays_within_the_bound() -> None:
+    """Entries never pass the bound, and their memory stays within ~130 bytes an entry
+    (the key's int and the table's slots; a mask of few engines is a shared small int)."""
+    bound = 20_000
+    routed = RoutedBytes(max_entries=bound)
+    engines = [f"10.0.0.{n}:8000" for n in range(8)]
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        last: list[int] = []
+        for n in range(3_000):  # 3000 prompts of 16 blocks: 48 000 distinct blocks
+            last = routed.keys(os.urandom(16 * BLOCK))
+            routed.remember([engines[n % 8]], last)
+            assert len(routed) <= bound
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert len(routed) > bound * 0.9  # full, not emptied
+    assert used < 130 * bound, used
+    assert routed.held(last) == {engines[2_999 % 8]: 16 * BLOCK}  # the newest kept
+
+
+def test_the_deepest_blocks_go_first() -> None:
+    """Past the bound, what goes first is the end of the least recently sent prompt, so a
+    prompt keeps its leading blocks longest, as an engine's LRU keeps them."""
+    routed = RoutedBytes(max_entries=64)
+    old = routed.keys(os.urandom(16 * BLOCK))
+    routed.remember([A], old)
+    routed.remember([B], routed.keys(os.urandom(49 * BLOCK)))  # 65 entries: one batch goes
+    assert len(routed) <= 64
+    assert routed.held(old) == {A: 15 * BLOCK}
+
+
+def test_an_engine_forgotten_leaves_every_entry_and_its_bit_is_reused() -> None:
+    routed = RoutedBytes()
+    only_a = routed.keys(b"a" * 3 * BLOCK)
+    both = routed.keys(b"b" * 3 * BLOCK)
+    routed.remember([A], only_a)
+    routed.remember([A, B], both)
+    routed.forget(A)
+    assert routed.engines() == {B} and len(routed) == 3  # its own entries gone
+    assert routed.held(only_a) == {} and routed.held(both) == {B: 3 * BLOCK}
+    routed.remember([C], routed.keys(b"c" * BLOCK))  # C takes A's bit: none of A's credit
+    assert routed.held(both) == {B: 3 * BLOCK} and routed.held(only_a) == {}
+    routed.forget("never-seen")
