@@ -169,12 +169,14 @@ class SimEngine:
         return served
 
     def load_page(self) -> str:
-        """The engine's load as its /metrics shows it (the families the sidecar reads)."""
-        engine = self.engine
+        """The engine's load as its /metrics shows it (the families the sidecar reads), each
+        series labelled with the served model, as vLLM labels them (the sidecar learns the
+        engines' base model from it)."""
+        engine, label = self.engine, f'{{model_name="{MODEL}"}}'
         return (
-            f"vllm:num_requests_waiting {engine.num_waiting}\n"
-            f"vllm:num_requests_running {len(engine.running)}\n"
-            f"vllm:kv_cache_usage_perc {engine.pool.usage()}\n"
+            f"vllm:num_requests_waiting{label} {engine.num_waiting}\n"
+            f"vllm:num_requests_running{label} {len(engine.running)}\n"
+            f"vllm:kv_cache_usage_perc{label} {engine.pool.usage()}\n"
         )
 
 

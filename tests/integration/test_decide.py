@@ -176,7 +176,7 @@ async def test_saturated_pool_answers_429_with_retry_after() -> None:
         status, body, _ = await post_with_priority(topo, None)  # room again
         assert status == 200, body
         metrics = await topo.metrics()
-        assert metrics[requests_total("shed", "none", "serial")] == 1
+        assert metrics[requests_total("shed", "none", "none")] == 1
 
 
 async def test_a_client_cannot_raise_or_lower_its_own_priority() -> None:
