@@ -48,14 +48,22 @@ class Outcome:
 
     def broken_promise(self, stopped_at: float) -> str | None:
         """What the README's rows for a restarted P rule out, or None. A request sent before P
-        had stopped may be one P failed while shutting down: 502 naming P's 500."""
+        had stopped may be one P failed while shutting down: a 502 naming P's 500, or P's
+        answer cut short there (its kv_transfer_params unusable)."""
         if self.status == 200:
             return None if self.complete else f"200 then {self.detail}"
-        if self.status == 502 and self.started < stopped_at and " answered 500" in self.detail:
+        if (
+            self.status == 502
+            and self.started < stopped_at
+            and any(why in self.detail for why in _SHUTDOWN_FAILURES)
+        ):
             return None
         if self.status != 503 or not self.retry_after or not self.detail:
             return f"{self.status} (Retry-After {self.retry_after!r}): {self.detail}"
         return None
+
+
+_SHUTDOWN_FAILURES = (" answered 500", "sent unusable kv_transfer_params")
 
 
 def _error_message(raw: bytes) -> str:
