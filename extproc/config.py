@@ -255,6 +255,38 @@ class KvEventsConfig(_Strict):
     port: int = Field(default=5557, gt=0, lt=65536)  # the engines' ZMQ PUB `endpoint`
     replay_port: int | None = Field(default=5558, gt=0, lt=65536)  # `replay_endpoint`; null: none
     topic: str = ""
+    # subscribe: the sidecar connects to each engine's PUB socket (`tcp://*:port` in vLLM's
+    # config). listen: the engines connect to the sidecar's `kv_listener` with llm-d's topic
+    # `kv@<pod IP>@<model>`; their replay sockets are asked only where replay_port is set.
+    mode: Literal["subscribe", "listen"] = "subscribe"
+
+    @property
+    def replay(self) -> int | None:
+        """The replay port to ask: in listen mode, only one the operator set."""
+        if self.mode == "listen" and "replay_port" not in self.model_fields_set:
+            return None
+        return self.replay_port
+
+
+class KvListenerConfig(_Strict):
+    """Where the sidecar listens for the KV events of engines that connect to it (pools with
+    `kv_events: {mode: listen}`); rank r of a data-parallel engine connects to `port + r`.
+    Only the engines may reach it: keep it on loopback or a network only they are on."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=5557, gt=0, lt=65536)
+    # false: this process binds nothing (set for the extra processes of extproc.workers: one
+    # port, one listener, in the main process)
+    listen: bool = True
+
+    @field_validator("host")
+    @classmethod
+    def _ip(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"an IP address to bind (got {value!r})") from None
+        return value
 
 
 class PoolConfig(_Strict):
@@ -890,6 +922,7 @@ class Config(_Strict):
     # routing (a pool's kv_events) needs the ids the engines hash.
     tokenizer: TokenizerPath = None
     kv_index: KvIndexConfig = KvIndexConfig()
+    kv_listener: KvListenerConfig = KvListenerConfig()
     dispatch: DispatchConfig = DispatchConfig()
     decision: DecisionConfig = DecisionConfig()
     admission: AdmissionConfig = AdmissionConfig()

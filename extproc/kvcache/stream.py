@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import zmq
@@ -34,7 +34,7 @@ from extproc.kvcache.index import KvIndex
 from extproc.kvcache.slices import slices
 from extproc.metrics import Metrics
 
-__all__ = ["EngineStream", "SubscriberLimits", "zmq_socket"]
+__all__ = ["Budget", "EngineStream", "SubscriberLimits", "supervised", "zmq_socket"]
 
 log = logging.getLogger("extproc")
 
@@ -92,7 +92,7 @@ class EngineStream:
         self._limits = limits or SubscriberLimits()
         self._context = context or zmq.asyncio.Context.instance()
         self._next_seq: int | None = None  # None until the first batch
-        self._budget = _Budget(
+        self._budget = Budget(
             self._limits.batches_per_s, self._limits.bytes_per_s, self._limits.loop_share
         )
         self.applied = asyncio.Event()  # set after each applied batch (tests and start-up wait)
@@ -230,7 +230,38 @@ class EngineStream:
         return "filled"
 
 
-class _Budget:
+async def supervised(
+    stream: EngineStream,
+    run: Callable[[], Awaitable[None]],
+    metrics: Metrics,
+    limits: SubscriberLimits,
+) -> None:
+    """Run `run` (what feeds `stream`); whatever ends it but a cancel, restart it after a
+    backoff (doubled while it fails again before applying a batch), the engine's entries
+    dropped."""
+    backoff = limits.restart_backoff_s
+    while True:
+        try:
+            await run()
+        except Exception as exc:  # a bug or a library's surprise: it must not end the events
+            worked = stream.applied.is_set()  # it worked for a while: not a failure in a loop
+            stream.failed()
+            metrics.kv_event_subscriber_restarts.labels(stream.engine).inc()
+            if worked:
+                backoff = limits.restart_backoff_s
+            log.error(
+                "KV events of %s: subscriber failed (%s: %.200s); its index entries dropped, "
+                "restarting in %g s",
+                stream.engine,
+                type(exc).__name__,
+                exc,
+                backoff,
+            )
+        await asyncio.sleep(backoff)
+        backoff = min(2 * backoff, limits.max_restart_backoff_s)
+
+
+class Budget:
     """Paces one subscriber to `batches` and `bytes_` a second, and to `share` of each second
     spent on the event loop, sleeping out the second where one is spent; yields otherwise."""
 

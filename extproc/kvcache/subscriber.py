@@ -10,20 +10,16 @@ backoff, its engine's entries dropped.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
 
 from extproc.kvcache.index import KvIndex
-from extproc.kvcache.stream import EngineStream, SubscriberLimits, zmq_socket
+from extproc.kvcache.stream import EngineStream, SubscriberLimits, supervised, zmq_socket
 from extproc.metrics import Metrics
 from extproc.stopping import cancel_and_wait
 
-__all__ = ["EngineEvents", "SubscriberLimits", "supervised"]
-
-log = logging.getLogger("extproc")
+__all__ = ["EngineEvents", "SubscriberLimits"]
 
 
 class EngineEvents:
@@ -88,34 +84,3 @@ class EngineEvents:
                     await self.stream.on_message(await sub.recv_multipart())
         finally:
             sub.close(linger=0)
-
-
-async def supervised(
-    stream: EngineStream,
-    run: Callable[[], Awaitable[None]],
-    metrics: Metrics,
-    limits: SubscriberLimits,
-) -> None:
-    """Run `run` (what feeds `stream`); whatever ends it but a cancel, restart it after a
-    backoff (doubled while it fails again before applying a batch), the engine's entries
-    dropped."""
-    backoff = limits.restart_backoff_s
-    while True:
-        try:
-            await run()
-        except Exception as exc:  # a bug or a library's surprise: it must not end the events
-            worked = stream.applied.is_set()  # it worked for a while: not a failure in a loop
-            stream.failed()
-            metrics.kv_event_subscriber_restarts.labels(stream.engine).inc()
-            if worked:
-                backoff = limits.restart_backoff_s
-            log.error(
-                "KV events of %s: subscriber failed (%s: %.200s); its index entries dropped, "
-                "restarting in %g s",
-                stream.engine,
-                type(exc).__name__,
-                exc,
-                backoff,
-            )
-        await asyncio.sleep(backoff)
-        backoff = min(2 * backoff, limits.max_restart_backoff_s)

@@ -67,6 +67,7 @@ def _worker_config(
     else:
         extproc["port"] = 0
     extproc["workers"] = 1
+    data["kv_listener"]["listen"] = False  # the main process has the port
     if private is not None:  # `up`: EDS and the access log on each worker's socket too
         extproc.pop("eds_access_log", None)
     data["metrics"]["port"] = 0
