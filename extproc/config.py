@@ -260,12 +260,13 @@ class KvEventsConfig(_Strict):
     # `kv@<pod IP>@<model>`; their replay sockets are asked only where replay_port is set.
     mode: Literal["subscribe", "listen"] = "subscribe"
 
-    @property
-    def replay(self) -> int | None:
-        """The replay port to ask: in listen mode, only one the operator set."""
-        if self.mode == "listen" and "replay_port" not in self.model_fields_set:
-            return None
-        return self.replay_port
+    @model_validator(mode="before")
+    @classmethod
+    def _listen_replays_where_told(cls, data: Any) -> Any:
+        """A connecting publisher's replay socket is asked only where replay_port is set."""
+        if isinstance(data, dict) and data.get("mode") == "listen":
+            return {"replay_port": None, **data}
+        return data
 
 
 class KvListenerConfig(_Strict):
@@ -275,9 +276,10 @@ class KvListenerConfig(_Strict):
 
     host: str = "127.0.0.1"
     port: int = Field(default=5557, gt=0, lt=65536)
-    # false: this process binds nothing (set for the extra processes of extproc.workers: one
-    # port, one listener, in the main process)
+    # Set by `up` for its ext_proc processes (extproc.workers), not by hand: one binds the
+    # port (listen) and passes what it receives on at `relay`, which the others read.
     listen: bool = True
+    relay: str | None = None
 
     @field_validator("host")
     @classmethod

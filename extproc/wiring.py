@@ -160,10 +160,13 @@ class Runtime:
         # KV-cache routing: an index of what the engines hold, fed by their KV events
         index = KvIndex(config.kv_index.max_blocks)
         listening = config.kv_listener
-        listener = (
-            EventListener(listening.host, listening.port, index, self.metrics)
-            if listening.listen
-            else None
+        listener = EventListener(
+            listening.host,
+            listening.port,
+            index,
+            self.metrics,
+            listen=listening.listen,
+            relay=listening.relay,
         )
         self.kv = KvRouting(
             index, self.metrics, KvEventWatchers(index, self.metrics, listener=listener)

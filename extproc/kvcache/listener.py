@@ -10,6 +10,10 @@ rank's. Anything else (a topic naming no member followed here, a message of the 
 counted and dropped before it is decoded: a publisher that can reach the port cannot put an
 engine of its own in the index.
 
+Only one process can bind a port: where the sidecar runs several ext_proc processes
+(`extproc.workers`), the main one binds and relays every batch it attributed, with its rank, over
+a socket in the sidecar's private run directory; the others read that and attribute it again.
+
 Each engine's batches go through a queue of `receive_hwm` messages to its own `EngineStream`
 task (sequence, gaps, replay if configured, slices, its share of loop time), so one flooding
 engine paces only itself. The receiving itself yields after every message, and what it drops
@@ -95,9 +99,17 @@ class EventListener:
         *,
         limits: SubscriberLimits | None = None,
         context: zmq.asyncio.Context | None = None,
+        listen: bool = True,
+        relay: str | None = None,
     ) -> None:
+        """`listen`: bind the engines' ports (else read what another process relays);
+        `relay`: where the process that binds them passes on what it attributed, for the
+        other ext_proc processes of the sidecar to read."""
         self.host = host
         self.port = port
+        self._listen = listen
+        self._relay_endpoint = relay
+        self._relay: zmq.asyncio.Socket | None = None  # listen: the PUB the others read
         self._index = index
         self._metrics = metrics
         self._limits = limits or SubscriberLimits()
@@ -147,8 +159,16 @@ class EventListener:
         )
 
     def _bind(self, rank: int) -> None:
+        if not self._listen:
+            self._read_relay()
+            return
         if rank in self._sockets or rank in self._refused:
             return
+        if self._relay_endpoint is not None and self._relay is None:
+            self._relay = self._context.socket(zmq.PUB)
+            self._relay.setsockopt(zmq.SNDHWM, self._limits.receive_hwm)
+            self._relay.setsockopt(zmq.LINGER, 0)
+            self._relay.bind(self._relay_endpoint)
         port = 0 if self.port == 0 and rank == 0 else self._rank_port(rank)
         endpoint = f"tcp://{self._host()}:{port}"
         sock = zmq_socket(self._context, zmq.SUB, self._limits)
@@ -170,6 +190,16 @@ class EventListener:
         task = asyncio.create_task(self._receive(sock, rank), name=f"kv-listener rank {rank}")
         self._sockets[rank] = (sock, task)
 
+    def _read_relay(self) -> None:
+        """Another process binds the engines' ports: read what it relays (`(rank, topic,
+        seq, batch)`), attributed here again."""
+        if self._relay_endpoint is None or -1 in self._sockets:
+            return
+        sock = zmq_socket(self._context, zmq.SUB, self._limits)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self._relay_endpoint)
+        self._sockets[-1] = (sock, asyncio.create_task(self._receive(sock, None), name="kv-relay"))
+
     def _rank_port(self, rank: int) -> int:
         """Rank `rank`'s port: vLLM's rank r connects to the port plus r (with port 0, the
         port rank 0 was given plus r)."""
@@ -179,18 +209,28 @@ class EventListener:
     def _host(self) -> str:
         return f"[{self.host}]" if ":" in self.host else self.host
 
-    async def _receive(self, sock: zmq.asyncio.Socket, rank: int) -> None:
+    async def _receive(self, sock: zmq.asyncio.Socket, rank: int | None) -> None:
+        """`rank`: the socket's; None for the relay, whose first frame says it."""
         while True:
             if not await sock.poll(timeout=int(self._limits.poll_s * 1000)):
                 continue
             frames = await sock.recv_multipart()
-            engine = self._engine_of(frames, rank)
+            if rank is None:
+                frames_rank = int.from_bytes(frames.pop(0), "big") if len(frames) == 4 else 0
+            else:
+                frames_rank = rank
+            engine = self._engine_of(frames, frames_rank)
             fed = None if engine is None else self._fed.get(engine)
             if fed is None:
                 await self._dropped.spend(sum(len(frame) for frame in frames))
                 continue
             with contextlib.suppress(asyncio.QueueFull):  # its stream is paced: overflow is a gap
                 fed.queue.put_nowait(frames)
+            if self._relay is not None:  # past its queue a reader sees a gap, as here
+                with contextlib.suppress(zmq.Again):
+                    await self._relay.send_multipart(
+                        [frames_rank.to_bytes(2, "big"), *frames], flags=zmq.NOBLOCK
+                    )
             await asyncio.sleep(0)  # a flood still lets the request path run
 
     def _engine_of(self, frames: list[bytes], rank: int) -> str | None:
@@ -218,5 +258,8 @@ class EventListener:
             await cancel_and_wait([task])
             sock.close(linger=0)
         self._sockets.clear()
+        if self._relay is not None:
+            self._relay.close(linger=0)
+            self._relay = None
         self.bound.clear()
         self._refused.clear()

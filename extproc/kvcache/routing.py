@@ -307,7 +307,7 @@ def _offset(endpoint: str, rank: int) -> str:
 
 
 def _source(events: KvEventsConfig, pool: PoolConfig, address: str) -> EventSource:
-    port, replay = events.port, events.replay
+    port, replay = events.port, events.replay_port
     own = next((e.kv_events for e in pool.endpoints if e.address == address), None)
     if own is not None and own.endpoint is not None:
         return EventSource(own.endpoint, own.replay_endpoint, events.topic)
