@@ -1,8 +1,9 @@
-"""KV events in llm-d's topology, end to end (`pd-extproc up`: real Envoy, the real ext_proc,
-vllmsim engines): every engine's publisher connects to the sidecar's listener with the topic
-`kv@<its address>@<model>`, and a prompt cached on one prefill goes there. A hostile publisher
-that connects too (topics naming no member, malformed messages, oversized batches, a flood)
-indexes nothing, is counted, and never holds the sidecar's event loop 0.25 s."""
+"""KV events in llm-d's topology, end to end (`pd-extproc up`, and `serve` beside its own
+Envoy: real Envoy, the real ext_proc, vllmsim engines): every engine's publisher connects to
+the sidecar's listener with the topic `kv@<its address>@<model>`, and a prompt cached on one
+prefill goes there. A hostile publisher that connects too (topics naming no member, malformed
+messages, oversized batches, a flood) indexes nothing, is counted, and never holds the
+sidecar's event loop 0.25 s. With two ext_proc processes, both index the engines."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tests.support.kv_routing import (
     model_dir,
     words,
 )
+from tests.support.split import split_topology
 from tests.support.topology import Topology, address, topology, until
 from vllmsim.launcher import EngineHandle
 
@@ -236,3 +238,52 @@ async def test_a_hostile_publisher_that_connects_indexes_nothing_and_stalls_noth
         assert engines <= {address(e) for e in topo.engines}  # no engine of the attacker's
         # the engines' streams live on: the holder is indexed again from its next batches
         await fill(topo, holder, f"{words(100, 40)} w2")
+
+
+async def test_serve_indexes_engines_that_connect_and_routes_by_what_they_hold(
+    model_dir: Path,
+) -> None:
+    """`pd-extproc serve` beside its own Envoy: the same listener, the same index."""
+    port = free_port()
+    async with (
+        split_topology(
+            engine_flags=connecting_engine_flags(model_dir, port),
+            pool={"policy": "kv_cache", "kv_events": {"mode": "listen"}},
+            tokenizer=str(model_dir),
+            kv_listener={"port": port},
+        ) as split,
+        aiohttp.ClientSession() as session,
+    ):
+        prefill = split.cfg.prefill.endpoints[0].address
+
+        async def page() -> dict[str, float]:
+            return await scrape(session, split.metrics + "/metrics")
+
+        async def send(prompt: str) -> None:
+            async with session.post(
+                f"http://{prefill}/v1/completions", data=completion_body(prompt)
+            ) as response:
+                assert response.status == 200
+
+        name = f'pd_extproc_kv_event_batches_total{{endpoint="{prefill}",outcome="applied"}}'
+        tries = iter(range(1000))
+
+        async def heard() -> bool:
+            await send(words(300 + 8 * next(tries), 8))
+            return (await page()).get(name, 0) > 0
+
+        await until(heard, "the prefill's KV events heard of")
+        before = (await page()).get(name, 0)
+        shared = words(0, 120)
+        await send(f"{shared} w1 w2")
+
+        async def applied_since() -> bool:
+            return (await page()).get(name, 0) > before
+
+        await until(applied_since, "the prefill's KV events applied")
+        async with session.post(
+            split.url + "/v1/completions", data=completion_body(f"{shared} marker-v w7")
+        ) as response:
+            assert response.status == 200, await response.text()
+        cached = (await page()).get('pd_extproc_kv_cached_prompt_tokens_total{role="prefill"}')
+        assert cached == 120
