@@ -187,6 +187,12 @@ class EventListener:
             )
             return
         self.bound[rank] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info(
+            "KV events: listening on %s for engines that connect (data-parallel rank %d); "
+            "only the engines may reach it",
+            self.bound[rank],
+            rank,
+        )
         task = asyncio.create_task(self._receive(sock, rank), name=f"kv-listener rank {rank}")
         self._sockets[rank] = (sock, task)
 
