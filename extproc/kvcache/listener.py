@@ -193,7 +193,7 @@ class EventListener:
             self.bound[rank],
             rank,
         )
-        task = asyncio.create_task(self._receive(sock, rank), name=f"kv-listener rank {rank}")
+        task = asyncio.create_task(self._receiving(sock, rank), name=f"kv-listener rank {rank}")
         self._sockets[rank] = (sock, task)
 
     def _read_relay(self) -> None:
@@ -204,7 +204,10 @@ class EventListener:
         sock = zmq_socket(self._context, zmq.SUB, self._limits)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(self._relay_endpoint)
-        self._sockets[-1] = (sock, asyncio.create_task(self._receive(sock, None), name="kv-relay"))
+        self._sockets[-1] = (
+            sock,
+            asyncio.create_task(self._receiving(sock, None), name="kv-relay"),
+        )
 
     def _rank_port(self, rank: int) -> int:
         """Rank `rank`'s port: vLLM's rank r connects to the port plus r (with port 0, the
@@ -214,6 +217,26 @@ class EventListener:
 
     def _host(self) -> str:
         return f"[{self.host}]" if ":" in self.host else self.host
+
+    async def _receiving(self, sock: zmq.asyncio.Socket, rank: int | None) -> None:
+        """`_receive`, restarted after a backoff should it ever fail (a bug, a library's
+        surprise): the engines' streams keep their entries, and a lost message is a gap."""
+        backoff = self._limits.restart_backoff_s
+        while True:
+            try:
+                await self._receive(sock, rank)
+            except Exception as exc:
+                name = "relay" if rank is None else f"rank {rank}"
+                self._metrics.kv_event_subscriber_restarts.labels(f"listener {name}").inc()
+                log.error(
+                    "KV events: the listener's %s receiver failed (%s: %.200s); restarting in %g s",
+                    name,
+                    type(exc).__name__,
+                    exc,
+                    backoff,
+                )
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, self._limits.max_restart_backoff_s)
 
     async def _receive(self, sock: zmq.asyncio.Socket, rank: int | None) -> None:
         """`rank`: the socket's; None for the relay, whose first frame says it."""

@@ -258,3 +258,25 @@ async def test_watchers_hand_connecting_engines_to_the_listener_and_drop_those_t
     finally:
         await watchers.stop()
     assert listener.bound == {}
+
+
+async def test_a_receiver_that_fails_is_restarted_and_counted(
+    ctx: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    async with listening(ctx, {MEMBER: Listened(MEMBER)}) as (listener, index, metrics):
+        attribute = listener._engine_of
+        failures = iter([True])
+
+        def failing_once(frames: list[bytes], rank: int) -> str | None:
+            if next(failures, False):
+                raise RuntimeError("a bug")
+            return attribute(frames, rank)
+
+        monkeypatch.setattr(listener, "_engine_of", failing_once)
+        pub = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@m")
+        try:
+            await until_indexed(pub, index, MEMBER)
+        finally:
+            pub.close()
+        assert count(metrics.kv_event_subscriber_restarts, "listener rank 0") == 1
+        assert "the listener's rank 0 receiver failed (RuntimeError: a bug)" in caplog.text
