@@ -123,10 +123,6 @@ class EventListener:
         )
         self.bound: dict[int, str] = {}  # rank → the endpoint bound (port 0: the port given)
 
-    def stream(self, engine: str) -> EngineStream | None:
-        fed = self._fed.get(engine)
-        return None if fed is None else fed.stream
-
     async def set_engines(self, engines: Mapping[str, Listened]) -> None:
         """Listen for exactly `engines` (engine → its member, model group and rank)."""
         for engine, fed in list(self._fed.items()):
@@ -165,10 +161,7 @@ class EventListener:
         if rank in self._sockets or rank in self._refused:
             return
         if self._relay_endpoint is not None and self._relay is None:
-            self._relay = self._context.socket(zmq.PUB)
-            self._relay.setsockopt(zmq.SNDHWM, self._limits.receive_hwm)
-            self._relay.setsockopt(zmq.LINGER, 0)
-            self._relay.bind(self._relay_endpoint)
+            self._bind_relay(self._relay_endpoint)
         port = 0 if self.port == 0 and rank == 0 else self._rank_port(rank)
         endpoint = f"tcp://{self._host()}:{port}"
         sock = zmq_socket(self._context, zmq.SUB, self._limits)
@@ -195,6 +188,24 @@ class EventListener:
         )
         task = asyncio.create_task(self._receiving(sock, rank), name=f"kv-listener rank {rank}")
         self._sockets[rank] = (sock, task)
+
+    def _bind_relay(self, endpoint: str) -> None:
+        relay = self._context.socket(zmq.PUB)
+        relay.setsockopt(zmq.SNDHWM, self._limits.receive_hwm)
+        relay.setsockopt(zmq.LINGER, 0)
+        try:
+            relay.bind(endpoint)
+        except zmq.ZMQError as error:
+            relay.close(linger=0)
+            self._relay_endpoint = None  # logged once; this process still indexes the engines
+            log.error(
+                "KV events: cannot relay to the other ext_proc processes on %s (%s); they "
+                "route those engines without their events",
+                endpoint,
+                error,
+            )
+            return
+        self._relay = relay
 
     def _read_relay(self) -> None:
         """Another process binds the engines' ports: read what it relays (`(rank, topic,

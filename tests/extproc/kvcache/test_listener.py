@@ -280,3 +280,16 @@ async def test_a_receiver_that_fails_is_restarted_and_counted(
             pub.close()
         assert count(metrics.kv_event_subscriber_restarts, "listener rank 0") == 1
         assert "the listener's rank 0 receiver failed (RuntimeError: a bug)" in caplog.text
+
+
+async def test_a_relay_that_cannot_be_bound_is_one_line_and_the_listener_still_indexes(
+    ctx: Any, tmp_path: Any, caplog: Any
+) -> None:
+    relay = f"ipc://{tmp_path / 'gone' / 'relay'}"
+    async with listening(ctx, {MEMBER: Listened(MEMBER)}, relay=relay) as (listener, index, _):
+        assert "cannot relay to the other ext_proc processes" in caplog.text
+        pub = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@m")
+        try:
+            await until_indexed(pub, index, MEMBER)
+        finally:
+            pub.close()
