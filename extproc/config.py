@@ -255,6 +255,40 @@ class KvEventsConfig(_Strict):
     port: int = Field(default=5557, gt=0, lt=65536)  # the engines' ZMQ PUB `endpoint`
     replay_port: int | None = Field(default=5558, gt=0, lt=65536)  # `replay_endpoint`; null: none
     topic: str = ""
+    # subscribe: the sidecar connects to each engine's PUB socket (`tcp://*:port` in vLLM's
+    # config). listen: the engines connect to the sidecar's `kv_listener` with llm-d's topic
+    # `kv@<pod IP>@<model>`; their replay sockets are asked only where replay_port is set.
+    mode: Literal["subscribe", "listen"] = "subscribe"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _listen_replays_where_told(cls, data: Any) -> Any:
+        """A connecting publisher's replay socket is asked only where replay_port is set."""
+        if isinstance(data, dict) and data.get("mode") == "listen":
+            return {"replay_port": None, **data}
+        return data
+
+
+class KvListenerConfig(_Strict):
+    """Where the sidecar listens for the KV events of engines that connect to it (pools with
+    `kv_events: {mode: listen}`); rank r of a data-parallel engine connects to `port + r`.
+    Only the engines may reach it: keep it on loopback or a network only they are on."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=5557, gt=0, lt=65536)
+    # Set by `up` for its ext_proc processes (extproc.workers), not by hand: one binds the
+    # port (listen) and passes what it receives on at `relay`, which the others read.
+    listen: bool = True
+    relay: str | None = None
+
+    @field_validator("host")
+    @classmethod
+    def _ip(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"an IP address to bind (got {value!r})") from None
+        return value
 
 
 class PoolConfig(_Strict):
@@ -890,6 +924,7 @@ class Config(_Strict):
     # routing (a pool's kv_events) needs the ids the engines hash.
     tokenizer: TokenizerPath = None
     kv_index: KvIndexConfig = KvIndexConfig()
+    kv_listener: KvListenerConfig = KvListenerConfig()
     dispatch: DispatchConfig = DispatchConfig()
     decision: DecisionConfig = DecisionConfig()
     admission: AdmissionConfig = AdmissionConfig()

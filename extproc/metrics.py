@@ -329,6 +329,14 @@ class Metrics:
             ["endpoint"],
             registry=r,
         )
+        self.kv_event_unattributed = Counter(
+            "pd_extproc_kv_event_unattributed",
+            "Messages on the socket engines connect to (kv_listener) dropped unread, by why: "
+            "unknown_topic (naming no pool member followed there), ambiguous_topic (naming "
+            "several), malformed (not a topic, a sequence number and a batch).",
+            ["reason"],
+            registry=r,
+        )
         self.kv_routed_prompt_tokens = Counter(
             "pd_extproc_kv_routed_prompt_tokens",
             "Prompt tokens of requests routed by the KV cache, by the role they went to.",

@@ -29,7 +29,9 @@ from extproc.engines.scrape_plan import scrape_plan
 from extproc.engines.scraper import EngineScraper
 from extproc.engines.startup_summary import startup_summary, summary_is_clean
 from extproc.kvcache.index import KvIndex
+from extproc.kvcache.listener import EventListener
 from extproc.kvcache.routing import KvRouting, approximated_groups, event_sources, kv_groups
+from extproc.kvcache.watchers import KvEventWatchers
 from extproc.membership.discovery import Discovery
 from extproc.membership.eds import Memberships, pool_cluster_name
 from extproc.metrics import Metrics
@@ -68,6 +70,7 @@ RELOAD: dict[str, str] = {
     "models": REBUILT,
     "tokenizer": REBUILT,  # KV-cache routing's tokenizers, loaded anew for a new path
     "kv_index": RESTART,  # the index is built once
+    "kv_listener": RESTART,  # its sockets are bound once
     "dispatch": LIVE,
     "dispatch.mode": REBUILT,
     "dispatch.flap_threshold": REBUILT,  # the identity cache's flap settings
@@ -155,7 +158,19 @@ class Runtime:
             on_change=self._endpoint_changed(Role.DECODE),
         )
         # KV-cache routing: an index of what the engines hold, fed by their KV events
-        self.kv = KvRouting(KvIndex(config.kv_index.max_blocks), self.metrics)
+        index = KvIndex(config.kv_index.max_blocks)
+        listening = config.kv_listener
+        listener = EventListener(
+            listening.host,
+            listening.port,
+            index,
+            self.metrics,
+            listen=listening.listen,
+            relay=listening.relay,
+        )
+        self.kv = KvRouting(
+            index, self.metrics, KvEventWatchers(index, self.metrics, listener=listener)
+        )
         self.kv.configure(kv_groups(config), approximated_groups(config))
         self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics, self.kv)
         for pool in (self.prefill, self.decode):

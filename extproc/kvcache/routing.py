@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from extproc.config import Config, KvEventsConfig, PoolConfig, parse_host_port
 from extproc.kvcache.index import KvIndex
@@ -328,6 +328,8 @@ def event_sources(
                 continue
             for address in members[model].get(role, ()):
                 source = _source(pool.kv_events, pool, address)
+                if pool.kv_events.mode == "listen":
+                    source = replace(source, endpoint="", topic="", address=address, model=model)
                 ranks = ranks_of(role, address)
                 if ranks <= 1:
                     sources[address] = source
@@ -340,12 +342,14 @@ def event_sources(
 def _of_rank(source: EventSource, address: str, rank: int) -> EventSource:
     """Rank `rank`'s sockets: vLLM adds the rank to each TCP port (it refuses an ipc endpoint
     with data parallelism; an inproc one never leaves its process)."""
-    return EventSource(
-        _offset(source.endpoint, rank),
-        None if source.replay_endpoint is None else _offset(source.replay_endpoint, rank),
-        source.topic,
-        address,
-        rank,
+    return replace(
+        source,
+        endpoint=_offset(source.endpoint, rank),
+        replay_endpoint=None
+        if source.replay_endpoint is None
+        else _offset(source.replay_endpoint, rank),
+        address=address,
+        rank=rank,
     )
 
 

@@ -26,7 +26,7 @@ from extproc.config import Config
 from extproc.process.cpus import available_cpus, worker_count, workers_above_cpus
 from extproc.process.envoy_process import EnvoyProcess
 from extproc.process.extproc_service import ExtProcService
-from extproc.process.workers import WorkerProcesses, limits_share
+from extproc.process.workers import WorkerProcesses, kv_relay, limits_share
 
 __all__ = ["Sidecar", "SidecarAddresses"]
 
@@ -153,8 +153,13 @@ class Sidecar:
         self.config = config
 
     def _share(self, config: Config) -> Config:
-        """This process's part of the limits the sidecar's processes share."""
-        return limits_share(config, self.processes)
+        """This process's part of the limits the sidecar's processes share; with others,
+        it relays the KV events engines send it to them."""
+        shared = limits_share(config, self.processes)
+        if self.processes <= 1:
+            return shared
+        relay = config.kv_listener.model_copy(update={"relay": kv_relay(self.run_dir)})
+        return shared.model_copy(update={"kv_listener": relay})
 
     async def failed(self) -> str:
         """Envoy exited by itself."""

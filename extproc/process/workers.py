@@ -27,7 +27,7 @@ import yaml
 from extproc.config import AdmissionLimits, Config
 from extproc.process.subprocesses import terminate
 
-__all__ = ["WorkerProcesses", "limits_share"]
+__all__ = ["WorkerProcesses", "kv_relay", "limits_share"]
 
 
 def limits_share(config: Config, processes: int) -> Config:
@@ -53,8 +53,13 @@ def limits_share(config: Config, processes: int) -> Config:
     )
 
 
+def kv_relay(run_dir: Path) -> str:
+    """Where the main ext_proc passes on the KV events engines send it, for the others."""
+    return f"ipc://{run_dir / 'kv-events.relay'}"
+
+
 def _worker_config(
-    config: Config, index: int, private: Path | None, processes: int
+    config: Config, index: int, private: Path | None, processes: int, run_dir: Path
 ) -> dict[str, Any]:
     """`private`: the run directory whose Unix sockets `up`'s ext_procs listen on;
     `processes`: how many share the limits, this one too."""
@@ -67,6 +72,8 @@ def _worker_config(
     else:
         extproc["port"] = 0
     extproc["workers"] = 1
+    # the main process binds the KV events' port and relays what it hears (`kv_relay`)
+    data["kv_listener"] |= {"listen": False, "relay": kv_relay(run_dir)}
     if private is not None:  # `up`: EDS and the access log on each worker's socket too
         extproc.pop("eds_access_log", None)
     data["metrics"]["port"] = 0
@@ -113,7 +120,7 @@ class WorkerProcesses:
     async def _spawn(self, index: int) -> Path:
         config_path = self._config_path(index)
         ready = self.run_dir / f"worker-{index}.ready"
-        data = _worker_config(self.config, index, self._private, self._sharing)
+        data = _worker_config(self.config, index, self._private, self._sharing, self.run_dir)
         config_path.write_text(yaml.safe_dump(data))
         with (self.run_dir / f"worker-{index}.log").open("wb") as log:
             self.processes.append(
@@ -139,7 +146,9 @@ class WorkerProcesses:
         """Hand a reloaded config to every worker (its file rewritten, then SIGHUP)."""
         self.config = config
         for index, process in enumerate(self.processes, start=1):
-            text = yaml.safe_dump(_worker_config(config, index, self._private, self._sharing))
+            text = yaml.safe_dump(
+                _worker_config(config, index, self._private, self._sharing, self.run_dir)
+            )
             await asyncio.to_thread(self._config_path(index).write_text, text)
             if process.returncode is None:
                 process.send_signal(signal.SIGHUP)

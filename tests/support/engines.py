@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -21,11 +21,19 @@ def address(engine: EngineHandle) -> str:
 
 
 async def start_engines(
-    stack: contextlib.AsyncExitStack, count: int, connector: str, flags: Sequence[str] = ()
+    stack: contextlib.AsyncExitStack,
+    count: int,
+    connector: str,
+    flags: Sequence[str] | Callable[[], Sequence[str]] = (),
 ) -> list[EngineHandle]:
-    """`count` engines with this KV connector, stopped when `stack` closes."""
+    """`count` engines with this KV connector, stopped when `stack` closes. `flags`: the
+    same for each, or made for each (a callable)."""
     return [
-        await stack.enter_async_context(running_engine("--kv-transfer-config", connector, *flags))
+        await stack.enter_async_context(
+            running_engine(
+                "--kv-transfer-config", connector, *(flags() if callable(flags) else flags)
+            )
+        )
         for _ in range(count)
     ]
 
@@ -46,6 +54,13 @@ async def clear_engines(session: aiohttp.ClientSession, engines: Sequence[Engine
             pass
         async with session.delete(engine.url + "/sim/faults"):
             pass
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for a process that must be told it before it starts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def two_free_ports() -> int:

@@ -137,7 +137,7 @@ async def epp_topology(
     n_prefill: int = 1,
     n_decode: int = 1,
     connectors: tuple[str, str] = PUSH,
-    engine_flags: Sequence[str] = (),
+    engine_flags: Sequence[str] | Callable[[], Sequence[str]] = (),
     endpoint: Callable[[EngineHandle], Any] = address,
     **config: Any,
 ) -> AsyncIterator[GatewayTopology]:

@@ -5,6 +5,7 @@ tokenize with, engines with a prefix cache publishing vLLM's KV events, and thei
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from extproc.policies import PrefixPicker
 from extproc.request.parse import Api, parse_request
 from extproc.request.plan import pick_request
 from extproc.scheduling.pool import EndpointState
+from tests.support.engines import free_port
 from tests.support.topology import MODEL, address
 from vllmsim.launcher import FAST, EngineHandle
 
@@ -101,6 +103,31 @@ def engine_flags(model_dir: Path) -> tuple[str, ...]:
         "--kv-events-config",
         EVENTS,
     )
+
+
+def connecting_engine_flags(model_dir: Path, listener_port: int) -> Callable[[], tuple[str, ...]]:
+    """Flags for engines set up as llm-d sets them up: each one's KV event publisher connects
+    to the sidecar's listener (`tcp://127.0.0.1:<listener_port>`) with the topic
+    `kv@<its address>@<model>`. Every engine here shares 127.0.0.1, so the topic names its
+    `ip:port` (llm-d's pods have an IP each: `kv@<pod IP>@<model>`); its HTTP port is picked
+    before it starts, for the topic."""
+
+    def flags() -> tuple[str, ...]:
+        port = free_port()
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{listener_port}",
+            "topic": f"kv@127.0.0.1:{port}@{MODEL}",
+        }
+        return (
+            *engine_flags(model_dir)[:-1],  # all but the events' JSON, given here instead
+            json.dumps(events),
+            "--port",
+            str(port),
+        )
+
+    return flags
 
 
 def kv_pool(policy: str = "kv_cache") -> dict[str, Any]:

@@ -9,8 +9,9 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -120,18 +121,29 @@ def as_buffered(bootstrap: dict) -> dict:
 
 @contextlib.asynccontextmanager
 async def split_topology(
-    decode_dns: str | None = None, buffered: bool = False, **overrides: dict
+    decode_dns: str | None = None,
+    buffered: bool = False,
+    engine_flags: Callable[[], Sequence[str]] = tuple,
+    pool: dict | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[Split]:
+    """`engine_flags`: more flags, made for each engine; `pool`: more keys of both pools."""
     async with (
-        running_engine("--kv-transfer-config", PUSH_P) as p,
-        running_engine("--kv-transfer-config", PUSH_D, "--step-base-ms", "20") as d,
+        running_engine("--kv-transfer-config", PUSH_P, *engine_flags()) as p,
+        running_engine(
+            "--kv-transfer-config", PUSH_D, "--step-base-ms", "20", *engine_flags()
+        ) as d,
     ):
         with tempfile.TemporaryDirectory(prefix="pd-split-") as tmp:
             split = Split(
                 Path(tmp),
                 {
-                    "prefill": {"endpoints": [f"127.0.0.1:{p.port}"]},
-                    "decode": {"endpoints": [f"127.0.0.1:{d.port}"], "dns": decode_dns},
+                    "prefill": {"endpoints": [f"127.0.0.1:{p.port}"], **(pool or {})},
+                    "decode": {
+                        "endpoints": [f"127.0.0.1:{d.port}"],
+                        "dns": decode_dns,
+                        **(pool or {}),
+                    },
                     "extproc": {"host": f"unix:{tmp}/extproc.sock"},
                     "metrics": {"port": 0, "ready_detail": True},
                     "envoy": {"listen": {"port": 0}},

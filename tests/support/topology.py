@@ -154,7 +154,7 @@ async def topology(
     n_prefill: int = 1,
     n_decode: int = 1,
     connectors: tuple[str, str] = PUSH,
-    engine_flags: Sequence[str] = (),
+    engine_flags: Sequence[str] | Callable[[], Sequence[str]] = (),
     extra_prefills: Sequence[EngineHandle] = (),
     endpoint: Callable[[EngineHandle], Any] = address,
     **config: Any,

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import msgpack
 import pytest
+import zmq
 
 from tests.support.engines import two_free_ports
 from tests.vllmsim.kv_event_helpers import (
@@ -300,3 +301,40 @@ async def test_a_taken_port_after_rank_zeros_moves_every_rank_elsewhere(
     finally:
         for p in publishers:
             await p.close()
+
+
+async def test_an_endpoint_naming_a_host_connects_each_rank_to_its_port_with_the_topic(
+    http: aiohttp.ClientSession,
+) -> None:
+    """llm-d's topology, as vLLM does it: the PUB socket connects (the subscriber binds), rank
+    r to the port plus r, every batch with the topic and its rank."""
+    port = two_free_ports()
+    ctx: zmq.Context[Any] = zmq.Context()
+    subs = []
+    for rank in (0, 1):
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.bind(f"tcp://127.0.0.1:{port + rank}")
+        subs.append(sock)
+    flag = events_flag(topic="kv@10.0.0.7@sim-model", endpoint=f"tcp://127.0.0.1:{port}")
+    try:
+        async with running_engine(*FAST, "-dp", "2", *flag, env=LOOPBACK_ENV) as eng:
+            assert [r["kv_events_endpoint"] for r in eng.ranks] == [
+                f"tcp://127.0.0.1:{port}",
+                f"tcp://127.0.0.1:{port + 1}",
+            ]
+            for rank in (0, 1):
+                got = None
+                for first in range(1, 60):  # the first batches are lost while ZMQ connects
+                    await on_rank(http, eng, tokens(100 * rank + first, 40), rank)
+                    if subs[rank].poll(200):
+                        got = subs[rank].recv_multipart()
+                        break
+                assert got is not None, f"rank {rank} published nothing"
+                topic, _, payload = got
+                assert topic == b"kv@10.0.0.7@sim-model"
+                assert msgpack.unpackb(payload)[2] == rank
+    finally:
+        for sock in subs:
+            sock.close(linger=0)
+        ctx.term()

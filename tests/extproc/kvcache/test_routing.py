@@ -87,6 +87,31 @@ def test_a_static_endpoint_may_name_its_own_sockets(tokenizer_dir: Path) -> None
     }
 
 
+def test_members_that_connect_to_the_listener_are_followed_by_address_model_and_rank(
+    tokenizer_dir: Path,
+) -> None:
+    """`kv_events: {mode: listen}`: no socket of the engine's to subscribe to; its member,
+    model group and rank, and a replay socket only where replay_port is set."""
+    cfg = parse_config(
+        {
+            "prefill": {"endpoints": [P1], "kv_events": {"mode": "listen"}},
+            "decode": {"endpoints": [D1], "kv_events": {"mode": "listen", "replay_port": 7100}},
+            "tokenizer": str(tokenizer_dir),
+        }
+    )
+    assert cfg.kv_listener.host == "127.0.0.1"  # reachable from this host alone by default
+    members = {"": {Role.PREFILL: [P1], Role.DECODE: [D1]}}
+    ranks = {P1: 1, D1: 2}
+    sources = event_sources(cfg, members, {""}, lambda role, address: ranks[address])
+    assert sources == {
+        P1: EventSource("", None, "", P1, None, ""),
+        f"{D1} dp0": EventSource("", "tcp://10.0.0.3:7100", "", D1, 0, ""),
+        f"{D1} dp1": EventSource("", "tcp://10.0.0.3:7101", "", D1, 1, ""),
+    }
+    with pytest.raises(ConfigError, match="an IP address to bind"):
+        parse_config({**config(None), "kv_listener": {"host": "gateway-epp"}})
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [

@@ -1,0 +1,295 @@
+"""Engines that connect to the sidecar (llm-d's topology), over real ZMQ sockets on 127.0.0.1:
+a batch is indexed under the member its topic names (by IP or ip:port, each data-parallel rank on
+the port plus its rank); the first batch seen starts the stream (ZMQ's slow joiner loses the
+ones before); a gap without a replay resets the engine; and a hostile publisher (topics naming
+no member, malformed messages, oversized batches, a flood) indexes nothing of its own, is counted
+and holds the event loop under 0.25 s."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest_asyncio
+import zmq
+import zmq.asyncio
+
+from extproc.kvcache.index import KvIndex
+from extproc.kvcache.listener import EventListener, Listened, topic_who
+from extproc.kvcache.watchers import EventSource, KvEventWatchers
+from extproc.metrics import Metrics
+from extproc.stopping import cancel_and_wait
+from tests.extproc.kvcache.kv_events_helpers import batch, chain
+from tests.support.polling import until_true
+
+TOKENS = list(range(1, 33))
+MEMBER = "10.0.0.7:8000"
+STALL_BOUND_S = 0.25
+
+
+@pytest_asyncio.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.term()
+
+
+@contextlib.asynccontextmanager
+async def listening(
+    ctx: zmq.asyncio.Context, engines: dict[str, Listened], relay: str | None = None
+) -> AsyncIterator[tuple[EventListener, KvIndex, Metrics]]:
+    index, metrics = KvIndex(max_blocks=10_000), Metrics()
+    listener = EventListener("127.0.0.1", 0, index, metrics, context=ctx, relay=relay)
+    await listener.set_engines(engines)
+    try:
+        yield listener, index, metrics
+    finally:
+        await listener.stop()
+
+
+class Publisher:
+    """A vLLM publisher whose endpoint names a host: its PUB socket connects, with a topic."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, topic: str, seq: int = 0):
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.connect(endpoint)
+        self.topic = topic.encode()
+        self.seq = seq
+
+    async def send(self, payload: bytes) -> None:
+        seq, self.seq = self.seq, self.seq + 1
+        await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    async def raw(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+
+
+def count(metric: Any, *labels: str) -> float:
+    return float(metric.labels(*labels)._value.get())
+
+
+def held(index: KvIndex, tokens: list[int] = TOKENS) -> dict[str, int]:
+    """Per engine that holds any: its leading blocks of `tokens`."""
+    return {engine: n for engine, n in index.longest_prefix(tokens).items() if n}
+
+
+async def until_indexed(pub: Publisher, index: KvIndex, engine: str, blocks: int = 4) -> None:
+    """Publish the prompt's blocks until the engine holds them (the first batches of a
+    connecting publisher are lost while it joins)."""
+    async with asyncio.timeout(10):
+        while held(index, TOKENS[: 4 * blocks]).get(engine) != blocks:
+            await pub.send(batch(chain(1, TOKENS[: 4 * blocks])))
+            await asyncio.sleep(0.02)
+
+
+def test_topics_name_who_and_model() -> None:
+    assert topic_who(b"kv@10.0.0.7@meta-llama/Llama-3.1-8B") == (
+        "10.0.0.7",
+        "meta-llama/Llama-3.1-8B",
+    )
+    assert topic_who(b"kv@fd00::1@m") == ("fd00::1", "m")
+    for other in (b"", b"kv", b"kv@@m", b"ev@10.0.0.7@m", b"kv@\xff@m", b"kv@" + b"1" * 600):
+        assert topic_who(other) is None
+
+
+async def test_an_engine_that_connects_is_indexed_under_the_member_its_topic_names(
+    ctx: Any,
+) -> None:
+    engines = {MEMBER: Listened(MEMBER), "10.0.0.8:8000": Listened("10.0.0.8:8000")}
+    async with listening(ctx, engines) as (listener, index, metrics):
+        pub = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@some-model", seq=40)
+        try:
+            await until_indexed(pub, index, MEMBER)
+            assert held(index) == {MEMBER: 4}
+            # joined at 40 (the slow joiner lost what came before): a start, not a gap
+            assert count(metrics.kv_index_resets, MEMBER, "gap") == 0
+            pub.seq += 3  # three batches lost on the way, and no replay socket to ask
+            await pub.send(batch())
+            await until_true(lambda: count(metrics.kv_index_resets, MEMBER, "gap") == 1, "gap")
+            assert held(index) == {}
+        finally:
+            pub.close()
+
+
+async def test_engines_sharing_a_host_are_told_apart_by_address_and_model(ctx: Any) -> None:
+    engines = {
+        "10.0.0.7:8000": Listened("10.0.0.7:8000", "a"),
+        "10.0.0.7:8001": Listened("10.0.0.7:8001", "b"),
+    }
+    async with listening(ctx, engines) as (listener, index, _):
+        by_address = Publisher(ctx, listener.bound[0], "kv@10.0.0.7:8001@whatever")
+        by_model = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@a")
+        try:
+            await until_indexed(by_address, index, "10.0.0.7:8001")
+            await until_indexed(by_model, index, "10.0.0.7:8000")
+        finally:
+            by_address.close()
+            by_model.close()
+
+
+async def test_a_data_parallel_rank_connects_to_the_port_plus_its_rank(ctx: Any) -> None:
+    engines = {f"{MEMBER} dp{r}": Listened(MEMBER, rank=r) for r in (0, 1)}
+    async with listening(ctx, engines) as (listener, index, _):
+        base = int(listener.bound[0].rpartition(":")[2])
+        assert listener.bound[1].endswith(f":{base + 1}")
+        pub = Publisher(ctx, listener.bound[1], "kv@10.0.0.7@m")
+        try:
+            await until_indexed(pub, index, f"{MEMBER} dp1")
+            assert held(index) == {f"{MEMBER} dp1": 4}
+        finally:
+            pub.close()
+
+
+async def test_a_hostile_publisher_indexes_nothing_is_counted_and_does_not_stall_the_loop(
+    ctx: Any,
+) -> None:
+    async with listening(ctx, {MEMBER: Listened(MEMBER)}) as (
+        listener,
+        index,
+        metrics,
+    ):
+        engine = Publisher(ctx, listener.bound[0], f"kv@{MEMBER}@m")
+        hostile = Publisher(ctx, listener.bound[0], "kv@10.6.6.6@m")
+        try:
+            await until_indexed(engine, index, MEMBER)
+            worst = 0.0
+            stop = asyncio.Event()
+
+            async def tick() -> None:
+                nonlocal worst
+                while not stop.is_set():
+                    before = time.perf_counter()
+                    await asyncio.sleep(0.005)
+                    worst = max(worst, time.perf_counter() - before - 0.005)
+
+            ticker = asyncio.create_task(tick())
+            big = batch(*(chain(10_000 + 2 * i, [i + t for t in range(8)]) for i in range(4000)))
+            for _ in range(30):  # a flood of large batches naming no member
+                await hostile.send(big)
+            for _ in range(2000):  # and of small ones, and of wrong shapes
+                await hostile.send(batch(chain(500, TOKENS[:8])))
+                await hostile.raw([b"kv@10.6.6.6@m", b"x"])
+                await hostile.raw([b"not-a-topic", b"\0" * 8, b"x"])
+            # a large batch of the engine's own, applied in slices between which the loop runs
+            await engine.send(
+                batch(*(chain(10**6 + 2 * i, [i + t for t in range(8)]) for i in range(20_000)))
+            )
+            await engine.send(b"\xc1")  # a malformed batch from the engine itself
+            await engine.send(b"\0" * (9 << 20))  # and an oversized one
+            # ZMQ drops what overflows its queues: some of each arrive, not all
+            await until_true(
+                lambda: (
+                    count(metrics.kv_event_batches, MEMBER, "oversized") == 1
+                    and count(metrics.kv_event_unattributed, "unknown_topic") >= 20
+                    and count(metrics.kv_event_unattributed, "malformed") >= 20
+                ),
+                "the hostile messages counted",
+                20,
+            )
+            stop.set()
+            await cancel_and_wait([ticker])
+            assert worst < STALL_BOUND_S, worst
+            assert count(metrics.kv_event_batches, MEMBER, "malformed") == 1
+            assert index.engines() == [MEMBER]  # the hostile topic made no engine
+            assert held(index, TOKENS[:8]) == {}  # its blocks went nowhere
+            await until_indexed(engine, index, MEMBER)  # the engine's stream lives on
+        finally:
+            engine.close()
+            hostile.close()
+
+
+async def test_a_process_that_does_not_listen_reads_what_the_listening_one_relays(
+    ctx: Any, tmp_path: Any
+) -> None:
+    """`extproc.workers`: one process binds and relays what it attributed (with the rank);
+    another reads it, attributing it again, and binds nothing."""
+    relay = f"ipc://{tmp_path / 'relay'}"
+    engines = {f"{MEMBER} dp{r}": Listened(MEMBER, rank=r) for r in (0, 1)}
+    index, metrics = KvIndex(max_blocks=10_000), Metrics()
+    reader = EventListener("127.0.0.1", 0, index, metrics, context=ctx, listen=False, relay=relay)
+    await reader.set_engines(engines)
+    try:
+        async with listening(ctx, engines, relay=relay) as (listener, _, _):
+            assert reader.bound == {}
+            pub = Publisher(ctx, listener.bound[1], "kv@10.0.0.7@m")
+            hostile = Publisher(ctx, listener.bound[1], "kv@10.6.6.6@m")
+            try:
+                await hostile.send(batch(chain(500, TOKENS[:8])))
+                await until_indexed(pub, index, f"{MEMBER} dp1")  # rank 1, in the reader
+                assert index.engines() == sorted(engines)  # no engine of the attacker's
+            finally:
+                pub.close()
+                hostile.close()
+    finally:
+        await reader.stop()
+
+
+async def test_watchers_hand_connecting_engines_to_the_listener_and_drop_those_that_leave(
+    ctx: Any,
+) -> None:
+    index, metrics = KvIndex(max_blocks=10_000), Metrics()
+    listener = EventListener("127.0.0.1", 0, index, metrics, context=ctx)
+    watchers = KvEventWatchers(index, metrics, context=ctx, listener=listener)
+    other = "10.0.0.8:8000"
+    try:
+        await watchers.set_sources(
+            {MEMBER: EventSource("", address=MEMBER), other: EventSource("", address=other)}
+        )
+        assert sorted(index.engines()) == sorted([MEMBER, other])
+        pub = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@m")
+        try:
+            await until_indexed(pub, index, MEMBER)
+            await watchers.set_sources({other: EventSource("", address=other)})  # it left
+            assert index.engines() == [other] and held(index) == {}
+            await pub.send(batch(chain(1, TOKENS[:16])))
+            await until_true(
+                lambda: count(metrics.kv_event_unattributed, "unknown_topic") >= 1, "dropped"
+            )
+            assert index.engines() == [other]
+        finally:
+            pub.close()
+    finally:
+        await watchers.stop()
+    assert listener.bound == {}
+
+
+async def test_a_receiver_that_fails_is_restarted_and_counted(
+    ctx: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    async with listening(ctx, {MEMBER: Listened(MEMBER)}) as (listener, index, metrics):
+        attribute = listener._engine_of
+        failures = iter([True])
+
+        def failing_once(frames: list[bytes], rank: int) -> str | None:
+            if next(failures, False):
+                raise RuntimeError("a bug")
+            return attribute(frames, rank)
+
+        monkeypatch.setattr(listener, "_engine_of", failing_once)
+        pub = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@m")
+        try:
+            await until_indexed(pub, index, MEMBER)
+        finally:
+            pub.close()
+        assert count(metrics.kv_event_subscriber_restarts, "listener rank 0") == 1
+        assert "the listener's rank 0 receiver failed (RuntimeError: a bug)" in caplog.text
+
+
+async def test_a_relay_that_cannot_be_bound_is_one_line_and_the_listener_still_indexes(
+    ctx: Any, tmp_path: Any, caplog: Any
+) -> None:
+    relay = f"ipc://{tmp_path / 'gone' / 'relay'}"
+    async with listening(ctx, {MEMBER: Listened(MEMBER)}, relay=relay) as (listener, index, _):
+        assert "cannot relay to the other ext_proc processes" in caplog.text
+        pub = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@m")
+        try:
+            await until_indexed(pub, index, MEMBER)
+        finally:
+            pub.close()
