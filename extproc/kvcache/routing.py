@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from extproc.config import Config, KvEventsConfig, PoolConfig, parse_host_port
 from extproc.kvcache.index import KvIndex
 from extproc.kvcache.routed import RoutedBlocks
-from extproc.kvcache.tokens import OffLoopTokenizer, RequestTokenizer, TokenizerFilesError
+from extproc.kvcache.tokenize_pool import OffLoopTokenizer
+from extproc.kvcache.tokens import TokenizerFilesError
 from extproc.kvcache.watchers import EventSource, KvEventWatchers
 from extproc.metrics import Metrics
 from extproc.roles import Role
@@ -62,6 +63,7 @@ class KvRouting:
         self._by_path: dict[str, OffLoopTokenizer] = {}
         self._by_group: dict[str, OffLoopTokenizer] = {}
         self._warned: set[str] = set()
+        self._context: dict[str, int] = {}  # model group → the longest prompt its engines run
         self._wanted: dict[str, EventSource] = {}
         self._rank_of: dict[str, tuple[str, int]] = {}  # a rank's engine → (server, rank)
         self._ranks: dict[str, list[str]] = {}  # a data-parallel server → its ranks' engines
@@ -93,10 +95,12 @@ class KvRouting:
     def _load(self, path: str) -> OffLoopTokenizer | None:
         if path not in self._by_path:
             try:
-                self._by_path[path] = OffLoopTokenizer(RequestTokenizer.from_path(path))
+                self._by_path[path] = OffLoopTokenizer(path)
             except TokenizerFilesError as error:
                 self._warn_once(path, f"KV-cache routing is off for {path}: {error}")
                 return None
+            if self._task is not None:  # started: a reload's new tokenizer
+                self._by_path[path].warm()
         return self._by_path[path]
 
     def _warn_once(self, what: str, message: str) -> None:
@@ -111,6 +115,22 @@ class KvRouting:
     def tokenizer_for(self, group: str) -> OffLoopTokenizer | None:
         """The tokenizer of model group `group` if it routes by the KV cache, else None."""
         return self._by_group.get(group)
+
+    def context_length(self, group: str, tokens: int) -> None:
+        """An engine of `group` runs prompts of up to `tokens` tokens (its max_model_len)."""
+        self._context[group] = max(tokens, self._context.get(group, 0))
+
+    def max_chars(self, group: str) -> int | None:
+        """The longest text worth tokenizing for `group`; None while no engine said its context
+        length. Each character of a text lands in one token whose own text is at most the
+        vocabulary's longest, so a longer text is more tokens than any engine of the group
+        runs: it cannot fit, and what the engines hold of it cannot matter. (A tokenizer that
+        drops characters, whitespace for one, could fit it: it is then only routed without
+        the cache, which is always correct.)"""
+        tokenizer, tokens = self._by_group.get(group), self._context.get(group)
+        if tokenizer is None or tokens is None:
+            return None
+        return tokens * tokenizer.longest_token
 
     @property
     def enabled(self) -> bool:
@@ -198,6 +218,8 @@ class KvRouting:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._follow(), name="kv-events follower")
+            for tokenizer in self._by_path.values():
+                tokenizer.warm()
 
     async def _follow(self) -> None:
         while True:

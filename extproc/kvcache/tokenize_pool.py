@@ -1,0 +1,230 @@
+"""Request token ids computed in worker processes, so that no prompt holds the event loop.
+
+`tokenizers`' `encode` keeps the GIL while it works and a chat template renders in Python: on a
+thread of this process either stops the event loop for as long as it runs (a 10 MB prompt took
+seconds). So what grows with the input runs in a few worker processes, each of which loads the
+tokenizer and its template once. The loop hands a worker the request's own JSON members as bytes
+(one copy to pickle, nothing decoded on the loop) and gets the ids back as the bytes of an int32
+array (no per-integer unpickling on the loop). Requests smaller than `inline_below_bytes` run
+inline, where the hand-off would cost the loop more than the work.
+
+Bounded: at most `max_pending` requests are in the workers (counting those whose caller gave up
+and that still run), each awaited for at most `timeout_s`; past either the answer is None and
+the caller routes without the KV index. Text longer than `max_chars` (`KvRouting.max_chars`: what
+the engines' context length allows) is not encoded: its cache cannot matter. A worker that dies
+breaks its pool: the requests in it get None and the next one starts a new pool. `close` ends
+the workers, and a worker whose sidecar died exits on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from array import array
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+import orjson
+
+from extproc.kvcache.tokens import RequestTokenizer
+
+__all__ = ["TOKENIZED_MEMBERS", "OffLoopTokenizer", "members_object", "token_ids"]
+
+log = logging.getLogger("extproc")
+
+# The request members the tokenizer reads, per API (True: chat).
+TOKENIZED_MEMBERS = {
+    True: frozenset(
+        {
+            "messages",
+            "tools",
+            "chat_template_kwargs",
+            "add_generation_prompt",
+            "continue_final_message",
+        }
+    ),
+    False: frozenset({"prompt"}),
+}
+_PARENT_CHECK_S = 1.0  # how often a worker looks for its sidecar
+_IDS = "i"  # int32: vocabulary ids are far below 2**31
+
+
+def members_object(parts: Sequence[tuple[str, bytes]], chat: bool) -> bytes:
+    """The JSON object of the request's members that the tokenizer reads, from their raw bytes
+    (`ClientRequest.parts`: each a complete `"key": value`)."""
+    wanted = TOKENIZED_MEMBERS[chat]
+    return b"{" + b",".join(raw for key, raw in parts if key in wanted) + b"}"
+
+
+def token_ids(
+    tokenizer: RequestTokenizer, chat: bool, doc: Mapping[str, Any], max_chars: int | None
+) -> list[int] | None:
+    """The request's ids as vLLM computes them; None where the text to encode is longer than
+    `max_chars`. Raises ChatTemplateError, TypeError or ValueError where it cannot be had."""
+    if chat:
+        kwargs = doc.get("chat_template_kwargs")
+        tools = doc.get("tools")
+        text = tokenizer.render_chat(
+            doc.get("messages") or [],
+            add_generation_prompt=doc.get("add_generation_prompt", True) is not False,
+            continue_final_message=doc.get("continue_final_message") is True,
+            tools=tools if isinstance(tools, list) else None,
+            template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+        )
+    else:
+        prompt = doc.get("prompt")
+        if not isinstance(prompt, str):
+            raise TypeError("only a string prompt is tokenized")
+        text = prompt
+    if max_chars is not None and len(text) > max_chars:
+        return None
+    return tokenizer.encode(text, add_special_tokens=not chat)
+
+
+# -- in a worker process -----------------------------------------------------------------------
+
+_worker_tokenizer: RequestTokenizer | None = None
+
+
+def _start_worker(path: str, chat_template: str | None, parent: int) -> None:
+    """A worker's initializer: load the tokenizer once; leave Ctrl-C to the sidecar, which
+    closes the pool; exit if the sidecar dies without closing it (a killed sidecar)."""
+    global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker_tokenizer = RequestTokenizer.from_path(path, chat_template)
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        threading.Event().wait(_PARENT_CHECK_S)
+    os._exit(0)
+
+
+def _ready() -> None:
+    """A no-op, for a worker to start (and load its tokenizer) before a request needs it."""
+
+
+def _work(chat: bool, raw: bytes, max_chars: int | None) -> bytes | None:
+    assert _worker_tokenizer is not None  # _start_worker ran
+    try:
+        ids = token_ids(_worker_tokenizer, chat, orjson.loads(raw), max_chars)
+    except Exception:  # a template can fail any way on a client's values: no ids, as inline
+        return None
+    return None if ids is None else array(_IDS, ids).tobytes()
+
+
+# -- in the sidecar ----------------------------------------------------------------------------
+
+
+class OffLoopTokenizer:
+    """A model's tokenizer for the event loop: small requests inline, the rest in `workers`
+    worker processes (spawned: the sidecar's threads, gRPC's and ZeroMQ's, do not survive a
+    fork), each loading the tokenizer from `path` once."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        chat_template: str | None = None,
+        workers: int = 2,
+        max_pending: int = 16,
+        inline_below_bytes: int = 2048,
+        timeout_s: float = 1.0,
+    ) -> None:
+        self.tokenizer = RequestTokenizer.from_path(path, chat_template)  # raises for bad files
+        self.vocab_size = self.tokenizer.vocab_size
+        self.longest_token = self.tokenizer.longest_token
+        self._init = (path, chat_template, os.getpid())
+        self._workers = workers
+        self._max_pending = max_pending
+        self._inline_below = inline_below_bytes
+        self._timeout_s = timeout_s
+        self._pool: ProcessPoolExecutor | None = None
+        self._running: set[Future[bytes | None]] = set()
+
+    def warm(self) -> None:
+        """Start the workers now, so that the first long request finds them loaded."""
+        pool = self._executor()
+        for _ in range(self._workers):
+            pool.submit(_ready)
+
+    async def ids(
+        self, chat: bool, doc: Mapping[str, Any], raw: bytes, max_chars: int | None = None
+    ) -> list[int] | None:
+        """The request's ids (`raw`: `members_object`'s bytes, `doc` the same decoded); None
+        where they cannot be had in time, or the text is longer than `max_chars`."""
+        if len(raw) < self._inline_below:
+            return _inline(self.tokenizer, chat, doc, max_chars)
+        data = await self._in_worker(chat, raw, max_chars)
+        if data is None:
+            return None
+        ids = array(_IDS)
+        ids.frombytes(data)
+        return ids.tolist()
+
+    async def _in_worker(self, chat: bool, raw: bytes, max_chars: int | None) -> bytes | None:
+        self._running = {f for f in self._running if not f.done()}
+        if len(self._running) >= self._max_pending:
+            return None
+        pool = self._executor()
+        try:
+            future = pool.submit(_work, chat, raw, max_chars)
+        except (BrokenProcessPool, RuntimeError):  # broken before this request: a new pool
+            self._replace(pool, "a tokenizer worker had died")
+            return None
+        self._running.add(future)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await asyncio.wrap_future(future)  # cancelling it cancels a queued job
+        except TimeoutError:
+            return None
+        except BrokenProcessPool:
+            self._replace(pool, "a tokenizer worker died")
+            return None
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                self._workers,
+                multiprocessing.get_context("spawn"),
+                initializer=_start_worker,
+                initargs=self._init,
+            )
+        return self._pool
+
+    def _replace(self, pool: ProcessPoolExecutor, why: str) -> None:
+        if pool is self._pool:
+            log.warning("%s; those requests route without the KV cache; new workers start", why)
+            self._pool = None
+            _end(pool)
+            self._running.clear()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            _end(self._pool)
+            self._pool = None
+
+
+def _inline(
+    tokenizer: RequestTokenizer, chat: bool, doc: Mapping[str, Any], max_chars: int | None
+) -> list[int] | None:
+    try:
+        return token_ids(tokenizer, chat, doc, max_chars)
+    except Exception as error:  # a template can fail any way on a client's values: no ids
+        log.debug("request not tokenized for the KV index: %s", error)
+        return None
+
+
+def _end(pool: ProcessPoolExecutor) -> None:
+    """Stop the pool's workers now: one may be deep in a long job nobody waits for."""
+    processes = list((pool._processes or {}).values())  # no public way before 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()

@@ -1,0 +1,178 @@
+"""Request token ids from worker processes: the same ids as inline, the loop free meanwhile,
+and every way out bounded (time, queue, a dead worker, close)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from extproc.kvcache.tokenize_pool import OffLoopTokenizer, members_object, token_ids
+from extproc.kvcache.tokens import RequestTokenizer
+
+WORDS = [f"w{i}" for i in range(100)]
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+STALL_S = 0.25  # the loop's longest wait allowed (the issue's bound), well above noise
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    vocab = {w: i for i, w in enumerate(["<s>", "<unk>", "<user>", *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return tmp_path
+
+
+@pytest.fixture
+async def pool(model_dir: Path) -> AsyncIterator[Callable[..., OffLoopTokenizer]]:
+    made: list[OffLoopTokenizer] = []
+
+    def make(**options: Any) -> OffLoopTokenizer:
+        made.append(OffLoopTokenizer(str(model_dir), **options))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+def text(words: int) -> str:
+    return " ".join(WORDS[i % len(WORDS)] for i in range(words))
+
+
+def completion(prompt: str) -> tuple[dict[str, Any], bytes]:
+    doc = {"model": "m", "prompt": prompt, "max_tokens": 1}
+    return doc, members_object([("prompt", orjson.dumps({"prompt": prompt})[1:-1])], False)
+
+
+def chat(messages: list[dict[str, str]]) -> tuple[dict[str, Any], bytes]:
+    doc = {"model": "m", "messages": messages}
+    return doc, members_object([("messages", orjson.dumps({"messages": messages})[1:-1])], True)
+
+
+async def test_a_worker_gives_the_ids_inline_would(
+    pool: Callable[..., OffLoopTokenizer], model_dir: Path
+) -> None:
+    tokenizer = RequestTokenizer.from_path(model_dir)
+    off = pool(inline_below_bytes=16, workers=1)
+    prompt_doc, prompt_raw = completion(text(500))
+    chat_doc, chat_raw = chat([{"role": "user", "content": text(300)}] * 3)
+    assert await off.ids(False, prompt_doc, prompt_raw) == token_ids(
+        tokenizer, False, prompt_doc, None
+    )
+    assert await off.ids(True, chat_doc, chat_raw) == token_ids(tokenizer, True, chat_doc, None)
+    assert (await off.ids(False, prompt_doc, prompt_raw))[:2] == [0, 3]  # BOS, then w0
+
+
+async def test_a_long_prompt_leaves_the_loop_free(pool: Callable[..., OffLoopTokenizer]) -> None:
+    off = pool(workers=1, timeout_s=60)
+    off.warm()
+    doc, raw = completion(text(600_000))  # ~2.4 MB: seconds of encoding on this loop
+    longest = 0.0
+    done = asyncio.Event()
+
+    async def beat() -> None:
+        nonlocal longest
+        while not done.is_set():
+            before = time.perf_counter()
+            await asyncio.sleep(0.01)
+            longest = max(longest, time.perf_counter() - before - 0.01)
+
+    beating = asyncio.create_task(beat())
+    try:
+        ids = await off.ids(False, doc, raw)
+    finally:
+        done.set()
+        await beating
+    assert ids is not None and len(ids) == 600_001
+    assert longest < STALL_S
+
+
+async def test_past_its_time_or_its_queue_a_request_gets_no_ids(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    off = pool(workers=1, max_pending=1, timeout_s=0.05)
+    doc, raw = completion(text(400_000))
+    assert await off.ids(False, doc, raw) is None  # the job runs on: its slot stays taken
+    small_doc, small_raw = completion(text(2000))
+    assert await off.ids(False, small_doc, small_raw) is None  # the queue is full
+    assert await off.ids(False, *completion("w1")) == [0, 4]  # inline: no slot needed
+
+
+async def test_text_longer_than_max_chars_is_not_encoded(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    off = pool(inline_below_bytes=16)
+    doc, raw = completion(text(1000))
+    assert await off.ids(False, doc, raw, max_chars=len(doc["prompt"]) - 1) is None
+    assert await off.ids(False, doc, raw, max_chars=len(doc["prompt"])) is not None
+    small = completion("w1 w2")
+    assert await off.ids(False, *small, max_chars=4) is None  # inline, the same bound
+
+
+async def test_a_dead_worker_costs_its_request_then_new_workers_serve(
+    pool: Callable[..., OffLoopTokenizer], caplog: pytest.LogCaptureFixture
+) -> None:
+    off = pool(workers=1, timeout_s=30)
+    doc, raw = completion(text(600_000))
+    asking = asyncio.create_task(off.ids(False, doc, raw))
+    pids = await worker_pids(off)
+    os.kill(pids[0], signal.SIGKILL)
+    assert await asking is None
+    assert "a tokenizer worker died" in caplog.text
+    small_doc, small_raw = completion(text(3000))
+    assert await off.ids(False, small_doc, small_raw) is not None
+    assert pids[0] not in await worker_pids(off)
+
+
+async def test_close_ends_a_worker_in_the_middle_of_a_job(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    off = pool(workers=1, timeout_s=0.05)
+    doc, raw = completion(text(1_000_000))
+    assert await off.ids(False, doc, raw) is None  # gave up; the worker encodes on
+    [pid] = await worker_pids(off)
+    off.close()
+    for _ in range(200):
+        if not alive(pid):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"worker {pid} still runs after close")
+
+
+async def worker_pids(off: OffLoopTokenizer) -> list[int]:
+    """The pool's worker processes once one has started (polled, bounded)."""
+    for _ in range(200):
+        pool = off._pool  # the test looks inside: which processes to kill or watch
+        pids = list((pool._processes or {}).keys()) if pool is not None else []
+        if pids:
+            return pids
+        await asyncio.sleep(0.02)
+    raise AssertionError("no worker started")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a child that exited stays as a zombie until reaped: read its state
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
