@@ -6,8 +6,10 @@ Only the fields the sidecar reads or rewrites are checked; the engines validate 
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import accumulate
 from typing import Any
 
 import orjson
@@ -115,8 +117,16 @@ def _check_prompt(api: Api, doc: dict[str, Any]) -> None:
         raise _bad("'prompt' is an empty list; send a string or a list of token ids", "prompt")
     if all(isinstance(item, str | list) for item in prompt):
         raise _bad(_prompt_list_message(len(prompt)), "prompt")
-    if not all(_is_int(t) for t in prompt):
+    if not set(map(type, prompt)) <= {int}:  # in C: a long list costs the loop little
         raise _bad("'prompt' as a list must hold token ids (integers) only", "prompt")
+    smallest, largest = min(prompt), max(prompt)
+    if smallest < 0 or largest > MAX_INT:
+        wrong = smallest if smallest < 0 else largest
+        raise _bad(
+            f"'prompt' holds token id {wrong}; token ids are integers from 0 to {MAX_INT} "
+            "and must be in the model's vocabulary",
+            "prompt",
+        )
 
 
 def _prompt_list_message(count: int) -> str:
@@ -175,6 +185,37 @@ def _check_fields(doc: dict[str, Any]) -> None:
             raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
 
 
+# The deepest JSON nesting accepted: far beyond any request's (a tool's schema nests a few
+# levels), far below what recursive code reaching the decoded body (a chat template rendering
+# it, Python's own recursion limit of 1,000) can take.
+MAX_DEPTH = 64
+_BRACKETS = b"[]{}"
+# Each opening bracket as +1, each closing one as -1 (a signed byte), everything else deleted.
+_STEPS = bytes.maketrans(_BRACKETS, b"\x01\xff\x01\xff")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(_BRACKETS)))
+
+
+def _check_depth(raw: bytes) -> None:
+    """A 400 for JSON nested deeper than MAX_DEPTH, checked on the bytes in C-speed passes
+    (the decoded tree would take a Python loop over every value)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return  # too few containers to nest that deep: nearly every request
+    steps = array("b", _outside_strings(raw).translate(_STEPS, _NOT_BRACKETS))
+    if max(accumulate(steps), default=0) > MAX_DEPTH:
+        raise _bad(
+            f"the body's JSON is nested more than {MAX_DEPTH} levels deep; the limit is "
+            f"{MAX_DEPTH}: flatten the deepest value"
+        )
+
+
+def _outside_strings(raw: bytes) -> bytes:
+    """The JSON text's bytes outside its strings. Read left to right, a backslash in a string
+    starts an escape, so dropping each backslash pair and then each backslash-quote leaves
+    quotes that only open or close strings: every other piece between them is outside."""
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return b"".join(unescaped.split(b'"')[::2])
+
+
 # Compressed bodies start with these bytes; Envoy passes them on undecoded, so they are named
 # rather than reported as broken UTF-8.
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
@@ -216,6 +257,7 @@ def parse_request(api: Api, raw: bytes, limit: int, engine_priority: bool = Fals
         raise _not_json(raw, error) from None
     if not isinstance(doc, dict):
         raise _bad("the body must be a JSON object")
+    _check_depth(raw)
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required and must be a string", "model")
