@@ -8,12 +8,13 @@ tokenizer and its template once. The loop hands a worker the request's own JSON 
 array (no per-integer unpickling on the loop). Requests smaller than `inline_below_bytes` run
 inline, where the hand-off would cost the loop more than the work.
 
-Bounded: at most `max_pending` requests are in the workers (counting those whose caller gave up
-and that still run), each awaited for at most `timeout_s`; past either the answer is None and
-the caller routes without the KV index. Text longer than `max_chars` (`KvRouting.max_chars`: what
-the engines' context length allows) is not encoded: its cache cannot matter. A worker that dies
-breaks its pool: the requests in it get None and the next one starts a new pool. `close` ends
-the workers, and a worker whose sidecar died exits on its own.
+Bounded: at most `max_pending` requests wait for or run in the workers, each for at most
+`timeout_s`; past either the answer is None and the caller routes without the KV index, and
+the worker of a job past its time is ended (and replaced) rather than left to run on. Text
+longer than `max_chars` (`KvRouting.max_chars`: what the engines' context length allows) is
+not encoded: its cache cannot matter. A worker that dies
+costs its request (None) and is replaced. `close` ends the workers, and a worker whose sidecar
+died exits on its own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import signal
 import threading
 from array import array
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -146,14 +147,17 @@ class OffLoopTokenizer:
         self._max_pending = max_pending
         self._inline_below = inline_below_bytes
         self._timeout_s = timeout_s
-        self._pool: ProcessPoolExecutor | None = None
-        self._running: set[Future[bytes | None]] = set()
+        # One single-process executor per worker, so that one overrunning job can be ended
+        # alone (an executor cannot stop one job of several).
+        self._all: list[ProcessPoolExecutor] = []
+        self._idle: asyncio.Queue[ProcessPoolExecutor] = asyncio.Queue()
+        self._pending = 0
+        self._closed = False
 
     def warm(self) -> None:
         """Start the workers now, so that the first long request finds them loaded."""
-        pool = self._executor()
-        for _ in range(self._workers):
-            pool.submit(_ready)
+        while len(self._all) < self._workers and not self._closed:
+            self._idle.put_nowait(self._new_worker())
 
     async def ids(
         self, chat: bool, doc: Mapping[str, Any], raw: bytes, max_chars: int | None = None
@@ -162,7 +166,16 @@ class OffLoopTokenizer:
         where they cannot be had in time, or the text is longer than `max_chars`."""
         if len(raw) < self._inline_below:
             return _inline(self.tokenizer, chat, doc, max_chars)
-        data = await self._in_worker(chat, raw, max_chars)
+        if self._pending >= self._max_pending:
+            return None
+        self._pending += 1
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                data = await self._in_worker(chat, raw, max_chars)
+        except TimeoutError:
+            return None
+        finally:
+            self._pending -= 1
         if data is None:
             return None
         ids = array(_IDS)
@@ -170,46 +183,40 @@ class OffLoopTokenizer:
         return ids.tolist()
 
     async def _in_worker(self, chat: bool, raw: bytes, max_chars: int | None) -> bytes | None:
-        self._running = {f for f in self._running if not f.done()}
-        if len(self._running) >= self._max_pending:
-            return None
-        pool = self._executor()
+        self.warm()
+        worker = await self._idle.get()
+        ended = True  # a job past its time (or whose request ended) must not run on
         try:
-            future = pool.submit(_work, chat, raw, max_chars)
-        except (BrokenProcessPool, RuntimeError):  # broken before this request: a new pool
-            self._replace(pool, "a tokenizer worker had died")
-            return None
-        self._running.add(future)
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                return await asyncio.wrap_future(future)  # cancelling it cancels a queued job
-        except TimeoutError:
-            return None
+            data = await asyncio.wrap_future(worker.submit(_work, chat, raw, max_chars))
+            ended = False
         except BrokenProcessPool:
-            self._replace(pool, "a tokenizer worker died")
+            if not self._closed:
+                log.warning("a tokenizer worker died; its request routes without the KV cache")
             return None
+        finally:
+            if ended:
+                self._end(worker)
+            if not self._closed:
+                self._idle.put_nowait(self._new_worker() if ended else worker)
+        return data
 
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(
-                self._workers,
-                multiprocessing.get_context("spawn"),
-                initializer=_start_worker,
-                initargs=self._init,
-            )
-        return self._pool
+    def _new_worker(self) -> ProcessPoolExecutor:
+        worker = ProcessPoolExecutor(
+            1, multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=self._init
+        )
+        worker.submit(_ready)  # start it (and load the tokenizer) now
+        self._all.append(worker)
+        return worker
 
-    def _replace(self, pool: ProcessPoolExecutor, why: str) -> None:
-        if pool is self._pool:
-            log.warning("%s; those requests route without the KV cache; new workers start", why)
-            self._pool = None
-            _end(pool)
-            self._running.clear()
+    def _end(self, worker: ProcessPoolExecutor) -> None:
+        if worker in self._all:
+            self._all.remove(worker)
+        _end(worker)
 
     def close(self) -> None:
-        if self._pool is not None:
-            _end(self._pool)
-            self._pool = None
+        self._closed = True
+        for worker in list(self._all):
+            self._end(worker)
 
 
 def _inline(

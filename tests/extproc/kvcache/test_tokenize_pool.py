@@ -102,15 +102,30 @@ async def test_a_long_prompt_leaves_the_loop_free(pool: Callable[..., OffLoopTok
     assert longest < STALL_S
 
 
-async def test_past_its_time_or_its_queue_a_request_gets_no_ids(
+async def test_a_job_past_its_time_gets_no_ids_and_its_worker_is_ended(
     pool: Callable[..., OffLoopTokenizer],
 ) -> None:
-    off = pool(workers=1, max_pending=1, timeout_s=0.05)
-    doc, raw = completion(text(400_000))
-    assert await off.ids(False, doc, raw) is None  # the job runs on: its slot stays taken
-    small_doc, small_raw = completion(text(2000))
-    assert await off.ids(False, small_doc, small_raw) is None  # the queue is full
-    assert await off.ids(False, *completion("w1")) == [0, 4]  # inline: no slot needed
+    off = pool(workers=1, timeout_s=0.05)
+    off.warm()
+    [old] = await worker_pids(off)
+    assert await off.ids(False, *completion(text(1_000_000))) is None
+    await ended(old)  # not left to encode on
+    assert await off.ids(False, *completion("w1")) == [0, 4]  # inline: no worker needed
+    [new] = await worker_pids(off)
+    assert new != old
+
+
+async def test_past_its_queue_a_request_gets_no_ids_at_once(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    off = pool(workers=1, max_pending=1, timeout_s=30)
+    first = asyncio.create_task(off.ids(False, *completion(text(1_000_000))))
+    await worker_pids(off)
+    assert off._pending == 1  # the test looks inside: the first request is in
+    assert await off.ids(False, *completion(text(2000))) is None
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
 
 
 async def test_text_longer_than_max_chars_is_not_encoded(
@@ -128,37 +143,40 @@ async def test_a_dead_worker_costs_its_request_then_new_workers_serve(
     pool: Callable[..., OffLoopTokenizer], caplog: pytest.LogCaptureFixture
 ) -> None:
     off = pool(workers=1, timeout_s=30)
-    doc, raw = completion(text(600_000))
-    asking = asyncio.create_task(off.ids(False, doc, raw))
-    pids = await worker_pids(off)
-    os.kill(pids[0], signal.SIGKILL)
+    asking = asyncio.create_task(off.ids(False, *completion(text(1_000_000))))
+    [pid] = await worker_pids(off)
+    os.kill(pid, signal.SIGKILL)
     assert await asking is None
     assert "a tokenizer worker died" in caplog.text
-    small_doc, small_raw = completion(text(3000))
-    assert await off.ids(False, small_doc, small_raw) is not None
-    assert pids[0] not in await worker_pids(off)
+    assert await off.ids(False, *completion(text(3000))) == [0, *[3 + i % 100 for i in range(3000)]]
+    assert pid not in await worker_pids(off)
 
 
 async def test_close_ends_a_worker_in_the_middle_of_a_job(
     pool: Callable[..., OffLoopTokenizer],
 ) -> None:
-    off = pool(workers=1, timeout_s=0.05)
-    doc, raw = completion(text(1_000_000))
-    assert await off.ids(False, doc, raw) is None  # gave up; the worker encodes on
+    off = pool(workers=1, timeout_s=30)
+    asking = asyncio.create_task(off.ids(False, *completion(text(1_000_000))))
     [pid] = await worker_pids(off)
     off.close()
+    await ended(pid)
+    assert await asking is None
+    assert off._all == []  # no worker started again
+
+
+async def ended(pid: int) -> None:
     for _ in range(200):
         if not alive(pid):
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"worker {pid} still runs after close")
+    raise AssertionError(f"worker {pid} still runs")
 
 
 async def worker_pids(off: OffLoopTokenizer) -> list[int]:
     """The pool's worker processes once one has started (polled, bounded)."""
     for _ in range(200):
-        pool = off._pool  # the test looks inside: which processes to kill or watch
-        pids = list((pool._processes or {}).keys()) if pool is not None else []
+        # the test looks inside: which processes to kill or watch
+        pids = [pid for worker in off._all for pid in (worker._processes or {})]
         if pids:
             return pids
         await asyncio.sleep(0.02)
