@@ -120,17 +120,10 @@ class KvRouting:
         """An engine of `group` runs prompts of up to `tokens` tokens (its max_model_len)."""
         self._context[group] = max(tokens, self._context.get(group, 0))
 
-    def max_chars(self, group: str) -> int | None:
-        """The longest text worth tokenizing for `group`; None while no engine said its context
-        length. Each character of a text lands in one token whose own text is at most the
-        vocabulary's longest, so a longer text is more tokens than any engine of the group
-        runs: it cannot fit, and what the engines hold of it cannot matter. (A tokenizer that
-        drops characters, whitespace for one, could fit it: it is then only routed without
-        the cache, which is always correct.)"""
-        tokenizer, tokens = self._by_group.get(group), self._context.get(group)
-        if tokenizer is None or tokens is None:
-            return None
-        return tokens * tokenizer.longest_token
+    def context(self, group: str) -> int | None:
+        """The longest prompt, in tokens, any engine of `group` said it runs; None while
+        none has said."""
+        return self._context.get(group)
 
     @property
     def enabled(self) -> bool:

@@ -10,11 +10,10 @@ inline, where the hand-off would cost the loop more than the work.
 
 Bounded: at most `max_pending` requests wait for or run in the workers, each for at most
 `timeout_s`; past either the answer is None and the caller routes without the KV index, and
-the worker of a job past its time is ended (and replaced) rather than left to run on. Text
-longer than `max_chars` (`KvRouting.max_chars`: what the engines' context length allows) is
-not encoded: its cache cannot matter. A worker that dies
-costs its request (None) and is replaced. `close` ends the workers, and a worker whose sidecar
-died exits on its own.
+the worker of a job past its time is ended (and replaced) rather than left to run on. A prompt
+longer than the engines' context length (`KvRouting.context`) is not worth its ids: None. A
+worker that dies costs its request (None) and is replaced. `close` ends the workers, and a
+worker whose sidecar died exits on its own.
 """
 
 from __future__ import annotations
@@ -64,10 +63,16 @@ def members_object(parts: Sequence[tuple[str, bytes]], chat: bool) -> bytes:
 
 
 def token_ids(
-    tokenizer: RequestTokenizer, chat: bool, doc: Mapping[str, Any], max_chars: int | None
+    tokenizer: RequestTokenizer, chat: bool, doc: Mapping[str, Any], context: int | None
 ) -> list[int] | None:
-    """The request's ids as vLLM computes them; None where the text to encode is longer than
-    `max_chars`. Raises ChatTemplateError, TypeError or ValueError where it cannot be had."""
+    """The request's ids as vLLM computes them; None where they are more than `context` (the
+    longest prompt any engine runs; None: unknown), which is then not worth tokenizing: the
+    engines refuse it, so what they hold of it cannot matter. Each character of a text lands
+    in one token, whose own text is at most the vocabulary's longest: a text longer than
+    `context` times that is more tokens than `context` and is not even encoded. (A tokenizer
+    that drops characters, whitespace for one, could fit it: it is then only routed without
+    the cache, which is always correct.) Raises ChatTemplateError, TypeError or ValueError
+    where the ids cannot be had."""
     if chat:
         kwargs = doc.get("chat_template_kwargs")
         tools = doc.get("tools")
@@ -83,9 +88,10 @@ def token_ids(
         if not isinstance(prompt, str):
             raise TypeError("only a string prompt is tokenized")
         text = prompt
-    if max_chars is not None and len(text) > max_chars:
+    if context is not None and len(text) > context * tokenizer.longest_token:
         return None
-    return tokenizer.encode(text, add_special_tokens=not chat)
+    ids = tokenizer.encode(text, add_special_tokens=not chat)
+    return None if context is not None and len(ids) > context else ids
 
 
 # -- in a worker process -----------------------------------------------------------------------
@@ -112,10 +118,10 @@ def _ready() -> None:
     """A no-op, for a worker to start (and load its tokenizer) before a request needs it."""
 
 
-def _work(chat: bool, raw: bytes, max_chars: int | None) -> bytes | None:
+def _work(chat: bool, raw: bytes, context: int | None) -> bytes | None:
     assert _worker_tokenizer is not None  # _start_worker ran
     try:
-        ids = token_ids(_worker_tokenizer, chat, orjson.loads(raw), max_chars)
+        ids = token_ids(_worker_tokenizer, chat, orjson.loads(raw), context)
     except Exception:  # a template can fail any way on a client's values: no ids, as inline
         return None
     return None if ids is None else array(_IDS, ids).tobytes()
@@ -160,18 +166,18 @@ class OffLoopTokenizer:
             self._idle.put_nowait(self._new_worker())
 
     async def ids(
-        self, chat: bool, doc: Mapping[str, Any], raw: bytes, max_chars: int | None = None
+        self, chat: bool, doc: Mapping[str, Any], raw: bytes, context: int | None = None
     ) -> list[int] | None:
         """The request's ids (`raw`: `members_object`'s bytes, `doc` the same decoded); None
-        where they cannot be had in time, or the text is longer than `max_chars`."""
+        where they cannot be had in time, or are more than `context` (`token_ids`)."""
         if len(raw) < self._inline_below:
-            return _inline(self.tokenizer, chat, doc, max_chars)
+            return _inline(self.tokenizer, chat, doc, context)
         if self._pending >= self._max_pending:
             return None
         self._pending += 1
         try:
             async with asyncio.timeout(self._timeout_s):
-                data = await self._in_worker(chat, raw, max_chars)
+                data = await self._in_worker(chat, raw, context)
         except TimeoutError:
             return None
         finally:
@@ -182,12 +188,12 @@ class OffLoopTokenizer:
         ids.frombytes(data)
         return ids.tolist()
 
-    async def _in_worker(self, chat: bool, raw: bytes, max_chars: int | None) -> bytes | None:
+    async def _in_worker(self, chat: bool, raw: bytes, context: int | None) -> bytes | None:
         self.warm()
         worker = await self._idle.get()
         ended = True  # a job past its time (or whose request ended) must not run on
         try:
-            data = await asyncio.wrap_future(worker.submit(_work, chat, raw, max_chars))
+            data = await asyncio.wrap_future(worker.submit(_work, chat, raw, context))
             ended = False
         except BrokenProcessPool:
             if not self._closed:
@@ -220,10 +226,10 @@ class OffLoopTokenizer:
 
 
 def _inline(
-    tokenizer: RequestTokenizer, chat: bool, doc: Mapping[str, Any], max_chars: int | None
+    tokenizer: RequestTokenizer, chat: bool, doc: Mapping[str, Any], context: int | None
 ) -> list[int] | None:
     try:
-        return token_ids(tokenizer, chat, doc, max_chars)
+        return token_ids(tokenizer, chat, doc, context)
     except Exception as error:  # a template can fail any way on a client's values: no ids
         log.debug("request not tokenized for the KV index: %s", error)
         return None

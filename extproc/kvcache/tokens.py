@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +83,12 @@ class RequestTokenizer:
         )
         return cls(tokenizer, template, _special_tokens(config))
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
         """One more than the largest id the tokenizer gives (its added tokens too)."""
         return max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
-    @property
+    @cached_property
     def longest_token(self) -> int:
         """The most characters one token of the vocabulary stands for."""
         return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)

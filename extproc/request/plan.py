@@ -205,7 +205,7 @@ async def request_tokens(request: ClientRequest, scheduler: Scheduler) -> list[i
         _check_vocabulary(prompt, tokenizer.vocab_size)
         return list(prompt)
     raw = members_object(request.parts, chat)
-    return await tokenizer.ids(chat, request.doc, raw, kv.max_chars(group))
+    return await tokenizer.ids(chat, request.doc, raw, kv.context(group))
 
 
 def _check_vocabulary(ids: list[int], vocab_size: int) -> None:

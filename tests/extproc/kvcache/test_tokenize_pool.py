@@ -128,15 +128,34 @@ async def test_past_its_queue_a_request_gets_no_ids_at_once(
         await first
 
 
-async def test_text_longer_than_max_chars_is_not_encoded(
+async def test_a_prompt_longer_than_the_context_gets_no_ids(
     pool: Callable[..., OffLoopTokenizer],
 ) -> None:
     off = pool(inline_below_bytes=16)
-    doc, raw = completion(text(1000))
-    assert await off.ids(False, doc, raw, max_chars=len(doc["prompt"]) - 1) is None
-    assert await off.ids(False, doc, raw, max_chars=len(doc["prompt"])) is not None
+    doc, raw = completion(text(1000))  # 1,001 tokens with the BOS
+    assert await off.ids(False, doc, raw, context=1000) is None
+    assert await off.ids(False, doc, raw, context=1001) is not None
     small = completion("w1 w2")
-    assert await off.ids(False, *small, max_chars=4) is None  # inline, the same bound
+    assert await off.ids(False, *small, context=2) is None  # inline, the same bound
+
+
+def test_a_text_longer_than_context_times_the_longest_token_is_not_encoded(
+    model_dir: Path,
+) -> None:
+    class Counted(RequestTokenizer):
+        encoded = 0
+
+        def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+            Counted.encoded += 1
+            return super().encode(text, add_special_tokens)
+
+    tokenizer = Counted.from_path(model_dir)
+    longest = tokenizer.longest_token  # "<unk>", "<user>": 6 characters
+    doc = {"prompt": "w1 " * 100}  # 300 characters, 101 tokens
+    assert token_ids(tokenizer, False, doc, 300 // longest - 1) is None
+    assert Counted.encoded == 0
+    assert token_ids(tokenizer, False, doc, 300 // longest) is None  # encoded: too many tokens
+    assert Counted.encoded == 1
 
 
 async def test_a_dead_worker_costs_its_request_then_new_workers_serve(

@@ -304,12 +304,13 @@ async def test_token_ids_outside_the_vocabulary_are_refused(model_dir: Path, wro
     ]
 
 
-async def test_a_text_longer_than_the_context_allows_is_not_tokenized(model_dir: Path) -> None:
+async def test_a_prompt_longer_than_any_engine_of_its_group_runs_is_not_tokenized(
+    model_dir: Path,
+) -> None:
     rt = runtime(model_dir)
-    longest = max(map(len, WORD))  # each token stands for at most this many characters
-    prompt = "w1 " * 30  # 90 characters
+    prompt = "w1 " * 30  # 30 tokens
     assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": prompt}) == ids(prompt)
-    rt.kv.context_length("", 89 // longest)  # what the group's engines said
+    rt.kv.context_length("", 29)  # what an engine of the group said
     assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": prompt}) is None
-    rt.kv.context_length("", 90 // longest + 1)  # the longest any engine of the group runs
+    rt.kv.context_length("", 30)  # the longest any engine of the group runs
     assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": prompt}) == ids(prompt)
