@@ -41,6 +41,11 @@ _NEXT_STRUCTURAL = re.compile(rb'["\[\]{}]')
 _QUOTES_TRIED = 64
 _BACKSLASH_RUN = 16
 _QUOTE, _BACKSLASH, _OPENERS = 0x22, 0x5C, (0x5B, 0x7B)
+# Above this size, containers are skipped over a copy of the body whose strings are blanked:
+# one regex match per bracket, where the loop above takes one per string too (10^5 chat
+# messages: 0.3 s of the event loop).
+_BLANKED_ABOVE = 64 * 1024
+_BRACKET = re.compile(rb"[\[\]{}]")
 
 # Fields of the client body that only the sidecar may set: the KV connector's parameters and
 # the encoder-cache connector's (E/P/D), which tell an engine where to send or fetch caches.
@@ -105,13 +110,38 @@ def _skip_container(raw: bytes, pos: int) -> int:
     raise BodyError("unterminated container")
 
 
-def _skip_value(raw: bytes, pos: int) -> int:
+def _blanked(raw: bytes) -> bytes:
+    """`raw`, the same length, with every string's content zeroed: its brackets are all the
+    JSON's own. In valid JSON a backslash only starts an escape, read left to right: each
+    backslash pair, then each backslash-quote, is blanked first, and the quotes left delimit
+    strings."""
+    plain = raw.replace(b"\\\\", b"\0\0").replace(b'\\"', b"\0\0")
+    pieces = plain.split(b'"')
+    pieces[1::2] = map(bytes, map(len, pieces[1::2]))
+    return b'"'.join(pieces)
+
+
+def _skip_blanked_container(blanked: bytes, pos: int) -> int:
+    depth = 0
+    for match in _BRACKET.finditer(blanked, pos):
+        if blanked[match.start()] in _OPENERS:
+            depth += 1
+        else:
+            depth -= 1
+            if depth == 0:
+                return match.end()
+    raise BodyError("unterminated container")
+
+
+def _skip_value(raw: bytes, pos: int, blanked: bytes | None = None) -> int:
     first = raw[pos : pos + 1]
     if first == b'"':
         end = _string_end(raw, pos)
         if end is None:
             raise BodyError(f"bad value at byte {pos}")
         return end
+    if first in (b"{", b"[") and blanked is not None:
+        return _skip_blanked_container(blanked, pos)
     if first in (b"{", b"["):
         return _skip_container(raw, pos)
     match = _SCALAR.match(raw, pos)
@@ -140,13 +170,14 @@ def members(raw: bytes) -> list[tuple[str, bytes]]:
     found: list[tuple[str, bytes]] = []
     if raw[pos : pos + 1] == b"}":
         return found
+    blanked = _blanked(raw) if len(raw) > _BLANKED_ABOVE else None
     while True:
         key_match = _STRING.match(raw, pos)
         if key_match is None:
             raise BodyError(f"expected a key at byte {pos}")
         colon = _after_ws(raw, key_match.end())
         value_start = _after_ws(raw, colon + 1)
-        value_end = _skip_value(raw, value_start)
+        value_end = _skip_value(raw, value_start, blanked)
         found.append((_key_text(key_match.group()), raw[key_match.start() : value_end]))
         pos = _after_ws(raw, value_end)
         if raw[pos : pos + 1] == b"}":
