@@ -174,3 +174,33 @@ async def test_eight_10MB_prompts_leave_small_requests_fast(topo: Topology) -> N
     latencies.sort()
     p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
     assert len(latencies) >= 10 and p99 < SMALL_P99_S, (p99, len(latencies))
+
+
+DEEP = b'{"a":[' * 500 + b'"x"' + b"]}" * 500
+USER = b'{"model":"m","messages":[{"role":"user","content":"w1"}],'
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "fragment"),
+    [
+        (
+            "/v1/chat/completions",
+            b'{"model":"m","messages":[{"role":"user","content":' + DEEP + b"}]}",
+            "nested more than 64 levels deep",
+        ),
+        ("/v1/chat/completions", USER + b'"tools":' + DEEP + b"}", "nested more than 64"),
+        ("/v1/chat/completions", USER + b'"chat_template_kwargs":' + DEEP + b"}", "nested more"),
+        ("/v1/completions", b'{"model":"m","prompt":[1,407]}', "outside the model's vocabulary"),
+    ],
+    ids=["deep-content", "deep-tools", "deep-template-kwargs", "id-past-the-vocabulary"],
+)
+async def test_with_a_tokenizer_bad_input_gets_a_400_and_reaches_no_engine(
+    topo: Topology, path: str, body: bytes, fragment: str
+) -> None:
+    await topo.clear()
+    status, payload, _ = await topo.post(path, body)
+    assert status == 400, payload
+    error = orjson.loads(payload)["error"]
+    assert error["code"] == 400 and fragment in error["message"], error
+    for engine in topo.engines:
+        assert await topo.seen(engine) == []
