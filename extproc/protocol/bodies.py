@@ -20,7 +20,9 @@ from typing import Any
 import orjson
 
 __all__ = [
+    "MAX_DEPTH",
     "buffer_bytes",
+    "container_end",
     "decode_body",
     "members",
     "prefill_body",
@@ -41,11 +43,33 @@ _NEXT_STRUCTURAL = re.compile(rb'["\[\]{}]')
 _QUOTES_TRIED = 64
 _BACKSLASH_RUN = 16
 _QUOTE, _BACKSLASH, _OPENERS = 0x22, 0x5C, (0x5B, 0x7B)
-# Above this size, containers are skipped over a copy of the body whose strings are blanked:
-# one regex match per bracket, where the loop above takes one per string too (10^5 chat
-# messages: 0.3 s of the event loop).
-_BLANKED_ABOVE = 64 * 1024
-_BRACKET = re.compile(rb"[\[\]{}]")
+# The deepest JSON nesting a body may have (the body itself is one level): far beyond any
+# request's (a tool's schema nests a few levels), far below what recursive code reaching the
+# decoded body (a chat template rendering it; Python's recursion limit is 1,000) can take.
+MAX_DEPTH = 64
+
+
+def _container_pattern(depth: int) -> re.Pattern[bytes]:
+    """A container nested at most `depth` deep (itself one level), as one regex: its loops are
+    possessive, so the engine never backtracks and matches, over valid JSON, exactly the
+    container or nothing. A long chat's messages take one pass in C instead of a Python step per
+    string and bracket (10^5 messages: 0.3 s of the event loop)."""
+    string = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+    inside = rb'(?:[^{}\[\]"]++|' + string + rb")*+"
+    for _ in range(depth - 1):
+        inside = rb'(?:[^{}\[\]"]++|' + string + rb"|[\[{]" + inside + rb"[\]}])*+"
+    return re.compile(rb"[\[{]" + inside + rb"[\]}]")
+
+
+_CONTAINER = _container_pattern(MAX_DEPTH)
+
+
+def container_end(raw: bytes, pos: int) -> int | None:
+    """Where the container opening at raw[pos] ends, if it nests at most MAX_DEPTH deep; else
+    (or if it is not valid JSON) None."""
+    match = _CONTAINER.match(raw, pos)
+    return None if match is None else match.end()
+
 
 # Fields of the client body that only the sidecar may set: the KV connector's parameters and
 # the encoder-cache connector's (E/P/D), which tell an engine where to send or fetch caches.
@@ -110,40 +134,15 @@ def _skip_container(raw: bytes, pos: int) -> int:
     raise BodyError("unterminated container")
 
 
-def _blanked(raw: bytes) -> bytes:
-    """`raw`, the same length, with every string's content zeroed: its brackets are all the
-    JSON's own. In valid JSON a backslash only starts an escape, read left to right: each
-    backslash pair, then each backslash-quote, is blanked first, and the quotes left delimit
-    strings."""
-    plain = raw.replace(b"\\\\", b"\0\0").replace(b'\\"', b"\0\0")
-    pieces = plain.split(b'"')
-    pieces[1::2] = map(bytes, map(len, pieces[1::2]))
-    return b'"'.join(pieces)
-
-
-def _skip_blanked_container(blanked: bytes, pos: int) -> int:
-    depth = 0
-    for match in _BRACKET.finditer(blanked, pos):
-        if blanked[match.start()] in _OPENERS:
-            depth += 1
-        else:
-            depth -= 1
-            if depth == 0:
-                return match.end()
-    raise BodyError("unterminated container")
-
-
-def _skip_value(raw: bytes, pos: int, blanked: bytes | None = None) -> int:
+def _skip_value(raw: bytes, pos: int) -> int:
     first = raw[pos : pos + 1]
     if first == b'"':
         end = _string_end(raw, pos)
         if end is None:
             raise BodyError(f"bad value at byte {pos}")
         return end
-    if first in (b"{", b"[") and blanked is not None:
-        return _skip_blanked_container(blanked, pos)
     if first in (b"{", b"["):
-        return _skip_container(raw, pos)
+        return container_end(raw, pos) or _skip_container(raw, pos)
     match = _SCALAR.match(raw, pos)
     if match is None:
         raise BodyError(f"bad value at byte {pos}")
@@ -170,14 +169,13 @@ def members(raw: bytes) -> list[tuple[str, bytes]]:
     found: list[tuple[str, bytes]] = []
     if raw[pos : pos + 1] == b"}":
         return found
-    blanked = _blanked(raw) if len(raw) > _BLANKED_ABOVE else None
     while True:
         key_match = _STRING.match(raw, pos)
         if key_match is None:
             raise BodyError(f"expected a key at byte {pos}")
         colon = _after_ws(raw, key_match.end())
         value_start = _after_ws(raw, colon + 1)
-        value_end = _skip_value(raw, value_start, blanked)
+        value_end = _skip_value(raw, value_start)
         found.append((_key_text(key_match.group()), raw[key_match.start() : value_end]))
         pos = _after_ws(raw, value_end)
         if raw[pos : pos + 1] == b"}":

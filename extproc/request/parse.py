@@ -6,16 +6,20 @@ Only the fields the sidecar reads or rewrites are checked; the engines validate 
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 from enum import StrEnum
-from itertools import accumulate
 from typing import Any
 
 import orjson
 
 from extproc.errors import ClientError
-from extproc.protocol.bodies import BodyError, members, without_router_xargs
+from extproc.protocol.bodies import (
+    MAX_DEPTH,
+    BodyError,
+    container_end,
+    members,
+    without_router_xargs,
+)
 
 __all__ = ["PASSTHROUGH", "Api", "ClientRequest", "is_passthrough", "parse_request"]
 
@@ -185,35 +189,15 @@ def _check_fields(doc: dict[str, Any]) -> None:
             raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
 
 
-# The deepest JSON nesting accepted: far beyond any request's (a tool's schema nests a few
-# levels), far below what recursive code reaching the decoded body (a chat template rendering
-# it, Python's own recursion limit of 1,000) can take.
-MAX_DEPTH = 64
-_BRACKETS = b"[]{}"
-# Each opening bracket as +1, each closing one as -1 (a signed byte), everything else deleted.
-_STEPS = bytes.maketrans(_BRACKETS, b"\x01\xff\x01\xff")
-_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(_BRACKETS)))
-
-
 def _check_depth(raw: bytes) -> None:
-    """A 400 for JSON nested deeper than MAX_DEPTH, checked on the bytes in C-speed passes
-    (the decoded tree would take a Python loop over every value)."""
+    """A 400 for JSON nested deeper than MAX_DEPTH (`raw` holds one JSON object)."""
     if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
         return  # too few containers to nest that deep: nearly every request
-    steps = array("b", _outside_strings(raw).translate(_STEPS, _NOT_BRACKETS))
-    if max(accumulate(steps), default=0) > MAX_DEPTH:
+    if container_end(raw, raw.index(b"{")) is None:
         raise _bad(
             f"the body's JSON is nested more than {MAX_DEPTH} levels deep; the limit is "
             f"{MAX_DEPTH}: flatten the deepest value"
         )
-
-
-def _outside_strings(raw: bytes) -> bytes:
-    """The JSON text's bytes outside its strings. Read left to right, a backslash in a string
-    starts an escape, so dropping each backslash pair and then each backslash-quote leaves
-    quotes that only open or close strings: every other piece between them is outside."""
-    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    return b"".join(unescaped.split(b'"')[::2])
 
 
 # Compressed bodies start with these bytes; Envoy passes them on undecoded, so they are named

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from extproc.protocol.bodies import (
     BodyError,
+    container_end,
     decode_body,
     members,
     prefill_body,
@@ -224,3 +225,19 @@ def test_strings_with_escapes_end_where_json_says(text: str, where: str) -> None
     assert [key for key, _ in parts] == list(doc)
     for key, chunk in parts:
         assert orjson.loads(b"{" + chunk + b"}") == {key: doc[key]}
+
+
+def test_a_long_chat_is_split_as_written() -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": 'a [b] {c "d" \\" \\\\'}]},
+        {"role": "assistant", "content": "x]}", "tool_calls": [{"f": {"a": [1, {"b": None}]}}]},
+    ] * 20_000
+    raw = orjson.dumps({"model": "m", "messages": messages, "n": 1})
+    messages_raw = orjson.dumps({"messages": messages})[1:-1]
+    assert members(raw) == [("model", b'"model":"m"'), ("messages", messages_raw), ("n", b'"n":1')]
+
+
+def test_a_container_too_deep_for_the_pattern_is_still_split() -> None:
+    deep = b'{"a":' + b"[" * 70 + b"]" * 70 + b',"b":1}'
+    assert container_end(deep, 5) is None
+    assert members(deep) == [("a", b'"a":' + b"[" * 70 + b"]" * 70), ("b", b'"b":1')]
