@@ -52,6 +52,12 @@ TOKENIZED_MEMBERS = {
     False: frozenset({"prompt"}),
 }
 _PARENT_CHECK_S = 1.0  # how often a worker looks for its sidecar
+# Workers are forked by a small server process that has imported the tokenizer's modules,
+# rather than by the sidecar: a fork of the sidecar would copy its threads' state (gRPC's,
+# ZeroMQ's), and forking or spawning from its large process would hold the event loop while a
+# worker is replaced after a job past its time.
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["extproc.kvcache.tokens"])
 _IDS = "i"  # int32: vocabulary ids are far below 2**31
 
 
@@ -99,13 +105,14 @@ def token_ids(
 _worker_tokenizer: RequestTokenizer | None = None
 
 
-def _start_worker(path: str, chat_template: str | None, parent: int) -> None:
+def _start_worker(path: str, chat_template: str | None) -> None:
     """A worker's initializer: load the tokenizer once; leave Ctrl-C to the sidecar, which
-    closes the pool; exit if the sidecar dies without closing it (a killed sidecar)."""
+    closes the pool; exit if the sidecar dies without closing it (a killed sidecar: the fork
+    server, the worker's parent, exits with it)."""
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer = RequestTokenizer.from_path(path, chat_template)
-    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
 
 
 def _exit_with(parent: int) -> None:
@@ -132,8 +139,7 @@ def _work(chat: bool, raw: bytes, context: int | None) -> bytes | None:
 
 class OffLoopTokenizer:
     """A model's tokenizer for the event loop: small requests inline, the rest in `workers`
-    worker processes (spawned: the sidecar's threads, gRPC's and ZeroMQ's, do not survive a
-    fork), each loading the tokenizer from `path` once."""
+    worker processes, each loading the tokenizer from `path` once."""
 
     def __init__(
         self,
@@ -148,7 +154,7 @@ class OffLoopTokenizer:
         self.tokenizer = RequestTokenizer.from_path(path, chat_template)  # raises for bad files
         self.vocab_size = self.tokenizer.vocab_size
         self.longest_token = self.tokenizer.longest_token
-        self._init = (path, chat_template, os.getpid())
+        self._init = (path, chat_template)
         self._workers = workers
         self._max_pending = max_pending
         self._inline_below = inline_below_bytes
@@ -207,9 +213,7 @@ class OffLoopTokenizer:
         return data
 
     def _new_worker(self) -> ProcessPoolExecutor:
-        worker = ProcessPoolExecutor(
-            1, multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=self._init
-        )
+        worker = ProcessPoolExecutor(1, _CONTEXT, initializer=_start_worker, initargs=self._init)
         worker.submit(_ready)  # start it (and load the tokenizer) now
         self._all.append(worker)
         return worker
