@@ -16,7 +16,7 @@ from extproc.errors import ClientError
 from extproc.protocol.bodies import (
     MAX_DEPTH,
     BodyError,
-    container_end,
+    TooDeep,
     members,
     without_router_xargs,
 )
@@ -189,17 +189,6 @@ def _check_fields(doc: dict[str, Any]) -> None:
             raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
 
 
-def _check_depth(raw: bytes) -> None:
-    """A 400 for JSON nested deeper than MAX_DEPTH (`raw` holds one JSON object)."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
-        return  # too few containers to nest that deep: nearly every request
-    if container_end(raw, raw.index(b"{")) is None:
-        raise _bad(
-            f"the body's JSON is nested more than {MAX_DEPTH} levels deep; the limit is "
-            f"{MAX_DEPTH}: flatten the deepest value"
-        )
-
-
 # Compressed bodies start with these bytes; Envoy passes them on undecoded, so they are named
 # rather than reported as broken UTF-8.
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
@@ -241,14 +230,18 @@ def parse_request(api: Api, raw: bytes, limit: int, engine_priority: bool = Fals
         raise _not_json(raw, error) from None
     if not isinstance(doc, dict):
         raise _bad("the body must be a JSON object")
-    _check_depth(raw)
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required and must be a string", "model")
     _check_prompt(api, doc)
     _check_fields(doc)
     try:
-        parts = members(raw)
+        parts = members(raw, valid=True)
+    except TooDeep:
+        raise _bad(
+            f"the body's JSON is nested more than {MAX_DEPTH} levels deep; the limit is "
+            f"{MAX_DEPTH}: flatten the deepest value"
+        ) from None
     except BodyError as error:  # orjson accepted it, so this is our scanner's gap: say so
         raise _bad(f"unsupported JSON layout: {error}") from None
     parts = without_router_xargs(parts, doc.get("vllm_xargs"))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from extproc.protocol.bodies import (
     BodyError,
+    TooDeep,
     container_end,
     decode_body,
     members,
@@ -237,7 +238,10 @@ def test_a_long_chat_is_split_as_written() -> None:
     assert members(raw) == [("model", b'"model":"m"'), ("messages", messages_raw), ("n", b'"n":1')]
 
 
-def test_a_container_too_deep_for_the_pattern_is_still_split() -> None:
-    deep = b'{"a":' + b"[" * 70 + b"]" * 70 + b',"b":1}'
-    assert container_end(deep, 5) is None
-    assert members(deep) == [("a", b'"a":' + b"[" * 70 + b"]" * 70), ("b", b'"b":1')]
+def test_a_member_nested_past_the_limit_is_refused_and_one_at_it_is_split() -> None:
+    deepest = b'{"a":' + b"[" * 63 + b"]" * 63 + b',"b":1}'  # 64 levels with the body
+    assert members(deepest) == [("a", b'"a":' + b"[" * 63 + b"]" * 63), ("b", b'"b":1')]
+    too_deep = b'{"a":' + b"[" * 64 + b"]" * 64 + b',"b":1}'
+    assert container_end(too_deep, 5) is None
+    with pytest.raises(TooDeep):
+        members(too_deep, valid=True)  # orjson accepted it: too deep, not malformed
