@@ -58,6 +58,7 @@ _PARENT_CHECK_S = 1.0  # how often a worker looks for its sidecar
 # worker is replaced after a job past its time.
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["extproc.kvcache.tokens"])
+_NICE = 10  # a worker's CPU share against the sidecar's: about a tenth when both want a core
 _IDS = "i"  # int32: vocabulary ids are far below 2**31
 
 
@@ -106,10 +107,13 @@ _worker_tokenizer: RequestTokenizer | None = None
 
 
 def _start_worker(path: str, chat_template: str | None) -> None:
-    """A worker's initializer: load the tokenizer once; leave Ctrl-C to the sidecar, which
-    closes the pool; exit if the sidecar dies without closing it (a killed sidecar: the fork
-    server, the worker's parent, exits with it)."""
+    """A worker's initializer: load the tokenizer once; yield the CPU to the sidecar's own
+    work (ids are a routing hint: on a busy machine a request goes without them, rather than
+    the loop waiting for a core); leave Ctrl-C to the sidecar, which closes the pool; exit if
+    the sidecar dies without closing it (a killed sidecar: the fork server, the worker's
+    parent, exits with it)."""
     global _worker_tokenizer
+    os.nice(_NICE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer = RequestTokenizer.from_path(path, chat_template)
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
