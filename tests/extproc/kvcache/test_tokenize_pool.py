@@ -81,24 +81,26 @@ async def test_a_worker_gives_the_ids_inline_would(
 async def test_a_long_prompt_leaves_the_loop_free(pool: Callable[..., OffLoopTokenizer]) -> None:
     off = pool(workers=1, timeout_s=60)
     off.warm()
-    doc, raw = completion(text(600_000))  # ~2.4 MB: seconds of encoding on this loop
+    doc, raw = completion(text(2_000_000))  # ~8 MB: seconds of encoding on this loop
     longest = 0.0
-    done = asyncio.Event()
+    beating, done = asyncio.Event(), asyncio.Event()
 
     async def beat() -> None:
         nonlocal longest
+        beating.set()
         while not done.is_set():
             before = time.perf_counter()
             await asyncio.sleep(0.01)
             longest = max(longest, time.perf_counter() - before - 0.01)
 
-    beating = asyncio.create_task(beat())
+    beater = asyncio.create_task(beat())
+    await beating.wait()
     try:
         ids = await off.ids(False, doc, raw)
     finally:
         done.set()
-        await beating
-    assert ids is not None and len(ids) == 600_001
+        await beater
+    assert ids is not None and len(ids) == 2_000_001
     assert longest < STALL_S
 
 
