@@ -236,3 +236,4 @@ async def test_with_a_tokenizer_bad_input_gets_a_400_and_reaches_no_engine(
     assert error["code"] == 400 and fragment in error["message"], error
     for engine in topo.engines:
         assert await topo.seen(engine) == []
+    assert "Traceback" not in topo.sidecar.log_text()
