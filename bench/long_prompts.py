@@ -482,14 +482,18 @@ async def stalls(args: argparse.Namespace) -> None:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {time.time() - began:.0f} s; "
         f"load average before {load_before}, after "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; one request at a time, instant "
-        "vllmsim 1P1D (the engines refuse the prompts: longer than their context). Stall = "
-        "the longest `/live` answer while the request was in; CPU = the ext_proc's.",
+        "vllmsim 1P1D (the engines refuse the prompts, 400: longer than their context). "
+        "Stall = the longest `/live` answer while the request was in; CPU = the ext_proc's; "
+        "HTTP = the client's answer.",
         "",
-        "| MB | " + " | ".join(f"{n}: stall s | {n}: CPU s" for n in results) + " |",
-        "|---|" + "---|---|" * len(results),
+        "| MB | " + " | ".join(f"{n}: stall s | CPU s | HTTP" for n in results) + " |",
+        "|---|" + "---|---|---|" * len(results),
     ]
     for mb in args.stall_mb:
-        cells = [f"{r[mb]['stall_s']:.3f} | {r[mb]['cpu_s']:.2f}" for r in results.values()]
+        cells = [
+            f"{r[mb]['stall_s']:.3f} | {r[mb]['cpu_s']:.2f} | {r[mb]['status']:.0f}"
+            for r in results.values()
+        ]
         lines.append(f"| {mb} | " + " | ".join(cells) + " |")
     out = args.out / f"long-prompts-stalls{args.tag}.md"
     out.write_text("\n".join(lines) + "\n")
