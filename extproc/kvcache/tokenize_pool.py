@@ -6,7 +6,10 @@ seconds). So what grows with the input runs in a few worker processes, each of w
 tokenizer and its template once. The loop hands a worker the request's own JSON members as bytes
 (one copy to pickle, nothing decoded on the loop) and gets the ids back as the bytes of an int32
 array (no per-integer unpickling on the loop). Requests smaller than `inline_below_bytes` run
-inline, where the hand-off would cost the loop more than the work.
+inline, where the hand-off would cost the loop as much as the work: measured with an 8,000-token
+byte-level BPE, the hand-off costs the loop 0.07-0.09 ms whatever the size (and the request
+0.4 ms more), encoding inline 0.07 ms at 256 bytes, 0.10 ms at 512, 0.20 ms at 1 KB, 4 ms at
+16 KB.
 
 Bounded: at most `max_pending` requests wait for or run in the workers, each for at most
 `timeout_s`; past either the answer is None and the caller routes without the KV index, and
@@ -152,7 +155,7 @@ class OffLoopTokenizer:
         chat_template: str | None = None,
         workers: int = 2,
         max_pending: int = 16,
-        inline_below_bytes: int = 2048,
+        inline_below_bytes: int = 512,
         timeout_s: float = 1.0,
     ) -> None:
         self.tokenizer = RequestTokenizer.from_path(path, chat_template)  # raises for bad files
