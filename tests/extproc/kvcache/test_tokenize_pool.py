@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -183,6 +184,39 @@ async def test_close_ends_a_worker_in_the_middle_of_a_job(
     await ended(pid)
     assert await asking is None
     assert off._all == []  # no worker started again
+
+
+SIDECAR = """
+import asyncio, sys
+from extproc.kvcache.tokenize_pool import OffLoopTokenizer
+
+async def main() -> None:
+    off = OffLoopTokenizer(sys.argv[1])
+    off.warm()
+    while not (pids := [p for w in off._all for p in (w._processes or {})]):
+        await asyncio.sleep(0.02)
+    print(*pids, flush=True)
+    await asyncio.sleep(600)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+async def test_the_workers_of_a_killed_sidecar_exit(model_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "sidecar.py"
+    script.write_text(SIDECAR)
+    sidecar = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), str(model_dir), stdout=asyncio.subprocess.PIPE
+    )
+    assert sidecar.stdout is not None
+    line = await asyncio.wait_for(sidecar.stdout.readline(), 60)
+    workers = [int(pid) for pid in line.split()]
+    assert workers and all(alive(pid) for pid in workers)
+    sidecar.kill()  # no close: the workers must notice on their own
+    await sidecar.wait()
+    for pid in workers:
+        await ended(pid)
 
 
 async def ended(pid: int) -> None:
