@@ -25,6 +25,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import threading
 from array import array
@@ -54,7 +55,7 @@ TOKENIZED_MEMBERS = {
     ),
     False: frozenset({"prompt"}),
 }
-_PARENT_CHECK_S = 1.0  # how often a worker looks for its sidecar
+_PARENT_CHECK_S = 1.0  # how often a worker without pidfd looks for its sidecar
 # Workers are forked by a small server process that has imported the tokenizer's modules,
 # rather than by the sidecar: a fork of the sidecar would copy its threads' state (gRPC's,
 # ZeroMQ's), and forking or spawning from its large process would hold the event loop while a
@@ -109,23 +110,37 @@ def token_ids(
 _worker_tokenizer: RequestTokenizer | None = None
 
 
-def _start_worker(path: str, chat_template: str | None) -> None:
+def _start_worker(path: str, chat_template: str | None, sidecar: int) -> None:
     """A worker's initializer: load the tokenizer once; yield the CPU to the sidecar's own
     work (ids are a routing hint: on a busy machine a request goes without them, rather than
     the loop waiting for a core); leave Ctrl-C to the sidecar, which closes the pool; exit if
-    the sidecar dies without closing it (a killed sidecar: the fork server, the worker's
-    parent, exits with it)."""
+    the sidecar dies without closing it (a killed sidecar)."""
     global _worker_tokenizer
     os.nice(_NICE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer = RequestTokenizer.from_path(path, chat_template)
-    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with, args=(sidecar,), daemon=True).start()
 
 
-def _exit_with(parent: int) -> None:
-    while os.getppid() == parent:
-        threading.Event().wait(_PARENT_CHECK_S)
+def _exit_with(sidecar: int) -> None:
+    """Wait for the sidecar's end, then exit. (Not the parent's: that is the fork server,
+    which lives as long as a worker does.)"""
+    try:
+        handle = os.pidfd_open(sidecar)  # readable once it has exited; immune to pid reuse
+    except OSError:  # no pidfd (an old kernel): ask every second
+        while _alive(sidecar):
+            threading.Event().wait(_PARENT_CHECK_S)
+    else:
+        select.select([handle], [], [])
     os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True  # or PermissionError: it exists
 
 
 def _ready() -> None:
@@ -161,7 +176,7 @@ class OffLoopTokenizer:
         self.tokenizer = RequestTokenizer.from_path(path, chat_template)  # raises for bad files
         self.vocab_size = self.tokenizer.vocab_size
         self.longest_token = self.tokenizer.longest_token
-        self._init = (path, chat_template)
+        self._init = (path, chat_template, os.getpid())
         self._workers = workers
         self._max_pending = max_pending
         self._inline_below = inline_below_bytes
