@@ -17,6 +17,16 @@ Per path and C: TTFT (request sent → first streamed chunk) p50/p99 and added T
 errors, and for pd-extproc the ext_proc's and Envoy's peak RSS while the step ran.
 
     python bench/long_prompts.py [--prompt-kb 200] [--concurrency 20,50,100,150] [--step-s 6]
+
+`--stalls`: instead, what one long prompt costs the ext_proc's event loop, per prompt size
+(`--stall-mb`), without and with a tokenizer (`tokenizer:` and kv_events set; with
+`--baseline DIR`, that version with the tokenizer too). Per prompt: the stall (the longest
+answer of the ext_proc's `/live`, asked every 20 ms while the request is in) and the ext_proc's
+CPU seconds. The tokenizer is word-level, with one 2,000-character token in its vocabulary so
+that the engines' context length (8,192 tokens) bounds nothing below 16 M characters: every
+prompt is tokenized, the worst case. Writes long-prompts-stalls.md (and .png with matplotlib).
+
+    python bench/long_prompts.py --stalls [--stall-mb 1,5,10,16] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,12 +48,13 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import pyspy
-from bench.engines import INSTANT, running_engines
+from bench.engines import INSTANT, Engines, running_engines
 from bench.openloop import percentile
 from bench.overhead import learn_identity
 from bench.procs import child_pids, pinned, run_bench
 from bench.run import cpu_split
 from bench.targets import Target, running_extproc, running_target
+from extproc.testing import ephemeral_config, running_sidecar
 from scripts.cached_envs import vllm_router_venv
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -383,6 +394,153 @@ def write_report(
     print("\n".join(lines))
 
 
+# -- --stalls ----------------------------------------------------------------------------------
+
+STALL_WORDS = [f"w{i}" for i in range(400)]
+
+
+def stall_tokenizer(folder: Path) -> Path:
+    """The word-level tokenizer of `--stalls` (see the docstring), written to `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    special = ["<s>", "</s>", "<unk>", "x" * 2000]
+    vocab = {w: i for i, w in enumerate([*special, *STALL_WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_stall(session: aiohttp.ClientSession, target: Target, mb: int) -> dict[str, float]:
+    """Send one `mb` MB prompt of words; the longest /live answer meanwhile, the ext_proc's CPU."""
+    assert target.pid is not None and target.metrics is not None
+    count = mb * 1_000_000 // 5
+    text = " ".join(STALL_WORDS[i % len(STALL_WORDS)] for i in range(count))
+    body = orjson.dumps({"model": "sim-model", "prompt": text, "max_tokens": 1})
+    cpu_before = cpu_s(target.pid)
+
+    async def request() -> int:
+        async with session.post(
+            target.url + "/v1/completions",
+            data=body,
+            headers={"content-type": "application/json"},
+        ) as response:
+            await response.read()
+            return response.status
+
+    work, longest = asyncio.create_task(request()), 0.0
+    while not work.done():
+        started = time.perf_counter()
+        async with session.get(target.metrics + "/live") as response:
+            await response.read()
+        longest = max(longest, time.perf_counter() - started)
+        await asyncio.wait([work], timeout=0.02)
+    status = await work
+    return {"stall_s": longest, "cpu_s": cpu_s(target.pid) - cpu_before, "status": status}
+
+
+async def stalls(args: argparse.Namespace) -> None:
+    import tempfile
+
+    began = time.time()
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-stalls-") as tmp:
+        model = stall_tokenizer(Path(tmp))
+        sides: list[tuple[str, Path | None, str | None]] = [
+            ("no tokenizer", None, None),
+            ("tokenizer", None, str(model)),
+        ]
+        if args.baseline is not None:
+            sides.insert(1, ("tokenizer, baseline", args.baseline, str(model)))
+        async with contextlib.AsyncExitStack() as stack:
+            engines = await stack.enter_async_context(
+                running_engines("push", 1, 1, "sim-model", None, LONG)
+            )
+            session = await stack.enter_async_context(
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180))
+            )
+            for name, baseline, tokenizer in sides:
+                running = running_stall_sidecar(engines, tokenizer, baseline)
+                async with running as target:
+                    await asyncio.sleep(2.0)  # the probe learns the context length
+                    results[name] = {}
+                    for mb in args.stall_mb:
+                        results[name][mb] = row = await one_stall(session, target, mb)
+                        print(f"  {name} {mb} MB: {row}", flush=True)
+    lines = [
+        "# Long prompts: the ext_proc's event-loop stall and CPU per prompt, with a tokenizer",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {time.time() - began:.0f} s; "
+        f"load average before {load_before}, after "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; one request at a time, instant "
+        "vllmsim 1P1D (the engines refuse the prompts, 400: longer than their context). "
+        "Stall = the longest `/live` answer while the request was in; CPU = the ext_proc's; "
+        "HTTP = the client's answer.",
+        "",
+        "| MB | " + " | ".join(f"{n}: stall s | CPU s | HTTP" for n in results) + " |",
+        "|---|" + "---|---|---|" * len(results),
+    ]
+    for mb in args.stall_mb:
+        cells = [
+            f"{r[mb]['stall_s']:.3f} | {r[mb]['cpu_s']:.2f} | {r[mb]['status']:.0f}"
+            for r in results.values()
+        ]
+        lines.append(f"| {mb} | " + " | ".join(cells) + " |")
+    out = args.out / f"long-prompts-stalls{args.tag}.md"
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    stall_plot(results, args.stall_mb, out.with_suffix(".png"))
+
+
+@contextlib.asynccontextmanager
+async def running_stall_sidecar(
+    engines: Engines, tokenizer: str | None, baseline: Path | None
+) -> AsyncIterator[Target]:
+    """pd-extproc (push) taking 16 MiB bodies; with `tokenizer`, KV-routed (kv_events on both
+    pools); `baseline`: a directory holding another version's `extproc` package."""
+    config = ephemeral_config(
+        engines.addresses("prefill"),
+        engines.addresses("decode"),
+        dispatch={"mode": "push"},
+        limits={"max_body_bytes": 16 * 1024 * 1024},
+    )
+    if tokenizer is not None:
+        config |= {"tokenizer": tokenizer}
+        config["prefill"]["kv_events"] = config["decode"]["kv_events"] = {}
+    env = None if baseline is None else {"PYTHONPATH": str(baseline), "PYTHONSAFEPATH": "1"}
+    async with running_sidecar(config, log_level="WARNING", env=env) as sidecar:
+        yield Target("pd-extproc", sidecar.url, sidecar.pid, sidecar.metrics)
+
+
+def stall_plot(
+    results: dict[str, dict[int, dict[str, float]]], sizes: list[int], out: Path
+) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for name, rows in results.items():
+        axis.plot(sizes, [rows[mb]["stall_s"] for mb in sizes], marker="o", label=name)
+    axis.set_xlabel("prompt (MB)")
+    axis.set_ylabel("longest /live answer (s)")
+    axis.legend()
+    figure.savefig(out, dpi=120, bbox_inches="tight")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-kb", type=int, default=200)
@@ -401,15 +559,19 @@ def parse_args() -> argparse.Namespace:
         help="also measure the extproc package found in this directory (e.g. "
         "`git archive BASE extproc | tar -x -C DIR`): before/after in one run",
     )
+    parser.add_argument("--stalls", action="store_true", help="the stall table (see above)")
+    parser.add_argument("--stall-mb", default="1,5,10,16")
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.stall_mb = [int(m) for m in args.stall_mb.split(",")]
     args.baseline = args.baseline.resolve() if args.baseline is not None else None
     args.out.mkdir(parents=True, exist_ok=True)
     return args
 
 
 if __name__ == "__main__":
-    run_bench(main(parse_args()))
+    arguments = parse_args()
+    run_bench(stalls(arguments) if arguments.stalls else main(arguments))

@@ -194,6 +194,7 @@ class Runtime:
             self.model_labels.served,
             self.kv_compat,
             self._prefill_ranks,
+            self._context_length,
         )
         self.kv_check = KvCheck(
             lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses
@@ -281,6 +282,11 @@ class Runtime:
 
     def _prefill_ranks(self, address: str) -> int:
         return self.scheduler.data_parallel_size(Role.PREFILL, address)
+
+    def _context_length(self, address: str, tokens: int) -> None:
+        """A prefill said how long a prompt it runs: bounds what its model's requests are
+        tokenized for (`KvRouting.context_length`)."""
+        self.kv.context_length(self.scheduler.group_of(Role.PREFILL, address).name, tokens)
 
     def _identity_event(self, endpoint: str, event: str) -> None:
         self.metrics.identity_events.labels(endpoint, event).inc()  # rare: not kept

@@ -39,14 +39,19 @@ log = logging.getLogger("extproc.engines.probe")
 
 async def _served_model(
     session: aiohttp.ClientSession, address: str, timeout_s: float, headers: dict[str, str]
-) -> str:
+) -> tuple[str, int | None]:
+    """The model the engine serves, and its context length if it says (vLLM's
+    `max_model_len`)."""
     async with session.get(
         f"http://{address}/v1/models",
         headers=headers,
         timeout=aiohttp.ClientTimeout(total=timeout_s),
     ) as response:
         response.raise_for_status()
-        return str((await response.json())["data"][0]["id"])
+        served = (await response.json())["data"][0]
+        length = served.get("max_model_len")
+        known = type(length) is int and length > 0
+        return str(served["id"]), length if known else None
 
 
 def _status(error: Exception) -> int | None:
@@ -96,7 +101,9 @@ class Prober:
         on_served: Callable[[str], None] = lambda model: None,  # a model an engine serves
         compat: KvCompatibility | None = None,  # where a pair that cannot exchange KV goes
         ranks_of: Callable[[str], int] = lambda address: 1,  # its data-parallel ranks
+        on_context: Callable[[str, int], None] = lambda address, tokens: None,  # its length
     ) -> None:
+        self._on_context = on_context
         self._ranks_of = ranks_of
         self._compat = compat or KvCompatibility()
         self._on_served = on_served
@@ -127,8 +134,10 @@ class Prober:
         request_id = f"pd-extproc-probe-{uuid.uuid4()}"
         auth = config.engines.auth_headers
         try:
-            model = await _served_model(session, address, timeout_s, auth)
+            model, context = await _served_model(session, address, timeout_s, auth)
             self._on_served(model)
+            if context is not None:
+                self._on_context(address, context)
             client_body = orjson.dumps({"model": model, "prompt": "probe", "temperature": 0})
             p_body = prefill_body(members(client_body), False, prefill_kv_params())
             pinned = auth if rank is None else auth | {RANK_HEADER: str(rank)}

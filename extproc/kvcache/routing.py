@@ -34,7 +34,8 @@ from extproc.kvcache.index import KvIndex
 from extproc.kvcache.routed import RoutedBlocks
 from extproc.kvcache.routed_bytes import RoutedBytes
 from extproc.kvcache.scope import PLAIN, CacheScope, request_scope
-from extproc.kvcache.tokens import OffLoopTokenizer, RequestTokenizer, TokenizerFilesError
+from extproc.kvcache.tokenize_pool import OffLoopTokenizer
+from extproc.kvcache.tokens import TokenizerFilesError
 from extproc.kvcache.watchers import EventSource, KvEventWatchers
 from extproc.metrics import Metrics
 from extproc.roles import Role
@@ -86,6 +87,7 @@ class KvRouting:
         self._by_path: dict[str, OffLoopTokenizer] = {}
         self._by_group: dict[str, OffLoopTokenizer] = {}
         self._warned: set[str] = set()
+        self._context: dict[str, int] = {}  # model group → the longest prompt its engines run
         self._wanted: dict[str, EventSource] = {}
         self._rank_of: dict[str, tuple[str, int]] = {}  # a rank's engine → (server, rank)
         self._ranks: dict[str, list[str]] = {}  # a data-parallel server → its ranks' engines
@@ -117,10 +119,12 @@ class KvRouting:
     def _load(self, path: str) -> OffLoopTokenizer | None:
         if path not in self._by_path:
             try:
-                self._by_path[path] = OffLoopTokenizer(RequestTokenizer.from_path(path))
+                self._by_path[path] = OffLoopTokenizer(path)
             except TokenizerFilesError as error:
                 self._warn_once(path, f"KV-cache routing is off for {path}: {error}")
                 return None
+            if self._task is not None:  # started: a reload's new tokenizer
+                self._by_path[path].warm()
         return self._by_path[path]
 
     def _warn_once(self, what: str, message: str) -> None:
@@ -143,6 +147,15 @@ class KvRouting:
     def tokenizer_for(self, group: str) -> OffLoopTokenizer | None:
         """The tokenizer of model group `group` if it routes by the KV cache, else None."""
         return self._by_group.get(group)
+
+    def context_length(self, group: str, tokens: int) -> None:
+        """An engine of `group` runs prompts of up to `tokens` tokens (its max_model_len)."""
+        self._context[group] = max(tokens, self._context.get(group, 0))
+
+    def context(self, group: str) -> int | None:
+        """The longest prompt, in tokens, any engine of `group` said it runs; None while
+        none has said."""
+        return self._context.get(group)
 
     @property
     def enabled(self) -> bool:
@@ -249,6 +262,8 @@ class KvRouting:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._follow(), name="kv-events follower")
+            for tokenizer in self._by_path.values():
+                tokenizer.warm()
 
     async def _follow(self) -> None:
         while True:

@@ -11,11 +11,10 @@ template that expects a string; a part that is not text (an image) cannot be tok
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["ChatTemplateError", "OffLoopTokenizer", "RequestTokenizer", "TokenizerFilesError"]
+__all__ = ["ChatTemplateError", "RequestTokenizer", "TokenizerFilesError"]
 
 _SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -83,6 +82,16 @@ class RequestTokenizer:
             else _model_template(folder, config)
         )
         return cls(tokenizer, template, _special_tokens(config))
+
+    @cached_property
+    def vocab_size(self) -> int:
+        """One more than the largest id the tokenizer gives (its added tokens too)."""
+        return max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+    @cached_property
+    def longest_token(self) -> int:
+        """The most characters one token of the vocabulary stands for."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def has_chat_template(self) -> bool:
@@ -225,59 +234,3 @@ def _read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except OSError as exc:
         raise TokenizerFilesError(f"cannot read the chat template {path}: {exc}") from exc
-
-
-class OffLoopTokenizer:
-    """A `RequestTokenizer` whose encoding runs on its own threads, for the event loop.
-
-    `tokenizers` releases the GIL while it encodes, so a long prompt costs the loop only the hand-
-    off; a chat template renders on the loop (jinja is Python: on a thread it would hold the GIL
-    anyway). Short prompts encode inline, where the hand-off would cost more than the work. At
-    most `max_pending` encodings wait; past that, or past `timeout_s`, the answer is None and the
-    caller routes without the KV index.
-    """
-
-    def __init__(
-        self,
-        tokenizer: RequestTokenizer,
-        *,
-        threads: int = 1,
-        max_pending: int = 64,
-        inline_below_chars: int = 512,
-        timeout_s: float = 1.0,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kv-tokenize")
-        self._slots = max_pending
-        self._inline_below = inline_below_chars
-        self._timeout_s = timeout_s
-
-    async def completion(self, prompt: str | Sequence[int]) -> list[int] | None:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        return await self._encode(prompt, add_special_tokens=True)
-
-    async def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int] | None:
-        return await self._encode(
-            self.tokenizer.render_chat(messages, **options), add_special_tokens=False
-        )
-
-    async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int] | None:
-        if len(text) < self._inline_below:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        if self._slots <= 0:
-            return None
-        self._slots -= 1
-        try:
-            future = asyncio.get_running_loop().run_in_executor(
-                self._executor, self.tokenizer.encode, text, add_special_tokens
-            )
-            async with asyncio.timeout(self._timeout_s):
-                return await future
-        except TimeoutError:
-            return None
-        finally:
-            self._slots += 1
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -13,7 +13,13 @@ from typing import Any
 import orjson
 
 from extproc.errors import ClientError
-from extproc.protocol.bodies import BodyError, members, without_router_xargs
+from extproc.protocol.bodies import (
+    MAX_DEPTH,
+    BodyError,
+    TooDeep,
+    members,
+    without_router_xargs,
+)
 
 __all__ = ["PASSTHROUGH", "Api", "ClientRequest", "is_passthrough", "parse_request"]
 
@@ -115,8 +121,16 @@ def _check_prompt(api: Api, doc: dict[str, Any]) -> None:
         raise _bad("'prompt' is an empty list; send a string or a list of token ids", "prompt")
     if all(isinstance(item, str | list) for item in prompt):
         raise _bad(_prompt_list_message(len(prompt)), "prompt")
-    if not all(_is_int(t) for t in prompt):
+    if not set(map(type, prompt)) <= {int}:  # in C: a long list costs the loop little
         raise _bad("'prompt' as a list must hold token ids (integers) only", "prompt")
+    smallest, largest = min(prompt), max(prompt)
+    if smallest < 0 or largest > MAX_INT:
+        wrong = smallest if smallest < 0 else largest
+        raise _bad(
+            f"'prompt' holds token id {wrong}; token ids are integers from 0 to {MAX_INT} "
+            "and must be in the model's vocabulary",
+            "prompt",
+        )
 
 
 def _prompt_list_message(count: int) -> str:
@@ -222,7 +236,12 @@ def parse_request(api: Api, raw: bytes, limit: int, engine_priority: bool = Fals
     _check_prompt(api, doc)
     _check_fields(doc)
     try:
-        parts = members(raw)
+        parts = members(raw, valid=True)
+    except TooDeep:
+        raise _bad(
+            f"the body's JSON is nested more than {MAX_DEPTH} levels deep; the limit is "
+            f"{MAX_DEPTH}: flatten the deepest value"
+        ) from None
     except BodyError as error:  # orjson accepted it, so this is our scanner's gap: say so
         raise _bad(f"unsupported JSON layout: {error}") from None
     parts = without_router_xargs(parts, doc.get("vllm_xargs"))

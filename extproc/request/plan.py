@@ -29,11 +29,11 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from extproc.config import DispatchMode
 from extproc.errors import ClientError
-from extproc.kvcache.tokens import ChatTemplateError
+from extproc.kvcache.tokenize_pool import members_object
 from extproc.policies import PickRequest
 from extproc.protocol.bodies import buffer_bytes, decode_body, prefill_body, prefill_kv_params
 from extproc.protocol.identity import PrefillIdentity
@@ -192,35 +192,33 @@ def pick_request(
 
 async def request_tokens(request: ClientRequest, scheduler: Scheduler) -> list[int] | None:
     """The request's token ids as the engines compute them, where its model group routes by
-    the KV cache; None otherwise (nothing is tokenized), or where they cannot be had (a batch
-    of prompts, content that is not text, the tokenizer's queue full): routed without them."""
+    the KV cache; None otherwise (nothing is tokenized), or where they cannot be had (content
+    that is not text, the tokenizer's queue full or its time up, a text longer than any engine
+    of the group runs): routed without them. Token ids the vocabulary does not have: a
+    ClientError (400)."""
     kv = scheduler.kv
-    tokenizer = kv.tokenizer_for(scheduler.group(request.model).name) if kv else None
-    if tokenizer is None:
+    group = scheduler.group(request.model).name
+    tokenizer = kv.tokenizer_for(group) if kv else None
+    if tokenizer is None or kv is None:
         return None
-    doc = request.doc
-    try:
-        if request.api is Api.CHAT:
-            return await tokenizer.chat(
-                doc.get("messages") or [],
-                add_generation_prompt=doc.get("add_generation_prompt", True) is not False,
-                continue_final_message=doc.get("continue_final_message") is True,
-                tools=doc.get("tools") if isinstance(doc.get("tools"), list) else None,
-                template_kwargs=_template_kwargs(doc),
-            )
-        prompt = doc.get("prompt")
-        if isinstance(prompt, str) or (
-            isinstance(prompt, list) and all(type(t) is int for t in prompt)
-        ):
-            return await tokenizer.completion(prompt)
-    except (ChatTemplateError, TypeError, ValueError) as error:
-        log.debug("request not tokenized for the KV index: %s", error)
-    return None
+    chat = request.api is Api.CHAT
+    prompt = request.doc.get("prompt")
+    if not chat and isinstance(prompt, list):  # token ids (parse_request checked them)
+        _check_vocabulary(prompt, tokenizer.vocab_size)
+        return list(prompt)
+    raw = members_object(request.parts, chat)
+    return await tokenizer.ids(chat, request.doc, raw, kv.context(group))
 
 
-def _template_kwargs(doc: Mapping[str, Any]) -> dict[str, Any] | None:
-    kwargs = doc.get("chat_template_kwargs")
-    return kwargs if isinstance(kwargs, dict) else None
+def _check_vocabulary(ids: list[int], vocab_size: int) -> None:
+    largest = max(ids)  # in C: a long list costs the loop little
+    if largest >= vocab_size:
+        raise ClientError(
+            400,
+            f"'prompt' holds token id {largest}, outside the model's vocabulary "
+            f"(ids 0 to {vocab_size - 1}); send ids the model's tokenizer gives",
+            param="prompt",
+        )
 
 
 def plan_request(

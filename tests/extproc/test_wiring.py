@@ -61,3 +61,20 @@ def test_reload_applies_the_identity_flap_settings() -> None:
     for engine_id in ("a", "b", "a"):  # two changes: flapping under 2, not under 5
         runtime.identities.learn(P, _engine(engine_id))
     assert not runtime.identities.serial_only(P)
+
+
+def test_a_prefills_context_length_goes_to_its_model_group() -> None:
+    group = {
+        "prefill": {"endpoints": ["127.0.0.1:8102"]},
+        "decode": {"endpoints": ["127.0.0.1:8202"]},
+    }
+    config = {
+        "prefill": {"endpoints": ["127.0.0.1:8101"]},
+        "decode": {"endpoints": ["127.0.0.1:8201"]},
+        "models": {"big": group},
+    }
+    runtime = Runtime(parse_config(config), "unix:/x")
+    runtime._context_length("127.0.0.1:8102", 32768)  # what the probe read from /v1/models
+    runtime._context_length("127.0.0.1:8101", 4096)
+    assert runtime.kv.context("big") == 32768
+    assert runtime.kv.context("") == 4096  # the top-level pools' group

@@ -108,6 +108,35 @@ CASES = [
     ("unsupported method", "GET", "/v1/completions", b"", 405, "GET"),
     ("empty body", "POST", "/v1/completions", b"", 400, "no body"),
     (
+        "JSON nested 1,000 deep",
+        "POST",
+        "/v1/chat/completions",
+        b'{"model":"m","messages":[{"role":"user","content":'
+        + b'{"a":[' * 500
+        + b'"x"'
+        + b"]}" * 500
+        + b"}]}",
+        400,
+        "nested more than 64 levels deep",
+    ),
+    ("negative token id", "POST", "/v1/completions", b'{"model":"m","prompt":[1,-1]}', 400, "-1"),
+    (
+        "token id 2**40",
+        "POST",
+        "/v1/completions",
+        b'{"model":"m","prompt":[1,%d]}' % 2**40,
+        400,
+        f"token id {2**40}",
+    ),
+    (
+        "token id 2**63",
+        "POST",
+        "/v1/completions",
+        b'{"model":"m","prompt":[1,%d]}' % 2**63,
+        400,
+        f"token id {2**63}",
+    ),
+    (
         "over the limit",
         "POST",
         "/v1/completions",

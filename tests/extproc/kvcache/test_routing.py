@@ -594,3 +594,13 @@ def test_routed_blocks_stay_within_their_bound() -> None:
     assert routed.held(routed.keys(list(range(8))), {P1, P2}) == {}
     routed.forget(P1)
     assert routed.engines() == {P2} and len(routed) == sum(1 for _ in routed._routed)
+
+
+def test_a_groups_context_is_the_longest_any_of_its_engines_said() -> None:
+    routing = KvRouting(KvIndex(1000), Metrics())
+    assert routing.context("m") is None
+    routing.context_length("m", 4096)
+    routing.context_length("m", 8192)
+    routing.context_length("m", 2048)
+    assert routing.context("m") == 8192
+    assert routing.context("other") is None

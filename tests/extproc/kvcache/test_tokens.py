@@ -1,9 +1,8 @@
 """Request token ids: completions with the tokenizer's special tokens, chat rendered with the
-model's template as Hugging Face renders it, then encoded without them; off the loop."""
+model's template as Hugging Face renders it, then encoded without them."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -12,7 +11,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from extproc.kvcache.tokens import (
     ChatTemplateError,
-    OffLoopTokenizer,
     RequestTokenizer,
     TokenizerFilesError,
 )
@@ -118,16 +116,3 @@ def test_a_model_without_template_cannot_render_chat(tmp_path: Path) -> None:
 def test_missing_tokenizer_files_say_what_to_give(tmp_path: Path) -> None:
     with pytest.raises(TokenizerFilesError, match="give the model's folder"):
         RequestTokenizer.from_path(tmp_path)
-
-
-async def test_off_the_loop_gives_the_same_ids_and_gives_up_when_saturated(tmp_path: Path) -> None:
-    tok = RequestTokenizer.from_path(_write_model(tmp_path))
-    off = OffLoopTokenizer(tok, inline_below_chars=4, max_pending=1)
-    try:
-        long = " ".join(["hello world"] * 50)
-        assert await off.completion(long) == tok.completion(long)
-        assert await off.chat([{"role": "user", "content": "a"}]) == [0, 2, 6]
-        both = await asyncio.gather(off.completion(long), off.completion(long))
-        assert sorted(both, key=lambda ids: ids is None) == [tok.completion(long), None]
-    finally:
-        off.close()

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from extproc.protocol.bodies import (
     BodyError,
+    TooDeep,
+    container_end,
     decode_body,
     members,
     prefill_body,
@@ -232,3 +234,22 @@ def test_vllm_xargs_carrying_only_the_report_mode_lose_it() -> None:
     raw = b'{"model":"m","vllm_xargs":{"kv_cache_report_mode":"all","mine":1}}'
     assert _xargs_of(raw) == {"mine": 1}
     assert _xargs_of(b'{"model":"m","vllm_xargs":{"kv_cache_report_mode":"all"}}') == "absent"
+
+
+def test_a_long_chat_is_split_as_written() -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": 'a [b] {c "d" \\" \\\\'}]},
+        {"role": "assistant", "content": "x]}", "tool_calls": [{"f": {"a": [1, {"b": None}]}}]},
+    ] * 20_000
+    raw = orjson.dumps({"model": "m", "messages": messages, "n": 1})
+    messages_raw = orjson.dumps({"messages": messages})[1:-1]
+    assert members(raw) == [("model", b'"model":"m"'), ("messages", messages_raw), ("n", b'"n":1')]
+
+
+def test_a_member_nested_past_the_limit_is_refused_and_one_at_it_is_split() -> None:
+    deepest = b'{"a":' + b"[" * 63 + b"]" * 63 + b',"b":1}'  # 64 levels with the body
+    assert members(deepest) == [("a", b'"a":' + b"[" * 63 + b"]" * 63), ("b", b'"b":1')]
+    too_deep = b'{"a":' + b"[" * 64 + b"]" * 64 + b',"b":1}'
+    assert container_end(too_deep, 5) is None
+    with pytest.raises(TooDeep):
+        members(too_deep, valid=True)  # orjson accepted it: too deep, not malformed

@@ -333,3 +333,63 @@ def test_the_clients_engine_priority_is_dropped_unless_allowed() -> None:
     assert [key for key, _ in dropped.parts] == ["model", "prompt", "top_k"]
     kept = parse_request(Api.COMPLETIONS, raw, 1 << 20, engine_priority=True)
     assert [key for key, _ in kept.parts] == ["model", "prompt", "priority", "priority", "top_k"]
+
+
+def nested(depth: int) -> str:
+    """JSON text of a value `depth` levels deep (objects and arrays in turn), written out:
+    the JSON libraries refuse to encode a value that deep."""
+    return '{"a":[' * (depth // 2) + ('{"a":"x"}' if depth % 2 else '"x"') + "]}" * (depth // 2)
+
+
+DEPTH = bad_request(
+    "the body's JSON is nested more than 64 levels deep; the limit is 64: flatten the deepest "
+    "value",
+    None,
+)
+DEEP = nested(1000)
+USER = '{"model":"m","messages":[{"role":"user","content":"x"}],'
+
+
+@pytest.mark.parametrize(
+    ("api", "body"),
+    [
+        (Api.CHAT, '{"model":"m","messages":[{"role":"user","content":' + DEEP + "}]}"),
+        (
+            Api.CHAT,
+            '{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":'
+            + DEEP
+            + "}]}]}",
+        ),
+        (Api.CHAT, USER + '"tools":' + DEEP + "}"),
+        (Api.CHAT, USER + '"chat_template_kwargs":' + DEEP + "}"),
+        (Api.COMPLETIONS, '{"model":"m","prompt":"p","user":' + nested(64) + "}"),  # 65 in all
+    ],
+    ids=["content", "text-part", "tools", "template-kwargs", "one-past-the-limit"],
+)
+def test_json_nested_too_deep_is_refused_naming_the_limit(api: Api, body: str) -> None:
+    assert refusal(api, body.encode(), 1 << 20) == DEPTH
+
+
+def test_nesting_up_to_the_limit_and_brackets_in_strings_are_accepted() -> None:
+    brackets = '[[{{\\"[' * 200 + "\\\\" + "[" * 100
+    user = orjson.loads(nested(63))
+    body = {"model": "m", "prompt": brackets, "user": user, "x": [[brackets]] * 50}
+    assert parse_request(Api.COMPLETIONS, orjson.dumps(body), 1 << 20).doc["prompt"] == brackets
+
+
+@pytest.mark.parametrize(
+    ("prompt", "wrong"),
+    [([1, -1], -1), ([1, 2**40], 2**40), ([1, 2**63], 2**63), ([2**31, 5], 2**31)],
+    ids=["negative", "2**40", "2**63", "2**31"],
+)
+def test_token_ids_outside_int32_are_refused(prompt: list[int], wrong: int) -> None:
+    assert refusal(Api.COMPLETIONS, {"model": "m", "prompt": prompt}) == bad_request(
+        f"'prompt' holds token id {wrong}; token ids are integers from 0 to 2147483647 and "
+        "must be in the model's vocabulary",
+        "prompt",
+    )
+
+
+def test_the_largest_int32_token_id_passes_the_parse() -> None:
+    body = {"model": "m", "prompt": [0, 2**31 - 1]}
+    assert parse_request(Api.COMPLETIONS, orjson.dumps(body), LIMIT).doc["prompt"] == body["prompt"]

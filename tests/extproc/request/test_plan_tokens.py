@@ -316,3 +316,31 @@ def test_plan_request_refuses_a_body_over_envoys_buffer() -> None:
             completion("w1 " * 70_000), {}, rt.config, rt.scheduler, rt.identities, inflight
         )
     assert caught.value.status == 413
+
+
+@pytest.mark.parametrize("wrong", [len(WORD), 2**31 - 1])
+async def test_token_ids_outside_the_vocabulary_are_refused(model_dir: Path, wrong: int) -> None:
+    rt = runtime(model_dir)
+    with pytest.raises(ClientError) as caught:
+        await tokens_of(rt, Api.COMPLETIONS, {"prompt": [1, wrong, 2]})
+    assert caught.value.status == 400
+    assert orjson.loads(caught.value.body)["error"]["message"] == (
+        f"'prompt' holds token id {wrong}, outside the model's vocabulary (ids 0 to "
+        f"{len(WORD) - 1}); send ids the model's tokenizer gives"
+    )
+    assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": [0, len(WORD) - 1]}) == [
+        0,
+        len(WORD) - 1,
+    ]
+
+
+async def test_a_prompt_longer_than_any_engine_of_its_group_runs_is_not_tokenized(
+    model_dir: Path,
+) -> None:
+    rt = runtime(model_dir)
+    prompt = "w1 " * 30  # 30 tokens
+    assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": prompt}) == ids(prompt)
+    rt.kv.context_length("", 29)  # what an engine of the group said
+    assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": prompt}) is None
+    rt.kv.context_length("", 30)  # the longest any engine of the group runs
+    assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": prompt}) == ids(prompt)

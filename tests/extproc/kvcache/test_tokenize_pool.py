@@ -1,0 +1,251 @@
+"""Request token ids from worker processes: the same ids as inline, the loop free meanwhile,
+and every way out bounded (time, queue, a dead worker, close)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from extproc.kvcache.tokenize_pool import OffLoopTokenizer, members_object, token_ids
+from extproc.kvcache.tokens import RequestTokenizer
+
+WORDS = [f"w{i}" for i in range(100)]
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+STALL_S = 0.25  # the loop's longest wait allowed (the issue's bound), well above noise
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    vocab = {w: i for i, w in enumerate(["<s>", "<unk>", "<user>", *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return tmp_path
+
+
+@pytest.fixture
+async def pool(model_dir: Path) -> AsyncIterator[Callable[..., OffLoopTokenizer]]:
+    made: list[OffLoopTokenizer] = []
+
+    def make(**options: Any) -> OffLoopTokenizer:
+        made.append(OffLoopTokenizer(str(model_dir), **options))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+def text(words: int) -> str:
+    return " ".join(WORDS[i % len(WORDS)] for i in range(words))
+
+
+def completion(prompt: str) -> tuple[dict[str, Any], bytes]:
+    doc = {"model": "m", "prompt": prompt, "max_tokens": 1}
+    return doc, members_object([("prompt", orjson.dumps({"prompt": prompt})[1:-1])], False)
+
+
+def chat(messages: list[dict[str, str]]) -> tuple[dict[str, Any], bytes]:
+    doc = {"model": "m", "messages": messages}
+    return doc, members_object([("messages", orjson.dumps({"messages": messages})[1:-1])], True)
+
+
+async def test_a_worker_gives_the_ids_inline_would(
+    pool: Callable[..., OffLoopTokenizer], model_dir: Path
+) -> None:
+    tokenizer = RequestTokenizer.from_path(model_dir)
+    off = pool(inline_below_bytes=16, workers=1)
+    prompt_doc, prompt_raw = completion(text(500))
+    chat_doc, chat_raw = chat([{"role": "user", "content": text(300)}] * 3)
+    assert await off.ids(False, prompt_doc, prompt_raw) == token_ids(
+        tokenizer, False, prompt_doc, None
+    )
+    assert await off.ids(True, chat_doc, chat_raw) == token_ids(tokenizer, True, chat_doc, None)
+    assert (await off.ids(False, prompt_doc, prompt_raw))[:2] == [0, 3]  # BOS, then w0
+
+
+async def test_a_long_prompt_leaves_the_loop_free(pool: Callable[..., OffLoopTokenizer]) -> None:
+    off = pool(workers=1, timeout_s=60)
+    off.warm()
+    doc, raw = completion(text(2_000_000))  # ~8 MB: seconds of encoding on this loop
+    longest = 0.0
+    beating, done = asyncio.Event(), asyncio.Event()
+
+    async def beat() -> None:
+        nonlocal longest
+        beating.set()
+        while not done.is_set():
+            before = time.perf_counter()
+            await asyncio.sleep(0.01)
+            longest = max(longest, time.perf_counter() - before - 0.01)
+
+    beater = asyncio.create_task(beat())
+    await beating.wait()
+    try:
+        ids = await off.ids(False, doc, raw)
+    finally:
+        done.set()
+        await beater
+    assert ids is not None and len(ids) == 2_000_001
+    assert longest < STALL_S
+
+
+async def test_a_job_past_its_time_gets_no_ids_and_its_worker_is_ended(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    off = pool(workers=1, timeout_s=0.05)
+    off.warm()
+    [old] = await worker_pids(off)
+    assert await off.ids(False, *completion(text(1_000_000))) is None
+    await ended(old)  # not left to encode on
+    assert await off.ids(False, *completion("w1")) == [0, 4]  # inline: no worker needed
+    [new] = await worker_pids(off)
+    assert new != old
+
+
+async def test_past_its_queue_a_request_gets_no_ids_at_once(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    off = pool(workers=1, max_pending=1, timeout_s=30)
+    first = asyncio.create_task(off.ids(False, *completion(text(1_000_000))))
+    await worker_pids(off)
+    assert off._pending == 1  # the test looks inside: the first request is in
+    assert await off.ids(False, *completion(text(2000))) is None
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
+async def test_a_prompt_longer_than_the_context_gets_no_ids(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    off = pool(inline_below_bytes=16)
+    doc, raw = completion(text(1000))  # 1,001 tokens with the BOS
+    assert await off.ids(False, doc, raw, context=1000) is None
+    assert await off.ids(False, doc, raw, context=1001) is not None
+    small = completion("w1 w2")
+    assert await off.ids(False, *small, context=2) is None  # inline, the same bound
+
+
+def test_a_text_longer_than_context_times_the_longest_token_is_not_encoded(
+    model_dir: Path,
+) -> None:
+    class Counted(RequestTokenizer):
+        encoded = 0
+
+        def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+            Counted.encoded += 1
+            return super().encode(text, add_special_tokens)
+
+    tokenizer = Counted.from_path(model_dir)
+    longest = tokenizer.longest_token  # "<unk>", "<user>": 6 characters
+    doc = {"prompt": "w1 " * 100}  # 300 characters, 101 tokens
+    assert token_ids(tokenizer, False, doc, 300 // longest - 1) is None
+    assert Counted.encoded == 0
+    assert token_ids(tokenizer, False, doc, 300 // longest) is None  # encoded: too many tokens
+    assert Counted.encoded == 1
+
+
+async def test_a_dead_worker_costs_its_request_then_new_workers_serve(
+    pool: Callable[..., OffLoopTokenizer], caplog: pytest.LogCaptureFixture
+) -> None:
+    off = pool(workers=1, timeout_s=30)
+    asking = asyncio.create_task(off.ids(False, *completion(text(1_000_000))))
+    [pid] = await worker_pids(off)
+    os.kill(pid, signal.SIGKILL)
+    assert await asking is None
+    assert "a tokenizer worker died" in caplog.text
+    assert await off.ids(False, *completion(text(3000))) == [0, *[3 + i % 100 for i in range(3000)]]
+    assert pid not in await worker_pids(off)
+
+
+async def test_close_ends_a_worker_in_the_middle_of_a_job(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    off = pool(workers=1, timeout_s=30)
+    asking = asyncio.create_task(off.ids(False, *completion(text(1_000_000))))
+    [pid] = await worker_pids(off)
+    off.close()
+    await ended(pid)
+    assert await asking is None
+    assert off._all == []  # no worker started again
+
+
+SIDECAR = """
+import asyncio, sys
+from extproc.kvcache.tokenize_pool import OffLoopTokenizer
+
+async def main() -> None:
+    off = OffLoopTokenizer(sys.argv[1])
+    off.warm()
+    while not (pids := [p for w in off._all for p in (w._processes or {})]):
+        await asyncio.sleep(0.02)
+    print(*pids, flush=True)
+    await asyncio.sleep(600)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+async def test_the_workers_of_a_killed_sidecar_exit(model_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "sidecar.py"
+    script.write_text(SIDECAR)
+    sidecar = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), str(model_dir), stdout=asyncio.subprocess.PIPE
+    )
+    assert sidecar.stdout is not None
+    line = await asyncio.wait_for(sidecar.stdout.readline(), 60)
+    workers = [int(pid) for pid in line.split()]
+    assert workers and all(alive(pid) for pid in workers)
+    sidecar.kill()  # no close: the workers must notice on their own
+    await sidecar.wait()
+    for pid in workers:
+        await ended(pid)
+
+
+async def ended(pid: int) -> None:
+    for _ in range(200):
+        if not alive(pid):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"worker {pid} still runs")
+
+
+async def worker_pids(off: OffLoopTokenizer) -> list[int]:
+    """The pool's worker processes once one has started (polled, bounded)."""
+    for _ in range(200):
+        # the test looks inside: which processes to kill or watch
+        pids = [pid for worker in off._all for pid in (worker._processes or {})]
+        if pids:
+            return pids
+        await asyncio.sleep(0.02)
+    raise AssertionError("no worker started")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a child that exited stays as a zombie until reaped: read its state
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
