@@ -19,6 +19,7 @@ import yaml
 from tokenizers import Tokenizer, models
 
 from extproc.config import Config, ConfigError, parse_config
+from lab.workloads import VOCAB
 
 __all__ = ["lab_config", "placeholder_tokenizer"]
 
@@ -26,8 +27,10 @@ _MEMBER_SOURCES = ("endpoints", "dns", "kubernetes", "inference_pool")
 
 
 def placeholder_tokenizer(folder: Path) -> Path:
-    """A tokenizer.json that loads (KV-cache routing needs one); it never encodes a prompt."""
-    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    """A tokenizer.json that loads (KV-cache routing needs one); it never encodes a prompt. Its
+    largest id is the workloads' (the sidecar refuses ids past a tokenizer's vocabulary)."""
+    vocab = {"<unk>": 0, "<last>": VOCAB - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     path = folder / "tokenizer.json"
     tokenizer.save(str(path))
     return path
