@@ -171,10 +171,11 @@ class SimEngine:
     def load_page(self) -> str:
         """The engine's load as its /metrics shows it (the families the sidecar reads)."""
         engine = self.engine
+        labels = f'{{model_name="{MODEL}"}}'  # vLLM's label: its base model's name
         return (
-            f"vllm:num_requests_waiting {engine.num_waiting}\n"
-            f"vllm:num_requests_running {len(engine.running)}\n"
-            f"vllm:kv_cache_usage_perc {engine.pool.usage()}\n"
+            f"vllm:num_requests_waiting{labels} {engine.num_waiting}\n"
+            f"vllm:num_requests_running{labels} {len(engine.running)}\n"
+            f"vllm:kv_cache_usage_perc{labels} {engine.pool.usage()}\n"
         )
 
 

@@ -40,6 +40,7 @@ from typing import Any
 import orjson
 
 from extproc.config import Config
+from extproc.engines.base_models import BaseModels
 from extproc.engines.load import EngineLoad
 from extproc.engines.scrape_plan import scrape_plan
 from extproc.engines.scraper import parse_families
@@ -238,6 +239,8 @@ class Sidecar:
             pushed_kv=PushedKv(loop.time),
         )
         self._load = EngineLoad(self._state)
+        # which model is each engine's base: a lookup for it is in the plain cache scope
+        self._base_models = BaseModels(self.kv.learn_base_model)
         self.active_streams = 0  # requests this process is handling (Envoy balances on it)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -270,7 +273,9 @@ class Sidecar:
     async def _feed_load(self, interval_s: float, engines: list[SimEngine]) -> None:
         while True:
             for engine in engines:
-                self._load.consume(engine.address, parse_families(engine.load_page()))
+                families = parse_families(engine.load_page())
+                self._load.consume(engine.address, families)
+                self._base_models.consume(engine.address, families)
             await asyncio.sleep(interval_s)
 
     async def start(self) -> None:
