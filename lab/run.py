@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from extproc.config import Config, DispatchMode
+from extproc.kvcache.routing import rank_engine
 from extproc.process.workers import limits_share
 from lab.clock import run_virtual
 from lab.configs import lab_config, placeholder_tokenizer
-from lab.engines import MODEL, Cluster, EngineTotals, Topology
+from lab.engines import MODEL, Cluster, EngineTotals, SimEngine, Topology
 from lab.sidecar import Outcome, ProxyCosts, Sidecar
 from lab.workloads import LabRequest, Workload
 from vllmsim.config import CostModel
@@ -132,9 +133,23 @@ class Session:
         found = []
         for sidecar in self.sidecars:
             index = sidecar.kv.index
-            heard = [e.name for e in self.cluster.all if index.heard_from(e.address)]
+            heard = [
+                name
+                for e in self.cluster.all
+                for name, engine in _engine_names(e)
+                if index.heard_from(engine)
+            ]
             found.append({"engines_heard_from": heard, "blocks": index.blocks})
         return found
+
+
+def _engine_names(server: SimEngine) -> list[tuple[str, str]]:
+    """(output name, KV index key) of each engine of a server: its ranks', if it has ranks."""
+    if len(server.ranks) == 1:
+        return [(server.name, server.address)]
+    return [
+        (f"{server.name} dp{r.index}", rank_engine(server.address, r.index)) for r in server.ranks
+    ]
 
 
 @contextlib.asynccontextmanager
@@ -147,11 +162,12 @@ async def session(path: Path, tokenizer: Path, settings: Settings) -> AsyncItera
     sidecars: list[Sidecar] = []
     loop = asyncio.get_running_loop()
 
-    def deliver(address: str, payload: bytes) -> None:  # the ZMQ hop: the next loop turn
+    def deliver(address: str, rank: int, payload: bytes) -> None:  # ZMQ: the next loop turn
         for sidecar in sidecars:
-            loop.call_soon(sidecar.kv_events, address, payload)
+            loop.call_soon(sidecar.kv_events, address, rank, payload)
 
-    cluster = Cluster(settings.topology, settings.cost, transfer, deliver)
+    ranks = {role: getattr(config, role).data_parallel_size or 1 for role in names}
+    cluster = Cluster(settings.topology, settings.cost, transfer, deliver, ranks)
     try:
         with cluster.running():
             replicas = _replicas(config, cluster, settings)
@@ -284,6 +300,10 @@ def _role_figures(cluster: Cluster, role: str) -> dict[str, Any]:
         "cached_share": round(cached / prompt, 4) if prompt else 0.0,
         "legs_per_engine": {e.name: e.totals.legs for e in engines},
         "peak_queue": {e.name: e.totals.peak_queue for e in engines},
+        # a data-parallel server's legs by rank (servers without ranks are left out)
+        "legs_per_rank": {
+            e.name: dict(sorted(e.totals.rank_legs.items())) for e in engines if len(e.ranks) > 1
+        },
     }
 
 
