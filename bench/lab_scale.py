@@ -131,6 +131,9 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=sorted(CONFIGS))
     parser.add_argument("--profile", action="store_true", help="cProfile each case's run")
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
+    parser.add_argument(
+        "--append", action="store_true", help=f"with --write: add the rows to {RESULTS.name}"
+    )
     args = parser.parse_args()
     rows = []
     for case in args.cases:
@@ -143,7 +146,11 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     lines = _table(rows)
     print("\n".join(lines))
-    if args.write:
+    if args.write and args.append:
+        with RESULTS.open("a") as out:
+            out.write("\n".join(lines[2:]) + "\n")
+        print(f"appended to {RESULTS}")
+    elif args.write:
         load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
         head = [
             "# The lab at scale",
