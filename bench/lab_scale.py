@@ -4,10 +4,10 @@ A Mooncake-format trace (the format `--trace` replays) is generated with a fixed
 arrivals at `--rate` requests per second, lognormal prompt lengths (median 2048 tokens, at most
 7680, so that with its output it fits `gpu-8b`'s 8192) in 512-token blocks, the first blocks of
 one prompt in three drawn from 64 shared prefixes (system prompts), lognormal outputs (median
-128 tokens, at most 512). Each case runs `pd-extproc-lab` in a process of its own (its peak RSS
-is then the case's), on a config of round robin and one of the kv_cache policy (KV events on;
-`kv_cache_dp2`: the same with two data-parallel ranks behind every server), and the figures
-are read from `getrusage` of that child process.
+128 tokens, at most 512). Each case runs `pd-extproc-lab` in a process of its own, on a config
+of round robin and one of the kv_cache policy (KV events on; `kv_cache_dp2`: the same with two
+data-parallel ranks behind every server); its CPU time and peak RSS are that process's own
+(`wait4`'s resource usage).
 
     python bench/lab_scale.py                  # 16P16D x 10,000 and 32P32D x 2,000 requests
     python bench/lab_scale.py --cases 4P4D:500 --profile   # cProfile of the lab's run
@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -87,15 +87,19 @@ def run_case(topology: str, requests: int, rate: float, config: str, profile: bo
         lab += ["--out", str(tmp / "out")]
         if profile:
             lab = ["-m", "cProfile", "-o", str(ROOT / f"lab-scale-{topology}.prof"), *lab]
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        errors = tmp / "stderr.txt"
         started = time.monotonic()
-        done = subprocess.run([sys.executable, *lab], cwd=ROOT, capture_output=True, text=True)
-        if done.returncode:
-            sys.exit(f"{topology} {config}: the lab failed:\n{done.stderr[-2000:]}")
+        with errors.open("w") as err:
+            child = subprocess.Popen(
+                [sys.executable, *lab], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err
+            )
+            _, status, usage = os.wait4(child.pid, 0)  # this child's own figures
+            child.returncode = os.waitstatus_to_exitcode(status)
         wall = time.monotonic() - started
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if child.returncode:
+            sys.exit(f"{topology} {config}: the lab failed:\n{errors.read_text()[-2000:]}")
         summary = json.loads((tmp / "out" / "summary.json").read_text())["configs"][0]
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cpu = usage.ru_utime + usage.ru_stime
     return {
         "topology": topology,
         "config": config,
@@ -103,7 +107,7 @@ def run_case(topology: str, requests: int, rate: float, config: str, profile: bo
         "rate": rate,
         "wall_s": round(wall, 1),
         "cpu_s": round(cpu, 1),
-        "peak_rss_mb": round(after.ru_maxrss / 1024, 1),  # the largest child's so far (KiB)
+        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),  # KiB on Linux
         "simulated_s": summary["simulated_s"],
         "ok": summary["ok"],
         "failed": summary["failed"],
