@@ -5,7 +5,8 @@
    are replayed on vllmsim engines with the `cpu-tiny` profile; per cell: real and simulated
    median TTFT, sim / real, and each mode's ratio to pull, real and simulated.
 2. GPU, the cost model: the default profile (fitted to PR #187 with bench/fit.py) on
-   bench/fastsim.py's virtual clock at the PR's rows and between them (C = 4, 16, 64).
+   the lab's virtual clock (bench/pr187.py's plan) at the PR's rows and between them
+   (C = 4, 16, 64).
 3. GPU, the processes: bench/run.py's plan (random 1024 in / 64 out, 2 x C prompts, 4P4D behind
    pd-extproc) against the PR's rows: best mean TTFT of the runs, the order of the modes, each
    ratio to pull within ±15 %, absolute within ±15 % up to C = 32; a row whose engines' steps ran
@@ -48,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import fastsim, pr187  # noqa: E402
+from bench import pr187  # noqa: E402
 from bench.calibrate_real import CONCURRENCY, FRONTS, ROUNDS  # noqa: E402
 from bench.engines import running_engines  # noqa: E402
 from bench.pr187 import MODES  # noqa: E402
@@ -213,7 +214,7 @@ def run_gpu_plan(out: Path, runs: int, concurrency: tuple[int, ...], profile: st
         "--min-requests",
         "0",
         "--num-warmups",
-        str(fastsim.WARMUPS),
+        str(pr187.WARMUPS),
         "--out",
         str(out),
     ]
@@ -313,11 +314,11 @@ def gpu_table(cells: dict[str, dict[int, Cell]]) -> tuple[list[str], list[str]]:
 
 
 def virtual_table(profile: str, runs: int) -> tuple[list[str], list[str], dict]:
-    """The cost model alone (bench/fastsim.py: the same engines in one process on a virtual
-    clock, no HTTP, no CPU contention) at the PR's rows and between them."""
+    """The cost model alone (bench/pr187.py's plan on the lab: the same engines in one process
+    on a virtual clock, no HTTP, no CPU contention) at the PR's rows and between them."""
     cost = PROFILES[profile]
     concurrency = sorted({*FIT_CONCURRENCY, *OFF_FIT_CONCURRENCY})
-    rows = fastsim.table(cost, tuple(concurrency), runs=runs)
+    rows = pr187.table(cost, tuple(concurrency), runs=runs)
     lines = [_HEAD + " check |", "|---|---|---|---|---|---|---|---|---|"]
     misses = []
     for c in concurrency:
@@ -418,7 +419,8 @@ async def gpu_lines(
         lines += [
             f"## GPU: the `{DEFAULT_PROFILE}` cost model vs PR #187 (virtual clock)",
             "",
-            "bench/fastsim.py: the simulator's engines and connectors in one process, the proxy "
+            "bench/pr187.py's plan on the lab (docs/lab.md): pd-extproc's scheduler (round "
+            "robin) before the simulator's engines and connectors in one process, the proxy "
             "a fixed 0.3 ms hop, no CPU contention; best mean TTFT of "
             f"{args.gpu_runs} runs. Rows 4, 16 and 64 are not in the PR: they are checked "
             "against the PR's curve interpolated log-log between its neighbouring rows, and "

@@ -1,4 +1,4 @@
-"""Search the GPU profile's physical parameters against PR #187's rows (bench/fastsim.py).
+"""Search the GPU profile's physical parameters against PR #187's rows (its plan on the lab).
 
 The score is the squared log error of every cell the aim bounds in absolute terms (C <= 32)
 plus that of each mode's ratio to pull at every C; a random local search around the current
@@ -21,8 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fastsim import table
-from bench.pr187 import ABSOLUTE_UP_TO, MODES, ROWS
+from bench.pr187 import ABSOLUTE_UP_TO, MODES, ROWS, table
 from vllmsim.config import CostModel
 from vllmsim.profiles import PROFILES
 

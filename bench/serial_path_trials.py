@@ -1,4 +1,4 @@
-"""Candidate mechanisms for PR #187's serial path, tried on the virtual clock (bench/fastsim.py).
+"""Candidate mechanisms for PR #187's serial path, tried on the lab (bench/pr187.py's plan).
 
 From C = 1 to 8 the PR's serial modes slow down far more than parallel push: serial push -
 pull goes from -1 to +25 ms and stays +22-35 ms at C = 32 and 128, while the `gpu-8b` model
@@ -8,7 +8,8 @@ trial is only worth modelling if it moves the gaps toward the PR's without break
 
 - `cache_aware`: vllm-router's default policy instead of round robin. With random prompts it
   sends a prompt back to the engine that holds it (the warm-ups' prompt) and every other one
-  to the engine with the smallest radix tree.
+  to the engine with the smallest radix tree. It is vllm-router's, not pd-extproc's: a picker
+  of this module (`CacheAwarePicker`) takes the place of the sidecar's on both roles.
 - `post_X`: NIXL's transfer post (building and posting the descriptors) costs X ms of CPU per
   1024-token transfer on the thread that posts it: in pull, D's model thread posts its READs
   before the step's forward, one request after another, so the step is longer by them all;
@@ -36,14 +37,18 @@ import asyncio
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import fastsim
+from bench import pr187
 from bench.pr187 import ROWS
+from extproc.policies import PickRequest
+from extproc.policies.base import E
+from extproc.roles import Role
+from lab.run import Session
 from vllmsim.config import CostModel
 from vllmsim.cost_model import Fifo
 from vllmsim.engine import Engine
@@ -54,35 +59,30 @@ from vllmsim.profiles import GPU_8B
 RESULTS = Path(__file__).resolve().parent / "results" / "serial-path-trials.md"
 
 
-class CacheAwareProxy(fastsim.Proxy):
+class CacheAwarePicker:
     """vllm-router's cache_aware with prompts that share nothing: a prompt returns to the
-    engine whose tree holds it, else goes to the one with the smallest tree, which it grows."""
+    engine whose tree holds it, else goes to the one with the smallest tree, which it grows.
+    A prompt is known by its start (`PickRequest.prefix`: random prompts differ there)."""
 
-    def __init__(self, cluster: fastsim.Cluster, mode: str) -> None:
-        super().__init__(cluster, mode)
-        self._trees: dict[str, list[set[int]]] = {
-            "p": [set() for _ in cluster.prefill],
-            "d": [set() for _ in cluster.decode],
-        }
-        self._next = (0, 0)
+    def __init__(self) -> None:
+        self._trees: dict[str, set[bytes]] = {}
 
-    def _choose(self, kind: str, key: int) -> int:
-        trees = self._trees[kind]
+    def pick(self, candidates: Sequence[E], request: PickRequest) -> E:
+        trees = [self._trees.setdefault(c.address, set()) for c in candidates]
+        key = request.prefix
         held = next((i for i, tree in enumerate(trees) if key in tree), None)
         if held is not None:
-            return held
+            return candidates[held]
         smallest = min(range(len(trees)), key=lambda i: len(trees[i]))
         trees[smallest].add(key)
-        return smallest
+        return candidates[smallest]
 
-    async def ttft(self, rid: str, prompt: list[int]) -> float:
-        key = hash(tuple(prompt))
-        self._next = (self._choose("p", key), self._choose("d", key))
-        return await super().ttft(rid, prompt)
 
-    def _pick(self) -> tuple[Any, Any]:
-        p, d = self._next
-        return self.cluster.prefill[p], self.cluster.decode[d]
+def _cache_aware_pickers(lab: Session) -> None:
+    for sidecar in lab.sidecars:
+        for group in sidecar.scheduler.groups.values():
+            for role in (Role.PREFILL, Role.DECODE):
+                group.pickers[role] = CacheAwarePicker()
 
 
 @contextlib.contextmanager
@@ -100,7 +100,7 @@ def _patched(*patches: tuple[Any, str, Any]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def cache_aware() -> Iterator[None]:
-    with _patched((fastsim, "Proxy", CacheAwareProxy)):
+    with _patched((pr187, "PREPARE", _cache_aware_pickers)):
         yield
 
 
@@ -271,7 +271,7 @@ def main() -> None:
         if args.only and name not in args.only and name != "profile as fitted":
             continue
         with switch():
-            rows = fastsim.table(GPU_8B, cs)
+            rows = pr187.table(GPU_8B, cs)
         lines.append(f"| {name} | " + " | ".join(_cell(rows[c]) for c in cs) + " |")
         print(lines[-1], flush=True)
     print("\n".join(lines))

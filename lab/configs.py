@@ -4,7 +4,8 @@ Everything else in the file is the product's to read (policies and their options
 the decision, dispatch, timeouts, the KV index); what the lab changes:
 - each top-level pool's members: its `endpoints` become the simulated engines of that role
   (`dns`, `kubernetes` and `inference_pool` are dropped, and with them any per-endpoint
-  setting such as an endpoint's own `mode`);
+  setting such as an endpoint's own `mode` or `data_parallel_size`: the pool's
+  `data_parallel_size` gives every server of the role its ranks);
 - `tokenizer`: the lab's prompts are token ids, which the sidecar's tokenizer passes on as they
   are, so a placeholder tokenizer stands in for the model's (the file need not exist here).
 A config the lab cannot model yet is refused with one line saying what.
@@ -59,11 +60,6 @@ def lab_config(path: Path, members: dict[str, list[str]], tokenizer: Path) -> Co
     for role, addresses in members.items():
         pool = data.get(role)
         pool = dict(pool) if isinstance(pool, dict) else {}
-        if pool.get("data_parallel_size") not in (None, 1):
-            raise ConfigError(
-                f"{path}: {role}.data_parallel_size: data-parallel engines are not modelled "
-                "by the lab yet; remove it"
-            )
         for key in _MEMBER_SOURCES:
             pool.pop(key, None)
         pool["endpoints"] = list(addresses)

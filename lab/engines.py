@@ -9,6 +9,11 @@ runs it; what is replaced is the process boundary only:
   model's one-way latency (`side_channel.request` is replaced while the cluster runs);
 - the KV event socket: each step's batch is encoded as vLLM's publisher encodes it and handed
   to `on_kv_events`, which the sidecar decodes as its ZMQ subscriber does.
+
+A server may have several data-parallel ranks (vLLM's `--data-parallel-size`, vllmsim's
+`-dp`): one API server in front, each rank its own engine, connector, side-channel port and
+engine id `<id>_dp<rank>`, its events published with its rank; a leg goes to the rank its
+X-data-parallel-rank header names, else to the least loaded, as vLLM balances.
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from vllmsim.config import CacheConfig, CostModel, Faults, KVTransferConfig, SimConfig
+from vllmsim.cost_model import ApiProcess
 from vllmsim.engine import Engine, ErrorEvent, FinishEvent, SimRequest, TokenEvent
 from vllmsim.kv_events import KVEvent, encode_batch
 from vllmsim.metrics import Metrics
@@ -39,6 +45,7 @@ __all__ = [
     "MODEL",
     "Cluster",
     "EngineTotals",
+    "Rank",
     "Served",
     "SimEngine",
     "Topology",
@@ -83,6 +90,7 @@ class Served:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # found in this engine's prefix cache
     transferred_tokens: int = 0  # brought by NIXL from P
+    rank: int = 0  # the data-parallel rank that served it
 
     @property
     def computed_tokens(self) -> int:
@@ -101,37 +109,78 @@ class EngineTotals:
     computed_tokens: int = 0
     cached_tokens: int = 0
     peak_queue: int = 0  # waiting requests (for blocks, or for remote KV), at most
+    rank_legs: dict[int, int] = field(default_factory=dict)  # legs by data-parallel rank
 
     def add(self, served: Served) -> None:
         self.legs += 1
+        self.rank_legs[served.rank] = self.rank_legs.get(served.rank, 0) + 1
         self.prompt_tokens += served.prompt_tokens
         self.computed_tokens += served.computed_tokens
         self.cached_tokens += served.cached_tokens
 
 
 @dataclass
+class Rank:
+    """One data-parallel engine rank of a server: its engine, its connector, and the requests
+    the API server sent it that have not ended (vLLM's balancer counts them)."""
+
+    index: int
+    engine: Engine
+    connector: ConnectorBase
+    in_flight: int = 0
+
+    @property
+    def load(self) -> int:
+        """vLLM's balancing score: its own in-flight count or the engine's queue and batch."""
+        return max(self.in_flight, self.engine.num_waiting + len(self.engine.running))
+
+
+@dataclass
 class SimEngine:
-    """One engine and the front door of its API server."""
+    """One server (an API server and its engine ranks: one without data parallelism) and the
+    front door of its API server."""
 
     address: str  # its name in the sidecar's pools
     name: str  # p0, p1, ..., d0, ...: in the lab's output
     role: str  # "prefill" | "decode"
-    engine: Engine
-    connector: ConnectorBase
+    ranks: list[Rank]
     config: SimConfig
     tokens: TokenCounter = field(default_factory=TokenCounter)
     totals: EngineTotals = field(default_factory=EngineTotals)
+
+    @property
+    def engine(self) -> Engine:
+        """Rank 0's engine (the only one without data parallelism)."""
+        return self.ranks[0].engine
+
+    @property
+    def connector(self) -> ConnectorBase:
+        return self.ranks[0].connector
+
+    def choose_rank(self, header: str | None) -> Rank | None:
+        """The rank a leg goes to, as vLLM chooses: X-data-parallel-rank's (None: out of
+        range, a 400), else the least loaded, the lowest index on a tie."""
+        if header is not None:
+            try:
+                wanted = int(header)
+            except ValueError:
+                wanted = None
+            if wanted is not None:
+                return self.ranks[wanted] if 0 <= wanted < len(self.ranks) else None
+        return min(self.ranks, key=lambda r: (r.load, r.index))
 
     async def serve(
         self,
         body: bytes,
         request_id: str,
         on_headers: Callable[[int], None] = lambda status: None,
+        rank_header: str | None = None,
     ) -> Served:
         """One leg: vllmsim's parsing of `body`, the API path, the engine; the tokens until
         the last. `request_id`: the leg's X-Request-Id, which the engine's own request id is
         made from (a push P pairs a serial D's registration with its blocks by it).
-        `on_headers`: the answer's status, when a streaming server sends it."""
+        `on_headers`: the answer's status, when a streaming server sends it; `rank_header`:
+        the leg's X-data-parallel-rank."""
         try:
             parsed = parse(self.config, self.tokens, orjson.loads(body), chat=False)
         except (ApiError, orjson.JSONDecodeError) as error:
@@ -153,15 +202,25 @@ class SimEngine:
             mode=parsed.mode,
             remote=parsed.kv_params,
         )
-        engine = self.engine
-        await engine.api_path(len(parsed.prompt_ids))
-        on_headers(200)
-        engine.submit(req)
-        self.totals.peak_queue = max(self.totals.peak_queue, engine.num_waiting)
+        rank = self.choose_rank(rank_header)
+        if rank is None:
+            on_headers(400)
+            return Served(400, f"data_parallel_rank {rank_header} is out of range")
+        engine = rank.engine
+        rank.in_flight += 1
         try:
-            served = await _collect(req)
+            await engine.api_path(len(parsed.prompt_ids))
+            on_headers(200)
+            engine.submit(req)
+            waiting = sum(r.engine.num_waiting for r in self.ranks)
+            self.totals.peak_queue = max(self.totals.peak_queue, waiting)
+            try:
+                served = await _collect(req)
+            finally:
+                engine.abort(req)  # nothing once finished; frees an abandoned leg's blocks
         finally:
-            engine.abort(req)  # nothing once finished; frees the blocks of an abandoned leg
+            rank.in_flight -= 1
+        served.rank = rank.index
         served.prompt_tokens = req.prompt_tokens
         served.cached_tokens = req.num_cached_tokens
         served.transferred_tokens = req.num_external_tokens
@@ -169,15 +228,18 @@ class SimEngine:
         return served
 
     def load_page(self) -> str:
-        """The engine's load as its /metrics shows it (the families the sidecar reads), each
-        series labelled with the served model, as vLLM labels them (the sidecar learns the
-        engines' base model from it)."""
-        engine, label = self.engine, f'{{model_name="{MODEL}"}}'
-        return (
-            f"vllm:num_requests_waiting{label} {engine.num_waiting}\n"
-            f"vllm:num_requests_running{label} {len(engine.running)}\n"
-            f"vllm:kv_cache_usage_perc{label} {engine.pool.usage()}\n"
-        )
+        """The engine's load as its /metrics shows it (the families the sidecar reads)."""
+        lines = []
+        for rank in self.ranks:
+            engine = rank.engine
+            # vLLM's labels: its base model's name, and each rank's series its own `engine`
+            labels = f'{{model_name="{MODEL}",engine="{rank.index}"}}'
+            lines += [
+                f"vllm:num_requests_waiting{labels} {engine.num_waiting}\n",
+                f"vllm:num_requests_running{labels} {len(engine.running)}\n",
+                f"vllm:kv_cache_usage_perc{labels} {engine.pool.usage()}\n",
+            ]
+        return "".join(lines)
 
 
 async def _collect(req: SimRequest) -> Served:
@@ -215,13 +277,23 @@ class Cluster:
         topology: Topology,
         cost: CostModel,
         transfer: str,
-        on_kv_events: Callable[[str, bytes], None],
+        on_kv_events: Callable[[str, int, bytes], None],
+        ranks: Mapping[str, int] | None = None,
     ) -> None:
+        """`ranks`: role → engine ranks behind each server of that role (data parallelism;
+        default 1); `on_kv_events(address, rank, batch)`."""
         self.cost = cost
         self._on_kv_events = on_kv_events
-        self._by_port: dict[int, SimEngine] = {}
-        self.prefill = [self._engine("prefill", i, transfer) for i in range(topology.prefill)]
-        self.decode = [self._engine("decode", i, transfer) for i in range(topology.decode)]
+        self._by_port: dict[int, ConnectorBase] = {}
+        ranks = ranks or {}
+        self.prefill = [
+            self._server("prefill", i, transfer, ranks.get("prefill", 1))
+            for i in range(topology.prefill)
+        ]
+        self.decode = [
+            self._server("decode", i, transfer, ranks.get("decode", 1))
+            for i in range(topology.decode)
+        ]
         self.by_address = {e.address: e for e in self.all}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -237,27 +309,36 @@ class Cluster:
             "decode": [_address("decode", i) for i in range(topology.decode)],
         }
 
-    def _engine(self, role: str, index: int, transfer: str) -> SimEngine:
-        port = _FIRST_SIDE_PORT + len(self._by_port)
+    def _server(self, role: str, index: int, transfer: str, ranks: int) -> SimEngine:
         address = _address(role, index)
         host = address.partition(":")[0]
-        engine_id = str(uuid.UUID(int=port))  # fixed: a run's output never depends on uuid4
         kv = KVTransferConfig(
             _CONNECTORS[transfer], "kv_producer" if role == "prefill" else "kv_consumer"
         )
-        publish: Callable[[list[KVEvent]], None] = lambda events: self._publish(address, events)  # noqa: E731
-        engine = Engine(self.cost, Metrics(MODEL, 0.0), engine_id, CacheConfig(), publish)
-        cls = PushConnector if transfer == "push" else PullConnector
-        connector = cls(engine, kv, Identity(engine_id, host, port), Faults())
-        engine.connector = connector
-        config = SimConfig(served_model_names=(MODEL,), kv=kv, cost=self.cost)
-        sim = SimEngine(address, f"{role[0]}{index}", role, engine, connector, config)
-        self._by_port[port] = sim
-        return sim
+        api = ApiProcess()  # one API server in front of its ranks
+        base = str(uuid.UUID(int=_FIRST_SIDE_PORT + len(self._by_port)))  # never uuid4
+        built = []
+        for r in range(ranks):
+            port = _FIRST_SIDE_PORT + len(self._by_port)  # vLLM: the side port + the rank
+            engine_id = base if ranks == 1 else f"{base}_dp{r}"  # vLLM's rank engine ids
 
-    def _publish(self, address: str, events: list[KVEvent]) -> None:
+            def publish(events: list[KVEvent], rank: int = r) -> None:
+                self._publish(address, rank, events)
+
+            engine = Engine(
+                self.cost, Metrics(MODEL, 0.0), engine_id, CacheConfig(), publish, api=api
+            )
+            cls = PushConnector if transfer == "push" else PullConnector
+            connector = cls(engine, kv, Identity(engine_id, host, port), Faults())
+            engine.connector = connector
+            self._by_port[port] = connector
+            built.append(Rank(r, engine, connector))
+        config = SimConfig(served_model_names=(MODEL,), kv=kv, cost=self.cost)
+        return SimEngine(address, f"{role[0]}{index}", role, built, config)
+
+    def _publish(self, address: str, rank: int, events: list[KVEvent]) -> None:
         ts = asyncio.get_running_loop().time()
-        self._on_kv_events(address, encode_batch(ts, events))
+        self._on_kv_events(address, rank, encode_batch(ts, events, rank))
 
     async def _side_request(
         self, host: str, port: int, msg: dict[str, Any], latency_s: float, **_: Any
@@ -266,7 +347,7 @@ class Cluster:
         latency (the only part of the TCP exchange the cost model prices)."""
         if latency_s > 0:
             await asyncio.sleep(latency_s)
-        return await self._by_port[port].connector.handle(msg)
+        return await self._by_port[port].handle(msg)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Cluster]:
@@ -275,7 +356,7 @@ class Cluster:
         original = side_channel.request
         side_channel.request = self._side_request  # type: ignore[assignment]
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(e.engine.run()) for e in self.all]
+        self._tasks = [loop.create_task(r.engine.run()) for e in self.all for r in e.ranks]
         try:
             yield self
         finally:
@@ -286,4 +367,5 @@ class Cluster:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for e in self.all:
-            await e.connector.close()
+            for rank in e.ranks:
+                await rank.connector.close()

@@ -9,25 +9,38 @@ function of its inputs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from extproc.config import Config, DispatchMode
+from extproc.kvcache.routing import rank_engine
 from extproc.process.workers import limits_share
 from lab.clock import run_virtual
 from lab.configs import lab_config, placeholder_tokenizer
-from lab.engines import MODEL, Cluster, EngineTotals, Topology
+from lab.engines import MODEL, Cluster, EngineTotals, SimEngine, Topology
 from lab.sidecar import Outcome, ProxyCosts, Sidecar
 from lab.workloads import LabRequest, Workload
 from vllmsim.config import CostModel
 
-__all__ = ["Progress", "Settings", "percentile", "run_config", "summarise"]
+__all__ = [
+    "Progress",
+    "Session",
+    "Settings",
+    "percentile",
+    "run_config",
+    "run_virtual_session",
+    "session",
+    "summarise",
+]
+
+T = TypeVar("T")
 
 Progress = Callable[[str, float, int, int], None]  # config, simulated s, done, total
 
@@ -54,18 +67,94 @@ def run_config(
     path: Path, workload: Workload, settings: Settings, progress: Progress | None = None
 ) -> dict[str, Any]:
     """The summary of `workload` through the configuration in `path` (see `summarise`)."""
+    return run_virtual_session(
+        path, settings, lambda lab: _measure(lab, path.stem, workload, progress)
+    )
+
+
+def run_virtual_session(
+    path: Path, settings: Settings, body: Callable[[Session], Awaitable[T]]
+) -> T:
+    """`body` on a fresh session of the configuration in `path`, on a virtual clock."""
     with tempfile.TemporaryDirectory(prefix="lab-tokenizer-") as folder:
         tokenizer = placeholder_tokenizer(Path(folder))
-        return run_virtual(lambda: _simulate(path, tokenizer, workload, settings, progress))
+
+        async def main() -> T:
+            async with session(path, tokenizer, settings) as lab:
+                return await body(lab)
+
+        return run_virtual(main)
 
 
-async def _simulate(
-    path: Path,
-    tokenizer: Path,
-    workload: Workload,
-    settings: Settings,
-    progress: Progress | None,
+async def _measure(
+    lab: Session, name: str, workload: Workload, progress: Progress | None
 ) -> dict[str, Any]:
+    lab.reset_totals()
+    started = asyncio.get_running_loop().time()
+    outcomes = await lab.drive(workload, _reporter(name, workload.requests, progress))
+    summary = summarise(name, outcomes, lab.cluster, lab.settings, started)
+    summary["workers"], summary["replicas"] = lab.settings.workers, lab.settings.replicas
+    # what each scheduler's KV index learnt from the engines' events (nothing: not followed)
+    summary["kv_index"] = lab.indexes()
+    return summary
+
+
+@dataclass
+class Session:
+    """A configuration's sidecars over a running cluster: workloads driven one after another
+    share its engines' caches and the sidecars' state (warm-ups, then the measured phase)."""
+
+    config: Config
+    cluster: Cluster
+    settings: Settings
+    replicas: list[list[Sidecar]]
+
+    @property
+    def sidecars(self) -> list[Sidecar]:
+        return [s for replica in self.replicas for s in replica]
+
+    def reset_totals(self) -> None:
+        """The engines' counts from here on (not the identity probes' or the warm-ups')."""
+        for engine in self.cluster.all:
+            engine.totals = EngineTotals()
+
+    async def drive(
+        self, workload: Workload, report: Callable[[int], None] | None = None
+    ) -> list[Outcome]:
+        """Each request's outcome, in the order they finished."""
+        tally = _Tally()
+        route = _router(self.replicas)
+        header = self.config.dispatch.session_header
+        await _drive(workload, route, header, tally, report or (lambda done: None))
+        return tally.outcomes
+
+    def indexes(self) -> list[dict[str, Any]]:
+        """What each ext_proc process's KV index holds: engines heard from, blocks."""
+        found = []
+        for sidecar in self.sidecars:
+            index = sidecar.kv.index
+            heard = [
+                name
+                for e in self.cluster.all
+                for name, engine in _engine_names(e)
+                if index.heard_from(engine)
+            ]
+            found.append({"engines_heard_from": heard, "blocks": index.blocks})
+        return found
+
+
+def _engine_names(server: SimEngine) -> list[tuple[str, str]]:
+    """(output name, KV index key) of each engine of a server: its ranks', if it has ranks."""
+    if len(server.ranks) == 1:
+        return [(server.name, server.address)]
+    return [
+        (f"{server.name} dp{r.index}", rank_engine(server.address, r.index)) for r in server.ranks
+    ]
+
+
+@contextlib.asynccontextmanager
+async def session(path: Path, tokenizer: Path, settings: Settings) -> AsyncIterator[Session]:
+    """The configuration in `path` on a fresh cluster (empty caches), its sidecars started."""
     random.seed(settings.seed)
     names = Cluster.addresses(settings.topology)
     config = lab_config(path, names, tokenizer)
@@ -73,35 +162,25 @@ async def _simulate(
     sidecars: list[Sidecar] = []
     loop = asyncio.get_running_loop()
 
-    def deliver(address: str, payload: bytes) -> None:  # the ZMQ hop: the next loop turn
+    def deliver(address: str, rank: int, payload: bytes) -> None:  # ZMQ: the next loop turn
         for sidecar in sidecars:
-            loop.call_soon(sidecar.kv_events, address, payload)
+            loop.call_soon(sidecar.kv_events, address, rank, payload)
 
-    cluster = Cluster(settings.topology, settings.cost, transfer, deliver)
-    tally = _Tally()
-    with cluster.running():
-        replicas = _replicas(config, cluster, settings)
-        sidecars.extend(s for replica in replicas for s in replica)
-        for sidecar in sidecars:
-            await sidecar.start()
-        for engine in cluster.all:  # the workload's figures only (not the identity probes')
-            engine.totals = EngineTotals()
-        tally.started = loop.time()
-        report = _reporter(path.stem, workload.requests, progress)
-        route = _router(replicas)
-        await _drive(workload, route, config.dispatch.session_header, tally, report)
-        indexes = []
-        for sidecar in sidecars:
-            await sidecar.stop()
-            index = sidecar.kv.index
-            heard = [e.name for e in cluster.all if index.heard_from(e.address)]
-            indexes.append({"engines_heard_from": heard, "blocks": index.blocks})
-    await cluster.close()
-    summary = summarise(path.stem, tally.outcomes, cluster, settings, tally.started)
-    summary["workers"], summary["replicas"] = settings.workers, settings.replicas
-    # what each scheduler's KV index learnt from the engines' events (nothing: not followed)
-    summary["kv_index"] = indexes
-    return summary
+    ranks = {role: getattr(config, role).data_parallel_size or 1 for role in names}
+    cluster = Cluster(settings.topology, settings.cost, transfer, deliver, ranks)
+    try:
+        with cluster.running():
+            replicas = _replicas(config, cluster, settings)
+            sidecars.extend(s for replica in replicas for s in replica)
+            try:
+                for sidecar in sidecars:
+                    await sidecar.start()
+                yield Session(config, cluster, settings, replicas)
+            finally:
+                for sidecar in sidecars:
+                    await sidecar.stop()
+    finally:
+        await cluster.close()
 
 
 def _replicas(config: Config, cluster: Cluster, settings: Settings) -> list[list[Sidecar]]:
@@ -221,6 +300,10 @@ def _role_figures(cluster: Cluster, role: str) -> dict[str, Any]:
         "cached_share": round(cached / prompt, 4) if prompt else 0.0,
         "legs_per_engine": {e.name: e.totals.legs for e in engines},
         "peak_queue": {e.name: e.totals.peak_queue for e in engines},
+        # a data-parallel server's legs by rank (servers without ranks are left out)
+        "legs_per_rank": {
+            e.name: dict(sorted(e.totals.rank_legs.items())) for e in engines if len(e.ranks) > 1
+        },
     }
 
 

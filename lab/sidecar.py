@@ -45,13 +45,14 @@ from extproc.engines.load import EngineLoad
 from extproc.engines.scrape_plan import scrape_plan
 from extproc.engines.scraper import parse_families
 from extproc.errors import PrefillTimeout, RequestEnded
+from extproc.headers import RANK_HEADER
 from extproc.kvcache.events import MalformedBatch, decode_batch
 from extproc.kvcache.index import KvIndex
-from extproc.kvcache.routing import KvRouting, event_sources, kv_groups
+from extproc.kvcache.routing import KvRouting, event_sources, kv_groups, rank_engine
 from extproc.metrics import Metrics
 from extproc.policies import POLICIES
 from extproc.protocol.bodies import prefill_kv_params
-from extproc.protocol.identity import IdentityCache, identity_from_params
+from extproc.protocol.identity import IdentityCache, identity_from_params, ranks_of
 from extproc.request.parse import Api, parse_request
 from extproc.request.plan import DecodeOnlyPlan, Plan, plan_request, request_tokens
 from extproc.request.prefill_client import (
@@ -131,11 +132,21 @@ class _Stream:
     def put_back(self, message: Any) -> None:
         pass
 
-    def decode_body(self) -> bytes:
-        """The body the last body answer sends to D (a buffered request's)."""
+    def decode_body(self) -> tuple[bytes, str | None]:
+        """The body the last body answer sends to D (a buffered request's), and the
+        data-parallel rank header it sets for D (None: not set)."""
         for answer in reversed(self.written):
             if answer.HasField("request_body"):
-                return bytes(answer.request_body.response.body_mutation.body)
+                response = answer.request_body.response
+                rank = next(
+                    (
+                        h.header.raw_value.decode() or h.header.value
+                        for h in response.header_mutation.set_headers
+                        if h.header.key.lower() == RANK_HEADER
+                    ),
+                    None,
+                )
+                return bytes(response.body_mutation.body), rank
         raise RuntimeError("the strategy wrote no body answer for D")
 
 
@@ -153,7 +164,8 @@ class InProcessPrefill:
         try:
             async with asyncio.timeout(call.timeout_s):
                 engine = self._cluster.by_address[call.endpoint]
-                served = await engine.serve(call.body, call.request_id)
+                rank = (call.headers or {}).get(RANK_HEADER)
+                served = await engine.serve(call.body, call.request_id, rank_header=rank)
         except TimeoutError:  # as the product's PrefillClient says it
             raise PrefillTimeout(
                 504,
@@ -225,11 +237,8 @@ class Sidecar:
         _seed_pickers(self.scheduler, config, f"{seed}/{instance}")
         # the decision's stall buckets refill in simulated time, as they would in real time
         self.scheduler.decider = Decider(self.metrics, clock=loop.time)
-        members = {name: g.members for name, g in self.scheduler.groups.items()}
         # what the subscribers would follow; nothing is started (no ZMQ): see `kv_events`
-        self.kv.follow(
-            event_sources(config, members, self.kv.routed_groups, self.scheduler.data_parallel_size)
-        )
+        self._follow_kv_events()
         self.services = LegServices(
             TrackedPrefillSender(InProcessPrefill(cluster, costs), self.prefill.get),
             self.identities,
@@ -238,26 +247,41 @@ class Sidecar:
             self.metrics,
             pushed_kv=PushedKv(loop.time),
         )
-        self._load = EngineLoad(self._state)
+        # a page that shows another number of ranks changes which sources are followed
+        self._load = EngineLoad(self._state, lambda address: self._follow_kv_events())
+        # which model is each engine's base: a lookup for it is in the plain cache scope
         self._base_models = BaseModels(self.kv.learn_base_model)
         self.active_streams = 0  # requests this process is handling (Envoy balances on it)
         self._tasks: list[asyncio.Task[None]] = []
+
+    def _follow_kv_events(self) -> None:
+        members = {name: g.members for name, g in self.scheduler.groups.items()}
+        ranks = self.scheduler.data_parallel_size
+        self.kv.follow(event_sources(self.config, members, self.kv.routed_groups, ranks))
 
     def _state(self, address: str) -> EndpointState | None:
         return self.prefill.get(address) or self.decode.get(address)
 
     # -- the background loops, in-process ---------------------------------------------------
 
-    def kv_events(self, address: str, payload: bytes) -> None:
-        """An engine's KV event batch, as its ZMQ subscriber applies it, if one follows it."""
+    def kv_events(self, address: str, rank: int, payload: bytes) -> None:
+        """An engine rank's KV event batch, as its ZMQ subscriber applies it, if one follows
+        it: a data-parallel server's ranks are followed (and indexed) each on its own."""
         if address not in self.kv.watched:
+            return
+        role = Role.PREFILL if self.prefill.get(address) is not None else Role.DECODE
+        if self.scheduler.data_parallel_size(role, address) > 1:
+            engine = rank_engine(address, rank)  # followed on the port of its rank
+        elif rank == 0:
+            engine = address
+        else:  # a rank this sidecar does not know of publishes on a port it does not follow
             return
         try:
             batch = decode_batch(payload)
         except MalformedBatch:
-            self.kv.index.clear_engine(address)
+            self.kv.index.clear_engine(engine)
             return
-        self.kv.index.apply(address, batch.events)
+        self.kv.index.apply(engine, batch.events)
 
     def scrape_intervals(self) -> dict[str, float]:
         """How often each engine's /metrics is read: the scraper's plan (`scrape_plan`), and
@@ -285,10 +309,16 @@ class Sidecar:
         for interval, engines in sorted(by_interval.items()):
             self._tasks.append(asyncio.create_task(self._feed_load(interval, engines)))
         if self.config.dispatch.probe:
-            await asyncio.gather(*(self._probe(p) for p in self.cluster.prefill))
+            probes = [
+                self._probe(p, rank)
+                for p in self.cluster.prefill
+                for rank in ranks_of(self.scheduler.data_parallel_size(Role.PREFILL, p.address))
+            ]
+            await asyncio.gather(*probes)
 
-    async def _probe(self, engine: SimEngine) -> None:
-        """One token to P, as the identity probe sends it: its answer names its engine."""
+    async def _probe(self, engine: SimEngine, rank: int | None) -> None:
+        """One token to P (to each rank of a data-parallel one, pinned by vLLM's header), as
+        the identity probe sends it: its answer names its engine."""
         body = orjson.dumps(
             {
                 "model": MODEL,
@@ -297,9 +327,11 @@ class Sidecar:
                 "kv_transfer_params": prefill_kv_params(f"probe-{engine.address}"),
             }
         )
-        call = PrefillCall(engine.address, _PATH, body, "probe", 10.0, self.config)
+        headers = None if rank is None else {RANK_HEADER: str(rank)}
+        call = PrefillCall(engine.address, _PATH, body, "probe", 10.0, self.config, headers)
         result = await self.services.prefill_client.send(call)
-        self.identities.learn(engine.address, identity_from_params(result.kv_transfer_params))
+        identity = identity_from_params(result.kv_transfer_params)
+        self.identities.learn(engine.address, identity, rank)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -354,7 +386,8 @@ class Sidecar:
         dispatch = start_dispatch(plan, self.services, exchange, plan.prefill_counted)
         try:
             await dispatch.send(loop.time())
-            served, released = await self._decode(plan, stream.decode_body(), dispatch)
+            body, rank = stream.decode_body()
+            served, released = await self._decode(plan, body, rank, dispatch)
         finally:
             dispatch.close(False)
         outcome = Outcome(
@@ -374,7 +407,9 @@ class Sidecar:
                 outcome.tpot_s = span / (served.output_tokens - 1)
         return outcome
 
-    async def _decode(self, plan: Plan, body: bytes, dispatch: Dispatch) -> tuple[Served, float]:
+    async def _decode(
+        self, plan: Plan, body: bytes, rank: str | None, dispatch: Dispatch
+    ) -> tuple[Served, float]:
         """D's leg; D's headers go to the strategy when D starts its answer (a parallel
         plan holds them until P has answered). (D's outcome, when its headers passed.)"""
         loop = asyncio.get_running_loop()
@@ -392,7 +427,7 @@ class Sidecar:
         engine = self.cluster.by_address[plan.decodes[0]]
         try:  # the longest a request may stay open (a D waiting for KV that never comes)
             async with asyncio.timeout(self.config.timeouts.request_s):
-                served = await engine.serve(body, plan.request_id, on_headers)
+                served = await engine.serve(body, plan.request_id, on_headers, rank)
         except TimeoutError:
             served = Served(504, "the request outlived timeouts.request_s")
         for task in held:

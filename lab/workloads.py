@@ -25,10 +25,11 @@ The generators, by the shapes bench/workload.py gives the process benchmarks:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 MOONCAKE_BLOCK = 512  # tokens per hash id
+_BLOCKS_KEPT = 4096  # Mooncake blocks' token ids kept made (about 70 MB)
 VOCAB = 128_000  # token ids are drawn from [1, VOCAB)
 SEED_INPUT, SEED_OUTPUT = 1024, 64  # PR #187's plan (vllm bench serve --dataset-name random)
 # The heavy-tailed mix (bench/workload.py's `heavy_tailed`): lognormal lengths, clipped.
@@ -74,9 +76,15 @@ class MultiTurn:
 
 @dataclass(frozen=True)
 class LabRequest:
-    prompt: list[int] = field(repr=False)
+    # the prompt's token ids, or how to make them when the request is sent (a trace's: a
+    # long trace's prompts, held at once, would take gigabytes)
+    tokens: list[int] | Callable[[], list[int]] = field(repr=False)
     output_tokens: int
     session: str | None = None  # the session header's value (a conversation's id)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.tokens() if callable(self.tokens) else self.tokens
 
 
 @dataclass(frozen=True)
@@ -118,18 +126,28 @@ def _tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(1, VOCAB) for _ in range(count)]
 
 
-class _Blocks:
-    """Token ids of Mooncake blocks by hash id, made once each."""
+@functools.lru_cache(maxsize=_BLOCKS_KEPT)
+def _block(hash_id: int) -> list[int]:
+    """A Mooncake block's token ids, from its hash id (the recent ones kept: shared prefixes
+    are made once, and memory stays bounded on a long trace)."""
+    return _tokens(random.Random(f"mooncake-block/{hash_id}"), MOONCAKE_BLOCK)
 
-    def __init__(self) -> None:
-        self._made: dict[int, list[int]] = {}
 
-    def __getitem__(self, hash_id: int) -> list[int]:
-        block = self._made.get(hash_id)
-        if block is None:
-            block = _tokens(random.Random(f"mooncake-block/{hash_id}"), MOONCAKE_BLOCK)
-            self._made[hash_id] = block
-        return block
+@dataclass(frozen=True)
+class _MooncakePrompt:
+    """A trace request's prompt, made when it is sent: its blocks' tokens, cut to its length
+    or filled with tokens of its own (drawn from where it is in the trace)."""
+
+    hash_ids: tuple[int, ...]
+    length: int
+    where: str
+
+    def __call__(self) -> list[int]:
+        prompt = [t for h in self.hash_ids for t in _block(h)][: self.length]
+        if len(prompt) < self.length:  # past its blocks: tokens of its own
+            tail = random.Random(f"mooncake-tail/{self.where}")
+            prompt += _tokens(tail, self.length - len(prompt))
+        return prompt
 
 
 def _field(row: dict[str, object], name: str, where: str) -> int:
@@ -162,7 +180,7 @@ def read_mooncake(path: Path, speedup: float = 1.0, limit: int | None = None) ->
     """The trace's requests, open loop at their timestamps divided by `speedup`."""
     if speedup <= 0:
         raise TraceError("--speedup must be positive")
-    blocks, chains = _Blocks(), list[Chain]()
+    chains = list[Chain]()
     for where, row in _mooncake_rows(path):
         if limit is not None and len(chains) >= limit:
             break
@@ -172,11 +190,9 @@ def read_mooncake(path: Path, speedup: float = 1.0, limit: int | None = None) ->
         hash_ids = row.get("hash_ids", [])
         if not isinstance(hash_ids, list) or not all(type(h) is int for h in hash_ids):
             raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
-        prompt = [t for h in hash_ids for t in blocks[h]][:length]
-        if len(prompt) < length:  # past its blocks: tokens of its own
-            prompt += _tokens(random.Random(f"mooncake-tail/{where}"), length - len(prompt))
-        if not prompt:
+        if length < 1:
             raise TraceError(f"{where}: a request needs input_length >= 1")
+        prompt = _MooncakePrompt(tuple(hash_ids), length, where)
         chains.append(Chain([LabRequest(prompt, output)], at_ms / 1e3 / speedup))
     if not chains:
         raise TraceError(f"{path}: no requests in the trace")

@@ -1,4 +1,4 @@
-"""bench/serial_path_trials.py's candidates do what they say on the virtual clock, and each
+"""bench/serial_path_trials.py's candidates do what they say on the lab, and each
 leaves the simulator as it found it: a busy P's late listener slows serial push and leaves pull
 alone; a post on D's model thread slows pull at once; cache_aware sends a prompt back to the
 engine that holds it and every other one to the smallest tree; scheduling one step ahead
@@ -6,10 +6,17 @@ delays what arrives at a busy engine, not a request alone on an idle one."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
-from bench import fastsim
-from bench.serial_path_trials import CacheAwareProxy, async_scheduling, busy_p, post_cost
+from bench import pr187
+from bench.serial_path_trials import (
+    CacheAwarePicker,
+    async_scheduling,
+    busy_p,
+    cache_aware,
+    post_cost,
+)
+from extproc.policies import PickRequest
 from vllmsim.engine import Engine
 from vllmsim.nixl.pull import PullConnector
 from vllmsim.nixl.push import PushConnector
@@ -17,7 +24,7 @@ from vllmsim.profiles import GPU_8B
 
 
 def _ms(mode: str, concurrency: int) -> float:
-    return fastsim.mean_ttft_ms(GPU_8B, mode, concurrency, runs=1)
+    return pr187.mean_ttft_ms(GPU_8B, mode, concurrency, runs=1)
 
 
 def test_a_late_listener_on_a_busy_p_slows_serial_push_only() -> None:
@@ -38,11 +45,30 @@ def test_a_read_post_on_ds_model_thread_delays_pull() -> None:
     assert (PullConnector.start_recv, PushConnector._write) == handlers
 
 
+@dataclass(frozen=True)
+class _Endpoint:
+    address: str
+
+
 def test_cache_aware_returns_a_held_prompt_and_balances_the_rest() -> None:
-    engines: Any = type("Cluster", (), {"prefill": [0, 1, 2], "decode": [0, 1]})()
-    proxy = CacheAwareProxy(engines, "pull")
-    assert [proxy._choose("p", key) for key in (7, 7, 8, 9, 10, 7)] == [0, 0, 1, 2, 0, 0]
-    assert [proxy._choose("d", key) for key in (7, 8, 9)] == [0, 1, 0]
+    p, d = [_Endpoint(f"p{i}") for i in range(3)], [_Endpoint(f"d{i}") for i in range(2)]
+    picker = CacheAwarePicker()
+
+    def on(candidates: list[_Endpoint], key: bytes) -> int:
+        return candidates.index(picker.pick(candidates, PickRequest(prefix=key)))
+
+    assert [on(p, key) for key in (b"7", b"7", b"8", b"9", b"10", b"7")] == [0, 0, 1, 2, 0, 0]
+    assert [on(d, key) for key in (b"17", b"18", b"19")] == [0, 1, 0]
+
+
+def test_cache_aware_takes_the_sidecars_place_in_the_plan() -> None:
+    """The warm-ups' prompt returns to the engines that computed it: at C = 8 the first
+    prompt of the batch is a cache hit, which round robin sends elsewhere."""
+    blind = _ms("pull", 8)
+    with cache_aware():
+        aware = _ms("pull", 8)
+    assert aware != blind
+    assert pr187.PREPARE.__name__ == "_as_configured"
 
 
 def test_scheduling_a_step_ahead_delays_arrivals_at_busy_engines_only() -> None:

@@ -163,3 +163,28 @@ def test_percentile_interpolates_between_ranks() -> None:
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([0.0, 10.0], 90) == 9.0
+
+
+def _data_parallel(policy: str, mode: str = "auto") -> str:
+    events = "kv_events: {port: 5557}, " if policy == "kv_cache" else ""
+    pool = f"{{policy: {policy}, {events}data_parallel_size: 2, endpoints: [127.0.0.1:8100]}}"
+    return f"prefill: {pool}\ndecode: {pool}\ndispatch: {{mode: {mode}}}\n"
+
+
+def test_data_parallel_servers_are_served_and_followed_rank_by_rank(tmp_path: Path) -> None:
+    """Two ranks behind each server: each rank's identity is learnt (every plan parallel),
+    each rank's KV events are indexed under its own name, and the kv_cache policy's rank
+    choice finds more of the prompts cached than round robin's balancing does."""
+    cached = _run(tmp_path, _data_parallel("kv_cache"), "dp-kv")
+    blind = _run(tmp_path, _data_parallel("round_robin"), "dp-rr")
+    for summary in (cached, blind):
+        assert (summary["ok"], summary["strategies"]) == (48, {"parallel": 48})
+        for role in ("prefill", "decode"):
+            ranks = summary[role]["legs_per_rank"]
+            assert set(ranks) == {f"{role[0]}0", f"{role[0]}1"}
+            assert all(set(legs) == {0, 1} for legs in ranks.values())
+    (learnt,) = cached["kv_index"]
+    assert learnt["engines_heard_from"] == [
+        f"{server} dp{rank}" for server in ("p0", "p1", "d0", "d1") for rank in (0, 1)
+    ]
+    assert cached["prefill"]["cached_share"] > blind["prefill"]["cached_share"]

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from lab import workloads
 from lab.workloads import MOONCAKE_BLOCK, TraceError, generate, read_mooncake
-from tests.support.lab import mooncake_trace
+from tests.support.lab import mooncake_trace, shared_block_trace
 
 
 def test_equal_hash_ids_are_equal_prefixes(tmp_path: Path) -> None:
@@ -90,3 +91,14 @@ def test_a_generator_takes_one_loop() -> None:
         generate("seed", 1)
     with pytest.raises(ValueError, match="--concurrency"):
         generate("seed", 1, concurrency=2, rate=1.0)
+
+
+def test_a_traces_prompts_are_made_when_sent_not_held(tmp_path: Path) -> None:
+    """Reading a trace holds no prompt (a long trace's would take gigabytes): each is made
+    from its blocks when asked, the same each time."""
+    workloads._block.cache_clear()
+    trace = mooncake_trace(tmp_path / "t.jsonl", shared_block_trace(6))
+    requests = [c.requests[0] for c in read_mooncake(trace).chains]
+    assert workloads._block.cache_info().currsize == 0
+    assert requests[0].prompt == requests[0].prompt
+    assert workloads._block.cache_info().currsize == 2  # its two blocks

@@ -2,7 +2,7 @@
 new arrival: the WRITE of a push, the READ of a pull and a lease's expiry all wake the engine.
 
 A prefill engine whose KV cache holds one request at a time: the second request waits for the
-first one's leased blocks. Run on bench/fastsim.py's virtual clock with the side channel
+first one's leased blocks. Run on the lab's virtual clock with the side channel
 delivered in-process, so the waits below are simulated time, never the machine's."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench.fastsim import run_virtual
+from lab.clock import run_virtual
 from vllmsim.config import CostModel, Faults, KVTransferConfig
 from vllmsim.engine import Engine, ErrorEvent, FinishEvent, KVMode, SimRequest
 from vllmsim.metrics import Metrics
