@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from vllmsim.config import CacheConfig, CostModel, Faults, KVTransferConfig, SimConfig
-from vllmsim.engine import Engine, ErrorEvent, FinishEvent, SimRequest, TokenEvent
+from vllmsim.engine import Engine, ErrorEvent, FinishEvent, KVMode, SimRequest, TokenEvent
 from vllmsim.kv_events import KVEvent, encode_batch
 from vllmsim.metrics import Metrics
 from vllmsim.nixl import side_channel
@@ -39,6 +39,7 @@ __all__ = [
     "MODEL",
     "Cluster",
     "EngineTotals",
+    "Queue",
     "Served",
     "SimEngine",
     "Topology",
@@ -83,6 +84,11 @@ class Served:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # found in this engine's prefix cache
     transferred_tokens: int = 0  # brought by NIXL from P
+    # diagnostics (simulated time): when the leg reached the API server and the scheduler,
+    # and what the engine had queued then
+    arrived_at: float = 0.0
+    submitted_at: float = 0.0
+    queue_on_arrival: Queue | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -90,6 +96,27 @@ class Served:
         if self.status >= 400:
             return 0
         return self.prompt_tokens - self.cached_tokens - self.transferred_tokens
+
+
+@dataclass(frozen=True)
+class Queue:
+    """What an engine has in hand when a leg reaches its scheduler."""
+
+    waiting: int  # for blocks or a turn (the scheduler's queue)
+    remote_wait: int  # waiting for KV from P (not computing)
+    running: int
+    prefill_tokens: int  # prompt tokens still to compute, of waiting and running requests
+
+    @classmethod
+    def of(cls, engine: Engine) -> Queue:
+        # a waiting request's cached prefix is known only once it is allocated: counted whole;
+        # one whose KV comes from P computes nothing
+        tokens = sum(
+            r.prefill_left
+            for r in [*engine.waiting, *engine.running]
+            if r.mode not in (KVMode.PULL, KVMode.PUSH)
+        )
+        return cls(len(engine.waiting), len(engine.remote_wait), len(engine.running), tokens)
 
 
 @dataclass
@@ -154,14 +181,18 @@ class SimEngine:
             remote=parsed.kv_params,
         )
         engine = self.engine
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
         await engine.api_path(len(parsed.prompt_ids))
         on_headers(200)
+        queue, submitted = Queue.of(engine), loop.time()
         engine.submit(req)
         self.totals.peak_queue = max(self.totals.peak_queue, engine.num_waiting)
         try:
             served = await _collect(req)
         finally:
             engine.abort(req)  # nothing once finished; frees the blocks of an abandoned leg
+        served.arrived_at, served.submitted_at, served.queue_on_arrival = arrived, submitted, queue
         served.prompt_tokens = req.prompt_tokens
         served.cached_tokens = req.num_cached_tokens
         served.transferred_tokens = req.num_external_tokens
@@ -171,10 +202,11 @@ class SimEngine:
     def load_page(self) -> str:
         """The engine's load as its /metrics shows it (the families the sidecar reads)."""
         engine = self.engine
+        labels = f'{{model_name="{MODEL}"}}'  # vLLM labels every series with its base model
         return (
-            f"vllm:num_requests_waiting {engine.num_waiting}\n"
-            f"vllm:num_requests_running {len(engine.running)}\n"
-            f"vllm:kv_cache_usage_perc {engine.pool.usage()}\n"
+            f"vllm:num_requests_waiting{labels} {engine.num_waiting}\n"
+            f"vllm:num_requests_running{labels} {len(engine.running)}\n"
+            f"vllm:kv_cache_usage_perc{labels} {engine.pool.usage()}\n"
         )
 
 
@@ -214,8 +246,11 @@ class Cluster:
         cost: CostModel,
         transfer: str,
         on_kv_events: Callable[[str, bytes], None],
+        prefill_cost: CostModel | None = None,
     ) -> None:
+        """`prefill_cost`: the prefill engines' own (e.g. a smaller KV cache), else `cost`."""
         self.cost = cost
+        self._prefill_cost = prefill_cost or cost
         self._on_kv_events = on_kv_events
         self._by_port: dict[int, SimEngine] = {}
         self.prefill = [self._engine("prefill", i, transfer) for i in range(topology.prefill)]
@@ -244,11 +279,12 @@ class Cluster:
             _CONNECTORS[transfer], "kv_producer" if role == "prefill" else "kv_consumer"
         )
         publish: Callable[[list[KVEvent]], None] = lambda events: self._publish(address, events)  # noqa: E731
-        engine = Engine(self.cost, Metrics(MODEL, 0.0), engine_id, CacheConfig(), publish)
+        cost = self._prefill_cost if role == "prefill" else self.cost
+        engine = Engine(cost, Metrics(MODEL, 0.0), engine_id, CacheConfig(), publish)
         cls = PushConnector if transfer == "push" else PullConnector
         connector = cls(engine, kv, Identity(engine_id, host, port), Faults())
         engine.connector = connector
-        config = SimConfig(served_model_names=(MODEL,), kv=kv, cost=self.cost)
+        config = SimConfig(served_model_names=(MODEL,), kv=kv, cost=cost)
         sim = SimEngine(address, f"{role[0]}{index}", role, engine, connector, config)
         self._by_port[port] = sim
         return sim

@@ -40,6 +40,7 @@ from typing import Any
 import orjson
 
 from extproc.config import Config
+from extproc.engines.base_models import BaseModels
 from extproc.engines.load import EngineLoad
 from extproc.engines.scrape_plan import scrape_plan
 from extproc.engines.scraper import parse_families
@@ -62,10 +63,11 @@ from extproc.request.prefill_client import (
 from extproc.request.pushed_kv import PushedKv
 from extproc.request.strategies import Dispatch, Exchange, LegServices, start_dispatch
 from extproc.roles import Role
-from extproc.scheduling.decision import Decider
+from extproc.scheduling.decision import Decision
 from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import Scheduler, pool_picker
 from extproc.tracing import RequestTrace
+from lab.diagnostics import RecordingDecider, RecordingScheduler, request_detail
 from lab.engines import MODEL, Cluster, Served, SimEngine
 
 __all__ = ["Outcome", "ProxyCosts", "Sidecar"]
@@ -108,6 +110,7 @@ class Outcome:
     prefill: str | None = None
     decode: str | None = None
     finished_at: float = 0.0
+    detail: dict[str, Any] | None = None  # the per-request diagnostics (`lab.diagnostics`)
 
 
 class _Stream:
@@ -144,6 +147,7 @@ class InProcessPrefill:
     def __init__(self, cluster: Cluster, costs: ProxyCosts) -> None:
         self._cluster = cluster
         self._hop_s = costs.hop_ms / 1e3
+        self.served: dict[str, Served] = {}  # P's leg by request id, until its request reads it
 
     async def send(self, call: PrefillCall) -> PrefillResult:
         loop = asyncio.get_running_loop()
@@ -153,6 +157,8 @@ class InProcessPrefill:
             async with asyncio.timeout(call.timeout_s):
                 engine = self._cluster.by_address[call.endpoint]
                 served = await engine.serve(call.body, call.request_id)
+                if call.request_id != "probe":
+                    self.served[call.request_id] = served
         except TimeoutError:  # as the product's PrefillClient says it
             raise PrefillTimeout(
                 504,
@@ -220,17 +226,21 @@ class Sidecar:
         )
         self.kv = KvRouting(KvIndex(config.kv_index.max_blocks), self.metrics)
         self.kv.configure(kv_groups(config))
-        self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics, self.kv)
+        self.scheduler = RecordingScheduler(
+            config, self.prefill, self.decode, self.metrics, self.kv
+        )
         _seed_pickers(self.scheduler, config, f"{seed}/{instance}")
         # the decision's stall buckets refill in simulated time, as they would in real time
-        self.scheduler.decider = Decider(self.metrics, clock=loop.time)
+        self._decider = RecordingDecider(self.metrics, clock=loop.time)
+        self.scheduler.decider = self._decider
         members = {name: g.members for name, g in self.scheduler.groups.items()}
         # what the subscribers would follow; nothing is started (no ZMQ): see `kv_events`
         self.kv.follow(
             event_sources(config, members, self.kv.routed_groups, self.scheduler.data_parallel_size)
         )
+        self._prefill_sender = InProcessPrefill(cluster, costs)
         self.services = LegServices(
-            TrackedPrefillSender(InProcessPrefill(cluster, costs), self.prefill.get),
+            TrackedPrefillSender(self._prefill_sender, self.prefill.get),
             self.identities,
             lambda prefill: self.prefill.set_healthy(prefill, False),
             lambda decode: None,  # the KV check's bookkeeping: not modelled
@@ -238,6 +248,9 @@ class Sidecar:
             pushed_kv=PushedKv(loop.time),
         )
         self._load = EngineLoad(self._state)
+        # the engines' base model, from the same pages: without it every request would be
+        # keyed as a LoRA adapter's and the KV index would never credit an engine
+        self._base_models = BaseModels(self.kv.learn_base_model)
         self.active_streams = 0  # requests this process is handling (Envoy balances on it)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -270,7 +283,9 @@ class Sidecar:
     async def _feed_load(self, interval_s: float, engines: list[SimEngine]) -> None:
         while True:
             for engine in engines:
-                self._load.consume(engine.address, parse_families(engine.load_page()))
+                families = parse_families(engine.load_page())
+                self._load.consume(engine.address, families)
+                self._base_models.consume(engine.address, families)
             await asyncio.sleep(interval_s)
 
     async def start(self) -> None:
@@ -321,6 +336,7 @@ class Sidecar:
         try:
             request = parse_request(Api.COMPLETIONS, body, self.config.limits.max_body_bytes)
             tokens = await request_tokens(request, self.scheduler)
+            self.scheduler.seen, self._decider.last = None, None
             with ExitStack() as inflight:
                 plan = plan_request(
                     request,
@@ -331,11 +347,15 @@ class Sidecar:
                     inflight,
                     tokens=tokens,
                 )
-                return await self._run(plan, sent)
+                picked = (self.scheduler.seen, self._decider.last)
+                return await self._run(plan, sent, picked)
         except RequestEnded as error:
             return Outcome(False, error.status, str(error), finished_at=loop.time())
 
-    async def _run(self, plan: Plan, sent: float) -> Outcome:
+    async def _run(
+        self, plan: Plan, sent: float, picked: tuple[dict[str, Any] | None, Decision | None]
+    ) -> Outcome:
+        """`picked`: what the scheduler saw and decided (the diagnostics')."""
         loop = asyncio.get_running_loop()
         stream = _Stream()
         exchange = Exchange(
@@ -353,6 +373,7 @@ class Sidecar:
             served, released = await self._decode(plan, stream.decode_body(), dispatch)
         finally:
             dispatch.close(False)
+            p_served = self._prefill_sender.served.pop(plan.request_id, None)
         outcome = Outcome(
             served.status < 400,
             served.status,
@@ -361,6 +382,15 @@ class Sidecar:
             prefill=plan.prefill,
             decode=plan.decodes[0],
             finished_at=loop.time(),
+        )
+        prefill = None if isinstance(plan, DecodeOnlyPlan) else plan.prefill
+        outcome.detail = request_detail(
+            self.cluster,
+            *picked,
+            (p_served, served),
+            (prefill, plan.decodes[0]),
+            sent,
+            released,
         )
         if outcome.ok and served.first_token_at is not None and served.last_token_at is not None:
             first = max(served.first_token_at, released) + self.costs.answer_ms / 1e3
