@@ -23,9 +23,9 @@ The ranks of a data-parallel server are scored the same way, each as an engine o
 rank (ours in flight there and the engine's scraped waiting + running), in the same units.
 
 For an engine that publishes no events, `cached` counts the prompt's leading blocks this sidecar
-routed there (an estimate: evictions are not seen). Where no candidate is known to hold any of
-the prompt (no tokenizer, a new prompt), the pick is `prefix`'s: rendezvous hashing of the
-prompt's start with bounded load.
+routed there (an estimate: evictions are not seen). A prompt no candidate holds is scored the
+same way (the least work ahead, ties in its rendezvous order); one that was not looked up (no
+tokenizer) is `prefix`'s pick: rendezvous hashing of the prompt's start with bounded load.
 """
 
 from __future__ import annotations
@@ -65,12 +65,11 @@ class KvCachePicker:
 
     def pick(self, candidates: Sequence[E], request: PickRequest) -> E:
         cached = request.cached
-        if (
-            not cached
-            or request.prompt_tokens <= 0
-            or not any(cached.get(c.address, 0) for c in candidates)
-        ):
+        if cached is None or request.prompt_tokens <= 0:  # not looked up: nothing to weigh
             return self._fallback.pick(candidates, request)
+        # Held nowhere (a new prompt) still goes where the least work waits: `prefix`'s bound
+        # on in-flight counts let one engine take half again its share of a burst of new
+        # conversations, whose queue was the TTFT tail (docs/lab.md, "The multi-turn tail").
         order = hrw_order(request.prefix, candidates)
         rank = {id(c): i for i, c in enumerate(order)}
         return max(
