@@ -141,6 +141,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if len(set(stems)) != len(stems):
         raise ValueError("two --config files have the same name; the output names them by it")
     workload = _workload(args)
+    if args.turn_waves and workload.open_loop:
+        raise ValueError(
+            "--turn-waves paces a closed loop: give --concurrency, not a rate or trace"
+        )
     cost = PROFILES[args.profile]
     if args.max_model_len is not None:
         if args.max_model_len < 1:

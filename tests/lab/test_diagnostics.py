@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from lab.cli import main
 from tests.support.lab import KV_CACHE, ROUND_ROBIN, config_file
 
@@ -53,3 +55,13 @@ def test_each_request_says_its_turn_route_cache_and_queues(tmp_path: Path) -> No
     assert f"| {slowest} |" in tail
     # round robin looked nothing up
     assert all(r["sidecar_view"]["decode"]["index_cached"] == 0 for r in _rows(out, "rr"))
+
+
+def test_turn_waves_without_a_closed_loop_is_one_line(tmp_path: Path) -> None:
+    config = config_file(tmp_path, "rr", ROUND_ROBIN)
+    args = ["--topology", "1P1D", "--config", str(config), "--workload", "multi-turn"]
+    with pytest.raises(SystemExit) as ended:
+        main([*args, "--rate", "2", "--turn-waves", "--out", str(tmp_path / "out")])
+    assert ended.value.code == (
+        "pd-extproc-lab: --turn-waves paces a closed loop: give --concurrency, not a rate or trace"
+    )
