@@ -45,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace (open loop)")
     source.add_argument("--workload", choices=sorted(GENERATORS), help="a generated workload")
+    parser.add_argument(
+        "--turn-waves",
+        action="store_true",
+        help="closed loop: turn k of every conversation as one run, turn k + 1 after all of "
+        "turn k (bench/cache.py's multi-turn client)",
+    )
     parser.add_argument("--speedup", type=float, default=1.0, help="the trace's time divisor")
     parser.add_argument("--trace-limit", type=int, help="replay the trace's first N requests")
     parser.add_argument("--concurrency", type=int, help="closed loop: C clients")
@@ -67,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         help="override the profile's (longer requests fail with 400, as vLLM refuses them)",
     )
     parser.add_argument(
+        "--prefill-kv-blocks",
+        type=int,
+        help="every prefill engine's KV cache in blocks (vllmsim --num-gpu-blocks; default: "
+        "the profile's): a tight prefill cache, as bench/cache.py's tight regime",
+    )
+    parser.add_argument(
         "--proxy",
         choices=sorted(PROXIES),
         default="pd-extproc",
@@ -75,6 +87,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--proxy-intake-ms", type=float, help="override: client → legs leave")
     parser.add_argument("--proxy-answer-ms", type=float, help="override: on the answer's way")
     parser.add_argument("--proxy-hop-ms", type=float, help="override: proxy ↔ engine, one way")
+    parser.add_argument(
+        "--per-request",
+        action="store_true",
+        help="also write each request's diagnostics to DIR/<config>.requests.jsonl and the "
+        "requests at or past TTFT p99 to DIR/<config>.tail.md",
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--out", type=Path, required=True, help="where summary.json goes")
@@ -98,6 +116,12 @@ def _costs(args: argparse.Namespace) -> ProxyCosts:
     )
 
 
+def _prefill_kv_blocks(blocks: int | None) -> int | None:
+    if blocks is not None and blocks < 1:
+        raise ValueError("--prefill-kv-blocks must be at least 1")
+    return blocks
+
+
 def _progress(name: str, simulated_s: float, done: int, total: int) -> None:
     """One line rewritten in place on a terminal; a line each time elsewhere."""
     tty = sys.stderr.isatty()
@@ -117,6 +141,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if len(set(stems)) != len(stems):
         raise ValueError("two --config files have the same name; the output names them by it")
     workload = _workload(args)
+    if args.turn_waves and workload.open_loop:
+        raise ValueError(
+            "--turn-waves paces a closed loop: give --concurrency, not a rate or trace"
+        )
     cost = PROFILES[args.profile]
     if args.max_model_len is not None:
         if args.max_model_len < 1:
@@ -131,6 +159,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         args.slo_tpot_ms,
         args.workers,
         args.replicas,
+        _prefill_kv_blocks(args.prefill_kv_blocks),
+        args.turn_waves,
+        args.out if args.per_request else None,
     )
     configs = [run_config(path, workload, settings, _progress) for path in args.config]
     costs = settings.costs
@@ -138,9 +169,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "topology": str(settings.topology),
         "profile": args.profile,
         "max_model_len": cost.max_model_len,
+        "prefill_kv_blocks": settings.prefill_kv_blocks or cost.num_gpu_blocks,
         "workload": workload.name,
         "requests": workload.requests,
         "seed": args.seed,
+        "turn_waves": args.turn_waves,
         "workers": args.workers,
         "replicas": args.replicas,
         "proxy": {

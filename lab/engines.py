@@ -29,7 +29,7 @@ import orjson
 
 from vllmsim.config import CacheConfig, CostModel, Faults, KVTransferConfig, SimConfig
 from vllmsim.cost_model import ApiProcess
-from vllmsim.engine import Engine, ErrorEvent, FinishEvent, SimRequest, TokenEvent
+from vllmsim.engine import Engine, ErrorEvent, FinishEvent, KVMode, SimRequest, TokenEvent
 from vllmsim.kv_events import KVEvent, encode_batch
 from vllmsim.metrics import Metrics
 from vllmsim.nixl import side_channel
@@ -45,6 +45,7 @@ __all__ = [
     "MODEL",
     "Cluster",
     "EngineTotals",
+    "Queue",
     "Rank",
     "Served",
     "SimEngine",
@@ -91,6 +92,11 @@ class Served:
     cached_tokens: int = 0  # found in this engine's prefix cache
     transferred_tokens: int = 0  # brought by NIXL from P
     rank: int = 0  # the data-parallel rank that served it
+    # diagnostics (simulated time): when the leg reached the API server and the scheduler,
+    # and what the engine had queued then
+    arrived_at: float = 0.0
+    submitted_at: float = 0.0
+    queue_on_arrival: Queue | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -98,6 +104,27 @@ class Served:
         if self.status >= 400:
             return 0
         return self.prompt_tokens - self.cached_tokens - self.transferred_tokens
+
+
+@dataclass(frozen=True)
+class Queue:
+    """What an engine has in hand when a leg reaches its scheduler."""
+
+    waiting: int  # for blocks or a turn (the scheduler's queue)
+    remote_wait: int  # waiting for KV from P (not computing)
+    running: int
+    prefill_tokens: int  # prompt tokens still to compute, of waiting and running requests
+
+    @classmethod
+    def of(cls, engine: Engine) -> Queue:
+        # a waiting request's cached prefix is known only once it is allocated: counted whole;
+        # one whose KV comes from P computes nothing
+        tokens = sum(
+            r.prefill_left
+            for r in [*engine.waiting, *engine.running]
+            if r.mode not in (KVMode.PULL, KVMode.PUSH)
+        )
+        return cls(len(engine.waiting), len(engine.remote_wait), len(engine.running), tokens)
 
 
 @dataclass
@@ -208,9 +235,12 @@ class SimEngine:
             return Served(400, f"data_parallel_rank {rank_header} is out of range")
         engine = rank.engine
         rank.in_flight += 1
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
         try:
             await engine.api_path(len(parsed.prompt_ids))
             on_headers(200)
+            queue, submitted = Queue.of(engine), loop.time()
             engine.submit(req)
             waiting = sum(r.engine.num_waiting for r in self.ranks)
             self.totals.peak_queue = max(self.totals.peak_queue, waiting)
@@ -221,6 +251,7 @@ class SimEngine:
         finally:
             rank.in_flight -= 1
         served.rank = rank.index
+        served.arrived_at, served.submitted_at, served.queue_on_arrival = arrived, submitted, queue
         served.prompt_tokens = req.prompt_tokens
         served.cached_tokens = req.num_cached_tokens
         served.transferred_tokens = req.num_external_tokens
@@ -279,10 +310,13 @@ class Cluster:
         transfer: str,
         on_kv_events: Callable[[str, int, bytes], None],
         ranks: Mapping[str, int] | None = None,
+        prefill_cost: CostModel | None = None,
     ) -> None:
         """`ranks`: role → engine ranks behind each server of that role (data parallelism;
-        default 1); `on_kv_events(address, rank, batch)`."""
+        default 1); `on_kv_events(address, rank, batch)`; `prefill_cost`: the prefill engines'
+        own (e.g. a smaller KV cache), else `cost`."""
         self.cost = cost
+        self._prefill_cost = prefill_cost or cost
         self._on_kv_events = on_kv_events
         self._by_port: dict[int, ConnectorBase] = {}
         ranks = ranks or {}
@@ -316,6 +350,7 @@ class Cluster:
             _CONNECTORS[transfer], "kv_producer" if role == "prefill" else "kv_consumer"
         )
         api = ApiProcess()  # one API server in front of its ranks
+        cost = self._prefill_cost if role == "prefill" else self.cost
         base = str(uuid.UUID(int=_FIRST_SIDE_PORT + len(self._by_port)))  # never uuid4
         built = []
         for r in range(ranks):
@@ -325,15 +360,13 @@ class Cluster:
             def publish(events: list[KVEvent], rank: int = r) -> None:
                 self._publish(address, rank, events)
 
-            engine = Engine(
-                self.cost, Metrics(MODEL, 0.0), engine_id, CacheConfig(), publish, api=api
-            )
+            engine = Engine(cost, Metrics(MODEL, 0.0), engine_id, CacheConfig(), publish, api=api)
             cls = PushConnector if transfer == "push" else PullConnector
             connector = cls(engine, kv, Identity(engine_id, host, port), Faults())
             engine.connector = connector
             self._by_port[port] = connector
             built.append(Rank(r, engine, connector))
-        config = SimConfig(served_model_names=(MODEL,), kv=kv, cost=self.cost)
+        config = SimConfig(served_model_names=(MODEL,), kv=kv, cost=cost)
         return SimEngine(address, f"{role[0]}{index}", role, built, config)
 
     def _publish(self, address: str, rank: int, events: list[KVEvent]) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import random
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ from extproc.kvcache.routing import rank_engine
 from extproc.process.workers import limits_share
 from lab.clock import run_virtual
 from lab.configs import lab_config, placeholder_tokenizer
+from lab.diagnostics import write_requests
 from lab.engines import MODEL, Cluster, EngineTotals, SimEngine, Topology
 from lab.sidecar import Outcome, ProxyCosts, Sidecar
 from lab.workloads import LabRequest, Workload
@@ -55,6 +57,11 @@ class Settings:
     slo_tpot_ms: float = 100.0
     workers: int = 1  # extproc.workers: ext_proc processes of one sidecar
     replicas: int = 1  # sidecars (each with its Envoy) the clients spread over
+    prefill_kv_blocks: int | None = None  # every P's KV cache in blocks (None: the profile's)
+    # closed loop: turn k of every chain as one run (C at a time, in a seeded shuffle), turn
+    # k + 1 after all of turn k, as bench/cache.py's client sends conversations
+    turn_waves: bool = False
+    per_request: Path | None = None  # where each request's diagnostics go (lab.diagnostics)
 
 
 @dataclass
@@ -96,6 +103,9 @@ async def _measure(
     summary["workers"], summary["replicas"] = lab.settings.workers, lab.settings.replicas
     # what each scheduler's KV index learnt from the engines' events (nothing: not followed)
     summary["kv_index"] = lab.indexes()
+    if lab.settings.per_request is not None:
+        p99 = summary["ttft_ms"]["p99"]
+        write_requests(lab.settings.per_request, name, outcomes, p99)
     return summary
 
 
@@ -125,7 +135,11 @@ class Session:
         tally = _Tally()
         route = _router(self.replicas)
         header = self.config.dispatch.session_header
-        await _drive(workload, route, header, tally, report or (lambda done: None))
+        report = report or (lambda done: None)
+        if self.settings.turn_waves and not workload.open_loop:
+            await _drive_waves(workload, route, header, tally, report, self.settings.seed)
+        else:
+            await _drive(workload, route, header, tally, report)
         return tally.outcomes
 
     def indexes(self) -> list[dict[str, Any]]:
@@ -167,7 +181,10 @@ async def session(path: Path, tokenizer: Path, settings: Settings) -> AsyncItera
             loop.call_soon(sidecar.kv_events, address, rank, payload)
 
     ranks = {role: getattr(config, role).data_parallel_size or 1 for role in names}
-    cluster = Cluster(settings.topology, settings.cost, transfer, deliver, ranks)
+    prefill_cost = None
+    if settings.prefill_kv_blocks is not None:
+        prefill_cost = dataclasses.replace(settings.cost, num_gpu_blocks=settings.prefill_kv_blocks)
+    cluster = Cluster(settings.topology, settings.cost, transfer, deliver, ranks, prefill_cost)
     try:
         with cluster.running():
             replicas = _replicas(config, cluster, settings)
@@ -236,28 +253,68 @@ async def _drive(
     loop = asyncio.get_running_loop()
     start = loop.time()
 
-    async def one(request: LabRequest) -> None:
-        headers = {session_header: request.session} if request.session else {}
-        tally.outcomes.append(await scheduler().handle(_body(request), headers))
+    async def one(request: LabRequest, chain: int, turn: int) -> None:
+        await _one(scheduler, session_header, tally, request, chain, turn)
         report(len(tally.outcomes))
 
     async def chain_at(index: int) -> None:
         chain = workload.chains[index]
         await asyncio.sleep(max(0.0, start + chain.at - loop.time()))
-        for request in chain.requests:
-            await one(request)
+        for turn, request in enumerate(chain.requests):
+            await one(request, index, turn)
 
     if workload.open_loop:
         await asyncio.gather(*(chain_at(i) for i in range(len(workload.chains))))
         return
-    queue = iter(workload.chains)
+    queue = iter(enumerate(workload.chains))
 
     async def client() -> None:
-        for chain in queue:  # each client takes the next chain when its own is done
-            for request in chain.requests:
-                await one(request)
+        for index, chain in queue:  # each client takes the next chain when its own is done
+            for turn, request in enumerate(chain.requests):
+                await one(request, index, turn)
 
     await asyncio.gather(*(client() for _ in range(workload.concurrency)))
+
+
+async def _drive_waves(
+    workload: Workload,
+    scheduler: Callable[[], Sidecar],
+    session_header: str,
+    tally: _Tally,
+    report: Callable[[int], None],
+    seed: int,
+) -> None:
+    """Closed loop by turns: turn k of every chain, C at a time, then turn k + 1."""
+    rng = random.Random(f"lab-waves/{seed}")
+    turns = max((len(c.requests) for c in workload.chains), default=0)
+    for turn in range(turns):
+        wave = [
+            (i, c.requests[turn]) for i, c in enumerate(workload.chains) if turn < len(c.requests)
+        ]
+        rng.shuffle(wave)
+        queue = iter(wave)
+
+        async def client(queue: Iterator[tuple[int, LabRequest]], turn: int) -> None:
+            for index, request in queue:
+                await _one(scheduler, session_header, tally, request, index, turn)
+                report(len(tally.outcomes))
+
+        await asyncio.gather(*(client(queue, turn) for _ in range(workload.concurrency)))
+
+
+async def _one(
+    scheduler: Callable[[], Sidecar],
+    session_header: str,
+    tally: _Tally,
+    request: LabRequest,
+    chain: int,
+    turn: int,
+) -> None:
+    """One request through the sidecar that takes it, labelled with its chain and turn."""
+    headers = {session_header: request.session} if request.session else {}
+    outcome = await scheduler().handle(_body(request), headers)
+    outcome.detail = {"chain": chain, "turn": turn, **(outcome.detail or {})}
+    tally.outcomes.append(outcome)
 
 
 def _body(request: LabRequest) -> bytes:

@@ -64,10 +64,11 @@ from extproc.request.prefill_client import (
 from extproc.request.pushed_kv import PushedKv
 from extproc.request.strategies import Dispatch, Exchange, LegServices, start_dispatch
 from extproc.roles import Role
-from extproc.scheduling.decision import Decider
+from extproc.scheduling.decision import Decision
 from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import Scheduler, pool_picker
 from extproc.tracing import RequestTrace
+from lab.diagnostics import RecordingDecider, RecordingScheduler, request_detail
 from lab.engines import MODEL, Cluster, Served, SimEngine
 
 __all__ = ["Outcome", "ProxyCosts", "Sidecar"]
@@ -110,6 +111,7 @@ class Outcome:
     prefill: str | None = None
     decode: str | None = None
     finished_at: float = 0.0
+    detail: dict[str, Any] | None = None  # the per-request diagnostics (`lab.diagnostics`)
 
 
 class _Stream:
@@ -156,6 +158,7 @@ class InProcessPrefill:
     def __init__(self, cluster: Cluster, costs: ProxyCosts) -> None:
         self._cluster = cluster
         self._hop_s = costs.hop_ms / 1e3
+        self.served: dict[str, Served] = {}  # P's leg by request id, until its request reads it
 
     async def send(self, call: PrefillCall) -> PrefillResult:
         loop = asyncio.get_running_loop()
@@ -166,6 +169,8 @@ class InProcessPrefill:
                 engine = self._cluster.by_address[call.endpoint]
                 rank = (call.headers or {}).get(RANK_HEADER)
                 served = await engine.serve(call.body, call.request_id, rank_header=rank)
+                if call.request_id != "probe":
+                    self.served[call.request_id] = served
         except TimeoutError:  # as the product's PrefillClient says it
             raise PrefillTimeout(
                 504,
@@ -233,14 +238,18 @@ class Sidecar:
         )
         self.kv = KvRouting(KvIndex(config.kv_index.max_blocks), self.metrics)
         self.kv.configure(kv_groups(config))
-        self.scheduler = Scheduler(config, self.prefill, self.decode, self.metrics, self.kv)
+        self.scheduler = RecordingScheduler(
+            config, self.prefill, self.decode, self.metrics, self.kv
+        )
         _seed_pickers(self.scheduler, config, f"{seed}/{instance}")
         # the decision's stall buckets refill in simulated time, as they would in real time
-        self.scheduler.decider = Decider(self.metrics, clock=loop.time)
+        self._decider = RecordingDecider(self.metrics, clock=loop.time)
+        self.scheduler.decider = self._decider
         # what the subscribers would follow; nothing is started (no ZMQ): see `kv_events`
         self._follow_kv_events()
+        self._prefill_sender = InProcessPrefill(cluster, costs)
         self.services = LegServices(
-            TrackedPrefillSender(InProcessPrefill(cluster, costs), self.prefill.get),
+            TrackedPrefillSender(self._prefill_sender, self.prefill.get),
             self.identities,
             lambda prefill: self.prefill.set_healthy(prefill, False),
             lambda decode: None,  # the KV check's bookkeeping: not modelled
@@ -249,7 +258,8 @@ class Sidecar:
         )
         # a page that shows another number of ranks changes which sources are followed
         self._load = EngineLoad(self._state, lambda address: self._follow_kv_events())
-        # which model is each engine's base: a lookup for it is in the plain cache scope
+        # the engines' base model, from the same pages: without it every request would be
+        # keyed as a LoRA adapter's and the KV index would never credit an engine
         self._base_models = BaseModels(self.kv.learn_base_model)
         self.active_streams = 0  # requests this process is handling (Envoy balances on it)
         self._tasks: list[asyncio.Task[None]] = []
@@ -357,6 +367,7 @@ class Sidecar:
         try:
             request = parse_request(Api.COMPLETIONS, body, self.config.limits.max_body_bytes)
             tokens = await request_tokens(request, self.scheduler)
+            self.scheduler.seen, self._decider.last = None, None
             with ExitStack() as inflight:
                 plan = plan_request(
                     request,
@@ -367,11 +378,15 @@ class Sidecar:
                     inflight,
                     tokens=tokens,
                 )
-                return await self._run(plan, sent)
+                picked = (self.scheduler.seen, self._decider.last)
+                return await self._run(plan, sent, picked)
         except RequestEnded as error:
             return Outcome(False, error.status, str(error), finished_at=loop.time())
 
-    async def _run(self, plan: Plan, sent: float) -> Outcome:
+    async def _run(
+        self, plan: Plan, sent: float, picked: tuple[dict[str, Any] | None, Decision | None]
+    ) -> Outcome:
+        """`picked`: what the scheduler saw and decided (the diagnostics')."""
         loop = asyncio.get_running_loop()
         stream = _Stream()
         exchange = Exchange(
@@ -390,6 +405,7 @@ class Sidecar:
             served, released = await self._decode(plan, body, rank, dispatch)
         finally:
             dispatch.close(False)
+            p_served = self._prefill_sender.served.pop(plan.request_id, None)
         outcome = Outcome(
             served.status < 400,
             served.status,
@@ -398,6 +414,15 @@ class Sidecar:
             prefill=plan.prefill,
             decode=plan.decodes[0],
             finished_at=loop.time(),
+        )
+        prefill = None if isinstance(plan, DecodeOnlyPlan) else plan.prefill
+        outcome.detail = request_detail(
+            self.cluster,
+            *picked,
+            (p_served, served),
+            (prefill, plan.decodes[0]),
+            sent,
+            released,
         )
         if outcome.ok and served.first_token_at is not None and served.last_token_at is not None:
             first = max(served.first_token_at, released) + self.costs.answer_ms / 1e3

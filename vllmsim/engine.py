@@ -128,6 +128,7 @@ class SimRequest:
     output_ids: list[int] = field(default_factory=list)  # generated tokens (prefix caching)
     session_id: str | None = None  # the client's, as vLLM reads it; its KV events carry it
     scope: HashScope = NO_SCOPE  # its adapter and cache_salt: its blocks' hashes cover them
+    submitted: int = 0  # the engine's count of submissions when it came: its arrival order
 
     @property
     def num_cached_tokens(self) -> int:
@@ -239,6 +240,7 @@ class Engine:
         self.running: list[SimRequest] = []
         self.remote_wait: set[SimRequest] = set()
         self.steps = 0  # steps started so far
+        self._submissions = 0
         self.lateness = StepLateness()
         self._in_step = False  # between a step's start and its end
         self._step_end: float | None = None  # the model's end of the step just taken
@@ -266,6 +268,8 @@ class Engine:
         if req.mode in (KVMode.PULL, KVMode.PUSH):
             req.fetch_stage = "waiting_to_start"
         req.block_size = self.block_size
+        self._submissions += 1
+        req.submitted = self._submissions
         if self.pool.caching:
             req.block_hashes = block_hashes(req.prompt_ids, self.block_size, req.scope)
         self.waiting.append(req)
@@ -359,7 +363,9 @@ class Engine:
             self._in_step = False
             self._apply(batch)
             if self.connector is not None:
-                for req in self.connector.end_step():
+                # in arrival order: a set's order is its members' addresses, so a run on the
+                # same inputs would order the running batch differently each time
+                for req in sorted(self.connector.end_step(), key=lambda r: r.submitted):
                     self.kv_ready(req)
             self._publish_events()
 

@@ -26,8 +26,9 @@ For an engine that publishes no events, `cached` counts the prompt's leading blo
 routed there (an estimate: evictions are not seen). Where the prompts are not tokenized (no
 tokenizer or no `kv_events`), `prompt_tokens` and `cached` are estimated from the prompt's raw
 bytes and what of them this sidecar sent each engine (`kv_approximate`), and scored the same
-way. Where no candidate is known to hold any of the prompt (a new prompt), the pick is
-`prefix`'s: rendezvous hashing of the prompt's start with bounded load.
+way. A prompt no candidate holds is scored the same way too (the least work ahead, ties in its
+rendezvous order); one that was not looked up at all is `prefix`'s pick: rendezvous hashing of
+the prompt's start with bounded load.
 """
 
 from __future__ import annotations
@@ -71,12 +72,11 @@ class KvCachePicker:
 
     def pick(self, candidates: Sequence[E], request: PickRequest) -> E:
         cached = request.cached
-        if (
-            not cached
-            or request.prompt_tokens <= 0
-            or not any(cached.get(c.address, 0) for c in candidates)
-        ):
+        if cached is None or request.prompt_tokens <= 0:  # not looked up: nothing to weigh
             return self._fallback.pick(candidates, request)
+        # Held nowhere (a new prompt) still goes where the least work waits: `prefix`'s bound
+        # on in-flight counts let one engine take half again its share of a burst of new
+        # conversations, whose queue was the TTFT tail (docs/lab.md, "The multi-turn tail").
         order = hrw_order(request.prefix, candidates)
         rank = {id(c): i for i, c in enumerate(order)}
         return max(

@@ -35,3 +35,22 @@ def test_a_rank_weighs_cached_tokens_as_the_endpoint_choice_does(weight: float) 
         holder_wins.append(rank == 1)
     # the holder wins while weight × 1000 tokens outweigh 64 per request queued there
     assert holder_wins.count(True) == int(weight * PROMPT / 64) + 1
+
+
+def test_a_prompt_held_nowhere_goes_where_the_least_work_waits() -> None:
+    # A new prompt (looked up, held by none): the engine with the least work queued, whatever
+    # its rendezvous order; `prefix`'s bound on in-flight counts would allow one engine half
+    # again its share (here 2 of 2 in flight, against 1 + 0), so a burst piled on it.
+    new = PickRequest(prefix=b"x", prompt_tokens=PROMPT, cached={})
+    picker = KvCachePicker()
+    for prefix in (b"a", b"b", b"c", b"d", b"e", b"f"):
+        busy, idle = EndpointState(HOLDER), EndpointState(OTHER)
+        request = PickRequest(prefix=prefix, prompt_tokens=PROMPT, cached={})
+        first = picker.pick([busy, idle], request)
+        first.in_flight, first.pending_tokens = 1, PROMPT
+        second = picker.pick([busy, idle], new)
+        assert second is not first
+    # not looked up (no tokenizer): nothing to weigh, `prefix`'s pick by the prompt's start
+    unknown = PickRequest(prefix=b"x", prompt_tokens=0, cached=None)
+    again = [picker.pick([EndpointState(HOLDER), EndpointState(OTHER)], unknown) for _ in range(3)]
+    assert len({e.address for e in again}) == 1
