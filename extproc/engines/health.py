@@ -4,7 +4,8 @@ Each round GETs `/health` of every decode endpoint and scrapes `/metrics` of eve
 endpoint through the engine scraper (the same 200 as /health, and the page carries the
 process start time that reveals a restart before any request does).
 A prefill endpoint that becomes healthy (at start-up, or after an outage) is probed for its
-identity; one that goes down loses it.
+identity; one that goes down loses it. `on_health` hears each engine's result of each round
+(its context length is asked once it is healthy: `extproc.engines.context`).
 Passive marking (a refused P leg) happens in the strategies and is undone here when the
 endpoint answers again.
 """
