@@ -19,6 +19,7 @@ import aiohttp
 
 from extproc.config import Config
 from extproc.engines.base_models import BaseModels
+from extproc.engines.context import ContextLengths, served_context
 from extproc.engines.health import HealthChecker
 from extproc.engines.kv_check import KvCheck
 from extproc.engines.kv_compat import KvCompatibility
@@ -217,6 +218,13 @@ class Runtime:
                 BaseModels(self.kv.learn_base_model),
             ],
         )
+        # every engine's context length: a prompt that fits none is refused untokenized
+        self.context_lengths = ContextLengths(
+            self.kv.engine_context,
+            lambda session, address: served_context(
+                session, address, self.config.health.timeout_s, self.config.engines.auth_headers
+            ),
+        )
         probe_refused: set[str] = set()  # endpoints that refused the probe's API key
         self.health = HealthChecker(
             lambda: self.config.health,
@@ -228,6 +236,7 @@ class Runtime:
             lambda: self.config.dispatch.probe,
             lambda prefill: bool(self.kv_compat.involving(prefill)),
             self._prefill_ranks,
+            self.context_lengths.health,
         )
         self.discovery = Discovery(self, settings)
         self.tracing = Tracing(config.tracing)
@@ -287,6 +296,7 @@ class Runtime:
         """A prefill said how long a prompt it runs: bounds what its model's requests are
         tokenized for (`KvRouting.context_length`)."""
         self.kv.context_length(self.scheduler.group_of(Role.PREFILL, address).name, tokens)
+        self.kv.engine_context(address, tokens)
 
     def _identity_event(self, endpoint: str, event: str) -> None:
         self.metrics.identity_events.labels(endpoint, event).inc()  # rare: not kept
@@ -312,6 +322,7 @@ class Runtime:
         """A new process start time: the prefill identity is stale before any request, and
         what the engine's KV cache held is gone."""
         self.kv.engine_restarted(address)
+        self.context_lengths.forget(address)
         if address in self.prefill.addresses:
             self.metrics.identity_events.labels(address, "restarted").inc()
             self.identities.drop(address)
@@ -366,6 +377,7 @@ class Runtime:
             self.scheduler.forget(address)
             self.restarts.forget(address)
             self.kv.forget(address)
+            self.context_lengths.forget(address)
             self.metrics.forget_endpoint(role, address)
         for address in added:
             log.info("%s %s joined the pool", role, address)

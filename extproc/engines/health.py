@@ -4,7 +4,8 @@ Each round GETs `/health` of every decode endpoint and scrapes `/metrics` of eve
 endpoint through the engine scraper (the same 200 as /health, and the page carries the
 process start time that reveals a restart before any request does).
 A prefill endpoint that becomes healthy (at start-up, or after an outage) is probed for its
-identity; one that goes down loses it.
+identity; one that goes down loses it. `on_health` hears each engine's result of each round
+(its context length is asked once it is healthy: `extproc.engines.context`).
 Passive marking (a refused P leg) happens in the strategies and is undone here when the
 endpoint answers again.
 """
@@ -46,7 +47,9 @@ class HealthChecker:
         probing: Callable[[], bool],
         reprobe: Callable[[str], bool] = lambda address: False,
         ranks_of: Callable[[str], int] = lambda address: 1,  # data-parallel ranks per prefill
+        on_health: Callable[[aiohttp.ClientSession, str, bool], Awaitable[None]] | None = None,
     ) -> None:
+        self._on_health = on_health  # what a round found of each engine (its context length)
         self._ranks_of = ranks_of
         self._settings = settings  # re-read: a reload may change them
         self._prefill = prefill
@@ -113,6 +116,8 @@ class HealthChecker:
         pool.set_healthy(state.address, healthy)
         if prefill and not healthy:
             self._identities.drop(state.address)
+        if self._on_health is not None and self._session is not None:
+            await self._on_health(self._session, state.address, healthy)
 
     async def _get_health(self, address: str) -> str | None:
         """Why a decode engine's /health is not 200, or None."""

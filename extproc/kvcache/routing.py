@@ -88,6 +88,7 @@ class KvRouting:
         self._by_group: dict[str, OffLoopTokenizer] = {}
         self._warned: set[str] = set()
         self._context: dict[str, int] = {}  # model group → the longest prompt its engines run
+        self._told: dict[str, int] = {}  # engine address → its context length, as it said
         self._wanted: dict[str, EventSource] = {}
         self._rank_of: dict[str, tuple[str, int]] = {}  # a rank's engine → (server, rank)
         self._ranks: dict[str, list[str]] = {}  # a data-parallel server → its ranks' engines
@@ -157,6 +158,23 @@ class KvRouting:
         none has said."""
         return self._context.get(group)
 
+    def engine_context(self, address: str, tokens: int | None) -> None:
+        """The engine at `address` runs prompts of up to `tokens` tokens; None: not known (it
+        did not say, or it went down or restarted and may say otherwise)."""
+        if tokens is None:
+            self._told.pop(address, None)
+        else:
+            self._told[address] = tokens
+
+    def fit_limit(self, engines: Collection[str]) -> int | None:
+        """The longest prompt, in tokens, any of `engines` runs, once every one of them has
+        said its length; None while one has not (or there are none): then no prompt is
+        known to fit none of them."""
+        told = [self._told.get(engine) for engine in engines]
+        if not told or None in told:
+            return None
+        return max(t for t in told if t is not None)
+
     @property
     def enabled(self) -> bool:
         return bool(self._by_group)
@@ -220,6 +238,7 @@ class KvRouting:
         self.routed.forget(engine)
         self.routed_bytes.forget(engine)
         self._base_of.pop(engine, None)
+        self._told.pop(engine, None)
 
     # -- subscribers ---------------------------------------------------------------------------
 

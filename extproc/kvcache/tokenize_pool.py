@@ -176,6 +176,7 @@ class OffLoopTokenizer:
         self.tokenizer = RequestTokenizer.from_path(path, chat_template)  # raises for bad files
         self.vocab_size = self.tokenizer.vocab_size
         self.longest_token = self.tokenizer.longest_token
+        self.chars_per_token = self.tokenizer.chars_per_token
         self._init = (path, chat_template, os.getpid())
         self._workers = workers
         self._max_pending = max_pending

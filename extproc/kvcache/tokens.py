@@ -25,6 +25,8 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from extproc.kvcache.token_bound import chars_per_token
+
 __all__ = ["ChatTemplateError", "RequestTokenizer", "TokenizerFilesError"]
 
 _SPECIAL_TOKEN_NAMES = (
@@ -92,6 +94,13 @@ class RequestTokenizer:
     def longest_token(self) -> int:
         """The most characters one token of the vocabulary stands for."""
         return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+    @cached_property
+    def chars_per_token(self) -> int | None:
+        """The most characters of a text one token can stand for; None where the tokenizer's
+        structure does not bound it (`extproc.kvcache.token_bound`)."""
+        config = json.loads(self._tokenizer.to_str())
+        return chars_per_token(config, self._tokenizer.get_vocab(with_added_tokens=True).keys())
 
     @property
     def has_chat_template(self) -> bool:

@@ -210,10 +210,18 @@ def without_router_xargs(parts: list[tuple[str, bytes]], xargs: Any) -> list[tup
 def splice(
     parts: Iterable[tuple[str, bytes]], drop: frozenset[str], add: Mapping[str, Any]
 ) -> bytes:
-    """Re-assemble an object: kept members verbatim, then `add` serialised by orjson."""
-    kept = [chunk for key, chunk in parts if key not in drop and key not in add]
-    kept.extend(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in add.items())
-    return b"{" + b",".join(kept) + b"}"
+    """Re-assemble an object: kept members verbatim, then `add` serialised by orjson. One
+    join, so a long prompt is copied once (each `+` of the whole would copy it again)."""
+    pieces = [b"{"]
+    for key, chunk in parts:
+        if key not in drop and key not in add:
+            pieces += (chunk, b",")
+    for key, value in add.items():
+        pieces += (orjson.dumps(key), b":", orjson.dumps(value), b",")
+    if len(pieces) > 1:
+        pieces.pop()  # the last comma
+    pieces.append(b"}")
+    return b"".join(pieces)
 
 
 def prefill_body(

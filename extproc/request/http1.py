@@ -91,13 +91,18 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
 
-    def request(self, data: bytes) -> asyncio.Future[Answer]:
+    def request(self, data: bytes, body: bytes = b"") -> asyncio.Future[Answer]:
+        """Send `data`, then `body`: apart, and the body as a view, so that a long one is
+        copied once (into the transport's buffer, for what the socket does not take at once)
+        rather than also joined to its head and sliced."""
         assert self.transport is not None
         self._answer = asyncio.get_running_loop().create_future()
         self._parser = httptools.HttpResponseParser(self)
         self._headers, self._body, self._size = {}, [], 0
         self.reusable = False
         self.transport.write(data)
+        if body:
+            self.transport.write(memoryview(body))
         return self._answer
 
     def close(self) -> None:
@@ -165,16 +170,17 @@ class Connections:
         self._busy: set[_Connection] = set()
 
     async def post(
-        self, destination: Destination, request: bytes, connect_timeout_s: float
+        self, destination: Destination, request: bytes, connect_timeout_s: float, body: bytes = b""
     ) -> Answer:
-        """Send `request` (head and body) and read its whole answer. NotConnected when no
-        connection was had; BrokenConnection when it ended without a whole answer."""
+        """Send `request` (its head, or head and body), then `body`, and read the whole
+        answer. NotConnected when no connection was had; BrokenConnection when it ended
+        without a whole answer."""
         connection = self._idle_connection(destination.key)
         if connection is None:
             connection = await self._connect(destination, connect_timeout_s)
         self._busy.add(connection)
         try:
-            answer = await connection.request(request)
+            answer = await connection.request(request, body)
         except BaseException:
             connection.close()  # mid-answer (broken, cancelled, timed out): never reused
             raise

@@ -203,11 +203,36 @@ async def request_tokens(request: ClientRequest, scheduler: Scheduler) -> list[i
         return None
     chat = request.api is Api.CHAT
     prompt = request.doc.get("prompt")
+    if not chat:
+        members = scheduler.group(request.model).members.values()
+        _check_context(prompt, tokenizer.chars_per_token, kv.fit_limit(set().union(*members)))
     if not chat and isinstance(prompt, list):  # token ids (parse_request checked them)
         _check_vocabulary(prompt, tokenizer.vocab_size)
         return list(prompt)
     raw = members_object(request.parts, chat)
     return await tokenizer.ids(chat, request.doc, raw, kv.context(group))
+
+
+def _check_context(prompt: object, chars_per_token: int | None, limit: int | None) -> None:
+    """A ClientError (400) for a prompt provably longer than `limit` tokens (the longest any
+    engine of its group runs, once all have said): a text of n characters is at least
+    n / `chars_per_token` tokens (None: the tokenizer gives no such bound), a list of ids is
+    its length. Chat is not checked: a template may leave text out."""
+    if limit is None:
+        return
+    if isinstance(prompt, list):
+        least = len(prompt)
+    elif isinstance(prompt, str) and chars_per_token is not None:
+        least = -(-len(prompt) // chars_per_token)
+    else:
+        return
+    if least > limit:
+        raise ClientError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, the prompt is "
+            f"at least {least} tokens; shorten the prompt",
+            param="prompt",
+        )
 
 
 def _check_vocabulary(ids: list[int], vocab_size: int) -> None:

@@ -286,7 +286,7 @@ class PrefillClient:
         try:
             async with asyncio.timeout(call.timeout_s):
                 answer = await connections.post(
-                    route.destination(call), request + call.body, route.connect_timeout_s
+                    route.destination(call), request, route.connect_timeout_s, call.body
                 )
         except NotConnected as error:
             raise route.not_connected(call, error.error) from None

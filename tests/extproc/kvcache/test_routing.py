@@ -604,3 +604,17 @@ def test_a_groups_context_is_the_longest_any_of_its_engines_said() -> None:
     routing.context_length("m", 2048)
     assert routing.context("m") == 8192
     assert routing.context("other") is None
+
+
+def test_a_fit_limit_is_known_once_every_engine_has_said_its_length() -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    assert routing.fit_limit([]) is None
+    routing.engine_context("p", 4096)
+    assert routing.fit_limit(["p", "d"]) is None  # d has not said
+    routing.engine_context("d", 8192)
+    assert routing.fit_limit(["p", "d"]) == 8192
+    routing.engine_context("d", None)  # went down
+    assert routing.fit_limit(["p", "d"]) is None
+    routing.engine_context("d", 2048)
+    routing.forget("p")  # left its pool
+    assert routing.fit_limit(["p", "d"]) is None and routing.fit_limit(["d"]) == 2048

@@ -344,3 +344,83 @@ async def test_a_prompt_longer_than_any_engine_of_its_group_runs_is_not_tokenize
     assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": prompt}) is None
     rt.kv.context_length("", 30)  # the longest any engine of the group runs
     assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": prompt}) == ids(prompt)
+
+
+# ---- a prompt that fits no engine ----------------------------------------------------------------
+
+BYTES = pre_tokenizers.ByteLevel.alphabet()
+
+
+@pytest.fixture
+def bpe_dir(tmp_path: Path) -> Path:
+    """A byte-level BPE whose longest token is 4 characters: a text of n characters is at
+    least n / 4 tokens."""
+    vocab = {c: i for i, c in enumerate([*BYTES, "wx", "yz", "wxyz"])}
+    tokenizer = Tokenizer(models.BPE(vocab, [("w", "x"), ("y", "z"), ("wx", "yz")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+def told(rt: Runtime, tokens: int, engines: tuple[str, ...] = (P1, P2, D1)) -> None:
+    for engine in engines:
+        rt.kv.engine_context(engine, tokens)
+
+
+async def test_a_prompt_provably_longer_than_every_engines_context_is_refused_untokenized(
+    bpe_dir: Path,
+) -> None:
+    rt = runtime(bpe_dir)
+    told(rt, 10)
+    told(rt, 12, (D1,))  # the longest any engine of the group runs
+    assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": "a" * 48}) == [BYTES.index("a")] * 48
+    with pytest.raises(ClientError) as caught:
+        await tokens_of(rt, Api.COMPLETIONS, {"prompt": "wxyz" * 12 + "a"})  # 13 tokens at least
+    assert caught.value.status == 400
+    assert orjson.loads(caught.value.body)["error"] == {
+        "message": "This model's maximum context length is 12 tokens. However, the prompt is "
+        "at least 13 tokens; shorten the prompt",
+        "type": "BadRequestError",
+        "param": "prompt",
+        "code": 400,
+    }
+
+
+async def test_nothing_is_refused_while_one_engine_of_the_group_has_not_said_its_length(
+    bpe_dir: Path,
+) -> None:
+    rt = runtime(bpe_dir)
+    told(rt, 10, (P1, D1))  # P2 has not said
+    long = "wxyz" * 30
+    assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": long}) is not None
+    told(rt, 10, (P2,))
+    with pytest.raises(ClientError):
+        await tokens_of(rt, Api.COMPLETIONS, {"prompt": long})
+    rt.kv.engine_context(P2, None)  # it went down: it may come back longer
+    assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": long}) is not None
+
+
+async def test_a_tokenizer_that_can_drop_characters_refuses_no_text(model_dir: Path) -> None:
+    """Whitespace splitting drops the spaces and a word-level model makes any unknown word one
+    token: no character count bounds the tokens. A list of ids is its own count."""
+    rt = runtime(model_dir)
+    told(rt, 3)
+    assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": "w1" + " " * 100 + "w2"}) == ids("w1 w2")
+    with pytest.raises(ClientError) as caught:
+        await tokens_of(rt, Api.COMPLETIONS, {"prompt": [1, 2, 3, 4]})
+    assert (
+        "maximum context length is 3 tokens" in orjson.loads(caught.value.body)["error"]["message"]
+    )
+    assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": [1, 2, 3]}) == [1, 2, 3]
+
+
+async def test_a_chat_is_not_refused_on_its_length(bpe_dir: Path) -> None:
+    """A template may leave text out: the messages' characters bound nothing."""
+    rt = runtime(bpe_dir)
+    told(rt, 1)
+    request = parse_request(
+        Api.CHAT,
+        orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "a" * 99}]}),
+        1 << 20,
+    )
+    assert await request_tokens(request, rt.scheduler) is None  # no template: no ids, no 400

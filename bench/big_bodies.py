@@ -1,0 +1,200 @@
+"""Small requests beside eight concurrent 10 MB prompts: their latency, and where the ext_proc's
+event loop spends its time (issue 35's check: small requests' p99 under 0.5 s).
+
+One instant vllmsim 1P1D (push); four clients send 2 KB completions in a closed loop while eight
+10 MB prompts (spaces between two words: the engines skip them at once) go through together.
+`--cprofile PATH` runs the ext_proc under cProfile (its main thread: the event loop) and
+prints the functions with the most own time.
+
+    python bench/big_bodies.py [--tokenizer] [--rounds 3] [--cprofile /tmp/extproc.prof]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import glob
+import os
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engines import INSTANT, running_engines
+from bench.procs import child_pids
+from extproc.testing import ephemeral_config, running_sidecar
+
+MB = 1_000_000
+WORDS = [f"w{i}" for i in range(400)]
+# Starts cProfile in the ext_proc's process (a `sitecustomize` on its PYTHONPATH) and writes its
+# stats when the process exits.
+_HOOK = """
+import atexit, cProfile, os
+_profile = cProfile.Profile()
+_profile.enable()
+atexit.register(lambda: (_profile.disable(), _profile.dump_stats(
+    os.environ["PD_CPROFILE"] + "." + str(os.getpid()))))
+"""
+
+
+def stall_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer knowing WORDS (as `long_prompts.py --stalls`'s)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<unk>", *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def big_body() -> bytes:
+    prompt = "w1" + " " * (10 * MB - 4) + "w2"
+    return orjson.dumps({"model": "sim-model", "prompt": prompt, "max_tokens": 1})
+
+
+def small_body() -> bytes:
+    prompt = " ".join(WORDS[i % len(WORDS)] for i in range(400))  # about 2 KB
+    return orjson.dumps({"model": "sim-model", "prompt": prompt, "max_tokens": 1})
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+    started = time.perf_counter()
+    async with session.post(
+        url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+    ) as response:
+        await response.read()
+        assert response.status < 500, response.status
+    return time.perf_counter() - started
+
+
+async def one_round(url: str) -> tuple[list[float], list[float]]:
+    """The small requests' latencies, and the big ones', for one burst of eight."""
+    big, small = big_body(), small_body()
+    smalls: list[float] = []
+    done = asyncio.Event()
+    timeout = aiohttp.ClientTimeout(total=120)
+
+    async def small_client(session: aiohttp.ClientSession) -> None:
+        while not done.is_set():
+            smalls.append(await post(session, url, small))
+
+    async with aiohttp.ClientSession(timeout=timeout) as small_session:
+        clients = [asyncio.create_task(small_client(small_session)) for _ in range(4)]
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            bigs = await asyncio.gather(*(post(session, url, big) for _ in range(8)))
+        done.set()
+        await asyncio.gather(*clients)
+    return smalls, list(bigs)
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def box_cpu_s() -> float:
+    """Every core's busy time so far (user, nice, system, irq, softirq, steal)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7))
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+async def longest_live(metrics: str, done: asyncio.Event) -> float:
+    """The longest `/live` answer (served on the ext_proc's event loop) until `done`."""
+    longest = 0.0
+    async with aiohttp.ClientSession() as session:
+        while not done.is_set():
+            started = time.perf_counter()
+            async with session.get(metrics + "/live") as response:
+                await response.read()
+            longest = max(longest, time.perf_counter() - started)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.02)
+    return longest
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+async def main(args: argparse.Namespace) -> None:
+    env: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-big-") as tmp:
+        if args.cprofile is not None:
+            (Path(tmp) / "sitecustomize.py").write_text(_HOOK)
+            env = {"PYTHONPATH": tmp, "PD_CPROFILE": str(args.cprofile)}
+        if args.baseline is not None:  # another version's `extproc` package
+            env |= {"PYTHONPATH": str(args.baseline), "PYTHONSAFEPATH": "1"}
+        if args.slow_callbacks:
+            env["PYTHONASYNCIODEBUG"] = "1"  # logs each loop step over 0.1 s
+        async with contextlib.AsyncExitStack() as stack:
+            engines = await stack.enter_async_context(
+                running_engines("push", 1, 1, "sim-model", None, INSTANT)
+            )
+            config = ephemeral_config(
+                engines.addresses("prefill"),
+                engines.addresses("decode"),
+                dispatch={"mode": "push"},
+                limits={"max_body_bytes": 16 * 1024 * 1024, "max_body_bytes_in_flight": 256 << 20},
+            )
+            if args.workers is not None:
+                config.setdefault("extproc", {})["workers"] = args.workers
+            if args.tokenizer:
+                config["tokenizer"] = str(stall_tokenizer(Path(tmp)))
+                config["prefill"]["kv_events"] = config["decode"]["kv_events"] = {}
+            sidecar = await stack.enter_async_context(
+                running_sidecar(config, log_level="WARNING", env=env)
+            )
+            await asyncio.sleep(2.0)  # the probe
+            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            envoy = child_pids(sidecar.pid)
+            for n in range(args.rounds):
+                cpu, done = cpu_s(sidecar.pid), asyncio.Event()
+                envoy_cpu, box, wall = sum(map(cpu_s, envoy)), box_cpu_s(), time.perf_counter()
+                watcher = asyncio.create_task(longest_live(sidecar.metrics, done))
+                try:
+                    smalls, bigs = await one_round(sidecar.url)
+                finally:
+                    done.set()
+                    stall = await watcher
+                print(
+                    f"round {n + 1}: {len(smalls)} small, p50 {quantile(smalls, 0.5):.3f} s, "
+                    f"p99 {quantile(smalls, 0.99):.3f} s, max {max(smalls):.3f} s; "
+                    f"8 x 10 MB in {max(bigs):.2f} s; ext_proc CPU "
+                    f"{cpu_s(sidecar.pid) - cpu:.2f} s, Envoy "
+                    f"{sum(map(cpu_s, envoy)) - envoy_cpu:.2f} s, the machine "
+                    f"{box_cpu_s() - box:.2f} s in {time.perf_counter() - wall:.2f} s; "
+                    f"longest /live {stall:.3f} s; load before {load}",
+                    flush=True,
+                )
+            if args.slow_callbacks:
+                slow = [line for line in sidecar.log_text().splitlines() if " took " in line]
+                print("\n".join(slow[-40:]))
+    if args.cprofile is not None:
+        for path in glob.glob(f"{args.cprofile}.*"):
+            print(f"-- {path}")
+            pstats.Stats(path).sort_stats("tottime").print_stats(25)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cprofile", type=Path, default=None)
+    parser.add_argument("--slow-callbacks", action="store_true")
+    parser.add_argument("--baseline", type=Path, default=None, help="a dir holding extproc/")
+    parser.add_argument("--workers", type=int, default=None, help="extproc.workers")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))
