@@ -571,6 +571,21 @@ def test_a_model_is_an_adapter_unless_an_engine_serves_it_as_its_base() -> None:
     assert routing.scope_of("m", {}) == CacheScope(adapter="m")
 
 
+def test_every_served_name_of_a_base_model_is_the_base_model() -> None:
+    """`--served-model-name m alias`: the metrics say `m`, /v1/models lists both; a request
+    for `alias` is keyed as the base model's, as vLLM keys it, and keeps its cache credit."""
+    routing = KvRouting(KvIndex(100), Metrics())
+    routing.learn_base_model(D1, "m")  # the scraper, every round
+    routing.learn_base_names(P1, ["m", "alias"])  # the probe
+    routing.learn_base_model(D1, "m")
+    assert routing.scope_of("alias", {}) == PLAIN
+    assert routing.scope_of("m", {}) == PLAIN
+    assert routing.scope_of("m-lora", {}) == CacheScope(adapter="m-lora")
+    routing.forget(P1)
+    assert routing.scope_of("alias", {}) == CacheScope(adapter="alias")
+    assert routing.scope_of("m", {}) == PLAIN
+
+
 def test_an_engine_that_leaves_or_restarts_loses_what_it_was_sent_by_bytes() -> None:
     routing = KvRouting(KvIndex(100), Metrics())
     keys = routing.routed_bytes.keys(b"z" * 512)
