@@ -118,6 +118,11 @@ class KvRouting:
                 by_group[group] = tokenizer
         self._by_group = by_group
         self._approximated = frozenset(g for g in approximate if g not in by_group)
+        kept = set(by_group.values())
+        for path, tokenizer in list(self._by_path.items()):
+            if tokenizer not in kept:  # a reload left it: its worker processes end now
+                del self._by_path[path]
+                tokenizer.close()
 
     def _load(self, path: str) -> OffLoopTokenizer | None:
         if path not in self._by_path:

@@ -206,6 +206,26 @@ def test_which_groups_route_by_what_was_sent_where(
     assert not routing.approximates("")  # its tokens and the engines' events rule
 
 
+async def test_a_reload_that_drops_a_tokenizer_ends_its_worker_processes(
+    tokenizer_dir: Path,
+) -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    cfg = parse_config(config(str(tokenizer_dir), kv_events={}))
+    routing.configure(kv_groups(cfg))
+    old = routing.tokenizer_for("")
+    assert old is not None
+    routing.start()  # the workers start
+    try:
+        routing.configure(kv_groups(cfg))  # a reload that keeps it
+        assert routing.tokenizer_for("") is old
+        assert old._all  # its workers run
+        routing.configure(kv_groups(parse_config(config(None))))  # a reload without it
+        assert routing.tokenizer_for("") is None
+        assert old._all == []  # its workers ended, not left running
+    finally:
+        await routing.stop()
+
+
 # ---- the policy --------------------------------------------------------------------------
 
 
