@@ -196,6 +196,7 @@ class Runtime:
             self.kv_compat,
             self._prefill_ranks,
             self._context_length,
+            self.kv.learn_base_names,
         )
         self.kv_check = KvCheck(
             lambda: self.config.kv_check, self.metrics, lambda a: a in self.decode.addresses

@@ -39,19 +39,26 @@ log = logging.getLogger("extproc.engines.probe")
 
 async def _served_model(
     session: aiohttp.ClientSession, address: str, timeout_s: float, headers: dict[str, str]
-) -> tuple[str, int | None]:
-    """The model the engine serves, and its context length if it says (vLLM's
-    `max_model_len`)."""
+) -> tuple[str, int | None, list[str]]:
+    """The model the engine serves, its context length if it says (vLLM's `max_model_len`),
+    and every name of its base model: vLLM lists each served name, and each LoRA adapter
+    with its base as `parent`."""
     async with session.get(
         f"http://{address}/v1/models",
         headers=headers,
         timeout=aiohttp.ClientTimeout(total=timeout_s),
     ) as response:
         response.raise_for_status()
-        served = (await response.json())["data"][0]
+        listed = (await response.json())["data"]
+        served = listed[0]
         length = served.get("max_model_len")
         known = type(length) is int and length > 0
-        return str(served["id"]), length if known else None
+        bases = [
+            str(card["id"])
+            for card in listed
+            if isinstance(card, dict) and card.get("parent") is None and "id" in card
+        ]
+        return str(served["id"]), length if known else None, bases
 
 
 def _status(error: Exception) -> int | None:
@@ -102,7 +109,9 @@ class Prober:
         compat: KvCompatibility | None = None,  # where a pair that cannot exchange KV goes
         ranks_of: Callable[[str], int] = lambda address: 1,  # its data-parallel ranks
         on_context: Callable[[str, int], None] = lambda address, tokens: None,  # its length
+        on_bases: Callable[[str, list[str]], None] = lambda address, names: None,  # base's names
     ) -> None:
+        self._on_bases = on_bases
         self._on_context = on_context
         self._ranks_of = ranks_of
         self._compat = compat or KvCompatibility()
@@ -134,8 +143,9 @@ class Prober:
         request_id = f"pd-extproc-probe-{uuid.uuid4()}"
         auth = config.engines.auth_headers
         try:
-            model, context = await _served_model(session, address, timeout_s, auth)
+            model, context, bases = await _served_model(session, address, timeout_s, auth)
             self._on_served(model)
+            self._on_bases(address, bases)
             if context is not None:
                 self._on_context(address, context)
             client_body = orjson.dumps({"model": model, "prompt": "probe", "temperature": 0})

@@ -66,6 +66,10 @@ def topic_who(topic: bytes) -> tuple[str, str] | None:
     return (who, model) if prefix == _TOPIC_PREFIX and who else None
 
 
+def _serves(fed: _Fed, model: str) -> bool:
+    return fed.source.model in ("", model)
+
+
 def _keys(address: str) -> tuple[str, str]:
     """The names a topic may give a member: its `ip:port`, its IP (no brackets for IPv6)."""
     host = address.rpartition(":")[0]
@@ -285,7 +289,8 @@ class EventListener:
             return None
         engines = self._by_who.get((who[0], rank), [])
         if len(engines) > 1:  # members of several model groups on one IP: the model says
-            engines = [e for e in engines if self._fed[e].source.model in ("", who[1])]
+            # (`set_engines` may be part way: an engine of `_by_who` already gone from `_fed`)
+            engines = [e for e in engines if (fed := self._fed.get(e)) and _serves(fed, who[1])]
         if len(engines) != 1:
             reason = "ambiguous_topic" if engines else "unknown_topic"
             self._metrics.kv_event_unattributed.labels(reason).inc()

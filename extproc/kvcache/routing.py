@@ -55,6 +55,7 @@ log = logging.getLogger("extproc")
 _FOLLOW_WAIT_S = 5.0  # the follower's wake-up when nothing changes (every wait has a timeout)
 _ROUTED_BLOCKS = 65_536  # (engine, block) entries remembered for engines without events
 _MAX_BASE_MODELS = 1024  # engines whose base model is kept: far more than any pool has
+_MAX_SERVED_NAMES = 64  # of one engine's base-model names (its --served-model-name list)
 
 
 def rank_engine(address: str, rank: int) -> str:
@@ -83,6 +84,8 @@ class KvRouting:
         self._approximated: frozenset[str] = frozenset()
         self._last_keys: tuple[Sequence[int] | None, CacheScope, list[int]] = (None, PLAIN, [])
         self._base_of: dict[str, str] = {}  # engine address → the base model it serves
+        self._names_of: dict[str, frozenset[str]] = {}  # engine address → its base's names
+        self._bases: frozenset[str] = frozenset()  # every name of a base model, for scope_of
         self._metrics = metrics
         self._by_path: dict[str, OffLoopTokenizer] = {}
         self._by_group: dict[str, OffLoopTokenizer] = {}
@@ -116,6 +119,11 @@ class KvRouting:
                 by_group[group] = tokenizer
         self._by_group = by_group
         self._approximated = frozenset(g for g in approximate if g not in by_group)
+        kept = set(by_group.values())
+        for path, tokenizer in list(self._by_path.items()):
+            if tokenizer not in kept:  # a reload left it: its worker processes end now
+                del self._by_path[path]
+                tokenizer.close()
 
     def _load(self, path: str) -> OffLoopTokenizer | None:
         if path not in self._by_path:
@@ -222,13 +230,30 @@ class KvRouting:
 
     def learn_base_model(self, address: str, model: str) -> None:
         """The engine at `address` serves `model` as its base model (not a LoRA adapter)."""
-        if address in self._base_of or len(self._base_of) < _MAX_BASE_MODELS:
+        if self._base_of.get(address) != model and self._room(self._base_of, address):
             self._base_of[address] = model
+            self._gather_bases()
+
+    def learn_base_names(self, address: str, names: Collection[str]) -> None:
+        """Every name the engine at `address` serves its base model under (its
+        `--served-model-name` list, from its /v1/models): the metrics name only the first,
+        and vLLM keys a request for any of them as the base model's."""
+        kept = frozenset(list(names)[:_MAX_SERVED_NAMES])
+        if self._names_of.get(address) != kept and self._room(self._names_of, address):
+            self._names_of[address] = kept
+            self._gather_bases()
+
+    @staticmethod
+    def _room(table: Mapping[str, object], address: str) -> bool:
+        return address in table or len(table) < _MAX_BASE_MODELS
+
+    def _gather_bases(self) -> None:
+        self._bases = frozenset(self._base_of.values()).union(*self._names_of.values())
 
     def scope_of(self, model: str, doc: Mapping[str, object]) -> CacheScope:
         """The cache scope of a request for `model` with body `doc`: keyed by its adapter
-        unless `model` is the base model of an engine."""
-        return request_scope(model, doc, self._base_of.values())
+        unless `model` is a name of an engine's base model."""
+        return request_scope(model, doc, self._bases)
 
     def _heard_from(self, address: str) -> bool:
         return any(self.index.heard_from(e) for e in self._ranks.get(address) or [address])
@@ -239,6 +264,8 @@ class KvRouting:
         self.routed_bytes.forget(engine)
         self._base_of.pop(engine, None)
         self._told.pop(engine, None)
+        self._names_of.pop(engine, None)
+        self._gather_bases()
 
     # -- subscribers ---------------------------------------------------------------------------
 

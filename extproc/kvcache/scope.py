@@ -8,7 +8,8 @@ credited only with blocks stored under its own.
 
 A request names its adapter by its `model`: vLLM serves each LoRA adapter under its own model
 name. A name is a base model only when an engine said so (the `model_name` label of its
-metrics, which vLLM sets to its base model's first served name); any other name is keyed as an
+metrics, which vLLM sets to its base model's first served name, or its /v1/models, which lists
+every served name, an adapter with its base as `parent`); any other name is keyed as an
 adapter, so that a name not yet learnt costs the request its cache credit, never gives it
 another's.
 """

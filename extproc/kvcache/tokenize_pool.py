@@ -15,8 +15,9 @@ Bounded: at most `max_pending` requests wait for or run in the workers, each for
 `timeout_s`; past either the answer is None and the caller routes without the KV index, and
 the worker of a job past its time is ended (and replaced) rather than left to run on. A prompt
 longer than the engines' context length (`KvRouting.context`) is not worth its ids: None. A
-worker that dies costs its request (None) and is replaced. `close` ends the workers, and a
-worker whose sidecar died exits on its own.
+worker that dies costs its request (None) and is replaced; workers that cannot load the
+tokenizer (its files changed since the sidecar read them) say so once and are not used.
+`close` ends the workers, and a worker whose sidecar died exits on its own.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import signal
 import threading
 from array import array
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -108,6 +109,7 @@ def token_ids(
 # -- in a worker process -----------------------------------------------------------------------
 
 _worker_tokenizer: RequestTokenizer | None = None
+_worker_error: str | None = None  # why the tokenizer could not be loaded here
 
 
 def _start_worker(path: str, chat_template: str | None, sidecar: int) -> None:
@@ -115,10 +117,13 @@ def _start_worker(path: str, chat_template: str | None, sidecar: int) -> None:
     work (ids are a routing hint: on a busy machine a request goes without them, rather than
     the loop waiting for a core); leave Ctrl-C to the sidecar, which closes the pool; exit if
     the sidecar dies without closing it (a killed sidecar)."""
-    global _worker_tokenizer
+    global _worker_tokenizer, _worker_error
     os.nice(_NICE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_tokenizer = RequestTokenizer.from_path(path, chat_template)
+    try:
+        _worker_tokenizer = RequestTokenizer.from_path(path, chat_template)
+    except Exception as error:  # its files changed since the sidecar read them: said once, by
+        _worker_error = f"{type(error).__name__}: {error}"  # `_ready`, not a dying worker each job
     threading.Thread(target=_exit_with, args=(sidecar,), daemon=True).start()
 
 
@@ -143,12 +148,15 @@ def _alive(pid: int) -> bool:
     return True  # or PermissionError: it exists
 
 
-def _ready() -> None:
-    """A no-op, for a worker to start (and load its tokenizer) before a request needs it."""
+def _ready() -> str | None:
+    """For a worker to start (and load its tokenizer) before a request needs it: why it could
+    not load it, if so."""
+    return _worker_error
 
 
 def _work(chat: bool, raw: bytes, context: int | None) -> bytes | None:
-    assert _worker_tokenizer is not None  # _start_worker ran
+    if _worker_tokenizer is None:  # not loaded (`_ready` said why)
+        return None
     try:
         ids = token_ids(_worker_tokenizer, chat, orjson.loads(raw), context)
     except Exception:  # a template can fail any way on a client's values: no ids, as inline
@@ -188,6 +196,7 @@ class OffLoopTokenizer:
         self._idle: asyncio.Queue[ProcessPoolExecutor] = asyncio.Queue()
         self._pending = 0
         self._closed = False
+        self._load_error: str | None = None  # the workers cannot load the tokenizer: why
 
     def warm(self) -> None:
         """Start the workers now, so that the first long request finds them loaded."""
@@ -201,7 +210,7 @@ class OffLoopTokenizer:
         where they cannot be had in time, or are more than `context` (`token_ids`)."""
         if len(raw) < self._inline_below:
             return _inline(self.tokenizer, chat, doc, context)
-        if self._pending >= self._max_pending:
+        if self._pending >= self._max_pending or self._load_error is not None:
             return None
         self._pending += 1
         try:
@@ -237,9 +246,23 @@ class OffLoopTokenizer:
 
     def _new_worker(self) -> ProcessPoolExecutor:
         worker = ProcessPoolExecutor(1, _CONTEXT, initializer=_start_worker, initargs=self._init)
-        worker.submit(_ready)  # start it (and load the tokenizer) now
+        worker.submit(_ready).add_done_callback(self._loaded)  # start it (and load) now
         self._all.append(worker)
         return worker
+
+    def _loaded(self, ready: Future[str | None]) -> None:
+        """A worker started (on an executor's thread: it sets a flag and logs, no more)."""
+        if ready.cancelled() or ready.exception() is not None or ready.result() is None:
+            return
+        if self._load_error is None:
+            self._load_error = ready.result()
+            log.error(
+                "tokenizer workers cannot load %s (%s): prompts of %d bytes or more route "
+                "without the KV cache until the sidecar restarts",
+                self._init[0],
+                self._load_error,
+                self._inline_below,
+            )
 
     def _end(self, worker: ProcessPoolExecutor) -> None:
         if worker in self._all:

@@ -44,4 +44,32 @@ async def test_the_context_length_is_read_where_the_engine_says_it(
     if length is not None:
         served["max_model_len"] = length
     async with aiohttp.ClientSession() as session:
-        assert await _served_model(session, address, 5.0, {}) == ("m", learned)
+        assert await _served_model(session, address, 5.0, {}) == ("m", learned, ["m"])
+
+
+async def test_every_name_of_the_base_model_is_read_and_no_adapter() -> None:
+    """vLLM's /v1/models with `--served-model-name m alias` and a LoRA adapter: the metrics
+    name only `m`, yet vLLM keys a request for `alias` as the base model's."""
+    page = {
+        "object": "list",
+        "data": [
+            {"id": "m", "object": "model", "parent": None, "max_model_len": 4096},
+            {"id": "alias", "object": "model", "parent": None},
+            {"id": "m-lora", "object": "model", "parent": "m"},
+        ],
+    }
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(page)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        address = f"127.0.0.1:{runner.addresses[0][1]}"
+        async with aiohttp.ClientSession() as session:
+            assert await _served_model(session, address, 5.0, {}) == ("m", 4096, ["m", "alias"])
+    finally:
+        await runner.cleanup()

@@ -293,3 +293,33 @@ async def test_a_relay_that_cannot_be_bound_is_one_line_and_the_listener_still_i
             await until_indexed(pub, index, MEMBER)
         finally:
             pub.close()
+
+
+async def test_a_batch_that_comes_while_engines_sharing_a_host_leave_is_dropped_not_a_failure(
+    ctx: Any, monkeypatch: Any
+) -> None:
+    """`set_engines` stops the leaving engines one by one: a batch for their host that comes
+    meanwhile names one already gone: it is attributed among those left, and the receiver
+    does not fail (a KeyError restarted it, its queued batches lost)."""
+    import extproc.kvcache.listener as listener_module
+
+    engines = {
+        "10.0.0.7:8000": Listened("10.0.0.7:8000", "a"),
+        "10.0.0.7:8001": Listened("10.0.0.7:8001", "b"),
+    }
+    async with listening(ctx, engines) as (listener, _, _):
+        seen: list[str | None] = []
+        stop = listener_module.cancel_and_wait
+
+        async def stop_then_receive(tasks: Any) -> None:
+            await stop(tasks)
+            frames = [b"kv@10.0.0.7@b", (0).to_bytes(8, "big"), batch()]
+            seen.append(listener._engine_of(frames, 0))  # as `_receive` would, meanwhile
+
+        monkeypatch.setattr(listener_module, "cancel_and_wait", stop_then_receive)
+        try:
+            await listener.set_engines({})
+        finally:
+            monkeypatch.undo()
+        # after "a" stopped, then after "b" stopped with "a" already gone: "b" both times
+        assert seen == ["10.0.0.7:8001", "10.0.0.7:8001"]

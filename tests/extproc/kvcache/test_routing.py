@@ -206,6 +206,26 @@ def test_which_groups_route_by_what_was_sent_where(
     assert not routing.approximates("")  # its tokens and the engines' events rule
 
 
+async def test_a_reload_that_drops_a_tokenizer_ends_its_worker_processes(
+    tokenizer_dir: Path,
+) -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    cfg = parse_config(config(str(tokenizer_dir), kv_events={}))
+    routing.configure(kv_groups(cfg))
+    old = routing.tokenizer_for("")
+    assert old is not None
+    routing.start()  # the workers start
+    try:
+        routing.configure(kv_groups(cfg))  # a reload that keeps it
+        assert routing.tokenizer_for("") is old
+        assert old._all  # its workers run
+        routing.configure(kv_groups(parse_config(config(None))))  # a reload without it
+        assert routing.tokenizer_for("") is None
+        assert old._all == []  # its workers ended, not left running
+    finally:
+        await routing.stop()
+
+
 # ---- the policy --------------------------------------------------------------------------
 
 
@@ -569,6 +589,21 @@ def test_a_model_is_an_adapter_unless_an_engine_serves_it_as_its_base() -> None:
     assert routing.scope_of("m", {"cache_salt": 7}) == CacheScope(salt="7")
     routing.forget(D1)  # it left its pool
     assert routing.scope_of("m", {}) == CacheScope(adapter="m")
+
+
+def test_every_served_name_of_a_base_model_is_the_base_model() -> None:
+    """`--served-model-name m alias`: the metrics say `m`, /v1/models lists both; a request
+    for `alias` is keyed as the base model's, as vLLM keys it, and keeps its cache credit."""
+    routing = KvRouting(KvIndex(100), Metrics())
+    routing.learn_base_model(D1, "m")  # the scraper, every round
+    routing.learn_base_names(P1, ["m", "alias"])  # the probe
+    routing.learn_base_model(D1, "m")
+    assert routing.scope_of("alias", {}) == PLAIN
+    assert routing.scope_of("m", {}) == PLAIN
+    assert routing.scope_of("m-lora", {}) == CacheScope(adapter="m-lora")
+    routing.forget(P1)
+    assert routing.scope_of("alias", {}) == CacheScope(adapter="alias")
+    assert routing.scope_of("m", {}) == PLAIN
 
 
 def test_an_engine_that_leaves_or_restarts_loses_what_it_was_sent_by_bytes() -> None:

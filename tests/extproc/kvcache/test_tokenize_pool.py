@@ -174,6 +174,23 @@ async def test_a_dead_worker_costs_its_request_then_new_workers_serve(
     assert pid not in await worker_pids(off)
 
 
+async def test_workers_that_cannot_load_the_tokenizer_say_so_once_and_are_not_respawned(
+    pool: Callable[..., OffLoopTokenizer], model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The folder changed after the sidecar read it (a volume swapped): each request past the
+    inline size must not fork a worker that fails again, each with a traceback."""
+    off = pool(workers=1, timeout_s=30)
+    (model_dir / "tokenizer.json").unlink()
+    off.warm()
+    started = list(off._all)  # the test looks inside: which executors run
+    for _ in range(3):
+        assert await off.ids(False, *completion(text(3000))) is None
+    assert off._all == started
+    assert caplog.text.count("tokenizer workers cannot load") == 1
+    assert "a tokenizer worker died" not in caplog.text
+    assert await off.ids(False, *completion(text(5))) == [0, 3, 4, 5, 6, 7]  # inline still
+
+
 async def test_close_ends_a_worker_in_the_middle_of_a_job(
     pool: Callable[..., OffLoopTokenizer],
 ) -> None:
