@@ -23,6 +23,7 @@ from extproc.kvcache.watchers import EventSource, KvEventWatchers
 from extproc.metrics import Metrics
 from extproc.stopping import cancel_and_wait
 from tests.extproc.kvcache.kv_events_helpers import batch, chain
+from tests.support.engines import two_free_ports
 from tests.support.polling import until_true
 
 TOKENS = list(range(1, 33))
@@ -42,7 +43,10 @@ async def listening(
     ctx: zmq.asyncio.Context, engines: dict[str, Listened], relay: str | None = None
 ) -> AsyncIterator[tuple[EventListener, KvIndex, Metrics]]:
     index, metrics = KvIndex(max_blocks=10_000), Metrics()
-    listener = EventListener("127.0.0.1", 0, index, metrics, context=ctx, relay=relay)
+    # a port whose next is free too: rank 1 listens on the port plus one (with port 0, on the
+    # ephemeral port rank 0 got plus one, which another socket may hold)
+    port = two_free_ports()
+    listener = EventListener("127.0.0.1", port, index, metrics, context=ctx, relay=relay)
     await listener.set_engines(engines)
     try:
         yield listener, index, metrics
