@@ -130,15 +130,19 @@ async def test_every_ext_proc_process_indexes_the_engines_one_of_them_listens_fo
     so both route by the same index."""
     async with connected(model_dir, workers=2) as (topo, _):
         holder = topo.prefills[0]
+        await fill(topo, holder, f"{words(0, 40)} w1")
         [worker] = topo.sidecar.worker_metrics
         prompts = iter(range(1, 1000))
 
         async def in_the_worker() -> bool:
-            # the relay is PUB/SUB: what is relayed before the worker's subscription reaches
-            # the main process is lost (ZMQ's slow joiner), so each try stores a new prompt
-            await fill(topo, holder, f"{words(0, 40)} w{next(prompts)}")
             page = await scrape(topo.session, worker + "/metrics")
-            return page.get(applied(holder), 0) > 0
+            if page.get(applied(holder), 0) > 0:
+                return True
+            # the relay is PUB/SUB: what is relayed before the worker's subscription reaches
+            # the main process is lost (ZMQ's slow joiner), so each try stores a prompt of new
+            # words (new blocks: a new batch) on the engine
+            await send(topo, holder, words(1 + 3 * next(prompts), 40))  # a new first word
+            return False
 
         await until(in_the_worker, "the worker applied the holder's batches")
         assert "cannot listen" not in topo.sidecar.log_text()
