@@ -199,10 +199,11 @@ async def small_p99_beside_eight(topo: Topology) -> float:
 async def test_eight_10MB_prompts_leave_small_requests_fast(
     topo: Topology, plain: Topology
 ) -> None:
-    """The issue's bound, 0.5 s, is over the same load without a tokenizer: eight 10 MB bodies
-    cost Envoy, the engines and the ext_proc's loop (decoding, copying into both legs) 1.7 to
-    3.7 s of the small requests' p99 on a busy 2-core machine, with or without a tokenizer;
-    tokenizing on the loop had them wait for minutes. Twice that, for its own noise."""
+    """The 0.5 s bound is over the same load without a tokenizer: eight 10 MB bodies cost
+    Envoy, the engines and the ext_proc's loop (gRPC, decoding, copying into both legs) about
+    1 to 1.7 s of the small requests' p99 on a busy 2-core machine, with or without a
+    tokenizer (bench/results/big-bodies.md); tokenizing on the loop had them wait for minutes.
+    Twice that, for its own noise."""
     without = await small_p99_beside_eight(plain)
     p99 = await small_p99_beside_eight(topo)
     assert p99 < 2 * without + SMALL_P99_S, (p99, without)
