@@ -21,6 +21,7 @@ from extproc.request.prompt_size import TOKENIZED, prompt_bytes
 
 if TYPE_CHECKING:
     from extproc.kvcache.routing import KvRouting
+    from extproc.kvcache.scope import CacheScope
 
 __all__ = ["approximate"]
 
@@ -32,18 +33,18 @@ def approximate(
     request: ClientRequest,
     wanted: PickRequest,
     kv: KvRouting,
-    group: str,
     bytes_per_token: float,
-) -> tuple[PickRequest, list[int]] | None:
+    scope: CacheScope | None = None,
+) -> tuple[PickRequest, list[int]]:
     """`wanted` with the prompt's estimated tokens and, per engine, those it was sent, and
-    the prompt's block keys (for `KvRouting.remember_bytes` once routed); None where the
-    group is not routed so."""
-    if not kv.approximates(group):
-        return None
+    the prompt's block keys (for `KvRouting.remember_bytes` once routed), for a request of a
+    group that `kv` approximates; `scope`: the request's, if already known."""
     parts = dict(request.parts)
     prompt = parts.get(_PROMPT[request.api], b"")
     ahead = b"".join(k.encode() + b"=" + parts[k] + b"\n" for k in _AHEAD if k in parts)
-    keys = kv.routed_bytes.keys(prompt, kv.scope_of(request.model, request.doc), ahead)
+    if scope is None:
+        scope = kv.scope_of(request.model, request.doc)
+    keys = kv.routed_bytes.keys(prompt, scope, ahead)
     counted = TOKENIZED[request.api]
     size = sum(len(raw) for key, raw in request.parts if key in counted)
     held = kv.routed_bytes.held(keys) if keys else {}

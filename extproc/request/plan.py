@@ -46,6 +46,7 @@ from extproc.scheduling.scheduler import DecodeAlone, WithPrefill
 if TYPE_CHECKING:
     from extproc.config import Config
     from extproc.kvcache.routing import KvRouting
+    from extproc.kvcache.scope import CacheScope
     from extproc.scheduling.pool import Counted
     from extproc.scheduling.scheduler import Scheduler
     from extproc.scheduling.subset_hint import Subset
@@ -170,6 +171,7 @@ def pick_request(
     priority: int = 0,
     tokens: list[int] | None = None,
     kv: KvRouting | None = None,
+    scope: CacheScope | None = None,
 ) -> PickRequest:
     """What the policies and the decision see of the request; with its `tokens`, what each
     engine holds of them in the request's cache scope (its LoRA adapter and cache salt: it is
@@ -178,6 +180,8 @@ def pick_request(
     prefix = prompt[:_PREFIX_BYTES]
     if tokens is None or kv is None:
         return PickRequest(request.model, session, prefix, prompt_bytes(request), priority)
+    if scope is None:
+        scope = kv.scope_of(request.model, request.doc)
     return PickRequest(
         request.model,
         session,
@@ -185,7 +189,7 @@ def pick_request(
         prompt_bytes(request, TOKENIZED[request.api]),  # what the tokenizer did not count
         priority,
         len(tokens),
-        (cached := kv.lookup(tokens, kv.scope_of(request.model, request.doc))).by_endpoint,
+        (cached := kv.lookup(tokens, scope)).by_endpoint,
         cached.by_rank,
     )
 
@@ -263,22 +267,25 @@ def plan_request(
     answer. Raises what the scheduler raises (Shed, NoHealthy*), ClientError for an
     oversized body."""
     priority = request_priority(headers, config.admission, scheduler.count_invalid_priority)
-    wanted = pick_request(
-        request, headers.get(config.dispatch.session_header), priority, tokens, scheduler.kv
+    kv, sent, scope = scheduler.kv, None, None
+    approximated = (
+        kv is not None and tokens is None and kv.approximates(scheduler.group(request.model).name)
     )
-    kv, sent = scheduler.kv, None
-    if tokens is None and kv is not None:  # not tokenized: what was sent where, if so routed
-        group = scheduler.group(request.model).name
-        sent = approximate(request, wanted, kv, group, config.decision.bytes_per_token)
-        wanted = wanted if sent is None else sent[0]
+    if kv is not None and (tokens is not None or approximated):  # looked up: in its scope, once
+        scope = kv.scope_of(request.model, request.doc)
+    session = headers.get(config.dispatch.session_header)
+    wanted = pick_request(request, session, priority, tokens, kv, scope)
+    if approximated and kv is not None:  # not tokenized: what was sent where
+        sent = approximate(request, wanted, kv, config.decision.bytes_per_token, scope)
+        wanted = sent[0]
     picked = scheduler.pick(wanted, inflight, config, subset, fallbacks)
-    if kv is not None and (tokens is not None or sent is not None):  # where its blocks went
+    if kv is not None and scope is not None:  # looked up: where its blocks went
         engines = [picked.prefill] if isinstance(picked, WithPrefill) else []
         engines.append(picked.decodes[0])
         if sent is not None:
             kv.remember_bytes(engines, sent[1])
         else:
-            kv.remember(engines, tokens or [], kv.scope_of(request.model, request.doc))
+            kv.remember(engines, tokens or [], scope)
     request_id = str(uuid.uuid4())
     if isinstance(picked, DecodeAlone):
         d_body = decode_body(request.parts, None)  # the client's own, minus fields: it fits

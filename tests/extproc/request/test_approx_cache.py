@@ -148,6 +148,6 @@ def test_a_chats_next_turn_is_credited_with_all_but_the_last_block_of_the_turn_b
 
 
 def approximated(rt: Runtime, request: ClientRequest, wanted: Any) -> dict[str, int]:
-    found = approximate(request, wanted, rt.kv, "", rt.config.decision.bytes_per_token)
+    found = approximate(request, wanted, rt.kv, rt.config.decision.bytes_per_token)
     assert found is not None
     return dict(found[0].cached or {})
