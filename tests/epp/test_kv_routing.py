@@ -9,7 +9,7 @@ from pathlib import Path
 from extproc.request.parse import Api
 from extproc.testing import scrape
 from tests.support.engines import free_port
-from tests.support.epp import epp_topology
+from tests.support.epp import GatewayTopology, epp_topology
 from tests.support.gateway import Variant
 from tests.support.kv_routing import (
     completion_body,
@@ -63,12 +63,7 @@ async def test_a_prompt_cached_on_one_prefill_goes_there_through_the_picker(
 
         status, text, _ = await topo.post("/v1/completions", body)
         assert status == 200, text
-        got = [
-            address(p)
-            for p in topo.prefills
-            if any("marker-e" in json.dumps(r["body"]) for r in await topo.seen(p))
-        ]
-        assert got == [address(holder)]
+        assert await prefills_that_saw(topo, "marker-e") == [address(holder)]
 
 
 async def test_engines_that_connect_with_llm_ds_topic_are_indexed_through_the_picker(
@@ -125,9 +120,13 @@ async def test_engines_that_connect_with_llm_ds_topic_are_indexed_through_the_pi
 
         status, text, _ = await topo.post("/v1/completions", body)
         assert status == 200, text
-        got = [
-            address(p)
-            for p in topo.prefills
-            if any("marker-l" in json.dumps(r["body"]) for r in await topo.seen(p))
-        ]
-        assert got == [address(holder)]
+        assert await prefills_that_saw(topo, "marker-l") == [address(holder)]
+
+
+async def prefills_that_saw(topo: GatewayTopology, marker: str) -> list[str]:
+    """The prefill engines a request whose body holds `marker` reached."""
+    return [
+        address(p)
+        for p in topo.prefills
+        if any(marker in json.dumps(r["body"]) for r in await topo.seen(p))
+    ]
