@@ -280,6 +280,9 @@ class KvListenerConfig(_Strict):
     # port (listen) and passes what it receives on at `relay`, which the others read.
     listen: bool = True
     relay: str | None = None
+    # A batch counts only if its connection comes from the IP its topic names; false where
+    # the engines reach the sidecar through a proxy or NAT that hides their address.
+    check_sender: bool = True
 
     @field_validator("host")
     @classmethod

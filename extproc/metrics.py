@@ -333,7 +333,8 @@ class Metrics:
             "pd_extproc_kv_event_unattributed",
             "Messages on the socket engines connect to (kv_listener) dropped unread, by why: "
             "unknown_topic (naming no pool member followed there), ambiguous_topic (naming "
-            "several), malformed (not a topic, a sequence number and a batch).",
+            "several), wrong_sender (from an IP other than the member's it names), malformed "
+            "(not a topic, a sequence number and a batch).",
             ["reason"],
             registry=r,
         )

@@ -168,6 +168,7 @@ class Runtime:
             self.metrics,
             listen=listening.listen,
             relay=listening.relay,
+            check_sender=listening.check_sender,
         )
         self.kv = KvRouting(
             index, self.metrics, KvEventWatchers(index, self.metrics, listener=listener)

@@ -8,7 +8,8 @@ llm-d's guides give every engine the topic `kv@<pod IP>@<model>`. So the listene
 topic names a pool member (by its IP, or its `ip:port` where engines share a host) as that
 rank's. Anything else (a topic naming no member followed here, a message of the wrong shape) is
 counted and dropped before it is decoded: a publisher that can reach the port cannot put an
-engine of its own in the index.
+engine of its own in the index. Nor, with `check_sender` (the default), speak for a member: a
+batch counts only if its connection comes from the IP its topic names (ZMQ's Peer-Address).
 
 Only one process can bind a port: where the sidecar runs several ext_proc processes
 (`extproc.workers`), the main one binds and relays every batch it attributed, with its rank, over
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,6 +68,19 @@ def topic_who(topic: bytes) -> tuple[str, str] | None:
     return (who, model) if prefix == _TOPIC_PREFIX and who else None
 
 
+def _same_ip(peer: str, address: str) -> bool:
+    """Whether a connection from `peer` (ZMQ's Peer-Address) comes from the member at
+    `address` (`ip:port`); an IPv4 peer seen on an IPv6 socket counts as itself."""
+    try:
+        ip = ipaddress.ip_address(peer)
+        member = ipaddress.ip_address(_keys(address)[1])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped == member
+    return ip == member
+
+
 def _serves(fed: _Fed, model: str) -> bool:
     return fed.source.model in ("", model)
 
@@ -105,11 +120,14 @@ class EventListener:
         context: zmq.asyncio.Context | None = None,
         listen: bool = True,
         relay: str | None = None,
+        check_sender: bool = True,
     ) -> None:
         """`listen`: bind the engines' ports (else read what another process relays);
         `relay`: where the process that binds them passes on what it attributed, for the
-        other ext_proc processes of the sidecar to read."""
+        other ext_proc processes of the sidecar to read; `check_sender`: take a batch only
+        from a connection whose IP is the member's its topic names."""
         self.host = host
+        self._check_sender = check_sender
         self.port = port
         self._listen = listen
         self._relay_endpoint = relay
@@ -258,12 +276,15 @@ class EventListener:
         while True:
             if not await sock.poll(timeout=int(self._limits.poll_s * 1000)):
                 continue
-            frames = await sock.recv_multipart()
-            if rank is None:
+            if rank is None:  # the relay: the listening process checked its senders
+                frames, peer = await sock.recv_multipart(), None
                 frames_rank = int.from_bytes(frames.pop(0), "big") if len(frames) == 4 else 0
             else:
+                frames, peer = await self._recv_with_peer(sock)
                 frames_rank = rank
             engine = self._engine_of(frames, frames_rank)
+            if engine is not None and peer is not None and not self._sent_by(engine, peer):
+                engine = None
             fed = None if engine is None else self._fed.get(engine)
             if fed is None:
                 await self._dropped.spend(sum(len(frame) for frame in frames))
@@ -276,6 +297,21 @@ class EventListener:
                         [frames_rank.to_bytes(2, "big"), *frames], flags=zmq.NOBLOCK
                     )
             await asyncio.sleep(0)  # a flood still lets the request path run
+
+    async def _recv_with_peer(self, sock: zmq.asyncio.Socket) -> tuple[list[bytes], str | None]:
+        """A message and the IP of the connection it came on (None unless checked)."""
+        if not self._check_sender:
+            return await sock.recv_multipart(), None
+        parts = await sock.recv_multipart(copy=False)
+        return [part.bytes for part in parts], parts[0].get("Peer-Address")
+
+    def _sent_by(self, engine: str, peer: str) -> bool:
+        """Whether `peer` is the IP of the engine the topic named (counted if not)."""
+        fed = self._fed.get(engine)
+        if fed is None or _same_ip(peer, fed.source.address):
+            return True
+        self._metrics.kv_event_unattributed.labels("wrong_sender").inc()
+        return False
 
     def _engine_of(self, frames: list[bytes], rank: int) -> str | None:
         """The engine a message came from, or None (counted): a topic that names no engine

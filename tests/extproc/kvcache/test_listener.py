@@ -24,10 +24,10 @@ from extproc.metrics import Metrics
 from extproc.stopping import cancel_and_wait
 from tests.extproc.kvcache.kv_events_helpers import batch, chain
 from tests.support.engines import two_free_ports
-from tests.support.polling import until_true
+from tests.support.polling import until, until_true
 
 TOKENS = list(range(1, 33))
-MEMBER = "10.0.0.7:8000"
+MEMBER = "127.0.0.7:8000"
 STALL_BOUND_S = 0.25
 
 
@@ -55,12 +55,25 @@ async def listening(
 
 
 class Publisher:
-    """A vLLM publisher whose endpoint names a host: its PUB socket connects, with a topic."""
+    """A vLLM publisher whose endpoint names a host: its PUB socket connects, with a topic,
+    from the loopback address `source` (by default the IP the topic names, as an engine
+    would)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, topic: str, seq: int = 0):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        topic: str,
+        seq: int = 0,
+        source: str | None = None,
+    ):
+        named = topic_who(topic.encode())
+        if source is None:
+            ip = named[0].split(":")[0] if named else ""
+            source = ip if ip.startswith("127.") else "127.0.0.1"
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.connect(endpoint)
+        self.pub.connect(f"tcp://{source}:0;{endpoint.removeprefix('tcp://')}")
         self.topic = topic.encode()
         self.seq = seq
 
@@ -94,21 +107,21 @@ async def until_indexed(pub: Publisher, index: KvIndex, engine: str, blocks: int
 
 
 def test_topics_name_who_and_model() -> None:
-    assert topic_who(b"kv@10.0.0.7@meta-llama/Llama-3.1-8B") == (
-        "10.0.0.7",
+    assert topic_who(b"kv@127.0.0.7@meta-llama/Llama-3.1-8B") == (
+        "127.0.0.7",
         "meta-llama/Llama-3.1-8B",
     )
     assert topic_who(b"kv@fd00::1@m") == ("fd00::1", "m")
-    for other in (b"", b"kv", b"kv@@m", b"ev@10.0.0.7@m", b"kv@\xff@m", b"kv@" + b"1" * 600):
+    for other in (b"", b"kv", b"kv@@m", b"ev@127.0.0.7@m", b"kv@\xff@m", b"kv@" + b"1" * 600):
         assert topic_who(other) is None
 
 
 async def test_an_engine_that_connects_is_indexed_under_the_member_its_topic_names(
     ctx: Any,
 ) -> None:
-    engines = {MEMBER: Listened(MEMBER), "10.0.0.8:8000": Listened("10.0.0.8:8000")}
+    engines = {MEMBER: Listened(MEMBER), "127.0.0.8:8000": Listened("127.0.0.8:8000")}
     async with listening(ctx, engines) as (listener, index, metrics):
-        pub = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@some-model", seq=40)
+        pub = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@some-model", seq=40)
         try:
             await until_indexed(pub, index, MEMBER)
             assert held(index) == {MEMBER: 4}
@@ -124,15 +137,15 @@ async def test_an_engine_that_connects_is_indexed_under_the_member_its_topic_nam
 
 async def test_engines_sharing_a_host_are_told_apart_by_address_and_model(ctx: Any) -> None:
     engines = {
-        "10.0.0.7:8000": Listened("10.0.0.7:8000", "a"),
-        "10.0.0.7:8001": Listened("10.0.0.7:8001", "b"),
+        "127.0.0.7:8000": Listened("127.0.0.7:8000", "a"),
+        "127.0.0.7:8001": Listened("127.0.0.7:8001", "b"),
     }
     async with listening(ctx, engines) as (listener, index, _):
-        by_address = Publisher(ctx, listener.bound[0], "kv@10.0.0.7:8001@whatever")
-        by_model = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@a")
+        by_address = Publisher(ctx, listener.bound[0], "kv@127.0.0.7:8001@whatever")
+        by_model = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@a")
         try:
-            await until_indexed(by_address, index, "10.0.0.7:8001")
-            await until_indexed(by_model, index, "10.0.0.7:8000")
+            await until_indexed(by_address, index, "127.0.0.7:8001")
+            await until_indexed(by_model, index, "127.0.0.7:8000")
         finally:
             by_address.close()
             by_model.close()
@@ -143,7 +156,7 @@ async def test_a_data_parallel_rank_connects_to_the_port_plus_its_rank(ctx: Any)
     async with listening(ctx, engines) as (listener, index, _):
         base = int(listener.bound[0].rpartition(":")[2])
         assert listener.bound[1].endswith(f":{base + 1}")
-        pub = Publisher(ctx, listener.bound[1], "kv@10.0.0.7@m")
+        pub = Publisher(ctx, listener.bound[1], "kv@127.0.0.7@m")
         try:
             await until_indexed(pub, index, f"{MEMBER} dp1")
             assert held(index) == {f"{MEMBER} dp1": 4}
@@ -209,6 +222,38 @@ async def test_a_hostile_publisher_indexes_nothing_is_counted_and_does_not_stall
             hostile.close()
 
 
+async def test_a_batch_under_a_members_topic_counts_only_from_that_members_ip(
+    ctx: Any,
+) -> None:
+    async with listening(ctx, {MEMBER: Listened(MEMBER)}) as (listener, index, metrics):
+        impostor = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m", source="127.0.0.1")
+        engine = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m")
+        try:
+
+            async def dropped() -> bool:  # sent until one arrives (the slow joiner)
+                await impostor.send(batch(chain(500, TOKENS[:8])))
+                return count(metrics.kv_event_unattributed, "wrong_sender") >= 1
+
+            await until(dropped, "the impostor's batch dropped")
+            assert held(index, TOKENS[:8]) == {}
+            await until_indexed(engine, index, MEMBER)  # the member itself still counts
+        finally:
+            impostor.close()
+            engine.close()
+
+
+async def test_without_the_sender_check_a_batch_is_taken_by_its_topic_alone(ctx: Any) -> None:
+    index, metrics = KvIndex(max_blocks=10_000), Metrics()
+    listener = EventListener("127.0.0.1", 0, index, metrics, context=ctx, check_sender=False)
+    await listener.set_engines({MEMBER: Listened(MEMBER)})
+    behind_a_proxy = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m", source="127.0.0.1")
+    try:
+        await until_indexed(behind_a_proxy, index, MEMBER)
+    finally:
+        behind_a_proxy.close()
+        await listener.stop()
+
+
 async def test_a_process_that_does_not_listen_reads_what_the_listening_one_relays(
     ctx: Any, tmp_path: Any
 ) -> None:
@@ -222,7 +267,7 @@ async def test_a_process_that_does_not_listen_reads_what_the_listening_one_relay
     try:
         async with listening(ctx, engines, relay=relay) as (listener, _, _):
             assert reader.bound == {}
-            pub = Publisher(ctx, listener.bound[1], "kv@10.0.0.7@m")
+            pub = Publisher(ctx, listener.bound[1], "kv@127.0.0.7@m")
             hostile = Publisher(ctx, listener.bound[1], "kv@10.6.6.6@m")
             try:
                 await hostile.send(batch(chain(500, TOKENS[:8])))
@@ -241,13 +286,13 @@ async def test_watchers_hand_connecting_engines_to_the_listener_and_drop_those_t
     index, metrics = KvIndex(max_blocks=10_000), Metrics()
     listener = EventListener("127.0.0.1", 0, index, metrics, context=ctx)
     watchers = KvEventWatchers(index, metrics, context=ctx, listener=listener)
-    other = "10.0.0.8:8000"
+    other = "127.0.0.8:8000"
     try:
         await watchers.set_sources(
             {MEMBER: EventSource("", address=MEMBER), other: EventSource("", address=other)}
         )
         assert sorted(index.engines()) == sorted([MEMBER, other])
-        pub = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@m")
+        pub = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m")
         try:
             await until_indexed(pub, index, MEMBER)
             await watchers.set_sources({other: EventSource("", address=other)})  # it left
@@ -277,7 +322,7 @@ async def test_a_receiver_that_fails_is_restarted_and_counted(
             return attribute(frames, rank)
 
         monkeypatch.setattr(listener, "_engine_of", failing_once)
-        pub = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@m")
+        pub = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m")
         try:
             await until_indexed(pub, index, MEMBER)
         finally:
@@ -292,7 +337,7 @@ async def test_a_relay_that_cannot_be_bound_is_one_line_and_the_listener_still_i
     relay = f"ipc://{tmp_path / 'gone' / 'relay'}"
     async with listening(ctx, {MEMBER: Listened(MEMBER)}, relay=relay) as (listener, index, _):
         assert "cannot relay to the other ext_proc processes" in caplog.text
-        pub = Publisher(ctx, listener.bound[0], "kv@10.0.0.7@m")
+        pub = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m")
         try:
             await until_indexed(pub, index, MEMBER)
         finally:
@@ -308,8 +353,8 @@ async def test_a_batch_that_comes_while_engines_sharing_a_host_leave_is_dropped_
     import extproc.kvcache.listener as listener_module
 
     engines = {
-        "10.0.0.7:8000": Listened("10.0.0.7:8000", "a"),
-        "10.0.0.7:8001": Listened("10.0.0.7:8001", "b"),
+        "127.0.0.7:8000": Listened("127.0.0.7:8000", "a"),
+        "127.0.0.7:8001": Listened("127.0.0.7:8001", "b"),
     }
     async with listening(ctx, engines) as (listener, _, _):
         seen: list[str | None] = []
@@ -317,7 +362,7 @@ async def test_a_batch_that_comes_while_engines_sharing_a_host_leave_is_dropped_
 
         async def stop_then_receive(tasks: Any) -> None:
             await stop(tasks)
-            frames = [b"kv@10.0.0.7@b", (0).to_bytes(8, "big"), batch()]
+            frames = [b"kv@127.0.0.7@b", (0).to_bytes(8, "big"), batch()]
             seen.append(listener._engine_of(frames, 0))  # as `_receive` would, meanwhile
 
         monkeypatch.setattr(listener_module, "cancel_and_wait", stop_then_receive)
@@ -326,4 +371,4 @@ async def test_a_batch_that_comes_while_engines_sharing_a_host_leave_is_dropped_
         finally:
             monkeypatch.undo()
         # after "a" stopped, then after "b" stopped with "a" already gone: "b" both times
-        assert seen == ["10.0.0.7:8001", "10.0.0.7:8001"]
+        assert seen == ["127.0.0.7:8001", "127.0.0.7:8001"]
