@@ -303,7 +303,7 @@ class EventListener:
         if not self._check_sender:
             return await sock.recv_multipart(), None
         parts = await sock.recv_multipart(copy=False)
-        return [part.bytes for part in parts], parts[0].get("Peer-Address")
+        return [part.bytes for part in parts], str(parts[0].get("Peer-Address"))
 
     def _sent_by(self, engine: str, peer: str) -> bool:
         """Whether `peer` is the IP of the engine the topic named (counted if not)."""
