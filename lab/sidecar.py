@@ -48,7 +48,13 @@ from extproc.errors import PrefillTimeout, RequestEnded
 from extproc.headers import RANK_HEADER
 from extproc.kvcache.events import MalformedBatch, decode_batch
 from extproc.kvcache.index import KvIndex
-from extproc.kvcache.routing import KvRouting, event_sources, kv_groups, rank_engine
+from extproc.kvcache.routing import (
+    KvRouting,
+    approximated_groups,
+    event_sources,
+    kv_groups,
+    rank_engine,
+)
 from extproc.metrics import Metrics
 from extproc.policies import POLICIES
 from extproc.protocol.bodies import prefill_kv_params
@@ -237,7 +243,7 @@ class Sidecar:
             Role.DECODE, config.static_addresses(Role.DECODE), pool_picker(config.decode)
         )
         self.kv = KvRouting(KvIndex(config.kv_index.max_blocks), self.metrics)
-        self.kv.configure(kv_groups(config))
+        self.kv.configure(kv_groups(config), approximated_groups(config))
         self.scheduler = RecordingScheduler(
             config, self.prefill, self.decode, self.metrics, self.kv
         )

@@ -103,6 +103,22 @@ def test_the_configs_decision_sends_follow_up_turns_decode_only(tmp_path: Path) 
     assert aware["ok"] == never["ok"] == 24
 
 
+def test_without_events_or_a_tokenizer_the_sidecar_routes_by_what_it_sent(tmp_path: Path) -> None:
+    """kv_cache's approximate mode: with neither KV events nor a tokenizer, what the sidecar
+    sent where credits D with a group's system prompt, and the decision lets D prefill the
+    rest alone (before the lab configured approximated groups, the sidecar knew nothing)."""
+    approximate = """
+decision: {mode: load_aware}
+prefill: {policy: kv_cache, endpoints: [127.0.0.1:8100]}
+decode: {policy: kv_cache, endpoints: [127.0.0.1:8200]}
+"""
+    blind = _run(tmp_path, ROUND_ROBIN + "decision: {mode: load_aware}\n", "blind")
+    sent = _run(tmp_path, approximate, "approximate")
+    assert sent["kv_index"] == [{"engines_heard_from": [], "blocks": 0}]  # no events read
+    assert sent["decode_only_share"] > blind["decode_only_share"] + 0.3
+    assert sent["ttft_ms"]["p50"] < blind["ttft_ms"]["p50"]
+
+
 @pytest.mark.parametrize(
     ("dispatch", "strategies"),
     [
