@@ -82,9 +82,9 @@ class Cell:
 
 
 def _requests(cell: Cell) -> int:
-    """Enough for a p99 to mean something: 8 x C, at least 128 (multi-turn: whole
+    """Enough for a p99 to mean something: 8 x C, at least 256 (multi-turn: whole
     conversations of 6 turns)."""
-    count = max(128, 8 * int(cell.load))
+    count = max(256, 8 * int(cell.load))
     return count - count % 6 if cell.workload == "multi-turn" else count
 
 
@@ -108,6 +108,22 @@ def run_cell(cell: Cell, config: str, seed: int) -> dict[str, Any]:
             workers=cell.workers,
         )
         return run_config(path, workload, settings)
+
+
+def mean_of_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One figure per percentile: the mean over the seeds' runs (a closed loop's phase moves
+    with a single request decided otherwise, so one seed's p50 can move a few percent)."""
+
+    def mean(key: str, q: str) -> float | None:
+        values = [run[key][q] for run in runs]
+        return None if None in values else sum(values) / len(values)
+
+    return {
+        "ttft_ms": {q: mean("ttft_ms", q) for q in ("p50", "p90", "p99")},
+        "tpot_ms": {q: mean("tpot_ms", q) for q in ("p50", "p99")},
+        "failed": sum(run["failed"] for run in runs),
+        "decode_only_share": sum(run["decode_only_share"] for run in runs) / len(runs),
+    }
 
 
 def _ratio(summary: dict[str, Any], base: dict[str, Any], key: str, q: str) -> float | None:
@@ -174,7 +190,7 @@ def main() -> None:
     parser.add_argument("--per-prefill", type=_csv(float), default="1,4,16")
     parser.add_argument("--workers", type=_csv(int), default="1,4")
     parser.add_argument("--configs", type=_csv(str), default=",".join(CONFIGS))
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", type=_csv(int), default="1,2,3", help="figures: their mean")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write every summary here")
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
@@ -184,20 +200,25 @@ def main() -> None:
     cells = _cells(args)
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = {
-            (cell, config): pool.submit(run_cell, cell, config, args.seed)
+            (cell, config): [pool.submit(run_cell, cell, config, seed) for seed in args.seeds]
             for cell in cells
             for config in configs
         }
-        results: dict[Cell, dict[str, dict[str, Any]]] = {}
-        for (cell, config), future in futures.items():
-            results.setdefault(cell, {})[config] = future.result()
+        runs: dict[Cell, dict[str, list[dict[str, Any]]]] = {}
+        for (cell, config), by_seed in futures.items():
+            runs.setdefault(cell, {})[config] = [future.result() for future in by_seed]
             print(f"{cell.label} {config}: done", file=sys.stderr, flush=True)
+    results = {
+        cell: {config: mean_of_seeds(seeds) for config, seeds in by_config.items()}
+        for cell, by_config in runs.items()
+    }
     lines = [
         "# Routing candidates against round robin on the lab's matrix",
         "",
         f"`python {' '.join(['bench/lab_matrix.py', *sys.argv[1:]])}`, profile "
-        f"`{DEFAULT_PROFILE}`, seed {args.seed}, virtual time ({time.monotonic() - started:.0f} s "
-        f"of wall time, load average {load[0]:.1f} at the start). Each candidate's figure over "
+        f"`{DEFAULT_PROFILE}`, the mean of seeds {args.seeds}, virtual time "
+        f"({time.monotonic() - started:.0f} s of wall time, load average {load[0]:.1f} at "
+        "the start). Each candidate's figure over "
         f"round robin's in the same cell; bold: over {MISS_OVER} or past the aim.",
         "",
         *table(results, configs[1:]),
@@ -206,9 +227,10 @@ def main() -> None:
     print("\n".join(lines))
     if args.json:
         flat = [
-            {"cell": cell.label, "config": name, **summary}
-            for cell, by_config in results.items()
-            for name, summary in by_config.items()
+            {"cell": cell.label, "config": name, "seed": seed, **summary}
+            for cell, by_config in runs.items()
+            for name, by_seed in by_config.items()
+            for seed, summary in zip(args.seeds, by_seed, strict=True)
         ]
         args.json.write_text(json.dumps(flat, indent=1))
     if args.write:
