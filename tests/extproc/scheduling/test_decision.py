@@ -86,6 +86,10 @@ class Load:
     queued_tokens: int = 0
     pending_tokens: int = 0
     foreign: float = 0.0
+    peer_in_flight: int = 0
+    peer_pending_tokens: int = 0
+    peer_queued_tokens: int = 0
+    peer_alone_tokens: int = 0
 
 
 def test_the_stall_bucket_empties_and_counts_decisions() -> None:
