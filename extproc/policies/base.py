@@ -85,6 +85,12 @@ class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def in_flight(endpoint: EndpointView) -> int:
+    """The requests this sidecar has in flight at `endpoint`: this process's and those of its
+    other ext_proc processes (`extproc.scheduling.shared_load`)."""
+    return endpoint.in_flight + endpoint.peer_in_flight
+
+
 def hrw_order(key: bytes, candidates: Sequence[E]) -> list[E]:
     """Rendezvous (highest random weight) order of the candidates for `key`.
 
