@@ -16,18 +16,21 @@ default). Figures: TTFT p50 / p99 in simulated ms.
     python bench/lab_workers.py                      # the table on stdout
     python bench/lab_workers.py --write FILE         # and as markdown in FILE
     python bench/lab_workers.py --spreads 1x1,1x2    # R = 2 replicas of one process
+    python bench/lab_workers.py --warm               # without the cold start's first wave
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from lab.engines import parse_topology
-from lab.run import Settings, run_config
+from lab.run import Settings, percentile, run_config
 from lab.workloads import generate
 from vllmsim.profiles import PROFILES
 
@@ -51,6 +54,21 @@ def _config(folder: Path, name: str, shared: bool) -> Path:
     return path
 
 
+def _warm(
+    summary: dict[str, Any], folder: Path, name: str, workload: str, concurrency: int
+) -> dict[str, Any]:
+    """`summary` with TTFT p50 and p99 of the requests after the cold start's first wave:
+    shared-prefix's first C requests, multi-turn's first turns."""
+    rows = [json.loads(line) for line in (folder / f"{name}.requests.jsonl").open()]
+    if workload == "multi-turn":
+        kept = [r["ttft_ms"] for r in rows if r["turn"] >= 1 and r["ttft_ms"] is not None]
+    else:
+        kept = [
+            r["ttft_ms"] for r in rows if r["chain"] >= concurrency and r["ttft_ms"] is not None
+        ]
+    return summary | {"ttft_ms": {"p50": percentile(kept, 50), "p99": percentile(kept, 99)}}
+
+
 def run_cell(
     folder: Path,
     topology: str,
@@ -58,6 +76,7 @@ def run_cell(
     concurrency: int,
     spread: tuple[int, int],
     seed: int = 1,
+    warm: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Each configuration's summary on one cell, `spread` = (W, R): `rr`, and `kvla` and
     `approx` each with its own view (`-own`, extproc.share_load off) and the shared one."""
@@ -71,12 +90,15 @@ def run_cell(
         replicas=spread[1],
         prefill_kv_blocks=1280,
         turn_waves=workload == "multi-turn",
+        per_request=folder / "requests" if warm else None,
     )
-    found = {"rr": run_config(_config(folder, "rr", True), load, settings)}
-    for name in ("kvla", "approx"):
-        for shared in (False, True):
-            path = _config(folder, name, shared)
-            found[path.stem] = run_config(path, load, settings)
+    found = {}
+    for name, shared in [("rr", True), *itertools.product(("kvla", "approx"), (False, True))]:
+        path = _config(folder, name, shared)
+        summary = run_config(path, load, settings)
+        if warm:
+            summary = _warm(summary, folder / "requests", path.stem, workload, concurrency)
+        found[path.stem] = summary
     return found
 
 
@@ -98,6 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default="shared-prefix,multi-turn")
     parser.add_argument("--concurrency", default="4,16,64")
     parser.add_argument("--spreads", default="1x1,2x1,4x1", help="W x R cells, e.g. 1x2")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--warm", action="store_true", help="TTFT after the first wave of a cold cluster"
+    )
     args = parser.parse_args(argv)
     spreads = [tuple(int(n) for n in s.split("x")) for s in args.spreads.split(",")]
     lines = [HEADER, "|" + "---|" * 10]
@@ -106,7 +132,10 @@ def main(argv: list[str] | None = None) -> None:
             for workload in args.workloads.split(","):
                 for c in (int(c) for c in args.concurrency.split(",")):
                     for workers, replicas in spreads:
-                        cell = run_cell(Path(folder), topology, workload, c, (workers, replicas))
+                        spread = (workers, replicas)
+                        cell = run_cell(
+                            Path(folder), topology, workload, c, spread, args.seed, args.warm
+                        )
                         figures = " | ".join(
                             _ms(cell[k]) for k in ("rr", "kvla-own", "kvla", "approx-own", "approx")
                         )
