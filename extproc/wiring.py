@@ -19,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
-from extproc.config import Config
+from extproc.config import Config, ConfigError
 from extproc.engines.base_models import BaseModels
 from extproc.engines.context import ContextLengths, served_context
 from extproc.engines.health import HealthChecker
@@ -139,7 +139,14 @@ def _shared_load(config: Config) -> SharedLoad | None:
     table = config.extproc.load_table
     if table is None or not config.extproc.share_load:
         return None
-    return SharedLoad.open(Path(table.path), table.rows, table.row, time.monotonic)
+    try:
+        return SharedLoad.open(Path(table.path), table.rows, table.row, time.monotonic)
+    except (OSError, ValueError) as error:
+        reason = error.strerror if isinstance(error, OSError) else str(error)
+        raise ConfigError(
+            f"extproc.load_table: cannot map {table.path} ({reason}); `up` sets it for its "
+            "ext_proc processes: leave it out of your config"
+        ) from None
 
 
 class Runtime:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from extproc.config import Config, parse_config
+from extproc.config import Config, ConfigError, parse_config
 from extproc.protocol.identity import PrefillIdentity
 from extproc.roles import Role
 from extproc.scheduling.shared_load import SharedLoad
@@ -102,3 +102,14 @@ async def test_a_process_given_the_load_table_counts_the_other_rows_and_beats(
     await runtime.shared_load.stop()
     off = MINIMAL | {"extproc": {"load_table": table, "share_load": False}}
     assert Runtime(parse_config(off), "unix:/x").shared_load is None
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_a_load_table_that_cannot_be_mapped_is_one_line(tmp_path: Path, rows: int) -> None:
+    """No file, or one too small for its rows: said in one line, not a traceback."""
+    path = tmp_path / "load.table"
+    if rows == 3:
+        SharedLoad.create(path, 2, time.monotonic)
+    table = {"path": str(path), "rows": rows, "row": 1}
+    with pytest.raises(ConfigError, match=r"^extproc.load_table: cannot map .*leave it out"):
+        Runtime(parse_config(MINIMAL | {"extproc": {"load_table": table}}), "unix:/x")
