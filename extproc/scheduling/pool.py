@@ -4,7 +4,9 @@ The choice itself is a policy (`extproc.policies`) over the healthy endpoints; i
 are kept here and taken/released in one context manager so that no error path leaks a count.
 An endpoint with data-parallel ranks (one vLLM server, N engines) also gets a rank per counted
 request: the least loaded one, as vLLM's own balancer scores them (the greater of our in-flight
-count there and the engine's scraped waiting + running), ties taken in turn.
+count there and the engine's scraped waiting + running), ties taken in turn. With other
+ext_proc processes of the same sidecar (`up`'s workers), every count is published to the
+table they share and theirs are read before each pick (`extproc.scheduling.shared_load`).
 """
 
 from __future__ import annotations

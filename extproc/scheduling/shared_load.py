@@ -16,11 +16,12 @@ the endpoint's role and address, found by linear probing from the key. Values ar
 8-byte words, each written in one store; a reader may see one count of a change before the
 next (an estimate, as the scraped load is).
 
-A process that dies leaves its row: its heartbeat then ages, and a row whose heartbeat is
-older than `STALE_S` counts for nothing. A process that starts (a restarted worker takes its
-predecessor's row) clears its row first. Memory is fixed: rows × (1 + 4 × SLOTS) words. An
-endpoint that finds no free slot (more than SLOTS in one row's history) has the row rebuilt
-with the endpoints counted now; past SLOTS live endpoints, the others are not shared.
+A process that dies leaves its row: its heartbeat (refreshed every `BEAT_S` by a task, and at
+each change) then ages, and a row whose heartbeat is older than `STALE_S` counts for nothing.
+A process that starts (a restarted worker takes its predecessor's row) clears its row first.
+Memory is fixed: rows × (1 + 6 × SLOTS) words (48 KiB a row). An endpoint that finds no free
+slot (more than SLOTS in one row's history) has the row rebuilt with the endpoints counted
+now; past SLOTS live endpoints, the others are not shared.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class SharedLoad:
                 return  # the row is full of live endpoints: this one is not shared
         words = self._words
         words[slot + 1], words[slot + 2], words[slot + 3] = in_flight, pending_tokens, queued_tokens
+        self.beat()  # alive, whether or not its heartbeat's task runs yet
 
     def publish_alone(self, role: Role, address: str, tokens: int, due: float) -> None:
         """The prompts this process sent the engine to prefill alone: `tokens` of them, the
@@ -140,6 +142,7 @@ class SharedLoad:
                 return
         self._words[slot + 5] = int(due * 1e9)
         self._words[slot + 4] = tokens
+        self.beat()
 
     def _claim(self, key: int) -> int | None:
         slot = self._free_slot(key)
