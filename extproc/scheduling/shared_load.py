@@ -87,6 +87,7 @@ class SharedLoad:
             raise ValueError(f"the shared load table holds fewer than {rows} rows")
         self.rows, self.row = rows, row
         self._clock = clock
+        self._keys: dict[tuple[Role, str], int] = {}  # endpoint → its key, hashed once
         self._own: dict[int, int] = {}  # key → its slot's first word in this row
         self._found: dict[tuple[int, int], int] = {}  # (row, key) → a slot seen holding key
         self._task: asyncio.Task[None] | None = None
@@ -108,6 +109,14 @@ class SharedLoad:
             mapped = mmap.mmap(file.fileno(), table_bytes(rows))
         return cls(mapped, rows, row, clock)
 
+    def _key(self, role: Role, address: str) -> int:
+        key = self._keys.get((role, address))
+        if key is None:
+            if len(self._keys) >= 2 * SLOTS:
+                self._keys.clear()  # bounded: endpoints that left are hashed again if back
+            key = self._keys[(role, address)] = _key(role, address)
+        return key
+
     # -- this process's row ----------------------------------------------------------------
 
     def beat(self) -> None:
@@ -117,7 +126,7 @@ class SharedLoad:
         self, role: Role, address: str, in_flight: int, pending_tokens: int, queued_tokens: int
     ) -> None:
         """This process's counts at the endpoint, now."""
-        key = _key(role, address)
+        key = self._key(role, address)
         slot = self._own.get(key)
         if slot is None:
             if not (in_flight or pending_tokens or queued_tokens):
@@ -132,7 +141,7 @@ class SharedLoad:
     def publish_alone(self, role: Role, address: str, tokens: int, due: float) -> None:
         """The prompts this process sent the engine to prefill alone: `tokens` of them, the
         last due (prefilled, as the decision expects) at `due` on the clock."""
-        key = _key(role, address)
+        key = self._key(role, address)
         slot = self._own.get(key)
         if slot is None:
             if not tokens:
@@ -189,7 +198,7 @@ class SharedLoad:
         """The sum of the other live processes' counts at the endpoint."""
         if self.rows == 1:
             return _NONE
-        key, words = _key(role, address), self._words
+        key, words = self._key(role, address), self._words
         now = int(self._clock() * 1e9)
         oldest = now - int(STALE_S * 1e9)
         in_flight = pending = queued = alone = 0
