@@ -426,6 +426,14 @@ class IngressListenConfig(ListenConfig):
     port: int = Field(default=8000, ge=0, lt=65536)
 
 
+class LoadTableConfig(_Strict):
+    """Where the ext_proc processes of one `up` share their load counts (set by `up`)."""
+
+    path: str
+    rows: int = Field(ge=1, le=64)
+    row: int = Field(ge=0, lt=64)
+
+
 class ExtProcListenConfig(ListenConfig):
     # Each section's default port is its field's default, so that setting only its host (or
     # tls) keeps the documented port instead of the base class's 0 (an ephemeral port).
@@ -436,6 +444,12 @@ class ExtProcListenConfig(ListenConfig):
     # threads, at least 1. The extra ones listen on Unix sockets too, each with its own share of
     # the in-flight limits; the metrics port shows them all (docs/benchmarks.md, sizing).
     workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"  # 64: MAX_WORKERS
+    # With several workers: each counts every process's requests in flight and their pending
+    # and queued tokens at each engine (a table in `up`'s run directory), so that they pick
+    # as one process would; false: each sees only its own.
+    share_load: bool = True
+    # Set by `up` for its ext_proc processes, not by hand: the shared table and this one's row.
+    load_table: LoadTableConfig | None = None
     # serve, epp: the pools' EDS and the access-log service on a listener of their own
     # (loopback or unix:/path: it has no authentication), off the ext_proc's port, which may
     # then face other hosts. None: serve has them on the ext_proc's port, epp has none (a

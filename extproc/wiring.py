@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import aiohttp
 
-from extproc.config import Config
+from extproc.config import Config, ConfigError
 from extproc.engines.base_models import BaseModels
 from extproc.engines.context import ContextLengths, served_context
 from extproc.engines.health import HealthChecker
@@ -53,6 +55,7 @@ from extproc.request.strategies import LegServices
 from extproc.roles import Role
 from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import Scheduler, pool_picker
+from extproc.scheduling.shared_load import SharedLoad
 from extproc.tracing import Tracing
 
 __all__ = ["RELOAD", "Runtime"]
@@ -131,6 +134,21 @@ def _endpoint_view(state: EndpointState) -> dict[str, object]:
     }
 
 
+def _shared_load(config: Config) -> SharedLoad | None:
+    """This process's row of the table `up`'s ext_procs share (None: not one of several)."""
+    table = config.extproc.load_table
+    if table is None or not config.extproc.share_load:
+        return None
+    try:
+        return SharedLoad.open(Path(table.path), table.rows, table.row, time.monotonic)
+    except (OSError, ValueError) as error:
+        reason = error.strerror if isinstance(error, OSError) else str(error)
+        raise ConfigError(
+            f"extproc.load_table: cannot map {table.path} ({reason}); `up` sets it for its "
+            "ext_proc processes: leave it out of your config"
+        ) from None
+
+
 class Runtime:
     def __init__(
         self, config: Config, prefill_listener: str, endpoint_picker: bool = False
@@ -158,6 +176,10 @@ class Runtime:
             pool_picker(config.decode),
             on_change=self._endpoint_changed(Role.DECODE),
         )
+        # with other ext_proc processes (`up`'s workers): one view of the engines' load
+        self.shared_load = _shared_load(config)
+        for pool in (self.prefill, self.decode):
+            pool.share(self.shared_load)
         # KV-cache routing: an index of what the engines hold, fed by their KV events
         index = KvIndex(config.kv_index.max_blocks)
         listening = config.kv_listener
@@ -414,6 +436,8 @@ class Runtime:
         """Health checks, identity probes, KV checks, discovery; once Envoy is serving."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
+        if self.shared_load is not None:
+            self.shared_load.start()
         self.kv.start()
         self._follow_kv_events()
         self.discovery.start()
@@ -436,6 +460,8 @@ class Runtime:
 
     async def stop(self) -> None:
         await self.discovery.stop()
+        if self.shared_load is not None:
+            await self.shared_load.stop()
         await self.kv.stop()
         await self.scraper.stop()
         await self.health.stop()

@@ -45,11 +45,14 @@ class RecordingScheduler(Scheduler):
         subset: Subset | None = None,
         fallbacks: int = 1,
     ) -> Picked:
+        for pool in (self.prefill, self.decode):
+            for state in pool:
+                state.refresh_peers()  # the sidecar's view: every process's counts
         views = {
             state.address: {
-                "in_flight": state.in_flight,
-                "pending_tokens": state.pending_tokens,
-                "queued_tokens": state.queued_tokens,
+                "in_flight": state.in_flight + state.peer_in_flight,
+                "pending_tokens": state.pending_tokens + state.peer_pending_tokens,
+                "queued_tokens": state.queued_tokens + state.peer_queued_tokens,
                 "foreign": state.foreign,
                 "index_cached": (wanted.cached or {}).get(state.address, 0),
             }

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from extproc.config import Config, DispatchMode
 from extproc.kvcache.routing import rank_engine
 from extproc.process.workers import limits_share
+from extproc.scheduling.shared_load import SharedLoad, table_bytes
 from lab.clock import run_virtual
 from lab.configs import lab_config, placeholder_tokenizer
 from lab.diagnostics import write_requests
@@ -202,15 +203,22 @@ async def session(path: Path, tokenizer: Path, settings: Settings) -> AsyncItera
 
 def _replicas(config: Config, cluster: Cluster, settings: Settings) -> list[list[Sidecar]]:
     """Each replica's ext_proc processes, each with its own state; a replica's processes
-    share its admission limits out as `extproc.workers` does (`limits_share`)."""
-    share = limits_share(config, settings.workers)
-    return [
-        [
-            Sidecar(share, cluster, settings.costs, settings.seed, r * settings.workers + w)
-            for w in range(settings.workers)
+    share its admission limits out as `extproc.workers` does (`limits_share`) and, unless
+    `extproc.share_load` is off, count each other's load through one table, as `up`'s do."""
+    share, workers = limits_share(config, settings.workers), settings.workers
+    replicas = []
+    for r in range(settings.replicas):
+        sidecars = [
+            Sidecar(share, cluster, settings.costs, settings.seed, r * workers + w)
+            for w in range(workers)
         ]
-        for r in range(settings.replicas)
-    ]
+        if workers > 1 and config.extproc.share_load:  # `up`'s table, in this process
+            table = bytearray(table_bytes(workers))
+            clock = asyncio.get_running_loop().time
+            for w, sidecar in enumerate(sidecars):
+                sidecar.share_load(SharedLoad(table, workers, w, clock))
+        replicas.append(sidecars)
+    return replicas
 
 
 def _router(replicas: list[list[Sidecar]]) -> Callable[[], Sidecar]:

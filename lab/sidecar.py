@@ -73,6 +73,7 @@ from extproc.roles import Role
 from extproc.scheduling.decision import Decision
 from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import Scheduler, pool_picker
+from extproc.scheduling.shared_load import SharedLoad
 from extproc.tracing import RequestTrace
 from lab.diagnostics import RecordingDecider, RecordingScheduler, request_detail
 from lab.engines import MODEL, Cluster, Served, SimEngine
@@ -269,6 +270,13 @@ class Sidecar:
         self._base_models = BaseModels(self.kv.learn_base_model)
         self.active_streams = 0  # requests this process is handling (Envoy balances on it)
         self._tasks: list[asyncio.Task[None]] = []
+        self.shared_load: SharedLoad | None = None  # with the replica's other processes
+
+    def share_load(self, table: SharedLoad) -> None:
+        """Count the load of the replica's other processes too (`extproc.share_load`)."""
+        self.shared_load = table
+        self.prefill.share(table)
+        self.decode.share(table)
 
     def _follow_kv_events(self) -> None:
         members = {name: g.members for name, g in self.scheduler.groups.items()}
@@ -319,6 +327,8 @@ class Sidecar:
 
     async def start(self) -> None:
         """Learn each prefill's identity (the probe), then keep the load numbers fresh."""
+        if self.shared_load is not None:
+            self.shared_load.start()
         by_interval: dict[float, list[SimEngine]] = {}
         for address, interval in self.scrape_intervals().items():
             by_interval.setdefault(interval, []).append(self.cluster.by_address[address])
@@ -350,6 +360,8 @@ class Sidecar:
         self.identities.learn(engine.address, identity, rank)
 
     async def stop(self) -> None:
+        if self.shared_load is not None:
+            await self.shared_load.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

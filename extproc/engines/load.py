@@ -81,4 +81,7 @@ class EngineLoad:
             }
             if state.scraped_ranks != ranks:
                 self._ranks_changed(address)
-            state.foreign = max(0.0, state.running + state.waiting - state.in_flight)
+            # what the engine has beyond this sidecar's processes' requests (ours and peers')
+            state.refresh_peers()
+            ours = state.in_flight + state.peer_in_flight
+            state.foreign = max(0.0, state.running + state.waiting - ours)

@@ -59,6 +59,15 @@ class EndpointView(Protocol):
     def kv_usage(self) -> float: ...  # the engine's KV cache fill (0-1) at the last scrape
     @property
     def foreign(self) -> float: ...  # running + waiting beyond ours, at the last scrape
+    # the sidecar's other ext_proc processes' counts there (0 with one process)
+    @property
+    def peer_in_flight(self) -> int: ...
+    @property
+    def peer_pending_tokens(self) -> int: ...
+    @property
+    def peer_queued_tokens(self) -> int: ...
+    @property
+    def peer_alone_tokens(self) -> int: ...  # decode: prompts they sent it to prefill alone
 
 
 E = TypeVar("E", bound=EndpointView)
@@ -74,6 +83,12 @@ class NoOptions(BaseModel):
     """The options of a policy that has none."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def in_flight(endpoint: EndpointView) -> int:
+    """The requests this sidecar has in flight at `endpoint`: this process's and those of its
+    other ext_proc processes (`extproc.scheduling.shared_load`)."""
+    return endpoint.in_flight + endpoint.peer_in_flight
 
 
 def hrw_order(key: bytes, candidates: Sequence[E]) -> list[E]:

@@ -59,8 +59,10 @@ class KvCacheOptions(BaseModel):
 
 
 def work_ahead(endpoint: EndpointView, request_tokens: int) -> float:
-    """The work queued at `endpoint` ahead of a new request, in prompt tokens."""
-    return endpoint.pending_tokens + (endpoint.in_flight + endpoint.foreign) * request_tokens
+    """The work queued at `endpoint` ahead of a new request, in prompt tokens: this sidecar's
+    (every ext_proc process's) and, per request, other routers'."""
+    requests = endpoint.in_flight + endpoint.peer_in_flight + endpoint.foreign
+    return endpoint.pending_tokens + endpoint.peer_pending_tokens + requests * request_tokens
 
 
 class KvCachePicker:

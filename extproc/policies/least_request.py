@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from extproc.policies.base import E, NoOptions, PickRequest
+from extproc.policies.base import E, NoOptions, PickRequest, in_flight
 
 __all__ = ["LeastRequestPicker"]
 
@@ -17,6 +17,6 @@ class LeastRequestPicker:
         self._counter = itertools.count()
 
     def pick(self, candidates: Sequence[E], request: PickRequest) -> E:
-        least = min(c.in_flight for c in candidates)
-        tied = [c for c in candidates if c.in_flight == least]
+        least = min(in_flight(c) for c in candidates)
+        tied = [c for c in candidates if in_flight(c) == least]
         return tied[next(self._counter) % len(tied)]

@@ -12,13 +12,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from extproc.policies.base import E, EndpointView, NoOptions, PickRequest
+from extproc.policies.base import E, EndpointView, NoOptions, PickRequest, in_flight
 
 __all__ = ["LeastTokensPicker"]
 
 
 def _load(endpoint: EndpointView) -> tuple[int, int]:
-    return endpoint.queued_tokens, endpoint.in_flight
+    return endpoint.queued_tokens + endpoint.peer_queued_tokens, in_flight(endpoint)
 
 
 class LeastTokensPicker:

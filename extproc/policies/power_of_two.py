@@ -13,7 +13,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from extproc.durations import INTERVAL
-from extproc.policies.base import E, EndpointView, PickRequest
+from extproc.policies.base import E, EndpointView, PickRequest, in_flight
 
 __all__ = ["PowerOfTwoOptions", "PowerOfTwoPicker", "load_score"]
 
@@ -33,7 +33,8 @@ def load_score(state: EndpointView, kv_usage_weight: float) -> float:
 
     score = in_flight + waiting + kv_usage_weight × kv_usage
 
-    - `in_flight`: requests this sidecar has there now (exact, instantaneous).
+    - `in_flight`: requests this sidecar has there now (exact, instantaneous; every ext_proc
+      process's).
     - `waiting`: the engine's `vllm:num_requests_waiting` at the last scrape; it also counts
       requests other routers sent, and requests stuck behind a full KV cache.
     - `kv_usage`: `vllm:kv_cache_usage_perc` (0-1) at the last scrape: a nearly full cache
@@ -44,7 +45,7 @@ def load_score(state: EndpointView, kv_usage_weight: float) -> float:
     makes a queueing engine look busier, which is the direction we want. Engines that do not
     export the metrics keep waiting = kv_usage = 0, and the score is the in-flight count.
     """
-    return state.in_flight + state.waiting + kv_usage_weight * state.kv_usage
+    return in_flight(state) + state.waiting + kv_usage_weight * state.kv_usage
 
 
 class PowerOfTwoPicker:

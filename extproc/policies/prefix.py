@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from extproc.policies.base import E, PickRequest, hrw_order
+from extproc.policies.base import E, PickRequest, hrw_order, in_flight
 from extproc.policies.least_request import LeastRequestPicker
 
 __all__ = ["PrefixOptions", "PrefixPicker"]
@@ -48,6 +48,6 @@ class PrefixPicker:
         if not request.prefix:
             return self._fallback.pick(candidates, request)
         order = hrw_order(request.prefix[: self._prefix_bytes], candidates)
-        total = sum(c.in_flight for c in candidates)
+        total = sum(in_flight(c) for c in candidates)
         bound = math.ceil((1 + self._load_slack) * (total + 1) / len(candidates))
-        return next((c for c in order if c.in_flight + 1 <= bound), order[0])
+        return next((c for c in order if in_flight(c) + 1 <= bound), order[0])

@@ -26,7 +26,14 @@ from extproc.config import Config
 from extproc.process.cpus import available_cpus, worker_count, workers_above_cpus
 from extproc.process.envoy_process import EnvoyProcess
 from extproc.process.extproc_service import ExtProcService
-from extproc.process.workers import WorkerProcesses, kv_relay, limits_share
+from extproc.process.workers import (
+    WorkerProcesses,
+    kv_relay,
+    limits_share,
+    load_table,
+    share_load,
+)
+from extproc.scheduling.shared_load import table_bytes
 
 __all__ = ["Sidecar", "SidecarAddresses"]
 
@@ -82,6 +89,9 @@ class Sidecar:
         self.prefill_listener = (
             config.envoy.prefill_listener or f"unix:{self.run_dir / 'prefill.sock'}"
         )
+        if self.processes > 1 and config.extproc.share_load:  # zeroed: every row empty
+            table = load_table(self.run_dir)
+            table.write_bytes(bytes(table_bytes(self.processes)))
         self.extproc = ExtProcService(
             self._share(config),
             self.prefill_listener,
@@ -155,7 +165,7 @@ class Sidecar:
     def _share(self, config: Config) -> Config:
         """This process's part of the limits the sidecar's processes share; with others,
         it relays the KV events engines send it to them."""
-        shared = limits_share(config, self.processes)
+        shared = share_load(limits_share(config, self.processes), self.processes, 0, self.run_dir)
         if self.processes <= 1:
             return shared
         relay = config.kv_listener.model_copy(update={"relay": kv_relay(self.run_dir)})

@@ -24,10 +24,10 @@ from typing import Any
 import orjson
 import yaml
 
-from extproc.config import AdmissionLimits, Config
+from extproc.config import AdmissionLimits, Config, LoadTableConfig
 from extproc.process.subprocesses import terminate
 
-__all__ = ["WorkerProcesses", "kv_relay", "limits_share"]
+__all__ = ["WorkerProcesses", "kv_relay", "limits_share", "load_table", "share_load"]
 
 
 def limits_share(config: Config, processes: int) -> Config:
@@ -53,6 +53,22 @@ def limits_share(config: Config, processes: int) -> Config:
     )
 
 
+def load_table(run_dir: Path) -> Path:
+    """Where the ext_procs share their load counts (`extproc.scheduling.shared_load`)."""
+    return run_dir / "load.table"
+
+
+def share_load(config: Config, processes: int, row: int, run_dir: Path) -> Config:
+    """`config` for the ext_proc of `row` among `processes` that count each other's load
+    (`extproc.share_load`); unchanged for one process or with sharing off."""
+    if processes <= 1 or not config.extproc.share_load:
+        return config
+    table = LoadTableConfig(path=str(load_table(run_dir)), rows=processes, row=row)
+    return config.model_copy(
+        update={"extproc": config.extproc.model_copy(update={"load_table": table})}
+    )
+
+
 def kv_relay(run_dir: Path) -> str:
     """Where the main ext_proc passes on the KV events engines send it, for the others."""
     return f"ipc://{run_dir / 'kv-events.relay'}"
@@ -63,7 +79,8 @@ def _worker_config(
 ) -> dict[str, Any]:
     """`private`: the run directory whose Unix sockets `up`'s ext_procs listen on;
     `processes`: how many share the limits, this one too."""
-    data = limits_share(config, processes).model_dump(mode="json", exclude_none=True)
+    shared = share_load(limits_share(config, processes), processes, index, run_dir)
+    data = shared.model_dump(mode="json", exclude_none=True)
     extproc = data["extproc"]
     if extproc["host"].startswith("unix:"):
         extproc["host"] = f"{extproc['host']}.{index}"

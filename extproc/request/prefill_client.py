@@ -341,8 +341,10 @@ class TrackedPrefillSender:
         state = self._state(call.endpoint)
         if state is not None:
             state.queued_tokens += tokens
+            state.publish()
         try:
             return await self._inner.send(call)
         finally:
             if state is not None:
                 state.queued_tokens -= tokens
+                state.publish()

@@ -171,14 +171,14 @@ class Decider:
         tokens = prompt_tokens + estimate_tokens(prompt_bytes, cfg.bytes_per_token)
         # Ours exactly (this request not counted), plus what others sent as of the last scrape:
         # the scrape alone is up to an interval old, and a request ends in less.
-        running_d = max(0.0, d.in_flight - 1 + d.foreign)
+        running_d = max(0.0, d.in_flight + d.peer_in_flight - 1 + d.foreign)
         state = self._decode_state(decode, cfg, running_d, now)
         sides = Sides(
             running_d,
             d.waiting,
             d.kv_usage,
-            sum(t for _, t in state.pending),
-            p.queued_tokens,
+            sum(t for _, t in state.pending) + d.peer_alone_tokens,
+            p.queued_tokens + p.peer_queued_tokens,
             p.foreign,
         )
         decision = decide(cfg, tokens, sides, state.credit_ms, d_cached, p_cached)
@@ -206,6 +206,14 @@ class Decider:
         state.updated = now
         state.pending = [(t, n) for t, n in state.pending if t > now]
         return state
+
+    def alone(self, decode: str) -> tuple[int, float]:
+        """The prompts this decider sent `decode` to prefill alone that may not be prefilled
+        yet: their tokens, and when the last of them is due (the decider's clock)."""
+        state = self._decodes.get(decode)
+        if state is None or not state.pending:
+            return 0, 0.0
+        return sum(t for _, t in state.pending), max(t for t, _ in state.pending)
 
     def forget(self, address: str) -> None:
         """The endpoint left its pool."""

@@ -4,7 +4,9 @@ The choice itself is a policy (`extproc.policies`) over the healthy endpoints; i
 are kept here and taken/released in one context manager so that no error path leaks a count.
 An endpoint with data-parallel ranks (one vLLM server, N engines) also gets a rank per counted
 request: the least loaded one, as vLLM's own balancer scores them (the greater of our in-flight
-count there and the engine's scraped waiting + running), ties taken in turn.
+count there and the engine's scraped waiting + running), ties taken in turn. With other
+ext_proc processes of the same sidecar (`up`'s workers), every count is published to the
+table they share and theirs are read before each pick (`extproc.scheduling.shared_load`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 from extproc.policies.base import Picker, PickRequest
 from extproc.roles import Role
+from extproc.scheduling.shared_load import SharedLoad
 
 __all__ = ["Counted", "EndpointState", "Pool"]
 
@@ -40,6 +43,36 @@ class EndpointState:
     rank_in_flight: dict[int, int] = field(default_factory=dict)
     rank_load: dict[int, float] = field(default_factory=dict)
     next_rank: int = 0  # where the next rank choice starts looking: ties go in turn
+    # the sidecar's other ext_proc processes' in_flight, pending_tokens and queued_tokens here
+    # (`extproc.scheduling.shared_load`), as of this endpoint's last pick or scrape
+    peer_in_flight: int = 0
+    peer_pending_tokens: int = 0
+    peer_queued_tokens: int = 0
+    peer_alone_tokens: int = 0  # decode: prompts they sent it to prefill alone, not yet due
+    role: Role | None = None  # its pool's, which keys it in the shared table
+    shared: SharedLoad | None = field(default=None, repr=False)  # None: one process alone
+
+    def publish(self) -> None:
+        """This process's counts here, for the others (a change of any of them)."""
+        if self.shared is not None and self.role is not None:
+            self.shared.publish(
+                self.role, self.address, self.in_flight, self.pending_tokens, self.queued_tokens
+            )
+
+    def publish_alone(self, tokens: int, due: float) -> None:
+        """Prompts this process sent here to prefill alone (the decision's), the last due at
+        `due` (the decider's clock)."""
+        if self.shared is not None and self.role is not None:
+            self.shared.publish_alone(self.role, self.address, tokens, due)
+
+    def refresh_peers(self) -> None:
+        """The others' counts here, now."""
+        if self.shared is not None and self.role is not None:
+            peers = self.shared.peers(self.role, self.address)
+            self.peer_in_flight = peers.in_flight
+            self.peer_pending_tokens = peers.pending_tokens
+            self.peer_queued_tokens = peers.queued_tokens
+            self.peer_alone_tokens = peers.alone_tokens
 
     @property
     def scraped_ranks(self) -> int:
@@ -73,8 +106,9 @@ class Pool:
         on_change: Callable[[EndpointState], None] = lambda state: None,
     ) -> None:
         self.role = role
-        self._endpoints = {a: EndpointState(a) for a in addresses}
+        self._endpoints = {a: EndpointState(a, role=role) for a in addresses}
         self._policy = policy
+        self._shared: SharedLoad | None = None
         self._on_change = on_change
         # an endpoint's data-parallel ranks (1: none, no rank is chosen); set by the scheduler
         self.ranks_of: Callable[[str], int] = lambda address: 1
@@ -91,9 +125,18 @@ class Pool:
         for address in removed:
             del self._endpoints[address]
         for address in added:
-            self._endpoints[address] = EndpointState(address, healthy=False)
+            self._endpoints[address] = EndpointState(
+                address, healthy=False, role=self.role, shared=self._shared
+            )
             self._on_change(self._endpoints[address])
         return added, removed
+
+    def share(self, table: SharedLoad | None) -> None:
+        """Count every endpoint with the sidecar's other ext_proc processes, through `table`
+        (None: this process alone)."""
+        self._shared = table
+        for state in self._endpoints.values():
+            state.shared = table
 
     def set_policy(self, policy: Picker) -> None:
         self._policy = policy
@@ -120,6 +163,9 @@ class Pool:
             for e in self._endpoints.values()
             if e.healthy and (among is None or e.address in among)
         ]
+        if self._shared is not None:
+            for state in healthy:
+                state.refresh_peers()
         return (policy or self._policy).pick(healthy, request) if healthy else None
 
     def pick_with_fallback(
@@ -202,6 +248,7 @@ class Pool:
         state = counted.state
         state.in_flight += change
         state.pending_tokens += change * counted.tokens
+        state.publish()
         if counted.rank is not None:
             state.rank_in_flight[counted.rank] = state.rank_in_flight.get(counted.rank, 0) + change
 

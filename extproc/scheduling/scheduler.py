@@ -229,6 +229,7 @@ class Scheduler:
                     cached.get(decode.address, 0),
                     cached.get(prefill.address, 0),
                 )
+                decode.publish_alone(*self.decider.alone(decode.address))  # for the others
                 if decision.decode_only:
                     self._count_cached(wanted, Role.DECODE, decodes[0])
                     return DecodeAlone(decodes, counted, decision.reason)

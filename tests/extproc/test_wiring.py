@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 from pydantic import BaseModel
 
-from extproc.config import Config, parse_config
+from extproc.config import Config, ConfigError, parse_config
 from extproc.protocol.identity import PrefillIdentity
+from extproc.roles import Role
+from extproc.scheduling.shared_load import SharedLoad
 from extproc.wiring import RELOAD, Runtime
 
 P = "127.0.0.1:8100"
@@ -78,3 +83,33 @@ def test_a_prefills_context_length_goes_to_its_model_group() -> None:
     runtime._context_length("127.0.0.1:8101", 4096)
     assert runtime.kv.context("big") == 32768
     assert runtime.kv.context("") == 4096  # the top-level pools' group
+
+
+async def test_a_process_given_the_load_table_counts_the_other_rows_and_beats(
+    tmp_path: Path,
+) -> None:
+    """As `up` starts a worker: the main process made the table (row 0); the runtime of the
+    config that names row 1 reads row 0's counts at its picks and keeps its heartbeat."""
+    path = tmp_path / "load.table"
+    main = SharedLoad.create(path, 2, time.monotonic)
+    table = {"path": str(path), "rows": 2, "row": 1}
+    runtime = Runtime(parse_config(MINIMAL | {"extproc": {"load_table": table}}), "unix:/x")
+    main.publish(Role.PREFILL, P, 3, 120, 0)
+    state = runtime.prefill.pick()
+    assert state is not None and (state.peer_in_flight, state.peer_pending_tokens) == (3, 120)
+    assert runtime.shared_load is not None
+    runtime.shared_load.start()
+    await runtime.shared_load.stop()
+    off = MINIMAL | {"extproc": {"load_table": table, "share_load": False}}
+    assert Runtime(parse_config(off), "unix:/x").shared_load is None
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_a_load_table_that_cannot_be_mapped_is_one_line(tmp_path: Path, rows: int) -> None:
+    """No file, or one too small for its rows: said in one line, not a traceback."""
+    path = tmp_path / "load.table"
+    if rows == 3:
+        SharedLoad.create(path, 2, time.monotonic)
+    table = {"path": str(path), "rows": rows, "row": 1}
+    with pytest.raises(ConfigError, match=r"^extproc.load_table: cannot map .*leave it out"):
+        Runtime(parse_config(MINIMAL | {"extproc": {"load_table": table}}), "unix:/x")

@@ -221,3 +221,24 @@ def test_data_parallel_servers_are_served_and_followed_rank_by_rank(tmp_path: Pa
         f"{server} dp{rank}" for server in ("p0", "p1", "d0", "d1") for rank in (0, 1)
     ]
     assert cached["prefill"]["cached_share"] > blind["prefill"]["cached_share"]
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_several_processes_sharing_their_load_route_a_burst_as_one_does(
+    tmp_path: Path, workers: int
+) -> None:
+    """`extproc.workers`: 32 new prompts at C = 16 on 2P2D, spread over the processes as
+    Envoy spreads streams. Sharing their counts (the default), they place every leg as one
+    process does, with the same TTFTs; each on its own view (share_load off), each spreads
+    only its own share, and together they pile onto the engines each would take first."""
+    burst = generate("seed", seed=1, concurrency=16)
+    one = run_config(config_file(tmp_path, "kv", KV_CACHE), burst, dataclasses.replace(SETTINGS))
+    several = dataclasses.replace(SETTINGS, workers=workers)
+    shared = run_config(config_file(tmp_path, "kv", KV_CACHE), burst, several)
+    own = KV_CACHE + "extproc: {share_load: false}\n"
+    apart = run_config(config_file(tmp_path, "kv-own", own), burst, several)
+    assert shared["prefill"]["legs_per_engine"] == one["prefill"]["legs_per_engine"]
+    assert shared["decode"]["legs_per_engine"] == one["decode"]["legs_per_engine"]
+    assert shared["ttft_ms"] == one["ttft_ms"]
+    assert apart["prefill"]["legs_per_engine"] != one["prefill"]["legs_per_engine"]
+    assert apart["ttft_ms"]["p50"] > one["ttft_ms"]["p50"]

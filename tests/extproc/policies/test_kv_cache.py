@@ -54,3 +54,15 @@ def test_a_prompt_held_nowhere_goes_where_the_least_work_waits() -> None:
     unknown = PickRequest(prefix=b"x", prompt_tokens=0, cached=None)
     again = [picker.pick([EndpointState(HOLDER), EndpointState(OTHER)], unknown) for _ in range(3)]
     assert len({e.address for e in again}) == 1
+
+
+def test_the_sidecars_other_processes_queue_at_the_holder_counts_as_this_ones() -> None:
+    """The same bound as above, the queue sent by the sidecar's other ext_proc processes
+    (their table): 15 requests of 2 uncached tokens (15 x 66 = 990) keep the holder; 16
+    (1056 > 1000, the cache's 2 x 1000 less those of this process) send it away."""
+    holder, other = EndpointState(HOLDER), EndpointState(OTHER)
+    holder.in_flight, holder.pending_tokens = 15, 30  # this process's: 990
+    holder.peer_in_flight, holder.peer_pending_tokens = 15, 30  # the others': 990
+    assert KvCachePicker().pick([other, holder], HELD) is holder
+    holder.peer_in_flight, holder.peer_pending_tokens = 16, 32
+    assert KvCachePicker().pick([other, holder], HELD) is other

@@ -389,3 +389,16 @@ def test_prefix_respects_the_load_bound(in_flight: list[int], prefix: bytes, sla
 def test_prefix_without_prompt_is_least_request() -> None:
     candidates = endpoints(3, in_flight=[4, 1, 2])
     assert PrefixPicker().pick(candidates, PickRequest()) is candidates[1]
+
+
+@pytest.mark.parametrize("policy", ["least_request", "power_of_two", "least_tokens", "prefix"])
+def test_the_load_policies_count_the_sidecars_other_processes_requests(policy: str) -> None:
+    """Each of two endpoints is where the policy would go alone (prefix: the request's
+    rendezvous first); the sidecar's other ext_proc processes have 5 requests (and their P
+    legs' tokens) in flight at it: the policy takes the other."""
+    for first in range(2):
+        a, b = EndpointState("10.0.0.1:8000"), EndpointState("10.0.0.2:8000")
+        wanted = PickRequest(prefix=b"k" * first + b"prompt")
+        busy = build_picker(policy).pick([a, b], wanted)
+        busy.peer_in_flight, busy.peer_queued_tokens = 5, 1000
+        assert build_picker(policy).pick([a, b], wanted) is (b if busy is a else a)

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import math
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from extproc.request.prefill_client import (
     TrackedPrefillSender,
     p_leg_key,
 )
+from extproc.roles import Role
 from extproc.scheduling.pool import EndpointState
+from extproc.scheduling.shared_load import SharedLoad, table_bytes
 from extproc.wiring import Runtime
 from tests.support.scripted_envoy import D1, REQUEST, WAIT_S, ScriptedEnvoy, body, headers
 from tests.support.scripted_prefill import run
@@ -225,7 +228,9 @@ async def test_the_route_is_the_one_the_legs_own_config_names(
 async def test_a_tracked_leg_counts_its_prompt_tokens_at_p_only_while_it_runs(
     engine: FakeEngine, client: PrefillClient, tmp_path: Path, status: int
 ) -> None:
-    state = EndpointState(engine.address)
+    table = bytearray(table_bytes(2))  # with another ext_proc process, which reads them too
+    mine, other = (SharedLoad(table, 2, row, time.monotonic) for row in (0, 1))
+    state = EndpointState(engine.address, role=Role.PREFILL, shared=mine)
     tracked = TrackedPrefillSender(client, {engine.address: state}.get)
     config = settings(tmp_path, bytes_per_token=4)
     engine.hold.clear()
@@ -235,10 +240,12 @@ async def test_a_tracked_leg_counts_its_prompt_tokens_at_p_only_while_it_runs(
     )
     await asyncio.wait_for(engine.arrived.wait(), 5)
     assert state.queued_tokens == 11  # ceil(41 / 4)
+    assert other.peers(Role.PREFILL, engine.address).queued_tokens == 11
     engine.hold.set()
     with contextlib.suppress(PrefillFailed):
         await asyncio.wait_for(leg, 5)
     assert state.queued_tokens == 0
+    assert other.peers(Role.PREFILL, engine.address).queued_tokens == 0
 
 
 async def test_a_reload_leaves_the_p_leg_of_a_request_in_flight_as_it_began(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -11,9 +12,11 @@ from extproc.engines.load import EngineLoad
 from extproc.engines.scraper import parse_families
 from extproc.metrics import Metrics
 from extproc.policies import LeastTokensPicker, PickRequest
+from extproc.roles import Role
 from extproc.scheduling.admission import role_saturation, saturation
 from extproc.scheduling.decision import Decider, Sides, decide, estimate_tokens, stall_ms
 from extproc.scheduling.pool import EndpointState
+from extproc.scheduling.shared_load import SharedLoad, table_bytes
 
 LOAD_AWARE = DecisionConfig(mode="load_aware")
 IDLE = Sides(
@@ -86,6 +89,10 @@ class Load:
     queued_tokens: int = 0
     pending_tokens: int = 0
     foreign: float = 0.0
+    peer_in_flight: int = 0
+    peer_pending_tokens: int = 0
+    peer_queued_tokens: int = 0
+    peer_alone_tokens: int = 0
 
 
 def test_the_stall_bucket_empties_and_counts_decisions() -> None:
@@ -178,3 +185,29 @@ def test_a_cached_turn_spends_only_the_stall_of_what_d_lacks() -> None:
         for _ in range(3)
     ]
     assert made == ["faster_alone", "faster_alone", "stall_budget"]
+
+
+def test_the_engines_load_beyond_this_sidecars_processes_is_foreign() -> None:
+    """4 at the engine: 1 of this process's, 2 of its other processes' (their table), so
+    only 1 was sent by another router."""
+    table = bytearray(table_bytes(2))
+    mine, other = (SharedLoad(table, 2, row, time.monotonic) for row in (0, 1))
+    state = EndpointState("d", role=Role.DECODE, shared=mine)
+    state.in_flight = 1
+    other.publish(Role.DECODE, "d", 2, 0, 0)
+    page = "vllm:num_requests_running 3\nvllm:num_requests_waiting 1\n"
+    EngineLoad(lambda address: state).consume("d", parse_families(page))
+    assert (state.peer_in_flight, state.foreign) == (2, 1)
+    decider = Decider(Metrics())
+    # D runs 1 + 2 + 1 others besides this request: its stall counts them all
+    assert decider.decide(LOAD_AWARE, 4096, "d", state, Load()).reason == "stall_budget"
+    assert Decider(Metrics()).decide(LOAD_AWARE, 4096, "d", Load(), Load()).decode_only
+
+
+def test_prompts_the_other_processes_sent_d_to_prefill_alone_wait_ahead_of_this_one() -> None:
+    """D idle but for a 2000-token prompt another process of the sidecar sent it to prefill
+    alone (their table): alone, this one would wait for both (242 ms against 141 through P)."""
+    told = Load(peer_alone_tokens=2000)
+    decision = Decider(Metrics()).decide(LOAD_AWARE, 8000, "d", told, Load())
+    assert decision.reason == "faster_pd"
+    assert Decider(Metrics()).decide(LOAD_AWARE, 8000, "d", Load(), Load()).decode_only

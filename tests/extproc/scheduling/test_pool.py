@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 
 import pytest
 
 from extproc.config import parse_config
-from extproc.policies import PickRequest, RoundRobinPicker
+from extproc.policies import KvCachePicker, PickRequest, RoundRobinPicker
 from extproc.roles import Role
 from extproc.scheduling.pool import EndpointState, Pool
+from extproc.scheduling.shared_load import SharedLoad, table_bytes
 from extproc.wiring import Runtime
 
 A, B, C, D = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
@@ -256,3 +259,42 @@ def test_a_counts_pending_tokens_end_and_move_with_it() -> None:
         counted.release()
         assert (a.pending_tokens, b.pending_tokens) == (20, 0)
     assert (a.pending_tokens, b.pending_tokens) == (0, 0)
+
+
+def _sharing_pools(rows: int = 2) -> list[Pool]:
+    """`rows` processes' prefill pools over one shared table (as `up`'s workers are)."""
+    table = bytearray(table_bytes(rows))
+    pools = []
+    for row in range(rows):
+        pool = Pool(Role.PREFILL, ["p0", "p1"], KvCachePicker())
+        pool.share(SharedLoad(table, rows, row, time.monotonic))
+        pools.append(pool)
+    return pools
+
+
+def test_processes_sharing_a_table_weigh_each_others_queue_at_the_holder() -> None:
+    """kv_cache keeps p0, which holds 512 of the prompt (worth 1024 queued tokens), while the
+    work queued there is less: 8 requests of 88 uncached tokens (704 + 8 x 64 = 1216) sent
+    by the other process are more, so this one goes to p1, as one process would."""
+    mine, other = _sharing_pools()
+    wanted = PickRequest(prefix=b"x", prompt_tokens=600, cached={"p0": 512})
+    assert mine.pick(wanted) is mine.get("p0")
+    with ExitStack() as inflight:
+        for _ in range(8):
+            inflight.enter_context(other.track(other.get("p0"), tokens=88))  # type: ignore[arg-type]
+        assert mine.pick(wanted) is mine.get("p1")
+        p0 = mine.get("p0")
+        assert p0 is not None and (p0.in_flight, p0.peer_in_flight) == (0, 8)
+        assert p0.peer_pending_tokens == 704
+    assert mine.pick(wanted) is mine.get("p0")  # they ended: nothing queued there
+    assert mine.get("p0").peer_in_flight == 0  # type: ignore[union-attr]
+
+
+def test_an_endpoint_that_joins_later_is_shared_too() -> None:
+    mine, other = _sharing_pools()
+    for pool in (mine, other):
+        pool.update(["p0", "p1", "p2"])
+        pool.set_healthy("p2", True)
+    with other.track(other.get("p2")):  # type: ignore[arg-type]
+        mine.pick(PickRequest())
+        assert mine.get("p2").peer_in_flight == 1  # type: ignore[union-attr]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from typing import Any
 
@@ -14,6 +15,7 @@ from extproc.policies import PickRequest, build_picker
 from extproc.roles import Role
 from extproc.scheduling.pool import Pool
 from extproc.scheduling.scheduler import DecodeAlone, Scheduler, WithPrefill
+from extproc.scheduling.shared_load import SharedLoad, table_bytes
 
 P1, P2, D1, D2 = "127.0.0.1:8100", "127.0.0.1:8101", "127.0.0.1:8200", "127.0.0.1:8201"
 POOLS = {"prefill": {"endpoints": [P1, P2]}, "decode": {"endpoints": [D1, D2]}}
@@ -143,3 +145,24 @@ def test_members_down_are_no_room_for_admission() -> None:
     with ExitStack() as inflight, pytest.raises(NoHealthyDecode) as none:
         s.pick(LONG, inflight, cfg)
     assert none.value.status == 503
+
+
+def test_a_prompt_sent_to_prefill_alone_is_told_to_the_other_processes() -> None:
+    """Two processes of one sidecar: the first sends a 2000-token prompt decode-only to the
+    idle D1, and the second reads it in their table (D1's `peer_alone_tokens` at its pick),
+    as the decision's own pending prompts of one process would count it."""
+    cfg = config(decision={"mode": "load_aware"})
+    table = bytearray(table_bytes(2))
+    first, second = scheduler(cfg), scheduler(cfg)
+    for row, s in enumerate((first, second)):
+        shared = SharedLoad(table, 2, row, time.monotonic)
+        s.prefill.share(shared)
+        s.decode.share(shared)
+    with ExitStack() as inflight:
+        assert isinstance(
+            first.pick(PickRequest("m", prompt_bytes=8000), inflight, cfg), DecodeAlone
+        )
+        assert first.decider.alone(D1)[0] == 2000
+        second.decode.pick()
+        d1 = second.decode.get(D1)
+        assert d1 is not None and (d1.peer_in_flight, d1.peer_alone_tokens) == (1, 2000)

@@ -1,0 +1,150 @@
+"""The table `up`'s ext_proc processes share their load through: each writes its own row, each
+reads the others', a dead process's row stops counting, a restarted one starts clean, and the
+memory is fixed whatever the endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from extproc.roles import Role
+from extproc.scheduling.shared_load import (
+    SLOTS,
+    STALE_S,
+    PeerLoad,
+    SharedLoad,
+    table_bytes,
+)
+
+P, D = Role.PREFILL, Role.DECODE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def rows(count: int, clock: Clock) -> list[SharedLoad]:
+    table = bytearray(table_bytes(count))
+    return [SharedLoad(table, count, row, clock) for row in range(count)]
+
+
+def test_each_process_sees_the_sum_of_the_others_counts_not_its_own() -> None:
+    a, b, c = rows(3, Clock())
+    a.publish(P, "p0", 2, 300, 40)
+    b.publish(P, "p0", 1, 100, 0)
+    b.publish(D, "p0", 5, 5, 5)  # another role: another endpoint
+    assert c.peers(P, "p0") == PeerLoad(3, 400, 40)
+    assert a.peers(P, "p0") == PeerLoad(1, 100, 0)
+    assert a.peers(D, "p0") == PeerLoad(5, 5, 5)
+    assert a.peers(P, "p1") == PeerLoad()
+    b.publish(P, "p0", 0, 0, 0)  # its requests ended
+    assert c.peers(P, "p0") == PeerLoad(2, 300, 40)
+
+
+def test_a_process_that_stops_beating_stops_counting_and_counts_again_once_it_beats() -> None:
+    clock = Clock()
+    a, b = rows(2, clock)
+    a.publish(D, "d0", 4, 0, 0)
+    clock.now += STALE_S - 0.5
+    assert b.peers(D, "d0").in_flight == 4
+    clock.now += 1.0  # a dead process's row: its counts no longer hold anything
+    assert b.peers(D, "d0") == PeerLoad()
+    a.beat()
+    assert b.peers(D, "d0").in_flight == 4
+
+
+def test_a_restarted_process_clears_the_row_its_predecessor_left() -> None:
+    clock = Clock()
+    table = bytearray(table_bytes(2))
+    dead = SharedLoad(table, 2, 1, clock)
+    dead.publish(P, "p0", 7, 700, 70)
+    reader = SharedLoad(table, 2, 0, clock)
+    assert reader.peers(P, "p0").in_flight == 7
+    SharedLoad(table, 2, 1, clock)  # the new worker takes row 1
+    assert reader.peers(P, "p0") == PeerLoad()
+
+
+def test_prompts_sent_to_prefill_alone_count_until_they_are_due() -> None:
+    clock = Clock()
+    a, b = rows(2, clock)
+    a.publish_alone(D, "d0", 900, due=clock.now + 0.2)
+    assert b.peers(D, "d0") == PeerLoad(alone_tokens=900)
+    clock.now += 0.3
+    assert b.peers(D, "d0") == PeerLoad()
+
+
+def _address(n: int) -> str:
+    return f"10.0.{n // 256}.{n % 256}:8000"
+
+
+def test_endpoints_past_the_rows_slots_reuse_the_slots_of_those_that_left() -> None:
+    """A churning discovery: 3 x SLOTS endpoints come one after another, each leaving (its
+    requests ended) SLOTS / 2 arrivals later; the table never grows and every live one is
+    still shared."""
+    a, b = rows(2, Clock())
+    size = len(a._words)
+    live = SLOTS // 2
+    for n in range(3 * SLOTS):
+        a.publish(P, _address(n), 1, 10, 0)
+        if n >= live:
+            a.publish(P, _address(n - live), 0, 0, 0)
+    assert len(a._words) == size
+    for n in range(3 * SLOTS - live, 3 * SLOTS):
+        assert b.peers(P, _address(n)) == PeerLoad(1, 10, 0)
+    assert b.peers(P, _address(0)) == PeerLoad()
+
+
+def test_a_table_that_is_too_small_or_a_row_outside_it_is_refused() -> None:
+    with pytest.raises(ValueError, match="fewer than 3 rows"):
+        SharedLoad(bytearray(table_bytes(2)), 3, 0, Clock())
+    with pytest.raises(ValueError, match="row 2 is not one of 2"):
+        SharedLoad(bytearray(table_bytes(2)), 2, 2, Clock())
+
+
+_WORKER = """
+import sys, time
+from pathlib import Path
+from extproc.roles import Role
+from extproc.scheduling.shared_load import SharedLoad
+table = SharedLoad.open(Path(sys.argv[1]), 2, 1, time.monotonic)
+table.publish(Role.DECODE, "d0", 3, 120, 0)
+print("published", flush=True)
+sys.stdin.readline()  # alive until told
+"""
+
+
+def test_processes_share_the_table_through_its_file(tmp_path: Path) -> None:
+    """`up` makes the file; each worker maps it: another process's counts are read here."""
+    path = tmp_path / "load.table"
+    main = SharedLoad.create(path, 2, time.monotonic)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == "published\n"
+        assert main.peers(Role.DECODE, "d0") == PeerLoad(3, 120, 0)
+    finally:
+        worker.communicate("\n", timeout=10)
+
+
+async def test_the_heartbeat_task_is_owned_and_ends_on_stop() -> None:
+    loop = asyncio.get_running_loop()
+    table = bytearray(table_bytes(2))
+    beating = SharedLoad(table, 2, 0, loop.time)
+    beating.start()
+    assert beating._task is not None and not beating._task.done()
+    task = beating._task
+    await beating.stop()
+    assert task.done() and beating._task is None
