@@ -88,12 +88,21 @@ def _requests(cell: Cell) -> int:
     return count - count % 6 if cell.workload == "multi-turn" else count
 
 
-def run_cell(cell: Cell, config: str, seed: int) -> dict[str, Any]:
+def config_text(config: str, decision: str = "") -> str:
+    """The configuration's YAML; `decision`: more `decision:` settings for the candidates
+    that decide (`max_stall_ms: 15, ...`), to try them."""
+    text = CONFIGS[config]
+    if decision:
+        text = text.replace("{mode: load_aware}", f"{{mode: load_aware, {decision}}}")
+    return text
+
+
+def run_cell(cell: Cell, config: str, seed: int, decision: str = "") -> dict[str, Any]:
     """One configuration's summary on one cell (in a worker process)."""
     os.nice(19)
     with tempfile.TemporaryDirectory(prefix="lab-matrix-") as folder:
         path = Path(folder) / f"{config}.yaml"
-        path.write_text(CONFIGS[config])
+        path.write_text(config_text(config, decision))
         requests = _requests(cell)
         if cell.workload == "trace":
             trace = Path(folder) / "trace.jsonl"
@@ -190,6 +199,11 @@ def main() -> None:
     parser.add_argument("--per-prefill", type=_csv(float), default="1,4,16")
     parser.add_argument("--workers", type=_csv(int), default="1,4")
     parser.add_argument("--configs", type=_csv(str), default=",".join(CONFIGS))
+    parser.add_argument(
+        "--decision",
+        default="",
+        help="more decision settings for the candidates, e.g. 'max_stall_ms: 15'",
+    )
     parser.add_argument("--seeds", type=_csv(int), default="1,2,3", help="figures: their mean")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write every summary here")
@@ -200,7 +214,9 @@ def main() -> None:
     cells = _cells(args)
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = {
-            (cell, config): [pool.submit(run_cell, cell, config, seed) for seed in args.seeds]
+            (cell, config): [
+                pool.submit(run_cell, cell, config, seed, args.decision) for seed in args.seeds
+            ]
             for cell in cells
             for config in configs
         }
