@@ -14,13 +14,14 @@ The plan: `warmups(C)` warm-ups at C sending the first prompt (as `vllm bench se
 them), then `--requests` prompts (default 128 at every C, so that a p99 is not the maximum of a
 handful) at C.
 
-  seed           PR #187's: random 1024 tokens in, 64 out. The process run is `vllm bench
-                 serve --dataset-name random`, the lab's is its own `seed` generator: the same
-                 shape, and random prompts share no block but the warm-ups' one, in both.
-  shared-prefix  bench/workload.py's rows (8 groups' 1024-token system prompts, a fresh
-                 64-token question each), sent as text by the client and as their token ids
-                 (the tiny tokenizer's, with the BOS the engines add) by the lab: the same
-                 prompts.
+  seed           PR #187's: 1024 tokens in (with the BOS), 64 out, random one-token words
+                 (bench/workload.py's `random_words`; not `vllm bench serve --dataset-name
+                 random`, whose prompts repeat whole on the tiny model's small vocabulary)
+  shared-prefix  bench/workload.py's `shared_prefix` (8 groups' 1024-token system prompts, a
+                 fresh 64-token question each)
+
+The client sends each row's text (`--dataset-name custom --disable-shuffle`), the lab its token
+ids (the tiny tokenizer's, with the BOS the engines add): the same prompts, in the same order.
 
 Configurations (bench/cache.py's): `rr` round robin on both pools, push (pd-rr); `kv`
 kv_cache on both pools, fed the engines' KV events, push (pd-cache).
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -53,7 +55,9 @@ import yaml
 from lab.engines import parse_topology
 from lab.run import Session, Settings, percentile, run_virtual_session
 from lab.sidecar import PROXIES
-from lab.workloads import Chain, LabRequest, Workload, generate
+from lab.workloads import Chain, LabRequest, Workload
+from vllmsim.config import CostModel
+from vllmsim.profiles import PROFILES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKLOADS = ("seed", "shared-prefix")
@@ -71,10 +75,21 @@ class Cell:
     workload: str
     config: str
     concurrency: int
+    instant: bool = False  # on near-instant engines: what the processes add to the model
 
     @property
     def id(self) -> str:
-        return f"{self.topology}-{self.workload}-{self.config}-c{self.concurrency}"
+        tail = "-instant" if self.instant else ""
+        return f"{self.topology}-{self.workload}-{self.config}-c{self.concurrency}{tail}"
+
+
+def instant_cost(profile: str) -> CostModel:
+    """The profile with bench/engines.py's INSTANT flags applied, as vllmsim applies them."""
+    from bench.engines import INSTANT
+
+    flags = dict(zip(INSTANT[::2], INSTANT[1::2], strict=True))
+    fields = {f.removeprefix("--").replace("-", "_"): float(v) for f, v in flags.items()}
+    return dataclasses.replace(PROFILES[profile], **fields)
 
 
 def warmups(concurrency: int) -> int:
@@ -85,29 +100,31 @@ def warmups(concurrency: int) -> int:
 # -- the prompts -----------------------------------------------------------------------------
 
 
-def shared_prefix_rows(cell: Cell, requests: int) -> list[dict[str, Any]]:
-    """bench/workload.py's shared-prefix rows of this cell (its own words per topology and C)."""
-    from bench.workload import shared_prefix
+def rows(cell: Cell, requests: int, tokenizer_dir: Path | None = None) -> list[dict[str, Any]]:
+    """The cell's measured prompts, bench/workload.py's rows (text of an exact token count;
+    each cell its own words): `random_words` for the seed plan, `shared_prefix`."""
+    from bench.workload import random_words, shared_prefix
     from scripts.cached_envs import tiny_model
 
-    return shared_prefix(
-        tiny_model(), count=requests, seed=SEED, salt=f"{cell.topology}/c{cell.concurrency}"
-    )
-
-
-def lab_requests(cell: Cell, requests: int) -> list[LabRequest]:
-    """What the lab's clients send in the measured phase (in order)."""
+    folder = tokenizer_dir or tiny_model()
     if cell.workload == "seed":
-        chains = generate("seed", SEED, concurrency=cell.concurrency, count=requests).chains
-        return [r for c in chains for r in c.requests]
+        return random_words(folder, requests, seed=cell.concurrency)
+    salt = f"{cell.topology}/c{cell.concurrency}"
+    return shared_prefix(folder, count=requests, seed=SEED, salt=salt)
+
+
+def lab_requests(cell: Cell, requests: int, tokenizer_dir: Path | None = None) -> list[LabRequest]:
+    """The same prompts as the lab's clients send them: each row's token ids (the tokenizer's,
+    with the BOS the engines add), in the same order."""
     from tokenizers import Tokenizer
 
     from scripts.cached_envs import tiny_model
 
-    tokenizer = Tokenizer.from_file(str(tiny_model() / "tokenizer.json"))
+    folder = tokenizer_dir or tiny_model()
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     return [
         LabRequest(tokenizer.encode(row["prompt"]).ids, row["output_tokens"])
-        for row in shared_prefix_rows(cell, requests)
+        for row in rows(cell, requests, folder)
     ]
 
 
@@ -173,11 +190,45 @@ def table(rows: Iterable[dict[str, Any]]) -> list[str]:
         both = None if None in checks else all(checks)
         late = proc.get("lateness")
         late_text = "—" if late is None else f"{late['mean_ms']:.2f}, {late['tail_share']:.1%}"
+        config = f"{cell.config}, instant engines" if cell.instant else cell.config
         lines.append(
-            f"| {cell.topology} | {cell.workload} | {cell.config} | {cell.concurrency} | "
+            f"| {cell.topology} | {cell.workload} | {config} | {cell.concurrency} | "
             f"{_ms(p.get('p50'))} | {_ms(q.get('p50'))} | {_ratio(q.get('p50'), p.get('p50'))} | "
             f"{_ms(p.get('p99'))} | {_ms(q.get('p99'))} | {_ratio(q.get('p99'), p.get('p99'))} | "
             f"{_yes(both)} | {late_text} | {_yes(on_time(late))} |"
+        )
+    return lines
+
+
+def _gap(row: dict[str, Any] | None, key: str) -> float | None:
+    """process − lab (ms) at one percentile, None where either is missing."""
+    if not row or not row.get("process") or not row.get("lab"):
+        return None
+    p, q = row["process"]["ttft_ms"].get(key), row["lab"]["ttft_ms"].get(key)
+    return None if p is None or q is None else p - q
+
+
+def floors(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """Markdown, one line per cell that also ran on instant engines: what the processes add
+    to the lab's TTFT (process − lab, ms) with the profile's engines and with instant ones,
+    whose model costs next to nothing: there the gap is the processes' own floor (the
+    client, HTTP, the simulator's Python, late steps), not the model's."""
+    by_cell = {r["cell"]: r for r in rows}
+    lines = [
+        "| topology | workload | config | C | process − lab p50 | instant engines: process − "
+        "lab p50 | process − lab p99 | instant engines: process − lab p99 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in sorted(c for c in by_cell if not c.instant):
+        twin = by_cell.get(dataclasses.replace(cell, instant=True))
+        if twin is None:
+            continue
+        row = by_cell[cell]
+        gaps = [_gap(row, "p50"), _gap(twin, "p50"), _gap(row, "p99"), _gap(twin, "p99")]
+        lines.append(
+            f"| {cell.topology} | {cell.workload} | {cell.config} | {cell.concurrency} | "
+            + " | ".join(_ms(g) for g in gaps)
+            + " |"
         )
     return lines
 
@@ -207,9 +258,8 @@ def _closed(requests: list[LabRequest], concurrency: int) -> Workload:
 
 def lab_cell(cell: Cell, config: dict[str, Any], requests: int, profile: str) -> dict[str, Any]:
     """The cell's plan on the lab: warm-ups, then the measured prompts; TTFT p50 / p99 (ms)."""
-    from vllmsim.profiles import PROFILES
-
-    settings = Settings(parse_topology(cell.topology), PROFILES[profile], PROXIES["pd-extproc"])
+    cost = instant_cost(profile) if cell.instant else PROFILES[profile]
+    settings = Settings(parse_topology(cell.topology), cost, PROXIES["pd-extproc"])
     measured = lab_requests(cell, requests)
 
     async def body(lab: Session) -> list[Any]:
@@ -239,6 +289,7 @@ async def process_topology(
     from bench.client import Run, run_plan
     from bench.engines import (
         DEV_MODE,
+        INSTANT,
         lateness_delta,
         reset_prefix_caches,
         running_engines,
@@ -261,7 +312,7 @@ async def process_topology(
                 shape.decode,
                 MODEL,
                 tiny_model(),
-                ("--profile", args.profile),
+                ("--profile", args.profile, *(INSTANT if args.instant else ())),
                 engine_cpus,
                 flags,
                 DEV_MODE,
@@ -277,14 +328,12 @@ async def process_topology(
             urls[name] = target.url
         runs, by_run = [], {}
         for cell in cells:
-            workload = None
-            if cell.workload == "shared-prefix":
-                workload = work / f"{cell.id}.jsonl"
-                rows = shared_prefix_rows(cell, args.requests)
-                write(
-                    workload,
-                    [{"prompt": r["prompt"], "output_tokens": r["output_tokens"]} for r in rows],
-                )
+            workload = work / f"{cell.id}.jsonl"
+            mine = rows(cell, args.requests)
+            write(
+                workload,
+                [{"prompt": r["prompt"], "output_tokens": r["output_tokens"]} for r in mine],
+            )
             run = Run(
                 cell.id,
                 topology,
@@ -297,7 +346,7 @@ async def process_topology(
                 num_prompts=args.requests,
                 num_warmups=warmups(cell.concurrency),
                 seed=SEED,
-                flags=("--disable-shuffle",) if workload else (),
+                flags=("--disable-shuffle",),  # the rows in order, as the lab sends them
             )
             runs.append(run)
             by_run[run.id] = cell
@@ -320,6 +369,7 @@ async def process_topology(
         slim = _slim(results[run.id])
         ttfts = slim.get("ttfts_ms", [])
         out[run.id] = {
+            "cell": dataclasses.asdict(by_run[run.id]),
             "ttft_ms": quantiles(ttfts),
             "ok": len(ttfts),
             "failed": args.requests - len(ttfts),
@@ -335,7 +385,7 @@ async def process_topology(
 
 def _cells(args: argparse.Namespace) -> list[Cell]:
     return [
-        Cell(t, w, c, conc)
+        Cell(t, w, c, conc, args.instant)
         for t in args.topologies
         for w in args.workloads
         for c in args.configs
@@ -354,6 +404,12 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--profile", default="gpu-8b")
     parser.add_argument(
         "--lab-only", action="store_true", help="the lab only, against the kept process runs"
+    )
+    parser.add_argument(
+        "--instant",
+        action="store_true",
+        help="near-instant engines (bench/engines.py's INSTANT) on both sides: the processes' "
+        "own floor against the model's",
     )
     parser.add_argument("--write", action="store_true", help="write bench/results/lab-fidelity.md")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -394,7 +450,8 @@ async def _processes(args: argparse.Namespace, cells: list[Cell], kept: dict[str
         kept["cells"].update(figures)
         for name, config in files.items():
             kept["configs"][f"{topology}/{name}"] = config
-        kept["runs"] = [r for r in kept["runs"] if r["topology"] != topology]
+        ran = {c.id for c in mine}  # a run's note stays while some of its cells are kept
+        kept["runs"] = [r for r in kept["runs"] if set(r["cells"]) - ran]
         kept["runs"].append(
             {
                 "topology": topology,
@@ -429,6 +486,9 @@ def main() -> None:
         run_bench(_processes(args, cells, kept))
         args.out.mkdir(parents=True, exist_ok=True)
         store.write_text(json.dumps(kept, indent=1))
+    if args.write:  # the file has every cell measured so far, not only this run's
+        kept_cells = [Cell(**f["cell"]) for f in kept["cells"].values() if "cell" in f]
+        cells = sorted(set(cells) | set(kept_cells))
     rows = []
     for cell in cells:
         config = kept["configs"].get(f"{cell.topology}/{cell.config}") or _default_config(
@@ -437,7 +497,7 @@ def main() -> None:
         lab = lab_cell(cell, config, args.requests, args.profile)
         rows.append({"cell": cell, "process": kept["cells"].get(cell.id), "lab": lab})
         print(table([rows[-1]])[-1], flush=True)
-    lines = table(rows)
+    lines = [*table(rows), "", *floors(rows)]
     print("\n".join(lines))
     print(tally(rows))
     if args.write:
