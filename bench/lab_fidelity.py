@@ -284,77 +284,20 @@ async def process_topology(
     """Every cell of one topology on processes: ({cell id: figures}, {config: its file})."""
     import aiohttp
 
-    from bench.cache import CONFIGS as BENCH_CONFIGS
-    from bench.cache import EventFlags, extproc_config, running_config
-    from bench.client import Run, run_plan
-    from bench.engines import (
-        DEV_MODE,
-        INSTANT,
-        lateness_delta,
-        reset_prefix_caches,
-        running_engines,
-        step_lateness,
-    )
-    from bench.run import MODEL, _slim, cpu_split
-    from bench.workload import write
+    from bench.client import run_plan
+    from bench.engines import lateness_delta, reset_prefix_caches, step_lateness
+    from bench.run import MODEL
     from scripts.cached_envs import tiny_model
 
-    shape = parse_topology(topology)
-    engine_cpus, proxy_cpus = cpu_split(True)
-    configs = sorted({c.config for c in cells})
-    flags = EventFlags("kv" in configs, work / f"events-{topology}")
-    flags.folder.mkdir()
     async with contextlib.AsyncExitStack() as stack:
-        engines = await stack.enter_async_context(
-            running_engines(
-                "push",
-                shape.prefill,
-                shape.decode,
-                MODEL,
-                tiny_model(),
-                ("--profile", args.profile, *(INSTANT if args.instant else ())),
-                engine_cpus,
-                flags,
-                DEV_MODE,
-            )
-        )
-        events = flags.endpoints(engines)
-        files, urls = {}, {}
-        for name in configs:
-            files[name] = extproc_config(BENCH_CONFIGS[CONFIGS[name]], engines, events)
-            target = await stack.enter_async_context(
-                running_config(BENCH_CONFIGS[CONFIGS[name]], engines, events, proxy_cpus)
-            )
-            urls[name] = target.url
-        runs, by_run = [], {}
-        for cell in cells:
-            workload = work / f"{cell.id}.jsonl"
-            mine = rows(cell, args.requests)
-            write(
-                workload,
-                [{"prompt": r["prompt"], "output_tokens": r["output_tokens"]} for r in mine],
-            )
-            run = Run(
-                cell.id,
-                topology,
-                cell.config,
-                cell.concurrency,
-                0,
-                urls[cell.config],
-                work / f"{cell.id}.json",
-                workload,
-                num_prompts=args.requests,
-                num_warmups=warmups(cell.concurrency),
-                seed=SEED,
-                flags=("--disable-shuffle",),  # the rows in order, as the lab sends them
-            )
-            runs.append(run)
-            by_run[run.id] = cell
+        engines, files, urls = await _start(stack, topology, cells, args, work)
+        runs = [_run(cell, urls[cell.config], args.requests, work) for cell in cells]
         late: dict[str, dict[str, Any]] = {}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             last: dict[str, Any] = {}
 
             async def between(done: str | None, upcoming: str | None) -> None:
+                """Each run's step lateness, and each run on empty prefix caches."""
                 nonlocal last
                 now = await step_lateness(http, [engines])
                 if done is not None:
@@ -363,21 +306,108 @@ async def process_topology(
                     await reset_prefix_caches(http, [engines])
                 last = now
 
+            engine_cpus = _cpus()[0]
             results = await run_plan(runs, MODEL, tiny_model(), work, engine_cpus, between)
-    out = {}
-    for run in runs:
-        slim = _slim(results[run.id])
-        ttfts = slim.get("ttfts_ms", [])
-        out[run.id] = {
-            "cell": dataclasses.asdict(by_run[run.id]),
-            "ttft_ms": quantiles(ttfts),
-            "ok": len(ttfts),
-            "failed": args.requests - len(ttfts),
-            "input_lens": sorted(set(results[run.id].get("input_lens", []))),
-            "lateness": lateness(late.get(run.id)),
-            "ttfts": ttfts,
-        }
-    return out, files
+    by_id = {cell.id: cell for cell in cells}
+    return {
+        run.id: _figures(by_id[run.id], results[run.id], late.get(run.id), args.requests)
+        for run in runs
+    }, files
+
+
+def _cpus() -> tuple[set[int] | None, set[int] | None]:
+    from bench.run import cpu_split
+
+    return cpu_split(True)  # (engines and client, the proxy): bench/run.py's split
+
+
+async def _start(
+    stack: contextlib.AsyncExitStack,
+    topology: str,
+    cells: list[Cell],
+    args: argparse.Namespace,
+    work: Path,
+) -> tuple[Any, dict[str, dict[str, Any]], dict[str, str]]:
+    """The topology's push engines (with KV events when `kv` runs) and one sidecar per
+    configuration: (engines, {config: its file}, {config: its URL})."""
+    from bench.cache import CONFIGS as BENCH_CONFIGS
+    from bench.cache import EventFlags, extproc_config, running_config
+    from bench.engines import DEV_MODE, INSTANT, running_engines
+    from bench.run import MODEL
+    from scripts.cached_envs import tiny_model
+
+    shape = parse_topology(topology)
+    engine_cpus, proxy_cpus = _cpus()
+    configs = sorted({c.config for c in cells})
+    flags = EventFlags("kv" in configs, work / f"events-{topology}")
+    flags.folder.mkdir()
+    cost_flags = ("--profile", args.profile, *(INSTANT if args.instant else ()))
+    engines = await stack.enter_async_context(
+        running_engines(
+            "push",
+            shape.prefill,
+            shape.decode,
+            MODEL,
+            tiny_model(),
+            cost_flags,
+            engine_cpus,
+            flags,
+            DEV_MODE,
+        )
+    )
+    events = flags.endpoints(engines)
+    files, urls = {}, {}
+    for name in configs:
+        config = BENCH_CONFIGS[CONFIGS[name]]
+        files[name] = extproc_config(config, engines, events)
+        target = await stack.enter_async_context(
+            running_config(config, engines, events, proxy_cpus)
+        )
+        urls[name] = target.url
+    return engines, files, urls
+
+
+def _run(cell: Cell, url: str, requests: int, work: Path) -> Any:
+    """The cell's `vllm bench serve` run: its rows as a custom dataset, in order."""
+    from bench.client import Run
+    from bench.workload import write
+
+    dataset = work / f"{cell.id}.jsonl"
+    mine = rows(cell, requests)
+    write(dataset, [{"prompt": r["prompt"], "output_tokens": r["output_tokens"]} for r in mine])
+    return Run(
+        cell.id,
+        cell.topology,
+        cell.config,
+        cell.concurrency,
+        0,
+        url,
+        work / f"{cell.id}.json",
+        dataset,
+        num_prompts=requests,
+        num_warmups=warmups(cell.concurrency),
+        seed=SEED,
+        flags=("--disable-shuffle",),  # the rows in order, as the lab sends them
+    )
+
+
+def _figures(
+    cell: Cell, result: dict[str, Any], late: dict[str, Any] | None, requests: int
+) -> dict[str, Any]:
+    """What is kept of one process run: TTFT p50 / p99 and every TTFT (ms), the prompt
+    lengths the engines counted, the step lateness."""
+    from bench.run import _slim
+
+    ttfts = _slim(result).get("ttfts_ms", [])
+    return {
+        "cell": dataclasses.asdict(cell),
+        "ttft_ms": quantiles(ttfts),
+        "ok": len(ttfts),
+        "failed": requests - len(ttfts),
+        "input_lens": sorted(set(result.get("input_lens", []))),
+        "lateness": lateness(late),
+        "ttfts": ttfts,
+    }
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -401,7 +431,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--configs", default="rr", help=f"comma list of {sorted(CONFIGS)}")
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--requests", type=int, default=128, help="measured prompts per cell")
-    parser.add_argument("--profile", default="gpu-8b")
+    parser.add_argument("--profile", default="gpu-8b", choices=sorted(PROFILES))
     parser.add_argument(
         "--lab-only", action="store_true", help="the lab only, against the kept process runs"
     )
