@@ -45,6 +45,8 @@ from lab.workloads import (
     OUTPUT_MEDIAN,
     OUTPUT_RANGE,
     OUTPUT_SIGMA,
+    SEED_INPUT,
+    SEED_OUTPUT,
     MultiTurn,
     SharedPrefix,
     draw_length,
@@ -110,6 +112,31 @@ def _rngs(seed: int, salt: str) -> tuple[random.Random, random.Random]:
     """(structure, words): the salt changes the words only, so that runs which must not share
     cached blocks (another configuration, another repetition) get the same shape of workload."""
     return random.Random(seed), random.Random(f"{seed}/{salt}")
+
+
+def random_words(
+    tokenizer_dir: Path,
+    count: int,
+    seed: int = SEED,
+    input_tokens: int = SEED_INPUT,
+    output_tokens: int = SEED_OUTPUT,
+) -> list[dict]:
+    """PR #187's random plan, token-exact: `count` prompts of `input_tokens` with the BOS,
+    random one-token words, `output_tokens` out. Unlike `vllm bench serve --dataset-name
+    random`, whose prompts are runs of consecutive token ids from a random start, no two
+    prompts here share a block: on a small vocabulary (the tiny model's few hundred tokens)
+    that dataset's prompts repeat whole (about one in eight of 128), and a repeat is a full
+    prefix-cache hit."""
+    tokenizer = _tokenizer(tokenizer_dir)
+    words, rng = Words(tokenizer), random.Random(f"random-words/{seed}")
+    rows = []
+    for _ in range(count):
+        prompt = words.text(rng, input_tokens - 1)  # the engine adds the BOS
+        _check(tokenizer, prompt, input_tokens)
+        rows.append(
+            {"prompt": prompt, "output_tokens": output_tokens, "prompt_tokens": input_tokens}
+        )
+    return rows
 
 
 def shared_prefix(

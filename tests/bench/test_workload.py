@@ -8,42 +8,23 @@ import itertools
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
-from bench.workload import MultiTurn, SharedPrefix, multi_turn, shared_prefix, turn_waves
-
-CORPUS = [
-    "Prefill engines compute the KV cache; decode engines generate the rest.",
-    "Envoy hands the request body to an external processor over gRPC.",
-    "NIXL moves KV blocks between engines, pulled by decode or pushed by prefill.",
-]
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+from bench.workload import (
+    MultiTurn,
+    SharedPrefix,
+    multi_turn,
+    random_words,
+    shared_prefix,
+    turn_waves,
 )
+from tests.support.tokenizer import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A byte-level BPE with a BOS and a role-header chat template, as the tiny model's."""
-    out = tmp_path_factory.mktemp("tokenizer")
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        CORPUS * 10,
-        trainer=trainers.BpeTrainer(
-            vocab_size=400,
-            special_tokens=["<s>", "</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
-    tok.save(str(out / "tokenizer.json"))
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    return out
+    return tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def ids(model_dir: Path, text: str) -> list[int]:
@@ -65,6 +46,18 @@ def test_shared_prefix_is_seeded_and_token_exact(model_dir: Path) -> None:
     assert all(len(h) == 1 for h in heads.values())  # a group's system prompt: the same ids
     assert len({h.pop() for h in heads.values()}) == 3  # and groups differ
     assert len({r["prompt"] for r in rows}) == 30  # every question is new
+
+
+def test_random_words_are_token_exact_and_share_no_block(model_dir: Path) -> None:
+    """PR #187's plan, token-exact: every prompt its length with the BOS, and no two prompts
+    share their first 16-token block (so no prefix-cache hit between them)."""
+    rows = random_words(model_dir, 40, seed=2, input_tokens=64, output_tokens=9)
+    assert rows == random_words(model_dir, 40, seed=2, input_tokens=64, output_tokens=9)
+    assert rows != random_words(model_dir, 40, seed=3, input_tokens=64, output_tokens=9)
+    prompts = [ids(model_dir, r["prompt"]) for r in rows]
+    assert {len(p) for p in prompts} == {64} == {r["prompt_tokens"] for r in rows}
+    assert {r["output_tokens"] for r in rows} == {9}
+    assert len({tuple(p[:16]) for p in prompts}) == 40
 
 
 def test_a_salt_changes_the_words_but_not_the_shape(model_dir: Path) -> None:
