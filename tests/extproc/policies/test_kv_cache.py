@@ -54,3 +54,13 @@ def test_a_prompt_held_nowhere_goes_where_the_least_work_waits() -> None:
     unknown = PickRequest(prefix=b"x", prompt_tokens=0, cached=None)
     again = [picker.pick([EndpointState(HOLDER), EndpointState(OTHER)], unknown) for _ in range(3)]
     assert len({e.address for e in again}) == 1
+
+
+def test_a_rank_holding_what_outweighs_its_queue_wins_and_ties_go_to_the_less_busy() -> None:
+    # weight 1, 64 tokens per queued request: rank 1's queue costs what 64 cached tokens save
+    picker = KvCachePicker(KvCacheOptions(kv_cached_token_weight=1.0))
+    assert picker.pick_rank([0, 1], {1: 65}, PROMPT) == 1  # one token ahead of idle rank 0
+    assert picker.pick_rank([0, 1], {1: 64}, PROMPT) == 0  # even: the less loaded rank
+    assert picker.pick_rank([0, 0, 0], {1: 5, 2: 5}, PROMPT) == 1  # even and idle: the first
+    assert picker.pick_rank([0, 0], {1: 1}, 1) == 1  # a one-token prompt, held
+    assert picker.pick_rank([0, 0], {1: 8}, 0) is None  # no prompt tokens: nothing to weigh
