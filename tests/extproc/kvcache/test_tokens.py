@@ -149,5 +149,5 @@ def test_chat_hands_its_options_to_the_template(tmp_path: Path) -> None:
 
 def test_an_unreadable_chat_template_says_which(tmp_path: Path) -> None:
     model = _write_model(tmp_path)
-    with pytest.raises(TokenizerFilesError, match="cannot read the chat template .*nowhere"):
+    with pytest.raises(TokenizerFilesError, match=r"cannot read the chat template .*nowhere"):
         RequestTokenizer.from_path(model, tmp_path / "nowhere.jinja")
