@@ -327,3 +327,25 @@ async def test_a_batch_that_comes_while_engines_sharing_a_host_leave_is_dropped_
             monkeypatch.undo()
         # after "a" stopped, then after "b" stopped with "a" already gone: "b" both times
         assert seen == ["10.0.0.7:8001", "10.0.0.7:8001"]
+
+
+def test_with_port_0_each_rank_listens_on_rank_0s_port_plus_its_rank() -> None:
+    listener = EventListener("127.0.0.1", 0, KvIndex(max_blocks=10), Metrics())
+    listener.bound[0] = "tcp://127.0.0.1:40000"  # the port the system gave rank 0
+    assert [listener._rank_port(rank) for rank in (1, 3)] == [40001, 40003]
+    fixed = EventListener("127.0.0.1", 5557, KvIndex(max_blocks=10), Metrics())
+    assert fixed._rank_port(2) == 5559
+
+
+async def test_a_relay_that_cannot_be_bound_is_said_once_whatever_the_ranks(
+    ctx: Any, tmp_path: Any, caplog: Any
+) -> None:
+    relay = f"ipc://{tmp_path / 'gone' / 'relay'}"
+    engines = {f"{MEMBER} dp{r}": Listened(MEMBER, rank=r) for r in (0, 1)}
+    async with listening(ctx, engines, relay=relay):
+        said = [r.getMessage() for r in caplog.records if "relay" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].startswith(
+        f"KV events: cannot relay to the other ext_proc processes on {relay} ("
+    )
+    assert said[0].endswith("); they route those engines without their events")
