@@ -332,6 +332,12 @@ def main() -> int:
         action="store_true",
         help="then re-check the survivors against the integration tests that reach them",
     )
+    parser.add_argument(
+        "--integration-tests",
+        type=int,
+        default=mutation_integration.MOST_TESTS,
+        help="at most this many integration tests per survivor, the quickest reaching it",
+    )
     args = parser.parse_args()
     if args.set and args.modules:
         parser.error("give modules or --set, not both")
@@ -354,7 +360,8 @@ def main() -> int:
             for m in load_module(module)
             if m.status in ("survived", "no_tests")
         ]
-        mutation_integration.recheck(survivors, mutation_integration.integration_files())
+        files = mutation_integration.integration_files()
+        mutation_integration.recheck(survivors, files, args.integration_tests)
     return report(modules)
 
 
