@@ -355,13 +355,20 @@ def main() -> int:
         run_mutmut(names, args.time_box, args.workers)
     if args.with_integration:
         survivors = [
-            (m.name, m.after, _own_unit_tests(module) if m.status == "no_tests" else [])
+            (
+                m.name,
+                m.after,
+                [
+                    *(_own_unit_tests(module) if m.status == "no_tests" else []),
+                    *mutation_integration.driving(module),
+                ],
+            )
             for module in modules
             for m in load_module(module)
             if m.status in ("survived", "no_tests")
         ]
         files = mutation_integration.integration_files()
-        mutation_integration.recheck(survivors, files, args.integration_tests)
+        mutation_integration.recheck(survivors, files, args.integration_tests, args.time_box)
     return report(modules)
 
 

@@ -6,7 +6,9 @@ every mutant. A survivor of the unit tests is tried here against the integration
 mutmut's "stats" mode (which records the functions each test reaches; kept in
 `mutants/integration_hits.json`). Each survivor then runs those tests with `-x`; a failing test
 counts as a kill only if it passes again without the mutant (a test that fails either way says
-nothing about the mutant). A mutant no unit test reached ("no tests": its code may run in a
+nothing about the mutant). Most integration tests run the sidecar in a child process, whose
+calls the stats run cannot see: a survivor also runs the integration files that drive its
+module there (`DRIVING`, found by grep), whole. A mutant no unit test reached ("no tests": its code may run in a
 child process, where mutmut does not see it) also runs its module's own unit tests here.
 Results are kept in `mutants/integration_results.json`.
 
@@ -22,6 +24,7 @@ import re
 import subprocess
 import sys
 import time
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +33,31 @@ MUTANTS = ROOT / "mutants"
 HITS = MUTANTS / "integration_hits.json"
 RESULTS = MUTANTS / "integration_results.json"
 INTEGRATION_DIRS = ("tests/integration", "tests/epp")
+# The sidecar of most integration tests is a child process (extproc.testing), whose calls the
+# stats run cannot see: per module (fnmatch, first match), the integration files that drive
+# its code there (found by grep: its config keys, its behaviour), run whole for a survivor.
+_IT = "tests/integration/test_"
+_KV = (f"{_IT}kv_routing.py", f"{_IT}approx_kv_routing.py")
+DRIVING = (
+    ("kvcache.*", (*_KV, f"{_IT}kv_events_connected.py")),
+    ("policies.kv_cache", (*_KV, f"{_IT}data_parallel.py")),
+    ("scheduling.decision", (f"{_IT}decide.py",)),
+    ("scheduling.admission", (f"{_IT}decide.py", "tests/epp/test_gateway.py")),
+    ("scheduling.subset_hint", ("tests/epp/test_gateway.py",)),
+    ("scheduling.*", (f"{_IT}policies.py", f"{_IT}dispatch.py")),
+    ("request.strategies", (f"{_IT}dispatch.py", f"{_IT}failures.py")),
+    ("request.pushed_kv", (f"{_IT}failures.py", f"{_IT}data_parallel.py")),
+)
 # a mutant that hangs the tests: stopped after this, counted as a timeout
 _MIN_TIMEOUT_S = 120.0
+_FILE_TIMEOUT_S = 600.0  # more per whole file run (a loaded machine)
 MOST_TESTS = 8  # integration tests per mutant, the quickest of those reaching it
 _FAILED = re.compile(r"^FAILED (\S+?)(?: - .*)?$", re.MULTILINE)
+
+
+def driving(module: str) -> list[str]:
+    """The integration files that drive `module`'s code in the sidecar's process."""
+    return next((list(files) for pattern, files in DRIVING if fnmatch(module, pattern)), [])
 
 
 def integration_files() -> list[str]:
@@ -107,7 +131,10 @@ def load_results() -> dict[str, dict[str, Any]]:
 
 
 def recheck(
-    mutants: list[tuple[str, str, list[str]]], files: list[str], most: int = MOST_TESTS
+    mutants: list[tuple[str, str, list[str]]],
+    files: list[str],
+    most: int = MOST_TESTS,
+    time_box: float | None = None,
 ) -> None:
     """Run each survivor (name, mutated text, tests to add) against the integration tests
     reaching its function (the `most` quickest: a function every request calls is reached
@@ -115,22 +142,26 @@ def recheck(
     mutmut's process, its module's own unit tests: their code may run in a child process)."""
     reach = hits(files)
     results = load_results()
+    stop = None if time_box is None else time.monotonic() + time_box
     for done, (name, after, added) in enumerate(mutants, 1):
+        if stop is not None and time.monotonic() > stop:
+            print(f"time box reached: {len(mutants) - done + 1} survivors left for a next run")
+            return
         previous = results.get(name)
         if previous is not None and previous["after"] == after:
             continue
         reaching = reach.get(mangled(name), {})
         quickest = sorted(reaching, key=lambda test: (reaching[test], test))[:most]
         seconds = {**dict.fromkeys(added, 0.0), **{test: reaching[test] for test in quickest}}
-        results[name] = {"after": after, **_try(name, sorted(seconds), seconds)}
+        timeout = max(_MIN_TIMEOUT_S, 10 * sum(seconds.values())) + _FILE_TIMEOUT_S * len(added)
+        results[name] = {"after": after, **_try(name, sorted(seconds), timeout)}
         RESULTS.write_text(json.dumps(results, indent=1))
         print(f"  [{done}/{len(mutants)}] {name}: {results[name]['status']}", flush=True)
 
 
-def _try(name: str, tests: list[str], seconds: dict[str, float]) -> dict[str, Any]:
+def _try(name: str, tests: list[str], timeout: float) -> dict[str, Any]:
     if not tests:
         return {"status": "unreached", "tests": 0}
-    timeout = max(_MIN_TIMEOUT_S, 10 * sum(seconds.values()))
     outcome = _pytest(name, tests, timeout)
     if outcome is None:
         return {"status": "timeout", "tests": len(tests)}
