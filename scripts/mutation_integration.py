@@ -8,8 +8,9 @@ mutmut's "stats" mode (which records the functions each test reaches; kept in
 counts as a kill only if it passes again without the mutant (a test that fails either way says
 nothing about the mutant). Most integration tests run the sidecar in a child process, whose
 calls the stats run cannot see: a survivor also runs the integration files that drive its
-module there (`DRIVING`, found by grep), whole. A mutant no unit test reached ("no tests": its code may run in a
-child process, where mutmut does not see it) also runs its module's own unit tests here.
+module there (`DRIVING`, found by grep), whole. A mutant no unit test reached ("no tests":
+its code may run in a child process, where mutmut does not see it) also runs its module's own
+unit tests here.
 Results are kept in `mutants/integration_results.json`.
 
 Run by `scripts/mutation.py --with-integration`; `python scripts/mutation_integration.py hits
