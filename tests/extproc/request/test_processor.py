@@ -508,6 +508,22 @@ async def test_d_5xx_in_serial_drops_the_identity_p_gave() -> None:
     assert r.outcome("decode_5xx", "serial", "cache_miss") == 1
 
 
+@pytest.mark.parametrize(("status", "dropped"), [(400, False), (500, True), (502, True)])
+async def test_only_a_d_that_answered_below_400_owes_a_push_and_5xx_drops_the_identity(
+    status: int, dropped: bool
+) -> None:
+    r = Request()
+    await r.start(REQUEST | {"stream": True})
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)  # a push engine
+    await r.envoy.until_sent(3)
+    await r.send(response_headers(status))
+    await r.envoy.until_sent(4)
+    assert len(r.rt.pushed_kv) == 0  # D refused or failed: nothing is on its way to it
+    assert (r.rt.identities.get(P) is None) is dropped
+    await r.end()
+
+
 async def test_d_4xx_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
     r = Request(cached=True)
     await r.start()
