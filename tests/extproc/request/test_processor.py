@@ -1097,6 +1097,19 @@ async def test_a_prefill_refusing_the_request_is_a_client_error() -> None:
     assert r.outcome("client_error", "parallel", "cache_hit") == 1
 
 
+@pytest.mark.parametrize(("status", "kept"), [(400, True), (499, True), (500, False)])
+async def test_a_prefill_that_refused_the_request_keeps_its_identity(
+    status: int, kept: bool
+) -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.fail(PrefillFailed(status, f"prefill endpoint p answered {status}"))
+    await r.envoy.until_sent(3)
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert (r.rt.identities.get(P) is not None) is kept  # a 4xx says nothing of the engine
+
+
 @pytest.mark.parametrize("status", [400, 404])
 async def test_a_model_the_decode_refuses_is_labelled_other(status: int) -> None:
     r = Request()
