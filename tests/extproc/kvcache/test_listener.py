@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -349,3 +350,46 @@ async def test_a_relay_that_cannot_be_bound_is_said_once_whatever_the_ranks(
         f"KV events: cannot relay to the other ext_proc processes on {relay} ("
     )
     assert said[0].endswith("); they route those engines without their events")
+
+
+async def test_a_port_taken_is_said_once_in_full_and_not_tried_again(ctx: Any, caplog: Any) -> None:
+    port = two_free_ports()
+    holder = ctx.socket(zmq.PUB)
+    holder.setsockopt(zmq.LINGER, 0)
+    holder.bind(f"tcp://127.0.0.1:{port}")  # another process holds the engines' port
+    listener = EventListener("127.0.0.1", port, KvIndex(max_blocks=10), Metrics(), context=ctx)
+    try:
+        with caplog.at_level(logging.INFO, "extproc"):
+            await listener.set_engines({MEMBER: Listened(MEMBER)})
+            await listener.set_engines({MEMBER: Listened(MEMBER), "x": Listened("10.0.0.8:1")})
+        said = [r.getMessage() for r in caplog.records if "cannot listen" in r.getMessage()]
+        assert len(said) == 1 and 0 not in listener.bound
+        assert said[0].startswith(
+            f"KV events: cannot listen on tcp://127.0.0.1:{port} for data-parallel rank 0 ("
+        )
+        assert said[0].endswith(
+            "); engines that connect there are not indexed. Free the port or change "
+            "kv_listener.port"
+        )
+    finally:
+        await listener.stop()
+        holder.close(linger=0)
+
+
+async def test_the_listener_says_where_it_listens_with_port_0_and_on_ipv6(
+    ctx: Any, caplog: Any
+) -> None:
+    for host in ("127.0.0.1", "::1"):
+        listener = EventListener(host, 0, KvIndex(max_blocks=10), Metrics(), context=ctx)
+        try:
+            with caplog.at_level(logging.INFO, "extproc"):
+                await listener.set_engines({MEMBER: Listened(MEMBER)})
+            shown = host if host == "127.0.0.1" else f"[{host}]"
+            assert listener.bound[0].startswith(f"tcp://{shown}:")
+            assert int(listener.bound[0].rpartition(":")[2]) >= 1024  # the system's choice
+            assert (
+                f"KV events: listening on {listener.bound[0]} for engines that connect "
+                "(data-parallel rank 0); only the engines may reach it"
+            ) in caplog.text
+        finally:
+            await listener.stop()
