@@ -248,7 +248,7 @@ def _after_integration(mutant: Mutant, integration: dict[str, dict[str, str]]) -
     return {"killed": "by_integration", "timeout": "timeout"}.get(found["status"], mutant.status)
 
 
-def report(modules: list[str]) -> int:
+def report(modules: list[str], markdown: bool = False) -> int:
     known = load_equivalent()
     integration = mutation_integration.load_results()
     rows: dict[str, Counter[str]] = {}
@@ -270,12 +270,14 @@ def report(modules: list[str]) -> int:
             counts[status] += 1
         rows[module] = counts
     rows["TOTAL"] = sum(rows.values(), Counter())
+    if markdown:
+        _markdown(rows)
     print()
     width = max(len(module) for module in rows) + 2
     print(f"{'module':<{width}}" + "".join(f"{c:>15}" for c in COLUMNS) + f"{'kill rate':>12}")
     for module, counts in rows.items():
         print(f"{module:<{width}}" + "".join(f"{counts[c]:>15}" for c in COLUMNS) + _rate(counts))
-    print("\nkill rate = (killed + timeout) / (mutants - equivalent)")
+    print("\nkill rate = (killed + timeout) / (mutants - equivalent - not checked)")
     print("killed counts the unit tests' survivors the integration tests killed (by_integration)")
     unexplained = sum(entry is None for _, entry in survivors)
     print(f"\nSurvivors (file:line  function  original -> mutated), {unexplained} unexplained:")
@@ -288,8 +290,21 @@ def report(modules: list[str]) -> int:
     return 0
 
 
+def _markdown(rows: dict[str, Counter[str]]) -> None:
+    """The table as docs/development.md shows it (killed counts those by_integration)."""
+    shown = ("mutants", "killed", "timeout", "survived", "no_tests", "equivalent", "not_checked")
+    print("| module | " + " | ".join(c.replace("_", " ") for c in shown) + " | score |")
+    print("|---|" + "---:|" * (len(shown) + 1))
+    for module, counts in rows.items():
+        if not counts["mutants"]:
+            continue
+        name = "**all**" if module == "TOTAL" else f"`{module}`"
+        cells = " | ".join(str(counts[c]) for c in shown)
+        print(f"| {name} | {cells} | {_rate(counts).strip()} |")
+
+
 def _rate(counts: Counter[str]) -> str:
-    relevant = counts["mutants"] - counts["equivalent"]
+    relevant = counts["mutants"] - counts["equivalent"] - counts["not_checked"]
     if relevant == 0:
         return f"{'-':>12}"
     return f"{100 * (counts['killed'] + counts['timeout']) / relevant:>11.1f}%"
@@ -327,6 +342,7 @@ def main() -> int:
     group.add_argument("--timeouts", action="store_true", help="re-run only the timeouts")
     parser.add_argument("--time-box", type=float, help="stop mutmut after this many seconds")
     parser.add_argument("--workers", type=int, default=1, help="mutmut's worker processes")
+    parser.add_argument("--markdown", action="store_true", help="the table as markdown too")
     parser.add_argument(
         "--with-integration",
         action="store_true",
@@ -369,7 +385,7 @@ def main() -> int:
         ]
         files = mutation_integration.integration_files()
         mutation_integration.recheck(survivors, files, args.integration_tests, args.time_box)
-    return report(modules)
+    return report(modules, args.markdown)
 
 
 if __name__ == "__main__":
