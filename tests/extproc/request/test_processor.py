@@ -414,6 +414,23 @@ async def test_a_p_going_down_after_a_serial_answer_ends_a_push_stream_only(mode
     assert len(r.rt.pushed_kv) == 0
 
 
+async def test_a_streams_owed_push_is_kept_until_a_lost_p_can_be_seen() -> None:
+    """Landing time plus two health-check rounds (a failed check, or the restart's new
+    engine id learnt by the probe that follows), under the engine that answered."""
+    health = {"interval_s": 3.0, "timeout_s": 0.5}
+    r = Request(health=health, timeouts={"pushed_kv_s": 2.0})
+    await r.start(REQUEST | {"stream": True})
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(3)
+    await r.send(response_headers(200))
+    await r.envoy.until_sent(4)
+    ((owed,),) = r.rt.pushed_kv._owed.values()  # the one stream's
+    assert (owed.endpoint, owed.engine_id) == (P, "e1")
+    assert owed.kept_until - owed.landed_by == pytest.approx(2 * (3.0 + 0.5))
+    await r.end()
+
+
 async def test_p_restarted_under_a_parallel_request_is_a_retryable_503() -> None:
     r = Request(cached=True)
     await r.start()
