@@ -6,17 +6,23 @@ mutated function. A mutant the tests do not notice "survived": either the tests 
 behaviour, or the change makes no observable difference (an "equivalent" mutant, listed with
 its reason in `scripts/mutation_equivalent.toml`, as are survivors left on purpose, with
 kind = "left"; those still count against the kill rate). The integration tests start Envoy and are
-too slow to run once per mutant, so they are not used here.
+too slow to run once per mutant; `--with-integration` tries only the unit tests' survivors
+against the integration tests that reach their function (scripts/mutation_integration.py).
 
     python scripts/mutation.py                    # run every core module, then report
     python scripts/mutation.py bodies pool        # only these modules (each fully re-run)
+    python scripts/mutation.py --set issue38      # a named set of modules (SETS below)
     python scripts/mutation.py --resume           # only mutants without a result yet
     python scripts/mutation.py --survivors        # re-run only what survived last time
+    python scripts/mutation.py --timeouts         # re-run only what timed out
     python scripts/mutation.py --report           # no run: report the stored results
     python scripts/mutation.py --time-box 1800    # stop after 30 min; --resume goes on
+    python scripts/mutation.py --set issue38 --report --with-integration
+                                                  # survivors re-run against integration tests
 
 Results are kept in `mutants/` (git-ignored) between runs. Needs the `mutation` extra
-(`pip install -e '.[mutation]'`). One worker process: the run is ~30 min on 2 cores.
+(`pip install -e '.[mutation]'`). One worker process unless `--workers`: mutmut stops a mutant
+on CPU time (not wall time), so a starved machine slows the run but does not fake timeouts.
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ import time
 import tomllib
 from collections import Counter
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
+
+import mutation_integration
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ROOT / "mutants"
@@ -54,9 +63,21 @@ _STATUS = {
     37: "killed",
     None: "not_checked",
 }
+# named sets of modules (fnmatch patterns over the dotted names of core_modules())
+SETS = {
+    # issue 38: the KV-cache routing, the scheduling and the owed pushes
+    "issue38": (
+        "kvcache.*",
+        "policies.kv_cache",
+        "scheduling.*",
+        "request.strategies",
+        "request.pushed_kv",
+    ),
+}
 COLUMNS = (
     "mutants",
     "killed",
+    "by_integration",
     "timeout",
     "survived",
     "no_tests",
@@ -198,9 +219,9 @@ def explanation(mutant: Mutant, known: list[dict[str, str]]) -> dict[str, str] |
     return None
 
 
-def run_mutmut(names: list[str], time_box: float | None) -> None:
-    """`mutmut run` with one worker; named mutants (globs) are re-run even if they have results."""
-    command = [sys.executable, "-m", "mutmut", "run", "--max-children", "1", *names]
+def run_mutmut(names: list[str], time_box: float | None, workers: int = 1) -> None:
+    """`mutmut run`; named mutants (globs) are re-run even if they have results."""
+    command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(workers), *names]
     print("$", " ".join(command), flush=True)
     started = time.monotonic()
     with subprocess.Popen(
@@ -219,8 +240,17 @@ def run_mutmut(names: list[str], time_box: float | None) -> None:
     print(f"mutmut finished in {time.monotonic() - started:.0f} s (exit {process.returncode})")
 
 
-def report(modules: list[str]) -> int:
+def _after_integration(mutant: Mutant, integration: dict[str, dict[str, str]]) -> str:
+    """A unit-test survivor's status once re-checked against the integration tests."""
+    found = integration.get(mutant.name)
+    if found is None or found["after"] != mutant.after:
+        return mutant.status
+    return {"killed": "by_integration", "timeout": "timeout"}.get(found["status"], mutant.status)
+
+
+def report(modules: list[str], markdown: bool = False) -> int:
     known = load_equivalent()
+    integration = mutation_integration.load_results()
     rows: dict[str, Counter[str]] = {}
     survivors: list[tuple[Mutant, dict[str, str] | None]] = []
     for module in modules:
@@ -229,19 +259,26 @@ def report(modules: list[str]) -> int:
             counts["mutants"] += 1
             status = mutant.status
             if status in ("survived", "no_tests"):
+                status = _after_integration(mutant, integration)
+            if status in ("survived", "no_tests"):
                 entry = explanation(mutant, known)
                 survivors.append((mutant, entry))
                 if entry is not None and entry.get("kind", "equivalent") == "equivalent":
                     status = "equivalent"
+            if status == "by_integration":
+                counts["killed"] += 1
             counts[status] += 1
         rows[module] = counts
     rows["TOTAL"] = sum(rows.values(), Counter())
+    if markdown:
+        _markdown(rows)
     print()
     width = max(len(module) for module in rows) + 2
-    print(f"{'module':<{width}}" + "".join(f"{c:>12}" for c in COLUMNS) + f"{'kill rate':>12}")
+    print(f"{'module':<{width}}" + "".join(f"{c:>15}" for c in COLUMNS) + f"{'kill rate':>12}")
     for module, counts in rows.items():
-        print(f"{module:<{width}}" + "".join(f"{counts[c]:>12}" for c in COLUMNS) + _rate(counts))
-    print("\nkill rate = (killed + timeout) / (mutants - equivalent)")
+        print(f"{module:<{width}}" + "".join(f"{counts[c]:>15}" for c in COLUMNS) + _rate(counts))
+    print("\nkill rate = (killed + timeout) / (mutants - equivalent - not checked)")
+    print("killed counts the unit tests' survivors the integration tests killed (by_integration)")
     unexplained = sum(entry is None for _, entry in survivors)
     print(f"\nSurvivors (file:line  function  original -> mutated), {unexplained} unexplained:")
     for mutant, entry in survivors:
@@ -253,40 +290,102 @@ def report(modules: list[str]) -> int:
     return 0
 
 
+def _markdown(rows: dict[str, Counter[str]]) -> None:
+    """The table as docs/development.md shows it (killed counts those by_integration)."""
+    shown = ("mutants", "killed", "timeout", "survived", "no_tests", "equivalent", "not_checked")
+    print("| module | " + " | ".join(c.replace("_", " ") for c in shown) + " | score |")
+    print("|---|" + "---:|" * (len(shown) + 1))
+    for module, counts in rows.items():
+        if not counts["mutants"]:
+            continue
+        name = "**all**" if module == "TOTAL" else f"`{module}`"
+        cells = " | ".join(str(counts[c]) for c in shown)
+        print(f"| {name} | {cells} | {_rate(counts).strip()} |")
+
+
 def _rate(counts: Counter[str]) -> str:
-    relevant = counts["mutants"] - counts["equivalent"]
+    relevant = counts["mutants"] - counts["equivalent"] - counts["not_checked"]
     if relevant == 0:
         return f"{'-':>12}"
     return f"{100 * (counts['killed'] + counts['timeout']) / relevant:>11.1f}%"
 
 
+def _modules(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    core = core_modules()
+    if args.set:
+        return [m for m in core if any(fnmatch(m, pattern) for pattern in SETS[args.set])]
+    unknown = set(args.modules) - set(core)
+    if unknown:
+        parser.error(f"not a core module: {', '.join(sorted(unknown))}")
+    return args.modules or core
+
+
+def _own_unit_tests(module: str) -> list[str]:
+    """tests/extproc/<folder>/test_<module>*.py, the unit tests of one module."""
+    *folders, name = module.split(".")
+    folder = ROOT.joinpath("tests", "extproc", *folders)
+    return [str(path.relative_to(ROOT)) for path in sorted(folder.glob(f"test_{name}*.py"))]
+
+
+def _names(modules: list[str], statuses: tuple[str, ...]) -> list[str]:
+    return [m.name for module in modules for m in load_module(module) if m.status in statuses]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", help="core modules to run (default: all)")
+    parser.add_argument("--set", choices=sorted(SETS), help="a named set of modules instead")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--report", action="store_true", help="no run, report stored results")
     group.add_argument("--resume", action="store_true", help="only mutants without a result")
     group.add_argument("--survivors", action="store_true", help="re-run only the survivors")
+    group.add_argument("--timeouts", action="store_true", help="re-run only the timeouts")
     parser.add_argument("--time-box", type=float, help="stop mutmut after this many seconds")
+    parser.add_argument("--workers", type=int, default=1, help="mutmut's worker processes")
+    parser.add_argument("--markdown", action="store_true", help="the table as markdown too")
+    parser.add_argument(
+        "--with-integration",
+        action="store_true",
+        help="then re-check the survivors against the integration tests that reach them",
+    )
+    parser.add_argument(
+        "--integration-tests",
+        type=int,
+        default=mutation_integration.MOST_TESTS,
+        help="at most this many integration tests per survivor, the quickest reaching it",
+    )
     args = parser.parse_args()
-    modules = args.modules or core_modules()
-    unknown = set(modules) - set(core_modules())
-    if unknown:
-        parser.error(f"not a core module: {', '.join(sorted(unknown))}")
+    if args.set and args.modules:
+        parser.error("give modules or --set, not both")
+    modules = _modules(parser, args)
+    names: list[str] = []
     if args.resume:
-        run_mutmut([], args.time_box)
+        names = _names(modules, ("not_checked",))
     elif args.survivors:
-        names = [
-            m.name
+        names = _names(modules, ("survived", "no_tests", "not_checked"))
+    elif args.timeouts:
+        names = _names(modules, ("timeout",))
+    elif not args.report:
+        names = [_mutant_glob(module) for module in modules]
+    if names:
+        run_mutmut(names, args.time_box, args.workers)
+    if args.with_integration:
+        survivors = [
+            (
+                m.name,
+                m.after,
+                [
+                    *(_own_unit_tests(module) if m.status == "no_tests" else []),
+                    *mutation_integration.driving(module),
+                ],
+            )
             for module in modules
             for m in load_module(module)
-            if m.status in ("survived", "no_tests", "not_checked")
+            if m.status in ("survived", "no_tests")
         ]
-        if names:
-            run_mutmut(names, args.time_box)
-    elif not args.report:
-        run_mutmut([_mutant_glob(module) for module in modules], args.time_box)
-    return report(modules)
+        files = mutation_integration.integration_files()
+        mutation_integration.recheck(survivors, files, args.integration_tests, args.time_box)
+    return report(modules, args.markdown)
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ class EventListener:
             self._bind_relay(self._relay_endpoint)
         port = 0 if self.port == 0 and rank == 0 else self._rank_port(rank)
         endpoint = f"tcp://{self._host()}:{port}"
-        sock = zmq_socket(self._context, zmq.SUB, self._limits)
+        sock = zmq_socket(self._context, zmq.SUB, self._limits, ipv6=":" in self.host)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         try:
             sock.bind(endpoint)

@@ -62,13 +62,16 @@ class SubscriberLimits:
 
 
 def zmq_socket(
-    context: zmq.asyncio.Context, kind: int, limits: SubscriberLimits
+    context: zmq.asyncio.Context, kind: int, limits: SubscriberLimits, *, ipv6: bool = True
 ) -> zmq.asyncio.Socket:
-    """A socket whose queue and frames are bounded by `limits`."""
+    """A socket whose queue and frames are bounded by `limits`. `ipv6`: it may reach IPv6
+    addresses (ZMQ's sockets are IPv4 only unless told; an IPv4 one still works; a socket
+    binding an IPv4 address leaves it off, or its address reads as IPv4-mapped IPv6)."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.RCVHWM, limits.receive_hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, int(ipv6))
     return sock
 
 

@@ -55,11 +55,12 @@ END = (-1).to_bytes(8, "big", signed=True)
 class FakeEngine:
     """A publisher as vLLM's ZmqEventPublisher: PUB plus a ROUTER replaying its kept batches."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, keep: int = 100) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, keep: int = 100, host: str = "127.0.0.1") -> None:
         self.pub = ctx.socket(zmq.PUB)
-        self.pub.bind("tcp://127.0.0.1:*")
         self.router = ctx.socket(zmq.ROUTER)
-        self.router.bind("tcp://127.0.0.1:*")
+        for sock in (self.pub, self.router):
+            sock.setsockopt(zmq.IPV6, int(":" in host))
+            sock.bind(f"tcp://{f'[{host}]' if ':' in host else host}:*")
         self.endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.replay_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.kept: list[tuple[int, bytes]] = []

@@ -315,3 +315,11 @@ def test_the_epoch_changes_when_an_engines_entries_are_dropped() -> None:
     assert index.epoch("a") == -1
     index.add_engine("a")
     assert index.epoch("a") not in (-1, first, cleared)
+
+
+def test_every_salt_and_every_adapter_keys_its_own_chain() -> None:
+    tokens = list(range(16))
+    scopes = [CacheScope(salt=f"s{n}") for n in range(40)]
+    scopes += [CacheScope(adapter=f"a{n}") for n in range(40)]
+    firsts = {chain_keys(tokens, 4, scope=scope)[0] for scope in scopes}
+    assert len(firsts) == len(scopes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -372,3 +373,68 @@ async def test_a_batch_that_comes_while_engines_sharing_a_host_leave_is_dropped_
             monkeypatch.undo()
         # after "a" stopped, then after "b" stopped with "a" already gone: "b" both times
         assert seen == ["127.0.0.7:8001", "127.0.0.7:8001"]
+
+
+def test_with_port_0_each_rank_listens_on_rank_0s_port_plus_its_rank() -> None:
+    listener = EventListener("127.0.0.1", 0, KvIndex(max_blocks=10), Metrics())
+    listener.bound[0] = "tcp://127.0.0.1:40000"  # the port the system gave rank 0
+    assert [listener._rank_port(rank) for rank in (1, 3)] == [40001, 40003]
+    fixed = EventListener("127.0.0.1", 5557, KvIndex(max_blocks=10), Metrics())
+    assert fixed._rank_port(2) == 5559
+
+
+async def test_a_relay_that_cannot_be_bound_is_said_once_whatever_the_ranks(
+    ctx: Any, tmp_path: Any, caplog: Any
+) -> None:
+    relay = f"ipc://{tmp_path / 'gone' / 'relay'}"
+    engines = {f"{MEMBER} dp{r}": Listened(MEMBER, rank=r) for r in (0, 1)}
+    async with listening(ctx, engines, relay=relay):
+        said = [r.getMessage() for r in caplog.records if "relay" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].startswith(
+        f"KV events: cannot relay to the other ext_proc processes on {relay} ("
+    )
+    assert said[0].endswith("); they route those engines without their events")
+
+
+async def test_a_port_taken_is_said_once_in_full_and_not_tried_again(ctx: Any, caplog: Any) -> None:
+    port = two_free_ports()
+    holder = ctx.socket(zmq.PUB)
+    holder.setsockopt(zmq.LINGER, 0)
+    holder.bind(f"tcp://127.0.0.1:{port}")  # another process holds the engines' port
+    listener = EventListener("127.0.0.1", port, KvIndex(max_blocks=10), Metrics(), context=ctx)
+    try:
+        with caplog.at_level(logging.INFO, "extproc"):
+            await listener.set_engines({MEMBER: Listened(MEMBER)})
+            await listener.set_engines({MEMBER: Listened(MEMBER), "x": Listened("10.0.0.8:1")})
+        said = [r.getMessage() for r in caplog.records if "cannot listen" in r.getMessage()]
+        assert len(said) == 1 and 0 not in listener.bound
+        assert said[0].startswith(
+            f"KV events: cannot listen on tcp://127.0.0.1:{port} for data-parallel rank 0 ("
+        )
+        assert said[0].endswith(
+            "); engines that connect there are not indexed. Free the port or change "
+            "kv_listener.port"
+        )
+    finally:
+        await listener.stop()
+        holder.close(linger=0)
+
+
+async def test_the_listener_says_where_it_listens_with_port_0_and_on_ipv6(
+    ctx: Any, caplog: Any
+) -> None:
+    for host in ("127.0.0.1", "::1"):
+        listener = EventListener(host, 0, KvIndex(max_blocks=10), Metrics(), context=ctx)
+        try:
+            with caplog.at_level(logging.INFO, "extproc"):
+                await listener.set_engines({MEMBER: Listened(MEMBER)})
+            shown = host if host == "127.0.0.1" else f"[{host}]"
+            assert listener.bound[0].startswith(f"tcp://{shown}:")
+            assert int(listener.bound[0].rpartition(":")[2]) >= 1024  # the system's choice
+            assert (
+                f"KV events: listening on {listener.bound[0]} for engines that connect "
+                "(data-parallel rank 0); only the engines may reach it"
+            ) in caplog.text
+        finally:
+            await listener.stop()

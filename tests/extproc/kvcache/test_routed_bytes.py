@@ -95,3 +95,19 @@ def test_an_engine_forgotten_leaves_every_entry_and_its_bit_is_reused() -> None:
     routed.remember([C], routed.keys(b"c" * BLOCK))  # C takes A's bit: none of A's credit
     assert routed.held(both) == {B: 3 * BLOCK} and routed.held(only_a) == {}
     routed.forget("never-seen")
+
+
+def test_the_bound_is_reached_before_anything_goes() -> None:
+    routed = RoutedBytes(max_entries=64)
+    full = routed.keys(os.urandom(64 * BLOCK))
+    routed.remember([A], full)
+    assert len(routed) == 64 and routed.held(full) == {A: 64 * BLOCK}
+
+
+def test_a_scope_with_a_lone_surrogate_still_keys_the_prompt() -> None:
+    # a JSON string may escape half a surrogate pair: the scope is keyed, not refused
+    routed = RoutedBytes()
+    odd = CacheScope(salt="\ud800")
+    routed.remember([A], routed.keys(SHARED, odd))
+    assert routed.held(routed.keys(SHARED, odd)) == {A: 5 * BLOCK}
+    assert routed.held(routed.keys(SHARED, CacheScope(salt="\ud801"))) == {}

@@ -653,3 +653,118 @@ def test_a_fit_limit_is_known_once_every_engine_has_said_its_length() -> None:
     routing.engine_context("d", 2048)
     routing.forget("p")  # left its pool
     assert routing.fit_limit(["p", "d"]) is None and routing.fit_limit(["d"]) == 2048
+
+
+# ---- what the tests above leave open (mutation testing) ------------------------------------
+
+
+def test_sources_of_several_groups_listening_roles_and_decode_only_events(
+    tokenizer_dir: Path,
+) -> None:
+    """The first group routes without the KV cache, the second's prefill publishes nothing:
+    its decode still does; a listening engine's source names its group, with no topic; a
+    role absent from the members has none."""
+    tokenizer = str(tokenizer_dir)
+    cfg = parse_config(
+        {
+            **config(None),
+            "models": {
+                "a": {
+                    "prefill": {"endpoints": ["10.0.1.1:8000"]},
+                    "decode": {"endpoints": ["10.0.1.3:8000"], "kv_events": {}},
+                },
+                "b": {
+                    "prefill": {"endpoints": ["10.0.2.1:8000"]},
+                    "decode": {
+                        "endpoints": ["10.0.2.3:8000"],
+                        "kv_events": {"mode": "listen", "topic": "kv"},
+                    },
+                    "tokenizer": tokenizer,
+                },
+                "c": {
+                    "prefill": {"endpoints": ["10.0.3.1:8000"], "kv_events": {"topic": "kv"}},
+                    "decode": {"endpoints": ["10.0.3.3:8000"], "kv_events": {}},
+                    "tokenizer": tokenizer,
+                },
+            },
+        }
+    )
+    members = {
+        "a": {Role.DECODE: ["10.0.1.3:8000"]},
+        "b": {Role.DECODE: ["10.0.2.3:8000"]},
+        "c": {Role.PREFILL: ["10.0.3.1:8000"]},  # its decode members not known yet
+    }
+    # decode members of two ranks: the role is handed to ranks_of
+    sources = event_sources(cfg, members, {"b", "c"}, lambda role, a: 1 + (role == Role.DECODE))
+    assert sources == {
+        "10.0.2.3:8000 dp0": EventSource("", None, "", "10.0.2.3:8000", 0, "b"),
+        "10.0.2.3:8000 dp1": EventSource("", None, "", "10.0.2.3:8000", 1, "b"),
+        "10.0.3.1:8000": EventSource("tcp://10.0.3.1:5557", "tcp://10.0.3.1:5558", "kv"),
+    }
+
+
+def test_a_static_endpoints_own_sockets_keep_their_replay_and_ranks_their_ipc_path(
+    tokenizer_dir: Path,
+) -> None:
+    own = {"address": P2, "kv_events": {"endpoint": "tcp://10.0.0.2:7100"}}
+    own = {**own, "kv_events": {**own["kv_events"], "replay_endpoint": "tcp://10.0.0.2:7200"}}
+    ipc = {"address": D1, "kv_events": {"endpoint": "ipc:///run/kv:5557"}}
+    cfg = parse_config(
+        {
+            "prefill": {"endpoints": [P1, own], "kv_events": {"replay_port": None}},
+            "decode": {"endpoints": [ipc], "kv_events": {}},
+            "tokenizer": str(tokenizer_dir),
+        }
+    )
+    members = {"": {Role.PREFILL: [P1, P2], Role.DECODE: [D1]}}
+    sources = event_sources(cfg, members, {""}, lambda role, a: 2)
+    assert sources == {
+        f"{P1} dp0": EventSource("tcp://10.0.0.1:5557", None, "", P1, 0),
+        f"{P1} dp1": EventSource("tcp://10.0.0.1:5558", None, "", P1, 1),
+        f"{P2} dp0": EventSource("tcp://10.0.0.2:7100", "tcp://10.0.0.2:7200", "", P2, 0),
+        f"{P2} dp1": EventSource("tcp://10.0.0.2:7101", "tcp://10.0.0.2:7201", "", P2, 1),
+        # not a TCP port: nothing to add the rank to
+        f"{D1} dp0": EventSource("ipc:///run/kv:5557", None, "", D1, 0),
+        f"{D1} dp1": EventSource("ipc:///run/kv:5557", None, "", D1, 1),
+    }
+
+
+def test_a_named_groups_missing_tokenizer_is_named_in_its_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    with caplog.at_level(logging.WARNING, "extproc"):
+        routing.configure({"m": (True, None)})
+    assert caplog.records[0].getMessage().startswith("model m: kv_events are set but no")
+
+
+def test_engines_heard_from_take_no_room_among_the_routed_blocks() -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    routing.follow(
+        {
+            f"{P1} dp0": EventSource("tcp://10.0.0.1:7000", None, "", P1, 0),
+            P2: EventSource("tcp://10.0.0.2:7000"),
+        }
+    )
+    routing.index.apply(f"{P1} dp0", _decoded(chain(1, [1, 2, 3, 4])))
+    routing.index.apply(P2, _decoded(chain(1, [1, 2, 3, 4])))
+    routing.remember([P1, P2], list(range(40)))
+    assert len(routing.routed) == 0  # the bound is kept for the engines that need it
+    routing.remember([D1], list(range(40)))
+    assert len(routing.routed) == 2
+
+
+def test_base_models_are_kept_for_a_bounded_number_of_engines() -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    full = [f"10.1.{i // 256}.{i % 256}:8000" for i in range(1024)]  # the bound
+    for address in full:
+        routing.learn_base_model(address, "m")
+        routing.learn_base_names(address, ["m"])
+    routing.learn_base_model("10.9.9.9:8000", "beyond")  # no room for another engine
+    routing.learn_base_names("10.9.9.9:8000", ["beyond-name"])
+    assert routing.scope_of("beyond", {}) == CacheScope(adapter="beyond")
+    assert routing.scope_of("beyond-name", {}) == CacheScope(adapter="beyond-name")
+    routing.learn_base_model(full[0], "renamed")  # a known engine may change its model
+    routing.learn_base_names(full[1], ["m", "alias"])
+    assert routing.scope_of("renamed", {}) == PLAIN
+    assert routing.scope_of("alias", {}) == PLAIN

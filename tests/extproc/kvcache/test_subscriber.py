@@ -517,3 +517,17 @@ async def test_a_batch_whose_engine_is_reset_midway_is_not_applied_past_the_rese
         await resetting
         assert index.blocks == 0
         assert ("e" in index.engines()) == (reset == "cleared")
+
+
+async def test_an_engine_on_an_ipv6_address_is_followed_and_replayed(ctx: Any) -> None:
+    """ZMQ's sockets speak IPv4 only unless told: the subscriber and its replay must not."""
+    engine = FakeEngine(ctx, host="::1")
+    try:
+        await engine.send(batch(chain(1, TOKENS[:8])), lost=True)  # only the replay has it
+        async with subscribed(engine, ctx) as (events, index, _):
+            await joined(engine, events)  # the subscriber reads the engine's PUB
+            held = lambda: index.longest_prefix(TOKENS) == {"e": 2}  # noqa: E731
+            await until_true(held, "the replayed batch indexed")
+            assert engine.endpoint.startswith("tcp://[::1]:") and engine.replays
+    finally:
+        await engine.close()

@@ -116,3 +116,11 @@ def test_the_composition_factors_are_unicodes_longest_decompositions() -> None:
         "NFC": max(len(unicodedata.normalize("NFD", c)) for c in every),
         "NFKC": max(len(unicodedata.normalize("NFKD", c)) for c in every),
     } == token_bound._COMPOSED
+
+
+def test_bpe_dropout_gives_no_bound_and_a_bare_byte_alphabet_one() -> None:
+    assert bound(byte_level(dropout=0.1)) is None  # merges skipped at random
+    assert bound(byte_level(dropout=0.0)) == 6
+    alphabet_only = Tokenizer(models.BPE({c: i for i, c in enumerate(BYTES)}, []))
+    alphabet_only.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert bound(alphabet_only) == 1  # every byte a token, nothing longer

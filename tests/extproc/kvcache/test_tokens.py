@@ -4,6 +4,7 @@ model's template as Hugging Face renders it, then encoded without them."""
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,37 @@ def test_a_model_without_template_cannot_render_chat(tmp_path: Path) -> None:
 def test_missing_tokenizer_files_say_what_to_give(tmp_path: Path) -> None:
     with pytest.raises(TokenizerFilesError, match="give the model's folder"):
         RequestTokenizer.from_path(tmp_path)
+
+
+def test_tojson_and_strftime_now_behave_as_in_hugging_faces_templates(tmp_path: Path) -> None:
+    template = (
+        "{{ messages[0] | tojson }}|{{ {'b': 1, 'a': 'é'} | tojson(indent=2, sort_keys=True) }}"
+        "|{{ [1, 2] | tojson(separators=(',', ':')) }}|{{ strftime_now('%Y') }}"
+        "|{{ 'é' | tojson(ensure_ascii=True) }}"
+    )
+    tok = RequestTokenizer.from_path(_write_model(tmp_path, template))
+    text = tok.render_chat([{"role": "user", "content": "é"}])
+    year = str(datetime.now().year)
+    # not ASCII-escaped, keys in their order unless sorted
+    assert text.split("|") == [
+        '{"role": "user", "content": "é"}',
+        '{\n  "a": "é",\n  "b": 1\n}',
+        "[1,2]",
+        year,
+        '"\\u00e9"',
+    ]
+
+
+def test_chat_hands_its_options_to_the_template(tmp_path: Path) -> None:
+    tok = RequestTokenizer.from_path(_write_model(tmp_path))
+    messages = [{"role": "user", "content": "hello"}]
+    opened = tok.chat(messages)
+    closed = tok.chat(messages, add_generation_prompt=False)
+    assert opened == [*closed, 6]  # <assistant> only where the generation prompt is asked
+    assert tok.decode(tok.encode("hello world", add_special_tokens=False)) == "hello world"
+
+
+def test_an_unreadable_chat_template_says_which(tmp_path: Path) -> None:
+    model = _write_model(tmp_path)
+    with pytest.raises(TokenizerFilesError, match=r"cannot read the chat template .*nowhere"):
+        RequestTokenizer.from_path(model, tmp_path / "nowhere.jinja")

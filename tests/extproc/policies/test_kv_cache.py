@@ -66,3 +66,13 @@ def test_the_sidecars_other_processes_queue_at_the_holder_counts_as_this_ones() 
     assert KvCachePicker().pick([other, holder], HELD) is holder
     holder.peer_in_flight, holder.peer_pending_tokens = 16, 32
     assert KvCachePicker().pick([other, holder], HELD) is other
+
+
+def test_a_rank_holding_what_outweighs_its_queue_wins_and_ties_go_to_the_less_busy() -> None:
+    # weight 1, 64 tokens per queued request: rank 1's queue costs what 64 cached tokens save
+    picker = KvCachePicker(KvCacheOptions(kv_cached_token_weight=1.0))
+    assert picker.pick_rank([0, 1], {1: 65}, PROMPT) == 1  # one token ahead of idle rank 0
+    assert picker.pick_rank([0, 1], {1: 64}, PROMPT) == 0  # even: the less loaded rank
+    assert picker.pick_rank([0, 0, 0], {1: 5, 2: 5}, PROMPT) == 1  # even and idle: the first
+    assert picker.pick_rank([0, 0], {1: 1}, 1) == 1  # a one-token prompt, held
+    assert picker.pick_rank([0, 0], {1: 8}, 0) is None  # no prompt tokens: nothing to weigh

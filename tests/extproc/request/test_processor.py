@@ -414,6 +414,23 @@ async def test_a_p_going_down_after_a_serial_answer_ends_a_push_stream_only(mode
     assert len(r.rt.pushed_kv) == 0
 
 
+async def test_a_streams_owed_push_is_kept_until_a_lost_p_can_be_seen() -> None:
+    """Landing time plus two health-check rounds (a failed check, or the restart's new
+    engine id learnt by the probe that follows), under the engine that answered."""
+    health = {"interval_s": 3.0, "timeout_s": 0.5}
+    r = Request(health=health, timeouts={"pushed_kv_s": 2.0})
+    await r.start(REQUEST | {"stream": True})
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(3)
+    await r.send(response_headers(200))
+    await r.envoy.until_sent(4)
+    ((owed,),) = r.rt.pushed_kv._owed.values()  # the one stream's
+    assert (owed.endpoint, owed.engine_id) == (P, "e1")
+    assert owed.kept_until - owed.landed_by == pytest.approx(2 * (3.0 + 0.5))
+    await r.end()
+
+
 async def test_p_restarted_under_a_parallel_request_is_a_retryable_503() -> None:
     r = Request(cached=True)
     await r.start()
@@ -506,6 +523,22 @@ async def test_d_5xx_in_serial_drops_the_identity_p_gave() -> None:
     assert r.rt.identities.get(P) is None
     await r.end()
     assert r.outcome("decode_5xx", "serial", "cache_miss") == 1
+
+
+@pytest.mark.parametrize(("status", "dropped"), [(400, False), (500, True), (502, True)])
+async def test_only_a_d_that_answered_below_400_owes_a_push_and_5xx_drops_the_identity(
+    status: int, dropped: bool
+) -> None:
+    r = Request()
+    await r.start(REQUEST | {"stream": True})
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)  # a push engine
+    await r.envoy.until_sent(3)
+    await r.send(response_headers(status))
+    await r.envoy.until_sent(4)
+    assert len(r.rt.pushed_kv) == 0  # D refused or failed: nothing is on its way to it
+    assert (r.rt.identities.get(P) is None) is dropped
+    await r.end()
 
 
 async def test_d_4xx_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
@@ -1079,6 +1112,19 @@ async def test_a_prefill_refusing_the_request_is_a_client_error() -> None:
     await asyncio.wait_for(r.task, WAIT_S)
     assert error(sent[2])[0] == 404
     assert r.outcome("client_error", "parallel", "cache_hit") == 1
+
+
+@pytest.mark.parametrize(("status", "kept"), [(400, True), (499, True), (500, False)])
+async def test_a_prefill_that_refused_the_request_keeps_its_identity(
+    status: int, kept: bool
+) -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.fail(PrefillFailed(status, f"prefill endpoint p answered {status}"))
+    await r.envoy.until_sent(3)
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert (r.rt.identities.get(P) is not None) is kept  # a 4xx says nothing of the engine
 
 
 @pytest.mark.parametrize("status", [400, 404])

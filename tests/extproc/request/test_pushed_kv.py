@@ -90,3 +90,37 @@ async def test_a_loss_seen_after_the_landing_time_within_the_keep_time_is_told()
     owed = pushed.owe("p1", "e1", LANDING_S, KEEP_S)
     clock.now += KEEP_S - 0.01
     assert pushed.endpoint_down("p1") == 1 and owed.lost.done()
+
+
+async def test_every_push_of_the_old_engine_is_told_among_the_new_ones() -> None:
+    pushed = PushedKv(Clock())
+    old = [pushed.owe("p1", "e1", LANDING_S, KEEP_S) for _ in range(10)]
+    new = [pushed.owe("p1", "e2", LANDING_S, KEEP_S) for _ in range(10)]
+    assert pushed.engine_changed("p1", "e2") == 10
+    assert all(o.lost.done() for o in old) and not any(o.lost.done() for o in new)
+
+
+async def test_the_bounds_are_inclusive() -> None:
+    clock = Clock()
+    pushed = PushedKv(clock)
+    written = pushed.owe("p1", "e1", LANDING_S, KEEP_S)
+    clock.now += LANDING_S  # seen alive exactly when the push had to land: it did
+    pushed.seen_alive("p1", "e1")
+    assert pushed.engine_changed("p1", "e2") == 0 and not written.lost.done()
+    owed = pushed.owe("p1", "e2", LANDING_S, KEEP_S)
+    clock.now += KEEP_S  # a loss seen exactly at the keep time is still told
+    assert pushed.endpoint_down("p1") == 1 and owed.lost.done()
+
+
+async def test_an_endpoint_that_left_the_pool_has_no_sign_of_life_left() -> None:
+    clock = Clock()
+    pushed = PushedKv(clock)
+    owed = [pushed.owe(key, "e1", LANDING_S, KEEP_S) for key in ("p1", "p1 dp1", "p10")]
+    clock.now += 2 * LANDING_S
+    for key in ("p1", "p1 dp1", "p10"):
+        pushed.seen_alive(key, "e1")  # each wrote its push
+    pushed.forget("p1")  # its ranks too: a later engine there proves nothing of e1's pushes
+    assert pushed.engine_changed("p1", "e2") == 1 and owed[0].lost.done()
+    assert pushed.engine_changed("p1 dp1", "e2") == 1 and owed[1].lost.done()
+    # p10 is not a rank of p1: its record stayed
+    assert pushed.engine_changed("p10", "e2") == 0 and not owed[2].lost.done()

@@ -12,6 +12,7 @@ from extproc.scheduling.admission import (
     check_admission,
     parse_priority,
     request_priority,
+    role_saturation,
     shedding_point,
 )
 
@@ -105,3 +106,8 @@ def test_a_range_that_sheds_on_idle_engines_is_refused(
 ) -> None:
     with pytest.raises(ValidationError, match=message):
         AdmissionConfig.model_validate({"enabled": True, **settings})
+
+
+def test_a_role_without_members_is_not_saturated() -> None:
+    """No member: no 429 from admission, the pick answers 503 (nothing can serve)."""
+    assert role_saturation([], LIMITS) == 0.0

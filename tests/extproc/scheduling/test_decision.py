@@ -14,7 +14,14 @@ from extproc.metrics import Metrics
 from extproc.policies import LeastTokensPicker, PickRequest
 from extproc.roles import Role
 from extproc.scheduling.admission import role_saturation, saturation
-from extproc.scheduling.decision import Decider, Sides, decide, estimate_tokens, stall_ms
+from extproc.scheduling.decision import (
+    Decider,
+    Decision,
+    Sides,
+    decide,
+    estimate_tokens,
+    stall_ms,
+)
 from extproc.scheduling.pool import EndpointState
 from extproc.scheduling.shared_load import SharedLoad, table_bytes
 
@@ -38,7 +45,7 @@ def test_tokens_are_estimated_from_bytes() -> None:
 def test_threshold_splits_on_the_prompt_size() -> None:
     cfg = DecisionConfig(mode="threshold", max_prompt_tokens=100)
     assert decide(cfg, 100, BUSY_D, 0).reason == "short_prompt"
-    assert not decide(cfg, 101, IDLE, 0).decode_only
+    assert decide(cfg, 101, IDLE, 0) == Decision(False, "long_prompt")  # a metric's label
 
 
 def test_idle_engines_go_alone_for_any_prompt() -> None:
@@ -211,3 +218,147 @@ def test_prompts_the_other_processes_sent_d_to_prefill_alone_wait_ahead_of_this_
     decision = Decider(Metrics()).decide(LOAD_AWARE, 8000, "d", told, Load())
     assert decision.reason == "faster_pd"
     assert Decider(Metrics()).decide(LOAD_AWARE, 8000, "d", Load(), Load()).decode_only
+
+
+# Step costs in exact binary fractions, so the expected times below are exact.
+EXACT = DecisionConfig(
+    mode="load_aware",
+    bytes_per_token=1.0,
+    step_base_ms=2.0,
+    prefill_per_token_ms=0.5,
+    decode_per_seq_ms=0.25,
+    max_batched_tokens=100,
+    pd_overhead_ms=8.0,
+    max_stall_ms=60.0,
+    max_kv_usage=0.5,
+)
+
+
+def sides(
+    running: float = 0, waiting: float = 0, kv: float = 0, pending: int = 0, queued_p: int = 0
+) -> Sides:
+    return Sides(running, waiting, kv, pending, queued_p, waiting_p=0)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "load", "credit", "cached", "expected"),
+    [
+        # alone: 3 queued steps (6) + prefill of 10 pending + 20 uncached (2 + 15) + one decode
+        # step of 1 running (0.25); P: 30 queued + 0.5 × 120 waiting + 80 uncached (4 + 85)
+        # + 8 + 0.25; stall 10 ms, once
+        (
+            120,
+            Sides(1, 3, 0.25, 10, 30, 0.5),
+            60.0,
+            (100, 40),
+            Decision(True, "faster_alone", 23.25, 97.25),
+        ),
+        # D at max_kv_usage exactly; both sides prefill 100 tokens (2 + 50)
+        (100, sides(kv=0.5), 60.0, (0, 0), Decision(False, "kv_pressure", 52.0, 60.0)),
+        (100, sides(waiting=10), 60.0, (0, 0), Decision(False, "faster_pd", 72.0, 60.0)),
+        # a stall of exactly max_stall_ms (58 + one extra step) fits; half a ms less credit not
+        (
+            116,
+            Sides(1, 0, 0, 0, 0, 2),
+            60.0,
+            (0, 0),
+            Decision(True, "faster_alone", 62.25, 190.25),
+        ),
+        (
+            116,
+            Sides(1, 0, 0, 0, 0, 2),
+            59.5,
+            (0, 0),
+            Decision(False, "stall_budget", 62.25, 190.25),
+        ),
+        # two running each wait the 20 ms stall: exactly what alone saves (64.5 - 24.5)
+        (
+            40,
+            sides(running=2, waiting=1, queued_p=64),
+            60.0,
+            (0, 0),
+            Decision(False, "decode_busy", 24.5, 64.5),
+        ),
+        # all of it held on both sides: one step each, no token computed
+        (100, sides(), 60.0, (120, 120), Decision(True, "faster_alone", 2.0, 10.0)),
+    ],
+)
+def test_each_reason_with_the_times_it_compared(
+    tokens: int, load: Sides, credit: float, cached: tuple[int, int], expected: Decision
+) -> None:
+    d_cached, p_cached = cached
+    if cached == (0, 0):  # the defaults: nothing held
+        assert decide(EXACT, tokens, load, credit) == expected
+    else:
+        assert decide(EXACT, tokens, load, credit, d_cached, p_cached) == expected
+
+
+def test_the_decider_counts_prompt_tokens_and_cached_ones_exactly() -> None:
+    threshold = DecisionConfig(mode="threshold", max_prompt_tokens=100, bytes_per_token=4.0)
+    decider = Decider(Metrics())
+    assert decider.decide(threshold, 400, "d", Load(), Load()).decode_only  # 100 tokens
+    assert not decider.decide(threshold, 404, "d", Load(), Load()).decode_only  # 101
+    # the decider hands P's cached tokens on: P computes 60 of 100 (2 + 30, + 8)
+    decision = Decider(Metrics()).decide(EXACT, 0, "d", Load(), Load(), 100, 0, 40)
+    assert (decision.ttft_alone_ms, decision.ttft_pd_ms) == (52.0, 40.0)
+    assert Decider(Metrics()).decide(EXACT, 100, "d", Load(), Load()).ttft_pd_ms == 60.0
+
+
+def test_a_decode_only_prompt_is_pending_on_d_until_its_expected_first_token() -> None:
+    now = [0.0]
+    decider = Decider(Metrics(), clock=lambda: now[0])
+    first = decider.decide(EXACT, 0, "d", Load(), Load(), prompt_tokens=20)
+    assert first == Decision(True, "faster_alone", 12.0, 20.0)  # 2 + 10 alone
+    # until then D has its 20 tokens to prefill before the next prompt's
+    now[0] = first.ttft_alone_ms / 1e3 * 0.9995
+    assert decider.decide(EXACT, 0, "d", Load(), Load(), prompt_tokens=20).ttft_alone_ms == 22.0
+    now[0] = 0.0  # when the first prompt's first token is due, it no longer counts
+    again = Decider(Metrics(), clock=lambda: now[0])
+    again.decide(EXACT, 0, "d", Load(), Load(), prompt_tokens=20)
+    now[0] = first.ttft_alone_ms / 1e3
+    assert again.decide(EXACT, 0, "d", Load(), Load(), prompt_tokens=20).ttft_alone_ms == 12.0
+
+
+def test_a_fully_cached_prompt_leaves_nothing_pending_on_d() -> None:
+    decider = Decider(Metrics(), clock=lambda: 0.0)
+    for _ in range(2):
+        decision = decider.decide(EXACT, 0, "d", Load(), Load(), prompt_tokens=20, d_cached=20)
+        assert decision.ttft_alone_ms == 2.0  # one step, nothing to compute, nothing queued
+
+
+# D runs 2 requests besides this one (a 1 ms decode step), each output token refilling half
+# a ms: 1/16 s refills 31.25 ms; stalls at a quarter ms per token, in one step.
+REFILL = EXACT.model_copy(
+    update={
+        "step_base_ms": 0.5,
+        "prefill_per_token_ms": 0.25,
+        "max_batched_tokens": 1000,
+        "pd_overhead_ms": 1000.0,
+        "stall_budget_ms_per_token": 0.5,
+    }
+)
+
+
+def stall_fits_after(seconds: float) -> bool:
+    """Spend 50 of the 60 ms bucket, wait `seconds`, then ask for a 41.25 ms stall."""
+    now = [0.0]
+    decider = Decider(Metrics(), clock=lambda: now[0])
+    busy = Load(in_flight=3)
+    assert decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=200).decode_only
+    now[0] = seconds
+    return decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=165).decode_only
+
+
+def test_the_stall_bucket_refills_per_decode_step_of_d() -> None:
+    assert stall_fits_after(1 / 16)  # 10 + 31.25: exactly the stall
+    assert not stall_fits_after(0.06245)  # 0.025 ms short
+
+
+def test_a_forgotten_decode_starts_again_with_a_full_bucket() -> None:
+    decider = Decider(Metrics(), clock=lambda: 0.0)
+    busy = Load(in_flight=3)
+    assert decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=200).decode_only
+    assert not decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=200).decode_only
+    decider.forget("d")
+    decider.forget("never-seen")
+    assert decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=200).decode_only

@@ -298,3 +298,27 @@ def test_an_endpoint_that_joins_later_is_shared_too() -> None:
     with other.track(other.get("p2")):  # type: ignore[arg-type]
         mine.pick(PickRequest())
         assert mine.get("p2").peer_in_flight == 1  # type: ignore[union-attr]
+
+
+def test_rank_ties_go_round_the_ranks_in_order_from_the_last_choice() -> None:
+    state = EndpointState(A)
+    assert state.rank_queue(2) == 0  # nothing known of a rank: nothing queued there
+    assert [state.least_loaded_rank(3) for _ in range(4)] == [0, 1, 2, 0]
+    state.rank_in_flight = {0: 1}  # rank 0 busy; 1 and 2 not seen yet, so idle
+    state.next_rank = 0
+    assert state.least_loaded_rank(3) == 1  # the first idle one after the busy rank
+
+
+def test_a_moved_count_keeps_its_rank_only_where_the_new_endpoint_has_it() -> None:
+    pool = Pool(Role.PREFILL, [A, B, C], Last())
+    pool.ranks_of = lambda address: {A: 2, B: 2}.get(address, 1)
+    a, b, c = pool
+    with pool.track(a, rank=1) as sent:
+        sent.move_to(B)  # Envoy's fallback, the rank header already sent: kept
+        assert sent.rank == 1 and b.rank_in_flight == {1: 1}
+        sent.move_to(C)  # no rank 1 there: none
+        assert sent.rank is None and c.in_flight == 1
+    with pool.track(a, rank=1) as retried:
+        retried.release()
+        retried.move_to(B, same_rank=False)  # still to leave: B's least loaded, not rank 1
+        assert retried.rank == 0 and b.rank_in_flight == {0: 1, 1: 0}

@@ -8,14 +8,15 @@ from typing import Any
 
 import pytest
 
-from extproc.config import Config, parse_config
+from extproc.config import Config, DecisionConfig, parse_config
 from extproc.errors import NoHealthyDecode, Shed
 from extproc.metrics import Metrics
 from extproc.policies import PickRequest, build_picker
 from extproc.roles import Role
-from extproc.scheduling.pool import Pool
+from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import DecodeAlone, Scheduler, WithPrefill
 from extproc.scheduling.shared_load import SharedLoad, table_bytes
+from extproc.scheduling.subset_hint import Subset
 
 P1, P2, D1, D2 = "127.0.0.1:8100", "127.0.0.1:8101", "127.0.0.1:8200", "127.0.0.1:8201"
 POOLS = {"prefill": {"endpoints": [P1, P2]}, "decode": {"endpoints": [D1, D2]}}
@@ -166,3 +167,57 @@ def test_a_prompt_sent_to_prefill_alone_is_told_to_the_other_processes() -> None
         second.decode.pick()
         d1 = second.decode.get(D1)
         assert d1 is not None and (d1.peer_in_flight, d1.peer_alone_tokens) == (1, 2000)
+
+
+def test_a_passthrough_gets_one_fallback_and_a_subsets_503_says_so() -> None:
+    cfg = config(decode={"endpoints": [D1, D2, "127.0.0.1:8202"]})
+    s = scheduler(cfg)
+    with ExitStack() as inflight:
+        assert s.pick_decodes(PickRequest(), inflight, cfg).decodes == [D1, D2]
+    elsewhere = Subset.of(["10.9.9.9:8000"])
+    with ExitStack() as inflight, pytest.raises(NoHealthyDecode) as refused:
+        s.pick_decodes(PickRequest(), inflight, cfg, subset=elsewhere)
+    assert str(refused.value) == (
+        "503 no healthy decode endpoint among the 1 the gateway allowed (its subset hint); "
+        "retry later"
+    )
+
+
+def test_after_a_reload_both_pools_still_pick_and_members_can_be_set() -> None:
+    s = scheduler(config())
+    s.reload(config(prefill={"endpoints": [P1, P2], "policy": "least_request"}))
+    with ExitStack() as inflight:
+        picked = s.pick(LONG, inflight, config())
+        assert isinstance(picked, WithPrefill) and picked.prefill in (P1, P2)
+    # the pools' own policies (the probe's pick of a decode) are the reloaded ones
+    assert s.prefill.pick() is not None and s.decode.pick() is not None
+    s.set_group_members("", Role.DECODE, [D2])
+    assert s.group("").members[Role.DECODE] == {D2}
+
+
+def test_admission_exports_each_roles_saturation() -> None:
+    metrics = Metrics()
+    cfg = config(admission={"enabled": True, "decode": {"max_in_flight": 4}})
+    prefill, decode = (
+        Pool(role, cfg.static_addresses(role), build_picker("round_robin"))
+        for role in (Role.PREFILL, Role.DECODE)
+    )
+    s = Scheduler(cfg, prefill, decode, metrics)
+    for state in s.decode:
+        state.in_flight = 2
+    with ExitStack() as inflight:
+        s.pick(LONG, inflight, cfg)
+    saturation = metrics.registry.get_sample_value("pd_extproc_pool_saturation", {"role": "decode"})
+    assert saturation == 0.5
+
+
+def test_a_decode_that_left_its_pool_is_forgotten_by_the_decision() -> None:
+    cfg = DecisionConfig(
+        mode="load_aware", bytes_per_token=1.0, pd_overhead_ms=1000.0, max_stall_ms=60.0
+    )
+    s = scheduler(config())
+    busy, idle = EndpointState(D1, in_flight=3), EndpointState(P1)
+    spend = [s.decider.decide(cfg, 0, D1, busy, idle, prompt_tokens=700) for _ in range(2)]
+    assert [d.decode_only for d in spend] == [True, False]  # a 40.6 ms stall, a 60 ms bucket
+    s.forget(D1)
+    assert s.decider.decide(cfg, 0, D1, busy, idle, prompt_tokens=700).decode_only
