@@ -1,9 +1,10 @@
 """With a tokenizer configured, no request stalls the sidecar: real Envoy, the real ext_proc,
 vllmsim engines. The stall is the longest time the ext_proc's `/live` (served on its event loop)
-takes to answer while a big request is in. What the tokenizer may add is the issue's bound,
-0.25 s, over the same request's stall in a sidecar without a tokenizer (the body's own cost:
-decoding 16 MB of JSON and copying it into both legs takes 0.1-0.4 s on a busy 2-core machine);
-a request tokenized on the loop stalled it for seconds.
+takes to answer while a big request is in; a request tokenized on the loop stalled it for
+seconds. A long prompt's stall is bounded by 0.25 s outright (10 and 16 MB: 0.06-0.12 s with a
+tokenizer on this 2-core machine at a load average of 5-7). A chat's is bounded over the same
+request's stall in a sidecar without a tokenizer, by 0.25 s: 10^5 messages cost the loop
+0.3 s without one there (decoding them and checking every message, one by one).
 
 The sidecar's tokenizer is word-level with every space a token of its own, and one
 2,000-character token in its vocabulary: the engines' context length (vllmsim's 8,192 tokens,
@@ -169,6 +170,10 @@ async def test_a_big_request_does_not_stall_the_loop(
     topo: Topology, plain: Topology, path: str, make: Callable[[int], bytes], size: int
 ) -> None:
     raw = make(size)
+    if make is completion:  # the body's own cost is well under the bound
+        stall = await longest_live_answer(topo, post(topo, topo.session, path, raw))
+        assert stall < STALL_S, stall
+        return
     without = await longest_live_answer(plain, post(plain, plain.session, path, raw))
     stall = await longest_live_answer(topo, post(topo, topo.session, path, raw))
     assert stall < without + STALL_S, (stall, without)
