@@ -33,7 +33,8 @@ from tests.support.topology import Topology, topology
 from vllmsim.launcher import FAST
 
 STALL_S = 0.25
-SMALL_P99_S = 0.5
+# eight 10 MB prompts encoded in two workers, up to 1 s each, on the machine's two cores
+TOKENIZING_S = 2.0
 MB = 1_000_000
 WORDS = [f"w{i}" for i in range(400)]
 TEMPLATE = (
@@ -204,14 +205,16 @@ async def small_p99_beside_eight(topo: Topology) -> float:
 async def test_eight_10MB_prompts_leave_small_requests_fast(
     topo: Topology, plain: Topology
 ) -> None:
-    """The 0.5 s bound is over the same load without a tokenizer: eight 10 MB bodies cost
-    Envoy, the engines and the ext_proc's loop (gRPC, decoding, copying into both legs) about
-    1 to 1.7 s of the small requests' p99 on a busy 2-core machine, with or without a
-    tokenizer (bench/results/big-bodies.md); tokenizing on the loop had them wait for minutes.
-    Twice that, for its own noise."""
+    """The bound is over the same load without a tokenizer: eight 10 MB bodies cost Envoy,
+    the engines and the ext_proc's loop (gRPC, decoding, copying into both legs) 0.8-2.1 s of
+    the small requests' p99 on a busy 2-core machine (bench/results/big-bodies.md), twice that
+    for its own noise. Here every prompt is also encoded, in the tokenizer's two worker
+    processes, for up to their 1 s each: CPU the rest of the machine does not get (measured
+    with a tokenizer 2.3-3.5 s against 0.84-2.1 s without), which TOKENIZING_S allows for.
+    Tokenizing on the loop had them wait for minutes."""
     without = await small_p99_beside_eight(plain)
     p99 = await small_p99_beside_eight(topo)
-    assert p99 < 2 * without + SMALL_P99_S, (p99, without)
+    assert p99 < 2 * without + TOKENIZING_S, (p99, without)
 
 
 DEEP = b'{"a":[' * 500 + b'"x"' + b"]}" * 500
