@@ -157,9 +157,11 @@ async def main(args: argparse.Namespace) -> None:
             await asyncio.sleep(2.0)  # the probe
             load = " ".join(f"{x:.2f}" for x in os.getloadavg())
             envoy = child_pids(sidecar.pid)
+            engine_pids = [pid for pid in child_pids(os.getpid()) if pid != sidecar.pid]
             for n in range(args.rounds):
                 cpu, done = cpu_s(sidecar.pid), asyncio.Event()
                 envoy_cpu, box, wall = sum(map(cpu_s, envoy)), box_cpu_s(), time.perf_counter()
+                engines_cpu, client_cpu = sum(map(cpu_s, engine_pids)), cpu_s(os.getpid())
                 watcher = asyncio.create_task(longest_live(sidecar.metrics, done))
                 try:
                     smalls, bigs = await one_round(sidecar.url)
@@ -171,7 +173,9 @@ async def main(args: argparse.Namespace) -> None:
                     f"p99 {quantile(smalls, 0.99):.3f} s, max {max(smalls):.3f} s; "
                     f"8 x 10 MB in {max(bigs):.2f} s; ext_proc CPU "
                     f"{cpu_s(sidecar.pid) - cpu:.2f} s, Envoy "
-                    f"{sum(map(cpu_s, envoy)) - envoy_cpu:.2f} s, the machine "
+                    f"{sum(map(cpu_s, envoy)) - envoy_cpu:.2f} s, the engines "
+                    f"{sum(map(cpu_s, engine_pids)) - engines_cpu:.2f} s, this client "
+                    f"{cpu_s(os.getpid()) - client_cpu:.2f} s, the machine "
                     f"{box_cpu_s() - box:.2f} s in {time.perf_counter() - wall:.2f} s; "
                     f"longest /live {stall:.3f} s; load before {load}",
                     flush=True,

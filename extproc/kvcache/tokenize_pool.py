@@ -71,7 +71,14 @@ def members_object(parts: Sequence[tuple[str, bytes]], chat: bool) -> bytes:
     """The JSON object of the request's members that the tokenizer reads, from their raw bytes
     (`ClientRequest.parts`: each a complete `"key": value`)."""
     wanted = TOKENIZED_MEMBERS[chat]
-    return b"{" + b",".join(raw for key, raw in parts if key in wanted) + b"}"
+    pieces = [b"{"]
+    for key, raw in parts:
+        if key in wanted:
+            pieces += (raw, b",")
+    if len(pieces) > 1:
+        pieces.pop()  # the last comma
+    pieces.append(b"}")
+    return b"".join(pieces)  # one copy of a long prompt (each `+` of the whole made another)
 
 
 def token_ids(

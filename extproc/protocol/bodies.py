@@ -21,6 +21,7 @@ import orjson
 
 __all__ = [
     "MAX_DEPTH",
+    "Raw",
     "buffer_bytes",
     "container_end",
     "decode_body",
@@ -30,6 +31,9 @@ __all__ = [
     "splice",
     "without_router_xargs",
 ]
+
+# A body as gathered: bytes, or the upload's own buffer (not copied into bytes first).
+Raw = bytes | bytearray
 
 _WS = re.compile(rb"[ \t\n\r]*")
 # Strings as "runs of plain bytes, then one escape": the regex engine stays in its fast
@@ -65,7 +69,7 @@ def _container_pattern(depth: int) -> re.Pattern[bytes]:
 _CONTAINER = _container_pattern(MAX_DEPTH - 1)  # a member's value: the body is one level
 
 
-def container_end(raw: bytes, pos: int) -> int | None:
+def container_end(raw: Raw, pos: int) -> int | None:
     """Where the container opening at raw[pos] ends, if it nests at most MAX_DEPTH - 1 deep
     (a member's value); else (or if it is not valid JSON) None."""
     match = _CONTAINER.match(raw, pos)
@@ -99,7 +103,7 @@ class TooDeep(BodyError):
     """A member's value nests deeper than MAX_DEPTH (the body counting as one level)."""
 
 
-def _string_end(raw: bytes, pos: int) -> int | None:
+def _string_end(raw: Raw, pos: int) -> int | None:
     """The end of the JSON string whose opening quote is raw[pos]; None if it never closes.
     A quote ends it unless an odd run of backslashes precedes it (then it is escaped)."""
     start = pos + 1
@@ -119,7 +123,7 @@ def _string_end(raw: bytes, pos: int) -> int | None:
     return None if match is None else match.end()
 
 
-def _skip_container(raw: bytes, pos: int) -> int:
+def _skip_container(raw: Raw, pos: int) -> int:
     depth = 0
     while (match := _NEXT_STRUCTURAL.search(raw, pos)) is not None:
         token = raw[match.start()]
@@ -139,7 +143,7 @@ def _skip_container(raw: bytes, pos: int) -> int:
     raise BodyError("unterminated container")
 
 
-def _skip_value(raw: bytes, pos: int, valid: bool) -> int:
+def _skip_value(raw: Raw, pos: int, valid: bool) -> int:
     first = raw[pos : pos + 1]
     if first == b'"':
         end = _string_end(raw, pos)
@@ -157,21 +161,22 @@ def _skip_value(raw: bytes, pos: int, valid: bool) -> int:
     return match.end()
 
 
-def _key_text(raw_key: bytes) -> str:
+def _key_text(raw_key: Raw) -> str:
     inner = raw_key[1:-1]
     return orjson.loads(raw_key) if b"\\" in inner else inner.decode()
 
 
-def _after_ws(raw: bytes, pos: int) -> int:
+def _after_ws(raw: Raw, pos: int) -> int:
     match = _WS.match(raw, pos)
     assert match is not None  # "[ \t\n\r]*" matches the empty string too
     return match.end()
 
 
-def members(raw: bytes, valid: bool = False) -> list[tuple[str, bytes]]:
+def members(raw: Raw, valid: bool = False) -> list[tuple[str, bytes]]:
     """The top-level (key, raw 'key: value' bytes) pairs of a JSON object, in order. `valid`:
     orjson accepted `raw`, so a container the depth-bounded pattern does not match is too
-    deep (TooDeep), not malformed."""
+    deep (TooDeep), not malformed. Each member is copied once, into bytes."""
+    view = memoryview(raw)
     pos = _after_ws(raw, 0)
     if raw[pos : pos + 1] != b"{":
         raise BodyError("not a JSON object")
@@ -186,7 +191,7 @@ def members(raw: bytes, valid: bool = False) -> list[tuple[str, bytes]]:
         colon = _after_ws(raw, key_match.end())
         value_start = _after_ws(raw, colon + 1)
         value_end = _skip_value(raw, value_start, valid)
-        found.append((_key_text(key_match.group()), raw[key_match.start() : value_end]))
+        found.append((_key_text(key_match.group()), bytes(view[key_match.start() : value_end])))
         pos = _after_ws(raw, value_end)
         if raw[pos : pos + 1] == b"}":
             return found

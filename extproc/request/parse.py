@@ -16,6 +16,7 @@ from extproc.errors import ClientError
 from extproc.protocol.bodies import (
     MAX_DEPTH,
     BodyError,
+    Raw,
     TooDeep,
     members,
     without_router_xargs,
@@ -194,7 +195,7 @@ def _check_fields(doc: dict[str, Any]) -> None:
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
 
 
-def _not_json(raw: bytes, error: orjson.JSONDecodeError) -> ClientError:
+def _not_json(raw: Raw, error: orjson.JSONDecodeError) -> ClientError:
     """Why orjson refused the body, in the client's terms (runs only on this error path)."""
     for magic, name in _COMPRESSED.items():
         if raw.startswith(magic):
@@ -216,7 +217,7 @@ def _not_json(raw: bytes, error: orjson.JSONDecodeError) -> ClientError:
 _ENGINE_PRIORITY = "priority"
 
 
-def parse_request(api: Api, raw: bytes, limit: int, engine_priority: bool = False) -> ClientRequest:
+def parse_request(api: Api, raw: Raw, limit: int, engine_priority: bool = False) -> ClientRequest:
     """Parse and check a body; raises ClientError with the status the client should get.
     The client's `priority` is dropped from the legs' bodies unless `engine_priority`
     (dispatch.client_engine_priority)."""

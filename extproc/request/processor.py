@@ -248,23 +248,26 @@ class RequestProcessor:
             return
         started = time.perf_counter()
         dispatch = config.dispatch
-        request = parse_request(
-            api, upload.body, config.limits.max_body_bytes, dispatch.client_engine_priority
-        )
+        turns, size = self.deps.legs.turns, len(upload.body)  # a big body's steps take turns
+        async with turns.turn(size):
+            request = parse_request(
+                api, upload.body, config.limits.max_body_bytes, dispatch.client_engine_priority
+            )
         self.model = request.model
         fallbacks = 1 if picker is None else picker.fallbacks
         tokens = await request_tokens(request, self.deps.scheduler)  # None: not KV-routed
-        self.plan = plan = plan_request(
-            request,
-            headers,
-            config,
-            self.deps.scheduler,
-            self.deps.legs.identities,
-            inflight,
-            self.subset,
-            fallbacks,
-            tokens,
-        )
+        async with turns.turn(size):
+            self.plan = plan = plan_request(
+                request,
+                headers,
+                config,
+                self.deps.scheduler,
+                self.deps.legs.identities,
+                inflight,
+                self.subset,
+                fallbacks,
+                tokens,
+            )
         exchange = Exchange(
             self.stream,
             self.trace,

@@ -47,6 +47,7 @@ from extproc.headers import RANK_HEADER
 from extproc.protocol.bodies import decode_body
 from extproc.protocol.identity import PrefillIdentity, identity_from_params, where
 from extproc.request import envoy_msgs
+from extproc.request.body_turns import BodyTurns
 from extproc.request.plan import DecodeOnlyPlan, ParallelPlan, Plan, SerialPlan, check_fits
 from extproc.request.prefill_client import PrefillCall
 from extproc.request.pushed_kv import Owed, PushedKv
@@ -119,6 +120,8 @@ class LegServices:
     note_decode_only: Callable[[str, int], None] = lambda decode, body_bytes: None
     # the pushes P still owes the streams whose headers passed (`extproc.request.pushed_kv`)
     pushed_kv: PushedKv = field(default_factory=PushedKv)
+    # big bodies' steps on the loop, one at a time (`extproc.request.body_turns`)
+    turns: BodyTurns = field(default_factory=BodyTurns)
 
 
 @dataclass(slots=True)  # not frozen: built per request, and a frozen init costs ~4x
@@ -320,9 +323,11 @@ def _refused_request(error: LegError) -> bool:
 async def _answer(
     plan: Plan, body: bytes, started: float, services: LegServices, exchange: Exchange
 ) -> None:
-    """The body answer every strategy ends its `send` with: D's body goes out."""
-    for answer in decode_answers(plan, body, exchange):
-        await exchange.stream.write(answer)
+    """The body answer every strategy ends its `send` with: D's body goes out (a big one in
+    its turn: copying it into the answer and into gRPC's buffers is one long step)."""
+    async with services.turns.turn(len(body)):
+        for answer in decode_answers(plan, body, exchange):
+            await exchange.stream.write(answer)
     exchange.trace.decode_started()
     if plan.prefill is not None:
         services.note_dispatch(plan.decodes[0])

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -266,3 +267,16 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_the_members_object_copies_a_long_prompt_once() -> None:
+    prompt = b'"prompt":"' + b"w" * (4 << 20) + b'"'
+    parts = [("model", b'"model":"m"'), ("prompt", prompt), ("max_tokens", b'"max_tokens":1')]
+    tracemalloc.start()
+    try:
+        raw = members_object(parts, False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert orjson.loads(raw) == {"prompt": "w" * (4 << 20)}
+    assert peak < 1.1 * len(prompt)  # the object itself: no intermediate copy beside it

@@ -99,6 +99,14 @@ def test_prompt_bytes_are_kept_verbatim() -> None:
     assert b'"prompt":"caf\\u00e9 \\"quoted\\" \\\\ {not a brace}"' in out
 
 
+def test_an_uploads_buffer_is_read_in_place_and_its_members_are_bytes() -> None:
+    raw = b'{"model": "m", "prompt": "a \\" b", "n": [1, {"x": 2}]}'
+    found = members(bytearray(raw), valid=True)  # the gathered upload, not copied into bytes
+    assert found == members(raw, valid=True)
+    assert [key for key, _ in found] == ["model", "prompt", "n"]
+    assert all(type(chunk) is bytes for _, chunk in found)  # kept, joined, sent: immutable
+
+
 def test_escaped_key_cannot_smuggle_router_fields() -> None:
     raw = b'{"model":"m","kv\\u005ftransfer_params":{"remote_host":"evil"},"prompt":"p"}'
     out = orjson.loads(decode_body(members(raw), None))
