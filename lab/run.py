@@ -397,6 +397,8 @@ def summarise(
     return {
         "name": name,
         "ttft_ms": {q: _ms(percentile(ttfts, float(q[1:]))) for q in ("p50", "p90", "p99")},
+        # a lockstep burst's TTFTs are a staircase whose p50 sits on one step or the next
+        "ttft_mean_ms": _ms(sum(ttfts) / len(ttfts)) if ttfts else None,
         "tpot_ms": {q: _ms(percentile(tpots, float(q[1:]))) for q in ("p50", "p99")},
         "ok": len(ok),
         "failed": len(outcomes) - len(ok),
