@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.policies import KvCacheOptions, KvCachePicker, PickRequest
+from extproc.policies.base import hrw_order
 from extproc.scheduling.pool import EndpointState
 
 HOLDER, OTHER = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -76,3 +77,14 @@ def test_a_rank_holding_what_outweighs_its_queue_wins_and_ties_go_to_the_less_bu
     assert picker.pick_rank([0, 0, 0], {1: 5, 2: 5}, PROMPT) == 1  # even and idle: the first
     assert picker.pick_rank([0, 0], {1: 1}, 1) == 1  # a one-token prompt, held
     assert picker.pick_rank([0, 0], {1: 8}, 0) is None  # no prompt tokens: nothing to weigh
+
+
+def test_a_one_token_prompt_is_weighed_and_one_of_no_counted_tokens_is_prefixs_pick() -> None:
+    first, second = hrw_order(b"x", [EndpointState(HOLDER), EndpointState(OTHER)])
+    # one token held by the second of the prompt's rendezvous order: weighed, it wins
+    one = PickRequest(prefix=b"x", prompt_tokens=1, cached={second.address: 1})
+    assert KvCachePicker().pick([first, second], one) is second
+    # no tokens counted (not tokenized): `prefix`'s pick, whatever the work queued there
+    first.pending_tokens = 10 * PROMPT
+    none = PickRequest(prefix=b"x", prompt_tokens=0, cached={})
+    assert KvCachePicker().pick([first, second], none) is first

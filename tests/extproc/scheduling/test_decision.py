@@ -362,3 +362,38 @@ def test_a_forgotten_decode_starts_again_with_a_full_bucket() -> None:
     decider.forget("d")
     decider.forget("never-seen")
     assert decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=200).decode_only
+
+
+def test_the_stall_bucket_refills_per_decode_step_of_a_busier_d() -> None:
+    """D runs 4 besides this request: a 1.5 ms step, so 93.75 ms refill 31.25 ms (half a ms
+    per output token), exactly what the 41.25 ms stall lacks after 50 of 60 were spent."""
+
+    def fits_after(seconds: float) -> bool:
+        now = [0.0]
+        decider = Decider(Metrics(), clock=lambda: now[0])
+        busy = Load(in_flight=5)
+        assert decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=200).decode_only
+        now[0] = seconds
+        return decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=165).decode_only
+
+    assert fits_after(0.09375)
+    assert not fits_after(0.0937)
+
+
+def test_nothing_is_alone_on_a_decode_before_or_after_its_prompts_are_due() -> None:
+    now = [0.0]
+    decider = Decider(Metrics(), clock=lambda: now[0])
+    assert decider.alone("d") == (0, 0.0)
+    first = decider.decide(EXACT, 0, "d", Load(), Load(), prompt_tokens=20)
+    assert decider.alone("d") == (20, first.ttft_alone_ms / 1e3)
+    now[0] = 1.0
+    decider.decide(EXACT, 0, "d", Load(kv_usage=1.0), Load(), prompt_tokens=20)  # via P
+    assert decider.alone("d") == (0, 0.0)
+
+
+def test_the_prefill_queue_of_the_sidecars_other_processes_counts_as_this_ones() -> None:
+    # P computes 50 + 50 queued ahead, then this prompt's 100: 2 steps (4) + 100, + 8
+    mine = Decider(Metrics()).decide(EXACT, 0, "d", Load(), Load(queued_tokens=100), 100)
+    shared = Load(queued_tokens=50, peer_queued_tokens=50)
+    assert Decider(Metrics()).decide(EXACT, 0, "d", Load(), shared, 100).ttft_pd_ms == 112.0
+    assert mine.ttft_pd_ms == 112.0

@@ -322,3 +322,9 @@ def test_a_moved_count_keeps_its_rank_only_where_the_new_endpoint_has_it() -> No
         retried.release()
         retried.move_to(B, same_rank=False)  # still to leave: B's least loaded, not rank 1
         assert retried.rank == 0 and b.rank_in_flight == {0: 1, 1: 0}
+
+
+def test_a_pool_without_a_scheduler_counts_no_rank() -> None:
+    pool = Pool(Role.DECODE, [A], RoundRobinPicker())
+    with pool.track(pool.get(A)) as counted:  # type: ignore[arg-type]
+        assert counted.rank is None and pool.get(A).rank_in_flight == {}  # type: ignore[union-attr]

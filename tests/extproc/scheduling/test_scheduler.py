@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from extproc.config import Config, DecisionConfig, parse_config
-from extproc.errors import NoHealthyDecode, Shed
+from extproc.errors import NoHealthyDecode, NoHealthyPrefill, Shed
 from extproc.metrics import Metrics
 from extproc.policies import PickRequest, build_picker
 from extproc.roles import Role
@@ -221,3 +221,162 @@ def test_a_decode_that_left_its_pool_is_forgotten_by_the_decision() -> None:
     assert [d.decode_only for d in spend] == [True, False]  # a 40.6 ms stall, a 60 ms bucket
     s.forget(D1)
     assert s.decider.decide(cfg, 0, D1, busy, idle, prompt_tokens=700).decode_only
+
+
+def data_parallel(policy: str) -> Config:
+    """P1 and D1 with 2 ranks each, set on the endpoint (the default group has no size)."""
+    return parse_config(
+        {
+            role: {"endpoints": [{"address": address, "data_parallel_size": 2}], "policy": policy}
+            for role, address in (("prefill", P1), ("decode", D1))
+        }
+    )
+
+
+def held(at_rank_1: int, prompt: int = 1000) -> PickRequest:
+    """A prompt of which each server's rank 1 holds the first `at_rank_1` tokens."""
+    return PickRequest(
+        "m",
+        prompt_tokens=prompt,
+        cached={D1: at_rank_1, P1: at_rank_1},
+        rank_cached={D1: {1: at_rank_1}, P1: {1: at_rank_1}},
+    )
+
+
+def test_a_rank_is_chosen_for_its_cache_against_its_queue_and_counts_what_it_lacks() -> None:
+    """kv_cache, 2 ranks each: rank 1 holds 100 of 1000 tokens (worth 200 queued tokens),
+    4 requests queued there cost 256: the idle rank 0 wins and gets the whole prompt to compute;
+    with 1 queued (64), rank 1 wins and gets the 900 it lacks."""
+    for queued, rank, pending in ((4.0, 0, 1000), (1.0, 1, 900)):
+        cfg = data_parallel("kv_cache")
+        s = scheduler(cfg)
+        d1, p1 = s.decode.get(D1), s.prefill.get(P1)
+        assert d1 is not None and p1 is not None
+        d1.rank_load, p1.rank_load = {1: queued}, {1: queued}
+        with ExitStack() as inflight:
+            picked = s.pick(held(100), inflight, cfg)
+            assert isinstance(picked, WithPrefill)
+            assert (picked.decode_counted.rank, d1.pending_tokens) == (rank, pending)
+            assert (picked.prefill_counted.rank, p1.pending_tokens) == (rank, pending)
+
+
+def test_only_kv_cache_chooses_a_rank_for_its_cache_and_never_on_a_server_without_ranks() -> None:
+    cfg = data_parallel("least_request")
+    s = scheduler(cfg)
+    with ExitStack() as inflight:
+        picked = s.pick(held(100), inflight, cfg)  # rank 1 holds some: the least loaded, 0
+        assert isinstance(picked, WithPrefill) and picked.decode_counted.rank == 0
+    cfg = config(decode={"endpoints": [D1], "policy": "kv_cache"})
+    s = scheduler(cfg)
+    request = PickRequest("m", prompt_tokens=1000, cached={D1: 500}, rank_cached={D1: {0: 500}})
+    with ExitStack() as inflight:
+        picked = s.pick(request, inflight, cfg)
+        d1 = s.decode.get(D1)
+        assert picked.decode_counted.rank is None and d1 is not None and d1.pending_tokens == 500
+
+
+def test_a_fully_cached_prompt_brings_no_pending_tokens() -> None:
+    cfg = config()
+    s = scheduler(cfg)
+    request = PickRequest("m", prompt_tokens=1000, cached={D1: 1000, P1: 1000})
+    with ExitStack() as inflight:
+        s.pick(request, inflight, cfg)
+        assert [e.pending_tokens for e in (*s.prefill, *s.decode)] == [0, 0, 0, 0]
+
+
+def test_the_ranks_of_a_server_from_its_group_or_its_metrics_and_none_if_unknown() -> None:
+    P3, D3, D9 = "127.0.0.1:8102", "127.0.0.1:8202", "127.0.0.1:8209"
+    group = {"prefill": {"endpoints": [P3]}, "decode": {"endpoints": [D3], "data_parallel_size": 4}}
+    cfg = config(models={"m": group})
+    s = scheduler(cfg)
+    s.set_group_members("m", Role.DECODE, [D3, D9])  # D9 discovered: its group's size
+    assert s.data_parallel_size(Role.DECODE, D9) == 4
+    p1 = s.prefill.get(P1)
+    assert p1 is not None
+    p1.rank_load = {0: 1.0, 1: 0.0}  # its /metrics shows 2 engines
+    assert s.data_parallel_size(Role.PREFILL, P1) == 2
+    assert s.data_parallel_size(Role.PREFILL, "127.0.0.1:9999") == 1
+
+
+def test_a_pick_names_one_fallback_decode_by_default() -> None:
+    cfg = config(decode={"endpoints": [D1, D2, "127.0.0.1:8202"]})
+    s = scheduler(cfg)
+    with ExitStack() as inflight:
+        assert s.pick(LONG, inflight, cfg).decodes == [D1, D2]
+
+
+def test_a_subsets_503_says_so_for_either_role() -> None:
+    cfg = config()
+    s = scheduler(cfg)
+    with ExitStack() as inflight, pytest.raises(NoHealthyDecode) as no_decode:
+        s.pick(LONG, inflight, cfg, subset=Subset.of([P1]))
+    with ExitStack() as inflight, pytest.raises(NoHealthyPrefill) as no_prefill:
+        s.pick(LONG, inflight, cfg, subset=Subset.of([D1]))
+    for refused, role in ((no_decode, "decode"), (no_prefill, "prefill")):
+        assert str(refused.value) == (
+            f"503 no healthy {role} endpoint among the 1 the gateway allowed (its subset "
+            "hint); retry later"
+        )
+
+
+def cached_tokens(metrics: Metrics, role: str) -> float | None:
+    return metrics.registry.get_sample_value(
+        "pd_extproc_kv_cached_prompt_tokens_total", {"role": role}
+    )
+
+
+def test_the_cached_tokens_are_counted_for_d_whichever_way_the_request_goes() -> None:
+    request = PickRequest("m", prompt_tokens=1000, cached={D1: 300, P1: 200})
+    cases = (
+        ({}, "disaggregated"),
+        ({"decision": {"mode": "threshold", "max_prompt_tokens": 1000}}, "decode only"),
+        ({"dispatch": {"no_healthy_prefill": "decode_only"}}, "no healthy prefill"),
+    )
+    for sections, case in cases:
+        cfg = config(**sections)
+        s = scheduler(cfg)
+        metrics = s._metrics
+        if case == "no healthy prefill":
+            for address in (P1, P2):
+                s.prefill.set_healthy(address, False)
+        with ExitStack() as inflight:
+            s.pick(request, inflight, cfg)
+        assert cached_tokens(metrics, "decode") == 300, case
+
+
+def test_the_decision_weighs_what_p_holds() -> None:
+    """Step costs in binary fractions (2 ms a step, 0.5 ms a token, 8 ms overhead) and D
+    waiting out 7.75 ms: alone 34.75 ms for 50 tokens, through P 35 if P holds none of them
+    (decode-only), 34.5 if it holds one (through P)."""
+    exact = {
+        "mode": "load_aware",
+        "step_base_ms": 2.0,
+        "prefill_per_token_ms": 0.5,
+        "max_batched_tokens": 100,
+        "pd_overhead_ms": 8.0,
+    }
+    cfg = config(decision=exact)
+    for p_holds, way in ((0, DecodeAlone), (1, WithPrefill), (50, WithPrefill)):
+        s = scheduler(cfg)
+        d1 = s.decode.get(D1)
+        assert d1 is not None
+        d1.waiting = 3.875
+        cached = {P1: p_holds} if p_holds else {}
+        with ExitStack() as inflight:
+            request = PickRequest("m", prompt_tokens=50, cached=cached)
+            assert isinstance(s.pick(request, inflight, cfg), way), p_holds
+
+
+def test_a_pools_policy_options_reach_its_picker() -> None:
+    """kv_cache weighing cached tokens at 0: D1's whole prompt cached no longer outweighs the
+    one request it has in flight."""
+    request = PickRequest("m", prompt_tokens=1000, cached={D1: 1000})
+    for weight, chosen in ((2.0, D1), (0.0, D2)):
+        decode = {"endpoints": [D1, D2], "policy": "kv_cache", "kv_cached_token_weight": weight}
+        cfg = config(decode=decode)
+        s = scheduler(cfg)
+        d1 = s.decode.get(D1)
+        assert d1 is not None
+        d1.in_flight = 1
+        with ExitStack() as inflight:
+            assert s.pick(request, inflight, cfg).decodes[0] == chosen

@@ -18,6 +18,7 @@ from extproc.scheduling.shared_load import (
     STALE_S,
     PeerLoad,
     SharedLoad,
+    _key,
     table_bytes,
 )
 
@@ -148,3 +149,122 @@ async def test_the_heartbeat_task_is_owned_and_ends_on_stop() -> None:
     task = beating._task
     await beating.stop()
     assert task.done() and beating._task is None
+
+
+def _colliding(role: Role) -> tuple[str, str]:
+    """Two endpoints whose keys start probing at the same slot of a row."""
+    first: dict[int, str] = {}
+    for n in range(100 * SLOTS):
+        address = _address(n)
+        start = _key(role, address) % SLOTS
+        if start in first:
+            return first[start], address
+        first[start] = address
+    raise AssertionError("no two keys share a slot")
+
+
+def test_endpoints_whose_keys_share_a_slot_are_each_found() -> None:
+    """Linear probing: the second takes the next slot, where the readers look for it, and a
+    reader's memo of where a key was does not outlive a restart that put another key there."""
+    clock = Clock()
+    table = bytearray(table_bytes(2))
+    reader, writer = SharedLoad(table, 2, 0, clock), SharedLoad(table, 2, 1, clock)
+    first, second = _colliding(P)
+    writer.publish(P, first, 1, 10, 0)
+    writer.publish(P, second, 2, 20, 0)
+    assert reader.peers(P, first) == PeerLoad(1, 10, 0)
+    assert reader.peers(P, second) == PeerLoad(2, 20, 0)
+    restarted = SharedLoad(table, 2, 1, clock)  # its row clean: `second` now in `first`'s slot
+    restarted.publish(P, second, 3, 30, 0)
+    assert reader.peers(P, first) == PeerLoad()
+    assert reader.peers(P, second) == PeerLoad(3, 30, 0)
+
+
+def test_a_full_row_is_rebuilt_with_every_endpoint_still_counted() -> None:
+    """A row whose slots all went to endpoints that came and left is rebuilt for a new one:
+    those counted now keep their counts, whichever of them is not zero."""
+    clock = Clock()
+    reader, writer = rows(2, clock)  # the writer's row is the table's second
+    writer.publish(D, "in-flight", 1, 0, 0)
+    writer.publish(D, "pending", 0, 5, 0)
+    writer.publish(D, "queued", 0, 0, 7)
+    writer.publish_alone(D, "alone", 9, due=clock.now + 10)
+    for n in range(SLOTS - 4):  # the rest of the row: endpoints that came and left
+        writer.publish(D, _address(n), 1, 0, 0)
+        writer.publish(D, _address(n), 0, 0, 0)
+    writer.publish(D, "new", 2, 0, 0)  # no free slot: the row is rebuilt
+    assert reader.peers(D, "new") == PeerLoad(2)
+    assert reader.peers(D, "in-flight") == PeerLoad(1)
+    assert reader.peers(D, "pending") == PeerLoad(pending_tokens=5)
+    assert reader.peers(D, "queued") == PeerLoad(queued_tokens=7)
+    assert reader.peers(D, "alone") == PeerLoad(alone_tokens=9)
+    assert reader.peers(D, _address(0)) == PeerLoad()
+
+
+def test_the_memos_of_keys_and_slots_stay_bounded_whatever_the_churn() -> None:
+    reader, writer = rows(2, Clock())
+    for n in range(3 * SLOTS):
+        writer.publish(P, _address(n), 1, 0, 0)
+        assert reader.peers(P, _address(n)) == PeerLoad(1)
+        writer.publish(P, _address(n), 0, 0, 0)
+        assert len(writer._keys) <= 2 * SLOTS and len(reader._keys) <= 2 * SLOTS
+        assert len(reader._found) <= 2 * SLOTS
+
+
+def test_a_row_counts_until_it_is_older_than_stale_s_and_alone_tokens_until_due() -> None:
+    clock = Clock()
+    a, b = rows(2, clock)
+    a.publish_alone(D, "d0", 900, due=clock.now + 0.5)
+    a.publish(D, "d0", 1, 0, 0)
+    clock.now += 0.5  # due now: no longer ahead
+    assert b.peers(D, "d0") == PeerLoad(1)
+    clock.now = 100.0 + STALE_S  # exactly STALE_S old: still alive
+    assert b.peers(D, "d0") == PeerLoad(1)
+
+
+def test_alone_tokens_of_several_processes_add_up() -> None:
+    clock = Clock()
+    a, b, c = rows(3, clock)
+    a.publish_alone(D, "d0", 900, due=clock.now + 1)
+    b.publish_alone(D, "d0", 100, due=clock.now + 1)
+    assert c.peers(D, "d0") == PeerLoad(alone_tokens=1000)
+
+
+def test_a_publish_is_a_heartbeat() -> None:
+    clock = Clock()
+    a, b = rows(2, clock)
+    clock.now += 2 * STALE_S  # a quiet process, its heartbeat's task not run yet
+    a.publish(P, "p0", 1, 0, 0)
+    assert b.peers(P, "p0") == PeerLoad(1)
+    clock.now += 2 * STALE_S
+    a.publish_alone(P, "p0", 5, due=clock.now + 1)
+    assert b.peers(P, "p0") == PeerLoad(1, alone_tokens=5)
+
+
+class CountingClock(Clock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.now
+
+
+async def test_the_heartbeat_task_beats_at_once_then_waits_beat_s() -> None:
+    clock = CountingClock()
+    beating, reader = rows(2, clock)
+    beating.publish(D, "d0", 1, 0, 0)
+    clock.now += 2 * STALE_S  # stale until the task beats
+    assert reader.peers(D, "d0") == PeerLoad()
+    calls = clock.calls
+    beating.start()
+    beating.start()  # once only: the task it has
+    for _ in range(20):
+        await asyncio.sleep(0)
+    try:
+        assert clock.calls == calls + 1  # one beat, then asleep for BEAT_S (not spinning)
+        assert beating._task is not None and not beating._task.done()
+        assert reader.peers(D, "d0") == PeerLoad(1)
+    finally:
+        await beating.stop()
