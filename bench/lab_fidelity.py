@@ -26,7 +26,7 @@ ids (the tiny tokenizer's, with the BOS the engines add): the same prompts, in t
 Configurations (bench/cache.py's): `rr` round robin on both pools, push (pd-rr); `kv`
 kv_cache on both pools, fed the engines' KV events, push (pd-cache).
 
-    flock /work/quiet.lock python bench/lab_fidelity.py --topologies 1P1D   # processes + lab
+    python bench/lab_fidelity.py --topologies 1P1D   # processes + lab
     python bench/lab_fidelity.py --lab-only --write   # the lab again, against the kept runs
 
 Process figures are kept in bench/results/lab-fidelity.json, cell by cell (a run replaces the
