@@ -198,3 +198,51 @@ def test_a_decode_that_left_its_pool_is_forgotten_by_the_decision() -> None:
     assert [d.decode_only for d in spend] == [True, False]  # a 40.6 ms stall, a 60 ms bucket
     s.forget(D1)
     assert s.decider.decide(cfg, 0, D1, busy, idle, prompt_tokens=700).decode_only
+
+
+def test_a_pick_gets_one_fallback_decode_and_a_subsets_503_names_the_role_it_lacks() -> None:
+    D3 = "127.0.0.1:8202"
+    cfg = config(decode={"endpoints": [D1, D2, D3]})
+    s = scheduler(cfg)
+    with ExitStack() as inflight:
+        picked = s.pick(LONG, inflight, cfg)
+        assert picked.decodes == [D1, D2]
+    for allowed, role in (([P1], "decode"), ([D1], "prefill")):
+        with ExitStack() as inflight, pytest.raises(Exception) as refused:
+            s.pick(LONG, inflight, cfg, subset=Subset.of(allowed))
+        assert str(refused.value) == (
+            f"503 no healthy {role} endpoint among the 1 the gateway allowed (its subset "
+            "hint); retry later"
+        )
+
+
+def test_the_cached_tokens_are_counted_where_each_role_was_routed() -> None:
+    metrics = Metrics()
+    cfg = config(dispatch={"no_healthy_prefill": "decode_only"})
+    prefill, decode = (
+        Pool(role, cfg.static_addresses(role), build_picker("round_robin"))
+        for role in (Role.PREFILL, Role.DECODE)
+    )
+    s = Scheduler(cfg, prefill, decode, metrics)
+
+    def counted(role: str) -> tuple[float | None, float | None]:
+        return tuple(  # type: ignore[return-value]
+            metrics.registry.get_sample_value(f"pd_extproc_kv_{name}_total", {"role": role})
+            for name in ("cached_prompt_tokens", "routed_prompt_tokens")
+        )
+
+    wanted = PickRequest("m", prompt_tokens=100, cached={D1: 60, P1: 30, D2: 90, P2: 90})
+    with ExitStack() as inflight:
+        assert isinstance(s.pick(wanted, inflight, cfg), WithPrefill)  # D1 and P1
+    assert (counted("decode"), counted("prefill")) == ((60, 100), (30, 100))
+    short = PickRequest("m", prompt_bytes=40, prompt_tokens=10, cached={D2: 10})
+    threshold = config(**THRESHOLD)
+    with ExitStack() as inflight:
+        assert isinstance(s.pick(short, inflight, threshold), DecodeAlone)  # D2, decided
+    assert counted("decode") == (60 + 10, 100 + 10)
+    for address in (P1, P2):
+        s.prefill.set_healthy(address, False)
+    with ExitStack() as inflight:
+        assert isinstance(s.pick(wanted, inflight, cfg), DecodeAlone)  # D1: no P at all
+    assert counted("decode") == (60 + 10 + 60, 100 + 10 + 100)
+    assert counted("prefill") == (30, 100)
