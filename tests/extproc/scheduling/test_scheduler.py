@@ -246,3 +246,16 @@ def test_the_cached_tokens_are_counted_where_each_role_was_routed() -> None:
         assert isinstance(s.pick(wanted, inflight, cfg), DecodeAlone)  # D1: no P at all
     assert counted("decode") == (60 + 10 + 60, 100 + 10 + 100)
     assert counted("prefill") == (30, 100)
+
+
+def test_the_decision_weighs_what_the_chosen_p_holds() -> None:
+    """D holds all but 64 of 2000 tokens: alone is sooner, unless P holds as much (then its
+    path is short too, and D's 8 running requests would pay the stall for little)."""
+    cfg = config(decision={"mode": "load_aware"})
+    for p_held, expected in ((0, DecodeAlone), (1936, WithPrefill)):
+        s = scheduler(cfg)
+        d1 = next(state for state in s.decode if state.address == D1)
+        d1.in_flight, d1.kv_usage = 8, 0.2  # 8 running besides this request
+        wanted = PickRequest("m", prompt_bytes=0, prompt_tokens=2000, cached={D1: 1936, P1: p_held})
+        with ExitStack() as inflight:
+            assert isinstance(s.pick(wanted, inflight, cfg), expected), p_held
