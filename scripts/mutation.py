@@ -259,12 +259,13 @@ def report(modules: list[str], markdown: bool = False) -> int:
             counts["mutants"] += 1
             status = mutant.status
             if status in ("survived", "no_tests"):
-                status = _after_integration(mutant, integration)
-            if status in ("survived", "no_tests"):
                 entry = explanation(mutant, known)
-                survivors.append((mutant, entry))
                 if entry is not None and entry.get("kind", "equivalent") == "equivalent":
-                    status = "equivalent"
+                    status = "equivalent"  # an integration test failing on it was a flake
+                else:
+                    status = _after_integration(mutant, integration)
+            if status in ("survived", "no_tests", "equivalent"):
+                survivors.append((mutant, entry))
             if status == "by_integration":
                 counts["killed"] += 1
             counts[status] += 1

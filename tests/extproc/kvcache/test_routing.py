@@ -482,6 +482,7 @@ def test_the_kv_cache_policy_pins_the_rank_holding_the_prompt(tokenizer_dir: Pat
             assert isinstance(picked, WithPrefill) and picked.prefill == P2
             assert (picked.prefill_counted.rank, picked.decode_counted.rank) == (1, 0)
             assert scheduler.prefill.get(P2).pending_tokens == 1  # what rank 1 lacks
+            assert scheduler.decode.get(D1).pending_tokens == 5  # and what D's rank 0 lacks
     picker = KvCachePicker()
     assert picker.pick_rank([0, 0], {}, 9) is None  # no rank holds any: the least loaded
     assert picker.pick_rank([0, 0, 0], {2: 8}, 9) == 2

@@ -19,6 +19,7 @@ from grpc import aio
 from extproc.errors import PrefillFailed
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
+from tests.support.polling import until_true
 from tests.support.scripted_envoy import (
     D1,
     IDENTITY,
@@ -221,3 +222,22 @@ async def test_a_refused_request_leaves_nothing_for_the_collector(
     finally:
         gc.enable()
     assert rt.request_deps.bodies.in_use == 0
+
+
+async def test_a_response_chunk_before_p_answers_passes_after_the_held_headers() -> None:
+    """A gateway streams D's body through the ext_proc: D's first chunk can come while its
+    headers are held for P; it is answered after them, once P answered."""
+    envoy = ScriptedEnvoy()
+    prefill = ScriptedPrefill()  # holds until told
+    task = await run(runtime(prefill, cached=True), envoy)
+    await upload(envoy, REQUEST | {"stream": True})
+    await envoy.inbox.put(response_headers(200))
+    body = ep.HttpBody(body=b"data: {}\n\n", end_of_stream=False)
+    await envoy.inbox.put(ep.ProcessingRequest(response_body=body))
+    await asyncio.wait_for(prefill.called.wait(), timeout=2)
+    await until_true(lambda: envoy.inbox.empty(), "the chunk read while P computes")
+    prefill.answer(SAME)
+    await envoy.until_sent(5)  # after the held headers' timer extension (no `response`)
+    assert kinds(envoy)[2:] == [None, "response_headers", "response_body"]
+    await envoy.inbox.put(aio.EOF)
+    await asyncio.wait_for(task, timeout=2)
