@@ -339,11 +339,12 @@ REFILL = EXACT.model_copy(
 )
 
 
-def stall_fits_after(seconds: float) -> bool:
-    """Spend 50 of the 60 ms bucket, wait `seconds`, then ask for a 41.25 ms stall."""
+def stall_fits_after(seconds: float, in_flight: int = 3) -> bool:
+    """Spend 50 of the 60 ms bucket on a D with `in_flight` requests (this one included),
+    wait `seconds`, then ask for a 41.25 ms stall."""
     now = [0.0]
     decider = Decider(Metrics(), clock=lambda: now[0])
-    busy = Load(in_flight=3)
+    busy = Load(in_flight=in_flight)
     assert decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=200).decode_only
     now[0] = seconds
     return decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=165).decode_only
@@ -367,17 +368,8 @@ def test_a_forgotten_decode_starts_again_with_a_full_bucket() -> None:
 def test_the_stall_bucket_refills_per_decode_step_of_a_busier_d() -> None:
     """D runs 4 besides this request: a 1.5 ms step, so 93.75 ms refill 31.25 ms (half a ms
     per output token), exactly what the 41.25 ms stall lacks after 50 of 60 were spent."""
-
-    def fits_after(seconds: float) -> bool:
-        now = [0.0]
-        decider = Decider(Metrics(), clock=lambda: now[0])
-        busy = Load(in_flight=5)
-        assert decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=200).decode_only
-        now[0] = seconds
-        return decider.decide(REFILL, 0, "d", busy, Load(), prompt_tokens=165).decode_only
-
-    assert fits_after(0.09375)
-    assert not fits_after(0.0937)
+    assert stall_fits_after(0.09375, in_flight=5)
+    assert not stall_fits_after(0.0937, in_flight=5)
 
 
 def test_nothing_is_alone_on_a_decode_before_or_after_its_prompts_are_due() -> None:
