@@ -22,7 +22,15 @@ from extproc.protocol.bodies import (
     without_router_xargs,
 )
 
-__all__ = ["PASSTHROUGH", "Api", "ClientRequest", "is_passthrough", "parse_request"]
+__all__ = [
+    "PASSTHROUGH",
+    "Api",
+    "ClientRequest",
+    "client_request",
+    "decode_request",
+    "is_passthrough",
+    "parse_request",
+]
 
 
 class Api(StrEnum):
@@ -109,7 +117,7 @@ def _check_prompt(api: Api, doc: dict[str, Any]) -> None:
         messages = doc.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad("'messages' must be a non-empty list", "messages")
-        if not all(isinstance(m, dict) for m in messages):
+        if not set(map(type, messages)) <= {dict}:  # in C: 10^5 messages in ~2 ms
             raise _bad("each message must be an object", "messages")
         return
     prompt = doc.get("prompt")
@@ -221,6 +229,13 @@ def parse_request(api: Api, raw: Raw, limit: int, engine_priority: bool = False)
     """Parse and check a body; raises ClientError with the status the client should get.
     The client's `priority` is dropped from the legs' bodies unless `engine_priority`
     (dispatch.client_engine_priority)."""
+    return client_request(api, raw, decode_request(api, raw, limit), engine_priority)
+
+
+def decode_request(api: Api, raw: Raw, limit: int) -> dict[str, Any]:
+    """The first half of `parse_request`: the body decoded and its fields checked. The halves
+    are apart so that a big body's two long steps (decoding it, finding its members: 10^5 chat
+    messages take ~50 ms each on a quiet core) can let the event loop run between them."""
     if len(raw) > limit:
         raise ClientError(413, f"request body is {len(raw)} bytes; the limit is {limit} bytes")
     if not raw:
@@ -236,6 +251,14 @@ def parse_request(api: Api, raw: Raw, limit: int, engine_priority: bool = False)
         raise _bad("'model' is required and must be a string", "model")
     _check_prompt(api, doc)
     _check_fields(doc)
+    return doc
+
+
+def client_request(
+    api: Api, raw: Raw, doc: dict[str, Any], engine_priority: bool = False
+) -> ClientRequest:
+    """The second half of `parse_request`: `doc` (from `decode_request`) with the body's
+    top-level members located for the legs' bodies."""
     try:
         parts = members(raw, valid=True)
     except TooDeep:
@@ -248,4 +271,4 @@ def parse_request(api: Api, raw: Raw, limit: int, engine_priority: bool = False)
     parts = without_router_xargs(parts, doc.get("vllm_xargs"))
     if not engine_priority and _ENGINE_PRIORITY in doc:
         parts = [(key, chunk) for key, chunk in parts if key != _ENGINE_PRIORITY]
-    return ClientRequest(api, model, bool(doc.get("stream")), doc, parts)
+    return ClientRequest(api, doc["model"], bool(doc.get("stream")), doc, parts)

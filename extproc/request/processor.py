@@ -49,7 +49,7 @@ from extproc.request import envoy_msgs
 from extproc.request.access_log import AccessLogStreams
 from extproc.request.body_budget import BodyBudget
 from extproc.request.client_key import check_client_key
-from extproc.request.parse import check_route, is_passthrough, parse_request
+from extproc.request.parse import check_route, client_request, decode_request, is_passthrough
 from extproc.request.plan import (
     NOT_PLANNED,
     NoPlan,
@@ -250,9 +250,9 @@ class RequestProcessor:
         dispatch = config.dispatch
         turns, size = self.deps.legs.turns, len(upload.body)  # a big body's steps take turns
         async with turns.turn(size):
-            request = parse_request(
-                api, upload.body, config.limits.max_body_bytes, dispatch.client_engine_priority
-            )
+            doc = decode_request(api, upload.body, config.limits.max_body_bytes)
+        async with turns.turn(size):
+            request = client_request(api, upload.body, doc, dispatch.client_engine_priority)
         self.model = request.model
         fallbacks = 1 if picker is None else picker.fallbacks
         tokens = await request_tokens(request, self.deps.scheduler)  # None: not KV-routed

@@ -83,3 +83,16 @@ async def test_a_turn_held_up_past_its_bound_is_skipped_and_the_lock_stays_sound
 async def _enter(turns: BodyTurns, size: int) -> None:
     async with turns.turn(size):
         pass
+
+
+async def test_a_lone_big_bodys_next_step_lets_ready_work_run_first() -> None:
+    """No other big body waits, so its lock is free: the step must still yield before it runs,
+    or two steps in a row would hold the loop as one long step."""
+    turns = BodyTurns()
+    order: list[str] = []
+    async with turns.turn(BIG):
+        order.append("step 1")
+        asyncio.get_running_loop().call_soon(order.append, "small")
+    async with turns.turn(BIG):
+        order.append("step 2")
+    assert order == ["step 1", "small", "step 2"]

@@ -1309,3 +1309,31 @@ async def test_a_serial_retry_chooses_its_rank_at_the_fallback(first_rank: int) 
     await r.envoy.until_sent(4)
     await r.end()
     assert r.idle()
+
+
+async def test_a_big_body_lets_the_loop_run_between_decoding_it_and_finding_its_members(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """10^5 chat messages cost ~50 ms to decode and as much to scan for the members, each on
+    a quiet core: one step would stall the loop for both."""
+    from extproc.request import processor
+
+    ran_between: list[bool] = []
+    small_ran = asyncio.Event()
+
+    def decode(*args: Any) -> Any:
+        asyncio.get_running_loop().call_soon(small_ran.set)  # a small request's ready step
+        return real_decode(*args)
+
+    def members_of(*args: Any) -> Any:
+        ran_between.append(small_ran.is_set())
+        return real_members(*args)
+
+    real_decode, real_members = processor.decode_request, processor.client_request
+    monkeypatch.setattr(processor, "decode_request", decode)
+    monkeypatch.setattr(processor, "client_request", members_of)
+    r = Request()
+    await r.start({**REQUEST, "prompt": "w " * (1 << 19)})  # a 1 MiB body: a big one
+    await r.envoy.until_sent(2)
+    await r.end()
+    assert ran_between == [True]
