@@ -4,7 +4,8 @@ takes to answer while a big request is in; a request tokenized on the loop stall
 seconds. A long prompt's stall is bounded by 0.25 s outright (10 and 16 MB: 0.06-0.12 s with a
 tokenizer on this 2-core machine at a load average of 5-7). A chat's is bounded over the same
 request's stall in a sidecar without a tokenizer, by 0.25 s: 10^5 messages cost the loop
-0.3 s without one there (decoding them and checking every message, one by one).
+0.15-0.21 s without one there at a load average of 3-4 (decoding them, then finding the
+body's members, two steps with the loop running between).
 
 The sidecar's tokenizer is word-level with every space a token of its own, and one
 2,000-character token in its vocabulary: the engines' context length (vllmsim's 8,192 tokens,
@@ -208,10 +209,11 @@ async def test_eight_10MB_prompts_leave_small_requests_fast(
     """The bound is over the same load without a tokenizer: eight 10 MB bodies cost Envoy,
     the engines and the ext_proc's loop (gRPC, decoding, copying into both legs) 0.8-2.1 s of
     the small requests' p99 on a busy 2-core machine (bench/results/big-bodies.md), twice that
-    for its own noise. Here every prompt is also encoded, in the tokenizer's two worker
-    processes, for up to their 1 s each: CPU the rest of the machine does not get (measured
-    with a tokenizer 2.3-3.5 s against 0.84-2.1 s without), which TOKENIZING_S allows for.
-    Tokenizing on the loop had them wait for minutes."""
+    for its own noise. Here every prompt is also encoded, in one of the tokenizer's two worker
+    processes (the other is left to short prompts such as the small requests'), for up to 1 s
+    each: CPU the rest of the machine does not get, which TOKENIZING_S allows for (measured
+    0.6-1.2 s with a tokenizer, 0.8-1.6 s without; 1.4-2.6 s when the small requests queued
+    for a worker behind the big ones). Tokenizing on the loop had them wait for minutes."""
     without = await small_p99_beside_eight(plain)
     p99 = await small_p99_beside_eight(topo)
     assert p99 < 2 * without + TOKENIZING_S, (p99, without)

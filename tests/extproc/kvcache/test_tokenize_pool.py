@@ -132,6 +132,28 @@ async def test_past_its_queue_a_request_gets_no_ids_at_once(
         await first
 
 
+async def test_long_jobs_leave_a_worker_to_the_short_ones(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    """Two workers, two long prompts in: a short one is still tokenized at once, not after
+    them (it would wait out its time budget and route without the cache)."""
+    off = pool(workers=2, timeout_s=60)
+    off.warm()
+    long_jobs = [
+        asyncio.create_task(off.ids(False, *completion(text(2_000_000)))) for _ in range(2)
+    ]
+    await asyncio.sleep(0)  # both run to their first wait
+    assert off._pending == 2  # the test looks inside: both long requests are in
+    doc, raw = completion(text(2000))
+    try:
+        assert await asyncio.wait_for(off.ids(False, doc, raw), 30) is not None
+        assert not any(job.done() for job in long_jobs)  # it did not wait for either
+    finally:
+        for job in long_jobs:
+            job.cancel()
+        await asyncio.gather(*long_jobs, return_exceptions=True)
+
+
 async def test_a_prompt_longer_than_the_context_gets_no_ids(
     pool: Callable[..., OffLoopTokenizer],
 ) -> None:
