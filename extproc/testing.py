@@ -127,9 +127,11 @@ async def running_sidecar(
             await terminate(process, 15)
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def scrape(
+    session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0
+) -> dict[str, float]:
     """Prometheus text → {'name{labels}': value} (enough for tests to compare counters)."""
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as response:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
         text = await response.text()
     samples: dict[str, float] = {}
     for line in text.splitlines():

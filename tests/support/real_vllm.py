@@ -125,7 +125,9 @@ async def sidecar_for(
 
 
 async def engine_metrics(session: aiohttp.ClientSession, engine: RealEngine) -> dict[str, float]:
-    return await scrape(session, engine.url + "/metrics")
+    # a real engine's API server shares two cores with its engine cores and the other engine:
+    # under a forward pass its /metrics answer has taken more than 5 s
+    return await scrape(session, engine.url + "/metrics", timeout_s=60)
 
 
 def by_source(metrics: dict[str, float]) -> dict[str, float]:
