@@ -10,6 +10,8 @@ engine publishing vLLM's KV events over ZMQ), these configurations are started a
                 on both pools, fed every engine's KV events)
   pd-cache+decide  pd-cache with the load-aware decision (decode-only where D holds the
                 prompt and its load allows)
+  pd-approx     pd-cache+decide with neither KV events nor a tokenizer (the scorer's
+                approximate mode: what this sidecar routed where)
   router-cache  vllm-router 0.1.17, PD mode, cache_aware (its own radix tree of routed text)
   router-kv     vllm-router 0.1.17, PD mode, kv_aware, fed the prefills' KV events by
                 --pd-kv-events (skipped when the engines cannot publish them)
@@ -186,6 +188,14 @@ def pd_cache_decide_sections(engines: Engines, events: EventPorts) -> dict[str, 
     return {**pd_cache_sections(engines, events), "decision": {"mode": "load_aware"}}
 
 
+def pd_approx_sections(engines: Engines, events: EventPorts) -> dict[str, Any]:
+    """pd-cache+decide without engine flags or a tokenizer: the scorer's approximate mode
+    (what this sidecar routed where, over the prompt's bytes)."""
+    sections = pd_cache_decide_sections(engines, {})
+    del sections["tokenizer"]
+    return sections
+
+
 def _pools(policy: str) -> Callable[[Engines, EventPorts], dict[str, Any]]:
     return lambda engines, events: {"prefill": {"policy": policy}, "decode": {"policy": policy}}
 
@@ -205,6 +215,7 @@ CONFIGS = {
         Config("pd-prefix", _pools("prefix")),
         Config("pd-cache", pd_cache_sections),
         Config("pd-cache+decide", pd_cache_decide_sections),
+        Config("pd-approx", pd_approx_sections),
         Config("router-cache", router_policy="cache_aware"),
         Config("router-kv", router_policy="kv_aware", needs_events=True),
     )
