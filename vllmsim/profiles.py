@@ -4,7 +4,8 @@
             of vllm-project/router PR #187's push benchmark (4P4D, input 1024 / output 64). It
             is the default. Its step, prefill, API and NIXL values are fitted to the PR's rows
             (bench/fit.py on a virtual clock, now the lab's: PR #187's plan in bench/pr187.py,
-            within the ranges commented there), each within what the hardware allows; bench/calibrate.py checks the fit.
+            within the ranges commented there), each within what the hardware allows;
+            bench/calibrate.py checks the fit.
 `cpu-tiny`  the tiny random-weight Llama (hidden 128, 2 layers, 2 KV heads of 32 dims) served
             by real vLLM 0.32 on one core of this project's 2-core CPU machine, NIXL over
             loopback (scripts/real_vllm.py). Fitted to the engine metrics of the real run
