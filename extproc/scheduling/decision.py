@@ -9,10 +9,9 @@ running by the prefill's compute time (the stall).
   off         always disaggregate
   threshold   decode-only for prompts of at most `max_prompt_tokens` (estimated)
   load_aware  decode-only when the expected TTFT alone is lower than through P, D's KV cache
-              is not nearly full, no other prompt sent D alone is still being prefilled
-              there, the stall fits D's budget, and the time it saves this request exceeds
-              the time it costs the requests D is running (the stall, once per running
-              request); disaggregate otherwise
+              is not nearly full, the stall fits D's budget, and the time it saves this
+              request exceeds the time it costs the requests D is running (the stall, once
+              per running request); disaggregate otherwise
 
 The prompt's size is estimated from the JSON bytes of every member that reaches it
 (`extproc.request.prompt_size`: messages or prompt, tools, documents, template kwargs, ...;
@@ -20,10 +19,9 @@ The prompt's size is estimated from the JSON bytes of every member that reaches 
 path, and the decision only needs the size to within tens of percent. A prompt whose size the
 body cannot tell (a client's chat template, multimodal content) is never decode-only.
 The load of both sides comes from this ext_proc's own counts (exact and instantaneous:
-requests in flight per D; per P, the prompt tokens of P legs in flight there, for a request
-KV-cache routing looked up as the tokens P lacked at each pick, otherwise as the P leg's
-client estimates them from the bodies) and the engines' scraped metrics (queue, running
-requests, KV usage; up to one scrape old). The step cost they imply is the
+requests in flight per D, prompt tokens of P legs in flight per P, kept on the pool's endpoint
+state by the P leg's client) and the engines' scraped metrics (queue, running requests, KV
+usage; up to one scrape old). The step cost they imply is the
 engines' step model (`decision.step_*`):
 step = base + prefill tokens × per_token + running sequences × per_seq.
 
@@ -125,11 +123,6 @@ def decide(
         return Decision(False, "kv_pressure", alone, pd)
     if alone >= pd:
         return Decision(False, "faster_pd", alone, pd)
-    # One prompt at a time prefills alone on D: a second, sent before the first is computed,
-    # stalls D's streams again in the next step, and a prefix the first brings (KV-cache
-    # routing credits D with it at once) is not there yet, so D computes it twice.
-    if sides.pending_d_tokens > 0 and tokens_d > 0:
-        return Decision(False, "d_prefilling", alone, pd)
     stall = stall_ms(cfg, tokens_d, sides.running_d)
     if stall > cfg.max_stall_ms or stall > stall_credit_ms:
         return Decision(False, "stall_budget", alone, pd)
@@ -138,19 +131,6 @@ def decide(
     if stall * sides.running_d >= pd - alone:
         return Decision(False, "decode_busy", alone, pd)
     return Decision(True, "faster_alone", alone, pd)
-
-
-def p_queue_tokens(p: EndpointView, looked_up: bool) -> int:
-    """The prompt tokens P has yet to compute for this sidecar's legs there. For a request
-    KV-cache routing looked up, in its own units: the tokens each leg's P lacked at its pick
-    (`pending_tokens`; counted, or estimated alike where not tokenized), since P computes only
-    those. Otherwise the legs' bodies' estimate (`queued_tokens`), which counts what P holds
-    as work too: on a shared prefix, or with bodies of token ids (~6 bytes a token), it put
-    the P path's TTFT several times too high and sent requests decode-only that P would have
-    served as soon, each a stall of D's running streams (docs/lab.md, the matrix)."""
-    if looked_up:
-        return p.pending_tokens + p.peer_pending_tokens
-    return p.queued_tokens + p.peer_queued_tokens
 
 
 @dataclass(slots=True)
@@ -198,7 +178,7 @@ class Decider:
             d.waiting,
             d.kv_usage,
             sum(t for _, t in state.pending) + d.peer_alone_tokens,
-            p_queue_tokens(p, looked_up=prompt_tokens > 0),
+            p.queued_tokens + p.peer_queued_tokens,
             p.foreign,
         )
         decision = decide(cfg, tokens, sides, state.credit_ms, d_cached, p_cached)
