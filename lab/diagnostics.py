@@ -136,6 +136,7 @@ def request_detail(
         "p_leg": _leg(p_served, sent),
         "d_leg": _leg(d_served, sent),
         "d_headers_released_ms": _ms(released, sent),
+        "sent_ms": round(sent * 1e3, 3),  # simulated, from the run's start
     }
 
 
@@ -143,6 +144,7 @@ def _row(outcome: Outcome) -> dict[str, Any]:
     return {
         "ok": outcome.ok,
         "ttft_ms": None if outcome.ttft_s is None else round(outcome.ttft_s * 1e3, 3),
+        "tpot_ms": None if outcome.tpot_s is None else round(outcome.tpot_s * 1e3, 3),
         "strategy": outcome.strategy,
         **(outcome.detail or {}),
     }

@@ -50,6 +50,10 @@ def test_each_request_says_its_turn_route_cache_and_queues(tmp_path: Path) -> No
     p, d = first["p_leg"], first["d_leg"]
     assert 0 < p["arrived_ms"] <= p["submitted_ms"] < p["first_token_ms"] <= first["ttft_ms"]
     assert d["first_token_ms"] <= first["ttft_ms"]
+    # when each was sent (from the run's start: turn waves send turn 1 after all of turn 0)
+    # and its TPOT, to line the requests up against each other
+    assert max(r["sent_ms"] for r in rows if r["turn"] == 0) < min(r["sent_ms"] for r in later)
+    assert all(r["tpot_ms"] > 0 for r in rows)
     tail = (out / "kv.tail.md").read_text()
     slowest = max(r["ttft_ms"] for r in rows)
     assert f"| {slowest} |" in tail
