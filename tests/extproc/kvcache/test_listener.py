@@ -438,3 +438,17 @@ async def test_the_listener_says_where_it_listens_with_port_0_and_on_ipv6(
             ) in caplog.text
         finally:
             await listener.stop()
+
+
+async def test_a_member_of_the_top_level_pools_takes_any_model_on_a_host_it_shares(
+    ctx: Any,
+) -> None:
+    """Engines sharing an IP are told apart by the topic's model: one of the top-level pools
+    (model "") serves whatever model its topic names."""
+    engines = {
+        "127.0.0.7:8000": Listened("127.0.0.7:8000"),
+        "127.0.0.7:8001": Listened("127.0.0.7:8001", "b"),
+    }
+    async with listening(ctx, engines) as (listener, _, _):
+        frames = [b"kv@127.0.0.7@a", (0).to_bytes(8, "big"), batch()]
+        assert listener._engine_of(frames, 0) == "127.0.0.7:8000"

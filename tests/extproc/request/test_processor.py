@@ -1281,6 +1281,26 @@ async def test_a_ranks_new_engine_ends_the_parallel_streams_that_rank_owed() -> 
     assert r.outcome("kv_lost", "parallel", "cache_hit") == 1
 
 
+async def test_d_5xx_in_serial_drops_the_identity_of_the_rank_p_answered_from() -> None:
+    # D failed with rank 1's identity: that rank's is learnt again, rank 0's is kept
+    r = Request(prefill={"endpoints": [P], "data_parallel_size": 2})
+    rank_0 = identity_from_params(IDENTITY | {"remote_engine_id": "e0"})
+    r.rt.identities.learn(P, rank_0, 0)
+    state = r.rt.prefill.get(P)
+    assert state is not None
+    state.next_rank = 1
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(3)
+    assert r.rt.identities.get(P, 1) == identity_from_params(IDENTITY)
+    await r.send(response_headers(502))
+    await r.envoy.until_sent(4)
+    assert r.rt.identities.get(P, 1) is None
+    assert r.rt.identities.get(P, 0) == rank_0
+    await r.end()
+
+
 @pytest.mark.parametrize("first_rank", [0, 3], ids=["rank-the-fallback-has", "rank-it-lacks"])
 async def test_a_serial_retry_chooses_its_rank_at_the_fallback(first_rank: int) -> None:
     prefill = ScriptedPrefill(PrefillBusy(502, "prefill endpoint answered 503"))
