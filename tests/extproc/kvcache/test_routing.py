@@ -532,7 +532,7 @@ async def test_the_follower_subscribes_drops_leavers_clears_restarts_and_stops()
         assert index.blocks == 2
         routing.engine_restarted("a")  # the restart detector saw a new start time
         assert index.blocks == 0
-        assert 'reason="restart"} 1.0' in metrics.render().decode()
+        assert 'endpoint="a",reason="restart"} 1.0' in metrics.render().decode()
         routing.engine_restarted("not-watched")  # nothing to clear, nothing counted
         routing.follow({})  # it left the pool: out of the index at once
         assert index.engines() == []
@@ -542,6 +542,35 @@ async def test_the_follower_subscribes_drops_leavers_clears_restarts_and_stops()
         await engine.close()
         ctx.term()
     assert task is not None and task.done() and routing.watchers.sources() == {}
+
+
+async def test_the_follower_still_follows_a_change_after_a_wake_up_with_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    import extproc.kvcache.routing as routing_module
+    from tests.support.polling import until_true
+
+    monkeypatch.setattr(routing_module, "_FOLLOW_WAIT_S", 0.01)
+    index, metrics = KvIndex(100), Metrics()
+    routing = KvRouting(index, metrics)
+    waits = 0
+
+    class Changed(asyncio.Event):
+        async def wait(self) -> bool:  # type: ignore[override]
+            nonlocal waits
+            waits += 1
+            return await super().wait()
+
+    routing._changed = Changed()
+    try:
+        routing.start()
+        await until_true(lambda: waits >= 2, "a wake-up with no change")
+        routing.follow({"a": EventSource("tcp://127.0.0.1:1")})
+        await until_true(lambda: "a" in routing.watchers.sources(), "the change followed")
+    finally:
+        await routing.stop()
 
 
 # ---- engines without events: where prompts were routed -------------------------------------

@@ -29,6 +29,7 @@ from extproc.request.stream import EnvoyStream
 from extproc.scheduling.pool import EndpointState
 from extproc.tracing import RequestTrace
 from extproc.wiring import Runtime
+from tests.support.polling import until_true
 from tests.support.scripted_envoy import (
     D1,
     D2,
@@ -509,6 +510,28 @@ async def test_d_5xx_then_p_answers_a_new_engine_in_the_grace() -> None:
     assert error(sent[3])[0] == 503
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.rt.identities.get(P).engine_id == "e2"
+
+
+async def settled_parallel(r: Request) -> None:
+    """A parallel request whose P answered (as the engine D was given) before D's headers."""
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER)
+    await until_true(
+        lambda: r.sample("pd_extproc_prefill_leg_seconds_count", outcome="ok") == 1, "P settled"
+    )
+
+
+async def test_d_5xx_drops_only_the_identity_it_was_given() -> None:
+    # P restarted after its answer and the probe learnt its new engine before D failed: D's
+    # failure says nothing about the new engine, which is kept
+    r = Request(cached=True)
+    await settled_parallel(r)
+    r.rt.identities.learn(P, identity_from_params(IDENTITY | {"remote_engine_id": "e2"}))
+    await r.send(response_headers(500))
+    await r.envoy.until_sent(3)
+    assert r.rt.identities.get(P) == identity_from_params(IDENTITY | {"remote_engine_id": "e2"})
+    await r.end()
 
 
 async def test_d_5xx_in_serial_drops_the_identity_p_gave() -> None:
