@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from extproc.kvcache.index import KvIndex
-from extproc.kvcache.listener import EventListener, Listened, topic_who
+from extproc.kvcache.listener import EventListener, Listened, _same_ip, topic_who
 from extproc.kvcache.watchers import EventSource, KvEventWatchers
 from extproc.metrics import Metrics
 from extproc.stopping import cancel_and_wait
@@ -452,3 +452,27 @@ async def test_a_member_of_the_top_level_pools_takes_any_model_on_a_host_it_shar
     async with listening(ctx, engines) as (listener, _, _):
         frames = [b"kv@127.0.0.7@a", (0).to_bytes(8, "big"), batch()]
         assert listener._engine_of(frames, 0) == "127.0.0.7:8000"
+
+
+def test_a_sender_is_the_member_only_by_the_same_ip() -> None:
+    assert _same_ip("127.0.0.7", MEMBER) and not _same_ip("127.0.0.8", MEMBER)
+    # an IPv4 engine seen on an IPv6 socket, and an IPv6 one
+    assert _same_ip("::ffff:127.0.0.7", MEMBER) and not _same_ip("::ffff:127.0.0.8", MEMBER)
+    assert _same_ip("fd00::7", "[fd00::7]:8000") and not _same_ip("fd00::8", "[fd00::7]:8000")
+    # a member named by host name, or a peer ZMQ could not say: never taken as the sender
+    assert not _same_ip("127.0.0.7", "engine-0.vllm:8000") and not _same_ip("", MEMBER)
+
+
+async def test_a_host_that_cannot_be_bound_refuses_every_rank_with_a_line_each(
+    ctx: Any, caplog: Any
+) -> None:
+    # kv_listener.host names no local address: rank 0 has no port, so neither has rank 1
+    listener = EventListener("fd00::7", 0, KvIndex(max_blocks=10), Metrics(), context=ctx)
+    try:
+        await listener.set_engines({f"{MEMBER} dp{r}": Listened(MEMBER, rank=r) for r in (0, 1)})
+        said = [r.getMessage() for r in caplog.records if "cannot listen" in r.getMessage()]
+        assert listener.bound == {} and len(said) == 2
+        assert said[1].startswith("KV events: cannot listen on tcp://[fd00::7]:")
+        assert " for data-parallel rank 1 (" in said[1]
+    finally:
+        await listener.stop()

@@ -458,6 +458,18 @@ def test_a_lookup_folds_a_servers_ranks_into_it_and_keeps_each() -> None:
     assert routing.index.blocks == 0
 
 
+def test_an_engine_that_connects_without_ranks_is_no_rank_of_a_server() -> None:
+    metrics = Metrics()
+    routing = KvRouting(KvIndex(100), metrics)
+    routing.follow({P1: EventSource("", address=P1)})  # it connects to the listener
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    routing.index.apply(P1, _decoded(chain(1, prompt)))
+    found = routing.lookup(prompt)
+    assert found.by_endpoint == {P1: 8} and found.by_rank == {}
+    routing.engine_restarted(P1)  # its entries go, counted once
+    assert metrics.kv_index_resets.labels(P1, "restart")._value.get() == 1
+
+
 def test_the_kv_cache_policy_pins_the_rank_holding_the_prompt(tokenizer_dir: Path) -> None:
     cfg = parse_config(
         config(str(tokenizer_dir), kv_events={}, policy="kv_cache", data_parallel_size=2)

@@ -1324,6 +1324,47 @@ async def test_d_5xx_in_serial_drops_the_identity_of_the_rank_p_answered_from() 
     await r.end()
 
 
+def dp_request(rank: int) -> Request:
+    """A request to a P of two data-parallel ranks, to go to rank `rank`."""
+    r = Request(prefill={"endpoints": [P], "data_parallel_size": 2})
+    state = r.rt.prefill.get(P)
+    assert state is not None
+    state.next_rank = rank
+    return r
+
+
+async def test_unusable_params_from_a_rank_drop_that_ranks_identity_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = dp_request(1)
+    rank_0 = identity_from_params(IDENTITY | {"remote_engine_id": "e0"})
+    r.rt.identities.learn(P, rank_0, 0)
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(None)  # rank 1 answered no kv_transfer_params
+    sent = await r.envoy.until_sent(3)
+    assert error(sent[2])[0] == 502
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.rt.identities.get(P, 0) == rank_0
+    assert f"unusable kv_transfer_params (prefill {P}: " in caplog.text  # the operator's detail
+
+
+async def test_a_ranks_new_engine_in_ps_answer_is_counted_and_logged_under_that_rank(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = dp_request(1)
+    r.rt.identities.learn(P, identity_from_params(IDENTITY), 1)  # parallel, with rank 1's
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER | {"remote_engine_id": "e2"})
+    sent = await r.envoy.until_sent(3)
+    assert error(sent[2])[0] == 503
+    await asyncio.wait_for(r.task, WAIT_S)
+    events = "pd_extproc_identity_events_total"
+    assert r.sample(events, endpoint=f"{P} dp1", event="mismatched") == 1
+    assert f"restarted (new engine id); retry (prefill {P} dp1)" in caplog.text
+
+
 @pytest.mark.parametrize("first_rank", [0, 3], ids=["rank-the-fallback-has", "rank-it-lacks"])
 async def test_a_serial_retry_chooses_its_rank_at_the_fallback(first_rank: int) -> None:
     prefill = ScriptedPrefill(PrefillBusy(502, "prefill endpoint answered 503"))
