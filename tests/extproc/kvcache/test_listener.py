@@ -476,3 +476,37 @@ async def test_a_host_that_cannot_be_bound_refuses_every_rank_with_a_line_each(
         assert " for data-parallel rank 1 (" in said[1]
     finally:
         await listener.stop()
+
+
+async def test_a_message_no_engine_is_found_for_is_counted_by_why(ctx: Any) -> None:
+    engines = {  # two members on one IP, both of the top-level pools: the model cannot say
+        "127.0.0.7:8000": Listened("127.0.0.7:8000"),
+        "127.0.0.7:8001": Listened("127.0.0.7:8001"),
+    }
+    async with listening(ctx, engines) as (listener, _, metrics):
+        seq = (0).to_bytes(8, "big")
+        for frames, why in (
+            ([b"kv@127.0.0.7@m", seq], "malformed"),
+            ([b"not-a-topic", seq, batch()], "unknown_topic"),
+            ([b"kv@10.6.6.6@m", seq, batch()], "unknown_topic"),
+            ([b"kv@127.0.0.7@m", seq, batch()], "ambiguous_topic"),
+        ):
+            before = count(metrics.kv_event_unattributed, why)
+            assert listener._engine_of(frames, 0) is None
+            assert count(metrics.kv_event_unattributed, why) == before + 1, why
+        assert listener._engine_of([b"kv@127.0.0.7:8001@m", seq, batch()], 0) == "127.0.0.7:8001"
+
+
+async def test_a_message_of_one_frame_is_counted_and_the_receiver_lives_on(ctx: Any) -> None:
+    async with listening(ctx, {MEMBER: Listened(MEMBER)}) as (listener, _, metrics):
+        pub = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m")
+        try:
+
+            async def counted() -> bool:  # sent until one arrives (the slow joiner)
+                await pub.raw([b"kv@127.0.0.7@m"])
+                return count(metrics.kv_event_unattributed, "malformed") >= 1
+
+            await until(counted, "the one-frame message counted")
+            assert count(metrics.kv_event_subscriber_restarts, "listener rank 0") == 0
+        finally:
+            pub.close()
