@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from extproc.kvcache.index import KvIndex
 from extproc.kvcache.listener import EventListener, Listened, _same_ip, topic_who
+from extproc.kvcache.stream import SubscriberLimits
 from extproc.kvcache.watchers import EventSource, KvEventWatchers
 from extproc.metrics import Metrics
 from extproc.stopping import cancel_and_wait
@@ -113,7 +114,9 @@ def test_topics_name_who_and_model() -> None:
         "meta-llama/Llama-3.1-8B",
     )
     assert topic_who(b"kv@fd00::1@m") == ("fd00::1", "m")
-    for other in (b"", b"kv", b"kv@@m", b"ev@127.0.0.7@m", b"kv@\xff@m", b"kv@" + b"1" * 600):
+    assert topic_who(b"kv@127.0.0.7@org/m@v2") == ("127.0.0.7", "org/m@v2")  # "@" in a model
+    assert topic_who(b"kv@h@" + b"m" * 507) == ("h", "m" * 507)  # 512 bytes: the most taken
+    for other in (b"", b"kv", b"kv@@m", b"ev@127.0.0.7@m", b"kv@\xff@m", b"kv@h@" + b"m" * 508):
         assert topic_who(other) is None
 
 
@@ -510,3 +513,39 @@ async def test_a_message_of_one_frame_is_counted_and_the_receiver_lives_on(ctx: 
             assert count(metrics.kv_event_subscriber_restarts, "listener rank 0") == 0
         finally:
             pub.close()
+
+
+async def test_a_receiver_that_keeps_failing_backs_off_doubling_and_says_which(
+    caplog: Any,
+) -> None:
+    metrics = Metrics()
+    limits = SubscriberLimits(restart_backoff_s=0.01, max_restart_backoff_s=0.03)
+    listener = EventListener("127.0.0.1", 0, KvIndex(max_blocks=10), metrics, limits=limits)
+
+    class Broken:  # a socket whose every poll fails
+        async def poll(self, **_: int) -> int:
+            raise RuntimeError("a bug")
+
+    receiving = asyncio.create_task(listener._receiving(Broken(), None))  # type: ignore[arg-type]
+    try:
+        restarts = metrics.kv_event_subscriber_restarts
+        await until_true(lambda: count(restarts, "listener relay") >= 4, "four restarts")
+    finally:
+        await cancel_and_wait([receiving])
+    said = [r.getMessage() for r in caplog.records if "receiver failed" in r.getMessage()]
+    failed = "KV events: the listener's relay receiver failed (RuntimeError: a bug)"
+    assert said[:4] == [f"{failed}; restarting in {s} s" for s in ("0.01", "0.02", "0.03", "0.03")]
+
+
+async def test_an_idle_receiver_keeps_polling_without_backing_off(ctx: Any) -> None:
+    # it wakes every poll_s to poll again: an idle spell is no failure to back off from
+    limits = SubscriberLimits(poll_s=0.001, restart_backoff_s=60, max_restart_backoff_s=60)
+    index = KvIndex(max_blocks=10_000)
+    listener = EventListener("127.0.0.1", 0, index, Metrics(), limits=limits, context=ctx)
+    await listener.set_engines({MEMBER: Listened(MEMBER)})
+    pub = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m")
+    try:
+        await until_indexed(pub, index, MEMBER)
+    finally:
+        pub.close()
+        await listener.stop()
