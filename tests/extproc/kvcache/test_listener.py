@@ -42,13 +42,18 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 @contextlib.asynccontextmanager
 async def listening(
-    ctx: zmq.asyncio.Context, engines: dict[str, Listened], relay: str | None = None
+    ctx: zmq.asyncio.Context,
+    engines: dict[str, Listened],
+    relay: str | None = None,
+    limits: SubscriberLimits | None = None,
 ) -> AsyncIterator[tuple[EventListener, KvIndex, Metrics]]:
     index, metrics = KvIndex(max_blocks=10_000), Metrics()
     # a port whose next is free too: rank 1 listens on the port plus one (with port 0, on the
     # ephemeral port rank 0 got plus one, which another socket may hold)
     port = two_free_ports()
-    listener = EventListener("127.0.0.1", port, index, metrics, context=ctx, relay=relay)
+    listener = EventListener(
+        "127.0.0.1", port, index, metrics, context=ctx, relay=relay, limits=limits
+    )
     await listener.set_engines(engines)
     try:
         yield listener, index, metrics
@@ -500,8 +505,15 @@ async def test_a_message_no_engine_is_found_for_is_counted_by_why(ctx: Any) -> N
         assert listener._engine_of([b"kv@127.0.0.7:8001@m", seq, batch()], 0) == "127.0.0.7:8001"
 
 
-async def test_a_message_of_one_frame_is_counted_and_the_receiver_lives_on(ctx: Any) -> None:
-    async with listening(ctx, {MEMBER: Listened(MEMBER)}) as (listener, _, metrics):
+async def test_a_message_of_one_frame_is_dropped_and_the_receiver_goes_straight_on(
+    ctx: Any,
+) -> None:
+    limits = SubscriberLimits(restart_backoff_s=60, max_restart_backoff_s=60)
+    async with listening(ctx, {MEMBER: Listened(MEMBER)}, limits=limits) as (
+        listener,
+        index,
+        metrics,
+    ):
         pub = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m")
         try:
 
@@ -510,9 +522,47 @@ async def test_a_message_of_one_frame_is_counted_and_the_receiver_lives_on(ctx: 
                 return count(metrics.kv_event_unattributed, "malformed") >= 1
 
             await until(counted, "the one-frame message counted")
+            await until_indexed(pub, index, MEMBER)  # at once: no pause after a drop
             assert count(metrics.kv_event_subscriber_restarts, "listener rank 0") == 0
         finally:
             pub.close()
+
+
+async def test_a_full_engine_queue_drops_the_batch_and_the_receiver_goes_on(
+    ctx: Any, monkeypatch: Any
+) -> None:
+    limits = SubscriberLimits(receive_hwm=1)
+    listener = EventListener(
+        "127.0.0.1", 0, KvIndex(10_000), Metrics(), limits=limits, context=ctx, check_sender=False
+    )
+    await listener.set_engines({MEMBER: Listened(MEMBER)})
+
+    async def stuck(frames: list[bytes]) -> None:  # the engine's stream applies nothing
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(listener._fed[MEMBER].stream, "on_message", stuck)
+    idle = asyncio.Event()
+
+    class Flood:  # four batches of the engine's, then nothing
+        received = 0
+
+        async def poll(self, **_: int) -> int:
+            if self.received == 4:
+                idle.set()
+                await asyncio.Event().wait()
+            return 1
+
+        async def recv_multipart(self) -> list[bytes]:
+            self.received += 1
+            return [b"kv@127.0.0.7@m", self.received.to_bytes(8, "big"), batch()]
+
+    receiving = asyncio.create_task(listener._receive(Flood(), 0))  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(idle.wait(), 10)  # past the queue's one place, and on
+        assert not receiving.done()
+    finally:
+        await cancel_and_wait([receiving])
+        await listener.stop()
 
 
 async def test_a_receiver_that_keeps_failing_backs_off_doubling_and_says_which(
