@@ -95,6 +95,23 @@ class Publisher:
         self.pub.close(linger=0)
 
 
+class Flood:
+    """A socket the receiver reads `messages` from as fast as it can, then nothing."""
+
+    def __init__(self, messages: list[list[bytes]]) -> None:
+        self.messages = messages
+        self.idle = asyncio.Event()  # every message was taken
+
+    async def poll(self, **_: int) -> int:
+        if not self.messages:
+            self.idle.set()
+            await asyncio.Event().wait()
+        return 1
+
+    async def recv_multipart(self) -> list[bytes]:
+        return self.messages.pop(0)
+
+
 def count(metric: Any, *labels: str) -> float:
     return float(metric.labels(*labels)._value.get())
 
@@ -541,24 +558,11 @@ async def test_a_full_engine_queue_drops_the_batch_and_the_receiver_goes_on(
         await asyncio.Event().wait()
 
     monkeypatch.setattr(listener._fed[MEMBER].stream, "on_message", stuck)
-    idle = asyncio.Event()
-
-    class Flood:  # four batches of the engine's, then nothing
-        received = 0
-
-        async def poll(self, **_: int) -> int:
-            if self.received == 4:
-                idle.set()
-                await asyncio.Event().wait()
-            return 1
-
-        async def recv_multipart(self) -> list[bytes]:
-            self.received += 1
-            return [b"kv@127.0.0.7@m", self.received.to_bytes(8, "big"), batch()]
-
-    receiving = asyncio.create_task(listener._receive(Flood(), 0))  # type: ignore[arg-type]
+    four = [[b"kv@127.0.0.7@m", seq.to_bytes(8, "big"), batch()] for seq in range(4)]
+    flood = Flood(four)
+    receiving = asyncio.create_task(listener._receive(flood, 0))  # type: ignore[arg-type]
     try:
-        await asyncio.wait_for(idle.wait(), 10)  # past the queue's one place, and on
+        await asyncio.wait_for(flood.idle.wait(), 10)  # past the queue's one place, and on
         assert not receiving.done()
     finally:
         await cancel_and_wait([receiving])
@@ -598,4 +602,43 @@ async def test_an_idle_receiver_keeps_polling_without_backing_off(ctx: Any) -> N
         await until_indexed(pub, index, MEMBER)
     finally:
         pub.close()
+        await listener.stop()
+
+
+async def test_a_flood_of_batches_is_received_without_pausing(ctx: Any) -> None:
+    listener = EventListener(
+        "127.0.0.1", 0, KvIndex(10_000), Metrics(), context=ctx, check_sender=False
+    )
+    await listener.set_engines({MEMBER: Listened(MEMBER)})
+    topic = b"kv@127.0.0.7@m"
+    flood = Flood([[topic, seq.to_bytes(8, "big"), batch()] for seq in range(100)])
+    receiving = asyncio.create_task(listener._receive(flood, 0))  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(flood.idle.wait(), 10)  # a loop turn each, no more
+    finally:
+        await cancel_and_wait([receiving])
+        await listener.stop()
+
+
+async def test_each_engines_stream_has_its_replay_socket_and_the_listeners_limits(
+    ctx: Any,
+) -> None:
+    metrics = Metrics()
+    limits = SubscriberLimits(max_batch_bytes=1024)
+    listener = EventListener(
+        "127.0.0.1", 0, KvIndex(10_000), metrics, limits=limits, context=ctx, check_sender=False
+    )
+    replay = "tcp://127.0.0.7:1"
+    await listener.set_engines({MEMBER: Listened(MEMBER, replay_endpoint=replay)})
+    assert listener._fed[MEMBER].stream.replay_endpoint == replay
+    big = batch(*(chain(10 + 2 * i, [i + t for t in range(8)]) for i in range(100)))
+    flood = Flood([[b"kv@127.0.0.7@m", (0).to_bytes(8, "big"), big]])
+    receiving = asyncio.create_task(listener._receive(flood, 0))  # type: ignore[arg-type]
+    try:
+        await until_true(
+            lambda: count(metrics.kv_event_batches, MEMBER, "oversized") == 1,
+            "the batch over the listener's bound dropped",
+        )
+    finally:
+        await cancel_and_wait([receiving])
         await listener.stop()
