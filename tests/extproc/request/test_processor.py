@@ -24,6 +24,7 @@ from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUn
 from extproc.headers import RANK_HEADER
 from extproc.policies import PickRequest
 from extproc.protocol.identity import identity_from_params
+from extproc.request.envoy_msgs import REPLY_DETAILS
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.scheduling.pool import EndpointState
@@ -510,6 +511,21 @@ async def test_d_5xx_then_p_answers_a_new_engine_in_the_grace() -> None:
     assert error(sent[3])[0] == 503
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.rt.identities.get(P).engine_id == "e2"
+
+
+async def test_envoys_own_reply_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    reply = response_headers(503)  # Envoy's own: no D was reached
+    fields = reply.attributes["envoy.filters.http.ext_proc"].fields
+    fields[REPLY_DETAILS].string_value = "no_healthy_upstream"
+    await r.send(reply)
+    await r.envoy.until_sent(3)
+    assert r.envoy.kinds()[2] == "response_headers"  # it goes to the client as it is
+    await asyncio.wait_for(r.prefill.cancelled.wait(), WAIT_S)
+    assert r.rt.identities.get(P) == identity_from_params(IDENTITY)  # D said nothing of P
+    await r.end()
 
 
 async def settled_parallel(r: Request) -> None:
@@ -1266,7 +1282,9 @@ async def test_an_owed_push_is_kept_until_a_lost_p_can_be_seen() -> None:
     assert r.outcome("kv_lost", "serial", "cache_miss") == 1
 
 
-async def test_a_ranks_new_engine_ends_the_streams_that_rank_owed() -> None:
+async def test_a_ranks_new_engine_ends_the_streams_that_rank_owed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # each rank of a data-parallel P is an engine of its own: the push is owed by rank 1
     r = Request(prefill={"endpoints": [P], "data_parallel_size": 2})
     state = r.rt.prefill.get(P)
@@ -1281,6 +1299,7 @@ async def test_a_ranks_new_engine_ends_the_streams_that_rank_owed() -> None:
     assert error(sent[4])[0] == 503
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.outcome("kv_lost", "serial", "cache_miss") == 1
+    assert f"reached the decode engine; retry (prefill {P} dp1, engine e1)" in caplog.text
 
 
 async def test_a_ranks_new_engine_ends_the_parallel_streams_that_rank_owed() -> None:
@@ -1347,6 +1366,20 @@ async def test_unusable_params_from_a_rank_drop_that_ranks_identity_alone(
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.rt.identities.get(P, 0) == rank_0
     assert f"unusable kv_transfer_params (prefill {P}: " in caplog.text  # the operator's detail
+
+
+async def test_a_rank_that_fails_loses_its_identity_alone() -> None:
+    r = dp_request(1)
+    rank_0 = identity_from_params(IDENTITY | {"remote_engine_id": "e0"})
+    r.rt.identities.learn(P, rank_0, 0)
+    r.rt.identities.learn(P, identity_from_params(IDENTITY), 1)  # parallel, with rank 1's
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
+    sent = await r.envoy.until_sent(3)
+    assert error(sent[2])[0] == 502
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.rt.identities.get(P, 1) is None and r.rt.identities.get(P, 0) == rank_0
 
 
 async def test_a_ranks_new_engine_in_ps_answer_is_counted_and_logged_under_that_rank(
