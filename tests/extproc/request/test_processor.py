@@ -1047,6 +1047,27 @@ async def test_no_stream_ended_line_once_d_has_answered(caplog: pytest.LogCaptur
     assert caplog.records == [] and r.prefill.cancelled.is_set()
 
 
+async def test_the_kv_check_hears_which_d_was_sent_kv_and_which_prefills_itself() -> None:
+    # the decode's first choice: D1 (both idle); its counts make the KV check's windows
+    r = Request()
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)
+    sent = await r.envoy.until_sent(3)
+    assert routed(sent[2])[1]["x-gateway-destination-endpoint"].split(",")[0] == D1
+    await r.end()
+    assert dict(r.rt.kv_check._dispatched) == {D1: 1} and not r.rt.kv_check._alone
+    alone = Request(dispatch={"no_healthy_prefill": "decode_only"})
+    alone.rt.prefill.set_healthy(P, False)
+    await alone.start()
+    sent = await alone.envoy.until_sent(2)
+    assert routed(sent[1])[1]["x-gateway-destination-endpoint"] == f"{D1},{D2}"
+    await alone.end()
+    body_bytes = len(sent[1].request_body.response.body_mutation.body)
+    assert dict(alone.rt.kv_check._alone) == {D1: body_bytes}
+    assert not alone.rt.kv_check._dispatched
+
+
 async def test_no_stream_ended_line_for_decode_only(caplog: pytest.LogCaptureFixture) -> None:
     r = Request(dispatch={"no_healthy_prefill": "decode_only"})
     r.rt.prefill.set_healthy(P, False)
