@@ -184,8 +184,7 @@ class EventListener:
             return
         if self._relay_endpoint is not None and self._relay is None:
             self._bind_relay(self._relay_endpoint)
-        port = 0 if self.port == 0 and rank == 0 else self._rank_port(rank)
-        endpoint = f"tcp://{self._host()}:{port}"
+        endpoint = f"tcp://{self._host()}:{self._rank_port(rank)}"
         sock = zmq_socket(self._context, zmq.SUB, self._limits, ipv6=":" in self.host)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         try:
@@ -244,7 +243,7 @@ class EventListener:
 
     def _rank_port(self, rank: int) -> int:
         """Rank `rank`'s port: vLLM's rank r connects to the port plus r (with port 0, the
-        port rank 0 was given plus r)."""
+        port rank 0 was given plus r; rank 0's own is 0, the system's choice)."""
         base = self.port or int(self.bound.get(0, ":0").rpartition(":")[2])
         return base + rank
 

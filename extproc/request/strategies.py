@@ -588,9 +588,10 @@ class ParallelDispatch:
             grace = self._exchange.config.timeouts.decode_error_grace_s
             await self._exchange.stream.write(envoy_msgs.extend_timeout(grace + 1))
             await asyncio.wait({task}, timeout=grace)
-        still_running = self.watch() is not None  # raises a restart P revealed meanwhile
-        given = self._plan.given if still_running else None  # else P's answer was learnt
-        self._services.identities.drop(self._plan.prefill, given, self._plan.prefill_rank)
+        self.watch()  # raises a restart P revealed meanwhile
+        # D failed with `given`: an identity learnt since (P's next engine) is not suspect
+        plan = self._plan
+        self._services.identities.drop(plan.prefill, plan.given, plan.prefill_rank)
         self._stop()
 
     def _stop(self) -> None:

@@ -19,7 +19,8 @@ import zmq
 import zmq.asyncio
 
 from extproc.kvcache.index import KvIndex
-from extproc.kvcache.listener import EventListener, Listened, topic_who
+from extproc.kvcache.listener import EventListener, Listened, _same_ip, topic_who
+from extproc.kvcache.stream import SubscriberLimits
 from extproc.kvcache.watchers import EventSource, KvEventWatchers
 from extproc.metrics import Metrics
 from extproc.stopping import cancel_and_wait
@@ -41,13 +42,18 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 @contextlib.asynccontextmanager
 async def listening(
-    ctx: zmq.asyncio.Context, engines: dict[str, Listened], relay: str | None = None
+    ctx: zmq.asyncio.Context,
+    engines: dict[str, Listened],
+    relay: str | None = None,
+    limits: SubscriberLimits | None = None,
 ) -> AsyncIterator[tuple[EventListener, KvIndex, Metrics]]:
     index, metrics = KvIndex(max_blocks=10_000), Metrics()
     # a port whose next is free too: rank 1 listens on the port plus one (with port 0, on the
     # ephemeral port rank 0 got plus one, which another socket may hold)
     port = two_free_ports()
-    listener = EventListener("127.0.0.1", port, index, metrics, context=ctx, relay=relay)
+    listener = EventListener(
+        "127.0.0.1", port, index, metrics, context=ctx, relay=relay, limits=limits
+    )
     await listener.set_engines(engines)
     try:
         yield listener, index, metrics
@@ -89,6 +95,23 @@ class Publisher:
         self.pub.close(linger=0)
 
 
+class Flood:
+    """A socket the receiver reads `messages` from as fast as it can, then nothing."""
+
+    def __init__(self, messages: list[list[bytes]]) -> None:
+        self.messages = messages
+        self.idle = asyncio.Event()  # every message was taken
+
+    async def poll(self, **_: int) -> int:
+        if not self.messages:
+            self.idle.set()
+            await asyncio.Event().wait()
+        return 1
+
+    async def recv_multipart(self) -> list[bytes]:
+        return self.messages.pop(0)
+
+
 def count(metric: Any, *labels: str) -> float:
     return float(metric.labels(*labels)._value.get())
 
@@ -113,7 +136,9 @@ def test_topics_name_who_and_model() -> None:
         "meta-llama/Llama-3.1-8B",
     )
     assert topic_who(b"kv@fd00::1@m") == ("fd00::1", "m")
-    for other in (b"", b"kv", b"kv@@m", b"ev@127.0.0.7@m", b"kv@\xff@m", b"kv@" + b"1" * 600):
+    assert topic_who(b"kv@127.0.0.7@org/m@v2") == ("127.0.0.7", "org/m@v2")  # "@" in a model
+    assert topic_who(b"kv@h@" + b"m" * 507) == ("h", "m" * 507)  # 512 bytes: the most taken
+    for other in (b"", b"kv", b"kv@@m", b"ev@127.0.0.7@m", b"kv@\xff@m", b"kv@h@" + b"m" * 508):
         assert topic_who(other) is None
 
 
@@ -392,8 +417,8 @@ async def test_a_relay_that_cannot_be_bound_is_said_once_whatever_the_ranks(
         said = [r.getMessage() for r in caplog.records if "relay" in r.getMessage()]
     assert len(said) == 1
     assert said[0].startswith(
-        f"KV events: cannot relay to the other ext_proc processes on {relay} ("
-    )
+        f"KV events: cannot relay to the other ext_proc processes on {relay} (No such file"
+    )  # with ZMQ's reason
     assert said[0].endswith("); they route those engines without their events")
 
 
@@ -438,3 +463,182 @@ async def test_the_listener_says_where_it_listens_with_port_0_and_on_ipv6(
             ) in caplog.text
         finally:
             await listener.stop()
+
+
+async def test_a_member_of_the_top_level_pools_takes_any_model_on_a_host_it_shares(
+    ctx: Any,
+) -> None:
+    """Engines sharing an IP are told apart by the topic's model: one of the top-level pools
+    (model "") serves whatever model its topic names."""
+    engines = {
+        "127.0.0.7:8000": Listened("127.0.0.7:8000"),
+        "127.0.0.7:8001": Listened("127.0.0.7:8001", "b"),
+    }
+    async with listening(ctx, engines) as (listener, _, _):
+        frames = [b"kv@127.0.0.7@a", (0).to_bytes(8, "big"), batch()]
+        assert listener._engine_of(frames, 0) == "127.0.0.7:8000"
+
+
+def test_a_sender_is_the_member_only_by_the_same_ip() -> None:
+    assert _same_ip("127.0.0.7", MEMBER) and not _same_ip("127.0.0.8", MEMBER)
+    # an IPv4 engine seen on an IPv6 socket, and an IPv6 one
+    assert _same_ip("::ffff:127.0.0.7", MEMBER) and not _same_ip("::ffff:127.0.0.8", MEMBER)
+    assert _same_ip("fd00::7", "[fd00::7]:8000") and not _same_ip("fd00::8", "[fd00::7]:8000")
+    # a member named by host name, or a peer ZMQ could not say: never taken as the sender
+    assert not _same_ip("127.0.0.7", "engine-0.vllm:8000") and not _same_ip("", MEMBER)
+
+
+async def test_a_host_that_cannot_be_bound_refuses_every_rank_with_a_line_each(
+    ctx: Any, caplog: Any
+) -> None:
+    # kv_listener.host names no local address: rank 0 has no port, so neither has rank 1
+    listener = EventListener("fd00::7", 0, KvIndex(max_blocks=10), Metrics(), context=ctx)
+    try:
+        await listener.set_engines({f"{MEMBER} dp{r}": Listened(MEMBER, rank=r) for r in (0, 1)})
+        said = [r.getMessage() for r in caplog.records if "cannot listen" in r.getMessage()]
+        assert listener.bound == {} and len(said) == 2
+        assert said[1].startswith("KV events: cannot listen on tcp://[fd00::7]:")
+        assert " for data-parallel rank 1 (" in said[1]
+    finally:
+        await listener.stop()
+
+
+async def test_a_message_no_engine_is_found_for_is_counted_by_why(ctx: Any) -> None:
+    engines = {  # two members on one IP, both of the top-level pools: the model cannot say
+        "127.0.0.7:8000": Listened("127.0.0.7:8000"),
+        "127.0.0.7:8001": Listened("127.0.0.7:8001"),
+    }
+    async with listening(ctx, engines) as (listener, _, metrics):
+        seq = (0).to_bytes(8, "big")
+        for frames, why in (
+            ([b"kv@127.0.0.7@m", seq], "malformed"),
+            ([b"not-a-topic", seq, batch()], "unknown_topic"),
+            ([b"kv@10.6.6.6@m", seq, batch()], "unknown_topic"),
+            ([b"kv@127.0.0.7@m", seq, batch()], "ambiguous_topic"),
+        ):
+            before = count(metrics.kv_event_unattributed, why)
+            assert listener._engine_of(frames, 0) is None
+            assert count(metrics.kv_event_unattributed, why) == before + 1, why
+        assert listener._engine_of([b"kv@127.0.0.7:8001@m", seq, batch()], 0) == "127.0.0.7:8001"
+
+
+async def test_a_message_of_one_frame_is_dropped_and_the_receiver_goes_straight_on(
+    ctx: Any,
+) -> None:
+    limits = SubscriberLimits(restart_backoff_s=60, max_restart_backoff_s=60)
+    async with listening(ctx, {MEMBER: Listened(MEMBER)}, limits=limits) as (
+        listener,
+        index,
+        metrics,
+    ):
+        pub = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m")
+        try:
+
+            async def counted() -> bool:  # sent until one arrives (the slow joiner)
+                await pub.raw([b"kv@127.0.0.7@m"])
+                return count(metrics.kv_event_unattributed, "malformed") >= 1
+
+            await until(counted, "the one-frame message counted")
+            await until_indexed(pub, index, MEMBER)  # at once: no pause after a drop
+            assert count(metrics.kv_event_subscriber_restarts, "listener rank 0") == 0
+        finally:
+            pub.close()
+
+
+async def test_a_full_engine_queue_drops_the_batch_and_the_receiver_goes_on(
+    ctx: Any, monkeypatch: Any
+) -> None:
+    limits = SubscriberLimits(receive_hwm=1)
+    listener = EventListener(
+        "127.0.0.1", 0, KvIndex(10_000), Metrics(), limits=limits, context=ctx, check_sender=False
+    )
+    await listener.set_engines({MEMBER: Listened(MEMBER)})
+
+    async def stuck(frames: list[bytes]) -> None:  # the engine's stream applies nothing
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(listener._fed[MEMBER].stream, "on_message", stuck)
+    four = [[b"kv@127.0.0.7@m", seq.to_bytes(8, "big"), batch()] for seq in range(4)]
+    flood = Flood(four)
+    receiving = asyncio.create_task(listener._receive(flood, 0))  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(flood.idle.wait(), 10)  # past the queue's one place, and on
+        assert not receiving.done()
+    finally:
+        await cancel_and_wait([receiving])
+        await listener.stop()
+
+
+async def test_a_receiver_that_keeps_failing_backs_off_doubling_and_says_which(
+    caplog: Any,
+) -> None:
+    metrics = Metrics()
+    limits = SubscriberLimits(restart_backoff_s=0.01, max_restart_backoff_s=0.03)
+    listener = EventListener("127.0.0.1", 0, KvIndex(max_blocks=10), metrics, limits=limits)
+
+    class Broken:  # a socket whose every poll fails
+        async def poll(self, **_: int) -> int:
+            raise RuntimeError("a bug")
+
+    receiving = asyncio.create_task(listener._receiving(Broken(), None))  # type: ignore[arg-type]
+    try:
+        restarts = metrics.kv_event_subscriber_restarts
+        await until_true(lambda: count(restarts, "listener relay") >= 4, "four restarts")
+    finally:
+        await cancel_and_wait([receiving])
+    said = [r.getMessage() for r in caplog.records if "receiver failed" in r.getMessage()]
+    failed = "KV events: the listener's relay receiver failed (RuntimeError: a bug)"
+    assert said[:4] == [f"{failed}; restarting in {s} s" for s in ("0.01", "0.02", "0.03", "0.03")]
+
+
+async def test_an_idle_receiver_keeps_polling_without_backing_off(ctx: Any) -> None:
+    # it wakes every poll_s to poll again: an idle spell is no failure to back off from
+    limits = SubscriberLimits(poll_s=0.001, restart_backoff_s=60, max_restart_backoff_s=60)
+    index = KvIndex(max_blocks=10_000)
+    listener = EventListener("127.0.0.1", 0, index, Metrics(), limits=limits, context=ctx)
+    await listener.set_engines({MEMBER: Listened(MEMBER)})
+    pub = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m")
+    try:
+        await until_indexed(pub, index, MEMBER)
+    finally:
+        pub.close()
+        await listener.stop()
+
+
+async def test_a_flood_of_batches_is_received_without_pausing(ctx: Any) -> None:
+    listener = EventListener(
+        "127.0.0.1", 0, KvIndex(10_000), Metrics(), context=ctx, check_sender=False
+    )
+    await listener.set_engines({MEMBER: Listened(MEMBER)})
+    topic = b"kv@127.0.0.7@m"
+    flood = Flood([[topic, seq.to_bytes(8, "big"), batch()] for seq in range(100)])
+    receiving = asyncio.create_task(listener._receive(flood, 0))  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(flood.idle.wait(), 10)  # a loop turn each, no more
+    finally:
+        await cancel_and_wait([receiving])
+        await listener.stop()
+
+
+async def test_each_engines_stream_has_its_replay_socket_and_the_listeners_limits(
+    ctx: Any,
+) -> None:
+    metrics = Metrics()
+    limits = SubscriberLimits(max_batch_bytes=1024)
+    listener = EventListener(
+        "127.0.0.1", 0, KvIndex(10_000), metrics, limits=limits, context=ctx, check_sender=False
+    )
+    replay = "tcp://127.0.0.7:1"
+    await listener.set_engines({MEMBER: Listened(MEMBER, replay_endpoint=replay)})
+    assert listener._fed[MEMBER].stream.replay_endpoint == replay
+    big = batch(*(chain(10 + 2 * i, [i + t for t in range(8)]) for i in range(100)))
+    flood = Flood([[b"kv@127.0.0.7@m", (0).to_bytes(8, "big"), big]])
+    receiving = asyncio.create_task(listener._receive(flood, 0))  # type: ignore[arg-type]
+    try:
+        await until_true(
+            lambda: count(metrics.kv_event_batches, MEMBER, "oversized") == 1,
+            "the batch over the listener's bound dropped",
+        )
+    finally:
+        await cancel_and_wait([receiving])
+        await listener.stop()

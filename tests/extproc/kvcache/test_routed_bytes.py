@@ -97,6 +97,19 @@ def test_an_engine_forgotten_leaves_every_entry_and_its_bit_is_reused() -> None:
     routed.forget("never-seen")
 
 
+def test_an_engine_forgotten_past_the_first_bit_leaves_its_entries_too() -> None:
+    routed = RoutedBytes()
+    only_b = routed.keys(b"b" * 2 * BLOCK)
+    both = routed.keys(b"x" * 2 * BLOCK)
+    routed.remember([A], routed.keys(b"a" * BLOCK))  # A has bit 0, B bit 1
+    routed.remember([B], only_b)
+    routed.remember([A, B], both)
+    routed.forget(B)
+    assert len(routed) == 3 and routed.held(both) == {A: 2 * BLOCK}
+    routed.remember([C], routed.keys(b"c" * BLOCK))  # C takes B's bit: none of B's credit
+    assert routed.held(only_b) == {} and routed.held(both) == {A: 2 * BLOCK}
+
+
 def test_the_bound_is_reached_before_anything_goes() -> None:
     routed = RoutedBytes(max_entries=64)
     full = routed.keys(os.urandom(64 * BLOCK))

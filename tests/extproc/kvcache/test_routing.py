@@ -458,6 +458,18 @@ def test_a_lookup_folds_a_servers_ranks_into_it_and_keeps_each() -> None:
     assert routing.index.blocks == 0
 
 
+def test_an_engine_that_connects_without_ranks_is_no_rank_of_a_server() -> None:
+    metrics = Metrics()
+    routing = KvRouting(KvIndex(100), metrics)
+    routing.follow({P1: EventSource("", address=P1)})  # it connects to the listener
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    routing.index.apply(P1, _decoded(chain(1, prompt)))
+    found = routing.lookup(prompt)
+    assert found.by_endpoint == {P1: 8} and found.by_rank == {}
+    routing.engine_restarted(P1)  # its entries go, counted once
+    assert metrics.kv_index_resets.labels(P1, "restart")._value.get() == 1
+
+
 def test_the_kv_cache_policy_pins_the_rank_holding_the_prompt(tokenizer_dir: Path) -> None:
     cfg = parse_config(
         config(str(tokenizer_dir), kv_events={}, policy="kv_cache", data_parallel_size=2)
@@ -532,7 +544,7 @@ async def test_the_follower_subscribes_drops_leavers_clears_restarts_and_stops()
         assert index.blocks == 2
         routing.engine_restarted("a")  # the restart detector saw a new start time
         assert index.blocks == 0
-        assert 'reason="restart"} 1.0' in metrics.render().decode()
+        assert 'endpoint="a",reason="restart"} 1.0' in metrics.render().decode()
         routing.engine_restarted("not-watched")  # nothing to clear, nothing counted
         routing.follow({})  # it left the pool: out of the index at once
         assert index.engines() == []
@@ -542,6 +554,35 @@ async def test_the_follower_subscribes_drops_leavers_clears_restarts_and_stops()
         await engine.close()
         ctx.term()
     assert task is not None and task.done() and routing.watchers.sources() == {}
+
+
+async def test_the_follower_still_follows_a_change_after_a_wake_up_with_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    import extproc.kvcache.routing as routing_module
+    from tests.support.polling import until_true
+
+    monkeypatch.setattr(routing_module, "_FOLLOW_WAIT_S", 0.01)
+    index, metrics = KvIndex(100), Metrics()
+    routing = KvRouting(index, metrics)
+    waits = 0
+
+    class Changed(asyncio.Event):
+        async def wait(self) -> bool:  # type: ignore[override]
+            nonlocal waits
+            waits += 1
+            return await super().wait()
+
+    routing._changed = Changed()
+    try:
+        routing.start()
+        await until_true(lambda: waits >= 2, "a wake-up with no change")
+        routing.follow({"a": EventSource("tcp://127.0.0.1:1")})
+        await until_true(lambda: "a" in routing.watchers.sources(), "the change followed")
+    finally:
+        await routing.stop()
 
 
 # ---- engines without events: where prompts were routed -------------------------------------

@@ -24,11 +24,13 @@ from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUn
 from extproc.headers import RANK_HEADER
 from extproc.policies import PickRequest
 from extproc.protocol.identity import identity_from_params
+from extproc.request.envoy_msgs import REPLY_DETAILS
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.scheduling.pool import EndpointState
 from extproc.tracing import RequestTrace
 from extproc.wiring import Runtime
+from tests.support.polling import until_true
 from tests.support.scripted_envoy import (
     D1,
     D2,
@@ -509,6 +511,43 @@ async def test_d_5xx_then_p_answers_a_new_engine_in_the_grace() -> None:
     assert error(sent[3])[0] == 503
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.rt.identities.get(P).engine_id == "e2"
+
+
+async def test_envoys_own_reply_passes_at_once_keeps_the_identity_and_cancels_p() -> None:
+    r = Request(cached=True)
+    await r.start()
+    await r.envoy.until_sent(2)
+    reply = response_headers(503)  # Envoy's own: no D was reached
+    fields = reply.attributes["envoy.filters.http.ext_proc"].fields
+    fields[REPLY_DETAILS].string_value = "no_healthy_upstream"
+    await r.send(reply)
+    await r.envoy.until_sent(3)
+    assert r.envoy.kinds()[2] == "response_headers"  # it goes to the client as it is
+    await asyncio.wait_for(r.prefill.cancelled.wait(), WAIT_S)
+    assert r.rt.identities.get(P) == identity_from_params(IDENTITY)  # D said nothing of P
+    await r.end()
+
+
+async def settled_parallel(r: Request) -> None:
+    """A parallel request whose P answered (as the engine D was given) before D's headers."""
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER)
+    await until_true(
+        lambda: r.sample("pd_extproc_prefill_leg_seconds_count", outcome="ok") == 1, "P settled"
+    )
+
+
+async def test_d_5xx_drops_only_the_identity_it_was_given() -> None:
+    # P restarted after its answer and the probe learnt its new engine before D failed: D's
+    # failure says nothing about the new engine, which is kept
+    r = Request(cached=True)
+    await settled_parallel(r)
+    r.rt.identities.learn(P, identity_from_params(IDENTITY | {"remote_engine_id": "e2"}))
+    await r.send(response_headers(500))
+    await r.envoy.until_sent(3)
+    assert r.rt.identities.get(P) == identity_from_params(IDENTITY | {"remote_engine_id": "e2"})
+    await r.end()
 
 
 async def test_d_5xx_in_serial_drops_the_identity_p_gave() -> None:
@@ -1008,6 +1047,27 @@ async def test_no_stream_ended_line_once_d_has_answered(caplog: pytest.LogCaptur
     assert caplog.records == [] and r.prefill.cancelled.is_set()
 
 
+async def test_the_kv_check_hears_which_d_was_sent_kv_and_which_prefills_itself() -> None:
+    # the decode's first choice: D1 (both idle); its counts make the KV check's windows
+    r = Request()
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)
+    sent = await r.envoy.until_sent(3)
+    assert routed(sent[2])[1]["x-gateway-destination-endpoint"].split(",")[0] == D1
+    await r.end()
+    assert dict(r.rt.kv_check._dispatched) == {D1: 1} and not r.rt.kv_check._alone
+    alone = Request(dispatch={"no_healthy_prefill": "decode_only"})
+    alone.rt.prefill.set_healthy(P, False)
+    await alone.start()
+    sent = await alone.envoy.until_sent(2)
+    assert routed(sent[1])[1]["x-gateway-destination-endpoint"] == f"{D1},{D2}"
+    await alone.end()
+    body_bytes = len(sent[1].request_body.response.body_mutation.body)
+    assert dict(alone.rt.kv_check._alone) == {D1: body_bytes}
+    assert not alone.rt.kv_check._dispatched
+
+
 async def test_no_stream_ended_line_for_decode_only(caplog: pytest.LogCaptureFixture) -> None:
     r = Request(dispatch={"no_healthy_prefill": "decode_only"})
     r.rt.prefill.set_healthy(P, False)
@@ -1243,7 +1303,9 @@ async def test_an_owed_push_is_kept_until_a_lost_p_can_be_seen() -> None:
     assert r.outcome("kv_lost", "serial", "cache_miss") == 1
 
 
-async def test_a_ranks_new_engine_ends_the_streams_that_rank_owed() -> None:
+async def test_a_ranks_new_engine_ends_the_streams_that_rank_owed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # each rank of a data-parallel P is an engine of its own: the push is owed by rank 1
     r = Request(prefill={"endpoints": [P], "data_parallel_size": 2})
     state = r.rt.prefill.get(P)
@@ -1258,6 +1320,7 @@ async def test_a_ranks_new_engine_ends_the_streams_that_rank_owed() -> None:
     assert error(sent[4])[0] == 503
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.outcome("kv_lost", "serial", "cache_miss") == 1
+    assert f"reached the decode engine; retry (prefill {P} dp1, engine e1)" in caplog.text
 
 
 async def test_a_ranks_new_engine_ends_the_parallel_streams_that_rank_owed() -> None:
@@ -1279,6 +1342,81 @@ async def test_a_ranks_new_engine_ends_the_parallel_streams_that_rank_owed() -> 
     assert error(sent[3])[0] == 503
     await asyncio.wait_for(r.task, WAIT_S)
     assert r.outcome("kv_lost", "parallel", "cache_hit") == 1
+
+
+async def test_d_5xx_in_serial_drops_the_identity_of_the_rank_p_answered_from() -> None:
+    # D failed with rank 1's identity: that rank's is learnt again, rank 0's is kept
+    r = Request(prefill={"endpoints": [P], "data_parallel_size": 2})
+    rank_0 = identity_from_params(IDENTITY | {"remote_engine_id": "e0"})
+    r.rt.identities.learn(P, rank_0, 0)
+    state = r.rt.prefill.get(P)
+    assert state is not None
+    state.next_rank = 1
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(3)
+    assert r.rt.identities.get(P, 1) == identity_from_params(IDENTITY)
+    await r.send(response_headers(502))
+    await r.envoy.until_sent(4)
+    assert r.rt.identities.get(P, 1) is None
+    assert r.rt.identities.get(P, 0) == rank_0
+    await r.end()
+
+
+def dp_request(rank: int) -> Request:
+    """A request to a P of two data-parallel ranks, to go to rank `rank`."""
+    r = Request(prefill={"endpoints": [P], "data_parallel_size": 2})
+    state = r.rt.prefill.get(P)
+    assert state is not None
+    state.next_rank = rank
+    return r
+
+
+async def test_unusable_params_from_a_rank_drop_that_ranks_identity_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = dp_request(1)
+    rank_0 = identity_from_params(IDENTITY | {"remote_engine_id": "e0"})
+    r.rt.identities.learn(P, rank_0, 0)
+    await r.start()
+    await asyncio.wait_for(r.prefill.called.wait(), WAIT_S)
+    r.prefill.answer(None)  # rank 1 answered no kv_transfer_params
+    sent = await r.envoy.until_sent(3)
+    assert error(sent[2])[0] == 502
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.rt.identities.get(P, 0) == rank_0
+    assert f"unusable kv_transfer_params (prefill {P}: " in caplog.text  # the operator's detail
+
+
+async def test_a_rank_that_fails_loses_its_identity_alone() -> None:
+    r = dp_request(1)
+    rank_0 = identity_from_params(IDENTITY | {"remote_engine_id": "e0"})
+    r.rt.identities.learn(P, rank_0, 0)
+    r.rt.identities.learn(P, identity_from_params(IDENTITY), 1)  # parallel, with rank 1's
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
+    sent = await r.envoy.until_sent(3)
+    assert error(sent[2])[0] == 502
+    await asyncio.wait_for(r.task, WAIT_S)
+    assert r.rt.identities.get(P, 1) is None and r.rt.identities.get(P, 0) == rank_0
+
+
+async def test_a_ranks_new_engine_in_ps_answer_is_counted_and_logged_under_that_rank(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = dp_request(1)
+    r.rt.identities.learn(P, identity_from_params(IDENTITY), 1)  # parallel, with rank 1's
+    await r.start()
+    await r.envoy.until_sent(2)
+    r.prefill.answer(P_ANSWER | {"remote_engine_id": "e2"})
+    sent = await r.envoy.until_sent(3)
+    assert error(sent[2])[0] == 503
+    await asyncio.wait_for(r.task, WAIT_S)
+    events = "pd_extproc_identity_events_total"
+    assert r.sample(events, endpoint=f"{P} dp1", event="mismatched") == 1
+    assert f"restarted (new engine id); retry (prefill {P} dp1)" in caplog.text
 
 
 @pytest.mark.parametrize("first_rank", [0, 3], ids=["rank-the-fallback-has", "rank-it-lacks"])

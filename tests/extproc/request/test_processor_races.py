@@ -273,7 +273,9 @@ async def test_serial_client_gone_while_prefill_computes_cancels_it_and_sends_no
     assert outcomes(rt) == {("cancelled", "serial", "cache_miss"): 1.0}
 
 
-async def test_prefill_silent_while_decode_headers_are_held_gives_504_and_cancels_it() -> None:
+async def test_prefill_silent_while_decode_headers_are_held_gives_504_and_cancels_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     envoy = ScriptedEnvoy()
     prefill = ScriptedPrefill()  # P never answers unless cancelled
     rt = runtime(prefill, cached=True, timeouts={"prefill_s": 0.3})
@@ -288,6 +290,9 @@ async def test_prefill_silent_while_decode_headers_are_held_gives_504_and_cancel
     assert reply.status.code == 504
     assert orjson.loads(reply.body)["error"]["message"] == (
         "the prefill engine did not answer within 0.3 s"  # its address stays in the log
+    )
+    assert f"failed: 504 the prefill engine did not answer within 0.3 s (prefill {P})" in (
+        caplog.text
     )
     assert prefill.cancelled.is_set()
 
