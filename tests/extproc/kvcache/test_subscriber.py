@@ -34,7 +34,7 @@ from tests.extproc.kvcache.kv_events_helpers import (
     removed,
     stored,
 )
-from tests.support.polling import until_true
+from tests.support.polling import until, until_true
 
 TOKENS = list(range(1, 33))
 
@@ -490,8 +490,14 @@ async def test_a_subscriber_that_fails_is_restarted_with_its_entries_dropped(
         failed = [r for r in caplog.records if "subscriber failed" in r.getMessage()]
         assert len(failed) == 1 and "RuntimeError: a bug" in failed[0].getMessage()
         assert failed[0].exc_info is None  # one line, no traceback
-        await joined(engine, events)  # a new subscriber, which asks the replay what it missed
-        assert index.longest_prefix(TOKENS) == {"e": 4}
+        # a new subscriber, which asks the replay what it missed once it hears the engine
+        # (`joined` would not wait for it: `applied` is still set from the first one)
+
+        async def replayed() -> bool:
+            await engine.send(batch())
+            return index.longest_prefix(TOKENS) == {"e": 4}
+
+        await until(replayed, "the replay of what the failed subscriber missed", 20)
 
 
 @pytest.mark.parametrize("reset", ["cleared", "removed"])
