@@ -157,6 +157,7 @@ def test_what_is_not_a_batch_is_rejected_with_a_reason(payload: bytes, reason: s
     with pytest.raises(MalformedBatch) as raised:
         decode_batch(payload)
     assert raised.value.reason == reason
+    assert str(raised.value) == reason  # what a log line or a traceback shows
 
 
 def test_a_removal_from_another_tier_is_skipped() -> None:
