@@ -1,0 +1,204 @@
+"""One engine's stream, driven message by message: what a replay socket answers decides which
+batches are applied and how the replay is counted (filled, short, failed), whatever order or
+shape its answer has; and the budget's pacing, on a clock of the test's own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import zmq
+import zmq.asyncio
+
+from extproc.kvcache import stream as stream_module
+from extproc.kvcache.index import KvIndex
+from extproc.kvcache.stream import Budget, EngineStream, SubscriberLimits
+from extproc.metrics import Metrics
+from extproc.stopping import cancel_and_wait
+from tests.extproc.kvcache.kv_events_helpers import END, batch, chain
+
+TOKENS = list(range(1, 33))
+A, B, C = (batch(chain(10 * n, TOKENS[4 * n : 4 * n + 4])) for n in range(3))  # one block each
+
+
+def seq(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+def kept(n: int, payload: bytes, topic: bytes = b"") -> list[bytes]:
+    """A replayed batch as vLLM's ROUTER sends it (after the DEALER's empty frame)."""
+    return [b"", topic, seq(n), payload]
+
+
+class ScriptedReplay:
+    """A ROUTER on 127.0.0.1 that answers each replay request with the frames it is given."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.ctx = ctx
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.answer: list[list[bytes]] = []
+        self.asked: list[int] = []
+        self._server = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            self.asked.append(int.from_bytes(start, "big"))
+            for frames in self.answer:
+                await self.router.send_multipart([client, *frames])
+
+    async def close(self) -> None:
+        await cancel_and_wait([self._server])
+        self.router.close(linger=0)
+
+
+@pytest_asyncio.fixture
+async def replay() -> AsyncIterator[ScriptedReplay]:
+    ctx = zmq.asyncio.Context()
+    scripted = ScriptedReplay(ctx)
+    yield scripted
+    await scripted.close()
+    ctx.term()
+
+
+def make_stream(replay: ScriptedReplay) -> tuple[EngineStream, KvIndex, Metrics]:
+    index, metrics = KvIndex(max_blocks=1000), Metrics()
+    limits = SubscriberLimits(replay_timeout_s=5.0)  # only a broken replay waits it out
+    engine = EngineStream(
+        "e", index, metrics, replay_endpoint=replay.endpoint, limits=limits, context=replay.ctx
+    )
+    engine.start()
+    return engine, index, metrics
+
+
+def count(metric: Any, *labels: str) -> float:
+    return float(metric.labels(*labels)._value.get())
+
+
+def held(index: KvIndex) -> list[int]:
+    """Which of A, B and C's blocks the engine holds."""
+    return [n for n in range(3) if index.longest_prefix(TOKENS[4 * n : 4 * n + 4])["e"]]
+
+
+def outcomes(metrics: Metrics) -> dict[str, float]:
+    """The replays counted by outcome, and the batches applied from the replay and live."""
+    replays = {o: count(metrics.kv_event_replays, "e", o) for o in ("filled", "short", "failed")}
+    batches = {o: count(metrics.kv_event_batches, "e", o) for o in ("replayed", "applied")}
+    return {k: v for k, v in (replays | batches).items() if v}
+
+
+END_OF_REPLAY = [b"", b"", END, b""]
+
+
+async def test_a_joiner_applies_what_the_replay_kept_from_its_oldest_batch_on(
+    replay: ScriptedReplay,
+) -> None:
+    # the engine's buffer starts at 3 (older batches forgotten); a topic names its stream
+    replay.answer = [kept(3, A, b"kv"), kept(4, B, b"kv"), kept(5, C, b"kv"), END_OF_REPLAY]
+    stream, index, metrics = make_stream(replay)
+    await stream.on_message([b"kv", seq(5), C])
+    assert replay.asked == [0]
+    assert held(index) == [0, 1, 2]
+    assert outcomes(metrics) == {"filled": 1, "replayed": 2, "applied": 1}
+
+
+async def test_a_joiner_whose_replay_starts_at_the_batch_it_got_applies_that_batch_once(
+    replay: ScriptedReplay,
+) -> None:
+    replay.answer = [kept(5, C), END_OF_REPLAY]
+    stream, index, metrics = make_stream(replay)
+    await stream.on_message([b"", seq(5), C])
+    assert held(index) == [2]
+    assert outcomes(metrics) == {"short": 1, "applied": 1}  # nothing older: no reset either
+    assert count(metrics.kv_index_resets, "e", "gap") == 0
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [[kept(2, B), END_OF_REPLAY], [END_OF_REPLAY]],
+    ids=["from a later batch on", "nothing kept"],
+)
+async def test_a_gap_the_replay_cannot_fill_from_its_start_is_short_and_resets(
+    replay: ScriptedReplay, answer: list[list[bytes]]
+) -> None:
+    stream, index, metrics = make_stream(replay)
+    await stream.on_message([b"", seq(0), A])
+    replay.answer = answer  # batch 1 is gone from the engine's buffer
+    await stream.on_message([b"", seq(3), C])
+    assert replay.asked == [1]
+    assert held(index) == [2]  # A dropped with the gap, B not applied past it
+    assert outcomes(metrics) == {"short": 1, "applied": 2}
+    assert count(metrics.kv_index_resets, "e", "gap") == 1
+
+
+async def test_batches_older_than_the_gap_in_a_replay_are_passed_over(
+    replay: ScriptedReplay,
+) -> None:
+    stream, index, metrics = make_stream(replay)
+    await stream.on_message([b"kv", seq(0), A])
+    # a replay answering from further back: batch 0 again (a clear, were it applied), then 1, 2
+    replay.answer = [
+        kept(0, batch({"type": "AllBlocksCleared"}), b"kv"),
+        kept(1, B, b"kv"),
+        kept(2, C, b"kv"),
+        END_OF_REPLAY,
+    ]
+    await stream.on_message([b"kv", seq(3), batch()])
+    assert held(index) == [0, 1, 2]
+    assert outcomes(metrics) == {"filled": 1, "replayed": 2, "applied": 2}
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [[b"x", b"", seq(1), B], [b"", b"", seq(1)], [b"", b"", b"\x01", B]],
+    ids=["delimiter not empty", "three frames", "a 1-byte sequence number"],
+)
+async def test_a_replay_answer_of_the_wrong_shape_fails_the_replay(
+    replay: ScriptedReplay, frames: list[bytes]
+) -> None:
+    stream, index, metrics = make_stream(replay)
+    await stream.on_message([b"", seq(0), A])
+    replay.answer = [frames, END_OF_REPLAY]
+    await stream.on_message([b"", seq(2), C])
+    assert held(index) == [2]
+    assert outcomes(metrics) == {"failed": 1, "applied": 2}
+    assert count(metrics.kv_index_resets, "e", "gap") == 1
+
+
+class Clock:
+    """time.monotonic and asyncio.sleep for the budget: a sleep moves the clock on."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+async def test_the_budget_sleeps_out_the_rest_of_its_second_and_starts_the_next_afresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(stream_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(stream_module, "asyncio", SimpleNamespace(sleep=clock.sleep))
+    budget = Budget(batches=2, bytes_=100, share=0.5)
+    await budget.spend(10)
+    clock.now += 0.25
+    await budget.spend(10)
+    await budget.spend(10)  # a third batch in the second: the rest of it is slept out
+    assert clock.sleeps == [0, 0, 0.75]
+    await budget.busy(0.6)  # over its share of the loop: the next second is slept out
+    await budget.spend(50)  # and the one after starts with nothing spent
+    await budget.spend(50)
+    assert clock.sleeps[3:] == [1.0, 0, 0]
