@@ -357,3 +357,14 @@ def test_the_storage_log_keeps_storage_order_in_bounded_chunks_through_compactio
         assert log.records == sum(len(records) for _, records in log.chunks)
     # 600 records logged; compaction keeps the log within twice the entries and 4 chunks
     assert index.blocks == 100 and index._engines["a"].records <= 2 * 100 + 4 * 2
+
+
+def test_a_block_stored_again_while_in_the_newest_chunk_keeps_its_one_record() -> None:
+    index = KvIndex(max_blocks=64 * 4)  # chunks of 4 records
+    for _ in range(10):  # vLLM announces a block again at each reuse
+        index.apply("a", [store([1], TOKENS[:4])])
+    log = index._engines["a"]
+    assert log.records == 1 and index.blocks == 1
+    index.apply("a", [store([2, 3, 4, 5], TOKENS[:16])])  # the newest chunk is another now
+    index.apply("a", [store([1], TOKENS[:4])])
+    assert log.records == 6  # moved: a new record at the end, the old one stale

@@ -42,15 +42,17 @@ class ScriptedReplay:
         self.router = ctx.socket(zmq.ROUTER)
         self.router.bind("tcp://127.0.0.1:*")
         self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.answer: list[list[bytes]] = []
+        self.answer: list[list[bytes]] | None = []  # None: no answer at all
         self.asked: list[int] = []
+        self.delimiters: list[bytes] = []
         self._server = asyncio.create_task(self._serve())
 
     async def _serve(self) -> None:
         while True:
-            client, _, start = await self.router.recv_multipart()
+            client, delimiter, start = await self.router.recv_multipart()
+            self.delimiters.append(delimiter)
             self.asked.append(int.from_bytes(start, "big"))
-            for frames in self.answer:
+            for frames in self.answer or []:
                 await self.router.send_multipart([client, *frames])
 
     async def close(self) -> None:
@@ -67,9 +69,9 @@ async def replay() -> AsyncIterator[ScriptedReplay]:
     ctx.term()
 
 
-def make_stream(replay: ScriptedReplay) -> tuple[EngineStream, KvIndex, Metrics]:
+def make_stream(replay: ScriptedReplay, **limited: Any) -> tuple[EngineStream, KvIndex, Metrics]:
     index, metrics = KvIndex(max_blocks=1000), Metrics()
-    limits = SubscriberLimits(replay_timeout_s=5.0)  # only a broken replay waits it out
+    limits = SubscriberLimits(**{"replay_timeout_s": 5.0, **limited})  # a broken replay waits
     engine = EngineStream(
         "e", index, metrics, replay_endpoint=replay.endpoint, limits=limits, context=replay.ctx
     )
@@ -103,7 +105,7 @@ async def test_a_joiner_applies_what_the_replay_kept_from_its_oldest_batch_on(
     replay.answer = [kept(3, A, b"kv"), kept(4, B, b"kv"), kept(5, C, b"kv"), END_OF_REPLAY]
     stream, index, metrics = make_stream(replay)
     await stream.on_message([b"kv", seq(5), C])
-    assert replay.asked == [0]
+    assert replay.asked == [0] and replay.delimiters == [b""]  # vLLM's request: (b"", start)
     assert held(index) == [0, 1, 2]
     assert outcomes(metrics) == {"filled": 1, "replayed": 2, "applied": 1}
 
@@ -117,6 +119,43 @@ async def test_a_joiner_whose_replay_starts_at_the_batch_it_got_applies_that_bat
     assert held(index) == [2]
     assert outcomes(metrics) == {"short": 1, "applied": 1}  # nothing older: no reset either
     assert count(metrics.kv_index_resets, "e", "gap") == 0
+
+
+async def test_a_joiner_whose_replay_stops_short_of_the_batch_it_got_drops_what_it_applied(
+    replay: ScriptedReplay,
+) -> None:
+    replay.answer = [kept(3, A), kept(4, B), END_OF_REPLAY]  # batches 5 and 6 are missing
+    stream, index, metrics = make_stream(replay)
+    await stream.on_message([b"", seq(7), C])
+    assert held(index) == [2]  # A and B dropped: something is missing between them and C
+    assert outcomes(metrics) == {"short": 1, "replayed": 2, "applied": 1}
+    assert count(metrics.kv_index_resets, "e", "gap") == 1
+
+
+@pytest.mark.parametrize(
+    ("gap", "outcome"), [(2, "short"), (3, "skipped")], ids=["at the bound", "past it"]
+)
+async def test_a_gap_longer_than_the_replay_keeps_is_not_asked_for(
+    replay: ScriptedReplay, gap: int, outcome: str
+) -> None:
+    stream, index, metrics = make_stream(replay, max_replay_batches=2)
+    replay.answer = [END_OF_REPLAY]
+    await stream.on_message([b"", seq(100), A])  # joined late: 2 batches asked for, from 98
+    await stream.on_message([b"", seq(101 + gap), C])
+    assert replay.asked == ([98, 101] if outcome == "short" else [98])
+    assert count(metrics.kv_event_replays, "e", outcome) == 1 + (outcome == "short")
+    assert count(metrics.kv_index_resets, "e", "gap") == 1 and held(index) == [2]
+
+
+async def test_a_replay_socket_that_does_not_answer_fails_the_replay_and_says_so(
+    replay: ScriptedReplay, caplog: pytest.LogCaptureFixture
+) -> None:
+    stream, index, metrics = make_stream(replay, replay_timeout_s=0.2)
+    await stream.on_message([b"", seq(0), A])
+    replay.answer = None
+    await stream.on_message([b"", seq(2), C])
+    assert outcomes(metrics) == {"failed": 1, "applied": 2} and held(index) == [2]
+    assert f"KV events of e: no replay from {replay.endpoint} within 0.2 s" in caplog.text
 
 
 @pytest.mark.parametrize(
