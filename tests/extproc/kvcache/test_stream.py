@@ -132,6 +132,32 @@ async def test_a_joiner_whose_replay_stops_short_of_the_batch_it_got_drops_what_
     assert count(metrics.kv_index_resets, "e", "gap") == 1
 
 
+async def test_a_stream_that_starts_after_batch_0_asks_for_it_and_one_from_0_does_not(
+    replay: ScriptedReplay,
+) -> None:
+    replay.answer = [kept(0, A), END_OF_REPLAY]
+    stream, index, metrics = make_stream(replay)
+    await stream.on_message([b"", seq(1), B])
+    assert replay.asked == [0] and held(index) == [0, 1]
+    stream.start()  # rejoined: this time from the engine's first batch on
+    await stream.on_message([b"", seq(0), C])
+    assert replay.asked == [0] and held(index) == [2]
+    assert outcomes(metrics) == {"filled": 1, "replayed": 1, "applied": 2}
+
+
+async def test_a_sequence_that_goes_back_is_a_restarted_engine(
+    replay: ScriptedReplay, caplog: pytest.LogCaptureFixture
+) -> None:
+    stream, index, metrics = make_stream(replay)
+    caplog.set_level("INFO", logger="extproc")
+    await stream.on_message([b"", seq(0), A])
+    await stream.on_message([b"", seq(1), B])
+    await stream.on_message([b"", seq(0), C])  # a new engine process numbers from 0 again
+    assert held(index) == [2] and count(metrics.kv_index_resets, "e", "restart") == 1
+    assert "KV events of e: sequence went back (0 after 1): engine restarted" in caplog.messages
+    assert replay.asked == []
+
+
 @pytest.mark.parametrize(
     ("gap", "outcome"), [(2, "short"), (3, "skipped")], ids=["at the bound", "past it"]
 )
@@ -155,7 +181,7 @@ async def test_a_replay_socket_that_does_not_answer_fails_the_replay_and_says_so
     replay.answer = None
     await stream.on_message([b"", seq(2), C])
     assert outcomes(metrics) == {"failed": 1, "applied": 2} and held(index) == [2]
-    assert f"KV events of e: no replay from {replay.endpoint} within 0.2 s" in caplog.text
+    assert f"KV events of e: no replay from {replay.endpoint} within 0.2 s" in caplog.messages
 
 
 @pytest.mark.parametrize(
@@ -241,3 +267,49 @@ async def test_the_budget_sleeps_out_the_rest_of_its_second_and_starts_the_next_
     await budget.spend(50)  # and the one after starts with nothing spent
     await budget.spend(50)
     assert clock.sleeps[3:] == [1.0, 0, 0]
+
+
+async def test_the_budget_sleeps_out_the_second_once_the_loop_time_summed_is_over_its_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(stream_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(stream_module, "asyncio", SimpleNamespace(sleep=clock.sleep))
+    budget = Budget(batches=10, bytes_=1000, share=0.5)
+    await budget.busy(0.25)
+    await budget.busy(0.25)  # half the second: its share, not over it
+    assert clock.sleeps == [0, 0]
+    await budget.busy(0.125)
+    assert clock.sleeps == [0, 0, 1.0]
+
+
+async def test_a_failing_feed_is_restarted_after_a_backoff_doubled_until_it_works(
+    replay: ScriptedReplay, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stream, index, metrics = make_stream(replay)
+    clock = Clock()
+    monkeypatch.setattr(stream_module, "asyncio", SimpleNamespace(sleep=clock.sleep))
+    runs = 0
+
+    async def run() -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 5:  # the fifth run applied a batch before it failed: it worked a while
+            await stream.on_message([b"", seq(0), A])
+        if runs == 7:
+            raise asyncio.CancelledError  # the owner cancels
+        raise RuntimeError("boom")
+
+    limits = SubscriberLimits(restart_backoff_s=0.5, max_restart_backoff_s=2.0)
+    with pytest.raises(asyncio.CancelledError):
+        await stream_module.supervised(stream, run, metrics, limits)
+    backoffs = [s for s in clock.sleeps if s]  # (the budget's yields sleep 0)
+    assert backoffs == [0.5, 1.0, 2.0, 2.0, 0.5, 1.0]
+    assert count(metrics.kv_event_subscriber_restarts, "e") == 6 and held(index) == []
+    assert (
+        caplog.messages.count(
+            "KV events of e: subscriber failed (RuntimeError: boom); its index entries dropped, "
+            "restarting in 0.5 s"
+        )
+        == 2
+    )

@@ -385,9 +385,12 @@ def test_a_worker_exits_once_its_sidecar_has(monkeypatch: pytest.MonkeyPatch, pi
 
 
 def test_a_process_is_alive_until_it_has_exited() -> None:
-    process = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=PIPE)
+    code = "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); print(flush=True); "
+    code += "sys.stdin.read()"  # a signal would end it (even where a parent ignores SIGHUP)
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=PIPE, stdout=PIPE)
+    assert process.stdin is not None and process.stdout is not None
+    assert process.stdout.readline() == b"\n"  # ready
     assert tokenize_pool._alive(process.pid)
-    assert process.stdin is not None
     process.stdin.close()
     assert process.wait() == 0  # the probe sent it no signal
     assert not tokenize_pool._alive(process.pid)  # reaped: no such process now
