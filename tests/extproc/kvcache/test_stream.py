@@ -5,6 +5,7 @@ shape its answer has; and the budget's pacing, on a clock of the test's own."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -313,3 +314,62 @@ async def test_a_failing_feed_is_restarted_after_a_backoff_doubled_until_it_work
         )
         == 2
     )
+
+
+async def test_a_batch_of_many_slices_is_applied_whole(replay: ScriptedReplay) -> None:
+    stream, index, metrics = make_stream(replay, slice_blocks=1)
+    three = batch(*(chain(10 * n, TOKENS[4 * n : 4 * n + 4]) for n in range(3)))
+    await stream.on_message([b"", seq(0), three])  # applied one block at a time
+    assert held(index) == [0, 1, 2] and outcomes(metrics) == {"applied": 1}
+
+
+async def test_a_batch_at_the_size_bound_is_applied_and_one_byte_over_is_dropped(
+    replay: ScriptedReplay, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG", logger="extproc")
+    stream, index, metrics = make_stream(replay, max_batch_bytes=len(A))
+    await stream.on_message([b"", seq(0), A])
+    await stream.on_message([b"", seq(1), B + b" "])
+    assert held(index) == [] and count(metrics.kv_index_resets, "e", "oversized") == 1
+    assert f"KV events of e: batch 1 of {len(B) + 1} bytes dropped" in caplog.messages
+    await stream.on_message([b"", seq(2), b"\xc1"])  # not msgpack
+    assert "KV events of e: batch 2 skipped: msgpack" in caplog.messages
+    assert outcomes(metrics) == {"applied": 1}
+
+
+async def test_the_lag_of_a_batch_is_observed_from_its_timestamp_if_it_has_one(
+    replay: ScriptedReplay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream, _, metrics = make_stream(replay)
+    now = SimpleNamespace(
+        time=lambda: 1000.5, perf_counter=time.perf_counter, monotonic=time.monotonic
+    )
+    monkeypatch.setattr(stream_module, "time", now)
+    await stream.on_message([b"", seq(0), batch(ts=1000.0)])
+    await stream.on_message([b"", seq(1), batch(ts=0.0)])  # none: no sample
+    lag = metrics.kv_event_lag_seconds
+    assert (lag._sum.get(), count_samples(lag)) == (0.5, 1)
+
+
+def count_samples(histogram: Any) -> float:
+    return float(sum(bucket.get() for bucket in histogram._buckets))
+
+
+async def test_the_budget_counts_batches_and_bytes_per_second_and_renews_on_the_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(stream_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(stream_module, "asyncio", SimpleNamespace(sleep=clock.sleep))
+    budget = Budget(batches=3, bytes_=100, share=1.0)
+    for size in (60, 40):  # at the byte limit: not over it
+        await budget.spend(size)
+    await budget.spend(1)  # over it: the second is slept out, this batch the next's first
+    for _ in range(3):  # the third of the new second is over: slept out again
+        await budget.spend(1)
+    assert clock.sleeps == [0, 0, 1.0, 0, 0, 1.0]
+    await budget.spend(1)
+    await budget.spend(1)  # three in this second
+    clock.now += 1.0  # exactly a second after it began: a new one, nothing spent
+    await budget.spend(1)
+    assert clock.sleeps[6:] == [0, 0, 0]
