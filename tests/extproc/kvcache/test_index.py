@@ -368,3 +368,11 @@ def test_a_block_stored_again_while_in_the_newest_chunk_keeps_its_one_record() -
     index.apply("a", [store([2, 3, 4, 5], TOKENS[:16])])  # the newest chunk is another now
     index.apply("a", [store([1], TOKENS[:4])])
     assert log.records == 6  # moved: a new record at the end, the old one stale
+
+
+def test_a_cleared_engine_takes_what_a_new_one_does() -> None:
+    index, fresh = KvIndex(max_blocks=100), KvIndex(max_blocks=100)
+    index.apply("a", [store(list(range(1, 9)), TOKENS)])
+    index.clear_engine("a")
+    fresh.add_engine("a")
+    assert index.blocks == 0 and index.bytes_estimate() == fresh.bytes_estimate()
