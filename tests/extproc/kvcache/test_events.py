@@ -138,6 +138,8 @@ def test_a_lora_name_that_is_no_string_is_malformed() -> None:
     ("payload", "reason"),
     [
         (b"\xc1garbage", "msgpack"),
+        (b"", "msgpack"),  # nothing at all
+        (msgpack.packb([1.0, []])[:-1], "msgpack"),  # cut short before its events
         (msgpack.packb({"ts": 1}), "not_a_batch"),
         (msgpack.packb([1.0]), "not_a_batch"),
         (msgpack.packb(["x", []]), "not_a_batch"),
