@@ -376,3 +376,12 @@ def test_a_cleared_engine_takes_what_a_new_one_does() -> None:
     index.clear_engine("a")
     fresh.add_engine("a")
     assert index.blocks == 0 and index.bytes_estimate() == fresh.bytes_estimate()
+
+
+def test_eviction_reads_the_oldest_records_off_the_log_and_keeps_none_it_read() -> None:
+    index = KvIndex(max_blocks=64 * 4)  # chunks of 4 records
+    blocks = [store([n], [n, n, n, n]) for n in range(1, 301)]
+    index.apply("a", blocks)  # 44 over the bound: the 44 oldest go, their records with them
+    assert index.blocks == 256 and index.evicted == 44
+    assert index._engines["a"].records == 256
+    assert [index.longest_prefix([n] * 4)["a"] for n in (44, 45)] == [0, 1]
