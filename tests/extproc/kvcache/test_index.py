@@ -380,8 +380,11 @@ def test_a_cleared_engine_takes_what_a_new_one_does() -> None:
 
 def test_eviction_reads_the_oldest_records_off_the_log_and_keeps_none_it_read() -> None:
     index = KvIndex(max_blocks=64 * 4)  # chunks of 4 records
-    blocks = [store([n], [n, n, n, n]) for n in range(1, 301)]
-    index.apply("a", blocks)  # 44 over the bound: the 44 oldest go, their records with them
-    assert index.blocks == 256 and index.evicted == 44
+    blocks = [store([n], [n, n, n, n]) for n in range(1, 303)]
+    index.apply("a", blocks)  # 46 over the bound: the 46 oldest go, their records with them
+    assert index.blocks == 256 and index.evicted == 46
     assert index._engines["a"].records == 256
-    assert [index.longest_prefix([n] * 4)["a"] for n in (44, 45)] == [0, 1]
+    assert [index.longest_prefix([n] * 4)["a"] for n in (46, 47)] == [0, 1]
+    for _ in range(3):  # stored again: compaction takes over from where eviction left the log
+        index.apply("a", blocks[46:])
+    assert index.blocks == 256 and index._engines["a"].records <= 2 * 256 + 4 * 4

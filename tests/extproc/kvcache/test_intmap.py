@@ -131,3 +131,15 @@ def test_bits_are_cleared_in_the_right_bytes_on_a_big_endian_host(
     assert isinstance(cleared, array)
     cleared.byteswap()
     assert list(cleared) == [v & ~bits for v in values]
+
+
+def test_deleting_merges_the_buckets_only_below_the_threshold() -> None:
+    table = IntMap("B")
+    keys = [n << 50 for n in range(1, 258)]  # 257 keys over the whole range: two buckets
+    for key in keys:
+        put(table, key, 1)
+    for key in keys[96:]:
+        remove(table, key)
+    assert table.size == 96 and len(table.keys) == 2  # at the threshold (2 x 48): kept
+    remove(table, keys[0])
+    assert len(table.keys) == 1 and [table.get(k) for k in keys[1:96]] == [1] * 95
