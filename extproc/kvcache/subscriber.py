@@ -39,7 +39,6 @@ class EngineEvents:
     ) -> None:
         self.engine = engine
         self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
         self._topic = topic.encode()
         self._metrics = metrics
         self._limits = limits or SubscriberLimits()
@@ -70,9 +69,6 @@ class EngineEvents:
     async def stop(self) -> None:
         await cancel_and_wait([self._task])
         self._task = None
-
-    async def on_message(self, frames: list[bytes]) -> None:
-        await self.stream.on_message(frames)
 
     async def _run(self) -> None:
         sub = zmq_socket(self._context, zmq.SUB, self._limits)

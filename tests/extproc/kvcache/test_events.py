@@ -138,6 +138,8 @@ def test_a_lora_name_that_is_no_string_is_malformed() -> None:
     ("payload", "reason"),
     [
         (b"\xc1garbage", "msgpack"),
+        (b"", "msgpack"),  # nothing at all
+        (msgpack.packb([1.0, []])[:-1], "msgpack"),  # cut short before its events
         (msgpack.packb({"ts": 1}), "not_a_batch"),
         (msgpack.packb([1.0]), "not_a_batch"),
         (msgpack.packb(["x", []]), "not_a_batch"),
@@ -147,6 +149,12 @@ def test_a_lora_name_that_is_no_string_is_malformed() -> None:
         (batch(stored([1.5], None, [1, 2, 3, 4])), "hash_type"),
         (batch(stored([], None, [])), "block_hashes"),
         (batch(stored([1], None, [1, 2, 3, 4], block_size=0)), "stored_fields"),
+        (batch(stored([1], None, [1, 2, 3, 4], lora_name=7)), "stored_fields"),
+        (batch(removed([b""])), "empty_hash"),
+        (msgpack.packb([1.0, [{1: "BlockRemoved"}]]), "msgpack"),  # a key that is no string
+        (batch(removed([1] * ((1 << 18) + 1))), "msgpack"),  # an array past the decoder's bound
+        (msgpack.packb([1.0, [{f"k{n}": n for n in range(65)}]]), "msgpack"),  # a map too
+        (msgpack.packb([1.0, [msgpack.ExtType(1, b"x")]]), "msgpack"),  # no extension types
         (msgpack.packb([1.0, [cleared()] * (MAX_EVENTS_PER_BATCH + 1)]), "too_many_events"),
         (batch(removed([b"\x01" * 2000])), "msgpack"),  # a bin longer than any hash
         (batch() + b"\x00", "msgpack"),  # trailing bytes
@@ -157,6 +165,7 @@ def test_what_is_not_a_batch_is_rejected_with_a_reason(payload: bytes, reason: s
     with pytest.raises(MalformedBatch) as raised:
         decode_batch(payload)
     assert raised.value.reason == reason
+    assert str(raised.value) == reason  # what a log line or a traceback shows
 
 
 def test_a_removal_from_another_tier_is_skipped() -> None:
@@ -250,3 +259,20 @@ def test_any_bytes_decode_or_are_rejected_as_malformed(payload: bytes) -> None:
 def test_wrong_types_in_a_block_stored_are_malformed(bad: dict[str, Any]) -> None:
     with pytest.raises(MalformedBatch):
         decode_batch(batch(stored([1], None, [1, 2, 3, 4]) | bad))
+
+
+def test_removals_of_another_kv_cache_group_are_skipped() -> None:
+    # a hybrid model's other groups (sliding window, mamba) key blocks of their own
+    other = decode_batch(batch({**removed([7]), "group_idx": 1}))
+    assert (other.events, other.skipped) == ((), 1)
+    assert decode_batch(batch({**removed([7]), "group_idx": 0})).events == (BlocksRemoved((7,)),)
+
+
+def test_blocks_of_one_token_decode() -> None:
+    (event,) = decode_batch(batch(stored([1, 2], None, [5, 6], block_size=1))).events
+    assert event == BlocksStored((1, 2), None, (5, 6), 1, True)
+
+
+def test_a_batch_of_as_many_events_as_allowed_decodes() -> None:
+    payload = msgpack.packb([1.0, [cleared()] * MAX_EVENTS_PER_BATCH])
+    assert len(decode_batch(payload).events) == MAX_EVENTS_PER_BATCH

@@ -11,7 +11,7 @@ from array import array
 import pytest
 
 from extproc.kvcache.events import AllCleared, BlocksRemoved, BlocksStored
-from extproc.kvcache.index import KvIndex, chain_keys
+from extproc.kvcache.index import KvIndex, _mixed, chain_keys
 from extproc.kvcache.scope import PLAIN, CacheScope
 
 TOKENS = list(range(100, 132))  # 8 blocks of 4
@@ -323,3 +323,68 @@ def test_every_salt_and_every_adapter_keys_its_own_chain() -> None:
     scopes += [CacheScope(adapter=f"a{n}") for n in range(40)]
     firsts = {chain_keys(tokens, 4, scope=scope)[0] for scope in scopes}
     assert len(firsts) == len(scopes)
+
+
+def test_an_engine_is_heard_from_once_it_stores_a_block_of_any_size() -> None:
+    index = KvIndex(max_blocks=100)
+    index.add_engine("a")
+    index.apply("b", [BlocksRemoved((1,)), AllCleared()])  # no block size in these
+    assert not index.heard_from("a") and not index.heard_from("b")
+    assert not index.heard_from("c")  # not in the index
+    index.apply("a", [store([1], TOKENS[:1], size=1)])
+    assert index.heard_from("a")
+
+
+def test_the_storage_log_keeps_storage_order_in_bounded_chunks_through_compaction() -> None:
+    """Blocks stored again (never from the newest chunk, so each move is exact) make stale
+    records that compaction drops and merges away: after every event the live records run in
+    storage order, no chunk outgrows its size and the log's count is what its chunks hold."""
+    rng = random.Random(7)
+    index = KvIndex(max_blocks=64 * 2)  # chunks of 2 records
+    order: list[int] = []  # engine hashes, oldest stored first
+    for step in range(600):
+        if len(order) < 100 and (step % 3 or len(order) < 4):
+            engine_hash = len(order) + 1
+        else:
+            engine_hash = rng.choice(order[:-2])  # older than the newest chunk: it moves
+            order.remove(engine_hash)
+        index.apply("a", [store([engine_hash], list(range(4 * engine_hash, 4 * engine_hash + 4)))])
+        order.append(engine_hash)
+        log = index._engines["a"]
+        live = [m for chunk, records in log.chunks for m in records if log.live(m, chunk)]
+        assert live == [_mixed(h) for h in order]
+        assert max(len(records) for _, records in log.chunks) <= 2
+        assert log.records == sum(len(records) for _, records in log.chunks)
+    # 600 records logged; compaction keeps the log within twice the entries and 4 chunks
+    assert index.blocks == 100 and index._engines["a"].records <= 2 * 100 + 4 * 2
+
+
+def test_a_block_stored_again_while_in_the_newest_chunk_keeps_its_one_record() -> None:
+    index = KvIndex(max_blocks=64 * 4)  # chunks of 4 records
+    for _ in range(10):  # vLLM announces a block again at each reuse
+        index.apply("a", [store([1], TOKENS[:4])])
+    log = index._engines["a"]
+    assert log.records == 1 and index.blocks == 1
+    index.apply("a", [store([2, 3, 4, 5], TOKENS[:16])])  # the newest chunk is another now
+    index.apply("a", [store([1], TOKENS[:4])])
+    assert log.records == 6  # moved: a new record at the end, the old one stale
+
+
+def test_a_cleared_engine_takes_what_a_new_one_does() -> None:
+    index, fresh = KvIndex(max_blocks=100), KvIndex(max_blocks=100)
+    index.apply("a", [store(list(range(1, 9)), TOKENS)])
+    index.clear_engine("a")
+    fresh.add_engine("a")
+    assert index.blocks == 0 and index.bytes_estimate() == fresh.bytes_estimate()
+
+
+def test_eviction_reads_the_oldest_records_off_the_log_and_keeps_none_it_read() -> None:
+    index = KvIndex(max_blocks=64 * 4)  # chunks of 4 records
+    blocks = [store([n], [n, n, n, n]) for n in range(1, 303)]
+    index.apply("a", blocks)  # 46 over the bound: the 46 oldest go, their records with them
+    assert index.blocks == 256 and index.evicted == 46
+    assert index._engines["a"].records == 256
+    assert [index.longest_prefix([n] * 4)["a"] for n in (46, 47)] == [0, 1]
+    for _ in range(3):  # stored again: compaction takes over from where eviction left the log
+        index.apply("a", blocks[46:])
+    assert index.blocks == 256 and index._engines["a"].records <= 2 * 256 + 4 * 4

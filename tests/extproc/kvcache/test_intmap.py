@@ -6,7 +6,12 @@ from __future__ import annotations
 import gc
 import random
 import tracemalloc
+from array import array
+from types import SimpleNamespace
 
+import pytest
+
+from extproc.kvcache import intmap
 from extproc.kvcache.intmap import KEY_BITS, IntMap, column_code
 
 
@@ -96,3 +101,45 @@ def test_clearing_bits_everywhere_drops_the_keys_left_with_none() -> None:
             if found:
                 got = (table.values[bucket][position], table.extras[bucket][position])
                 assert got == left[key]
+
+
+def test_clearing_bits_keeps_the_columns_compact_and_merges_only_below_the_threshold() -> None:
+    table = IntMap("B")
+    low = [n << 50 for n in range(1, 97)]  # 96 keys of the lower half, kept with value 2
+    high = [(1 << 59) + (n << 50) for n in range(1, 162)]  # 161 of the upper half, cleared
+    for key in (*low, *high):
+        put(table, key, 3 if key in low else 1)
+    assert len(table.keys) == 2  # 257 keys: split in two buckets (merged below 2 x 48)
+    table.clear_bits(1)
+    assert table.size == 96 and len(table.keys) == 2  # at the threshold: no merge
+    assert [k.typecode for k in table.keys] == ["q", "q"]
+    assert [v.typecode for v in table.values] == ["B", "B"]
+    assert [table.get(key) for key in (*low, *high)] == [2] * 96 + [None] * 161
+    remove(table, low[0])  # below it now: the buckets merge (keys of one type extend)
+    assert len(table.keys) == 1 and table.get(low[1]) == 2
+
+
+def test_bits_are_cleared_in_the_right_bytes_on_a_big_endian_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    values = array("Q", [2**64 - 1, 0x0123_4567_89AB_CDEF])
+    laid_out = array("Q", values)
+    laid_out.byteswap()  # the bytes a big-endian host holds
+    monkeypatch.setattr(intmap, "sys", SimpleNamespace(byteorder="big"))
+    bits = 0x0102_0000_0000_8001  # the two lowest and two highest bytes
+    cleared = intmap._cleared(laid_out, intmap._byte_clearing("Q", bits))
+    assert isinstance(cleared, array)
+    cleared.byteswap()
+    assert list(cleared) == [v & ~bits for v in values]
+
+
+def test_deleting_merges_the_buckets_only_below_the_threshold() -> None:
+    table = IntMap("B")
+    keys = [n << 50 for n in range(1, 258)]  # 257 keys over the whole range: two buckets
+    for key in keys:
+        put(table, key, 1)
+    for key in keys[96:]:
+        remove(table, key)
+    assert table.size == 96 and len(table.keys) == 2  # at the threshold (2 x 48): kept
+    remove(table, keys[0])
+    assert len(table.keys) == 1 and [table.get(k) for k in keys[1:96]] == [1] * 95

@@ -537,3 +537,22 @@ async def test_an_engine_on_an_ipv6_address_is_followed_and_replayed(ctx: Any) -
             assert engine.endpoint.startswith("tcp://[::1]:") and engine.replays
     finally:
         await engine.close()
+
+
+async def test_a_subscriber_without_a_context_of_its_own_uses_its_limits_and_restarts(
+    engine: FakeEngine,
+) -> None:
+    """As the sidecar makes them: on ZMQ's shared context, with the limits it was given."""
+    index, metrics = KvIndex(max_blocks=100), Metrics()
+    limits = SubscriberLimits(max_batch_bytes=64)  # an empty batch fits, a stored block not
+    events = EngineEvents("e", engine.endpoint, index, metrics, limits=limits)
+    try:
+        for _ in range(2):  # started again after a stop
+            events.start()
+            await joined(engine, events)
+            oversized = count(metrics.kv_event_batches, "e", "oversized")
+            await engine.send(batch(chain(1, TOKENS[:16])))
+            await counted(metrics.kv_event_batches, ("e", "oversized"), oversized + 1)
+            await events.stop()
+    finally:
+        await events.stop()

@@ -7,17 +7,23 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 import tracemalloc
+from array import array
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from subprocess import PIPE
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from extproc.kvcache import tokenize_pool
 from extproc.kvcache.tokenize_pool import OffLoopTokenizer, members_object, token_ids
 from extproc.kvcache.tokens import RequestTokenizer
 
@@ -302,3 +308,111 @@ def test_the_members_object_copies_a_long_prompt_once() -> None:
         tracemalloc.stop()
     assert orjson.loads(raw) == {"prompt": "w" * (4 << 20)}
     assert peak < 1.1 * len(prompt)  # the object itself: no intermediate copy beside it
+
+
+async def test_workers_are_forked_by_the_fork_server_not_by_the_sidecar(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    off = pool(workers=1)
+    off.warm()
+    [pid] = await worker_pids(off)
+    status = await asyncio.to_thread(Path(f"/proc/{pid}/status").read_text)
+    parent = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid"))
+    assert parent != os.getpid()  # a fork of the sidecar would copy its threads' state
+
+
+# -- the worker side, called in this process (mutation testing cannot see into a worker) ------
+
+
+def test_the_worker_side_gives_the_ids_as_int32_bytes_or_none(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = RequestTokenizer.from_path(str(model_dir), None)
+    monkeypatch.setattr(tokenize_pool, "_worker_tokenizer", tokenizer)
+    asked = (False, completion(text(5))), (True, chat([{"role": "user", "content": "w1 w2"}]))
+    for is_chat, (doc, raw) in asked:
+        ids = token_ids(tokenizer, is_chat, doc, None)
+        assert ids and tokenize_pool._work(is_chat, raw, None) == array("i", ids).tobytes()
+    assert tokenize_pool._work(False, completion(text(5))[1], 2) is None  # over the context
+    assert tokenize_pool._work(False, b'{"prompt": 5}', None) is None  # no ids: as inline
+    monkeypatch.setattr(tokenize_pool, "_worker_tokenizer", None)  # could not load it
+    assert tokenize_pool._work(False, completion(text(5))[1], None) is None
+
+
+def test_a_worker_starts_niced_deaf_to_ctrl_c_and_watching_its_sidecar(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    done: list[Any] = []
+    template = tmp_path / "override.jinja"  # as vLLM's --chat-template: no role tags
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+
+    class Thread:
+        def __init__(self, target: Any, args: tuple[Any, ...], daemon: bool) -> None:
+            done.append(("thread", target, args, daemon))
+
+        def start(self) -> None:
+            done.append("started")
+
+    def nice(increment: int) -> None:
+        done.append(("nice", increment))
+
+    def handle(*how: Any) -> None:
+        done.append(how)
+
+    # the module's own names only: this process's niceness, signals and threads stay as they are
+    monkeypatch.setattr(tokenize_pool, "os", SimpleNamespace(nice=nice))
+    signals = SimpleNamespace(signal=handle, SIGINT=2, SIG_IGN=1)
+    monkeypatch.setattr(tokenize_pool, "signal", signals)
+    monkeypatch.setattr(tokenize_pool, "threading", SimpleNamespace(Thread=Thread))
+    monkeypatch.setattr(tokenize_pool, "_worker_tokenizer", None)
+    monkeypatch.setattr(tokenize_pool, "_worker_error", None)
+    tokenize_pool._start_worker(str(model_dir), str(template), 4321)
+    assert done == [
+        ("nice", 10),
+        (2, 1),  # SIGINT ignored
+        ("thread", tokenize_pool._exit_with, (4321,), True),
+        "started",
+    ]
+    loaded = tokenize_pool._worker_tokenizer
+    assert loaded is not None and tokenize_pool._ready() is None
+    doc = {"messages": [{"role": "user", "content": "w1 w2"}]}
+    assert token_ids(loaded, True, doc, None) == [4, 5]  # the override's, not "<user> w1 w2"
+    (model_dir / "tokenizer.json").unlink()  # its files changed since the sidecar read them
+    tokenize_pool._start_worker(str(model_dir), None, 4321)
+    assert (tokenize_pool._ready() or "").startswith("TokenizerFilesError: cannot load")
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "polled"])
+def test_a_worker_exits_once_its_sidecar_has(monkeypatch: pytest.MonkeyPatch, pidfd: bool) -> None:
+    sidecar = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=PIPE)
+    exits: list[int] = []
+
+    def no_pidfd(pid: int) -> int:  # an old kernel
+        raise OSError("pidfd_open")
+
+    watched = SimpleNamespace(
+        pidfd_open=os.pidfd_open if pidfd else no_pidfd, kill=os.kill, _exit=exits.append
+    )
+    monkeypatch.setattr(tokenize_pool, "os", watched)  # the module's name only
+    monkeypatch.setattr(tokenize_pool, "_PARENT_CHECK_S", 0.01)
+    watcher = threading.Thread(target=tokenize_pool._exit_with, args=(sidecar.pid,), daemon=True)
+    watcher.start()
+    watcher.join(0.2)
+    assert watcher.is_alive() and not exits  # the sidecar lives: so does the worker
+    assert sidecar.stdin is not None
+    sidecar.stdin.close()
+    sidecar.wait()
+    watcher.join(10)
+    assert exits == [0]
+
+
+def test_a_process_is_alive_until_it_has_exited() -> None:
+    code = "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); print(flush=True); "
+    code += "sys.stdin.read()"  # a signal would end it (even where a parent ignores SIGHUP)
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=PIPE, stdout=PIPE)
+    assert process.stdin is not None and process.stdout is not None
+    assert process.stdout.readline() == b"\n"  # ready
+    assert tokenize_pool._alive(process.pid)
+    process.stdin.close()
+    assert process.wait() == 0  # the probe sent it no signal
+    assert not tokenize_pool._alive(process.pid)  # reaped: no such process now
