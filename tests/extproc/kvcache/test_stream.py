@@ -252,12 +252,18 @@ class Clock:
         self.now += seconds
 
 
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The stream module's monotonic time and asyncio.sleep, both this test's Clock."""
+    made = Clock()
+    monkeypatch.setattr(stream_module, "time", SimpleNamespace(monotonic=made.monotonic))
+    monkeypatch.setattr(stream_module, "asyncio", SimpleNamespace(sleep=made.sleep))
+    return made
+
+
 async def test_the_budget_sleeps_out_the_rest_of_its_second_and_starts_the_next_afresh(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: Clock,
 ) -> None:
-    clock = Clock()
-    monkeypatch.setattr(stream_module, "time", SimpleNamespace(monotonic=clock.monotonic))
-    monkeypatch.setattr(stream_module, "asyncio", SimpleNamespace(sleep=clock.sleep))
     budget = Budget(batches=2, bytes_=100, share=0.5)
     await budget.spend(10)
     clock.now += 0.25
@@ -271,11 +277,8 @@ async def test_the_budget_sleeps_out_the_rest_of_its_second_and_starts_the_next_
 
 
 async def test_the_budget_sleeps_out_the_second_once_the_loop_time_summed_is_over_its_share(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: Clock,
 ) -> None:
-    clock = Clock()
-    monkeypatch.setattr(stream_module, "time", SimpleNamespace(monotonic=clock.monotonic))
-    monkeypatch.setattr(stream_module, "asyncio", SimpleNamespace(sleep=clock.sleep))
     budget = Budget(batches=10, bytes_=1000, share=0.5)
     await budget.busy(0.25)
     await budget.busy(0.25)  # half the second: its share, not over it
@@ -356,11 +359,8 @@ def count_samples(histogram: Any) -> float:
 
 
 async def test_the_budget_counts_batches_and_bytes_per_second_and_renews_on_the_second(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: Clock,
 ) -> None:
-    clock = Clock()
-    monkeypatch.setattr(stream_module, "time", SimpleNamespace(monotonic=clock.monotonic))
-    monkeypatch.setattr(stream_module, "asyncio", SimpleNamespace(sleep=clock.sleep))
     budget = Budget(batches=3, bytes_=100, share=1.0)
     for size in (60, 40):  # at the byte limit: not over it
         await budget.spend(size)
