@@ -68,6 +68,8 @@ class EndpointView(Protocol):
     def peer_queued_tokens(self) -> int: ...
     @property
     def peer_alone_tokens(self) -> int: ...  # decode: prompts they sent it to prefill alone
+    @property
+    def peer_stall_spent_ms(self) -> float: ...  # decode: the stall those spent, all told
 
 
 E = TypeVar("E", bound=EndpointView)

@@ -49,6 +49,7 @@ class EndpointState:
     peer_pending_tokens: int = 0
     peer_queued_tokens: int = 0
     peer_alone_tokens: int = 0  # decode: prompts they sent it to prefill alone, not yet due
+    peer_stall_spent_ms: float = 0.0  # decode: the stall those prompts spent, all told
     role: Role | None = None  # its pool's, which keys it in the shared table
     shared: SharedLoad | None = field(default=None, repr=False)  # None: one process alone
 
@@ -59,11 +60,13 @@ class EndpointState:
                 self.role, self.address, self.in_flight, self.pending_tokens, self.queued_tokens
             )
 
-    def publish_alone(self, tokens: int, due: float) -> None:
+    def publish_alone(self, tokens: int, due: float, stall_spent_ms: float) -> None:
         """Prompts this process sent here to prefill alone (the decision's), the last due at
-        `due` (the decider's clock)."""
+        `due` (the decider's clock), and the stall they spent from the budget, all told."""
         if self.shared is not None and self.role is not None:
-            self.shared.publish_alone(self.role, self.address, tokens, due)
+            self.shared.publish_alone(
+                self.role, self.address, tokens, due, round(stall_spent_ms * 1e3)
+            )
 
     def refresh_peers(self) -> None:
         """The others' counts here, now."""
@@ -73,6 +76,7 @@ class EndpointState:
             self.peer_pending_tokens = peers.pending_tokens
             self.peer_queued_tokens = peers.queued_tokens
             self.peer_alone_tokens = peers.alone_tokens
+            self.peer_stall_spent_ms = peers.stall_spent_us / 1e3
 
     @property
     def scraped_ranks(self) -> int:
@@ -130,6 +134,12 @@ class Pool:
             )
             self._on_change(self._endpoints[address])
         return added, removed
+
+    def forget_alone(self, address: str) -> None:
+        """The endpoint left: what the decision sent it counts no more for the others, and
+        its slot in this process's row of the shared table can be reused."""
+        if self._shared is not None:
+            self._shared.publish_alone(self.role, address, 0, 0.0)
 
     def share(self, table: SharedLoad | None) -> None:
         """Count every endpoint with the sidecar's other ext_proc processes, through `table`

@@ -193,6 +193,7 @@ class Scheduler:
     def forget(self, address: str) -> None:
         """The endpoint left its pool."""
         self.decider.forget(address)
+        self.decode.forget_alone(address)
 
     def pick(
         self,

@@ -3,7 +3,9 @@
 Each process counts the requests it has in flight at each endpoint, the prompt tokens of them
 the engine lacked (`pending_tokens`), the tokens of its P legs there (`queued_tokens`) and, on
 a decode engine, the prompts the decision sent it to prefill alone that it may not have
-prefilled yet (`alone_tokens`, until the last of them is due).
+prefilled yet (`alone_tokens`, until the last of them is due) and the stall those prompts
+spent from the engine's budget, all told (`stall_spent_us`): a reader takes what the others
+spent since it last looked out of its own bucket, so that N processes spend one budget per D.
 Alone, each would see about 1/N of the load its siblings put on an engine and pile its share
 onto the engine that holds a prefix. Here every process publishes its counts in a table all of
 them map (a file in `up`'s run directory): one row per process, each written only by its owner,
@@ -11,7 +13,8 @@ so the hot path takes no lock; a reader sums the other rows' counts for an endpo
 `peer_*` figures).
 
 A row is a heartbeat (the owner's monotonic clock, ns) and `SLOTS` slots of (key, in flight,
-pending tokens, queued tokens, alone tokens, when those are all due in ns), the key a hash of
+pending tokens, queued tokens, alone tokens, when those are all due in ns, stall spent in µs),
+the key a hash of
 the endpoint's role and address, found by linear probing from the key. Values are aligned
 8-byte words, each written in one store; a reader may see one count of a change before the
 next (an estimate, as the scraped load is).
@@ -19,7 +22,7 @@ next (an estimate, as the scraped load is).
 A process that dies leaves its row: its heartbeat (refreshed every `BEAT_S` by a task, and at
 each change) then ages, and a row whose heartbeat is older than `STALE_S` counts for nothing.
 A process that starts (a restarted worker takes its predecessor's row) clears its row first.
-Memory is fixed: rows × (1 + 6 × SLOTS) words (48 KiB a row). An endpoint that finds no free
+Memory is fixed: rows × (1 + 7 × SLOTS) words (56 KiB a row). An endpoint that finds no free
 slot (more than SLOTS in one row's history) has the row rebuilt with the endpoints counted
 now; past SLOTS live endpoints, the others are not shared.
 """
@@ -43,7 +46,7 @@ SLOTS = 1024  # endpoints per row: more than any pool this sidecar fronts
 BEAT_S = 1.0  # how often an owner refreshes its heartbeat
 STALE_S = 5.0  # a row not refreshed for this long is a dead process's: ignored
 _WORD = 8
-_FIELDS = 6  # key, in flight, pending, queued, alone tokens, when they are due (ns)
+_FIELDS = 7  # key, in flight, pending, queued, alone tokens, when they are due (ns), stall (µs)
 _ROW_WORDS = 1 + _FIELDS * SLOTS
 
 
@@ -59,6 +62,7 @@ class PeerLoad:
     pending_tokens: int = 0
     queued_tokens: int = 0
     alone_tokens: int = 0
+    stall_spent_us: int = 0  # decode: the stall their decode-only prompts spent, all told
 
 
 _NONE = PeerLoad()
@@ -138,19 +142,23 @@ class SharedLoad:
         words[slot + 1], words[slot + 2], words[slot + 3] = in_flight, pending_tokens, queued_tokens
         self.beat()  # alive, whether or not its heartbeat's task runs yet
 
-    def publish_alone(self, role: Role, address: str, tokens: int, due: float) -> None:
+    def publish_alone(
+        self, role: Role, address: str, tokens: int, due: float, stall_spent_us: int = 0
+    ) -> None:
         """The prompts this process sent the engine to prefill alone: `tokens` of them, the
-        last due (prefilled, as the decision expects) at `due` on the clock."""
+        last due (prefilled, as the decision expects) at `due` on the clock, and the stall
+        they spent from its budget since this process started (or last forgot it)."""
         key = self._key(role, address)
         slot = self._own.get(key)
         if slot is None:
-            if not tokens:
+            if not (tokens or stall_spent_us):
                 return
             slot = self._claim(key)
             if slot is None:
                 return
-        self._words[slot + 5] = int(due * 1e9)
-        self._words[slot + 4] = tokens
+        words = self._words
+        words[slot + 5], words[slot + 6] = int(due * 1e9), stall_spent_us
+        words[slot + 4] = tokens
         self.beat()
 
     def _claim(self, key: int) -> int | None:
@@ -201,7 +209,7 @@ class SharedLoad:
         key, words = self._key(role, address), self._words
         now = int(self._clock() * 1e9)
         oldest = now - int(STALE_S * 1e9)
-        in_flight = pending = queued = alone = 0
+        in_flight = pending = queued = alone = spent = 0
         for row in range(self.rows):
             if row == self.row or words[row * _ROW_WORDS] < oldest:
                 continue
@@ -212,8 +220,9 @@ class SharedLoad:
                 queued += words[slot + 3]
                 if words[slot + 5] > now:
                     alone += words[slot + 4]
-        if in_flight or pending or queued or alone:
-            return PeerLoad(in_flight, pending, queued, alone)
+                spent += words[slot + 6]
+        if in_flight or pending or queued or alone or spent:
+            return PeerLoad(in_flight, pending, queued, alone, spent)
         return _NONE
 
     def _slot_in(self, row: int, key: int) -> int | None:

@@ -100,6 +100,7 @@ class Load:
     peer_pending_tokens: int = 0
     peer_queued_tokens: int = 0
     peer_alone_tokens: int = 0
+    peer_stall_spent_ms: float = 0.0
 
 
 # The bucket these tests empty: 30 ms, refilled at 0.3 ms per output token.
@@ -131,6 +132,24 @@ def test_the_stall_bucket_refills_by_the_deciders_clock() -> None:
     assert made[-1] == "stall_budget"  # emptied, as above
     now[0] = 60.0  # a minute later by its clock, however little time passed here
     assert decider.decide(cfg, 200, "d", busy, Load()).reason == "faster_alone"
+
+
+def test_what_the_other_processes_spent_on_d_comes_out_of_this_ones_bucket() -> None:
+    """One budget per D for the sidecar: the others' stall since this process last looked (the
+    sum they publish) empties its bucket too; what they spent before it first looked, or a
+    sum that fell (a process gone), takes nothing and gives nothing."""
+    now = [0.0]
+    decider = Decider(Metrics(), clock=lambda: now[0])
+
+    def reasons(n: int, peers_spent: float) -> list[str]:
+        d = Load(in_flight=2, peer_stall_spent_ms=peers_spent)  # 11.6 ms a stall, 30 a bucket
+        return [decider.decide(BUCKET_30, 200, "d", d, Load()).reason for _ in range(n)]
+
+    assert reasons(1, 500.0) == ["faster_alone"]
+    assert reasons(1, 511.6) == ["stall_budget"]  # one more of theirs since
+    assert decider.alone("d")[2] == pytest.approx(11.6)  # what it tells the others
+    now[0] = 60.0  # full again
+    assert reasons(3, 0.0) == ["faster_alone", "faster_alone", "stall_budget"]
 
 
 def test_the_default_budget_keeps_one_stall_under_a_tenth_of_a_short_answer() -> None:
@@ -393,12 +412,12 @@ def test_the_stall_bucket_refills_per_decode_step_of_a_busier_d() -> None:
 def test_nothing_is_alone_on_a_decode_before_or_after_its_prompts_are_due() -> None:
     now = [0.0]
     decider = Decider(Metrics(), clock=lambda: now[0])
-    assert decider.alone("d") == (0, 0.0)
+    assert decider.alone("d") == (0, 0.0, 0.0)
     first = decider.decide(EXACT, 0, "d", Load(), Load(), prompt_tokens=20)
-    assert decider.alone("d") == (20, first.ttft_alone_ms / 1e3)
+    assert decider.alone("d") == (20, first.ttft_alone_ms / 1e3, 0.0)  # an idle D: no stall
     now[0] = 1.0
     decider.decide(EXACT, 0, "d", Load(kv_usage=1.0), Load(), prompt_tokens=20)  # via P
-    assert decider.alone("d") == (0, 0.0)
+    assert decider.alone("d") == (0, 0.0, 0.0)
 
 
 def test_the_prefill_queue_of_the_sidecars_other_processes_counts_as_this_ones() -> None:

@@ -13,6 +13,7 @@ from extproc.errors import NoHealthyDecode, NoHealthyPrefill, Shed
 from extproc.metrics import Metrics
 from extproc.policies import PickRequest, build_picker
 from extproc.roles import Role
+from extproc.scheduling.decision import Decider
 from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import DecodeAlone, Scheduler, WithPrefill
 from extproc.scheduling.shared_load import SharedLoad, table_bytes
@@ -167,6 +168,42 @@ def test_a_prompt_sent_to_prefill_alone_is_told_to_the_other_processes() -> None
         second.decode.pick()
         d1 = second.decode.get(D1)
         assert d1 is not None and (d1.peer_in_flight, d1.peer_alone_tokens) == (1, 2000)
+
+
+def test_the_stall_one_process_spends_on_d_is_spent_for_the_others_too() -> None:
+    """Two processes, one D running another router's request, a 30 ms stall budget, 11.6 ms a
+    short prompt's stall: each sends one prompt decode-only, and the second process's next
+    one goes through P, its bucket 30 - 2 x 11.6 (alone, it would still hold 18.4 ms)."""
+    cfg = config(
+        decode={"endpoints": [D1]},
+        decision={
+            "mode": "load_aware",
+            "bytes_per_token": 1.0,
+            "max_stall_ms": 30.0,
+            "stall_budget_ms_per_token": 0.3,
+        },
+    )
+    table = bytearray(table_bytes(2))
+    first, second = scheduler(cfg), scheduler(cfg)
+    for row, s in enumerate((first, second)):
+        shared = SharedLoad(table, 2, row, time.monotonic)
+        s.prefill.share(shared)
+        s.decode.share(shared)
+        s.decider = Decider(Metrics(), clock=lambda: 0.0)  # no refill between the picks
+        d1 = s.decode.get(D1)
+        assert d1 is not None
+        d1.foreign = 1.0
+
+    def pick(s: Scheduler) -> type:
+        with ExitStack() as inflight:
+            return type(s.pick(PickRequest("m", prompt_bytes=200), inflight, cfg))
+
+    assert [pick(second), pick(first), pick(second)] == [DecodeAlone, DecodeAlone, WithPrefill]
+    seen_by_second = second.decode.get(D1)
+    assert seen_by_second is not None and seen_by_second.shared is not None
+    assert seen_by_second.shared.peers(Role.DECODE, D1).stall_spent_us == 11_600
+    first.forget(D1)  # D1 left the first's pool: its slot in the table is free again
+    assert seen_by_second.shared.peers(Role.DECODE, D1).stall_spent_us == 0
 
 
 def test_a_passthrough_gets_one_fallback_and_a_subsets_503_says_so() -> None:
