@@ -68,8 +68,11 @@ class EndpointView(Protocol):
     def peer_queued_tokens(self) -> int: ...
     @property
     def peer_alone_tokens(self) -> int: ...  # decode: prompts they sent it to prefill alone
+    # decode: the decision's stall bucket as the latest of them left it (at 0: none told)
     @property
-    def peer_stall_spent_ms(self) -> float: ...  # decode: the stall those spent, all told
+    def peer_stall_credit_ms(self) -> float: ...
+    @property
+    def peer_stall_at(self) -> float: ...
 
 
 E = TypeVar("E", bound=EndpointView)

@@ -138,8 +138,6 @@ class _DecodeState:
     credit_ms: float  # the stall bucket
     updated: float  # the decider's clock, seconds
     pending: list[tuple[float, int]] = field(default_factory=list)  # (expires, tokens)
-    spent_ms: float = 0.0  # the stall this process spent here, all told (for the others)
-    peers_spent_ms: float = 0.0  # the other processes' spent_ms, as last seen
 
 
 class Decider:
@@ -174,7 +172,7 @@ class Decider:
         # Ours exactly (this request not counted), plus what others sent as of the last scrape:
         # the scrape alone is up to an interval old, and a request ends in less.
         running_d = max(0.0, d.in_flight + d.peer_in_flight - 1 + d.foreign)
-        state = self._decode_state(decode, cfg, running_d, now, d.peer_stall_spent_ms)
+        state = self._decode_state(decode, cfg, running_d, now, d)
         sides = Sides(
             running_d,
             d.waiting,
@@ -186,9 +184,7 @@ class Decider:
         decision = decide(cfg, tokens, sides, state.credit_ms, d_cached, p_cached)
         if decision.decode_only:
             uncached = max(0, tokens - d_cached)
-            stall = stall_ms(cfg, uncached, running_d)
-            state.credit_ms -= stall
-            state.spent_ms += stall
+            state.credit_ms -= stall_ms(cfg, uncached, running_d)
             state.pending.append((now + decision.ttft_alone_ms / 1e3, uncached))
         return self._count(decision)
 
@@ -199,36 +195,36 @@ class Decider:
         return decision
 
     def _decode_state(
-        self, decode: str, cfg: DecisionConfig, running_d: float, now: float, peers_spent: float
+        self, decode: str, cfg: DecisionConfig, running_d: float, now: float, d: EndpointView
     ) -> _DecodeState:
         state = self._decodes.get(decode)
+        fresh = state is None
         if state is None:
-            state = self._decodes[decode] = _DecodeState(
-                cfg.max_stall_ms, now, peers_spent_ms=peers_spent
-            )
+            state = self._decodes[decode] = _DecodeState(cfg.max_stall_ms, now)
+        # One bucket per D for the sidecar: where another process left it later than this
+        # one, carry on from there (its spending included).
+        if d.peer_stall_at and (fresh or d.peer_stall_at > state.updated):
+            state.credit_ms, state.updated = d.peer_stall_credit_ms, d.peer_stall_at
         step_ms = max(cfg.step_base_ms + cfg.decode_per_seq_ms * running_d, 1e-3)
-        refill = (now - state.updated) * 1e3 / step_ms * cfg.stall_budget_ms_per_token
+        elapsed = max(0.0, now - state.updated)
+        refill = elapsed * 1e3 / step_ms * cfg.stall_budget_ms_per_token
         state.credit_ms = min(cfg.max_stall_ms, state.credit_ms + refill)
-        # Every process refills at the same rate: what the others spent since this one last
-        # looked comes out of its bucket too, so that the sidecar spends one budget per D. A
-        # smaller sum is a process gone or restarted: nothing to take.
-        state.credit_ms -= max(0.0, peers_spent - state.peers_spent_ms)
-        state.peers_spent_ms = peers_spent
         state.updated = now
         state.pending = [(t, n) for t, n in state.pending if t > now]
         return state
 
-    def alone(self, decode: str) -> tuple[int, float, float]:
+    def alone(self, decode: str) -> tuple[int, float]:
         """The prompts this decider sent `decode` to prefill alone that may not be prefilled
-        yet: their tokens, and when the last of them is due (the decider's clock); and the
-        stall all it sent there spent, in ms."""
+        yet: their tokens, and when the last of them is due (the decider's clock)."""
         state = self._decodes.get(decode)
-        if state is None:
-            return 0, 0.0, 0.0
-        if not state.pending:
-            return 0, 0.0, state.spent_ms
-        due = max(t for t, _ in state.pending)
-        return sum(t for _, t in state.pending), due, state.spent_ms
+        if state is None or not state.pending:
+            return 0, 0.0
+        return sum(t for _, t in state.pending), max(t for t, _ in state.pending)
+
+    def bucket(self, decode: str) -> tuple[float, float]:
+        """`decode`'s stall bucket: its credit (ms) and when (the decider's clock; 0: none)."""
+        state = self._decodes.get(decode)
+        return (0.0, 0.0) if state is None else (state.credit_ms, state.updated)
 
     def forget(self, address: str) -> None:
         """The endpoint left its pool."""

@@ -49,7 +49,9 @@ class EndpointState:
     peer_pending_tokens: int = 0
     peer_queued_tokens: int = 0
     peer_alone_tokens: int = 0  # decode: prompts they sent it to prefill alone, not yet due
-    peer_stall_spent_ms: float = 0.0  # decode: the stall those prompts spent, all told
+    # decode: the decision's stall bucket as the latest of them left it (at 0: none told)
+    peer_stall_credit_ms: float = 0.0
+    peer_stall_at: float = 0.0
     role: Role | None = None  # its pool's, which keys it in the shared table
     shared: SharedLoad | None = field(default=None, repr=False)  # None: one process alone
 
@@ -60,13 +62,11 @@ class EndpointState:
                 self.role, self.address, self.in_flight, self.pending_tokens, self.queued_tokens
             )
 
-    def publish_alone(self, tokens: int, due: float, stall_spent_ms: float) -> None:
+    def publish_alone(self, tokens: int, due: float, stall_credit_ms: float, at: float) -> None:
         """Prompts this process sent here to prefill alone (the decision's), the last due at
-        `due` (the decider's clock), and the stall they spent from the budget, all told."""
+        `due`, and its stall bucket here, `stall_credit_ms` at `at` (the decider's clock)."""
         if self.shared is not None and self.role is not None:
-            self.shared.publish_alone(
-                self.role, self.address, tokens, due, round(stall_spent_ms * 1e3)
-            )
+            self.shared.publish_alone(self.role, self.address, tokens, due, stall_credit_ms, at)
 
     def refresh_peers(self) -> None:
         """The others' counts here, now."""
@@ -76,7 +76,8 @@ class EndpointState:
             self.peer_pending_tokens = peers.pending_tokens
             self.peer_queued_tokens = peers.queued_tokens
             self.peer_alone_tokens = peers.alone_tokens
-            self.peer_stall_spent_ms = peers.stall_spent_us / 1e3
+            self.peer_stall_credit_ms = peers.stall_credit_us / 1e3
+            self.peer_stall_at = peers.stall_at_ns / 1e9
 
     @property
     def scraped_ranks(self) -> int:

@@ -230,7 +230,8 @@ class Scheduler:
                     cached.get(decode.address, 0),
                     cached.get(prefill.address, 0),
                 )
-                decode.publish_alone(*self.decider.alone(decode.address))  # for the others
+                told = (*self.decider.alone(decode.address), *self.decider.bucket(decode.address))
+                decode.publish_alone(*told)  # for the other processes
                 if decision.decode_only:
                     self._count_cached(wanted, Role.DECODE, decodes[0])
                     return DecodeAlone(decodes, counted, decision.reason)

@@ -3,9 +3,10 @@
 Each process counts the requests it has in flight at each endpoint, the prompt tokens of them
 the engine lacked (`pending_tokens`), the tokens of its P legs there (`queued_tokens`) and, on
 a decode engine, the prompts the decision sent it to prefill alone that it may not have
-prefilled yet (`alone_tokens`, until the last of them is due) and the stall those prompts
-spent from the engine's budget, all told (`stall_spent_us`): a reader takes what the others
-spent since it last looked out of its own bucket, so that N processes spend one budget per D.
+prefilled yet (`alone_tokens`, until the last of them is due) and the decision's stall bucket
+there as this process last left it (its credit, and when). The bucket is one per D for the
+whole sidecar: a process carries on from the latest one told (its own or another's), so that N
+processes spend one budget, not N.
 Alone, each would see about 1/N of the load its siblings put on an engine and pile its share
 onto the engine that holds a prefix. Here every process publishes its counts in a table all of
 them map (a file in `up`'s run directory): one row per process, each written only by its owner,
@@ -13,8 +14,8 @@ so the hot path takes no lock; a reader sums the other rows' counts for an endpo
 `peer_*` figures).
 
 A row is a heartbeat (the owner's monotonic clock, ns) and `SLOTS` slots of (key, in flight,
-pending tokens, queued tokens, alone tokens, when those are all due in ns, stall spent in µs),
-the key a hash of
+pending tokens, queued tokens, alone tokens, when those are all due in ns, the stall bucket's
+credit in µs and its time in ns), the key a hash of
 the endpoint's role and address, found by linear probing from the key. Values are aligned
 8-byte words, each written in one store; a reader may see one count of a change before the
 next (an estimate, as the scraped load is).
@@ -22,7 +23,7 @@ next (an estimate, as the scraped load is).
 A process that dies leaves its row: its heartbeat (refreshed every `BEAT_S` by a task, and at
 each change) then ages, and a row whose heartbeat is older than `STALE_S` counts for nothing.
 A process that starts (a restarted worker takes its predecessor's row) clears its row first.
-Memory is fixed: rows × (1 + 7 × SLOTS) words (56 KiB a row). An endpoint that finds no free
+Memory is fixed: rows × (1 + 8 × SLOTS) words (64 KiB a row). An endpoint that finds no free
 slot (more than SLOTS in one row's history) has the row rebuilt with the endpoints counted
 now; past SLOTS live endpoints, the others are not shared.
 """
@@ -46,7 +47,8 @@ SLOTS = 1024  # endpoints per row: more than any pool this sidecar fronts
 BEAT_S = 1.0  # how often an owner refreshes its heartbeat
 STALE_S = 5.0  # a row not refreshed for this long is a dead process's: ignored
 _WORD = 8
-_FIELDS = 7  # key, in flight, pending, queued, alone tokens, when they are due (ns), stall (µs)
+# key, in flight, pending, queued, alone tokens, when they are due (ns), bucket (µs), its time (ns)
+_FIELDS = 8
 _ROW_WORDS = 1 + _FIELDS * SLOTS
 
 
@@ -62,7 +64,9 @@ class PeerLoad:
     pending_tokens: int = 0
     queued_tokens: int = 0
     alone_tokens: int = 0
-    stall_spent_us: int = 0  # decode: the stall their decode-only prompts spent, all told
+    # decode: the decision's stall bucket as the latest of them left it (at_ns 0: none told)
+    stall_credit_us: int = 0
+    stall_at_ns: int = 0
 
 
 _NONE = PeerLoad()
@@ -143,21 +147,28 @@ class SharedLoad:
         self.beat()  # alive, whether or not its heartbeat's task runs yet
 
     def publish_alone(
-        self, role: Role, address: str, tokens: int, due: float, stall_spent_us: int = 0
+        self,
+        role: Role,
+        address: str,
+        tokens: int,
+        due: float,
+        stall_credit_ms: float = 0.0,
+        stall_at: float = 0.0,
     ) -> None:
         """The prompts this process sent the engine to prefill alone: `tokens` of them, the
-        last due (prefilled, as the decision expects) at `due` on the clock, and the stall
-        they spent from its budget since this process started (or last forgot it)."""
+        last due (prefilled, as the decision expects) at `due` on the clock; and its stall
+        bucket there, `stall_credit_ms` at `stall_at` on the clock (0: none)."""
         key = self._key(role, address)
         slot = self._own.get(key)
         if slot is None:
-            if not (tokens or stall_spent_us):
+            if not (tokens or stall_at):
                 return
             slot = self._claim(key)
             if slot is None:
                 return
         words = self._words
-        words[slot + 5], words[slot + 6] = int(due * 1e9), stall_spent_us
+        words[slot + 5], words[slot + 6] = int(due * 1e9), round(stall_credit_ms * 1e3)
+        words[slot + 7] = int(stall_at * 1e9)
         words[slot + 4] = tokens
         self.beat()
 
@@ -209,7 +220,7 @@ class SharedLoad:
         key, words = self._key(role, address), self._words
         now = int(self._clock() * 1e9)
         oldest = now - int(STALE_S * 1e9)
-        in_flight = pending = queued = alone = spent = 0
+        in_flight = pending = queued = alone = credit = at = 0
         for row in range(self.rows):
             if row == self.row or words[row * _ROW_WORDS] < oldest:
                 continue
@@ -220,9 +231,10 @@ class SharedLoad:
                 queued += words[slot + 3]
                 if words[slot + 5] > now:
                     alone += words[slot + 4]
-                spent += words[slot + 6]
-        if in_flight or pending or queued or alone or spent:
-            return PeerLoad(in_flight, pending, queued, alone, spent)
+                if words[slot + 7] > at:  # the latest bucket told
+                    credit, at = words[slot + 6], words[slot + 7]
+        if in_flight or pending or queued or alone or at:
+            return PeerLoad(in_flight, pending, queued, alone, credit, at)
         return _NONE
 
     def _slot_in(self, row: int, key: int) -> int | None:

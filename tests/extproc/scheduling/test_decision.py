@@ -100,7 +100,8 @@ class Load:
     peer_pending_tokens: int = 0
     peer_queued_tokens: int = 0
     peer_alone_tokens: int = 0
-    peer_stall_spent_ms: float = 0.0
+    peer_stall_credit_ms: float = 0.0
+    peer_stall_at: float = 0.0
 
 
 # The bucket these tests empty: 30 ms, refilled at 0.3 ms per output token.
@@ -134,22 +135,27 @@ def test_the_stall_bucket_refills_by_the_deciders_clock() -> None:
     assert decider.decide(cfg, 200, "d", busy, Load()).reason == "faster_alone"
 
 
-def test_what_the_other_processes_spent_on_d_comes_out_of_this_ones_bucket() -> None:
-    """One budget per D for the sidecar: the others' stall since this process last looked (the
-    sum they publish) empties its bucket too; what they spent before it first looked, or a
-    sum that fell (a process gone), takes nothing and gives nothing."""
-    now = [0.0]
+def test_the_sidecars_processes_carry_on_from_the_latest_stall_bucket_told() -> None:
+    """One bucket per D for the sidecar: a process carries on from where another left it
+    later than itself (that one's spending included), and keeps its own when that is the
+    latest; a new one starts from the others'."""
+    now = [1.0]
     decider = Decider(Metrics(), clock=lambda: now[0])
 
-    def reasons(n: int, peers_spent: float) -> list[str]:
-        d = Load(in_flight=2, peer_stall_spent_ms=peers_spent)  # 11.6 ms a stall, 30 a bucket
-        return [decider.decide(BUCKET_30, 200, "d", d, Load()).reason for _ in range(n)]
+    def reason(credit_ms: float = 0.0, at: float = 0.0) -> str:
+        d = Load(in_flight=2, peer_stall_credit_ms=credit_ms, peer_stall_at=at)  # 11.6 ms a stall
+        return decider.decide(BUCKET_30, 200, "d", d, Load()).reason
 
-    assert reasons(1, 500.0) == ["faster_alone"]
-    assert reasons(1, 511.6) == ["stall_budget"]  # one more of theirs since
-    assert decider.alone("d")[2] == pytest.approx(11.6)  # what it tells the others
-    now[0] = 60.0  # full again
-    assert reasons(3, 0.0) == ["faster_alone", "faster_alone", "stall_budget"]
+    assert reason(5.0, at=1.0) == "stall_budget"  # new here: from the others' 5 ms
+    now[0] = 2.0  # a second of refill: full again
+    assert reason(5.0, at=1.0) == "faster_alone"  # theirs no later than its own: not taken
+    assert decider.bucket("d") == (pytest.approx(30.0 - 11.6), 2.0)
+    now[0] = 3.0
+    assert reason(5.0, at=2.9) == "stall_budget"  # theirs is later: 5 ms + 0.1 s's 3 ms
+    assert decider.bucket("d") == (pytest.approx(5.0 + 100 / 10.02 * 0.3), 3.0)
+    assert reason(30.0, at=2.95) == "stall_budget"  # older than its own: not taken
+    # told after this one read its clock (another process, a moment later): no refill
+    assert reason(20.0, at=3.5) == "faster_alone"
 
 
 def test_the_default_budget_keeps_one_stall_under_a_tenth_of_a_short_answer() -> None:
@@ -412,12 +418,12 @@ def test_the_stall_bucket_refills_per_decode_step_of_a_busier_d() -> None:
 def test_nothing_is_alone_on_a_decode_before_or_after_its_prompts_are_due() -> None:
     now = [0.0]
     decider = Decider(Metrics(), clock=lambda: now[0])
-    assert decider.alone("d") == (0, 0.0, 0.0)
+    assert decider.alone("d") == (0, 0.0)
     first = decider.decide(EXACT, 0, "d", Load(), Load(), prompt_tokens=20)
-    assert decider.alone("d") == (20, first.ttft_alone_ms / 1e3, 0.0)  # an idle D: no stall
+    assert decider.alone("d") == (20, first.ttft_alone_ms / 1e3)
     now[0] = 1.0
     decider.decide(EXACT, 0, "d", Load(kv_usage=1.0), Load(), prompt_tokens=20)  # via P
-    assert decider.alone("d") == (0, 0.0, 0.0)
+    assert decider.alone("d") == (0, 0.0)
 
 
 def test_the_prefill_queue_of_the_sidecars_other_processes_counts_as_this_ones() -> None:

@@ -230,15 +230,19 @@ def test_alone_tokens_of_several_processes_add_up() -> None:
     assert c.peers(D, "d0") == PeerLoad(alone_tokens=1000)
 
 
-def test_the_stall_spent_on_a_decode_adds_up_until_its_endpoint_is_forgotten() -> None:
+def test_the_latest_stall_bucket_told_is_the_others_until_its_endpoint_is_forgotten() -> None:
     clock = Clock()
     a, b, c = rows(3, clock)
-    a.publish_alone(D, "d0", 0, 0.0, stall_spent_us=1500)  # nothing pending, stall spent
-    b.publish_alone(D, "d0", 100, due=clock.now + 1, stall_spent_us=500)
-    assert c.peers(D, "d0") == PeerLoad(alone_tokens=100, stall_spent_us=2000)
+    a.publish_alone(D, "d0", 0, 0.0, stall_credit_ms=-1.5, stall_at=clock.now + 0.2)
+    b.publish_alone(D, "d0", 100, due=clock.now + 1, stall_credit_ms=9.0, stall_at=clock.now)
+    assert c.peers(D, "d0") == PeerLoad(
+        alone_tokens=100, stall_credit_us=-1500, stall_at_ns=int((clock.now + 0.2) * 1e9)
+    )
     a.publish_alone(D, "d0", 0, 0.0)  # a forgot d0: its slot holds nothing now
-    assert c.peers(D, "d0") == PeerLoad(alone_tokens=100, stall_spent_us=500)
-    assert not any(a._words[a._own[a._key(D, "d0")] + 1 :][:6])
+    assert c.peers(D, "d0") == PeerLoad(
+        alone_tokens=100, stall_credit_us=9000, stall_at_ns=int(clock.now * 1e9)
+    )
+    assert not any(a._words[a._own[a._key(D, "d0")] + 1 :][:7])
 
 
 def test_a_publish_is_a_heartbeat() -> None:
