@@ -797,7 +797,8 @@ def probe_section(probes: dict[str, Any], every_s: float) -> list[str]:
     ]
     for cell, seen in probes.items():
         decode_only = sum(v for k, v in seen["decisions"].items() if "decode_only" in k)
-        label = cell.replace("|", " ")  # workload/topology config C
+        busy = ", ".join(f"{cpu} {100 * b:.0f} %" for cpu, b in seen.get("cpu_busy", {}).items())
+        label = cell.replace("|", " ") + (f" (CPU busy: {busy})" if busy else "")
         for name, e in seen["engines"].items():
             run, wait, steps = e["running"], e["waiting"], e.get("steps", 0)
             late = [e.get(f"late>{le}ms", 0) for le in (5.0, 20.0)]

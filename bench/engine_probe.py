@@ -6,7 +6,8 @@ takes each engine's step lateness (how much later than its cost model its steps 
 process got the CPU late) and each pd-extproc target's per-request decisions
 (`pd_extproc_dispatch_decisions_total`), as differences over the cell's runs. `summary()` gives,
 per cell and engine, the mean, p50, p90 and max of the samples, the steps and their lateness;
-per cell, the decisions by outcome and reason.
+per cell, the decisions by outcome and reason, and each CPU's busy share over the cell's runs
+(/proc/stat: user, system, irq and softirq time, not niced processes').
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -24,6 +26,22 @@ from bench.engines import Engines
 from extproc.testing import scrape
 
 DECISIONS = "pd_extproc_dispatch_decisions_total"
+PROC_STAT = Path("/proc/stat")
+
+
+def cpu_times() -> dict[str, tuple[float, float]]:
+    """Per CPU (cpu0, cpu1, ...): (busy, total) jiffies so far; busy leaves out niced time
+    (other jobs run niced here) and idle. Empty where /proc/stat is not there."""
+    if not PROC_STAT.is_file():
+        return {}
+    out = {}
+    for line in PROC_STAT.read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            ticks = [float(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+            busy = ticks[0] + ticks[2] + ticks[5] + ticks[6]
+            out[name] = (busy, sum(ticks))
+    return out
 
 
 def _named(engines: Engines) -> dict[str, str]:
@@ -66,6 +84,9 @@ class EngineProbe:
     _decisions: dict[str, dict[str, float]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(float))
     )
+    _cpu: dict[str, dict[str, list[float]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    )
     _last: dict[str, Any] = field(default_factory=dict)
 
     async def _states(self, http: aiohttp.ClientSession) -> dict[str, dict[str, Any]]:
@@ -96,7 +117,7 @@ class EngineProbe:
             for key, value in (await scrape(http, base + "/metrics")).items():
                 if key.startswith(DECISIONS):
                     decisions[f"{config}{key.removeprefix(DECISIONS)}"] = value
-        return {"late": late, "decisions": decisions}
+        return {"late": late, "decisions": decisions, "cpu": cpu_times()}
 
     async def boundary(
         self, http: aiohttp.ClientSession, done: str | None, upcoming: str | None
@@ -108,6 +129,10 @@ class EngineProbe:
             for name, values in now["late"].items():
                 for key, value in values.items():
                     self._late[done][name][key] += value - self._last["late"][name][key]
+            for cpu, (busy, total) in now["cpu"].items():
+                was = self._last["cpu"].get(cpu, (busy, total))
+                self._cpu[done][cpu][0] += busy - was[0]
+                self._cpu[done][cpu][1] += total - was[1]
             for key, value in now["decisions"].items():
                 config, _, labels = key.partition("{")
                 if done.split("|")[1] == config:
@@ -151,6 +176,10 @@ class EngineProbe:
                     for name in _named(self.engines)
                 },
                 "decisions": dict(self._decisions.get(cell, {})),
+                "cpu_busy": {
+                    cpu: round(busy / total, 3) if total else None
+                    for cpu, (busy, total) in self._cpu.get(cell, {}).items()
+                },
             }
             for cell in sorted(cells)
         }
