@@ -783,6 +783,7 @@ def probe_section(probes: dict[str, Any], every_s: float) -> list[str]:
         "steps",
         "late ms per step",
         "steps late > 5 / 20 ms %",
+        "CPU %",
         "decode-only (the cell's)",
     ]
     lines = [
@@ -790,7 +791,8 @@ def probe_section(probes: dict[str, Any], every_s: float) -> list[str]:
         "",
         f"Every engine's GET /sim/state every {every_s:g} s during the measured runs; step "
         "lateness: how much later than the cost model its steps ended (the CPU came late); "
-        "decode-only: the sidecar's decisions (pd_extproc_dispatch_decisions_total).",
+        "CPU %: the engine process's CPU time over the runs' wall time; decode-only: the "
+        "sidecar's decisions (pd_extproc_dispatch_decisions_total).",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -813,6 +815,7 @@ def probe_section(probes: dict[str, Any], every_s: float) -> list[str]:
                         f"{steps:.0f}",
                         _f(1e3 * e.get("late_s", 0.0) / steps if steps else None, 2),
                         " / ".join(_f(100 * n / steps if steps else None) for n in late),
+                        _f(100 * e["cpu_share"] if e.get("cpu_share") is not None else None, 0),
                         f"{decode_only:.0f}" if name.startswith("D") else "",
                     ]
                 )

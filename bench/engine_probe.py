@@ -6,14 +6,17 @@ takes each engine's step lateness (how much later than its cost model its steps 
 process got the CPU late) and each pd-extproc target's per-request decisions
 (`pd_extproc_dispatch_decisions_total`), as differences over the cell's runs. `summary()` gives,
 per cell and engine, the mean, p50, p90 and max of the samples, the steps and their lateness;
-per cell, the decisions by outcome and reason, and each CPU's busy share over the cell's runs
-(/proc/stat: user, system, irq and softirq time, not niced processes').
+per cell, the decisions by outcome and reason, each CPU's busy share over the cell's runs
+(/proc/stat: user, system, irq and softirq time, not niced processes') and each engine
+process's CPU time over the cell's wall time (/proc/PID/stat).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -46,11 +49,24 @@ def cpu_times() -> dict[str, tuple[float, float]]:
 
 def _named(engines: Engines) -> dict[str, str]:
     """Engine name (P0, D1, ...) → its base URL."""
+    return {name: handle.url for name, handle in _handles(engines).items()}
+
+
+def _handles(engines: Engines) -> dict[str, Any]:
     return {
-        f"{role}{index}": handle.url
+        f"{role}{index}": handle
         for role, handles in (("P", engines.prefill), ("D", engines.decode))
         for index, handle in enumerate(handles)
     }
+
+
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process `pid` so far (0 where /proc cannot tell)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def _stats(samples: list[int]) -> dict[str, float]:
@@ -64,6 +80,11 @@ def _stats(samples: list[int]) -> dict[str, float]:
         "max": ordered[-1],
         "samples": len(ordered),
     }
+
+
+def _share(engine: dict[str, float], wall: dict[str, float]) -> float | None:
+    """The engine process's CPU seconds over the wall seconds of the cell's runs."""
+    return round(engine.get("cpu_s", 0.0) / wall["s"], 3) if wall.get("s") else None
 
 
 @dataclass
@@ -117,6 +138,9 @@ class EngineProbe:
             for key, value in (await scrape(http, base + "/metrics")).items():
                 if key.startswith(DECISIONS):
                     decisions[f"{config}{key.removeprefix(DECISIONS)}"] = value
+        for name, handle in _handles(self.engines).items():
+            late[name]["cpu_s"] = process_cpu_s(handle.pid)
+        late["wall"] = {"s": time.monotonic()}
         return {"late": late, "decisions": decisions, "cpu": cpu_times()}
 
     async def boundary(
@@ -172,6 +196,7 @@ class EngineProbe:
                         "running": _stats(self._batches[cell][name]),
                         "waiting": _stats(self._queues[cell][name]),
                         **{k: round(v, 4) for k, v in self._late[cell][name].items()},
+                        "cpu_share": _share(self._late[cell][name], self._late[cell]["wall"]),
                     }
                     for name in _named(self.engines)
                 },
