@@ -3,7 +3,9 @@
 
 bench/cache.py's shapes at 2P2D (its tight shared-prefix: G = 16 system prompts of 2048 tokens,
 a question of 64, 4 x C requests, every P's KV cache 1280 blocks; random: 2 x C prompts of 1024
-random tokens, 64 out) on the lab (virtual time), for lab_matrix.py's configurations. Per run:
+random tokens, 64 out; random-bench: the prompts `vllm bench serve --dataset-name random` makes
+with the processes' tokenizer, see `bench_random`) on the lab (virtual time), for
+lab_matrix.py's configurations. Per run:
 TTFT p50 / p99, TPOT p50 / p99, each D's running batch sampled every 10 ms of simulated time
 (mean and max), the decode-only share, the prompt tokens D computed, and D's steps that
 prefilled while it was decoding (a stall): how many, the largest, and how many over 256 tokens
@@ -35,9 +37,20 @@ import vllmsim.engine
 from bench.lab_matrix import CONFIGS, config_text
 from lab.engines import parse_topology
 from lab.run import Session, Settings, percentile, run_virtual_session, summarise
-from lab.workloads import GENERATORS, SharedPrefix, Workload
+from lab.workloads import (
+    BOS,
+    GENERATORS,
+    SEED_INPUT,
+    SEED_OUTPUT,
+    Chain,
+    LabRequest,
+    SharedPrefix,
+    Workload,
+)
 from vllmsim.profiles import DEFAULT_PROFILE, PROFILES
 
+WORKLOADS = ("shared-prefix", "random", "random-bench")
+BENCH_VOCAB = 479  # the tiny tokenizer's (scripts/cached_envs.tiny_model)
 TIGHT = SharedPrefix(groups=16, system_tokens=2048, question_tokens=64, output_tokens=64)
 SAMPLE_S = 0.01  # simulated
 STALL_TOKENS = 256
@@ -47,9 +60,23 @@ def workload(kind: str, seed: int, concurrency: int) -> Workload:
     rng = random.Random(f"lab-workload/{kind}/{seed}")
     if kind == "shared-prefix":
         chains = GENERATORS["shared-prefix"](rng, max(64, 4 * concurrency), TIGHT)  # type: ignore[call-arg]
+    elif kind == "random-bench":
+        chains = bench_random(rng, 2 * concurrency)
     else:
         chains = GENERATORS["seed"](rng, 2 * concurrency)
     return Workload(f"{kind} C={concurrency}", chains, open_loop=False, concurrency=concurrency)
+
+
+def bench_random(rng: random.Random, count: int) -> list[Chain]:
+    """vLLM's random dataset: prompt i is consecutive token ids from a random offset + i,
+    modulo the vocabulary. Over the tiny tokenizer's 479 ids, prompts whose offsets meet are
+    the same prompt (~1 in 8 at 128 prompts), which other random prompts never are."""
+    chains = []
+    for i in range(count):
+        offset = rng.randrange(BENCH_VOCAB) + i
+        ids = [BOS, *((offset + j) % BENCH_VOCAB + 2 for j in range(SEED_INPUT - 1))]
+        chains.append(Chain([LabRequest(ids, SEED_OUTPUT)]))
+    return chains
 
 
 @contextmanager
@@ -74,7 +101,7 @@ def run(config: str, kind: str, seed: int, concurrency: int) -> dict[str, Any]:
         parse_topology("2P2D"),
         PROFILES[DEFAULT_PROFILE],
         seed=seed,
-        prefill_kv_blocks=1280 if kind == "shared-prefix" else None,
+        prefill_kv_blocks=1280 if kind == "shared-prefix" else None,  # the tight regime's
     )
     batches: dict[str, list[int]] = {}
 
@@ -132,7 +159,7 @@ def main() -> None:
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
     for name, given, known in (
-        ("workloads", args.workloads.split(","), ("shared-prefix", "random")),
+        ("workloads", args.workloads.split(","), WORKLOADS),
         ("configs", args.configs.split(","), tuple(CONFIGS)),
     ):
         if unknown := sorted(set(given) - set(known)):
