@@ -53,6 +53,13 @@ Output: bench/results/cache.md, cache.json, cache.png.
     python bench/cache.py --topologies 2P2D --concurrency 4 --workloads shared-prefix \\
         --requests-per-c 2 --turns 2        # a smoke run
     python bench/cache.py --vllmsim-from ../other-checkout   # engines from another tree
+    python bench/cache.py --sample-engines 0.2 ...   # also what the engines did, per cell
+
+--sample-engines SECONDS (bench/engine_probe.py): every engine's running and waiting requests
+(vllmsim's GET /sim/state) every SECONDS during the measured runs, each engine's step lateness
+(how much later than its cost model its steps ended: the machine's CPU, which no lab models)
+and each pd-extproc sidecar's decode-only decisions, per cell: a table in cache.md, the figures
+in cache.json's "engine_probe". The samples cost the engines' CPU a little. --merge drops them.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ import aiohttp
 
 from bench import report
 from bench.client import Run, run_plan, warmups
+from bench.engine_probe import EngineProbe
 from bench.engines import Engines, running_engines
 from bench.procs import pinned, run_bench
 from bench.run import MODEL, RESULTS, _slim, commit, cpu_split
@@ -481,8 +489,10 @@ Counters = dict[str, dict[str, float]]  # cell id → the engines' cache counter
 
 
 async def bench_topology(
-    topology: str, args: argparse.Namespace, work: Path, notes: list[str]
+    topology: str, args: argparse.Namespace, work: Path, notes: list[str], probes: dict[str, Any]
 ) -> tuple[list[dict], Counters]:
+    """The topology's runs and cache counters; with --sample-engines, what the engines and
+    the sidecars did per cell goes into `probes` (bench/engine_probe.py)."""
     n = int(topology[0])
     engine_cpus, proxy_cpus = cpu_split(args.pin)
     has_events, why = engine_cache_flags(args.engine_env)
@@ -524,6 +534,15 @@ async def bench_topology(
         runs, cells = plan(topology, targets, args, work)
         print(f"{topology}: {len(runs)} runs over {', '.join(targets)}", flush=True)
         deltas: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        probe = EngineProbe(
+            engines,
+            {
+                name: t.metrics
+                for name, t in targets.items()
+                if name.startswith("pd-") and t.metrics
+            },
+            args.sample_engines or 0.0,
+        )
         async with aiohttp.ClientSession() as http:
             last: dict[str, float] = {}
 
@@ -534,8 +553,13 @@ async def bench_topology(
                     for key, value in now.items():
                         deltas[_cell_id(cells[done])][key] += value - last.get(key, 0.0)
                 last = now
+                if args.sample_engines:
+                    await probe.boundary(http, _run_cell(cells, done), _run_cell(cells, upcoming))
 
-            results = await run_plan(runs, MODEL, tiny_model(), work, engine_cpus, between)
+            async with probe.sampling(http) if args.sample_engines else contextlib.nullcontext():
+                results = await run_plan(runs, MODEL, tiny_model(), work, engine_cpus, between)
+        if args.sample_engines:
+            probes.update(probe.summary())
     records = [
         {
             "topology": r.topology,
@@ -552,6 +576,11 @@ async def bench_topology(
 
 def _cell_id(cell: Cell) -> str:
     return f"{cell.key}|{cell.config}|{cell.concurrency}"
+
+
+def _run_cell(cells: dict[str, Cell], run_id: str | None) -> str | None:
+    """The cell id of a measured run, None for a warm-up (or no run)."""
+    return _cell_id(cells[run_id]) if run_id in cells else None
 
 
 # ------------------------------------------------------------------------------ report
@@ -670,7 +699,12 @@ def aim(
 
 
 def write_outputs(
-    records: list[dict], deltas: dict, args: argparse.Namespace, meta: dict, notes: list[str]
+    records: list[dict],
+    deltas: dict,
+    args: argparse.Namespace,
+    meta: dict,
+    notes: list[str],
+    probes: dict[str, Any] | None = None,
 ) -> None:
     table = report.cells(records)
     ran = list(dict.fromkeys(r["config"] for r in records))
@@ -718,15 +752,76 @@ def write_outputs(
             )
         )
     lines.append("")
+    if probes:
+        lines += probe_section(probes, args.sample_engines)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cache.md").write_text("\n".join(lines))
     (args.out / "cache.json").write_text(
         json.dumps(
-            {"meta": meta, "notes": notes, "cache_counters": deltas, "runs": records}, indent=1
+            {
+                "meta": meta,
+                "notes": notes,
+                "cache_counters": deltas,
+                "engine_probe": probes or {},
+                "runs": records,
+            },
+            indent=1,
         )
     )
     plot(table, args, ran, args.out / "cache.png")
     print("\n".join(lines))
+
+
+def probe_section(probes: dict[str, Any], every_s: float) -> list[str]:
+    """--sample-engines' table: per cell and engine, the batch and queue sampled, the steps'
+    lateness; the decode-only decisions of the cell's sidecar."""
+    head = [
+        "cell",
+        "engine",
+        "running mean / p50 / p90 / max",
+        "waiting mean / max",
+        "steps",
+        "late ms per step",
+        "steps late > 5 / 20 ms %",
+        "CPU %",
+        "decode-only (the cell's)",
+    ]
+    lines = [
+        "## Engines during the runs",
+        "",
+        f"Every engine's GET /sim/state every {every_s:g} s during the measured runs; step "
+        "lateness: how much later than the cost model its steps ended (the CPU came late); "
+        "CPU %: the engine process's CPU time over the runs' wall time; decode-only: the "
+        "sidecar's decisions (pd_extproc_dispatch_decisions_total).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for cell, seen in probes.items():
+        decode_only = sum(v for k, v in seen["decisions"].items() if "decode_only" in k)
+        busy = ", ".join(f"{cpu} {100 * b:.0f} %" for cpu, b in seen.get("cpu_busy", {}).items())
+        label = cell.replace("|", " ") + (f" (CPU busy: {busy})" if busy else "")
+        for name, e in seen["engines"].items():
+            run, wait, steps = e["running"], e["waiting"], e.get("steps", 0)
+            late = [e.get(f"late>{le}ms", 0) for le in (5.0, 20.0)]
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        label,
+                        name,
+                        " / ".join(str(run.get(k, "—")) for k in ("mean", "p50", "p90", "max")),
+                        f"{wait.get('mean', '—')} / {wait.get('max', '—')}",
+                        f"{steps:.0f}",
+                        _f(1e3 * e.get("late_s", 0.0) / steps if steps else None, 2),
+                        " / ".join(_f(100 * n / steps if steps else None) for n in late),
+                        _f(100 * e["cpu_share"] if e.get("cpu_share") is not None else None, 0),
+                        f"{decode_only:.0f}" if name.startswith("D") else "",
+                    ]
+                )
+                + " |"
+            )
+    return [*lines, ""]
 
 
 def plot(table: dict, args: argparse.Namespace, configs: list[str], path: Path) -> None:
@@ -797,6 +892,13 @@ def parse_args() -> argparse.Namespace:
         type=Path,
         metavar="DIR",
         help="run the engines' vllmsim package from this checkout",
+    )
+    parser.add_argument(
+        "--sample-engines",
+        type=float,
+        metavar="SECONDS",
+        help="sample every engine's batch and queue this often during the runs, and record "
+        "its step lateness and the sidecar's decisions per cell (see above)",
     )
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -895,12 +997,13 @@ async def main() -> None:
         return
     started, load_before = time.monotonic(), os.getloadavg()
     commits, records, deltas, notes = [commit()], [], {}, []
+    probes: dict[str, Any] = {}
     samples: list[float] = []
     sampler = asyncio.create_task(sample_load(samples))
     try:
         with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
             for topology in args.topologies:
-                mine, counters = await bench_topology(topology, args, Path(tmp), notes)
+                mine, counters = await bench_topology(topology, args, Path(tmp), notes, probes)
                 records += mine
                 deltas |= counters
                 commits.append(commit())
@@ -923,7 +1026,7 @@ async def main() -> None:
         "argv": sys.argv[1:],
         "commits": " → ".join(dict.fromkeys(commits)),
     }
-    write_outputs(records, deltas, args, meta, notes)
+    write_outputs(records, deltas, args, meta, notes, probes)
 
 
 if __name__ == "__main__":
