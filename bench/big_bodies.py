@@ -100,6 +100,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
 def box_cpu_s() -> float:
     """Every core's busy time so far (user, nice, system, irq, softirq, steal)."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
@@ -177,9 +184,12 @@ async def main(args: argparse.Namespace) -> None:
                     f"{sum(map(cpu_s, engine_pids)) - engines_cpu:.2f} s, this client "
                     f"{cpu_s(os.getpid()) - client_cpu:.2f} s, the machine "
                     f"{box_cpu_s() - box:.2f} s in {time.perf_counter() - wall:.2f} s; "
-                    f"longest /live {stall:.3f} s; load before {load}",
+                    f"longest /live {stall:.3f} s; ext_proc RSS {rss_mib(sidecar.pid)} MiB; "
+                    f"load before {load}",
                     flush=True,
                 )
+            await asyncio.sleep(3.0)  # the memory of the bodies given back meanwhile
+            print(f"ext_proc RSS 3 s after the last round: {rss_mib(sidecar.pid)} MiB", flush=True)
             if args.slow_callbacks:
                 slow = [line for line in sidecar.log_text().splitlines() if " took " in line]
                 print("\n".join(slow[-40:]))
