@@ -58,7 +58,10 @@ class MemoryTrim:
         await asyncio.sleep(self._quiet_s)
         if self._bodies.big:
             return False
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         await asyncio.to_thread(self._trim)
+        log.debug("free memory given back to the system in %.1f ms", (loop.time() - started) * 1e3)
         return True
 
     async def _run(self) -> None:
