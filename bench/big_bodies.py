@@ -114,13 +114,14 @@ def box_cpu_s() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
-async def longest_live(metrics: str, done: asyncio.Event) -> float:
-    """The longest `/live` answer (served on the ext_proc's event loop) until `done`."""
+async def longest_answer(url: str, done: asyncio.Event) -> float:
+    """The longest answer of `url` until `done`: the ext_proc's `/live` (served on its event
+    loop), an engine's `/health` (on its own loop, which parses the bodies it is sent)."""
     longest = 0.0
     async with aiohttp.ClientSession() as session:
         while not done.is_set():
             started = time.perf_counter()
-            async with session.get(metrics + "/live") as response:
+            async with session.get(url) as response:
                 await response.read()
             longest = max(longest, time.perf_counter() - started)
             with contextlib.suppress(TimeoutError):
@@ -169,12 +170,18 @@ async def main(args: argparse.Namespace) -> None:
                 cpu, done = cpu_s(sidecar.pid), asyncio.Event()
                 envoy_cpu, box, wall = sum(map(cpu_s, envoy)), box_cpu_s(), time.perf_counter()
                 engines_cpu, client_cpu = sum(map(cpu_s, engine_pids)), cpu_s(os.getpid())
-                watcher = asyncio.create_task(longest_live(sidecar.metrics, done))
+                urls = [sidecar.metrics + "/live"]
+                urls += [
+                    f"http://{a}/health"
+                    for r in ("prefill", "decode")
+                    for a in engines.addresses(r)
+                ]
+                watchers = [asyncio.create_task(longest_answer(url, done)) for url in urls]
                 try:
                     smalls, bigs = await one_round(sidecar.url)
                 finally:
                     done.set()
-                    stall = await watcher
+                    stall, *engine_stalls = await asyncio.gather(*watchers)
                 print(
                     f"round {n + 1}: {len(smalls)} small, p50 {quantile(smalls, 0.5):.3f} s, "
                     f"p99 {quantile(smalls, 0.99):.3f} s, max {max(smalls):.3f} s; "
@@ -184,7 +191,9 @@ async def main(args: argparse.Namespace) -> None:
                     f"{sum(map(cpu_s, engine_pids)) - engines_cpu:.2f} s, this client "
                     f"{cpu_s(os.getpid()) - client_cpu:.2f} s, the machine "
                     f"{box_cpu_s() - box:.2f} s in {time.perf_counter() - wall:.2f} s; "
-                    f"longest /live {stall:.3f} s; ext_proc RSS {rss_mib(sidecar.pid)} MiB; "
+                    f"longest /live {stall:.3f} s, the engines' /health "
+                    f"{', '.join(f'{s:.3f}' for s in engine_stalls)} s; "
+                    f"ext_proc RSS {rss_mib(sidecar.pid)} MiB; "
                     f"load before {load}",
                     flush=True,
                 )

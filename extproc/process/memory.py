@@ -7,8 +7,9 @@ its own, returned to the system when freed, so that the next one's first touch f
 page in again: a 10 MB copy then costs 6-24 ms instead of about 1 ms in memory already touched
 (bench/results/big-bodies.md). So buffers of up to 32 MiB (glibc's ceiling) come from the heap,
 which keeps freed memory for the next ones: the top of the heap is not trimmed on free either,
-each trim being a system call and the next body's pages faulted in again. What the heap keeps
-is given back by `give_back_free_memory` (`malloc_trim`), called once big bodies are gone
+each trim being a system call and the next body's pages faulted in again, and every thread
+shares the one heap, all of which the trim can empty. What the heap keeps is given back by
+`give_back_free_memory` (`malloc_trim`), called once big bodies are gone
 (`extproc.process.memory_trim`). Elsewhere (musl, macOS) nothing is changed.
 """
 
@@ -26,8 +27,12 @@ log = logging.getLogger("extproc")
 # glibc's mallopt parameters
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 _MMAP_THRESHOLD = 32 << 20  # the most glibc accepts: larger buffers keep their own mappings
 _TRIM_THRESHOLD = 2**31 - 1  # the largest C int: never on free, `give_back_free_memory` trims
+# One heap for every thread: `malloc_trim` leaves the free top of other threads' heaps in place,
+# where gRPC's and the tokenizer's threads left 60-90 MiB of bodies' copies after a burst.
+_ARENA_MAX = 1
 
 
 @functools.cache
@@ -42,13 +47,19 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def keep_large_buffers_warm() -> bool:
-    """Serve buffers of up to 32 MiB from the heap and keep freed ones there until
-    `give_back_free_memory`; False where there is no glibc to tell (or it refused)."""
+    """Serve buffers of up to 32 MiB from the one heap of all threads and keep freed ones
+    there until `give_back_free_memory`; False where there is no glibc to tell (or it
+    refused). Threads that allocated before keep their own heaps: call it first thing."""
     libc = _glibc()
     if libc is None:
         return False
-    done = bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    done = all(
+        libc.mallopt(parameter, value)
+        for parameter, value in (
+            (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD),
+            (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
+            (_M_ARENA_MAX, _ARENA_MAX),
+        )
     )
     if not done:
         log.debug("mallopt refused; large buffers keep glibc's defaults")
