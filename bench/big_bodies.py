@@ -95,9 +95,12 @@ async def one_round(url: str) -> tuple[list[float], list[float]]:
     return smalls, list(bigs)
 
 
-def cpu_s(pid: int) -> float:
+def cpu_s(pid: int, system_only: bool = False) -> float:
+    """The process's CPU time so far (only the kernel's part: `system_only`, page faults among
+    it)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[12]) if system_only else int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int) -> int:
@@ -142,6 +145,8 @@ async def main(args: argparse.Namespace) -> None:
             env = {"PYTHONPATH": tmp, "PD_CPROFILE": str(args.cprofile)}
         if args.baseline is not None:  # another version's `extproc` package
             env |= {"PYTHONPATH": str(args.baseline), "PYTHONSAFEPATH": "1"}
+        if args.glibc_tunables:  # e.g. glibc.malloc.hugetlb=1: the heap in huge pages
+            env["GLIBC_TUNABLES"] = args.glibc_tunables
         if args.slow_callbacks:
             env["PYTHONASYNCIODEBUG"] = "1"  # logs each loop step over 0.1 s
         async with contextlib.AsyncExitStack() as stack:
@@ -168,6 +173,7 @@ async def main(args: argparse.Namespace) -> None:
             engine_pids = [pid for pid in child_pids(os.getpid()) if pid != sidecar.pid]
             for n in range(args.rounds):
                 cpu, done = cpu_s(sidecar.pid), asyncio.Event()
+                system = cpu_s(sidecar.pid, system_only=True)
                 envoy_cpu, box, wall = sum(map(cpu_s, envoy)), box_cpu_s(), time.perf_counter()
                 engines_cpu, client_cpu = sum(map(cpu_s, engine_pids)), cpu_s(os.getpid())
                 urls = [sidecar.metrics + "/live"]
@@ -186,7 +192,8 @@ async def main(args: argparse.Namespace) -> None:
                     f"round {n + 1}: {len(smalls)} small, p50 {quantile(smalls, 0.5):.3f} s, "
                     f"p99 {quantile(smalls, 0.99):.3f} s, max {max(smalls):.3f} s; "
                     f"8 x 10 MB in {max(bigs):.2f} s; ext_proc CPU "
-                    f"{cpu_s(sidecar.pid) - cpu:.2f} s, Envoy "
+                    f"{cpu_s(sidecar.pid) - cpu:.2f} s (system "
+                    f"{cpu_s(sidecar.pid, system_only=True) - system:.2f} s), Envoy "
                     f"{sum(map(cpu_s, envoy)) - envoy_cpu:.2f} s, the engines "
                     f"{sum(map(cpu_s, engine_pids)) - engines_cpu:.2f} s, this client "
                     f"{cpu_s(os.getpid()) - client_cpu:.2f} s, the machine "
@@ -216,6 +223,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slow-callbacks", action="store_true")
     parser.add_argument("--baseline", type=Path, default=None, help="a dir holding extproc/")
     parser.add_argument("--workers", type=int, default=None, help="extproc.workers")
+    parser.add_argument("--glibc-tunables", default="", help="the ext_proc's GLIBC_TUNABLES")
     return parser.parse_args()
 
 
