@@ -35,7 +35,6 @@ from grpc_health.v1 import health_pb2_grpc
 from extproc.config import Config, ConfigError
 from extproc.membership.eds import EndpointDiscovery
 from extproc.process.grpc_health import HealthServices, health_server
-from extproc.process.memory import keep_large_buffers_warm
 from extproc.process.memory_trim import MemoryTrim
 from extproc.process.ports import PortInUse
 from extproc.process.serving_tls import configured_credentials, self_signed_credentials
@@ -177,11 +176,17 @@ class ExtProcServer:
     TLS by default, health services that follow readiness, a plaintext health port."""
 
     def __init__(
-        self, runtime: Runtime, endpoint_picker: bool = False, listen: str | None = None
+        self,
+        runtime: Runtime,
+        endpoint_picker: bool = False,
+        listen: str | None = None,
+        trim_memory: bool = False,
     ) -> None:
         """`listen`: where the gRPC services listen instead of extproc.host/port (`up`: a Unix
-        socket in its private run directory)."""
+        socket in its private run directory). `trim_memory`: the heap keeps large buffers
+        (`keep_large_buffers_warm`), to be given back once the big bodies are gone."""
         self.runtime = runtime
+        self._trim_memory = trim_memory
         self.endpoint_picker = endpoint_picker
         self._listen = listen
         self.address = ""  # "host:port" or "unix:/path", as Envoy's cluster should name it
@@ -210,8 +215,8 @@ class ExtProcServer:
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_log, server)
 
     async def start(self) -> None:
-        if keep_large_buffers_warm():  # request bodies' copies reuse memory already touched
-            self._memory_trim.start()  # and give it back once the big bodies are gone
+        if self._trim_memory:
+            self._memory_trim.start()
         cfg = self.runtime.config
         side = None if self._listen else cfg.extproc.eds_access_log  # `up`: all on its socket
         self._grpc = aio.server(options=GRPC_OPTIONS)
