@@ -95,9 +95,19 @@ async def one_round(url: str) -> tuple[list[float], list[float]]:
     return smalls, list(bigs)
 
 
-def cpu_s(pid: int) -> float:
+def cpu_s(pid: int, system_only: bool = False) -> float:
+    """The process's CPU time so far (only the kernel's part: `system_only`, page faults among
+    it)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[12]) if system_only else int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    return 0
 
 
 def box_cpu_s() -> float:
@@ -107,13 +117,14 @@ def box_cpu_s() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
-async def longest_live(metrics: str, done: asyncio.Event) -> float:
-    """The longest `/live` answer (served on the ext_proc's event loop) until `done`."""
+async def longest_answer(url: str, done: asyncio.Event) -> float:
+    """The longest answer of `url` until `done`: the ext_proc's `/live` (served on its event
+    loop), an engine's `/health` (on its own loop, which parses the bodies it is sent)."""
     longest = 0.0
     async with aiohttp.ClientSession() as session:
         while not done.is_set():
             started = time.perf_counter()
-            async with session.get(metrics + "/live") as response:
+            async with session.get(url) as response:
                 await response.read()
             longest = max(longest, time.perf_counter() - started)
             with contextlib.suppress(TimeoutError):
@@ -134,6 +145,8 @@ async def main(args: argparse.Namespace) -> None:
             env = {"PYTHONPATH": tmp, "PD_CPROFILE": str(args.cprofile)}
         if args.baseline is not None:  # another version's `extproc` package
             env |= {"PYTHONPATH": str(args.baseline), "PYTHONSAFEPATH": "1"}
+        if args.glibc_tunables:  # e.g. glibc.malloc.hugetlb=1: the heap in huge pages
+            env["GLIBC_TUNABLES"] = args.glibc_tunables
         if args.slow_callbacks:
             env["PYTHONASYNCIODEBUG"] = "1"  # logs each loop step over 0.1 s
         async with contextlib.AsyncExitStack() as stack:
@@ -160,26 +173,39 @@ async def main(args: argparse.Namespace) -> None:
             engine_pids = [pid for pid in child_pids(os.getpid()) if pid != sidecar.pid]
             for n in range(args.rounds):
                 cpu, done = cpu_s(sidecar.pid), asyncio.Event()
+                system = cpu_s(sidecar.pid, system_only=True)
                 envoy_cpu, box, wall = sum(map(cpu_s, envoy)), box_cpu_s(), time.perf_counter()
                 engines_cpu, client_cpu = sum(map(cpu_s, engine_pids)), cpu_s(os.getpid())
-                watcher = asyncio.create_task(longest_live(sidecar.metrics, done))
+                urls = [sidecar.metrics + "/live"]
+                urls += [
+                    f"http://{a}/health"
+                    for r in ("prefill", "decode")
+                    for a in engines.addresses(r)
+                ]
+                watchers = [asyncio.create_task(longest_answer(url, done)) for url in urls]
                 try:
                     smalls, bigs = await one_round(sidecar.url)
                 finally:
                     done.set()
-                    stall = await watcher
+                    stall, *engine_stalls = await asyncio.gather(*watchers)
                 print(
                     f"round {n + 1}: {len(smalls)} small, p50 {quantile(smalls, 0.5):.3f} s, "
                     f"p99 {quantile(smalls, 0.99):.3f} s, max {max(smalls):.3f} s; "
                     f"8 x 10 MB in {max(bigs):.2f} s; ext_proc CPU "
-                    f"{cpu_s(sidecar.pid) - cpu:.2f} s, Envoy "
+                    f"{cpu_s(sidecar.pid) - cpu:.2f} s (system "
+                    f"{cpu_s(sidecar.pid, system_only=True) - system:.2f} s), Envoy "
                     f"{sum(map(cpu_s, envoy)) - envoy_cpu:.2f} s, the engines "
                     f"{sum(map(cpu_s, engine_pids)) - engines_cpu:.2f} s, this client "
                     f"{cpu_s(os.getpid()) - client_cpu:.2f} s, the machine "
                     f"{box_cpu_s() - box:.2f} s in {time.perf_counter() - wall:.2f} s; "
-                    f"longest /live {stall:.3f} s; load before {load}",
+                    f"longest /live {stall:.3f} s, the engines' /health "
+                    f"{', '.join(f'{s:.3f}' for s in engine_stalls)} s; "
+                    f"ext_proc RSS {rss_mib(sidecar.pid)} MiB; "
+                    f"load before {load}",
                     flush=True,
                 )
+            await asyncio.sleep(3.0)  # the memory of the bodies given back meanwhile
+            print(f"ext_proc RSS 3 s after the last round: {rss_mib(sidecar.pid)} MiB", flush=True)
             if args.slow_callbacks:
                 slow = [line for line in sidecar.log_text().splitlines() if " took " in line]
                 print("\n".join(slow[-40:]))
@@ -197,6 +223,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slow-callbacks", action="store_true")
     parser.add_argument("--baseline", type=Path, default=None, help="a dir holding extproc/")
     parser.add_argument("--workers", type=int, default=None, help="extproc.workers")
+    parser.add_argument("--glibc-tunables", default="", help="the ext_proc's GLIBC_TUNABLES")
     return parser.parse_args()
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 
 from extproc.config import Config
+from extproc.process.memory import keep_large_buffers_warm
 from extproc.process.server import ExtProcServer
 from extproc.reload import reload_runtime
 from extproc.wiring import Runtime
@@ -60,8 +61,13 @@ class ExtProcService:
         endpoint_picker: bool = False,
         listen: str | None = None,
     ) -> None:
+        # Before any thread allocates (each would keep a heap of its own): request bodies'
+        # copies reuse memory already touched, given back once the big bodies are gone.
+        warm = keep_large_buffers_warm()
         self.runtime = Runtime(config, prefill_listener, endpoint_picker=endpoint_picker)
-        self.server = ExtProcServer(self.runtime, endpoint_picker=endpoint_picker, listen=listen)
+        self.server = ExtProcServer(
+            self.runtime, endpoint_picker=endpoint_picker, listen=listen, trim_memory=warm
+        )
         self._endpoint_picker = endpoint_picker
 
     async def bind(self) -> None:

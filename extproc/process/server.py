@@ -35,7 +35,7 @@ from grpc_health.v1 import health_pb2_grpc
 from extproc.config import Config, ConfigError
 from extproc.membership.eds import EndpointDiscovery
 from extproc.process.grpc_health import HealthServices, health_server
-from extproc.process.memory import return_large_buffers
+from extproc.process.memory_trim import MemoryTrim
 from extproc.process.ports import PortInUse
 from extproc.process.serving_tls import configured_credentials, self_signed_credentials
 from extproc.process.worker_pages import merged_pages, worker_pages
@@ -176,11 +176,17 @@ class ExtProcServer:
     TLS by default, health services that follow readiness, a plaintext health port."""
 
     def __init__(
-        self, runtime: Runtime, endpoint_picker: bool = False, listen: str | None = None
+        self,
+        runtime: Runtime,
+        endpoint_picker: bool = False,
+        listen: str | None = None,
+        trim_memory: bool = False,
     ) -> None:
         """`listen`: where the gRPC services listen instead of extproc.host/port (`up`: a Unix
-        socket in its private run directory)."""
+        socket in its private run directory). `trim_memory`: the heap keeps large buffers
+        (`keep_large_buffers_warm`), to be given back once the big bodies are gone."""
         self.runtime = runtime
+        self._trim_memory = trim_memory
         self.endpoint_picker = endpoint_picker
         self._listen = listen
         self.address = ""  # "host:port" or "unix:/path", as Envoy's cluster should name it
@@ -201,6 +207,7 @@ class ExtProcServer:
         self._access_log = ClientLatency(
             runtime.metrics, runtime.access_log_streams, runtime.model_labels.known
         )
+        self._memory_trim = MemoryTrim(runtime.request_deps.bodies)
 
     def _add_envoys_feeds(self, server: aio.Server) -> None:
         """The pools' EDS and the access-log service, which only Envoy may call."""
@@ -208,7 +215,8 @@ class ExtProcServer:
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_log, server)
 
     async def start(self) -> None:
-        return_large_buffers()  # request bodies' memory is returned once they end
+        if self._trim_memory:
+            self._memory_trim.start()
         cfg = self.runtime.config
         side = None if self._listen else cfg.extproc.eds_access_log  # `up`: all on its socket
         self._grpc = aio.server(options=GRPC_OPTIONS)
@@ -336,4 +344,5 @@ class ExtProcServer:
             await self._health_grpc.stop(None)
         if self._http is not None:
             await self._http.cleanup()
+        await self._memory_trim.stop()
         await self.runtime.stop()

@@ -6,24 +6,38 @@ request reserves its body's bytes as they arrive (`limits.max_body_bytes_in_flig
 from the request's config snapshot); a chunk that would pass the limit ends the request with
 503 + Retry-After before more is read. The reservation is given back when the request ends,
 whichever way (answered, refused, the client gone).
+
+The budget also counts its big bodies (`big_bytes` or more) and calls `on_big_bodies_gone`
+when the last one is given back: the memory they were copied through can then go back to the
+system (`extproc.process.memory_trim`), which small bodies alone never make worth doing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from extproc.errors import Shed
 
 __all__ = ["BodyBudget", "Reservation"]
 
 RETRY_AFTER_S = 1
+BIG_BYTES = 1 << 20
+
+
+def _nothing() -> None:
+    pass
 
 
 class BodyBudget:
     """The bytes every request of this process has reserved."""
 
-    __slots__ = ("in_use",)
+    __slots__ = ("big", "big_bytes", "in_use", "on_big_bodies_gone")
 
-    def __init__(self) -> None:
+    def __init__(self, big_bytes: int = BIG_BYTES) -> None:
         self.in_use = 0
+        self.big_bytes = big_bytes
+        self.big = 0  # reservations of big_bytes or more
+        self.on_big_bodies_gone: Callable[[], None] = _nothing
 
     def reservation(self) -> Reservation:
         return Reservation(self)
@@ -50,8 +64,16 @@ class Reservation:
                 retry_after_s=RETRY_AFTER_S,
             )
         budget.in_use += size
-        self.size += size
+        before, self.size = self.size, self.size + size
+        if before < budget.big_bytes <= self.size:
+            budget.big += 1
 
     def release(self) -> None:
-        self._budget.in_use -= self.size
+        budget = self._budget
+        budget.in_use -= self.size
+        big = self.size >= budget.big_bytes
         self.size = 0
+        if big:
+            budget.big -= 1
+            if not budget.big:
+                budget.on_big_bodies_gone()
