@@ -10,12 +10,12 @@ takes milliseconds, and never for small bodies, which do not grow the heap enoug
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from extproc.process.memory import give_back_free_memory
 from extproc.request.body_budget import BodyBudget
+from extproc.stopping import cancel_and_wait
 
 __all__ = ["MemoryTrim"]
 
@@ -44,11 +44,8 @@ class MemoryTrim:
         self._task = asyncio.create_task(self._run(), name="memory-trim")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait([self._task])  # bounded: a trim running on its thread is waited
+        self._task = None
 
     async def once(self) -> bool:
         """Wait for the big bodies to be gone, then quiet for `quiet_s`, and trim; False when
