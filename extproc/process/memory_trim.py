@@ -44,7 +44,7 @@ class MemoryTrim:
         self._task = asyncio.create_task(self._run(), name="memory-trim")
 
     async def stop(self) -> None:
-        await cancel_and_wait([self._task])  # bounded: a trim running on its thread is waited
+        await cancel_and_wait([self._task])
         self._task = None
 
     async def once(self) -> bool:
