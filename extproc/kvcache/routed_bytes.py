@@ -12,9 +12,10 @@ of a conversation the same way each time, so a next turn's `messages` start with
 the last one's.
 
 Per block key, a bitmask of the engines this sidecar sent it to and, of them, those it has
-reached (`land`: the request's KV is on the engine, after its P answered or its D prefilled):
-an engine sent a prompt through a P that is still queued does not hold it yet, and the
-decision must not budget D's stall on blocks D has to compute. The map is in order of use
+reached (`land`: D's answer to the request passed, which for a P/D request follows P's, so
+the KV is on D or on its way): a D sent a prompt through a P that still has it queued does
+not hold it yet, and the decision must not budget D's stall on blocks D has to compute. The
+map is in order of use
 (each prompt routed moves its blocks to the newest end, its first block last, so that the
 deepest blocks of a chain go first, as an engine's LRU evicts them). Bounds, whatever the
 input: at most `max_blocks` blocks are hashed per prompt (its first `block_bytes × max_blocks`

@@ -109,7 +109,7 @@ class NoPlan:
     decode_counted: Counted | None = None
     request_id = ""
     prefill = None
-    kv_keys: Sequence[int] = ()
+    kv_keys = ()
 
 
 NOT_PLANNED = NoPlan()
