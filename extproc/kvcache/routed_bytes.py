@@ -15,13 +15,13 @@ Per block key, a bitmask of the engines this sidecar sent it to and, of them, th
 reached (`land`: D's answer to the request passed, which for a P/D request follows P's, so
 the KV is on D or on its way): a D sent a prompt through a P that still has it queued does
 not hold it yet, and the decision must not budget D's stall on blocks D has to compute. The
-map is in order of use
-(each prompt routed moves its blocks to the newest end, its first block last, so that the
-deepest blocks of a chain go first, as an engine's LRU evicts them). Bounds, whatever the
-input: at most `max_blocks` blocks are hashed per prompt (its first `block_bytes × max_blocks`
-bytes; a longer prompt counts as sharing all of those) and at most `max_entries` block keys
-are kept, the least recently routed going first in batches. An engine that leaves the pool
-takes its bit out of every mask (once, in one pass over the entries) and its bit is reused.
+map is in order of use (each prompt routed moves its blocks to the newest end, its first block
+last, so that the deepest blocks of a chain go first, as an engine's LRU evicts them).
+Bounds, whatever the input: at most `max_blocks` blocks are hashed per prompt (its first
+`block_bytes × max_blocks` bytes; a longer prompt counts as sharing all of those) and at most
+`max_entries` block keys are kept, the least recently routed going first in batches. An engine
+that leaves the pool takes its bits out of every mask (once, in one pass over the entries) and
+its bits are reused.
 
 It is an estimate: evictions on the engine, restarts the sidecar does not see and other
 routers' traffic are not seen, and a block routed to several engines is refreshed for all of
