@@ -60,7 +60,13 @@ from extproc.policies import POLICIES
 from extproc.protocol.bodies import prefill_kv_params
 from extproc.protocol.identity import IdentityCache, identity_from_params, ranks_of
 from extproc.request.parse import Api, parse_request
-from extproc.request.plan import DecodeOnlyPlan, Plan, plan_request, request_tokens
+from extproc.request.plan import (
+    DecodeOnlyPlan,
+    Plan,
+    land_on_decode,
+    plan_request,
+    request_tokens,
+)
 from extproc.request.prefill_client import (
     PrefillCall,
     PrefillResult,
@@ -460,7 +466,8 @@ class Sidecar:
         held: list[asyncio.Task[None]] = []
 
         async def hold(status: int) -> None:
-            await dispatch.on_decode_headers(status, True)
+            if await dispatch.on_decode_headers(status, True) and status < 400:
+                land_on_decode(plan, self.scheduler.kv)
             released.append(loop.time())
 
         def on_headers(status: int) -> None:

@@ -11,13 +11,17 @@ one routed before are the leading bytes they share, to a block. A client seriali
 of a conversation the same way each time, so a next turn's `messages` start with the bytes of
 the last one's.
 
-Per block key, a bitmask of the engines this sidecar sent it to; the map is in order of use
-(each prompt routed moves its blocks to the newest end, its first block last, so that the
-deepest blocks of a chain go first, as an engine's LRU evicts them). Bounds, whatever the
-input: at most `max_blocks` blocks are hashed per prompt (its first `block_bytes × max_blocks`
-bytes; a longer prompt counts as sharing all of those) and at most `max_entries` block keys
-are kept, the least recently routed going first in batches. An engine that leaves the pool
-takes its bit out of every mask (once, in one pass over the entries) and its bit is reused.
+Per block key, a bitmask of the engines this sidecar sent it to and, of them, those it has
+reached (`land`: D's answer to the request passed, which for a P/D request follows P's, so
+the KV is on D or on its way): a D sent a prompt through a P that still has it queued does
+not hold it yet, and the decision must not budget D's stall on blocks D has to compute. The
+map is in order of use (each prompt routed moves its blocks to the newest end, its first block
+last, so that the deepest blocks of a chain go first, as an engine's LRU evicts them).
+Bounds, whatever the input: at most `max_blocks` blocks are hashed per prompt (its first
+`block_bytes × max_blocks` bytes; a longer prompt counts as sharing all of those) and at most
+`max_entries` block keys are kept, the least recently routed going first in batches. An engine
+that leaves the pool takes its bits out of every mask (once, in one pass over the entries) and
+its bits are reused.
 
 It is an estimate: evictions on the engine, restarts the sidecar does not see and other
 routers' traffic are not seen, and a block routed to several engines is refreshed for all of
@@ -39,6 +43,7 @@ BLOCK_BYTES = 128  # ~32 tokens of English JSON (two of vLLM's default blocks)
 MAX_BLOCKS = 256  # a prompt's first 32 KiB (~8k tokens): the hashing a request may cost
 MAX_ENTRIES = 131_072  # block keys kept: ~13 MiB (~100 bytes each), 16 MiB of prompts
 _EVICT_FRACTION = 64  # evicted at once past the bound: 1/64 of it (no per-insert eviction)
+_SENT, _LANDED = 0, 1  # an engine's two bits in a key's mask: 2 x its slot, plus one of these
 # Keyed with a key of this process's own: a client who cannot learn it cannot craft a prompt
 # whose blocks collide with another's.
 _KEYED = hashlib.blake2b(digest_size=8, key=os.urandom(16))
@@ -78,9 +83,18 @@ class RoutedBytes:
     def held(self, keys: Sequence[int], engines: Collection[str] | None = None) -> dict[str, int]:
         """Per engine (of `engines`; None: all) sent any of them: how many leading bytes of
         the prompt (whole blocks) this sidecar sent it."""
+        return self._depths(keys, engines, _SENT)
+
+    def landed(self, keys: Sequence[int], engines: Collection[str] | None = None) -> dict[str, int]:
+        """As `held`, counting only the blocks that have reached the engine (`land`)."""
+        return self._depths(keys, engines, _LANDED)
+
+    def _depths(
+        self, keys: Sequence[int], engines: Collection[str] | None, kind: int
+    ) -> dict[str, int]:
         among = self._slot if engines is None else engines
-        bits = {slot: e for e in among if (slot := self._slot.get(e)) is not None}
-        alive = sum(1 << slot for slot in bits)
+        bits = {2 * slot + kind: e for e in among if (slot := self._slot.get(e)) is not None}
+        alive = sum(1 << bit for bit in bits)
         found: dict[str, int] = {}
         depth = 0
         masks = self._masks
@@ -109,7 +123,7 @@ class RoutedBytes:
             return
         bits = 0
         for engine in engines:
-            bits |= 1 << self._slot_of(engine)
+            bits |= 1 << 2 * self._slot_of(engine) + _SENT
         masks = self._masks
         for key in reversed(keys):  # the first block last: the newest, evicted last
             masks[key] = masks.pop(key, 0) | bits
@@ -117,6 +131,19 @@ class RoutedBytes:
             batch = max(len(masks) - self.max_entries, self.max_entries // _EVICT_FRACTION)
             for key in list(itertools.islice(masks, batch)):
                 del masks[key]
+
+    def land(self, engine: str, keys: Sequence[int]) -> None:
+        """The prompt of these keys, sent to `engine`, is there now: its blocks count as
+        reached (`landed`). Their place in the map (when they were sent) is kept."""
+        slot = self._slot.get(engine)
+        if slot is None:
+            return
+        sent, reached = 1 << 2 * slot + _SENT, 1 << 2 * slot + _LANDED
+        masks = self._masks
+        for key in keys:
+            mask = masks.get(key, 0)
+            if mask & sent:  # still kept, and sent there
+                masks[key] = mask | reached
 
     def _slot_of(self, engine: str) -> int:
         slot = self._slot.get(engine)
@@ -130,10 +157,10 @@ class RoutedBytes:
         slot = self._slot.pop(engine, None)
         if slot is None:
             return
-        keep = ~(1 << slot)
+        keep = ~(3 << 2 * slot)  # sent and reached
         masks = self._masks
         for key, mask in list(masks.items()):
-            if mask >> slot & 1:
+            if mask >> 2 * slot & 3:
                 if mask & keep:
                     masks[key] = mask & keep  # an existing key: its place is kept
                 else:

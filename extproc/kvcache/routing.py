@@ -153,6 +153,11 @@ class KvRouting:
         """A prompt of these `routed_bytes` keys was routed to `engines`."""
         self.routed_bytes.remember(engines, keys)
 
+    def land_bytes(self, engine: str, keys: Sequence[int]) -> None:
+        """The prompt of these `routed_bytes` keys has reached `engine` (its request's KV is
+        there)."""
+        self.routed_bytes.land(engine, keys)
+
     def tokenizer_for(self, group: str) -> OffLoopTokenizer | None:
         """The tokenizer of model group `group` if it routes by the KV cache, else None."""
         return self._by_group.get(group)

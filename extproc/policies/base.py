@@ -37,6 +37,9 @@ class PickRequest:
     rank_cached: Mapping[str, Mapping[int, int]] | None = field(
         default=None, repr=False, compare=False
     )
+    # The approximate mode's (what was sent where): of `cached`, what has reached each
+    # engine, which the decode-only decision counts as D's; None: `cached` is what they hold
+    landed: Mapping[str, int] | None = field(default=None, repr=False, compare=False)
 
 
 class EndpointView(Protocol):

@@ -6,7 +6,9 @@ template renders ahead of the messages (`tools`, `chat_template_kwargs`) starts 
 that a prompt is credited only where it went with the same. Its size and each engine's share
 are counted in tokens estimated as the decision estimates them (bytes / `bytes_per_token`), so
 the kv_cache policy weighs them against the engines' queues as it weighs an index's tokens,
-and the decision counts only what D probably lacks.
+and the decision counts only what D probably lacks: of what D was sent, only what has reached
+it (`KvRouting.land_bytes`, once D answers: after P, for a P/D request), since a prompt still
+queued at P is not on D yet.
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ def approximate(
     counted = TOKENIZED[request.api]
     size = sum(len(raw) for key, raw in request.parts if key in counted)
     held = kv.routed_bytes.held(keys) if keys else {}
+    landed = kv.routed_bytes.landed(keys, held) if held else {}
     approximated = dataclasses.replace(
         wanted,
         prompt_bytes=prompt_bytes(request, counted),  # what the estimate below does not count
         prompt_tokens=math.ceil(size / bytes_per_token),
         cached={engine: int(sent / bytes_per_token) for engine, sent in held.items()},
+        landed={engine: int(there / bytes_per_token) for engine, there in landed.items()},
     )
     return approximated, keys

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
@@ -62,6 +62,7 @@ __all__ = [
     "check_fits",
     "check_plan_fits",
     "choose_strategy",
+    "land_on_decode",
     "pick_request",
     "plan_legs",
     "plan_request",
@@ -108,6 +109,7 @@ class NoPlan:
     decode_counted: Counted | None = None
     request_id = ""
     prefill = None
+    kv_keys = ()
 
 
 NOT_PLANNED = NoPlan()
@@ -121,6 +123,8 @@ class DecodeOnlyPlan:
     reason: str
     decode_counted: Counted | None  # the in-flight count at D, moved if another served
     decode_rank: int | None = None  # D's data-parallel rank (None: D has none)
+    # The prompt's routed_bytes keys (approximate KV-cache routing), to land on D once it answers
+    kv_keys: Sequence[int] = ()
     prefill = None
     prefill_counted = None
     prefill_rank = None
@@ -140,6 +144,7 @@ class ParallelPlan:
     prefill_counted: Counted | None = None  # the count at P, which the P leg releases
     prefill_rank: int | None = None  # P's data-parallel rank, whose identity D got
     decode_rank: int | None = None
+    kv_keys: Sequence[int] = ()
     strategy = Strategy.PARALLEL
 
 
@@ -156,6 +161,7 @@ class SerialPlan:
     prefill_counted: Counted | None = None
     prefill_rank: int | None = None
     decode_rank: int | None = None
+    kv_keys: Sequence[int] = ()
     strategy = Strategy.SERIAL
 
 
@@ -296,6 +302,7 @@ def plan_request(
             picked.reason,
             picked.decode_counted,
             picked.decode_counted.rank,
+            sent[1] if sent else (),
         )
     prefill, rank = picked.prefill, picked.prefill_counted.rank
     identity = identities.get(prefill, rank)  # the chosen rank's: D registers with that engine
@@ -303,6 +310,8 @@ def plan_request(
         scheduler.prefill_mode(prefill), identity, identities.serial_only(prefill, rank)
     )
     plan = plan_legs(request, request_id, picked, choice, identity)
+    if sent:
+        plan = replace(plan, kv_keys=sent[1])
     check_plan_fits(plan, config.limits.max_body_bytes)
     return plan
 
@@ -351,6 +360,14 @@ def plan_legs(
         picked.prefill_counted.rank,
         picked.decode_counted.rank,
     )
+
+
+def land_on_decode(plan: Plan | NoPlan, kv: KvRouting | None, served: str | None = None) -> None:
+    """D answered (a P/D plan's D only once P has): the prompt's KV is on D (`served`, if
+    a fallback served it), or on its way, so what was sent there counts for the decode-only
+    decision from now on."""
+    if kv is not None and plan.kv_keys and not isinstance(plan, NoPlan):
+        kv.land_bytes(served or plan.decodes[0], plan.kv_keys)
 
 
 def check_plan_fits(plan: Plan, max_body_bytes: int) -> None:

@@ -57,6 +57,7 @@ from extproc.request.plan import (
     Plan,
     SerialPlan,
     Strategy,
+    land_on_decode,
     plan_request,
     request_tokens,
 )
@@ -396,6 +397,8 @@ class RequestProcessor:
         if reached:
             self._check_kv_mismatch(status, served)
         if await self.dispatch.on_decode_headers(status, reached):
+            if status < 400:
+                land_on_decode(self.plan, self.deps.scheduler.kv, served)
             # An answer that started may still be cut; only Envoy's access log will know.
             by_log = status < 400 and self.deps.access_log.decide_outcomes
             reason = self.plan.reason if by_log else None

@@ -216,6 +216,7 @@ class Scheduler:
             wanted, members[Role.PREFILL], group.pickers[Role.PREFILL]
         )
         cached = wanted.cached or {}
+        on_d = cached if wanted.landed is None else wanted.landed  # what D computes none of
         if prefills:
             prefill = prefills[0]
             if config.decision.mode is not DecisionMode.OFF:
@@ -227,7 +228,7 @@ class Scheduler:
                     decode,
                     prefill,
                     wanted.prompt_tokens,
-                    cached.get(decode.address, 0),
+                    on_d.get(decode.address, 0),
                     cached.get(prefill.address, 0),
                 )
                 told = (*self.decider.alone(decode.address), *self.decider.bucket(decode.address))

@@ -25,6 +25,34 @@ def test_an_engine_is_credited_with_the_leading_blocks_it_was_sent() -> None:
     assert routed.keys(SHARED[: BLOCK - 1]) == []  # no full block: nothing to credit
 
 
+def test_what_was_sent_counts_as_reached_only_once_landed_there() -> None:
+    routed = RoutedBytes()
+    keys = routed.keys(SHARED)
+    routed.remember([A, B], keys)
+    assert routed.landed(keys) == {}  # sent, not there yet
+    routed.land(A, keys[:3])
+    routed.land(C, keys)  # never sent there: nothing
+    assert routed.landed(keys) == {A: 3 * BLOCK}
+    assert routed.landed(keys, [B, C]) == {}
+    assert routed.held(keys) == {A: 5 * BLOCK, B: 5 * BLOCK}  # what was sent is unchanged
+    routed.remember([A], keys)  # sent again: what reached it still has
+    assert routed.landed(keys) == {A: 3 * BLOCK}
+    routed.land(B, routed.keys(SHARED + os.urandom(BLOCK)))  # its last block never sent to B
+    assert routed.landed(keys) == {A: 3 * BLOCK, B: 5 * BLOCK}
+
+
+def test_an_engine_forgotten_takes_what_reached_it_along() -> None:
+    routed = RoutedBytes()
+    keys = routed.keys(SHARED)
+    routed.remember([A, B], keys)
+    routed.land(A, keys)
+    routed.land(B, keys)
+    routed.forget(A)
+    assert routed.landed(keys) == {B: 5 * BLOCK}
+    routed.remember([C], keys)  # C takes A's bits: sent, not reached
+    assert routed.landed(keys) == {B: 5 * BLOCK}
+
+
 def test_a_salt_an_adapter_or_what_comes_ahead_keeps_a_prompt_apart() -> None:
     routed = RoutedBytes()
     salted, adapter = CacheScope(salt="s"), CacheScope(adapter="lora")

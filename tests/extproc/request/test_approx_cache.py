@@ -14,7 +14,13 @@ from extproc.config import parse_config
 from extproc.policies import PrefixPicker
 from extproc.request.approx_cache import approximate
 from extproc.request.parse import Api, ClientRequest, parse_request
-from extproc.request.plan import DecodeOnlyPlan, SerialPlan, pick_request, plan_request
+from extproc.request.plan import (
+    DecodeOnlyPlan,
+    SerialPlan,
+    land_on_decode,
+    pick_request,
+    plan_request,
+)
 from extproc.scheduling.pool import EndpointState
 from extproc.wiring import Runtime
 
@@ -87,14 +93,20 @@ def test_a_repeated_prefix_spills_once_its_queue_outweighs_what_the_cache_saves(
     assert spill == 32, picks  # 2 × 1024 − 32 × 66 < 0 ≤ 2 × 1024 − 31 × 66
 
 
-def test_the_decision_counts_only_what_d_was_not_sent() -> None:
+def test_the_decision_counts_only_what_has_reached_d() -> None:
     """Threshold mode (decode-only up to 64 uncached tokens): the next turn of a long prompt
-    goes decode-only to the D that was sent it; salted, it was sent nowhere: through P."""
+    goes decode-only to the D that was sent it once D has answered it (its KV is there); while
+    its P may still be computing it, D would compute it all: through P. Salted, it was sent
+    nowhere: through P."""
     rt = runtime(decision={"mode": "threshold", "max_prompt_tokens": 64})
     prompt = "y" * 2000
     with ExitStack() as inflight:
         went = plan(rt, completion(prompt), inflight)
     assert isinstance(went, SerialPlan)  # ~500 tokens, nothing cached: P/D
+    with ExitStack() as inflight:
+        early = plan(rt, completion(prompt + " more"), inflight)
+    assert isinstance(early, SerialPlan) and early.decodes[0] == went.decodes[0]
+    land_on_decode(went, rt.kv)  # D answered it
     with ExitStack() as inflight:
         again = plan(rt, completion(prompt + " more"), inflight)
     assert isinstance(again, DecodeOnlyPlan) and again.decodes[0] == went.decodes[0]

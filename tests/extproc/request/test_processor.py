@@ -610,6 +610,38 @@ async def test_d_below_400_is_held_until_p_answers_and_keeps_the_identity() -> N
     assert r.outcome("ok", "parallel", "cache_hit") == 1
 
 
+async def test_an_approximated_prompt_counts_as_ds_once_ds_answer_passes_after_ps() -> None:
+    """kv_cache with neither events nor a tokenizer: the prompt's blocks count as sent to P and
+    D at once (routing), and as reached on D (the decode-only decision's) only once D's answer
+    passes, which a parallel plan holds until P has answered."""
+    pools = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D1, D2]}}
+    r = Request(cached=True, **{k: v | {"policy": "kv_cache"} for k, v in pools.items()})
+    sent = r.rt.kv.routed_bytes
+    await r.start(REQUEST | {"prompt": "z" * 600})
+    await r.envoy.until_sent(2)
+    keys, decode = r.processor.plan.kv_keys, r.processor.plan.decodes[0]  # type: ignore[union-attr]
+    assert set(sent.held(keys)) == {P, decode} and len(keys) == 4  # 600 bytes: 4 full blocks
+    await r.send(response_headers(200))
+    await r.envoy.until_sent(3)  # held for P
+    assert sent.landed(keys) == {}
+    r.prefill.answer(P_ANSWER)
+    await r.envoy.until_sent(4)
+    assert sent.landed(keys) == {decode: 4 * 128}
+    await r.end()
+
+
+async def test_an_approximated_prompt_d_failed_never_counts_as_ds() -> None:
+    pools = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D1, D2]}}
+    r = Request(cached=True, **{k: v | {"policy": "kv_cache"} for k, v in pools.items()})
+    await r.start(REQUEST | {"prompt": "z" * 600})
+    await r.envoy.until_sent(2)
+    keys = r.processor.plan.kv_keys
+    await r.send(response_headers(503))
+    r.prefill.answer(P_ANSWER)
+    await r.end()
+    assert keys and r.rt.kv.routed_bytes.landed(keys) == {}
+
+
 # ---- picking -------------------------------------------------------------------------------
 
 
