@@ -1,7 +1,8 @@
 """Engine restarts, seen in `process_start_time_seconds` before any request fails.
 
 A restarted prefill engine has a new NIXL agent: its identity is stale, so it is dropped and
-re-learned (vLLM and vllmsim both export the start time).
+re-learned (vLLM and vllmsim both export the start time). Only a later start time is a
+restart: an earlier one is an answer fetched before the restart and read after a newer one.
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ class RestartDetector:
             return
         started = family.samples[0].value
         previous = self._start_times.get(address)
+        if previous is not None and started <= previous:
+            # The same process, or an answer older than one already read: the health check
+            # and the load scraper fetch /metrics apart, and their answers may cross.
+            return
         self._start_times[address] = started
-        if previous is not None and previous != started:
+        if previous is not None:
             log.warning("prefill %s restarted; its identity is dropped and re-learned", address)
             self._on_restart(address)
 

@@ -151,6 +151,17 @@ def test_restart_detection_watches_only_its_engines() -> None:
     assert restarts == ["p"]
 
 
+def test_a_stale_start_time_read_after_a_newer_one_is_no_restart() -> None:
+    """The health check's and the load scraper's fetches of /metrics can cross: an answer
+    from before the restart, read after one from after it, must not drop the identity just
+    learned again."""
+    restarts: list[str] = []
+    detector = RestartDetector(lambda a: True, restarts.append)
+    for started in ("1", "2", "1", "2", "3"):
+        detector.consume("p", parse_families(f"process_start_time_seconds {started}\n"))
+    assert restarts == ["p", "p"]  # 1 -> 2 and 2 -> 3
+
+
 # ---- which engines are scraped: every pool whose policy needs load -------------------------
 
 CONFIG = {
