@@ -6,7 +6,9 @@ the blocks of a prompt this sidecar sent there count as held. Keys are the index
 at one block size (vLLM's default), in the prompt's cache scope (its LoRA adapter and cache
 salt, as the engine keys its blocks): a prompt is credited only with what went there in its
 own scope. Entries are (engine, block key), oldest routed first, at most `max_blocks`, the
-oldest going first in batches.
+oldest going first in batches, each marked once the prompt has reached the engine (`land`: its
+request's answer came from there): the decision counts only those as what a D holds, since a
+prompt still queued at its P is not on D yet.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class RoutedBlocks:
     def __init__(self, max_blocks: int, block_size: int = BLOCK_SIZE) -> None:
         self.max_blocks = max_blocks
         self.block_size = block_size
-        self._routed: dict[tuple[str, int], None] = {}  # insertion order: oldest routed first
+        # insertion order: oldest routed first; True once the prompt reached the engine
+        self._routed: dict[tuple[str, int], bool] = {}
         self._per_engine: dict[str, int] = {}
 
     def keys(self, token_ids: Sequence[int], scope: CacheScope = PLAIN) -> list[int]:
@@ -38,11 +41,10 @@ class RoutedBlocks:
         routed, added = self._routed, 0
         for key in keys:
             entry = (engine, key)
-            if entry in routed:
-                del routed[entry]
-            else:
+            reached = routed.pop(entry, None)
+            if reached is None:
                 added += 1
-            routed[entry] = None  # last: the most recently routed
+            routed[entry] = bool(reached)  # last: the most recently routed
         self._per_engine[engine] = self._per_engine.get(engine, 0) + added
         if len(routed) > self.max_blocks:
             batch = max(len(routed) - self.max_blocks, self.max_blocks // _EVICT_FRACTION)
@@ -60,13 +62,24 @@ class RoutedBlocks:
     def engines(self) -> set[str]:
         return set(self._per_engine)
 
-    def held(self, keys: Sequence[int], engines: Collection[str]) -> dict[str, int]:
-        """Per engine of `engines`, how many leading tokens of the prompt were routed to it."""
-        found = {}
+    def land(self, engine: str, keys: Sequence[int]) -> None:
+        """The prompt of these keys, sent to `engine`, is there now (its place is kept)."""
+        routed = self._routed
+        for key in keys:
+            if (engine, key) in routed:
+                routed[(engine, key)] = True
+
+    def held(
+        self, keys: Sequence[int], engines: Collection[str], reached: bool = False
+    ) -> dict[str, int]:
+        """Per engine of `engines`, how many leading tokens of the prompt were routed to it
+        (`reached`: that have reached it)."""
+        found, routed = {}, self._routed
         for engine in engines:
             depth = 0
             for key in keys:
-                if (engine, key) not in self._routed:
+                there = routed.get((engine, key))
+                if there is None or (reached and not there):
                     break
                 depth += 1
             if depth:

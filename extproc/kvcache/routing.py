@@ -71,6 +71,9 @@ class Cached:
 
     by_endpoint: dict[str, int] = field(default_factory=dict)
     by_rank: dict[str, dict[int, int]] = field(default_factory=dict)
+    # where engines not heard from are estimated: by_endpoint counting, for those, only what
+    # has reached them (the decision's D); None: by_endpoint is what they hold
+    landed: dict[str, int] | None = None
 
 
 class KvRouting:
@@ -153,10 +156,17 @@ class KvRouting:
         """A prompt of these `routed_bytes` keys was routed to `engines`."""
         self.routed_bytes.remember(engines, keys)
 
-    def land_bytes(self, engine: str, keys: Sequence[int]) -> None:
-        """The prompt of these `routed_bytes` keys has reached `engine` (its request's KV is
-        there)."""
+    def land(self, engine: str, keys: Sequence[int]) -> None:
+        """The prompt of these keys (`routed_bytes`' or `routed`'s, as `sent_keys` gave) has
+        reached `engine`: its request's KV is there."""
         self.routed_bytes.land(engine, keys)
+        self.routed.land(engine, keys)
+
+    def sent_keys(
+        self, engine: str, token_ids: Sequence[int], scope: CacheScope = PLAIN
+    ) -> list[int]:
+        """The keys `remember` kept the prompt under for `engine` (none if heard from)."""
+        return [] if self._heard_from(engine) else self._routed_keys(token_ids, scope)
 
     def tokenizer_for(self, group: str) -> OffLoopTokenizer | None:
         """The tokenizer of model group `group` if it routes by the KV cache, else None."""
@@ -210,9 +220,11 @@ class KvRouting:
                 by_rank.setdefault(address, {})[rank] = tokens
                 found[address] = max(found.get(address, 0), tokens)
         silent = self.routed.engines() - found.keys()
-        if silent:
-            found |= self.routed.held(self._routed_keys(token_ids, scope), silent)
-        return Cached(found, by_rank)
+        if not silent:
+            return Cached(found, by_rank)
+        keys = self._routed_keys(token_ids, scope)
+        landed = found | self.routed.held(keys, silent, reached=True)
+        return Cached(found | self.routed.held(keys, silent), by_rank, landed)
 
     def _routed_keys(self, token_ids: Sequence[int], scope: CacheScope) -> list[int]:
         """The prompt's keys for `routed`, computed once for its lookup and its `remember`."""

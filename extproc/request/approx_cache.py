@@ -7,7 +7,7 @@ that a prompt is credited only where it went with the same. Its size and each en
 are counted in tokens estimated as the decision estimates them (bytes / `bytes_per_token`), so
 the kv_cache policy weighs them against the engines' queues as it weighs an index's tokens,
 and the decision counts only what D probably lacks: of what D was sent, only what has reached
-it (`KvRouting.land_bytes`, once D answers: after P, for a P/D request), since a prompt still
+it (`KvRouting.land`, once D answers: after P, for a P/D request), since a prompt still
 queued at P is not on D yet.
 """
 

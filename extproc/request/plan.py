@@ -123,7 +123,7 @@ class DecodeOnlyPlan:
     reason: str
     decode_counted: Counted | None  # the in-flight count at D, moved if another served
     decode_rank: int | None = None  # D's data-parallel rank (None: D has none)
-    # The prompt's routed_bytes keys (approximate KV-cache routing), to land on D once it answers
+    # The keys D is credited with the prompt under (estimated routing), to land once D answers
     kv_keys: Sequence[int] = ()
     prefill = None
     prefill_counted = None
@@ -197,6 +197,7 @@ def pick_request(
         len(tokens),
         (cached := kv.lookup(tokens, scope)).by_endpoint,
         cached.by_rank,
+        cached.landed,
     )
 
 
@@ -285,13 +286,16 @@ def plan_request(
         sent = approximate(request, wanted, kv, config.decision.bytes_per_token, scope)
         wanted = sent[0]
     picked = scheduler.pick(wanted, inflight, config, subset, fallbacks)
+    landing: Sequence[int] = ()  # the keys its D is credited under, until D has it (`land`)
     if kv is not None and scope is not None:  # looked up: where its blocks went
         engines = [picked.prefill] if isinstance(picked, WithPrefill) else []
         engines.append(picked.decodes[0])
         if sent is not None:
             kv.remember_bytes(engines, sent[1])
+            landing = sent[1]
         else:
             kv.remember(engines, tokens or [], scope)
+            landing = kv.sent_keys(picked.decodes[0], tokens or [], scope)
     request_id = str(uuid.uuid4())
     if isinstance(picked, DecodeAlone):
         d_body = decode_body(request.parts, None)  # the client's own, minus fields: it fits
@@ -302,7 +306,7 @@ def plan_request(
             picked.reason,
             picked.decode_counted,
             picked.decode_counted.rank,
-            sent[1] if sent else (),
+            landing,
         )
     prefill, rank = picked.prefill, picked.prefill_counted.rank
     identity = identities.get(prefill, rank)  # the chosen rank's: D registers with that engine
@@ -310,8 +314,8 @@ def plan_request(
         scheduler.prefill_mode(prefill), identity, identities.serial_only(prefill, rank)
     )
     plan = plan_legs(request, request_id, picked, choice, identity)
-    if sent:
-        plan = replace(plan, kv_keys=sent[1])
+    if landing:
+        plan = replace(plan, kv_keys=landing)
     check_plan_fits(plan, config.limits.max_body_bytes)
     return plan
 
@@ -367,7 +371,7 @@ def land_on_decode(plan: Plan | NoPlan, kv: KvRouting | None, served: str | None
     a fallback served it), or on its way, so what was sent there counts for the decode-only
     decision from now on."""
     if kv is not None and plan.kv_keys and not isinstance(plan, NoPlan):
-        kv.land_bytes(served or plan.decodes[0], plan.kv_keys)
+        kv.land(served or plan.decodes[0], plan.kv_keys)
 
 
 def check_plan_fits(plan: Plan, max_body_bytes: int) -> None:

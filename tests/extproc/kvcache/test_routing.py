@@ -605,6 +605,18 @@ def test_routed_blocks_count_for_engines_not_heard_from_only() -> None:
     assert routing.cached_tokens(prompt) == {P2: 0}
 
 
+def test_what_was_sent_to_an_engine_not_heard_from_reaches_it_once_landed() -> None:
+    routing = KvRouting(KvIndex(100), Metrics())
+    prompt = list(range(40))  # two blocks of 16
+    routing.index.apply(P2, _decoded(chain(1, [1, 2, 3, 4])))  # P2 publishes: its events rule
+    routing.remember([P1, P2], prompt)
+    cached = routing.lookup(prompt)
+    assert (cached.by_endpoint, cached.landed) == ({P1: 32, P2: 0}, {P2: 0})
+    assert routing.sent_keys(P2, prompt) == []  # heard from: nothing to land
+    routing.land(P1, routing.sent_keys(P1, prompt))
+    assert routing.lookup(prompt).landed == {P1: 32, P2: 0}
+
+
 def test_routed_blocks_count_only_in_the_scope_they_were_routed_in() -> None:
     """A prompt sent plain is not credited to the same prompt salted or for an adapter (the
     engine would not reuse those blocks), and a salted one only to its own salt."""

@@ -115,6 +115,26 @@ def test_the_decision_counts_only_what_has_reached_d() -> None:
     assert isinstance(salted, SerialPlan)
 
 
+def test_with_token_ids_too_the_decision_counts_only_what_has_reached_d() -> None:
+    """The same with the prompt tokenized (engines that publish no events: what was routed
+    where, by token blocks)."""
+    rt = runtime(decision={"mode": "threshold", "max_prompt_tokens": 64})
+    ids = list(range(600))
+
+    def planned(tokens: list[int]) -> Any:
+        with ExitStack() as inflight:
+            return plan_request(
+                completion("x"), {}, rt.config, rt.scheduler, rt.identities, inflight, tokens=tokens
+            )
+
+    went = planned(ids)
+    assert isinstance(went, SerialPlan) and went.kv_keys  # nothing cached: P/D
+    assert isinstance(planned([*ids, 7]), SerialPlan)  # D was sent it; it may not be there
+    land_on_decode(went, rt.kv)
+    again = planned([*ids, 7])
+    assert isinstance(again, DecodeOnlyPlan) and again.decodes[0] == went.decodes[0]
+
+
 @pytest.mark.parametrize(
     "setting",
     [
