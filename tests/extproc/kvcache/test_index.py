@@ -388,3 +388,16 @@ def test_eviction_reads_the_oldest_records_off_the_log_and_keeps_none_it_read() 
     for _ in range(3):  # stored again: compaction takes over from where eviction left the log
         index.apply("a", blocks[46:])
     assert index.blocks == 256 and index._engines["a"].records <= 2 * 256 + 4 * 4
+
+
+def test_compaction_keeps_pace_with_events_of_many_blocks() -> None:
+    """Each event stores 48 blocks again (three chunks): compaction reads up to eight chunks
+    a call, two records per record logged, so after every event the log is still within
+    twice the entries and four chunks (reading one chunk a call, it would grow without end)."""
+    index = KvIndex(max_blocks=64 * 16)  # chunks of 16 records
+    prompts = chains(0, 0, 2, blocks=48)  # 96 blocks
+    index.apply("a", prompts)
+    log = index._engines["a"]
+    for n in range(100):
+        index.apply("a", [prompts[n % 2]])
+        assert log.records <= 2 * 96 + 4 * 16, n

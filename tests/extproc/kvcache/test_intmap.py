@@ -153,11 +153,12 @@ def test_a_column_is_the_narrowest_unsigned_type_the_bits_fit() -> None:
     assert table.get(1) == 2**64 - 1
 
 
-def test_the_buckets_split_only_above_their_mean_of_keys() -> None:
+def test_the_buckets_split_only_above_their_mean_of_keys_and_in_halves() -> None:
     table = IntMap("B")
-    keys = [n << 50 for n in range(1, 258)]
+    keys = [n * ((1 << KEY_BITS) // 257) for n in range(257)]  # evenly over the range
     for key in keys[:256]:
         put(table, key, 1)
     assert len(table.keys) == 1  # 256 keys: at the mean, kept
     put(table, keys[256], 1)
-    assert len(table.keys) == 2 and [table.get(k) for k in keys] == [1] * 257
+    assert [len(bucket) for bucket in table.keys] == [129, 128]  # each half of the range
+    assert [table.get(k) for k in keys] == [1] * 257
