@@ -67,7 +67,7 @@ async def replay() -> AsyncIterator[ScriptedReplay]:
     scripted = ScriptedReplay(ctx)
     yield scripted
     await scripted.close()
-    ctx.term()
+    ctx.destroy(linger=0)  # a failed test's sockets too: term() would wait on them
 
 
 def make_stream(replay: ScriptedReplay, **limited: Any) -> tuple[EngineStream, KvIndex, Metrics]:
