@@ -177,8 +177,11 @@ def test_a_flood_of_blocks_stored_again_keeps_the_index_small_and_in_use_order()
 
 def test_more_engines_than_a_byte_of_mask_holds() -> None:
     index = KvIndex(max_blocks=10_000)
+    widths = {}
     for n in range(70):  # masks widen from 8 bits to 16, 32, 64 and Python ints
         index.apply(f"e{n}", [store([n + 1, n + 2], TOKENS[: 4 * (1 + n % 2)])])
+        widths[n + 1] = index._holders._codes[0]  # the test looks inside: the masks' type
+    assert [widths[n] for n in (8, 9, 16, 17, 32, 33, 64, 65)] == [*"BHHIIQQ", "list"]
     found = index.longest_prefix(TOKENS)
     assert [found[f"e{n}"] for n in range(70)] == [1 + n % 2 for n in range(70)]
     for n in range(0, 70, 2):
@@ -388,3 +391,38 @@ def test_eviction_reads_the_oldest_records_off_the_log_and_keeps_none_it_read() 
     for _ in range(3):  # stored again: compaction takes over from where eviction left the log
         index.apply("a", blocks[46:])
     assert index.blocks == 256 and index._engines["a"].records <= 2 * 256 + 4 * 4
+
+
+def test_compaction_keeps_pace_with_events_of_many_blocks() -> None:
+    """Each event stores 48 blocks again (three chunks): compaction reads up to eight chunks
+    a call, two records per record logged, so after every event the log is still within
+    twice the entries and four chunks (reading one chunk a call, it would grow without end)."""
+    index = KvIndex(max_blocks=64 * 16)  # chunks of 16 records
+    prompts = chains(0, 0, 2, blocks=48)  # 96 blocks
+    index.apply("a", prompts)
+    log = index._engines["a"]
+    for n in range(100):
+        index.apply("a", [prompts[n % 2]])
+        assert log.records <= 2 * 96 + 4 * 16, n
+
+
+def test_a_scope_with_a_lone_surrogate_keys_its_own_chain() -> None:
+    # a JSON string may escape half a surrogate pair: the scope is keyed, not refused
+    for scope in ("salt", "adapter"):
+        odd, other = CacheScope(**{scope: "\ud800"}), CacheScope(**{scope: "\ud801"})
+        assert chain_keys(TOKENS, 4, scope=odd) == chain_keys(TOKENS, 4, scope=odd)
+        assert chain_keys(TOKENS, 4, scope=odd) != chain_keys(TOKENS, 4, scope=other)
+
+
+def test_chunk_ids_past_a_signed_int_and_through_their_wrap_keep_the_log() -> None:
+    index = KvIndex(max_blocks=64 * 2)  # chunks of 2 records
+    index.add_engine("a")
+    log = index._engines["a"]
+    log.next_chunk = 2**32 - 2  # the test looks inside: four billion chunks on
+    blocks = [store([n], [n] * 4) for n in range(1, 9)]
+    index.apply("a", blocks)
+    assert [chunk for chunk, _ in log.chunks] == [2**32 - 2, 2**32 - 1, 0, 1]
+    index.apply("a", blocks[:2])  # stored again: moved to a new chunk
+    assert [index.longest_prefix([n] * 4)["a"] for n in range(1, 9)] == [1] * 8
+    live = [m for chunk, records in log.chunks for m in records if log.live(m, chunk)]
+    assert live == [_mixed(n) for n in (3, 4, 5, 6, 7, 8, 1, 2)]

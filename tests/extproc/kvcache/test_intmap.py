@@ -143,3 +143,22 @@ def test_deleting_merges_the_buckets_only_below_the_threshold() -> None:
     assert table.size == 96 and len(table.keys) == 2  # at the threshold (2 x 48): kept
     remove(table, keys[0])
     assert len(table.keys) == 1 and [table.get(k) for k in keys[1:96]] == [1] * 95
+
+
+def test_a_column_is_the_narrowest_unsigned_type_the_bits_fit() -> None:
+    widths = {1: "B", 8: "B", 9: "H", 16: "H", 17: "I", 32: "I", 33: "Q", 64: "Q", 65: "list"}
+    assert {bits: column_code(bits) for bits in widths} == widths
+    table = IntMap(column_code(64))  # a mask of 64 engines: the top bit set
+    put(table, 1, 2**64 - 1)
+    assert table.get(1) == 2**64 - 1
+
+
+def test_the_buckets_split_only_above_their_mean_of_keys_and_in_halves() -> None:
+    table = IntMap("B")
+    keys = [n * ((1 << KEY_BITS) // 257) for n in range(257)]  # evenly over the range
+    for key in keys[:256]:
+        put(table, key, 1)
+    assert len(table.keys) == 1  # 256 keys: at the mean, kept
+    put(table, keys[256], 1)
+    assert [len(bucket) for bucket in table.keys] == [129, 128]  # each half of the range
+    assert [table.get(k) for k in keys] == [1] * 257

@@ -37,7 +37,7 @@ STALL_BOUND_S = 0.25
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
     yield context
-    context.term()
+    context.destroy(linger=0)  # a failed test's sockets too: term() would wait on them
 
 
 @contextlib.asynccontextmanager
@@ -435,7 +435,8 @@ async def test_a_port_taken_is_said_once_in_full_and_not_tried_again(ctx: Any, c
         said = [r.getMessage() for r in caplog.records if "cannot listen" in r.getMessage()]
         assert len(said) == 1 and 0 not in listener.bound
         assert said[0].startswith(
-            f"KV events: cannot listen on tcp://127.0.0.1:{port} for data-parallel rank 0 ("
+            f"KV events: cannot listen on tcp://127.0.0.1:{port} for data-parallel rank 0 "
+            "(Address already in use"  # ZMQ's reason
         )
         assert said[0].endswith(
             "); engines that connect there are not indexed. Free the port or change "
@@ -642,3 +643,96 @@ async def test_each_engines_stream_has_its_replay_socket_and_the_listeners_limit
     finally:
         await cancel_and_wait([receiving])
         await listener.stop()
+
+
+async def test_an_engine_given_again_keeps_its_stream_and_its_entries(ctx: Any) -> None:
+    index = KvIndex(10_000)
+    listener = EventListener("127.0.0.1", 0, index, Metrics(), context=ctx, check_sender=False)
+    await listener.set_engines({MEMBER: Listened(MEMBER)})
+    flood = Flood([[b"kv@127.0.0.7@m", (0).to_bytes(8, "big"), batch(chain(1, TOKENS))]])
+    receiving = asyncio.create_task(listener._receive(flood, 0))  # type: ignore[arg-type]
+    try:
+        await until_true(lambda: held(index) == {MEMBER: 8}, "the batch indexed")
+        stream = listener._fed[MEMBER].stream
+        # another engine joins: the one already followed is not started over (that clears it)
+        await listener.set_engines({MEMBER: Listened(MEMBER), "x": Listened("127.0.0.8:1")})
+        assert listener._fed[MEMBER].stream is stream
+        assert held(index) == {MEMBER: 8}
+    finally:
+        await cancel_and_wait([receiving])
+        await listener.stop()
+
+
+async def test_an_engines_stream_that_fails_drops_its_entries_is_counted_and_goes_on(
+    ctx: Any, monkeypatch: Any
+) -> None:
+    index, metrics = KvIndex(10_000), Metrics()
+    limits = SubscriberLimits(restart_backoff_s=0.01)
+    listener = EventListener(
+        "127.0.0.1", 0, index, metrics, limits=limits, context=ctx, check_sender=False
+    )
+    await listener.set_engines({MEMBER: Listened(MEMBER)})
+    stream = listener._fed[MEMBER].stream
+    apply, calls = stream.on_message, 0
+
+    async def failing_the_second(frames: list[bytes]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("a bug")
+        await apply(frames)
+
+    monkeypatch.setattr(stream, "on_message", failing_the_second)
+    other = [t + 1000 for t in TOKENS]
+    topic = b"kv@127.0.0.7@m"
+    flood = Flood(
+        [
+            [topic, (0).to_bytes(8, "big"), batch(chain(1, TOKENS))],
+            [topic, (1).to_bytes(8, "big"), batch()],  # the stream fails on this one
+            [topic, (2).to_bytes(8, "big"), batch(chain(500, other))],
+        ]
+    )
+    receiving = asyncio.create_task(listener._receive(flood, 0))  # type: ignore[arg-type]
+    try:
+        await until_true(lambda: held(index, other) == {MEMBER: 8}, "the batch after indexed")
+        assert count(metrics.kv_event_subscriber_restarts, MEMBER) == 1
+        assert held(index) == {}  # what it held before the failure is unknown: dropped
+    finally:
+        await cancel_and_wait([receiving])
+        await listener.stop()
+
+
+async def test_a_stopped_listener_given_engines_again_listens_and_relays_again(
+    ctx: Any, tmp_path: Any
+) -> None:
+    relay = f"ipc://{tmp_path / 'relay'}"
+    engines = {MEMBER: Listened(MEMBER)}
+    index = KvIndex(max_blocks=10_000)
+    reader = EventListener("127.0.0.1", 0, index, Metrics(), context=ctx, listen=False, relay=relay)
+    listener = EventListener("127.0.0.1", 0, KvIndex(10_000), Metrics(), context=ctx, relay=relay)
+    await reader.set_engines(engines)
+    try:
+        await listener.set_engines(engines)
+        await listener.stop()
+        assert listener.bound == {}
+        await listener.set_engines(engines)
+        pub = Publisher(ctx, listener.bound[0], "kv@127.0.0.7@m")
+        try:
+            await until_indexed(pub, index, MEMBER)  # in the reader: relayed
+        finally:
+            pub.close()
+    finally:
+        await listener.stop()
+        await reader.stop()
+
+
+async def test_the_listener_binds_on_the_context_given_or_else_on_zmqs_shared_one(
+    ctx: Any,
+) -> None:
+    for given, expected in ((ctx, ctx), (None, zmq.asyncio.Context.instance())):
+        listener = EventListener("127.0.0.1", 0, KvIndex(10), Metrics(), context=given)
+        try:
+            await listener.set_engines({MEMBER: Listened(MEMBER)})
+            assert listener._sockets[0][0].context is expected
+        finally:
+            await listener.stop()

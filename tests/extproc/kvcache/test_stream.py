@@ -67,7 +67,7 @@ async def replay() -> AsyncIterator[ScriptedReplay]:
     scripted = ScriptedReplay(ctx)
     yield scripted
     await scripted.close()
-    ctx.term()
+    ctx.destroy(linger=0)  # a failed test's sockets too: term() would wait on them
 
 
 def make_stream(replay: ScriptedReplay, **limited: Any) -> tuple[EngineStream, KvIndex, Metrics]:
@@ -109,6 +109,25 @@ async def test_a_joiner_applies_what_the_replay_kept_from_its_oldest_batch_on(
     assert replay.asked == [0] and replay.delimiters == [b""]  # vLLM's request: (b"", start)
     assert held(index) == [0, 1, 2]
     assert outcomes(metrics) == {"filled": 1, "replayed": 2, "applied": 1}
+
+
+async def test_the_replay_goes_through_the_context_given(replay: ScriptedReplay) -> None:
+    # an in-process socket is reachable from its own context only
+    replay.router.bind("inproc://kv-replay")
+    replay.answer = [kept(3, A, b"kv"), kept(4, B, b"kv"), kept(5, C, b"kv"), END_OF_REPLAY]
+    index = KvIndex(max_blocks=1000)
+    limits = SubscriberLimits(replay_timeout_s=5.0)
+    stream = EngineStream(
+        "e",
+        index,
+        Metrics(),
+        replay_endpoint="inproc://kv-replay",
+        limits=limits,
+        context=replay.ctx,
+    )
+    stream.start()
+    await stream.on_message([b"kv", seq(5), C])
+    assert held(index) == [0, 1, 2]
 
 
 async def test_a_joiner_whose_replay_starts_at_the_batch_it_got_applies_that_batch_once(

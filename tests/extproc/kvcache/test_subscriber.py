@@ -43,7 +43,7 @@ TOKENS = list(range(1, 33))
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
     yield context
-    context.term()
+    context.destroy(linger=0)  # a failed test's sockets too: term() would wait on them
 
 
 @pytest_asyncio.fixture

@@ -160,6 +160,26 @@ async def test_long_jobs_leave_a_worker_to_the_short_ones(
         await asyncio.gather(*long_jobs, return_exceptions=True)
 
 
+async def test_long_jobs_take_all_workers_but_one_from_the_threshold_on(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    """Three workers: two long prompts run at once (the lane is all workers but one). Two
+    workers: a prompt of exactly `long_from_bytes` is long, so a second waits for the lane."""
+    doc, raw = completion(text(1_000_000))
+    for workers, long_from, taken in ((3, 256 << 10, 2), (2, len(raw), 1)):
+        off = pool(workers=workers, timeout_s=60, long_from_bytes=long_from)
+        off.warm()
+        jobs = [asyncio.create_task(off.ids(False, doc, raw)) for _ in range(2)]
+        await asyncio.sleep(0)  # both run to their first wait
+        try:
+            assert off._pending == 2  # the test looks inside: both requests are in ...
+            assert off._idle.qsize() == workers - taken  # ... and this many have a worker
+        finally:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+
 async def test_a_prompt_longer_than_the_context_gets_no_ids(
     pool: Callable[..., OffLoopTokenizer],
 ) -> None:
