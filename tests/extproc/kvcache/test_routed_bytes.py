@@ -41,6 +41,28 @@ def test_what_was_sent_counts_as_reached_only_once_landed_there() -> None:
     assert routed.landed(keys) == {A: 3 * BLOCK, B: 5 * BLOCK}
 
 
+def test_a_block_not_kept_counts_for_no_engine_sent_or_landed() -> None:
+    """The first engine's bits are the mask's lowest: a key not in the map must not read as
+    one of them, whether looked up or landed."""
+    routed = RoutedBytes()
+    keys = routed.keys(SHARED)  # five blocks
+    routed.remember([A], keys[:2])  # A takes the first slot
+    routed.land(A, keys)  # the three A was never sent are not made up
+    assert routed.held(keys) == routed.landed(keys) == {A: 2 * BLOCK}
+    gap = [keys[0], routed.keys(b"z" * BLOCK)[0], keys[1]]
+    assert routed.held(gap) == {A: BLOCK}  # the chain stops at the block not kept
+    assert len(routed) == 2
+
+
+def test_a_prompt_lands_only_on_the_engine_it_was_sent_to() -> None:
+    routed = RoutedBytes()
+    first, second = routed.keys(SHARED), routed.keys(b"y" * 5 * BLOCK)
+    routed.remember([A], first)
+    routed.remember([B], second)
+    routed.land(B, first)  # B has a slot, but was not sent these
+    assert routed.landed(first) == {}
+
+
 def test_an_engine_forgotten_takes_what_reached_it_along() -> None:
     routed = RoutedBytes()
     keys = routed.keys(SHARED)

@@ -452,6 +452,10 @@ def test_a_lookup_folds_a_servers_ranks_into_it_and_keeps_each() -> None:
     found = routing.lookup(prompt)
     assert found.by_endpoint == {P1: 8} and found.by_rank == {P1: {0: 4, 1: 8}}
     assert routing.cached_tokens(prompt) == {P1: 8}
+    silent = D1  # an engine not heard from, estimated: the ranks are kept beside it
+    routing.remember([silent], prompt + list(range(40)))
+    found = routing.lookup(prompt + list(range(40)))
+    assert found.by_rank == {P1: {0: 4, 1: 8}} and found.by_endpoint[silent] == 48
     routing.remember([P1], list(range(100, 140)))  # heard from (its ranks): nothing guessed
     assert routing.cached_tokens(list(range(100, 140))) == {P1: 0}
     routing.engine_restarted(P1)  # one process: every rank's entries go

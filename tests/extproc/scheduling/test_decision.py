@@ -146,6 +146,7 @@ def test_the_sidecars_processes_carry_on_from_the_latest_stall_bucket_told() -> 
         d = Load(in_flight=2, peer_stall_credit_ms=credit_ms, peer_stall_at=at)  # 11.6 ms a stall
         return decider.decide(BUCKET_30, 200, "d", d, Load()).reason
 
+    assert decider.bucket("d") == (0.0, 0.0)  # none yet: nothing to tell the others
     assert reason(5.0, at=1.0) == "stall_budget"  # new here: from the others' 5 ms
     now[0] = 2.0  # a second of refill: full again
     assert reason(5.0, at=1.0) == "faster_alone"  # theirs no later than its own: not taken
@@ -154,8 +155,15 @@ def test_the_sidecars_processes_carry_on_from_the_latest_stall_bucket_told() -> 
     assert reason(5.0, at=2.9) == "stall_budget"  # theirs is later: 5 ms + 0.1 s's 3 ms
     assert decider.bucket("d") == (pytest.approx(5.0 + 100 / 10.02 * 0.3), 3.0)
     assert reason(30.0, at=2.95) == "stall_budget"  # older than its own: not taken
+    assert reason(30.0, at=3.0) == "stall_budget"  # told at the same instant: its own kept
     # told after this one read its clock (another process, a moment later): no refill
     assert reason(20.0, at=3.5) == "faster_alone"
+
+
+def test_a_prompt_of_no_known_size_leaves_no_bucket_to_tell() -> None:
+    decider = Decider(Metrics())
+    assert not decider.decide(LOAD_AWARE, None, "d", Load(), Load()).decode_only
+    assert decider.bucket("d") == (0.0, 0.0)
 
 
 def test_the_default_budget_keeps_one_stall_under_a_tenth_of_a_short_answer() -> None:

@@ -203,11 +203,16 @@ def test_the_stall_one_process_spends_on_d_is_spent_for_the_others_too() -> None
     assert [pick(second), pick(first), pick(second)] == [DecodeAlone, DecodeAlone, WithPrefill]
     seen_by_second = second.decode.get(D1)
     assert seen_by_second is not None and seen_by_second.shared is not None
-    assert (
-        seen_by_second.shared.peers(Role.DECODE, D1).stall_credit_us == 6_800
-    )  # 30 - 2 x 11.6, as the first left it
+    told = seen_by_second.shared.peers(Role.DECODE, D1)
+    assert told.stall_credit_us == 6_800  # 30 - 2 x 11.6, as the first left it
+    seen_by_second.refresh_peers()
+    assert seen_by_second.peer_stall_at == first.decider.bucket(D1)[1]  # seconds, as told
     first.forget(D1)  # D1 left the first's pool: its slot in the table is free again
     assert seen_by_second.shared.peers(Role.DECODE, D1).stall_at_ns == 0
+    own = first.decode.get(D1)
+    assert own is not None and own.shared is not None
+    slot = own.shared._own[own.shared._key(Role.DECODE, D1)]
+    assert not any(own.shared._words[slot + 1 : slot + 8])  # nothing left in it
 
 
 def test_a_passthrough_gets_one_fallback_and_a_subsets_503_says_so() -> None:
