@@ -109,6 +109,16 @@ class Request:
         await self.send(aio.EOF)
         await asyncio.wait_for(self.task, WAIT_S)
 
+    async def p_fails_after_both_legs_left(self) -> list[ep.ProcessingResponse]:
+        """Start; once D's leg is out too, P's leg fails with 502; wait for the request to end.
+        What Envoy was sent."""
+        await self.start()
+        await self.envoy.until_sent(2)
+        self.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
+        sent = await self.envoy.until_sent(3)
+        await asyncio.wait_for(self.task, WAIT_S)
+        return sent
+
     def sample(self, name: str, **labels: str) -> float | None:
         return self.rt.metrics.registry.get_sample_value(name, labels)
 
@@ -448,12 +458,8 @@ async def test_p_restarted_under_a_parallel_request_is_a_retryable_503() -> None
 
 async def test_parallel_p_failure_after_d_answered_still_ends_the_request() -> None:
     r = Request(cached=True)
-    await r.start()
-    await r.envoy.until_sent(2)
-    r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
-    sent = await r.envoy.until_sent(3)
+    sent = await r.p_fails_after_both_legs_left()
     assert error(sent[2])[0] == 502
-    await asyncio.wait_for(r.task, WAIT_S)
     assert r.rt.identities.get(P) is None
 
 
@@ -1245,11 +1251,7 @@ async def test_a_model_the_decode_refuses_is_labelled_other(status: int) -> None
 async def test_a_served_model_is_its_own_label_and_errors_carry_labels_too() -> None:
     r = Request(cached=True)
     r.rt.model_labels.served("m")  # as the identity probe learns it from /v1/models
-    await r.start()
-    await r.envoy.until_sent(2)
-    r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
-    sent = await r.envoy.until_sent(3)
-    await asyncio.wait_for(r.task, WAIT_S)
+    sent = await r.p_fails_after_both_legs_left()
     assert error(sent[2])[0] == 502
     assert labels(sent[2]) == {"strategy": "parallel", "model": "m"}
     assert (
@@ -1426,12 +1428,8 @@ async def test_a_rank_that_fails_loses_its_identity_alone() -> None:
     rank_0 = identity_from_params(IDENTITY | {"remote_engine_id": "e0"})
     r.rt.identities.learn(P, rank_0, 0)
     r.rt.identities.learn(P, identity_from_params(IDENTITY), 1)  # parallel, with rank 1's
-    await r.start()
-    await r.envoy.until_sent(2)
-    r.prefill.fail(PrefillFailed(502, "prefill endpoint p answered 500"))
-    sent = await r.envoy.until_sent(3)
+    sent = await r.p_fails_after_both_legs_left()
     assert error(sent[2])[0] == 502
-    await asyncio.wait_for(r.task, WAIT_S)
     assert r.rt.identities.get(P, 1) is None and r.rt.identities.get(P, 0) == rank_0
 
 
