@@ -76,6 +76,9 @@ class EndpointView(Protocol):
     def peer_stall_credit_ms(self) -> float: ...
     @property
     def peer_stall_at(self) -> float: ...
+    # KV-cache routing: of `cached` leading tokens of a prompt starting with `prefix`, those
+    # not still being computed (or taken in) for one of our requests in flight there
+    def settled(self, prefix: bytes, cached: int) -> int: ...
 
 
 E = TypeVar("E", bound=EndpointView)

@@ -16,6 +16,11 @@ request's wait, once for the requests queued after it on that engine, which send
 the prompt must be computed again would delay by as much (and a second copy of the prefix
 takes cache room from others). So the engine holding the prompt wins until the work queued
 there exceeds twice what its cache saves; then the next request goes where it waits least.
+The first count is this request's own only for the tokens that are settled there
+(`EndpointView.settled`): a prefix the index already credits to an engine while it is still
+being computed for one of our requests in flight there saves the next request nothing (it
+waits for it as for its own), which had the second request of a new prompt in an opening
+burst queue a step behind the first instead of computing it on an idle engine.
 Ties go to the prompt's rendezvous order, so equal candidates still spread by prompt.
 
 The ranks of a data-parallel server are scored the same way, each as an engine of its own
@@ -84,10 +89,22 @@ class KvCachePicker:
         return max(
             candidates,
             key=lambda c: (
-                self._weight * min(cached.get(c.address, 0), request.prompt_tokens)
-                - work_ahead(c, self._request_tokens),
+                self._score(c, request, min(cached.get(c.address, 0), request.prompt_tokens)),
                 -rank[id(c)],
             ),
+        )
+
+    def _score(self, candidate: EndpointView, request: PickRequest, cached: int) -> float:
+        """What the candidate's cache saves, less the work ahead there. A cached token counts
+        once for the requests after this one, and once for this request's own wait only if
+        it is settled: one that a request in flight there is still computing saves this one
+        nothing (it waits for it as for its own)."""
+        settled = candidate.settled(request.prefix, cached) if cached else 0
+        own = min(self._weight, 1.0)
+        return (
+            own * settled
+            + (self._weight - own) * cached
+            - work_ahead(candidate, self._request_tokens)
         )
 
     def pick_rank(

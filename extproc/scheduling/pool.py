@@ -11,6 +11,7 @@ table they share and theirs are read before each pick (`extproc.scheduling.share
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,6 +55,17 @@ class EndpointState:
     peer_stall_at: float = 0.0
     role: Role | None = None  # its pool's, which keys it in the shared table
     shared: SharedLoad | None = field(default=None, repr=False)  # None: one process alone
+    # KV-cache routing: per prompt start (`PickRequest.prefix`), how many leading tokens each
+    # of our requests in flight here found held at its pick (its count of each)
+    held_at_pick: dict[bytes, Counter[int]] = field(default_factory=dict, repr=False)
+
+    def settled(self, prefix: bytes, cached: int) -> int:
+        """Of `cached` leading tokens of a prompt starting with `prefix`, those held here before
+        any of our requests in flight here with the same start came: the rest may still be
+        being computed (or taken in) for one of them, and a request sent here now waits for
+        them as for its own."""
+        found = self.held_at_pick.get(prefix)
+        return min(cached, *found) if found else cached
 
     def publish(self) -> None:
         """This process's counts here, for the others (a change of any of them)."""
@@ -207,14 +219,20 @@ class Pool:
 
     @contextmanager
     def track(
-        self, state: EndpointState, tokens: int = 0, rank: int | None = None
+        self,
+        state: EndpointState,
+        tokens: int = 0,
+        rank: int | None = None,
+        start: tuple[bytes, int] | None = None,
     ) -> Iterator[Counted]:
         """Count one request in flight at `state` until the block ends (or its `release`),
         with `tokens` of work there (`pending_tokens`; they move with it). `rank`: the
-        data-parallel rank chosen for it (by its cached prefix), else the least loaded."""
+        data-parallel rank chosen for it (by its cached prefix), else the least loaded.
+        `start`: its prompt's start and the leading tokens `state` held of it (KV-cache
+        routing; `EndpointState.settled`)."""
         if rank is None or rank >= self.ranks_of(state.address):
             rank = self._rank_for(state)
-        counted = Counted(self, state, rank, tokens)
+        counted = Counted(self, state, rank, tokens, start)
         self._count(counted, +1)
         try:
             yield counted
@@ -241,6 +259,7 @@ class Pool:
                 and counted.rank < self.ranks_of(state.address)
             )
             counted.rank = counted.rank if kept else self._rank_for(state)
+            counted.start = None  # what it found held was another endpoint's
         counted.state, counted.counting = state, True
         self._count(counted, +1)
 
@@ -259,6 +278,8 @@ class Pool:
         state = counted.state
         state.in_flight += change
         state.pending_tokens += change * counted.tokens
+        if counted.start is not None:
+            _note_held(state.held_at_pick, *counted.start, change)
         state.publish()
         if counted.rank is not None:
             state.rank_in_flight[counted.rank] = state.rank_in_flight.get(counted.rank, 0) + change
@@ -269,12 +290,19 @@ class Counted:
     ends or, earlier, until `release` (a P leg is counted only while it runs)."""
 
     def __init__(
-        self, pool: Pool, state: EndpointState, rank: int | None = None, tokens: int = 0
+        self,
+        pool: Pool,
+        state: EndpointState,
+        rank: int | None = None,
+        tokens: int = 0,
+        start: tuple[bytes, int] | None = None,
     ) -> None:
         self.pool = pool
         self.state = state
         self.rank = rank  # the data-parallel rank it goes to (None: the endpoint has none)
         self.tokens = tokens  # its pending_tokens wherever it is counted
+        # KV-cache routing: its prompt's start and the leading tokens held at the pick
+        self.start = start
         self.counting = True  # counted at `state` now
         self.open = True  # its `track` has not ended: it may be counted again
 
@@ -283,3 +311,14 @@ class Counted:
 
     def release(self) -> None:
         self.pool.release(self)
+
+
+def _note_held(
+    held_at_pick: dict[bytes, Counter[int]], prefix: bytes, held: int, change: int
+) -> None:
+    counts = held_at_pick.setdefault(prefix, Counter())
+    counts[held] += change
+    if counts[held] <= 0:
+        del counts[held]
+        if not counts:
+            del held_at_pick[prefix]

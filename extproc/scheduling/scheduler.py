@@ -240,7 +240,12 @@ class Scheduler:
                 self._admit(wanted, group, Role.PREFILL, config)
             rank = self._cached_rank(wanted, group.pickers[Role.PREFILL], Role.PREFILL, prefill)
             prefill_counted = inflight.enter_context(
-                self.prefill.track(prefill, _uncached(wanted, prefill.address, rank), rank)
+                self.prefill.track(
+                    prefill,
+                    _uncached(wanted, prefill.address, rank),
+                    rank,
+                    _start(wanted, prefill.address),
+                )
             )
             fallback = prefills[1].address if len(prefills) > 1 else None
             self._count_cached(wanted, Role.PREFILL, prefill.address)
@@ -306,7 +311,9 @@ class Scheduler:
         first = decodes[0]
         rank = self._cached_rank(wanted, group.pickers[Role.DECODE], Role.DECODE, first)
         counted = inflight.enter_context(
-            self.decode.track(first, _uncached(wanted, first.address, rank), rank)
+            self.decode.track(
+                first, _uncached(wanted, first.address, rank), rank, _start(wanted, first.address)
+            )
         )
         rank = counted.rank
         # Envoy's fallback gets the same rank header: only a server that has that rank
@@ -353,3 +360,11 @@ def _uncached(wanted: PickRequest, address: str, rank: int | None = None) -> int
     if rank is not None:
         held = (wanted.rank_cached or {}).get(address, {}).get(rank, 0)
     return max(0, wanted.prompt_tokens - held)
+
+
+def _start(wanted: PickRequest, address: str) -> tuple[bytes, int] | None:
+    """The prompt's start and the leading tokens `address` held of it at the pick (only
+    requests KV-cache routing looked up)."""
+    if wanted.cached is None:
+        return None
+    return wanted.prefix, wanted.cached.get(address, 0)

@@ -298,3 +298,29 @@ decode: {policy: kv_cache, endpoints: [127.0.0.1:8200]}
     assert max(p for p, d in steps if d > 0) <= 256, sorted(p for p, d in steps if d)[-3:]
     assert sent["decode_only_share"] > 0.05
     assert sent["tpot_ms"]["p99"] <= 1.05 * blind["tpot_ms"]["p99"]  # 1.12 x before
+
+
+def test_an_opening_burst_does_not_wait_at_a_p_still_computing_its_prefix(
+    tmp_path: Path,
+) -> None:
+    """16P16D, shared-prefix, one client per P: the opening burst brings each of the 8 system
+    prompts twice at once. The index credited the P (and D) computing a prompt for the first
+    with holding it, and the second queued there behind it: a step later than computing it
+    alone on an idle engine (TTFT p99 1.14 x round robin's with events, 1.15 x without). A
+    prefix still being computed for a request in flight there now saves the next one nothing
+    of its own wait, so it goes where it is served soonest: within 1.03 x, the median kept."""
+    burst = generate("shared-prefix", seed=1, concurrency=16, count=256)
+    settings = Settings(parse_topology("16P16D"), PROFILES["gpu-8b"], seed=1)
+    approximate = """
+dispatch: {mode: push}
+decision: {mode: load_aware}
+prefill: {policy: kv_cache, endpoints: [127.0.0.1:8100]}
+decode: {policy: kv_cache, endpoints: [127.0.0.1:8200]}
+"""
+    blind = run_config(
+        config_file(tmp_path, "rr", "dispatch: {mode: push}\n" + ROUND_ROBIN), burst, settings
+    )
+    for name, text in (("events", "dispatch: {mode: push}\n" + LOAD_AWARE), ("sent", approximate)):
+        routed = run_config(config_file(tmp_path, name, text), burst, settings)
+        assert routed["ttft_ms"]["p99"] <= 1.03 * blind["ttft_ms"]["p99"], name
+        assert routed["ttft_ms"]["p50"] < 0.75 * blind["ttft_ms"]["p50"], name

@@ -7,11 +7,26 @@ import pytest
 
 from extproc.policies import KvCacheOptions, KvCachePicker, PickRequest
 from extproc.policies.base import hrw_order
-from extproc.scheduling.pool import EndpointState
+from extproc.roles import Role
+from extproc.scheduling.pool import EndpointState, Pool
 
 HOLDER, OTHER = "10.0.0.1:8000", "10.0.0.2:8000"
 PROMPT = 1000
 HELD = PickRequest(prefix=b"x", prompt_tokens=PROMPT, cached={HOLDER: PROMPT})
+
+
+def test_a_prefix_still_being_computed_at_the_holder_counts_only_for_those_after() -> None:
+    """Two requests of one new system prompt at once (the opening burst): the first's P is
+    computing it, and the index already says that P holds it. The second waits there as long
+    as computing it again on an idle P (1000 pending + 64), so the prefix saves it nothing
+    and counts only once, for the requests after (1000 < 1064): the idle P. Computed (the
+    first's leg ended, or it found the prefix held), it counts twice (2000 > 1064)."""
+    pool = Pool(Role.PREFILL, [HOLDER, OTHER], KvCachePicker())
+    holder, other = pool
+    with pool.track(holder, PROMPT, start=(b"x", 0)):
+        assert KvCachePicker().pick([holder, other], HELD) is other
+    with pool.track(holder, PROMPT, start=(b"x", PROMPT)):
+        assert KvCachePicker().pick([holder, other], HELD) is holder
 
 
 def test_other_routers_queue_at_the_holder_outweighs_its_cache() -> None:

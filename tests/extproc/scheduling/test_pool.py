@@ -261,6 +261,25 @@ def test_a_counts_pending_tokens_end_and_move_with_it() -> None:
     assert (a.pending_tokens, b.pending_tokens) == (0, 0)
 
 
+def test_what_a_request_in_flight_found_held_at_its_pick_bounds_what_counts_as_settled() -> None:
+    """A prompt start's leading tokens count as settled at an endpoint up to the least any of
+    our requests in flight there with that start found held at its pick (the rest may still
+    be being computed for it); the bound ends with the request, and does not follow it to
+    another endpoint, where it found nothing."""
+    pool = Pool(Role.PREFILL, [A, B], Last())
+    a, b = pool
+    assert a.settled(b"sys", 1024) == 1024  # nothing in flight: what the index says
+    with pool.track(a, 1089, start=(b"sys", 0)) as first:
+        with pool.track(a, 65, start=(b"sys", 1024)):
+            assert a.settled(b"sys", 1024) == 0  # the first is computing it
+            assert a.settled(b"other", 1024) == 1024  # another start is not bounded
+            first.release()  # its P leg answered: the prompt is there
+            assert a.settled(b"sys", 1024) == 1024
+            first.move_to(B)  # counted again elsewhere: not with what it found at A
+            assert b.settled(b"sys", 1024) == 1024
+        assert a.held_at_pick == {} and b.held_at_pick == {}
+
+
 def _sharing_pools(rows: int = 2) -> list[Pool]:
     """`rows` processes' prefill pools over one shared table (as `up`'s workers are)."""
     table = bytearray(table_bytes(rows))
