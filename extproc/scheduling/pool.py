@@ -20,7 +20,16 @@ from extproc.policies.base import Picker, PickRequest
 from extproc.roles import Role
 from extproc.scheduling.shared_load import SharedLoad
 
-__all__ = ["Counted", "EndpointState", "Pool"]
+__all__ = ["Counted", "EndpointState", "Pool", "Start"]
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """A KV-routed request's prompt as an endpoint held it at the pick."""
+
+    prefix: bytes  # the prompt's start (`PickRequest.prefix`)
+    held: int  # its leading tokens the endpoint held
+    tokens: int  # its tokens
 
 
 @dataclass(eq=False)
@@ -55,17 +64,18 @@ class EndpointState:
     peer_stall_at: float = 0.0
     role: Role | None = None  # its pool's, which keys it in the shared table
     shared: SharedLoad | None = field(default=None, repr=False)  # None: one process alone
-    # KV-cache routing: per prompt start (`PickRequest.prefix`), how many leading tokens each
-    # of our requests in flight here found held at its pick (its count of each)
-    held_at_pick: dict[bytes, Counter[int]] = field(default_factory=dict, repr=False)
+    # KV-cache routing: per prompt start (`PickRequest.prefix`), our requests in flight here
+    # as (leading tokens found held at the pick, prompt tokens): how many of each
+    held_at_pick: dict[bytes, Counter[tuple[int, int]]] = field(default_factory=dict, repr=False)
 
     def settled(self, prefix: bytes, cached: int) -> int:
-        """Of `cached` leading tokens of a prompt starting with `prefix`, those held here before
-        any of our requests in flight here with the same start came: the rest may still be
-        being computed (or taken in) for one of them, and a request sent here now waits for
-        them as for its own."""
-        found = self.held_at_pick.get(prefix)
-        return min(cached, *found) if found else cached
+        """Of `cached` leading tokens of a prompt starting with `prefix`, those not still being
+        computed (or taken in) here for one of our requests in flight: one that found fewer
+        held at its pick and whose prompt reaches as far is computing the rest (the index
+        credits blocks as soon as the engine schedules them), and a request sent here now
+        waits for them as for its own. One whose prompt ends sooner went its own way."""
+        found = self.held_at_pick.get(prefix, ())
+        return min([cached, *(held for held, tokens in found if held < cached <= tokens)])
 
     def publish(self) -> None:
         """This process's counts here, for the others (a change of any of them)."""
@@ -223,13 +233,13 @@ class Pool:
         state: EndpointState,
         tokens: int = 0,
         rank: int | None = None,
-        start: tuple[bytes, int] | None = None,
+        start: Start | None = None,
     ) -> Iterator[Counted]:
         """Count one request in flight at `state` until the block ends (or its `release`),
         with `tokens` of work there (`pending_tokens`; they move with it). `rank`: the
         data-parallel rank chosen for it (by its cached prefix), else the least loaded.
-        `start`: its prompt's start and the leading tokens `state` held of it (KV-cache
-        routing; `EndpointState.settled`)."""
+        `start`: what `state` held of its prompt at the pick (KV-cache routing;
+        `EndpointState.settled`)."""
         if rank is None or rank >= self.ranks_of(state.address):
             rank = self._rank_for(state)
         counted = Counted(self, state, rank, tokens, start)
@@ -279,7 +289,7 @@ class Pool:
         state.in_flight += change
         state.pending_tokens += change * counted.tokens
         if counted.start is not None:
-            _note_held(state.held_at_pick, *counted.start, change)
+            _note_held(state.held_at_pick, counted.start, change)
         state.publish()
         if counted.rank is not None:
             state.rank_in_flight[counted.rank] = state.rank_in_flight.get(counted.rank, 0) + change
@@ -295,14 +305,13 @@ class Counted:
         state: EndpointState,
         rank: int | None = None,
         tokens: int = 0,
-        start: tuple[bytes, int] | None = None,
+        start: Start | None = None,
     ) -> None:
         self.pool = pool
         self.state = state
         self.rank = rank  # the data-parallel rank it goes to (None: the endpoint has none)
         self.tokens = tokens  # its pending_tokens wherever it is counted
-        # KV-cache routing: its prompt's start and the leading tokens held at the pick
-        self.start = start
+        self.start = start  # KV-cache routing: what it found held there at its pick
         self.counting = True  # counted at `state` now
         self.open = True  # its `track` has not ended: it may be counted again
 
@@ -314,11 +323,12 @@ class Counted:
 
 
 def _note_held(
-    held_at_pick: dict[bytes, Counter[int]], prefix: bytes, held: int, change: int
+    held_at_pick: dict[bytes, Counter[tuple[int, int]]], start: Start, change: int
 ) -> None:
-    counts = held_at_pick.setdefault(prefix, Counter())
-    counts[held] += change
-    if counts[held] <= 0:
-        del counts[held]
+    counts = held_at_pick.setdefault(start.prefix, Counter())
+    key = (start.held, start.tokens)
+    counts[key] += change
+    if counts[key] <= 0:
+        del counts[key]
         if not counts:
-            del held_at_pick[prefix]
+            del held_at_pick[start.prefix]

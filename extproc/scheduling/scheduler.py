@@ -24,7 +24,7 @@ from extproc.policies import KvCachePicker, Picker, PickRequest, build_picker
 from extproc.roles import Role
 from extproc.scheduling.admission import check_admission, role_saturation
 from extproc.scheduling.decision import Decider
-from extproc.scheduling.pool import Counted, EndpointState, Pool
+from extproc.scheduling.pool import Counted, EndpointState, Pool, Start
 
 if TYPE_CHECKING:
     from extproc.kvcache.routing import KvRouting  # carried for the planner, never called here
@@ -362,9 +362,9 @@ def _uncached(wanted: PickRequest, address: str, rank: int | None = None) -> int
     return max(0, wanted.prompt_tokens - held)
 
 
-def _start(wanted: PickRequest, address: str) -> tuple[bytes, int] | None:
-    """The prompt's start and the leading tokens `address` held of it at the pick (only
-    requests KV-cache routing looked up)."""
+def _start(wanted: PickRequest, address: str) -> Start | None:
+    """What `address` held of the prompt at the pick (only requests KV-cache routing looked
+    up)."""
     if wanted.cached is None:
         return None
-    return wanted.prefix, wanted.cached.get(address, 0)
+    return Start(wanted.prefix, wanted.cached.get(address, 0), wanted.prompt_tokens)

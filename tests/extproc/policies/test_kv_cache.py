@@ -8,7 +8,7 @@ import pytest
 from extproc.policies import KvCacheOptions, KvCachePicker, PickRequest
 from extproc.policies.base import hrw_order
 from extproc.roles import Role
-from extproc.scheduling.pool import EndpointState, Pool
+from extproc.scheduling.pool import EndpointState, Pool, Start
 
 HOLDER, OTHER = "10.0.0.1:8000", "10.0.0.2:8000"
 PROMPT = 1000
@@ -23,9 +23,9 @@ def test_a_prefix_still_being_computed_at_the_holder_counts_only_for_those_after
     first's leg ended, or it found the prefix held), it counts twice (2000 > 1064)."""
     pool = Pool(Role.PREFILL, [HOLDER, OTHER], KvCachePicker())
     holder, other = pool
-    with pool.track(holder, PROMPT, start=(b"x", 0)):
+    with pool.track(holder, PROMPT, start=Start(b"x", 0, PROMPT)):
         assert KvCachePicker().pick([holder, other], HELD) is other
-    with pool.track(holder, PROMPT, start=(b"x", PROMPT)):
+    with pool.track(holder, PROMPT, start=Start(b"x", PROMPT, PROMPT)):
         assert KvCachePicker().pick([holder, other], HELD) is holder
 
 

@@ -11,7 +11,7 @@ import pytest
 from extproc.config import parse_config
 from extproc.policies import KvCachePicker, PickRequest, RoundRobinPicker
 from extproc.roles import Role
-from extproc.scheduling.pool import EndpointState, Pool
+from extproc.scheduling.pool import EndpointState, Pool, Start
 from extproc.scheduling.shared_load import SharedLoad, table_bytes
 from extproc.wiring import Runtime
 
@@ -261,17 +261,18 @@ def test_a_counts_pending_tokens_end_and_move_with_it() -> None:
     assert (a.pending_tokens, b.pending_tokens) == (0, 0)
 
 
-def test_what_a_request_in_flight_found_held_at_its_pick_bounds_what_counts_as_settled() -> None:
-    """A prompt start's leading tokens count as settled at an endpoint up to the least any of
-    our requests in flight there with that start found held at its pick (the rest may still
-    be being computed for it); the bound ends with the request, and does not follow it to
-    another endpoint, where it found nothing."""
+def test_what_a_request_in_flight_is_computing_is_not_settled_there() -> None:
+    """A prompt start's leading tokens count as settled at an endpoint up to what a request of
+    ours in flight there with that start found held at its pick, where its prompt reaches
+    as far (it is computing the rest); the bound ends with the request, and does not follow
+    it to another endpoint, where it found nothing."""
     pool = Pool(Role.PREFILL, [A, B], Last())
     a, b = pool
     assert a.settled(b"sys", 1024) == 1024  # nothing in flight: what the index says
-    with pool.track(a, 1089, start=(b"sys", 0)) as first:
-        with pool.track(a, 65, start=(b"sys", 1024)):
+    with pool.track(a, 1089, start=Start(b"sys", 0, 1089)) as first:
+        with pool.track(a, 65, start=Start(b"sys", 1024, 1089)):
             assert a.settled(b"sys", 1024) == 0  # the first is computing it
+            assert a.settled(b"sys", 2048) == 2048  # past its prompt: not its tokens
             assert a.settled(b"other", 1024) == 1024  # another start is not bounded
             first.release()  # its P leg answered: the prompt is there
             assert a.settled(b"sys", 1024) == 1024
