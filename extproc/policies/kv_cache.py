@@ -99,10 +99,9 @@ class KvCachePicker:
         once for the requests after this one, and once for this request's own wait only if
         it is settled: one that a request in flight there is still computing saves this one
         nothing (it waits for it as for its own)."""
-        settled = candidate.settled(request.prefix, cached) if cached else 0
         own = min(self._weight, 1.0)
         return (
-            own * settled
+            own * candidate.settled(request.prefix, cached)
             + (self._weight - own) * cached
             - work_ahead(candidate, self._request_tokens)
         )

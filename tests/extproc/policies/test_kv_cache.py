@@ -27,6 +27,11 @@ def test_a_prefix_still_being_computed_at_the_holder_counts_only_for_those_after
         assert KvCachePicker().pick([holder, other], HELD) is other
     with pool.track(holder, PROMPT, start=Start(b"x", PROMPT, PROMPT)):
         assert KvCachePicker().pick([holder, other], HELD) is holder
+    # a weight of 3: still once for this request's wait, twice for those after (3000 ahead
+    # of 1064 while the first computes it, 2000 counting twice for this one)
+    heavier = KvCachePicker(KvCacheOptions(kv_cached_token_weight=3.0))
+    with pool.track(holder, PROMPT, start=Start(b"x", 0, PROMPT)):
+        assert heavier.pick([holder, other], HELD) is holder
 
 
 def test_other_routers_queue_at_the_holder_outweighs_its_cache() -> None:

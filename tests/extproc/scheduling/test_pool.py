@@ -279,6 +279,10 @@ def test_what_a_request_in_flight_is_computing_is_not_settled_there() -> None:
             first.move_to(B)  # counted again elsewhere: not with what it found at A
             assert b.settled(b"sys", 1024) == 1024
         assert a.held_at_pick == {} and b.held_at_pick == {}
+    with pool.track(a, 1089, start=Start(b"sys", 0, 1089)):  # two alike: one ending leaves
+        with pool.track(a, 1089, start=Start(b"sys", 0, 1089)):  # the other's bound
+            pass
+        assert a.settled(b"sys", 1024) == 0
 
 
 def _sharing_pools(rows: int = 2) -> list[Pool]:

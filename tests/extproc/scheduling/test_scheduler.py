@@ -426,3 +426,33 @@ def test_a_pools_policy_options_reach_its_picker() -> None:
         d1.in_flight = 1
         with ExitStack() as inflight:
             assert s.pick(request, inflight, cfg).decodes[0] == chosen
+
+
+def test_a_second_request_does_not_queue_behind_the_first_computing_their_prefix() -> None:
+    """Two requests of one new 1000-token prompt at once: the index credits the first's P and
+    D with it as soon as they schedule it, but they are still computing (or taking in) it
+    for the first, so the second would wait there as long as computing it anew: the other,
+    idle, P and D. Once the first's legs ended there, the prompt is settled and draws the
+    next one."""
+    kv = {"policy": "kv_cache"}
+    cfg = config(prefill={"endpoints": [P1, P2], **kv}, decode={"endpoints": [D1, D2], **kv})
+    s = scheduler(cfg)
+    with ExitStack() as first_legs:
+        first = s.pick(
+            PickRequest("m", prefix=b"sys", prompt_tokens=1000, cached={}), first_legs, cfg
+        )
+        assert isinstance(first, WithPrefill)
+        p, d = first.prefill, first.decodes[0]
+        held = {p: 1000, d: 1000}
+        with ExitStack() as inflight:
+            second = s.pick(
+                PickRequest("m", prefix=b"sys", prompt_tokens=1000, cached=held), inflight, cfg
+            )
+            assert isinstance(second, WithPrefill)
+            assert second.prefill != p and second.decodes[0] != d
+    with ExitStack() as inflight:
+        third = s.pick(
+            PickRequest("m", prefix=b"sys", prompt_tokens=1000, cached=held), inflight, cfg
+        )
+        assert isinstance(third, WithPrefill)
+        assert (third.prefill, third.decodes[0]) == (p, d)
