@@ -16,11 +16,12 @@ request's wait, once for the requests queued after it on that engine, which send
 the prompt must be computed again would delay by as much (and a second copy of the prefix
 takes cache room from others). So the engine holding the prompt wins until the work queued
 there exceeds twice what its cache saves; then the next request goes where it waits least.
-The first count is this request's own only for the tokens that are settled there
+On a light load (an engine idle, at most one of our requests in flight at the candidate) the
+first count is this request's own only for the tokens that are settled there
 (`EndpointView.settled`): a prefix the index already credits to an engine while it is still
-being computed for one of our requests in flight there saves the next request nothing (it
-waits for it as for its own), which had the second request of a new prompt in an opening
-burst queue a step behind the first instead of computing it on an idle engine.
+being computed for our request in flight there saves the next one nothing an idle engine
+would not give it sooner; counted, it had the second request of a new prompt in an opening
+burst queue a step behind the first. Under load a second copy delays those queued after it.
 Ties go to the prompt's rendezvous order, so equal candidates still spread by prompt.
 
 The ranks of a data-parallel server are scored the same way, each as an engine of its own
@@ -42,7 +43,7 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from extproc.policies.base import E, EndpointView, PickRequest, hrw_order
+from extproc.policies.base import E, EndpointView, PickRequest, hrw_order, in_flight
 from extproc.policies.prefix import PrefixPicker
 
 __all__ = ["KvCacheOptions", "KvCachePicker", "work_ahead"]
@@ -86,23 +87,33 @@ class KvCachePicker:
         # conversations, whose queue was the TTFT tail (docs/lab.md, "The multi-turn tail").
         order = hrw_order(request.prefix, candidates)
         rank = {id(c): i for i, c in enumerate(order)}
+        anyone_idle = any(work_ahead(c, self._request_tokens) == 0 for c in candidates)
         return max(
             candidates,
             key=lambda c: (
-                self._score(c, request, min(cached.get(c.address, 0), request.prompt_tokens)),
+                self._score(
+                    c, request, min(cached.get(c.address, 0), request.prompt_tokens), anyone_idle
+                ),
                 -rank[id(c)],
             ),
         )
 
-    def _score(self, candidate: EndpointView, request: PickRequest, cached: int) -> float:
+    def _score(
+        self, candidate: EndpointView, request: PickRequest, cached: int, anyone_idle: bool
+    ) -> float:
         """What the candidate's cache saves, less the work ahead there. A cached token counts
-        once for the requests after this one, and once for this request's own wait only if
-        it is settled: one that a request in flight there is still computing saves this one
-        nothing (it waits for it as for its own)."""
-        own = min(self._weight, 1.0)
+        once for the requests after this one and once for this request's own wait, but on a
+        light load (an engine idle, and at most the one request computing it in flight here)
+        only the settled tokens count for this request: one still being computed saves it
+        nothing an idle engine would not give it sooner, and no one queues behind a second
+        copy there."""
+        own = cached
+        if anyone_idle and in_flight(candidate) <= 1:
+            own = candidate.settled(request.prefix, cached)
+        weight_own = min(self._weight, 1.0)
         return (
-            own * candidate.settled(request.prefix, cached)
-            + (self._weight - own) * cached
+            weight_own * own
+            + (self._weight - weight_own) * cached
             - work_ahead(candidate, self._request_tokens)
         )
 

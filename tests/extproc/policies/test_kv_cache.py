@@ -27,6 +27,17 @@ def test_a_prefix_still_being_computed_at_the_holder_counts_only_for_those_after
         assert KvCachePicker().pick([holder, other], HELD) is other
     with pool.track(holder, PROMPT, start=Start(b"x", PROMPT, PROMPT)):
         assert KvCachePicker().pick([holder, other], HELD) is holder
+    # Under load it counts twice, as the first will have computed it by the time this one's
+    # turn comes there: no engine idle (the other has 100 tokens of its own: 2000 - 1564
+    # against -164; once, 1000 - 1564 would lose), or two requests in flight at the holder.
+    computing = Start(b"x", 0, PROMPT)
+    with pool.track(holder, 1500, start=Start(b"x", 0, 1500)), pool.track(other, 100):
+        assert KvCachePicker().pick([holder, other], HELD) is holder
+    with (
+        pool.track(holder, PROMPT, start=computing),
+        pool.track(holder, 0, start=Start(b"x", PROMPT, PROMPT)),
+    ):
+        assert KvCachePicker().pick([holder, other], HELD) is holder
     # a weight of 3: still once for this request's wait, twice for those after (3000 ahead
     # of 1064 while the first computes it, 2000 counting twice for this one)
     heavier = KvCachePicker(KvCacheOptions(kv_cached_token_weight=3.0))

@@ -432,8 +432,8 @@ def test_a_second_request_does_not_queue_behind_the_first_computing_their_prefix
     """Two requests of one new 1000-token prompt at once: the index credits the first's P and
     D with it as soon as they schedule it, but they are still computing (or taking in) it
     for the first, so the second would wait there as long as computing it anew: the other,
-    idle, P and D. Once the first's legs ended there, the prompt is settled and draws the
-    next ones."""
+    idle, P and D (a light load: an engine idle, one request in flight there). Once the
+    first's legs ended there, the prompt is settled and draws the next ones."""
     kv = {"policy": "kv_cache"}
     cfg = config(prefill={"endpoints": [P1, P2], **kv}, decode={"endpoints": [D1, D2], **kv})
     s = scheduler(cfg)
@@ -450,11 +450,11 @@ def test_a_second_request_does_not_queue_behind_the_first_computing_their_prefix
             )
             assert isinstance(second, WithPrefill)
             assert second.prefill != p and second.decodes[0] != d
-    held_request = PickRequest("m", prefix=b"sys", prompt_tokens=1000, cached=held)
-    # Ones that found it held leave it settled: 2 x 1000 cached tokens outweigh the 64 per
-    # request of 20 in flight there (counted once, 1000 would not from the 16th on).
+    # Settled, it is worth 2 x 1000 tokens, against the 1500 the first of two longer prompts
+    # brings (and 64): the second follows it; counted once it would not (1000 < 1564).
+    longer = PickRequest("m", prefix=b"sys", prompt_tokens=2500, cached=held)
     with ExitStack() as inflight:
-        for _ in range(20):
-            again = s.pick(held_request, inflight, cfg)
+        for _ in range(2):
+            again = s.pick(longer, inflight, cfg)
             assert isinstance(again, WithPrefill)
             assert (again.prefill, again.decodes[0]) == (p, d)
