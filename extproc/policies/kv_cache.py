@@ -87,21 +87,31 @@ class KvCachePicker:
         # conversations, whose queue was the TTFT tail (docs/lab.md, "The multi-turn tail").
         order = hrw_order(request.prefix, candidates)
         rank = {id(c): i for i, c in enumerate(order)}
-        anyone_idle = any(work_ahead(c, self._request_tokens) == 0 for c in candidates)
+        ahead = {id(c): work_ahead(c, self._request_tokens) for c in candidates}
+        anyone_idle = 0 in ahead.values()
         return max(
             candidates,
             key=lambda c: (
                 self._score(
-                    c, request, min(cached.get(c.address, 0), request.prompt_tokens), anyone_idle
+                    c,
+                    request,
+                    min(cached.get(c.address, 0), request.prompt_tokens),
+                    ahead[id(c)],
+                    anyone_idle,
                 ),
                 -rank[id(c)],
             ),
         )
 
     def _score(
-        self, candidate: EndpointView, request: PickRequest, cached: int, anyone_idle: bool
+        self,
+        candidate: EndpointView,
+        request: PickRequest,
+        cached: int,
+        ahead: float,
+        anyone_idle: bool,
     ) -> float:
-        """What the candidate's cache saves, less the work ahead there. A cached token counts
+        """What the candidate's cache saves, less the work `ahead` there. A cached token counts
         once for the requests after this one and once for this request's own wait, but on a
         light load (an engine idle, and at most the one request computing it in flight here)
         only the settled tokens count for this request: one still being computed saves it
@@ -111,11 +121,7 @@ class KvCachePicker:
         if anyone_idle and in_flight(candidate) <= 1:
             own = candidate.settled(request.prefix, cached)
         weight_own = min(self._weight, 1.0)
-        return (
-            weight_own * own
-            + (self._weight - weight_own) * cached
-            - work_ahead(candidate, self._request_tokens)
-        )
+        return weight_own * own + (self._weight - weight_own) * cached - ahead
 
     def pick_rank(
         self, loads: Sequence[float], cached: Mapping[int, int], prompt_tokens: int

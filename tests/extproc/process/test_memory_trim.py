@@ -10,10 +10,15 @@ from extproc.request.body_budget import BodyBudget
 LIMIT = 1 << 30
 
 
-async def test_the_trim_runs_once_the_last_big_body_is_gone() -> None:
+def recorded_trim() -> tuple[BodyBudget, MemoryTrim, list[int]]:
+    """A budget, its trim, and the bytes in use at each trim."""
     budget = BodyBudget(big_bytes=100)
     trims: list[int] = []
-    trim = MemoryTrim(budget, quiet_s=0, trim=lambda: trims.append(budget.in_use))
+    return budget, MemoryTrim(budget, quiet_s=0, trim=lambda: trims.append(budget.in_use)), trims
+
+
+async def test_the_trim_runs_once_the_last_big_body_is_gone() -> None:
+    budget, trim, trims = recorded_trim()
     big, small = budget.reservation(), budget.reservation()
     big.take(100, LIMIT)
     small.take(10, LIMIT)
@@ -24,9 +29,7 @@ async def test_the_trim_runs_once_the_last_big_body_is_gone() -> None:
 
 
 async def test_a_big_body_come_meanwhile_defers_the_trim() -> None:
-    budget = BodyBudget(big_bytes=100)
-    trims: list[int] = []
-    trim = MemoryTrim(budget, quiet_s=0, trim=lambda: trims.append(budget.in_use))
+    budget, trim, trims = recorded_trim()
     first, second = budget.reservation(), budget.reservation()
     first.take(100, LIMIT)
     first.release()
