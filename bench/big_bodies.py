@@ -6,7 +6,7 @@ One instant vllmsim 1P1D (push); four clients send 2 KB completions in a closed 
 `--cprofile PATH` runs the ext_proc under cProfile (its main thread: the event loop) and
 prints the functions with the most own time.
 
-    python bench/big_bodies.py [--tokenizer] [--rounds 3] [--cprofile /tmp/extproc.prof]
+    python bench/big_bodies.py [--tokenizer] [--rounds 3] [--quiet-s 2] [--cprofile /tmp/p.prof]
 """
 
 from __future__ import annotations
@@ -103,6 +103,11 @@ def cpu_s(pid: int, system_only: bool = False) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def page_faults(pid: int) -> int:
+    """The process's minor page faults so far: a fresh page of the heap costs one each."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
 def rss_mib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -172,6 +177,9 @@ async def main(args: argparse.Namespace) -> None:
             envoy = child_pids(sidecar.pid)
             engine_pids = [pid for pid in child_pids(os.getpid()) if pid != sidecar.pid]
             for n in range(args.rounds):
+                if n:  # past a second of quiet the heap is trimmed: the next round is cold
+                    await asyncio.sleep(args.quiet_s)
+                faults = page_faults(sidecar.pid)
                 cpu, done = cpu_s(sidecar.pid), asyncio.Event()
                 system = cpu_s(sidecar.pid, system_only=True)
                 envoy_cpu, box, wall = sum(map(cpu_s, envoy)), box_cpu_s(), time.perf_counter()
@@ -193,7 +201,8 @@ async def main(args: argparse.Namespace) -> None:
                     f"p99 {quantile(smalls, 0.99):.3f} s, max {max(smalls):.3f} s; "
                     f"8 x 10 MB in {max(bigs):.2f} s; ext_proc CPU "
                     f"{cpu_s(sidecar.pid) - cpu:.2f} s (system "
-                    f"{cpu_s(sidecar.pid, system_only=True) - system:.2f} s), Envoy "
+                    f"{cpu_s(sidecar.pid, system_only=True) - system:.2f} s, "
+                    f"{page_faults(sidecar.pid) - faults} page faults), Envoy "
                     f"{sum(map(cpu_s, envoy)) - envoy_cpu:.2f} s, the engines "
                     f"{sum(map(cpu_s, engine_pids)) - engines_cpu:.2f} s, this client "
                     f"{cpu_s(os.getpid()) - client_cpu:.2f} s, the machine "
@@ -219,6 +228,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quiet-s", type=float, default=0.0, help="pause between rounds")
     parser.add_argument("--cprofile", type=Path, default=None)
     parser.add_argument("--slow-callbacks", action="store_true")
     parser.add_argument("--baseline", type=Path, default=None, help="a dir holding extproc/")

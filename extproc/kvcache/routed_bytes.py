@@ -63,7 +63,9 @@ class RoutedBytes:
         self._slot: dict[str, int] = {}  # engine → its bit
         self._free: list[int] = []  # bits of engines forgotten, to reuse
 
-    def keys(self, prompt: bytes, scope: CacheScope = PLAIN, context: bytes = b"") -> list[int]:
+    def keys(
+        self, prompt: bytes | memoryview, scope: CacheScope = PLAIN, context: bytes = b""
+    ) -> list[int]:
         """The keys of the full blocks of `prompt` (at most `max_blocks`) in `scope`, after
         `context` (what reaches the prompt before it)."""
         hasher, step = _KEYED.copy(), self.block_bytes

@@ -16,6 +16,7 @@ from extproc.errors import ClientError
 from extproc.protocol.bodies import (
     MAX_DEPTH,
     BodyError,
+    Member,
     Raw,
     TooDeep,
     members,
@@ -72,7 +73,7 @@ class ClientRequest:
     model: str
     stream: bool
     doc: dict[str, Any]
-    parts: list[tuple[str, bytes]]  # top-level members as raw bytes (see bodies.members)
+    parts: list[Member]  # top-level members as raw bytes (see bodies.members)
 
     @property
     def has_max_completion_tokens(self) -> bool:

@@ -35,7 +35,13 @@ from extproc.config import DispatchMode
 from extproc.errors import ClientError
 from extproc.kvcache.tokenize_pool import members_object
 from extproc.policies import PickRequest
-from extproc.protocol.bodies import buffer_bytes, decode_body, prefill_body, prefill_kv_params
+from extproc.protocol.bodies import (
+    Member,
+    buffer_bytes,
+    decode_body,
+    prefill_body,
+    prefill_kv_params,
+)
 from extproc.protocol.identity import PrefillIdentity
 from extproc.request.approx_cache import approximate
 from extproc.request.parse import Api, ClientRequest
@@ -154,7 +160,7 @@ class SerialPlan:
     decodes: list[str]
     prefill: str
     p_body: bytes  # D's body is built from P's answer
-    parts: list[tuple[str, bytes]]  # the client body's members, for D's body
+    parts: list[Member]  # the client body's members, for D's body
     reason: str
     fallback: str | None = None  # another P for one retry if `prefill` fails to answer
     decode_counted: Counted | None = None
@@ -183,7 +189,7 @@ def pick_request(
     engine holds of them in the request's cache scope (its LoRA adapter and cache salt: it is
     credited with no block stored under another), looked up now, just before the pick."""
     prompt = next((raw for key, raw in request.parts if key in ("prompt", "messages")), b"")
-    prefix = prompt[:_PREFIX_BYTES]
+    prefix = bytes(prompt[:_PREFIX_BYTES])  # a key of its own, not a view into the body
     if tokens is None or kv is None:
         return PickRequest(request.model, session, prefix, prompt_bytes(request), priority)
     if scope is None:

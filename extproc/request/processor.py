@@ -282,6 +282,7 @@ class RequestProcessor:
             stream_answer=request.stream,
         )
         self.dispatch = start_dispatch(plan, self.deps.legs, exchange, plan.prefill_counted)
+        del doc, request  # the decoded body (a long prompt: megabytes) is done with
         if await self.dispatch.send(started):
             await self._watch()
 

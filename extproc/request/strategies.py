@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -142,32 +142,27 @@ class Exchange:
     stream_answer: bool = False  # the client asked for a streamed answer (`stream: true`)
 
 
-def decode_answers(
-    plan: Plan, body: bytes, exchange: Exchange
-) -> tuple[ep.ProcessingResponse, ...]:
+def decode_answers(plan: Plan, body: bytes, exchange: Exchange) -> Iterator[ep.ProcessingResponse]:
     """Envoy's answers that send `body` to D: the one place that says where D is.
 
     Buffered: one body answer carrying the headers. Streamed: the headers' answer, then the
-    whole new body.
+    new body in chunks, each built as the one before has been written.
     """
     kept = exchange.config.dispatch.client_engine_priority
     single = exchange.single_headers
-    if not exchange.streamed:
-        answers = [
-            envoy_msgs.body_answer(
-                body, plan.decodes, plan.request_id, plan.decode_rank, single, kept
-            )
-        ]
-    else:
+    rank = plan.decode_rank
+    if exchange.streamed:
         mutation = envoy_msgs.route_mutation(
-            plan.decodes, plan.request_id, len(body), plan.decode_rank, single, kept
+            plan.decodes, plan.request_id, len(body), rank, single, kept
         )
-        answers = [envoy_msgs.headers_answer(mutation), envoy_msgs.streamed_body_answer(body)]
+        first = envoy_msgs.headers_answer(mutation)
+    else:
+        first = envoy_msgs.body_answer(body, plan.decodes, plan.request_id, rank, single, kept)
     if exchange.destination_namespace is not None:  # the answer that sets the header
-        envoy_msgs.with_destination_metadata(
-            answers[0], plan.decodes, exchange.destination_namespace
-        )
-    return tuple(answers)
+        envoy_msgs.with_destination_metadata(first, plan.decodes, exchange.destination_namespace)
+    yield first
+    if exchange.streamed:
+        yield from envoy_msgs.streamed_body_answers(body)
 
 
 class Dispatch(Protocol):

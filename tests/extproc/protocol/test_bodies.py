@@ -99,12 +99,19 @@ def test_prompt_bytes_are_kept_verbatim() -> None:
     assert b'"prompt":"caf\\u00e9 \\"quoted\\" \\\\ {not a brace}"' in out
 
 
-def test_an_uploads_buffer_is_read_in_place_and_its_members_are_bytes() -> None:
+def test_an_uploads_buffer_is_read_in_place_and_its_members_are_views_into_it() -> None:
     raw = b'{"model": "m", "prompt": "a \\" b", "n": [1, {"x": 2}]}'
-    found = members(bytearray(raw), valid=True)  # the gathered upload, not copied into bytes
+    upload = bytearray(raw)  # the gathered upload, not copied into bytes
+    found = members(upload, valid=True)
     assert found == members(raw, valid=True)
     assert [key for key, _ in found] == ["model", "prompt", "n"]
-    assert all(type(chunk) is bytes for _, chunk in found)  # kept, joined, sent: immutable
+    assert [bytes(chunk) for _, chunk in found] == [
+        b'"model": "m"',
+        b'"prompt": "a \\" b"',
+        b'"n": [1, {"x": 2}]',
+    ]
+    # no member is a copy: a 10 MB prompt costs the body's own bytes only
+    assert all(isinstance(chunk, memoryview) and chunk.obj is upload for _, chunk in found)
 
 
 def test_escaped_key_cannot_smuggle_router_fields() -> None:

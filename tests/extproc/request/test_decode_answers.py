@@ -1,7 +1,7 @@
 """Envoy's answers that send D its body: buffered (one answer) or streamed (the headers, then
-the body), each carrying D's rank, the client's repeated headers made single, the client's
-engine priority as the operator allows, and, for the endpoint picker, the destination as
-metadata."""
+the body in chunks of a MiB), each carrying D's rank, the client's repeated headers made
+single, the client's engine priority as the operator allows, and, for the endpoint picker,
+the destination as metadata."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def headers_of(answers: tuple[Any, ...], streamed: bool) -> tuple[dict[str, str]
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "streamed"])
 def test_d_gets_its_rank_and_the_single_headers(streamed: bool) -> None:
-    answers = decode_answers(plan(2), BODY, exchange(streamed, single_headers={"x-tenant": "a"}))
+    sent_to = exchange(streamed, single_headers={"x-tenant": "a"})
+    answers = tuple(decode_answers(plan(2), BODY, sent_to))
     values, removed = headers_of(answers, streamed)
     assert values[DESTINATION_HEADER] == f"{D1},{D2}" and values["x-request-id"] == "r1"
     assert (values[RANK_HEADER], values["x-tenant"]) == ("2", "a")
@@ -61,7 +62,7 @@ def test_d_gets_its_rank_and_the_single_headers(streamed: bool) -> None:
 def test_a_d_without_ranks_has_the_clients_rank_removed_and_its_priority_kept_if_allowed(
     streamed: bool,
 ) -> None:
-    answers = decode_answers(plan(None), BODY, exchange(streamed, kept=True))
+    answers = tuple(decode_answers(plan(None), BODY, exchange(streamed, kept=True)))
     values, removed = headers_of(answers, streamed)
     assert RANK_HEADER not in values and RANK_HEADER in removed
     assert ENGINE_PRIORITY_HEADER not in removed and "x-tenant" not in values
@@ -69,9 +70,19 @@ def test_a_d_without_ranks_has_the_clients_rank_removed_and_its_priority_kept_if
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "streamed"])
 def test_the_endpoint_pickers_answer_carries_the_destination_as_metadata(streamed: bool) -> None:
-    answers = decode_answers(plan(None), BODY, exchange(streamed, destination_namespace="my.lb"))
+    picked = exchange(streamed, destination_namespace="my.lb")
+    answers = tuple(decode_answers(plan(None), BODY, picked))
     fields = answers[0].dynamic_metadata.fields["my.lb"].struct_value.fields
     assert fields[DESTINATION_HEADER].string_value == f"{D1},{D2}"
     assert all(not a.HasField("dynamic_metadata") for a in answers[1:])
-    plain = decode_answers(plan(None), BODY, exchange(streamed))
+    plain = tuple(decode_answers(plan(None), BODY, exchange(streamed)))
     assert not plain[0].HasField("dynamic_metadata")
+
+
+def test_a_streamed_body_goes_out_in_chunks_of_a_mib_the_last_ending_the_stream() -> None:
+    body = b'{"prompt":"' + b"x" * (5 << 19) + b'"}'  # two and a half MiB
+    answers = tuple(decode_answers(plan(None), body, exchange(True)))
+    chunks = [a.request_body.response.body_mutation.streamed_response for a in answers[1:]]
+    assert [len(c.body) for c in chunks] == [1 << 20, 1 << 20, len(body) - (2 << 20)]
+    assert b"".join(c.body for c in chunks) == body
+    assert [c.end_of_stream for c in chunks] == [False, False, True]

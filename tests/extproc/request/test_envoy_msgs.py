@@ -205,8 +205,8 @@ def test_repeated_forwarded_headers_get_one_value_on_both_legs() -> None:
 
 
 @pytest.mark.parametrize("body", [b"", b"{}", b"x" * 100_000])
-def test_streamed_body_answer_is_the_whole_new_body_in_one_chunk(body: bytes) -> None:
-    answer = envoy_msgs.streamed_body_answer(body)
+def test_a_streamed_body_under_a_mib_is_one_chunk_ending_the_stream(body: bytes) -> None:
+    (answer,) = envoy_msgs.streamed_body_answers(body)
     assert answer.WhichOneof("response") == "request_body"
     streamed = answer.request_body.response.body_mutation.streamed_response
     assert streamed.body == body and streamed.end_of_stream
