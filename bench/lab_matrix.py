@@ -83,7 +83,11 @@ class Cell:
 
 def _requests(cell: Cell) -> int:
     """Enough for a p99 to mean something: 8 x C, at least 256 (multi-turn: whole
-    conversations of 6 turns)."""
+    conversations of 6 turns). The seed plan twice that: its closed loop of equal prompts
+    settles into a staircase of TTFTs (0, 1 or 2 prompts ahead at P), and at 8 requests a
+    client its median fell on one step or the next by two requests of 256."""
+    if cell.workload == "seed":
+        return max(512, 16 * int(cell.load))
     count = max(256, 8 * int(cell.load))
     return count - count % 6 if cell.workload == "multi-turn" else count
 

@@ -629,10 +629,11 @@ class DecisionConfig(_Strict):
     pd_overhead_ms: float = Field(default=25.0, ge=0)
     # The stall budget of D's running requests: a decode-only prefill delays their next
     # token by its compute time. On average over time, at most this much per output token
-    # (the TPOT cost), and never more than `max_stall_ms` for one token. 0.2 ms is under 2 % of
+    # (the TPOT cost), and never more than `max_stall_ms` for one token. 0.15 ms is 1.5 % of
     # a decode step; a stall of 10 ms at most keeps a short answer's TPOT within that too (the
-    # lab's matrix, docs/lab.md: 0.3 and 30 ms gave TPOT p99 up to 1.09 x round robin's).
-    stall_budget_ms_per_token: float = Field(default=0.2, ge=0)
+    # lab's matrix, docs/lab.md: 0.3 and 30 ms gave TPOT p99 up to 1.09 x round robin's, 0.2
+    # and 10 ms 1.020-1.022 in five cells).
+    stall_budget_ms_per_token: float = Field(default=0.15, ge=0)
     max_stall_ms: float = Field(default=10.0, ge=0)
     # D's KV cache above this fill: no decode-only (a prefill there may preempt others).
     max_kv_usage: float = Field(default=0.9, ge=0, le=1)

@@ -167,7 +167,7 @@ def test_a_prompt_of_no_known_size_leaves_no_bucket_to_tell() -> None:
 
 
 def test_the_default_budget_keeps_one_stall_under_a_tenth_of_a_short_answer() -> None:
-    """By default at most 10 ms at once (and 0.2 ms per output token, 2 % of a 10 ms step):
+    """By default at most 10 ms at once (and 0.15 ms per output token, 1.5 % of a 10 ms step):
     the 200-token prompt above (an 11.6 ms stall) may not prefill alone on a busy D, 160
     tokens (9.3 ms) may. 30 ms at once gave short answers caught by one stall a TPOT p99 up
     to 1.09 x round robin's on the lab's matrix."""
