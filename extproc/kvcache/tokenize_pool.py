@@ -3,13 +3,13 @@
 `tokenizers`' `encode` keeps the GIL while it works and a chat template renders in Python: on a
 thread of this process either stops the event loop for as long as it runs (a 10 MB prompt took
 seconds). So what grows with the input runs in a few worker processes, each of which loads the
-tokenizer and its template once. The loop hands a worker the request's own JSON members as bytes
-(one copy to pickle, nothing decoded on the loop) and gets the ids back as the bytes of an int32
-array (no per-integer unpickling on the loop). Requests smaller than `inline_below_bytes` run
-inline, where the hand-off would cost the loop as much as the work: measured with an 8,000-token
-byte-level BPE, the hand-off costs the loop 0.07-0.09 ms whatever the size (and the request
-0.4 ms more), encoding inline 0.07 ms at 256 bytes, 0.10 ms at 512, 0.20 ms at 1 KB, 4 ms at
-16 KB.
+tokenizer and its template once. The loop hands a worker a completion's prompt text, or a chat's
+own JSON members as bytes (nothing decoded on the loop), one copy to pickle either way, and gets
+the ids back as the bytes of an int32 array (no per-integer unpickling on the loop). Requests
+smaller than `inline_below_bytes` run inline, where the hand-off would cost the loop as much as
+the work: measured with an 8,000-token byte-level BPE, the hand-off costs the loop 0.07-0.09 ms
+whatever the size (and the request 0.4 ms more), encoding inline 0.07 ms at 256 bytes, 0.10 ms
+at 512, 0.20 ms at 1 KB, 4 ms at 16 KB.
 
 Long jobs (`long_from_bytes`) run in all workers but one, so that a burst of them cannot make
 the short ones wait out their time budget. Bounded: at most `max_pending` requests wait for or
@@ -164,11 +164,12 @@ def _ready() -> str | None:
     return _worker_error
 
 
-def _work(chat: bool, raw: bytes, context: int | None) -> bytes | None:
+def _work(chat: bool, job: bytes | str, context: int | None) -> bytes | None:
     if _worker_tokenizer is None:  # not loaded (`_ready` said why)
         return None
     try:
-        ids = token_ids(_worker_tokenizer, chat, orjson.loads(raw), context)
+        doc = {"prompt": job} if isinstance(job, str) else orjson.loads(job)
+        ids = token_ids(_worker_tokenizer, chat, doc, context)
     except Exception:  # a template can fail any way on a client's values: no ids, as inline
         return None
     return None if ids is None else array(_IDS, ids).tobytes()
@@ -219,22 +220,23 @@ class OffLoopTokenizer:
             self._idle.put_nowait(self._new_worker())
 
     async def ids(
-        self, chat: bool, doc: Mapping[str, Any], raw: bytes, context: int | None = None
+        self, chat: bool, doc: Mapping[str, Any], job: bytes | str, context: int | None = None
     ) -> list[int] | None:
-        """The request's ids (`raw`: `members_object`'s bytes, `doc` the same decoded); None
-        where they cannot be had in time, or are more than `context` (`token_ids`)."""
-        if len(raw) < self._inline_below:
+        """The request's ids (`job`: a completion's prompt text, or `members_object`'s bytes;
+        `doc` the request decoded); None where they cannot be had in time, or are more than
+        `context` (`token_ids`)."""
+        if len(job) < self._inline_below:
             return _inline(self.tokenizer, chat, doc, context)
         if self._pending >= self._max_pending or self._load_error is not None:
             return None
         self._pending += 1
         try:
             async with asyncio.timeout(self._timeout_s):
-                if len(raw) < self._long_from:
-                    data = await self._in_worker(chat, raw, context)
+                if len(job) < self._long_from:
+                    data = await self._in_worker(chat, job, context)
                 else:
                     async with self._long_lane:
-                        data = await self._in_worker(chat, raw, context)
+                        data = await self._in_worker(chat, job, context)
         except TimeoutError:
             return None
         finally:
@@ -245,12 +247,12 @@ class OffLoopTokenizer:
         ids.frombytes(data)
         return ids.tolist()
 
-    async def _in_worker(self, chat: bool, raw: bytes, context: int | None) -> bytes | None:
+    async def _in_worker(self, chat: bool, job: bytes | str, context: int | None) -> bytes | None:
         self.warm()
         worker = await self._idle.get()
         ended = True  # a job past its time (or whose request ended) must not run on
         try:
-            data = await asyncio.wrap_future(worker.submit(_work, chat, raw, context))
+            data = await asyncio.wrap_future(worker.submit(_work, chat, job, context))
             ended = False
         except BrokenProcessPool:
             if not self._closed:

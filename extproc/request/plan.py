@@ -226,8 +226,9 @@ async def request_tokens(request: ClientRequest, scheduler: Scheduler) -> list[i
     if not chat and isinstance(prompt, list):  # token ids (parse_request checked them)
         _check_vocabulary(prompt, tokenizer.vocab_size)
         return list(prompt)
-    raw = members_object(request.parts, chat)
-    return await tokenizer.ids(chat, request.doc, raw, kv.context(group))
+    # a completion's text goes as it is (pickled once for a worker), not joined into JSON first
+    job = prompt if isinstance(prompt, str) else members_object(request.parts, chat)
+    return await tokenizer.ids(chat, request.doc, job, kv.context(group))
 
 
 def _check_context(prompt: object, chars_per_token: int | None, limit: int | None) -> None:

@@ -84,6 +84,10 @@ async def test_a_worker_gives_the_ids_inline_would(
     )
     assert await off.ids(True, chat_doc, chat_raw) == token_ids(tokenizer, True, chat_doc, None)
     assert (await off.ids(False, prompt_doc, prompt_raw))[:2] == [0, 3]  # BOS, then w0
+    # a completion's text handed over as it is (not joined into JSON first): the same ids
+    assert await off.ids(False, prompt_doc, prompt_doc["prompt"]) == token_ids(
+        tokenizer, False, prompt_doc, None
+    )
 
 
 async def test_a_long_prompt_leaves_the_loop_free(pool: Callable[..., OffLoopTokenizer]) -> None:
