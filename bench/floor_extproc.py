@@ -62,6 +62,7 @@ from extproc.metrics import Metrics
 from extproc.process.envoy_process import EnvoyProcess
 from extproc.process.grpc_health import HealthServices
 from extproc.process.server import GRPC_OPTIONS
+from extproc.protocol.bodies import Spliced
 from extproc.request import envoy_msgs
 from extproc.roles import Role
 
@@ -141,7 +142,10 @@ class FloorProcessor(ep_grpc.ExternalProcessorServicer):
                     mutation = envoy_msgs.route_mutation([legs.decode], rid, len(d_body))
                     if streamed:
                         await context.write(envoy_msgs.headers_answer(mutation))
-                        await context.write(envoy_msgs.streamed_body_answer(d_body))
+                        for chunk in envoy_msgs.streamed_body_answers(
+                            Spliced((d_body,), len(d_body))
+                        ):
+                            await context.write(chunk)
                     else:
                         answer = _buffered_answer(mutation, d_body)
                         envoy_msgs.with_destination_metadata(answer, [legs.decode], _LB)

@@ -181,7 +181,7 @@ class InProcessPrefill:
             async with asyncio.timeout(call.timeout_s):
                 engine = self._cluster.by_address[call.endpoint]
                 rank = (call.headers or {}).get(RANK_HEADER)
-                served = await engine.serve(call.body, call.request_id, rank_header=rank)
+                served = await engine.serve(bytes(call.body), call.request_id, rank_header=rank)
                 if call.request_id != "probe":
                     self.served[call.request_id] = served
         except TimeoutError:  # as the product's PrefillClient says it

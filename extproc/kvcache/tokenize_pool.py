@@ -40,7 +40,6 @@ from typing import Any
 import orjson
 
 from extproc.kvcache.tokens import RequestTokenizer
-from extproc.protocol.bodies import Member
 
 __all__ = ["TOKENIZED_MEMBERS", "OffLoopTokenizer", "members_object", "token_ids"]
 
@@ -70,7 +69,7 @@ _NICE = 10  # a worker's CPU share against the sidecar's: about a tenth when bot
 _IDS = "i"  # int32: vocabulary ids are far below 2**31
 
 
-def members_object(parts: Sequence[Member], chat: bool) -> bytes:
+def members_object(parts: Sequence[tuple[str, bytes | memoryview]], chat: bool) -> bytes:
     """The JSON object of the request's members that the tokenizer reads, from their raw bytes
     (`ClientRequest.parts`: each a complete `"key": value`)."""
     wanted = TOKENIZED_MEMBERS[chat]

@@ -9,12 +9,18 @@ prompt itself is never walked character by character in Python.
 
 Keys are compared after JSON-decoding, so an escaped key (`"kv\\u005ftransfer_params"`)
 cannot smuggle a field past the filter.
+
+A leg's body is kept as the pieces it joins (`Spliced`): views into the client's body and the
+sidecar's own members. It is joined only where one buffer is needed (a buffered answer to
+Envoy); P's is written to the socket piece by piece and D's streamed answer cut into chunks
+from them, so a long prompt costs no whole copy per leg.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -23,6 +29,7 @@ __all__ = [
     "MAX_DEPTH",
     "Member",
     "Raw",
+    "Spliced",
     "buffer_bytes",
     "container_end",
     "decode_body",
@@ -218,9 +225,41 @@ def without_router_xargs(parts: list[Member], xargs: Any) -> list[Member]:
     return kept
 
 
-def splice(parts: Iterable[Member], drop: frozenset[str], add: Mapping[str, Any]) -> bytes:
-    """Re-assemble an object: kept members verbatim, then `add` serialised by orjson. One
-    join, so a long prompt is copied once (each `+` of the whole would copy it again)."""
+@dataclass(frozen=True, slots=True)
+class Spliced:
+    """A JSON body as the pieces it joins, in order; `size`: its length in bytes."""
+
+    pieces: tuple[bytes | memoryview, ...]
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.pieces)
+
+    def chunks(self, size: int) -> Iterator[bytes]:
+        """The body in chunks of `size` bytes (the last one shorter; one empty chunk for an
+        empty body), each joined when asked for."""
+        chunk: list[memoryview] = []
+        held = 0
+        for piece in self.pieces:
+            view = memoryview(piece)
+            while view:
+                taken = view[: size - held]
+                chunk.append(taken)
+                held += len(taken)
+                view = view[len(taken) :]
+                if held == size:
+                    yield b"".join(chunk)
+                    chunk, held = [], 0
+        if chunk or not self.size:
+            yield b"".join(chunk)
+
+
+def splice(parts: Iterable[Member], drop: frozenset[str], add: Mapping[str, Any]) -> Spliced:
+    """Re-assemble an object: kept members verbatim, then `add` serialised by orjson; as its
+    pieces, not joined (a long prompt is not copied here)."""
     pieces: list[bytes | memoryview] = [b"{"]
     for key, chunk in parts:
         if key not in drop and key not in add:
@@ -230,12 +269,12 @@ def splice(parts: Iterable[Member], drop: frozenset[str], add: Mapping[str, Any]
     if len(pieces) > 1:
         pieces.pop()  # the last comma
     pieces.append(b"}")
-    return b"".join(pieces)
+    return Spliced(tuple(pieces), sum(len(piece) for piece in pieces))
 
 
 def prefill_body(
     parts: list[Member], has_max_completion_tokens: bool, kv_params: Mapping[str, Any]
-) -> bytes:
+) -> Spliced:
     """The P leg: one token, not streamed, no min_tokens, and the router's kv_transfer_params."""
     add: dict[str, Any] = {"max_tokens": 1, "stream": False}
     if has_max_completion_tokens:
@@ -262,7 +301,7 @@ def prefill_kv_params(transfer_id: str | None = None) -> dict[str, Any]:
     return params
 
 
-def decode_body(parts: list[Member], kv_params: Mapping[str, Any] | None) -> bytes:
+def decode_body(parts: list[Member], kv_params: Mapping[str, Any] | None) -> Spliced:
     """The D leg: the client's body, its own kv_transfer_params replaced by the router's."""
     add = {} if kv_params is None else {"kv_transfer_params": kv_params}
     return splice(parts, ROUTER_FIELDS, add)

@@ -18,6 +18,7 @@ from extproc.headers import (
     RANK_HEADER,
     SIDECAR_HEADERS,
 )
+from extproc.protocol.bodies import Spliced
 
 __all__ = [
     "DESTINATION_HEADER",
@@ -229,7 +230,7 @@ def route_mutation(
 
 
 def body_answer(
-    body: bytes,
+    body: Spliced,
     destinations: Iterable[str],
     request_id: str,
     rank: int | None = None,
@@ -241,7 +242,7 @@ def body_answer(
     answer = ep.ProcessingResponse()
     common = answer.request_body.response
     common.header_mutation.CopyFrom(mutation)
-    common.body_mutation.body = body  # in place: `_with_body`
+    common.body_mutation.body = bytes(body)  # in place: `_with_body`; its one whole copy
     return answer
 
 
@@ -264,12 +265,12 @@ def _with_body(body: bytes, end_of_stream: bool, request_side: bool) -> ep.Proce
     return answer
 
 
-def streamed_body_answers(body: bytes) -> Iterator[ep.ProcessingResponse]:
+def streamed_body_answers(body: Spliced) -> Iterator[ep.ProcessingResponse]:
     """Streamed body: the whole new body (the client's chunks were consumed), in chunks of a
-    MiB built one at a time as each is written."""
-    view = memoryview(body)
-    for start in range(0, max(len(body), 1), _CHUNK):
-        yield _with_body(bytes(view[start : start + _CHUNK]), start + _CHUNK >= len(body), True)
+    MiB cut from its pieces one at a time as each is written."""
+    last = max(0, len(body) - 1) // _CHUNK
+    for index, chunk in enumerate(body.chunks(_CHUNK)):
+        yield _with_body(chunk, index == last, True)
 
 
 _CONTINUE_REQUEST_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())

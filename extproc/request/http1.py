@@ -22,7 +22,12 @@ from dataclasses import dataclass
 
 import httptools
 
+from extproc.protocol.bodies import Spliced
+
 __all__ = ["Answer", "BrokenConnection", "Connections", "Destination", "NotConnected", "head"]
+
+# A body this long goes out as its pieces (a send each); a shorter one is joined first.
+_PIECES_FROM = 1 << 20
 
 # A P answer is a JSON object of a few hundred bytes: a larger one is an engine gone wrong,
 # and is not held in memory.
@@ -91,18 +96,21 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
 
-    def request(self, data: bytes, body: bytes = b"") -> asyncio.Future[Answer]:
-        """Send `data`, then `body`: apart, and the body as a view, so that a long one is
-        copied once (into the transport's buffer, for what the socket does not take at once)
-        rather than also joined to its head and sliced."""
+    def request(self, data: bytes, body: bytes | Spliced = b"") -> asyncio.Future[Answer]:
+        """Send `data`, then `body`: apart, and the body as views (its pieces), so that a long
+        one is copied once (into the transport's buffer, for what the socket does not take at
+        once) rather than also joined, to its head or from its pieces."""
         assert self.transport is not None
         self._answer = asyncio.get_running_loop().create_future()
         self._parser = httptools.HttpResponseParser(self)
         self._headers, self._body, self._size = {}, [], 0
         self.reusable = False
         self.transport.write(data)
-        if body:
-            self.transport.write(memoryview(body))
+        if isinstance(body, Spliced) and len(body) < _PIECES_FROM:
+            body = bytes(body)  # one write (one send), not one per member
+        for piece in body.pieces if isinstance(body, Spliced) else (body,):
+            if piece:
+                self.transport.write(memoryview(piece))
         return self._answer
 
     def close(self) -> None:
@@ -170,7 +178,11 @@ class Connections:
         self._busy: set[_Connection] = set()
 
     async def post(
-        self, destination: Destination, request: bytes, connect_timeout_s: float, body: bytes = b""
+        self,
+        destination: Destination,
+        request: bytes,
+        connect_timeout_s: float,
+        body: bytes | Spliced = b"",
     ) -> Answer:
         """Send `request` (its head, or head and body), then `body`, and read the whole
         answer. NotConnected when no connection was had; BrokenConnection when it ended

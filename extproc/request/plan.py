@@ -37,6 +37,7 @@ from extproc.kvcache.tokenize_pool import members_object
 from extproc.policies import PickRequest
 from extproc.protocol.bodies import (
     Member,
+    Spliced,
     buffer_bytes,
     decode_body,
     prefill_body,
@@ -125,7 +126,7 @@ NOT_PLANNED = NoPlan()
 class DecodeOnlyPlan:
     request_id: str
     decodes: list[str]  # the choice, then Envoy's connect-failure fallbacks
-    d_body: bytes
+    d_body: Spliced
     reason: str
     decode_counted: Counted | None  # the in-flight count at D, moved if another served
     decode_rank: int | None = None  # D's data-parallel rank (None: D has none)
@@ -142,8 +143,8 @@ class ParallelPlan:
     request_id: str
     decodes: list[str]
     prefill: str
-    p_body: bytes
-    d_body: bytes  # carries `given`, P's cached identity
+    p_body: Spliced
+    d_body: Spliced  # carries `given`, P's cached identity
     given: PrefillIdentity
     reason: str
     decode_counted: Counted | None = None
@@ -159,7 +160,7 @@ class SerialPlan:
     request_id: str
     decodes: list[str]
     prefill: str
-    p_body: bytes  # D's body is built from P's answer
+    p_body: Spliced  # D's body is built from P's answer
     parts: list[Member]  # the client body's members, for D's body
     reason: str
     fallback: str | None = None  # another P for one retry if `prefill` fails to answer
@@ -393,7 +394,7 @@ def check_plan_fits(plan: Plan, max_body_bytes: int) -> None:
             pass
 
 
-def check_fits(max_body_bytes: int, *bodies: bytes) -> None:
+def check_fits(max_body_bytes: int, *bodies: Spliced) -> None:
     """A body longer than Envoy's buffer would be refused there: refuse it before it leaves.
 
     Envoy's buffer leaves room for the splice (`buffer_bytes`), so only a serial D body

@@ -41,6 +41,7 @@ from extproc.errors import (
     PrefillUnreachable,
 )
 from extproc.headers import DESTINATION_HEADER, LOCAL_REPLY_HEADER
+from extproc.protocol.bodies import Spliced
 from extproc.request.client_key import client_key_checked_here
 from extproc.request.http1 import BrokenConnection, Connections, Destination, NotConnected, head
 from extproc.scheduling.decision import estimate_tokens
@@ -76,7 +77,7 @@ class PrefillCall:
 
     endpoint: str
     path: str
-    body: bytes
+    body: bytes | Spliced  # P's (as its pieces when spliced from a client's body)
     request_id: str
     timeout_s: float
     config: Config

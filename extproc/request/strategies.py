@@ -44,7 +44,7 @@ from extproc.errors import (
     PrefillUnreachable,
 )
 from extproc.headers import RANK_HEADER
-from extproc.protocol.bodies import decode_body
+from extproc.protocol.bodies import Spliced, decode_body
 from extproc.protocol.identity import PrefillIdentity, identity_from_params, where
 from extproc.request import envoy_msgs
 from extproc.request.body_turns import BodyTurns
@@ -142,7 +142,9 @@ class Exchange:
     stream_answer: bool = False  # the client asked for a streamed answer (`stream: true`)
 
 
-def decode_answers(plan: Plan, body: bytes, exchange: Exchange) -> Iterator[ep.ProcessingResponse]:
+def decode_answers(
+    plan: Plan, body: Spliced, exchange: Exchange
+) -> Iterator[ep.ProcessingResponse]:
     """Envoy's answers that send `body` to D: the one place that says where D is.
 
     Buffered: one body answer carrying the headers. Streamed: the headers' answer, then the
@@ -225,7 +227,7 @@ class _PrefillLeg:
     def __init__(
         self,
         prefill: str,
-        body: bytes,
+        body: Spliced,
         request_id: str,
         services: LegServices,
         exchange: Exchange,
@@ -316,7 +318,7 @@ def _refused_request(error: LegError) -> bool:
 
 
 async def _answer(
-    plan: Plan, body: bytes, started: float, services: LegServices, exchange: Exchange
+    plan: Plan, body: Spliced, started: float, services: LegServices, exchange: Exchange
 ) -> None:
     """The body answer every strategy ends its `send` with: D's body goes out (a big one in
     its turn: copying it into the answer and into gRPC's buffers is one long step)."""

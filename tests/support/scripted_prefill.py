@@ -83,7 +83,7 @@ class ScriptedPrefill:
     @property
     def body(self) -> dict[str, Any]:
         """The first leg's body."""
-        return orjson.loads(self.calls[0].body)
+        return orjson.loads(bytes(self.calls[0].body))
 
 
 def runtime(

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from extproc.protocol.bodies import (
     BodyError,
+    Spliced,
     TooDeep,
     container_end,
     decode_body,
@@ -63,7 +64,7 @@ def _serialise(doc: dict, pretty: bool) -> bytes:
 @given(doc=bodies, pretty=st.booleans())
 def test_decode_body_is_the_original_plus_the_routers_params(doc: dict, pretty: bool) -> None:
     raw = _serialise(doc, pretty)
-    out = orjson.loads(decode_body(members(raw), KV))
+    out = orjson.loads(bytes(decode_body(members(raw), KV)))
     assert out == {
         **{k: v for k, v in doc.items() if k not in ("kv_transfer_params", "ec_transfer_params")},
         "kv_transfer_params": KV,
@@ -75,7 +76,7 @@ def test_decode_body_is_the_original_plus_the_routers_params(doc: dict, pretty: 
 def test_prefill_body_caps_tokens_and_drops_streaming(doc: dict, pretty: bool) -> None:
     raw = _serialise(doc, pretty)
     has_mct = "max_completion_tokens" in doc
-    out = orjson.loads(prefill_body(members(raw), has_mct, KV))
+    out = orjson.loads(bytes(prefill_body(members(raw), has_mct, KV)))
     dropped = {
         "stream",
         "stream_options",
@@ -95,7 +96,7 @@ def test_prefill_body_caps_tokens_and_drops_streaming(doc: dict, pretty: bool) -
 
 def test_prompt_bytes_are_kept_verbatim() -> None:
     raw = b'{"model":"m","prompt":"caf\\u00e9 \\"quoted\\" \\\\ {not a brace}","stream":true}'
-    out = decode_body(members(raw), None)
+    out = bytes(decode_body(members(raw), None))
     assert b'"prompt":"caf\\u00e9 \\"quoted\\" \\\\ {not a brace}"' in out
 
 
@@ -116,13 +117,13 @@ def test_an_uploads_buffer_is_read_in_place_and_its_members_are_views_into_it() 
 
 def test_escaped_key_cannot_smuggle_router_fields() -> None:
     raw = b'{"model":"m","kv\\u005ftransfer_params":{"remote_host":"evil"},"prompt":"p"}'
-    out = orjson.loads(decode_body(members(raw), None))
+    out = orjson.loads(bytes(decode_body(members(raw), None)))
     assert "kv_transfer_params" not in out
 
 
 def test_duplicate_router_keys_are_all_removed() -> None:
     raw = b'{"kv_transfer_params":1,"model":"m","kv_transfer_params":{"a":2}}'
-    assert orjson.loads(decode_body(members(raw), {"b": 3})) == {
+    assert orjson.loads(bytes(decode_body(members(raw), {"b": 3}))) == {
         "model": "m",
         "kv_transfer_params": {"b": 3},
     }
@@ -131,12 +132,12 @@ def test_duplicate_router_keys_are_all_removed() -> None:
 def test_the_encoder_cache_params_are_the_routers_too() -> None:
     raw = b'{"model":"m","ec\\u005ftransfer_params":{"remote_host":"evil"},"prompt":"p"}'
     for body in (decode_body(members(raw), None), prefill_body(members(raw), False, KV)):
-        assert "ec_transfer_params" not in orjson.loads(body)
+        assert "ec_transfer_params" not in orjson.loads(bytes(body))
 
 
 def _xargs_of(raw: bytes) -> object:
     parts = without_router_xargs(members(raw), orjson.loads(raw).get("vllm_xargs"))
-    return orjson.loads(decode_body(parts, None)).get("vllm_xargs", "absent")
+    return orjson.loads(bytes(decode_body(parts, None))).get("vllm_xargs", "absent")
 
 
 def test_vllm_xargs_cannot_carry_the_routers_params() -> None:
@@ -187,7 +188,7 @@ def test_without_a_transfer_id_p_gets_none_to_pair_with() -> None:
 
 def test_p_body_carries_the_params_given() -> None:
     raw = b'{"model":"m","prompt":"p","kv_transfer_params":{"do_remote_decode":false}}'
-    body = orjson.loads(prefill_body(members(raw), False, prefill_kv_params("t")))
+    body = orjson.loads(bytes(prefill_body(members(raw), False, prefill_kv_params("t"))))
     assert body["kv_transfer_params"] == prefill_kv_params("t")
 
 
@@ -268,3 +269,16 @@ def test_a_member_nested_past_the_limit_is_refused_and_one_at_it_is_split() -> N
     assert container_end(too_deep, 5) is None
     with pytest.raises(TooDeep):
         members(too_deep, valid=True)  # orjson accepted it: too deep, not malformed
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, 6, 7, 13])
+def test_a_spliced_body_is_cut_into_chunks_that_join_to_it(size: int) -> None:
+    """D's streamed answer: chunks of 6 bytes across the pieces' bounds, the last shorter,
+    one empty chunk for an empty body."""
+    whole = bytes(range(size))
+    pieces = (whole[:2], memoryview(whole)[2:9], whole[9:])
+    body = Spliced(tuple(p for p in pieces if len(p)), size)
+    chunks = list(body.chunks(6))
+    assert b"".join(chunks) == whole == bytes(body) and len(body) == size
+    expected = [6] * (size // 6) + ([size % 6] if size % 6 else []) or [0]
+    assert [len(chunk) for chunk in chunks] == expected

@@ -11,6 +11,7 @@ import pytest
 
 from extproc.config import parse_config
 from extproc.headers import DESTINATION_HEADER, ENGINE_PRIORITY_HEADER, RANK_HEADER
+from extproc.protocol.bodies import Spliced
 from extproc.request.plan import DecodeOnlyPlan
 from extproc.request.strategies import Exchange, decode_answers
 from extproc.request.stream import EnvoyStream
@@ -18,7 +19,8 @@ from extproc.tracing import RequestTrace
 from tests.support.scripted_envoy import ScriptedEnvoy
 
 D1, D2 = "127.0.0.1:8201", "127.0.0.1:8202"
-BODY = b'{"model":"m","prompt":"hi"}'
+RAW = b'{"model":"m","prompt":"hi"}'
+BODY = Spliced((RAW,), len(RAW))
 
 
 def exchange(streamed: bool, kept: bool = False, **fields: Any) -> Exchange:
@@ -51,10 +53,10 @@ def test_d_gets_its_rank_and_the_single_headers(streamed: bool) -> None:
     values, removed = headers_of(answers, streamed)
     assert values[DESTINATION_HEADER] == f"{D1},{D2}" and values["x-request-id"] == "r1"
     assert (values[RANK_HEADER], values["x-tenant"]) == ("2", "a")
-    assert values["content-length"] == str(len(BODY))
+    assert values["content-length"] == str(len(RAW))
     assert RANK_HEADER not in removed and ENGINE_PRIORITY_HEADER in removed
     sent = answers[-1].request_body.response.body_mutation
-    assert (sent.streamed_response.body if streamed else sent.body) == BODY
+    assert (sent.streamed_response.body if streamed else sent.body) == RAW
     assert len(answers) == (2 if streamed else 1)
 
 
@@ -80,9 +82,10 @@ def test_the_endpoint_pickers_answer_carries_the_destination_as_metadata(streame
 
 
 def test_a_streamed_body_goes_out_in_chunks_of_a_mib_the_last_ending_the_stream() -> None:
-    body = b'{"prompt":"' + b"x" * (5 << 19) + b'"}'  # two and a half MiB
+    head, prompt = b'{"prompt":"', memoryview(b"x" * (5 << 19))  # two and a half MiB
+    body = Spliced((head, prompt, b'"}'), len(head) + len(prompt) + 2)
     answers = tuple(decode_answers(plan(None), body, exchange(True)))
     chunks = [a.request_body.response.body_mutation.streamed_response for a in answers[1:]]
     assert [len(c.body) for c in chunks] == [1 << 20, 1 << 20, len(body) - (2 << 20)]
-    assert b"".join(c.body for c in chunks) == body
+    assert b"".join(c.body for c in chunks) == bytes(body)
     assert [c.end_of_stream for c in chunks] == [False, False, True]

@@ -9,9 +9,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.errors import ClientError, PrefillUnreachable
 from extproc.headers import ENGINE_PRIORITY_HEADER, LOCAL_REPLY_HEADER, SIDECAR_HEADERS
+from extproc.protocol.bodies import Spliced
 from extproc.request import envoy_msgs
 
 OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def spliced(raw: bytes) -> Spliced:
+    return Spliced((raw,), len(raw))
 
 
 def set_headers(mutation: ep.HeaderMutation) -> dict[str, str]:
@@ -75,7 +80,7 @@ def test_d_gets_our_rank_header_or_none_at_all() -> None:
     ]
     kept = envoy_msgs.route_mutation(["10.0.0.1:8200"], "rid", 2, engine_priority=True)
     assert ENGINE_PRIORITY_HEADER not in kept.remove_headers
-    answer = envoy_msgs.body_answer(b"{}", ["10.0.0.1:8200"], "rid", rank=0)
+    answer = envoy_msgs.body_answer(spliced(b"{}"), ["10.0.0.1:8200"], "rid", rank=0)
     assert set_headers(answer.request_body.response.header_mutation)["x-data-parallel-rank"] == "0"
 
 
@@ -90,7 +95,7 @@ def test_continue_answers_the_phase_it_is_for() -> None:
 
 def test_body_answer_replaces_the_body_and_routes_with_fallbacks() -> None:
     body = '{"prompt":"café ☕"}'.encode()
-    answer = envoy_msgs.body_answer(body, ["10.0.0.1:8200", "10.0.0.2:8200"], "rid-1")
+    answer = envoy_msgs.body_answer(spliced(body), ["10.0.0.1:8200", "10.0.0.2:8200"], "rid-1")
     assert answer.WhichOneof("response") == "request_body"
     common = answer.request_body.response
     assert common.body_mutation.body == body
@@ -103,7 +108,7 @@ def test_body_answer_replaces_the_body_and_routes_with_fallbacks() -> None:
 
 
 def test_body_answer_with_one_destination_has_no_separator() -> None:
-    answer = envoy_msgs.body_answer(b"{}", ["10.0.0.1:8200"], "r")
+    answer = envoy_msgs.body_answer(spliced(b"{}"), ["10.0.0.1:8200"], "r")
     headers = set_headers(answer.request_body.response.header_mutation)
     assert headers["x-gateway-destination-endpoint"] == "10.0.0.1:8200"
     assert headers["content-length"] == "2"
@@ -206,7 +211,7 @@ def test_repeated_forwarded_headers_get_one_value_on_both_legs() -> None:
 
 @pytest.mark.parametrize("body", [b"", b"{}", b"x" * 100_000])
 def test_a_streamed_body_under_a_mib_is_one_chunk_ending_the_stream(body: bytes) -> None:
-    (answer,) = envoy_msgs.streamed_body_answers(body)
+    (answer,) = envoy_msgs.streamed_body_answers(spliced(body))
     assert answer.WhichOneof("response") == "request_body"
     streamed = answer.request_body.response.body_mutation.streamed_response
     assert streamed.body == body and streamed.end_of_stream

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
+from extproc.protocol.bodies import Spliced
 from extproc.request.http1 import (
     MAX_ANSWER_BYTES,
     Answer,
@@ -57,7 +58,8 @@ class ScriptedServer:
 @pytest.fixture
 async def server() -> AsyncIterator[ScriptedServer]:
     scripted = ScriptedServer(lambda request: OK)
-    listening = await asyncio.start_server(scripted.handle, "127.0.0.1", 0)
+    # a request of up to 4 MiB read whole (a body as its pieces is one of a MiB)
+    listening = await asyncio.start_server(scripted.handle, "127.0.0.1", 0, limit=4 << 20)
     port = listening.sockets[0].getsockname()[1]
     scripted.destination = Destination(f"127.0.0.1:{port}")
     yield scripted
@@ -87,6 +89,25 @@ async def test_an_answer_is_read_whole_and_its_connection_reused(server: Scripte
         b"POST /v1/completions HTTP/1.1\r\nhost: p\r\ncontent-length: 2\r\n"
         b"x-request-id: r\r\n\r\n{}"
     )
+
+
+@pytest.mark.parametrize("size", [16, 1 << 20], ids=["joined", "as-its-pieces"])
+async def test_a_spliced_body_goes_out_whole_after_its_head(
+    server: ScriptedServer, size: int
+) -> None:
+    """A P body kept as its pieces (views into the client's body): a short one joined into
+    one write, a long one written piece by piece; the server reads the same bytes."""
+    body = Spliced((b'"', memoryview(b"x" * size), b'"', b"{}"), size + 4)
+    data = head("/v1/completions", "p", {"x-request-id": "r"}, len(body))
+    connections = Connections(60)
+    try:
+        answer = await asyncio.wait_for(
+            connections.post(server.destination, data, WAIT_S, body), WAIT_S
+        )
+    finally:
+        connections.close()
+    assert answer.status == 200
+    assert server.requests == [data + bytes(body)]
 
 
 async def test_a_chunked_answer_is_joined(server: ScriptedServer) -> None:

@@ -82,7 +82,7 @@ def test_without_a_healthy_p_the_plan_is_decode_only_when_allowed() -> None:
         plan = plan_request(REQUEST, {}, rt.config, rt.scheduler, rt.identities, inflight)
     assert isinstance(plan, DecodeOnlyPlan) and plan.strategy is Strategy.DECODE_ONLY
     assert (plan.reason, plan.decodes, plan.prefill) == ("no_prefill", [D], None)
-    assert orjson.loads(plan.d_body) == orjson.loads(REQUEST_BODY)
+    assert orjson.loads(bytes(plan.d_body)) == orjson.loads(REQUEST_BODY)
 
 
 def test_the_plan_reads_the_priority_under_the_snapshot_it_is_given() -> None:
@@ -103,8 +103,8 @@ def test_parallel_plan_gives_d_the_cached_identity_and_p_the_same_transfer() -> 
     with ExitStack() as inflight:
         plan = plan_legs(REQUEST, "r1", _picked(inflight), (Strategy.PARALLEL, "cache_hit"), ENGINE)
     assert isinstance(plan, ParallelPlan) and plan.given is ENGINE
-    d_params = orjson.loads(plan.d_body)["kv_transfer_params"]
-    p_params = orjson.loads(plan.p_body)["kv_transfer_params"]
+    d_params = orjson.loads(bytes(plan.d_body))["kv_transfer_params"]
+    p_params = orjson.loads(bytes(plan.p_body))["kv_transfer_params"]
     assert d_params["remote_engine_id"] == "e1" and d_params["remote_request_id"] == "r1"
     assert d_params["transfer_id"] == p_params["transfer_id"] == "xfer-r1"
 
