@@ -342,10 +342,12 @@ async def test_prefill_down_at_start_up_is_used_once_it_comes_up() -> None:
             prefill = f"127.0.0.1:{prefill_engine.port}"
             assert (await topo.ready())["prefill"][prefill]["healthy"] is False
             await wait_healthy(topo, "prefill", prefill, True)
-            for _ in range(50):  # re-probed once healthy
+            for _ in range(300):  # re-probed once healthy (its probe may wait for a busy core)
                 if (await topo.ready())["identities"].get(prefill, {}).get("engine_id"):
                     break
                 await asyncio.sleep(0.1)
+            else:
+                raise AssertionError(f"{prefill} was never probed again once healthy")
             status, body, _ = await topo.post("/v1/completions", COMPLETION)
             assert status == 200, body
             [(d_record)] = await topo.seen(topo.decodes[0])

@@ -282,3 +282,8 @@ def test_a_spliced_body_is_cut_into_chunks_that_join_to_it(size: int) -> None:
     assert b"".join(chunks) == whole == bytes(body) and len(body) == size
     expected = [6] * (size // 6) + ([size % 6] if size % 6 else []) or [0]
     assert [len(chunk) for chunk in chunks] == expected
+
+
+def test_an_empty_object_stays_an_object() -> None:
+    assert bytes(decode_body(members(b"{}"), None)) == b"{}"
+    assert bytes(decode_body(members(b" { } "), {"a": 1})) == b'{"kv_transfer_params":{"a":1}}'
