@@ -268,9 +268,12 @@ def _with_body(body: bytes, end_of_stream: bool, request_side: bool) -> ep.Proce
 def streamed_body_answers(body: Spliced) -> Iterator[ep.ProcessingResponse]:
     """Streamed body: the whole new body (the client's chunks were consumed), in chunks of a
     MiB cut from its pieces one at a time as each is written."""
-    last = max(0, len(body) - 1) // _CHUNK
-    for index, chunk in enumerate(body.chunks(_CHUNK)):
-        yield _with_body(chunk, index == last, True)
+    chunks = body.chunks(_CHUNK)
+    chunk = next(chunks)  # there is always one, empty for an empty body
+    for following in chunks:
+        yield _with_body(chunk, False, True)
+        chunk = following
+    yield _with_body(chunk, True, True)  # the last one ends the stream
 
 
 _CONTINUE_REQUEST_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())

@@ -89,3 +89,14 @@ def test_a_streamed_body_goes_out_in_chunks_of_a_mib_the_last_ending_the_stream(
     assert [len(c.body) for c in chunks] == [1 << 20, 1 << 20, len(body) - (2 << 20)]
     assert b"".join(c.body for c in chunks) == bytes(body)
     assert [c.end_of_stream for c in chunks] == [False, False, True]
+
+
+@pytest.mark.parametrize("size", [1 << 20, (1 << 20) + 1, 2 << 20], ids=["1MiB", "1MiB+1", "2MiB"])
+def test_only_the_last_chunk_ends_the_stream_whatever_the_size(size: int) -> None:
+    head = b'{"p":"'
+    body = Spliced((head, b"x" * (size - len(head) - 2), b'"}'), size)
+    answers = tuple(decode_answers(plan(None), body, exchange(True)))[1:]
+    chunks = [a.request_body.response.body_mutation.streamed_response for a in answers]
+    assert len(chunks) == -(-size // (1 << 20))
+    assert [c.end_of_stream for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert b"".join(c.body for c in chunks) == bytes(body)
