@@ -358,13 +358,13 @@ async def test_a_burst_of_events_is_applied_in_slices_that_let_the_loop_run() ->
             turns += 1
             await asyncio.sleep(0)
 
-    watch.start()
-    await asyncio.wait_for(watch.synced.wait(), 5)
-    other = asyncio.create_task(beside())
+    other = asyncio.create_task(beside())  # before the burst: every slice of it is counted
     try:
+        watch.start()
+        await asyncio.wait_for(watch.synced.wait(), 5)
         await until(lambda: len(watch.objects) == events, "the burst")
+    finally:
         burst_done.set()
         await other
-    finally:
         await watch.stop()
     assert turns >= events // 64 - 1  # a turn at least every slice, not once for the burst
