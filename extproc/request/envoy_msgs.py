@@ -103,8 +103,8 @@ def repeated_headers(headers: ep.HttpHeaders, names: Iterable[str]) -> dict[str,
 REPLY_DETAILS = "response.code_details"
 _ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
 _NEVER_SENT = ("no_healthy_upstream", "cluster_not_found", "connection_failure", "overflow")
-# D's streamed body goes out in chunks of this size: each answer's copies (the message, its
-# serialisation) are then a MiB, reused warm, rather than three more copies of the whole body.
+# D's streamed body goes out in chunks of this size: each answer's copies (the chunk joined from
+# the body's pieces, the message, its serialisation) are then a MiB, reused warm, not the body.
 _CHUNK = 1 << 20
 
 
@@ -242,7 +242,7 @@ def body_answer(
     answer = ep.ProcessingResponse()
     common = answer.request_body.response
     common.header_mutation.CopyFrom(mutation)
-    common.body_mutation.body = bytes(body)  # in place: `_with_body`; its one whole copy
+    common.body_mutation.body = bytes(body)  # in place: `_with_body`; the pieces joined once
     return answer
 
 

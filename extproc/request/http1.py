@@ -106,9 +106,11 @@ class _Connection(asyncio.Protocol):
         self._headers, self._body, self._size = {}, [], 0
         self.reusable = False
         self.transport.write(data)
-        if isinstance(body, Spliced) and len(body) < _PIECES_FROM:
-            body = bytes(body)  # one write (one send), not one per member
-        for piece in body.pieces if isinstance(body, Spliced) else (body,):
+        if isinstance(body, Spliced) and len(body) >= _PIECES_FROM:
+            pieces = body.pieces  # no whole copy of a long body
+        else:
+            pieces = (bytes(body),)  # one write (one send), not one per member
+        for piece in pieces:
             if piece:
                 self.transport.write(memoryview(piece))
         return self._answer
