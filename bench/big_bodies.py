@@ -1,8 +1,9 @@
 """Small requests beside eight concurrent 10 MB prompts: their latency, and where the ext_proc's
 event loop spends its time (issue 35's check: small requests' p99 under 0.5 s).
 
-One instant vllmsim 1P1D (push); four clients send 2 KB completions in a closed loop while eight
-10 MB prompts (spaces between two words: the engines skip them at once) go through together.
+One instant vllmsim 1P1D (push); four clients (a process of their own) send 2 KB completions in
+a closed loop while eight 10 MB prompts (spaces between two words: the engines skip them at
+once) go through together.
 `--cprofile PATH` runs the ext_proc under cProfile (its main thread: the event loop) and
 prints the functions with the most own time.
 
@@ -75,23 +76,52 @@ async def post(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
     return time.perf_counter() - started
 
 
-async def one_round(url: str) -> tuple[list[float], list[float]]:
-    """The small requests' latencies, and the big ones', for one burst of eight."""
-    big, small = big_body(), small_body()
-    smalls: list[float] = []
+async def small_clients(url: str) -> None:
+    """`--small-client`: four clients sending small requests in a closed loop until standard
+    input closes, then their latencies as JSON on standard output. A process of its own, as
+    another client is: in the big bodies' process, its requests waited on that loop too."""
+    small, latencies = small_body(), []
     done = asyncio.Event()
-    timeout = aiohttp.ClientTimeout(total=120)
+    stdin = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
 
-    async def small_client(session: aiohttp.ClientSession) -> None:
+    async def client(session: aiohttp.ClientSession) -> None:
         while not done.is_set():
-            smalls.append(await post(session, url, small))
+            latencies.append(await post(session, url, small))
 
-    async with aiohttp.ClientSession(timeout=timeout) as small_session:
-        clients = [asyncio.create_task(small_client(small_session)) for _ in range(4)]
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            bigs = await asyncio.gather(*(post(session, url, big) for _ in range(8)))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        clients = [asyncio.create_task(client(session)) for _ in range(4)]
+        print("ready", flush=True)
+        await stdin.read()
         done.set()
         await asyncio.gather(*clients)
+    print(orjson.dumps(latencies).decode(), flush=True)
+
+
+async def one_round(url: str) -> tuple[list[float], list[float]]:
+    """The small requests' latencies (another process's clients), and the big ones', for one
+    burst of eight."""
+    big = big_body()
+    other = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        "--small-client",
+        url,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert other.stdin is not None and other.stdout is not None
+    try:
+        assert await asyncio.wait_for(other.stdout.readline(), 30) == b"ready\n"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            bigs = await asyncio.gather(*(post(session, url, big) for _ in range(8)))
+        other.stdin.close()
+        smalls = orjson.loads(await asyncio.wait_for(other.stdout.read(), 60))
+    finally:
+        if other.returncode is None:
+            other.kill()
+        await other.wait()
     return smalls, list(bigs)
 
 
@@ -226,6 +256,7 @@ async def main(args: argparse.Namespace) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small-client", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quiet-s", type=float, default=0.0, help="pause between rounds")
@@ -238,4 +269,7 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    arguments = parse_args()
+    asyncio.run(
+        small_clients(arguments.small_client) if arguments.small_client else main(arguments)
+    )
