@@ -54,6 +54,9 @@ log = logging.getLogger("extproc")
 
 _FOLLOW_WAIT_S = 5.0  # the follower's wake-up when nothing changes (every wait has a timeout)
 _ROUTED_BLOCKS = 65_536  # (engine, block) entries remembered for engines without events
+# A P leg's prompt is remembered (`sent`) by its first 256 blocks (4096 tokens): its start is
+# what draws it back to its P, and its keys cost the loop about 0.08 ms per 1000 tokens.
+_SENT_BLOCKS = 256
 _MAX_BASE_MODELS = 1024  # engines whose base model is kept: far more than any pool has
 _MAX_SERVED_NAMES = 64  # of one engine's base-model names (its --served-model-name list)
 
@@ -74,6 +77,10 @@ class Cached:
     # where engines not heard from are estimated: by_endpoint counting, for those, only what
     # has reached them (the decision's D); None: by_endpoint is what they hold
     landed: dict[str, int] | None = None
+    # where an engine heard from was sent more of the prompt than its events say it holds
+    # (it evicted some): by_endpoint with that depth instead, the prefill pool's view of it
+    # (PickRequest.sent_or_held); None: by_endpoint
+    sent_or_held: dict[str, int] | None = None
 
 
 class KvRouting:
@@ -83,9 +90,16 @@ class KvRouting:
         self.index = index
         self.watchers = watchers or KvEventWatchers(index, metrics)
         self.routed = RoutedBlocks(_ROUTED_BLOCKS)  # where prompts went, for silent engines
+        self.sent = RoutedBlocks(_ROUTED_BLOCKS)  # what Ps heard from were sent (sent_or_held)
         self.routed_bytes = RoutedBytes()  # where prompts went, for groups not tokenized
         self._approximated: frozenset[str] = frozenset()
-        self._last_keys: tuple[Sequence[int] | None, CacheScope, list[int]] = (None, PLAIN, [])
+        # the last prompt's keys: (its ids, its scope, the keys, whether all of them)
+        self._last_keys: tuple[Sequence[int] | None, CacheScope, list[int], bool] = (
+            None,
+            PLAIN,
+            [],
+            True,
+        )
         self._base_of: dict[str, str] = {}  # engine address → the base model it serves
         self._names_of: dict[str, frozenset[str]] = {}  # engine address → its base's names
         self._bases: frozenset[str] = frozenset()  # every name of a base model, for scope_of
@@ -210,7 +224,8 @@ class KvRouting:
         """Per engine: how many leading tokens of `token_ids` it holds in `scope`, by its
         events; for an engine not heard from, how many of them this sidecar routed to it in
         that scope (an estimate). A data-parallel server's ranks are folded into it (its
-        best), and kept per rank."""
+        best), and kept per rank. And per engine heard from that was sent more of the prompt
+        than it holds: that depth (`Cached.sent_or_held`)."""
         found = self.index.cached_tokens(token_ids, scope)
         by_rank: dict[str, dict[int, int]] = {}
         if self._rank_of:
@@ -219,29 +234,49 @@ class KvRouting:
                 tokens = found.pop(engine)
                 by_rank.setdefault(address, {})[rank] = tokens
                 found[address] = max(found.get(address, 0), tokens)
-        silent = self.routed.engines() - found.keys()
-        if not silent:
+        if not self.routed and not self.sent:
             return Cached(found, by_rank)
-        keys = self._routed_keys(token_ids, scope)
+        silent = self.routed.engines() - found.keys()
+        keys = self._routed_keys(token_ids, scope, None if silent else _SENT_BLOCKS)
+        sent = self.sent.held(keys[:_SENT_BLOCKS], self.sent.engines())
+        evicted = {e: n for e, n in sent.items() if n > found.get(e, 0)}
+        if not silent:
+            return Cached(found, by_rank, sent_or_held=(found | evicted) if evicted else None)
         landed = found | self.routed.held(keys, silent, reached=True)
-        return Cached(found | self.routed.held(keys, silent), by_rank, landed)
+        estimated = found | self.routed.held(keys, silent)
+        return Cached(estimated, by_rank, landed, (estimated | evicted) if evicted else None)
 
-    def _routed_keys(self, token_ids: Sequence[int], scope: CacheScope) -> list[int]:
-        """The prompt's keys for `routed`, computed once for its lookup and its `remember`."""
-        if self._last_keys[0] is not token_ids or self._last_keys[1] != scope:
-            self._last_keys = (token_ids, scope, self.routed.keys(token_ids, scope))
-        return self._last_keys[2]
+    def _routed_keys(
+        self, token_ids: Sequence[int], scope: CacheScope, blocks: int | None = None
+    ) -> list[int]:
+        """The prompt's keys for `routed` (its first `blocks`: for `sent`), computed once
+        for its lookup and its `remember`."""
+        ids, held_scope, keys, whole = self._last_keys
+        enough = whole or (blocks is not None and blocks <= len(keys))
+        if ids is not token_ids or held_scope != scope or not enough:
+            tokens = len(token_ids) if blocks is None else blocks * self.routed.block_size
+            whole = len(token_ids) <= tokens
+            keys = self.routed.keys(token_ids if whole else token_ids[:tokens], scope)
+            self._last_keys = (token_ids, scope, keys, whole)
+        return keys[:blocks]
 
     def remember(
-        self, engines: Sequence[str], token_ids: Sequence[int], scope: CacheScope = PLAIN
+        self,
+        engines: Sequence[str],
+        token_ids: Sequence[int],
+        scope: CacheScope = PLAIN,
+        prefill: str | None = None,
     ) -> None:
         """The prompt was routed to `engines` in `scope`: those not heard from probably hold
-        it now."""
+        it now. The P among them (`prefill`) was sent it (`Cached.sent_or_held`, once it is
+        heard from)."""
         silent = [e for e in engines if not self._heard_from(e)]
         if silent:
             keys = self._routed_keys(token_ids, scope)
             for engine in silent:
                 self.routed.remember(engine, keys)
+        if prefill is not None:  # before its first events too: the opening burst's placement
+            self.sent.remember(prefill, self._routed_keys(token_ids, scope, _SENT_BLOCKS))
 
     # -- cache scopes --------------------------------------------------------------------------
 
@@ -278,6 +313,7 @@ class KvRouting:
     def forget(self, engine: str) -> None:
         """The engine left its pool: what was routed to it no longer counts."""
         self.routed.forget(engine)
+        self.sent.forget(engine)
         self.routed_bytes.forget(engine)
         self._base_of.pop(engine, None)
         self._told.pop(engine, None)
@@ -315,6 +351,7 @@ class KvRouting:
         """The engine's process changed (the restart detector): what it held is gone (every
         rank's, for a data-parallel server: one process)."""
         self.routed.forget(engine)
+        self.sent.forget(engine)
         self.routed_bytes.forget(engine)
         for each in [engine, *self._ranks.get(engine, ())]:
             if each in self._wanted:

@@ -40,6 +40,10 @@ class PickRequest:
     # The approximate mode's (what was sent where): of `cached`, what has reached each
     # engine, which the decode-only decision counts as D's; None: `cached` is what they hold
     landed: Mapping[str, int] | None = field(default=None, repr=False, compare=False)
+    # `cached` as the prefill pool scores it (`KvRouting.lookup`): an engine heard from is
+    # credited with the prompt this sidecar sent it even where its events say it was evicted
+    # since; None: `cached`
+    sent_or_held: Mapping[str, int] | None = field(default=None, repr=False, compare=False)
 
 
 class EndpointView(Protocol):

@@ -205,6 +205,7 @@ def pick_request(
         (cached := kv.lookup(tokens, scope)).by_endpoint,
         cached.by_rank,
         cached.landed,
+        cached.sent_or_held,
     )
 
 
@@ -296,13 +297,13 @@ def plan_request(
     picked = scheduler.pick(wanted, inflight, config, subset, fallbacks)
     landing: Sequence[int] = ()  # the keys its D is credited under, until D has it (`land`)
     if kv is not None and scope is not None:  # looked up: where its blocks went
-        engines = [picked.prefill] if isinstance(picked, WithPrefill) else []
-        engines.append(picked.decodes[0])
+        prefill = picked.prefill if isinstance(picked, WithPrefill) else None
+        engines = [picked.decodes[0]] if prefill is None else [prefill, picked.decodes[0]]
         if sent is not None:
             kv.remember_bytes(engines, sent[1])
             landing = sent[1]
         else:
-            kv.remember(engines, tokens or [], scope)
+            kv.remember(engines, tokens or [], scope, prefill)
             landing = kv.sent_keys(picked.decodes[0], tokens or [], scope)
     request_id = str(uuid.uuid4())
     if isinstance(picked, DecodeAlone):

@@ -27,7 +27,7 @@ from extproc.roles import Role
 from extproc.scheduling.decision import Sides, decide
 from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import Scheduler, WithPrefill, pool_picker
-from tests.extproc.kvcache.kv_events_helpers import BLOCK, chain
+from tests.extproc.kvcache.kv_events_helpers import BLOCK, chain, removed
 from tests.extproc.kvcache.kv_events_helpers import batch as _batch
 
 LOAD_AWARE = DecisionConfig(mode="load_aware", pd_overhead_ms=0)
@@ -474,6 +474,37 @@ def test_an_engine_that_connects_without_ranks_is_no_rank_of_a_server() -> None:
     assert metrics.kv_index_resets.labels(P1, "restart")._value.get() == 1
 
 
+def test_a_p_that_evicted_a_prompt_it_was_sent_still_draws_it_and_counts_only_its_rest(
+    tokenizer_dir: Path,
+) -> None:
+    """The prefill pool scores and loads a P by what it was sent (`sent_or_held`); the
+    decision and the metrics by what it holds. Without it, P1 (a little busier, and the
+    prompt's events gone from it) lost the prompt to P2 and counted all 40 tokens as its."""
+    cfg = parse_config(config(str(tokenizer_dir), kv_events={}, policy="kv_cache"))
+    metrics = Metrics()
+    routing = KvRouting(KvIndex(100), metrics)
+    tokens = list(range(1, 41))
+    for engine in (P1, P2, D1):  # each heard from, holding none of the prompt
+        routing.index.apply(engine, _decoded(chain(500 + len(engine), [0] * BLOCK)))
+    routing.remember([P1, D1], tokens, prefill=P1)
+    found = routing.lookup(tokens)
+    wanted = PickRequest(
+        prefix=b"x",
+        prompt_tokens=40,
+        cached=found.by_endpoint,
+        sent_or_held=found.sent_or_held,
+    )
+    scheduler = scheduler_for(cfg, routing, metrics)
+    scheduler.prefill.get(P1).pending_tokens = 10
+    with ExitStack() as inflight:
+        picked = scheduler.pick(wanted, inflight, cfg)
+        assert isinstance(picked, WithPrefill) and picked.prefill == P1
+        assert scheduler.prefill.get(P1).pending_tokens == 10 + 40 - 32
+    assert 'pd_extproc_kv_cached_prompt_tokens_total{role="prefill"} 0.0' in (
+        metrics.render().decode()
+    )
+
+
 def test_the_kv_cache_policy_pins_the_rank_holding_the_prompt(tokenizer_dir: Path) -> None:
     cfg = parse_config(
         config(str(tokenizer_dir), kv_events={}, policy="kv_cache", data_parallel_size=2)
@@ -619,6 +650,39 @@ def test_what_was_sent_to_an_engine_not_heard_from_reaches_it_once_landed() -> N
     assert routing.sent_keys(P2, prompt) == []  # heard from: nothing to land
     routing.land(P1, routing.sent_keys(P1, prompt))
     assert routing.lookup(prompt).landed == {P1: 32, P2: 0}
+
+
+def test_a_p_is_credited_in_the_prefill_pools_view_with_what_it_was_sent_and_evicted() -> None:
+    """`Cached.sent_or_held`: a P heard from that evicted a prompt this sidecar sent it (before
+    its first events too) keeps that depth there; what the engines hold (`by_endpoint`, which
+    the decision and the metrics read) stays what their events say."""
+    routing = KvRouting(KvIndex(100), Metrics())
+    prompt = list(range(40))  # two blocks of 16 for the memory, ten of 4 for the events
+    routing.remember([P1, D1], prompt, prefill=P1)  # neither heard from yet
+    routing.index.apply(P1, _decoded(chain(1, prompt[:32])))
+    routing.index.apply(D1, _decoded(chain(100, [7] * BLOCK)))
+    cached = routing.lookup(prompt)
+    assert (cached.by_endpoint, cached.sent_or_held) == ({P1: 32, D1: 0}, None)
+    routing.index.apply(P1, _decoded(removed(list(range(5, 9)))))  # P1 evicted half of it
+    cached = routing.lookup(prompt)
+    assert (cached.by_endpoint, cached.sent_or_held) == ({P1: 16, D1: 0}, {P1: 32, D1: 0})
+    assert routing.lookup(list(range(100, 140))).sent_or_held is None  # sent nowhere
+    routing.remember([D1], list(range(100, 140)))  # decode-only: no P was sent it
+    assert routing.lookup(list(range(100, 140))).sent_or_held is None
+    routing.engine_restarted(P1)  # a restarted P was sent nothing it holds
+    assert routing.lookup(prompt).sent_or_held is None
+
+
+def test_a_p_is_credited_with_the_start_of_a_long_prompt_it_was_sent() -> None:
+    """A P leg's prompt is remembered by its first 4096 tokens (what draws it back, at a
+    bounded cost per request); an engine not heard from keeps the whole prompt's estimate."""
+    routing = KvRouting(KvIndex(100), Metrics())
+    prompt = list(range(5000))
+    routing.remember([P1, D1], prompt, prefill=P1)
+    routing.index.apply(P1, _decoded(chain(1, [7] * BLOCK)))  # heard from, holding none of it
+    cached = routing.lookup(prompt)
+    assert cached.by_endpoint == {P1: 0, D1: 4992}  # D1: the estimate, 312 whole blocks of 16
+    assert cached.sent_or_held == {P1: 4096, D1: 4992}
 
 
 def test_routed_blocks_count_only_in_the_scope_they_were_routed_in() -> None:
