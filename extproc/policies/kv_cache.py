@@ -7,7 +7,9 @@ the same unit (a token's prefill cost cancels out). Each candidate scores
 
 `cached` is the prompt's leading tokens it holds (from the engines' KV events:
 `PickRequest.cached`, full blocks × block size): on P the prefill not computed, on D the KV not
-transferred (vLLM's connector asks P only for the blocks D lacks). The rest is the work ahead
+transferred (vLLM's connector asks P only for the blocks D lacks). The scheduler gives the
+prefill pool a P's events' view raised to what this sidecar sent it (`sent_or_held`), so that
+a prompt P evicted goes back there. The rest is the work ahead
 of the request there: `pending_tokens`, the tokens of this sidecar's requests in flight there
 that the engine did not hold when they were picked (raised at the pick, so a burst sees it at
 once), and a fixed cost per request (ours in flight, and others' seen at the last scrape) for

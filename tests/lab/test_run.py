@@ -348,9 +348,9 @@ def test_under_load_a_prompt_being_computed_still_draws_its_group(tmp_path: Path
 def test_with_tight_p_caches_a_prompt_p_evicted_goes_back_to_it(tmp_path: Path) -> None:
     """The same shape, seed 7: each P's events showed it evicting prompts, and the prefill
     pool counted every request of an evicted prompt queued there at its whole length, so the
-    P looked busy, the prompt moved to the other P and evicted another there (`kv_events`
-    TTFT p50 0.82 x round robin's). Scored and loaded by what it was sent, a P gets its
-    prompts back: 0.06 x (over seeds 1-10: mean 0.42 -> 0.12)."""
+    P looked busy, the prompt moved to the other P and evicted another there (TTFT p50
+    0.54 x round robin's). Scored and loaded by what it was sent, a P gets its prompts back:
+    0.05 x (bench/lab_batches.py's cell over seeds 1-10: mean 0.42 -> 0.12)."""
     tight = SharedPrefix(groups=16, system_tokens=2048, question_tokens=64, output_tokens=64)
     rng = random.Random("lab-workload/shared-prefix/7")
     chains = GENERATORS["shared-prefix"](rng, 256, tight)  # type: ignore[call-arg]
