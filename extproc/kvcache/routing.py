@@ -90,7 +90,7 @@ class KvRouting:
         self.index = index
         self.watchers = watchers or KvEventWatchers(index, metrics)
         self.routed = RoutedBlocks(_ROUTED_BLOCKS)  # where prompts went, for silent engines
-        self.sent = RoutedBlocks(_ROUTED_BLOCKS)  # what Ps heard from were sent (sent_or_held)
+        self.sent = RoutedBlocks(_ROUTED_BLOCKS)  # what each P was sent (for sent_or_held)
         self.routed_bytes = RoutedBytes()  # where prompts went, for groups not tokenized
         self._approximated: frozenset[str] = frozenset()
         # the last prompt's keys: (its ids, its scope, the keys, whether all of them)
