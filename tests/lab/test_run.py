@@ -262,6 +262,27 @@ def test_the_default_stall_budget_keeps_short_answers_tpot_near_round_robins(
     assert decided["ttft_ms"]["p50"] < 0.95 * blind["ttft_ms"]["p50"]
 
 
+def tight_prefill_caches(seed: int) -> tuple[Workload, Settings]:
+    """bench/lab_batches.py's tight shared-prefix cell with its draw for `seed`: 2P2D,
+    C = 64, 16 system prompts of 2048 tokens, every P's KV cache 1280 blocks (10 of them)."""
+    tight = SharedPrefix(groups=16, system_tokens=2048, question_tokens=64, output_tokens=64)
+    rng = random.Random(f"lab-workload/shared-prefix/{seed}")
+    chains = GENERATORS["shared-prefix"](rng, 256, tight)  # type: ignore[call-arg]
+    workload = Workload("shared-prefix C=64", chains, open_loop=False, concurrency=64)
+    topology, profile = parse_topology("2P2D"), PROFILES["gpu-8b"]
+    return workload, Settings(topology, profile, seed=seed, prefill_kv_blocks=1280)
+
+
+def round_robin_and_kv_events(
+    tmp_path: Path, workload: Workload, settings: Settings
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The run's summary with round robin, then with `kv_events`' routing (LOAD_AWARE)."""
+    rr = "dispatch: {mode: push}\n" + ROUND_ROBIN
+    blind = run_config(config_file(tmp_path, "rr", rr), workload, settings)
+    events = "dispatch: {mode: push}\n" + LOAD_AWARE
+    return blind, run_config(config_file(tmp_path, "kv", events), workload, settings)
+
+
 def test_the_approximate_mode_lets_d_prefill_alone_only_what_has_reached_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -279,11 +300,7 @@ def test_the_approximate_mode_lets_d_prefill_alone_only_what_has_reached_it(
         return original(cost, prefill_tokens, decode_seqs)
 
     monkeypatch.setattr(vllmsim.engine, "step_seconds", spy)
-    tight = SharedPrefix(groups=16, system_tokens=2048, question_tokens=64, output_tokens=64)
-    rng = random.Random("lab-workload/shared-prefix/8")  # bench/lab_batches.py's draw
-    chains = GENERATORS["shared-prefix"](rng, 256, tight)  # type: ignore[call-arg]
-    workload = Workload("shared-prefix C=64", chains, open_loop=False, concurrency=64)
-    settings = Settings(parse_topology("2P2D"), PROFILES["gpu-8b"], seed=8, prefill_kv_blocks=1280)
+    workload, settings = tight_prefill_caches(8)
     approximate = """
 dispatch: {mode: push}
 decision: {mode: load_aware}
@@ -332,16 +349,7 @@ def test_under_load_a_prompt_being_computed_still_draws_its_group(tmp_path: Path
     which evicted each other for the rest of the run (`kv_events` TTFT p50 0.26 x round
     robin's, against 0.06 when the second of a prompt queues behind the first). Under load
     the prefix being computed counts as before."""
-    tight = SharedPrefix(groups=16, system_tokens=2048, question_tokens=64, output_tokens=64)
-    rng = random.Random("lab-workload/shared-prefix/1")
-    chains = GENERATORS["shared-prefix"](rng, 256, tight)  # type: ignore[call-arg]
-    workload = Workload("shared-prefix C=64", chains, open_loop=False, concurrency=64)
-    settings = Settings(parse_topology("2P2D"), PROFILES["gpu-8b"], seed=1, prefill_kv_blocks=1280)
-    rr = "dispatch: {mode: push}\n" + ROUND_ROBIN
-    blind = run_config(config_file(tmp_path, "rr", rr), workload, settings)
-    routed = run_config(
-        config_file(tmp_path, "kv", "dispatch: {mode: push}\n" + LOAD_AWARE), workload, settings
-    )
+    blind, routed = round_robin_and_kv_events(tmp_path, *tight_prefill_caches(1))
     assert routed["ttft_ms"]["p50"] < 0.15 * blind["ttft_ms"]["p50"]
 
 
@@ -351,15 +359,6 @@ def test_with_tight_p_caches_a_prompt_p_evicted_goes_back_to_it(tmp_path: Path) 
     P looked busy, the prompt moved to the other P and evicted another there (TTFT p50
     0.54 x round robin's). Scored and loaded by what it was sent, a P gets its prompts back:
     0.05 x (bench/lab_batches.py's cell over seeds 1-10: mean 0.42 -> 0.12)."""
-    tight = SharedPrefix(groups=16, system_tokens=2048, question_tokens=64, output_tokens=64)
-    rng = random.Random("lab-workload/shared-prefix/7")
-    chains = GENERATORS["shared-prefix"](rng, 256, tight)  # type: ignore[call-arg]
-    workload = Workload("shared-prefix C=64", chains, open_loop=False, concurrency=64)
-    settings = Settings(parse_topology("2P2D"), PROFILES["gpu-8b"], seed=7, prefill_kv_blocks=1280)
-    rr = "dispatch: {mode: push}\n" + ROUND_ROBIN
-    blind = run_config(config_file(tmp_path, "rr", rr), workload, settings)
-    routed = run_config(
-        config_file(tmp_path, "kv", "dispatch: {mode: push}\n" + LOAD_AWARE), workload, settings
-    )
+    blind, routed = round_robin_and_kv_events(tmp_path, *tight_prefill_caches(7))
     assert routed["ttft_ms"]["p50"] < 0.2 * blind["ttft_ms"]["p50"]
     assert routed["tpot_ms"]["p99"] <= 1.06 * blind["tpot_ms"]["p99"]
