@@ -51,17 +51,23 @@ ENGINE_SITE = Path(__file__).resolve().parent / "engine_site" / "sitecustomize.p
 # as a source port before the engine binds it (seen once: the side channel's "Address already in
 # use" under a busy machine). Below the range, only another explicit bind can take it.
 _ENGINE_PORTS = range(20000, 32768)
+# Every port handed out so far: two engines started together each see the other's port free
+# until it binds, so a number is never handed out twice in one process.
+_HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
     """An unused loopback port for an engine to bind, outside the ephemeral range."""
     for port in random.sample(_ENGINE_PORTS, 200):
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     raise RuntimeError(f"no free loopback port in {_ENGINE_PORTS}")
 
 
@@ -226,27 +232,45 @@ def start_engine(
     return engine
 
 
-def _healthy(url: str) -> bool:
+class EngineNotHealthy(RuntimeError):
+    """An engine that is running but has not answered /health with 200 in time."""
+
+
+def _health_probe(url: str) -> str | None:
+    """None when /health answered 200, else what went wrong (kept for the error message)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
+            return None if response.status == 200 else f"HTTP {response.status}"
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _listeners(port: int) -> str:
+    """Who listens on the port (`ss`), to tell a port taken by another process from a hang."""
+    try:
+        out = subprocess.run(
+            ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"ss failed: {error}"
+    return out.stdout.strip() or "nothing"
 
 
 def wait_healthy(engine: RealEngine, timeout_s: float = START_TIMEOUT_S) -> float:
-    """Seconds until /health answered 200; RuntimeError with the log tail otherwise."""
+    """Seconds until /health answered 200; RuntimeError with the log tail otherwise
+    (EngineNotHealthy when the engine is still running)."""
     started = time.monotonic()
-    while not _healthy(engine.url):
+    while (problem := _health_probe(engine.url)) is not None:
         if engine.process.poll() is not None:
             raise RuntimeError(
                 f"vLLM {engine.spec.role} on :{engine.port} exited "
                 f"({engine.process.returncode}):\n{engine.log_text()[-3000:]}"
             )
         if time.monotonic() - started > timeout_s:
-            raise RuntimeError(
-                f"vLLM {engine.spec.role} on :{engine.port} not healthy within "
-                f"{timeout_s:g} s:\n{engine.log_text()[-3000:]}"
+            raise EngineNotHealthy(
+                f"vLLM {engine.spec.role} (pid {engine.process.pid}) on :{engine.port} not "
+                f"healthy within {timeout_s:g} s; last probe: {problem}; listening there: "
+                f"{_listeners(engine.port)}\n{engine.log_text()[-3000:]}"
             )
         time.sleep(0.5)
     return time.monotonic() - started

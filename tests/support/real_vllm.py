@@ -15,6 +15,7 @@ import aiohttp
 
 from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
 from scripts.real_vllm import (
+    EngineNotHealthy,
     EngineSpec,
     RealEngine,
     pair_specs,
@@ -70,9 +71,22 @@ class EnginePool:
         for engine in fresh:
             self.engines[engine.spec.role] = engine  # registered first: stopped even on failure
         for engine in fresh:
-            await asyncio.to_thread(wait_healthy, engine)
+            await self._wait_or_restart(engine)
         roles = "+".join(s.role for s in specs)
         self.start_times.append((f"{kind} {roles}", time.monotonic() - started))
+
+    async def _wait_or_restart(self, engine: RealEngine) -> None:
+        """Wait for the engine; one that runs but never answers is started once more on fresh
+        ports (seen once in CI: a pull P logged start-up complete and then answered no probe),
+        and the first failure is printed so that its cause stays on record."""
+        try:
+            await asyncio.to_thread(wait_healthy, engine)
+        except EngineNotHealthy as error:
+            print(f"real_vllm: starting {engine.spec.role} again after: {error}", flush=True)
+            await asyncio.to_thread(stop_engine, engine)
+            again = start_engine(engine.spec, self.log_dir)
+            self.engines[engine.spec.role] = again
+            await asyncio.to_thread(wait_healthy, again)
 
     async def drop(self, role: str) -> None:
         """Stop one engine (e.g. one a test killed); the next `get` starts it afresh."""
