@@ -50,7 +50,8 @@ RESULTS = ROOT / "bench" / "results" / "lab-matrix.md"
 BASELINE = "round_robin"
 _POOLS = "prefill: {{{0}endpoints: [127.0.0.1:8100]}}\ndecode: {{{0}endpoints: [127.0.0.1:8200]}}\n"
 CONFIGS = {
-    "round_robin": "dispatch: {mode: push}\n" + _POOLS.format(""),
+    "round_robin": "dispatch: {mode: push}\ndecision: {mode: off}\n"
+    + _POOLS.format("policy: round_robin, "),
     "kv_events": (
         "dispatch: {mode: push}\ndecision: {mode: load_aware}\ntokenizer: tokenizer.json\n"
         + _POOLS.format("policy: kv_cache, kv_events: {port: 5557}, ")

@@ -33,13 +33,16 @@ SHARED_PREFIXES = 64
 _KV = "policy: kv_cache, kv_events: {port: 5557}, "
 CONFIGS = {
     "round_robin": (
-        "prefill: {endpoints: [127.0.0.1:8100]}\ndecode: {endpoints: [127.0.0.1:8200]}\n"
+        "decision: {mode: off}\nprefill: {policy: round_robin, endpoints: [127.0.0.1:8100]}\n"
+        "decode: {policy: round_robin, endpoints: [127.0.0.1:8200]}\n"
     ),
     "kv_cache": (
+        "decision: {mode: off}\n"
         f"prefill: {{{_KV}endpoints: [127.0.0.1:8100]}}\n"
         f"decode: {{{_KV}endpoints: [127.0.0.1:8200]}}\n"
     ),
     "kv_cache_dp2": (
+        "decision: {mode: off}\n"
         f"prefill: {{{_KV}data_parallel_size: 2, endpoints: [127.0.0.1:8100]}}\n"
         f"decode: {{{_KV}data_parallel_size: 2, endpoints: [127.0.0.1:8200]}}\n"
     ),

@@ -37,8 +37,9 @@ from vllmsim.profiles import PROFILES
 _KV = "policy: kv_cache, kv_events: {port: 5557}"
 _APPROX = "policy: kv_cache"
 CONFIGS = {
-    "rr": "dispatch: {mode: push}\nprefill: {endpoints: [127.0.0.1:8100]}\n"
-    "decode: {endpoints: [127.0.0.1:8200]}\n",
+    "rr": "dispatch: {mode: push}\ndecision: {mode: off}\n"
+    "prefill: {policy: round_robin, endpoints: [127.0.0.1:8100]}\n"
+    "decode: {policy: round_robin, endpoints: [127.0.0.1:8200]}\n",
     "kvla": "dispatch: {mode: push}\ndecision: {mode: load_aware}\n"
     f"prefill: {{{_KV}, endpoints: [127.0.0.1:8100]}}\n"
     f"decode: {{{_KV}, endpoints: [127.0.0.1:8200]}}\n",

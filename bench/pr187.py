@@ -86,10 +86,12 @@ def interpolated(concurrency: int) -> dict[str, float]:
 
 
 def config_text(mode: str) -> str:
-    """pd-extproc's config for a column: round robin (the default policy), the PR's mode."""
+    """pd-extproc's config for a column: round robin and always both legs, as the PR's
+    router ran, in the PR's mode."""
     return (
-        "prefill: {endpoints: [127.0.0.1:8100]}\n"
-        "decode: {endpoints: [127.0.0.1:8200]}\n"
+        "prefill: {policy: round_robin, endpoints: [127.0.0.1:8100]}\n"
+        "decode: {policy: round_robin, endpoints: [127.0.0.1:8200]}\n"
+        "decision: {mode: off}\n"
         f"dispatch: {{mode: {mode}}}\n"
     )
 

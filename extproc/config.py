@@ -302,7 +302,7 @@ class PoolConfig(_Strict):
     dns: str | None = None  # "name:port"; every A/AAAA record is one endpoint
     kubernetes: KubernetesSource | None = None
     inference_pool: InferencePoolSource | None = None
-    policy: PolicyName = "round_robin"
+    policy: PolicyName = "kv_cache"
     # The policy's options (extproc.policies: each policy's options model). Written flat in
     # the pool (`kv_usage_weight: 2`), or nested under `options:`; both forms are accepted.
     options: SerializeAsAny[BaseModel] = NoOptions()
@@ -334,7 +334,7 @@ class PoolConfig(_Strict):
             )
         owners = option_keys()
         keys = {k: data.pop(k) for k in list(data) if k in owners} | nested
-        policy = data.get("policy", "round_robin")
+        policy = data.get("policy", "kv_cache")
         for owner in {owners.get(k, policy) for k in keys} | {policy}:
             if owner in POLICIES:
                 mine = {k: v for k, v in keys.items() if owners.get(k, policy) == owner}
@@ -613,7 +613,7 @@ class DecisionConfig(_Strict):
     expected times with them. See `extproc.scheduling.decision`.
     """
 
-    mode: Annotated[DecisionMode, OffAsWritten] = DecisionMode.OFF  # YAML `off` is false
+    mode: Annotated[DecisionMode, OffAsWritten] = DecisionMode.LOAD_AWARE  # YAML `off` is false
     # The prompt's token count is estimated as its JSON bytes / this (no tokenizer on the
     # request path); ~4 for English text with a BPE tokenizer.
     bytes_per_token: PositiveFloat = 4.0

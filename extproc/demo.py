@@ -92,6 +92,9 @@ async def run_demo(stop: asyncio.Event, once: bool, requests: int, port: int) ->
             {
                 "prefill": {"endpoints": [f"127.0.0.1:{e.port}" for e in engines[:2]]},
                 "decode": {"endpoints": [f"127.0.0.1:{e.port}" for e in engines[2:]]},
+                # The demo shows the two legs; by default an idle D would serve these short
+                # prompts alone (faster than the P/D round trip), so it turns that off.
+                "decision": {"mode": "off"},
                 "extproc": {"port": 0},
                 "metrics": {"port": 0},
                 "envoy": {"listen": {"port": port}},

@@ -46,8 +46,39 @@ class SidecarHandle:
         return await asyncio.wait_for(self.process.wait(), timeout_s)
 
 
+_POOLS = ("prefill", "decode")
+
+
+def _round_robin_pools(section: dict[str, Any]) -> dict[str, Any]:
+    out = dict(section)
+    for role in _POOLS:
+        if isinstance(out.get(role), dict):
+            out[role] = {"policy": "round_robin", **out[role]}
+    return out
+
+
+def fixed_routing(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with round robin on every pool and the decision off, where it names neither.
+
+    The defaults route by the KV cache and let D serve a prompt alone when that is faster: a
+    test of a leg, a failure or a metric wants to know which engine comes next and that both
+    legs run, so it states the predictable routing, and a test of routing states its own.
+    """
+    out = _round_robin_pools(config)
+    if isinstance(out.get("models"), dict):
+        out["models"] = {
+            name: _round_robin_pools(group) if isinstance(group, dict) else group
+            for name, group in out["models"].items()
+        }
+    decision = out.get("decision", {})
+    if isinstance(decision, dict):
+        out["decision"] = {"mode": "off", **decision}
+    return out
+
+
 def ephemeral_config(prefill: list[Any], decode: list[Any], **extra: Any) -> dict[str, Any]:
-    """A config with every port left to the OS; `extra` merges top-level sections."""
+    """A config with every port left to the OS, round robin and no decision (`fixed_routing`);
+    `extra` merges top-level sections."""
     config: dict[str, Any] = {
         "prefill": {"endpoints": prefill},
         "decode": {"endpoints": decode},
@@ -62,7 +93,7 @@ def ephemeral_config(prefill: list[Any], decode: list[Any], **extra: Any) -> dic
             config[key] = {**config[key], **value}
         else:
             config[key] = value
-    return config
+    return fixed_routing(config)
 
 
 async def _wait_ready(

@@ -166,6 +166,9 @@ def product_image() -> float:
             str(ROOT),
         ]
         run_step("docker build", build)
+        # The image this tag named before is left dangling; under vfs every layer is a whole
+        # copy (~1 GB a build), so without this each run leaks one into /var/lib/docker.
+        run_step("docker image prune", [DOCKER, "image", "prune", "--force"])
     finally:
         shutil.rmtree(wheelhouse, ignore_errors=True)
     return time.monotonic() - started

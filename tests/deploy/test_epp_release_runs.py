@@ -18,6 +18,7 @@ import yaml
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc.testing import fixed_routing
 from tests.support.deploy import one
 from tests.support.engines import MODEL
 from tests.support.epp import running_epp
@@ -72,7 +73,9 @@ async def test_release_config_picks_for_the_example_pool_behind_a_gateway(
 ) -> None:
     port = _shared_port()
     docs = release(kube_bin, "envoy-gateway", **{"engines.port": str(port)})
-    config = yaml.safe_load(one(docs, "ConfigMap")["data"]["pd-extproc.yaml"])
+    # the release's config, every request through P (short prompts on idle engines would
+    # otherwise be served by D alone, and this checks both legs behind the gateway)
+    config = fixed_routing(yaml.safe_load(one(docs, "ConfigMap")["data"]["pd-extproc.yaml"]))
     probes = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     labels = {
         d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]

@@ -22,7 +22,7 @@ import yaml
 
 from extproc.headers import DESTINATION_HEADER
 from extproc.process.envoy_process import EnvoyProcess
-from extproc.testing import scrape
+from extproc.testing import fixed_routing, scrape
 from tests.support.engines import address, engine_requests
 from tests.support.snippet import render, serving, users_envoy
 from vllmsim.launcher import FAST, PUSH_D, PUSH_P, running_engine
@@ -70,14 +70,16 @@ async def test_drop_in_behaves_like_the_rendered_bootstrap(tmp_path: Path, envoy
         config = tmp_path / "pd-extproc.yaml"
         config.write_text(
             yaml.safe_dump(
-                {
-                    "prefill": {"endpoints": [address(p)]},
-                    "decode": {"endpoints": [address(d)]},
-                    "extproc": {"host": "127.0.0.1", "port": 0},
-                    "metrics": {"port": 0},
-                    "health": {"interval_s": 0.5, "timeout_s": 0.5},
-                    "timeouts": {"kv_wait_s": 1.5},
-                }
+                fixed_routing(
+                    {
+                        "prefill": {"endpoints": [address(p)]},
+                        "decode": {"endpoints": [address(d)]},
+                        "extproc": {"host": "127.0.0.1", "port": 0},
+                        "metrics": {"port": 0},
+                        "health": {"interval_s": 0.5, "timeout_s": 0.5},
+                        "timeouts": {"kv_wait_s": 1.5},
+                    }
+                )
             )
         )
         extproc = await stack.enter_async_context(serving(config, sock, tmp_path / "serve.log"))

@@ -21,9 +21,14 @@ from tests.support.topology import Topology, address, topology, until
 SHARED = " ".join(f"word{i}" for i in range(24))  # under prompt-start hashing's 256 bytes
 
 
-@pytest.fixture
-async def topo_2p1d() -> AsyncIterator[Topology]:
-    async with topology(2, 1, prefill={"policy": "kv_cache"}) as topo:
+@pytest.fixture(params=["stated", "default"])
+async def topo_2p1d(request: pytest.FixtureRequest) -> AsyncIterator[Topology]:
+    """kv_cache named in the config, or left to the default (a config naming no policy)."""
+    if request.param == "stated":
+        routing = topology(2, 1, prefill={"policy": "kv_cache"})
+    else:
+        routing = topology(2, 1, default_policy=True)
+    async with routing as topo:
         yield topo
 
 

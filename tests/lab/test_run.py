@@ -203,7 +203,8 @@ def test_percentile_interpolates_between_ranks() -> None:
 def _data_parallel(policy: str, mode: str = "auto") -> str:
     events = "kv_events: {port: 5557}, " if policy == "kv_cache" else ""
     pool = f"{{policy: {policy}, {events}data_parallel_size: 2, endpoints: [127.0.0.1:8100]}}"
-    return f"prefill: {pool}\ndecode: {pool}\ndispatch: {{mode: {mode}}}\n"
+    # every request through P, so that both ranks of every server take legs
+    return f"prefill: {pool}\ndecode: {pool}\ndispatch: {{mode: {mode}}}\ndecision: {{mode: off}}\n"
 
 
 def test_data_parallel_servers_are_served_and_followed_rank_by_rank(tmp_path: Path) -> None:

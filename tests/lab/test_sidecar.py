@@ -29,8 +29,9 @@ def test_the_engines_load_is_read_at_the_scrapers_intervals(tmp_path: Path) -> N
     text = """
 tokenizer: /models/not-here
 prefill: {policy: power_of_two, load_interval_s: 0.5, endpoints: [127.0.0.1:8100]}
-decode: {kv_events: {port: 5557}, endpoints: [127.0.0.1:8200]}
+decode: {policy: round_robin, kv_events: {port: 5557}, endpoints: [127.0.0.1:8200]}
 health: {interval_s: 3}
+decision: {mode: off}
 """
 
     async def intervals() -> dict[str, float]:

@@ -18,6 +18,7 @@ import yaml
 from multidict import CIMultiDict
 
 from extproc.process.subprocesses import terminate
+from extproc.testing import fixed_routing
 from tests.support.engines import (
     MODEL,
     PUSH,
@@ -60,7 +61,7 @@ def epp_config(prefills: list[Any], decodes: list[Any], **extra: Any) -> dict[st
     }
     for key, value in extra.items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
-    return config
+    return fixed_routing(config)
 
 
 async def _ready(path: Path, process: asyncio.subprocess.Process, log: Path) -> dict[str, Any]:

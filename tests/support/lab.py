@@ -7,12 +7,16 @@ from pathlib import Path
 
 ROUND_ROBIN = """
 prefill:
+  policy: round_robin
   endpoints: [127.0.0.1:8100]
 decode:
+  policy: round_robin
   endpoints: [127.0.0.1:8200]
+decision: {mode: off}
 """
 
 RANDOM = """
+decision: {mode: off}
 prefill:
   policy: random
   endpoints: [127.0.0.1:8100]
@@ -22,6 +26,7 @@ decode:
 """
 
 KV_CACHE = """
+decision: {mode: off}
 tokenizer: /models/not-here  # the lab's placeholder stands in: prompts are token ids
 prefill:
   policy: kv_cache

@@ -13,11 +13,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 from grpc import aio
 
-from extproc.config import parse_config
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.tracing import RequestTrace
 from extproc.wiring import Runtime
+from tests.support.routing import fixed_routing_config
 from tests.support.scripted_envoy import STREAMED_REQUEST as REQUEST
 from tests.support.scripted_envoy import WAIT_S, ScriptedEnvoy, headers
 from tests.support.scripted_prefill import ScriptedPrefill
@@ -46,7 +46,7 @@ class PickerRequest:
             "dispatch": {"probe": False},
             **config,
         }
-        self.rt = Runtime(parse_config(config), "", endpoint_picker=picker_mode)
+        self.rt = Runtime(fixed_routing_config(config), "", endpoint_picker=picker_mode)
         self.prefill = ScriptedPrefill()
         self.trace = ClientContext()
         deps = self.rt.request_deps

@@ -10,12 +10,12 @@ from typing import Any
 
 import orjson
 
-from extproc.config import parse_config
 from extproc.protocol.identity import identity_from_params
 from extproc.request.prefill_client import PrefillCall, PrefillResult
 from extproc.request.processor import RequestProcessor
 from extproc.request.stream import EnvoyStream
 from extproc.wiring import Runtime
+from tests.support.routing import fixed_routing_config
 from tests.support.scripted_envoy import D1, IDENTITY, WAIT_S, P, ScriptedEnvoy
 
 
@@ -91,7 +91,7 @@ def runtime(
 ) -> Runtime:
     """A runtime over one P and `decodes`; `settings`: more config sections (timeouts, ...)."""
     pools = {"prefill": {"endpoints": [P]}, "decode": {"endpoints": list(decodes)}}
-    rt = use_prefill(Runtime(parse_config(pools | settings), "unix:/nonexistent"), prefill)
+    rt = use_prefill(Runtime(fixed_routing_config(pools | settings), "unix:/nonexistent"), prefill)
     if cached:
         rt.identities.learn(P, identity_from_params(IDENTITY))
     return rt

@@ -20,11 +20,13 @@ import yaml
 from extproc.bootstrap.render import render_bootstrap, render_yaml
 from extproc.config import parse_config
 from extproc.process.envoy_process import EnvoyProcess
+from extproc.testing import fixed_routing
 from vllmsim.launcher import PUSH_D, PUSH_P, running_engine
 
 
 class Split:
     def __init__(self, tmp: Path, config: dict) -> None:
+        config = fixed_routing(config)
         self.tmp = tmp
         self.config_path = tmp / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(config))

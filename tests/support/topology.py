@@ -13,7 +13,13 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 
-from extproc.testing import SidecarHandle, ephemeral_config, running_sidecar, scrape
+from extproc.testing import (
+    SidecarHandle,
+    ephemeral_config,
+    fixed_routing,
+    running_sidecar,
+    scrape,
+)
 from tests.support.engines import (
     MODEL,
     PULL,
@@ -157,9 +163,12 @@ async def topology(
     engine_flags: Sequence[str] | Callable[[], Sequence[str]] = (),
     extra_prefills: Sequence[EngineHandle] = (),
     endpoint: Callable[[EngineHandle], Any] = address,
+    default_policy: bool = False,
     **config: Any,
 ) -> AsyncIterator[Topology]:
-    """`endpoint`: an engine's entry in its pool's `endpoints` (its address, or a mapping)."""
+    """`endpoint`: an engine's entry in its pool's `endpoints` (its address, or a mapping).
+    Routing is round robin without the decision unless stated (`fixed_routing`);
+    `default_policy` leaves a pool that names no policy on the product's default."""
     async with contextlib.AsyncExitStack() as stack:
         prefills = await start_engines(stack, n_prefill, connectors[0], engine_flags)
         prefills += extra_prefills
@@ -175,7 +184,11 @@ async def topology(
             )
             | pools
         )
-        sidecar = await stack.enter_async_context(running_sidecar(cfg))
+        routed = fixed_routing(cfg)
+        for role in ("prefill", "decode"):
+            if default_policy and "policy" not in cfg[role]:
+                del routed[role]["policy"]
+        sidecar = await stack.enter_async_context(running_sidecar(routed))
         session = await stack.enter_async_context(aiohttp.ClientSession())
         topo = Topology(prefills, decodes, sidecar, session)
         topo.engines_by_address = {address(e): e for e in topo.engines}

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from extproc.config import KvCheckConfig, parse_config
+from extproc.config import KvCheckConfig
 from extproc.engines.kv_check import KvCheck, prompt_tokens_by_source
 from extproc.engines.load import EngineLoad, parse_load, rank_loads
 from extproc.engines.restarts import RestartDetector
@@ -20,6 +20,7 @@ from extproc.metrics import Metrics
 from extproc.policies import PickRequest
 from extproc.scheduling.pool import EndpointState
 from extproc.wiring import Runtime
+from tests.support.routing import fixed_routing_config
 
 VLLM_METRICS = """\
 # HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
@@ -172,7 +173,7 @@ CONFIG = {
 
 
 def test_plan_covers_load_aware_pools_of_models_groups_and_kv_check() -> None:
-    config = parse_config(
+    config = fixed_routing_config(
         CONFIG
         | {
             "kv_check": {"interval_s": 10},
@@ -197,7 +198,7 @@ def test_plan_covers_load_aware_pools_of_models_groups_and_kv_check() -> None:
 
 
 def test_plan_covers_pools_with_kv_events_for_restart_detection() -> None:
-    config = parse_config(
+    config = fixed_routing_config(
         CONFIG
         | {
             "kv_check": {"enabled": False},
@@ -210,7 +211,7 @@ def test_plan_covers_pools_with_kv_events_for_restart_detection() -> None:
 
 
 async def scraped_runtime(config: dict[str, object]) -> Runtime:
-    rt = Runtime(parse_config(config), "unix:/nonexistent")
+    rt = Runtime(fixed_routing_config(config), "unix:/nonexistent")
     async with aiohttp.ClientSession() as session:
         rt._session = session  # the wiring's session, normally opened by start()
         await rt.scraper.scrape_due()

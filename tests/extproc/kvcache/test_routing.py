@@ -14,7 +14,7 @@ import pytest
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from extproc.config import ConfigError, DecisionConfig, parse_config
+from extproc.config import ConfigError, DecisionConfig
 from extproc.kvcache.index import KvIndex, chain_keys
 from extproc.kvcache.routing import KvRouting, approximated_groups, event_sources, kv_groups
 from extproc.kvcache.scope import PLAIN, CacheScope
@@ -29,6 +29,7 @@ from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import Scheduler, WithPrefill, pool_picker
 from tests.extproc.kvcache.kv_events_helpers import BLOCK, chain, removed
 from tests.extproc.kvcache.kv_events_helpers import batch as _batch
+from tests.support.routing import fixed_routing_config
 
 LOAD_AWARE = DecisionConfig(mode="load_aware", pd_overhead_ms=0)
 IDLE = Sides(0, 0, 0, 0, 0, 0)
@@ -59,7 +60,9 @@ def config(tokenizer: str | None, **pool: object) -> dict[str, object]:
 
 
 def test_every_member_publishes_at_its_host_on_the_pools_ports(tokenizer_dir: Path) -> None:
-    cfg = parse_config(config(str(tokenizer_dir), kv_events={"port": 7000, "replay_port": None}))
+    cfg = fixed_routing_config(
+        config(str(tokenizer_dir), kv_events={"port": 7000, "replay_port": None})
+    )
     members = {"": {Role.PREFILL: [P1, "10.9.9.9:8000"], Role.DECODE: ["[fd00::1]:9000"]}}
     assert event_sources(cfg, members, {""}) == {
         P1: EventSource("tcp://10.0.0.1:7000"),
@@ -72,7 +75,7 @@ def test_every_member_publishes_at_its_host_on_the_pools_ports(tokenizer_dir: Pa
 def test_a_static_endpoint_may_name_its_own_sockets(tokenizer_dir: Path) -> None:
     own = {"address": P2, "kv_events": {"port": 7100, "replay_port": 7101}}
     ipc = {"address": D1, "kv_events": {"endpoint": "ipc:///run/d.pub"}}
-    cfg = parse_config(
+    cfg = fixed_routing_config(
         {
             "prefill": {"endpoints": [P1, own], "kv_events": {}},
             "decode": {"endpoints": [ipc], "kv_events": {"topic": "kv"}},
@@ -92,7 +95,7 @@ def test_members_that_connect_to_the_listener_are_followed_by_address_model_and_
 ) -> None:
     """`kv_events: {mode: listen}`: no socket of the engine's to subscribe to; its member,
     model group and rank, and a replay socket only where replay_port is set."""
-    cfg = parse_config(
+    cfg = fixed_routing_config(
         {
             "prefill": {"endpoints": [P1], "kv_events": {"mode": "listen"}},
             "decode": {"endpoints": [D1], "kv_events": {"mode": "listen", "replay_port": 7100}},
@@ -109,7 +112,7 @@ def test_members_that_connect_to_the_listener_are_followed_by_address_model_and_
         f"{D1} dp1": EventSource("", "tcp://10.0.0.3:7101", "", D1, 1, ""),
     }
     with pytest.raises(ConfigError, match="an IP address to bind"):
-        parse_config({**config(None), "kv_listener": {"host": "gateway-epp"}})
+        fixed_routing_config({**config(None), "kv_listener": {"host": "gateway-epp"}})
 
 
 @pytest.mark.parametrize(
@@ -148,7 +151,7 @@ def test_members_that_connect_to_the_listener_are_followed_by_address_model_and_
 )
 def test_bad_kv_settings_fail_at_load_in_one_line(data: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as error:
-        parse_config(data)
+        fixed_routing_config(data)
     assert str(error.value).splitlines()[0].startswith(message.replace("Value error, ", ""))
 
 
@@ -156,7 +159,7 @@ def test_kv_events_without_a_tokenizer_warn_once_and_route_without(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     routing = KvRouting(KvIndex(100), Metrics())
-    cfg = parse_config(config(None, kv_events={}))
+    cfg = fixed_routing_config(config(None, kv_events={}))
     with caplog.at_level(logging.WARNING, "extproc"):
         routing.configure(kv_groups(cfg))
         routing.configure(kv_groups(cfg))  # a reload
@@ -173,7 +176,7 @@ def test_kv_events_without_a_tokenizer_say_kv_cache_routes_by_what_was_sent_wher
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     routing = KvRouting(KvIndex(100), Metrics())
-    cfg = parse_config(config(None, kv_events={}, policy="kv_cache"))
+    cfg = fixed_routing_config(config(None, kv_events={}, policy="kv_cache"))
     with caplog.at_level(logging.WARNING, "extproc"):
         routing.configure(kv_groups(cfg), approximated_groups(cfg))
     assert [r.getMessage() for r in caplog.records] == [
@@ -196,12 +199,12 @@ def test_kv_events_without_a_tokenizer_say_kv_cache_routes_by_what_was_sent_wher
 def test_which_groups_route_by_what_was_sent_where(
     pool: dict[str, object], approximated: set[str], tokenizer_dir: Path
 ) -> None:
-    cfg = parse_config(config(None, **pool))
+    cfg = fixed_routing_config(config(None, **pool))
     assert approximated_groups(cfg) == approximated
     routing = KvRouting(KvIndex(100), Metrics())
     routing.configure(kv_groups(cfg), approximated_groups(cfg))
     assert routing.approximates("") is bool(approximated)
-    tokenized = parse_config(config(str(tokenizer_dir), kv_events={}, **pool))
+    tokenized = fixed_routing_config(config(str(tokenizer_dir), kv_events={}, **pool))
     routing.configure(kv_groups(tokenized), approximated_groups(tokenized))
     assert not routing.approximates("")  # its tokens and the engines' events rule
 
@@ -210,7 +213,7 @@ async def test_a_reload_that_drops_a_tokenizer_ends_its_worker_processes(
     tokenizer_dir: Path,
 ) -> None:
     routing = KvRouting(KvIndex(100), Metrics())
-    cfg = parse_config(config(str(tokenizer_dir), kv_events={}))
+    cfg = fixed_routing_config(config(str(tokenizer_dir), kv_events={}))
     routing.configure(kv_groups(cfg))
     old = routing.tokenizer_for("")
     assert old is not None
@@ -219,7 +222,7 @@ async def test_a_reload_that_drops_a_tokenizer_ends_its_worker_processes(
         routing.configure(kv_groups(cfg))  # a reload that keeps it
         assert routing.tokenizer_for("") is old
         assert old._all  # its workers run
-        routing.configure(kv_groups(parse_config(config(None))))  # a reload without it
+        routing.configure(kv_groups(fixed_routing_config(config(None))))  # a reload without it
         assert routing.tokenizer_for("") is None
         assert old._all == []  # its workers ended, not left running
     finally:
@@ -289,7 +292,7 @@ def test_a_burst_spreads_once_the_holders_queue_outweighs_its_cache(tokenizer_di
     """64 requests of one group at once, P2 and D2 holding its system prompt: each pick raises
     the work counted where it went, so the holders take requests only while that is less than
     what their caches save, and the others take the rest (P/D, nothing decode-only)."""
-    cfg = parse_config(
+    cfg = fixed_routing_config(
         {
             "prefill": {"endpoints": [P1, P2], "policy": "kv_cache", "kv_events": {}},
             "decode": {"endpoints": [D1, D2], "policy": "kv_cache", "kv_events": {}},
@@ -357,7 +360,9 @@ def test_threshold_counts_the_tokens_d_lacks() -> None:
 
 
 async def test_no_kv_events_means_no_tokenizing_and_no_lookup(tokenizer_dir: Path) -> None:
-    cfg = parse_config(config(str(tokenizer_dir)))  # a tokenizer, but no pool with kv_events
+    cfg = fixed_routing_config(
+        config(str(tokenizer_dir))
+    )  # a tokenizer, but no pool with kv_events
     routing = KvRouting(KvIndex(100), Metrics())
     routing.configure(kv_groups(cfg))
     scheduler = scheduler_for(cfg, routing)
@@ -367,7 +372,7 @@ async def test_no_kv_events_means_no_tokenizing_and_no_lookup(tokenizer_dir: Pat
 
 
 async def test_a_routed_request_is_looked_up_and_its_share_counted(tokenizer_dir: Path) -> None:
-    cfg = parse_config(config(str(tokenizer_dir), kv_events={}, policy="kv_cache"))
+    cfg = fixed_routing_config(config(str(tokenizer_dir), kv_events={}, policy="kv_cache"))
     metrics = Metrics()
     routing = KvRouting(KvIndex(100), metrics)
     routing.configure(kv_groups(cfg))
@@ -428,7 +433,9 @@ def test_the_chain_is_keyed_per_process() -> None:
 def test_each_rank_of_a_data_parallel_member_publishes_on_the_ports_plus_its_rank(
     tokenizer_dir: Path,
 ) -> None:
-    cfg = parse_config(config(str(tokenizer_dir), kv_events={"port": 7000, "replay_port": 7100}))
+    cfg = fixed_routing_config(
+        config(str(tokenizer_dir), kv_events={"port": 7000, "replay_port": 7100})
+    )
     members = {"": {Role.PREFILL: [P1, P2], Role.DECODE: [D1]}}
     sources = event_sources(cfg, members, {""}, lambda role, a: 2 if a == P1 else 1)
     assert sources == {
@@ -480,7 +487,7 @@ def test_a_p_that_evicted_a_prompt_it_was_sent_still_draws_it_and_counts_only_it
     """The prefill pool scores and loads a P by what it was sent (`sent_or_held`); the
     decision and the metrics by what it holds. Without it, P1 (a little busier, and the
     prompt's events gone from it) lost the prompt to P2 and counted all 40 tokens as its."""
-    cfg = parse_config(config(str(tokenizer_dir), kv_events={}, policy="kv_cache"))
+    cfg = fixed_routing_config(config(str(tokenizer_dir), kv_events={}, policy="kv_cache"))
     metrics = Metrics()
     routing = KvRouting(KvIndex(100), metrics)
     tokens = list(range(1, 41))
@@ -506,7 +513,7 @@ def test_a_p_that_evicted_a_prompt_it_was_sent_still_draws_it_and_counts_only_it
 
 
 def test_the_kv_cache_policy_pins_the_rank_holding_the_prompt(tokenizer_dir: Path) -> None:
-    cfg = parse_config(
+    cfg = fixed_routing_config(
         config(str(tokenizer_dir), kv_events={}, policy="kv_cache", data_parallel_size=2)
     )
     routing = KvRouting(KvIndex(100), Metrics())
@@ -541,7 +548,7 @@ def test_the_example_config_in_the_docs_loads(tokenizer_dir: Path) -> None:
     text = (Path(__file__).parents[3] / "docs" / "kv-cache.md").read_text()
     example = yaml.safe_load(text.split("```yaml\n", 1)[1].split("```", 1)[0])
     example["tokenizer"] = str(tokenizer_dir)  # the tiny model may not be built here
-    cfg = parse_config(example)
+    cfg = fixed_routing_config(example)
     assert (cfg.prefill.policy, cfg.decode.policy) == ("kv_cache", "kv_cache")
     members = {"": {role: cfg.static_addresses(role) for role in Role}}
     assert len(set(event_sources(cfg, members, {""}).values())) == 4  # a port pair each
@@ -787,7 +794,7 @@ def test_sources_of_several_groups_listening_roles_and_decode_only_events(
     its decode still does; a listening engine's source names its group, with no topic; a
     role absent from the members has none."""
     tokenizer = str(tokenizer_dir)
-    cfg = parse_config(
+    cfg = fixed_routing_config(
         {
             **config(None),
             "models": {
@@ -831,7 +838,7 @@ def test_a_static_endpoints_own_sockets_keep_their_replay_and_ranks_their_ipc_pa
     own = {"address": P2, "kv_events": {"endpoint": "tcp://10.0.0.2:7100"}}
     own = {**own, "kv_events": {**own["kv_events"], "replay_endpoint": "tcp://10.0.0.2:7200"}}
     ipc = {"address": D1, "kv_events": {"endpoint": "ipc:///run/kv:5557"}}
-    cfg = parse_config(
+    cfg = fixed_routing_config(
         {
             "prefill": {"endpoints": [P1, own], "kv_events": {"replay_port": None}},
             "decode": {"endpoints": [ipc], "kv_events": {}},

@@ -10,7 +10,6 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc.config import parse_config
 from extproc.policies import PrefixPicker
 from extproc.request.approx_cache import approximate
 from extproc.request.parse import Api, ClientRequest, parse_request
@@ -23,6 +22,7 @@ from extproc.request.plan import (
 )
 from extproc.scheduling.pool import EndpointState
 from extproc.wiring import Runtime
+from tests.support.routing import fixed_routing_config
 
 P1, P2 = "127.0.0.1:8101", "127.0.0.1:8102"
 D1, D2 = "127.0.0.1:8201", "127.0.0.1:8202"
@@ -34,7 +34,7 @@ def runtime(prefill: dict[str, Any] | None = None, **extra: Any) -> Runtime:
         "prefill": {"endpoints": [P1, P2], "policy": "kv_cache", **(prefill or {})},
         "decode": {"endpoints": [D1, D2], "policy": "kv_cache"},
     }
-    return Runtime(parse_config(pools | extra), "unix:/x")
+    return Runtime(fixed_routing_config(pools | extra), "unix:/x")
 
 
 def completion(prompt: str, **fields: object) -> ClientRequest:

@@ -8,7 +8,6 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc.config import parse_config
 from extproc.errors import ClientError
 from extproc.policies import PickRequest
 from extproc.protocol.identity import PrefillIdentity
@@ -24,6 +23,7 @@ from extproc.request.plan import (
 )
 from extproc.scheduling.scheduler import WithPrefill
 from extproc.wiring import Runtime
+from tests.support.routing import fixed_routing_config
 
 P, D = "127.0.0.1:8100", "127.0.0.1:8200"
 ENGINE = PrefillIdentity("e1", "127.0.0.1", 5600, 1, 1, 1, "push")
@@ -33,7 +33,7 @@ REQUEST = parse_request(Api("/v1/completions"), REQUEST_BODY, 1 << 20)
 
 
 def _picked(inflight: ExitStack, **config: Any) -> WithPrefill:
-    rt = Runtime(parse_config(POOLS | config), "unix:/x")
+    rt = Runtime(fixed_routing_config(POOLS | config), "unix:/x")
     picked = rt.scheduler.pick(PickRequest(), inflight, rt.config)
     assert isinstance(picked, WithPrefill)
     return picked
@@ -62,7 +62,7 @@ def test_plan_per_strategy(
 
 
 def test_plan_request_is_the_whole_plan_with_its_counts() -> None:
-    rt = Runtime(parse_config(POOLS), "unix:/x")
+    rt = Runtime(fixed_routing_config(POOLS), "unix:/x")
     rt.identities.learn(P, ENGINE)
     with ExitStack() as inflight:
         plan = plan_request(REQUEST, {}, rt.config, rt.scheduler, rt.identities, inflight)
@@ -75,7 +75,7 @@ def test_plan_request_is_the_whole_plan_with_its_counts() -> None:
 
 def test_without_a_healthy_p_the_plan_is_decode_only_when_allowed() -> None:
     rt = Runtime(
-        parse_config(POOLS | {"dispatch": {"no_healthy_prefill": "decode_only"}}), "unix:/x"
+        fixed_routing_config(POOLS | {"dispatch": {"no_healthy_prefill": "decode_only"}}), "unix:/x"
     )
     rt.prefill.set_healthy(P, False)
     with ExitStack() as inflight:
@@ -86,9 +86,9 @@ def test_without_a_healthy_p_the_plan_is_decode_only_when_allowed() -> None:
 
 
 def test_the_plan_reads_the_priority_under_the_snapshot_it_is_given() -> None:
-    rt = Runtime(parse_config(POOLS), "unix:/x")
+    rt = Runtime(fixed_routing_config(POOLS), "unix:/x")
     headers = {"x-priority": "high"}  # not an integer: counted only where the header is read
-    snapshot = parse_config(
+    snapshot = fixed_routing_config(
         POOLS | {"admission": {"enabled": True, "priority_header": "x-priority"}}
     )
     invalid = rt.metrics.invalid_priorities

@@ -14,7 +14,6 @@ import orjson
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from extproc.config import parse_config
 from extproc.errors import ClientError
 from extproc.kvcache.events import BlocksStored
 from extproc.metrics import Metrics
@@ -31,6 +30,7 @@ from extproc.scheduling.pool import Pool
 from extproc.scheduling.scheduler import Scheduler, pool_picker
 from extproc.scheduling.subset_hint import Subset
 from extproc.wiring import Runtime
+from tests.support.routing import fixed_routing_config
 
 P1, P2 = "127.0.0.1:8101", "127.0.0.1:8102"
 D1, D2, D3 = "127.0.0.1:8201", "127.0.0.1:8202", "127.0.0.1:8203"
@@ -64,7 +64,7 @@ def runtime(model_dir: Path, **extra: Any) -> Runtime:
         "prefill": {"endpoints": [P1, P2], "kv_events": {}},
         "decode": {"endpoints": [D1], "kv_events": {}},
     }
-    rt = Runtime(parse_config(pools | {"tokenizer": str(model_dir)} | extra), "unix:/x")
+    rt = Runtime(fixed_routing_config(pools | {"tokenizer": str(model_dir)} | extra), "unix:/x")
     rt.kv.learn_base_model(D1, "m")  # as the scraper learns it: "m" is no LoRA adapter
     return rt
 
@@ -155,14 +155,14 @@ async def test_only_the_requests_own_model_group_decides_whether_it_is_tokenized
         "tokenizer": str(model_dir),
     }
     config = {"prefill": {"endpoints": [P1]}, "decode": {"endpoints": [D1]}, "models": {"m": group}}
-    rt = Runtime(parse_config(config), "unix:/x")
+    rt = Runtime(fixed_routing_config(config), "unix:/x")
     assert await tokens_of(rt, Api.COMPLETIONS, {"prompt": "w1 w2"}) == ids("w1 w2")
     request = parse_request(Api.COMPLETIONS, b'{"model": "other", "prompt": "w1"}', 1 << 20)
     assert await request_tokens(request, rt.scheduler) is None
 
 
 async def test_a_scheduler_without_kv_routing_tokenizes_nothing(model_dir: Path) -> None:
-    cfg = parse_config({"prefill": {"endpoints": [P1]}, "decode": {"endpoints": [D1]}})
+    cfg = fixed_routing_config({"prefill": {"endpoints": [P1]}, "decode": {"endpoints": [D1]}})
     prefill = Pool(Role.PREFILL, cfg.static_addresses(Role.PREFILL), pool_picker(cfg.prefill))
     decode = Pool(Role.DECODE, cfg.static_addresses(Role.DECODE), pool_picker(cfg.decode))
     scheduler = Scheduler(cfg, prefill, decode, Metrics(), None)
@@ -271,7 +271,9 @@ async def test_pick_request_with_tokens_counts_what_the_tokenizer_left_out(model
 
 def test_a_plan_has_one_fallback_d_by_default_and_as_many_as_asked() -> None:
     rt = Runtime(
-        parse_config({"prefill": {"endpoints": [P1]}, "decode": {"endpoints": [D1, D2, D3]}}),
+        fixed_routing_config(
+            {"prefill": {"endpoints": [P1]}, "decode": {"endpoints": [D1, D2, D3]}}
+        ),
         "unix:/x",
     )
     with ExitStack() as inflight:
@@ -284,7 +286,9 @@ def test_a_plan_has_one_fallback_d_by_default_and_as_many_as_asked() -> None:
 
 def test_a_gateways_subset_bounds_the_plan() -> None:
     rt = Runtime(
-        parse_config({"prefill": {"endpoints": [P1, P2]}, "decode": {"endpoints": [D1, D2]}}),
+        fixed_routing_config(
+            {"prefill": {"endpoints": [P1, P2]}, "decode": {"endpoints": [D1, D2]}}
+        ),
         "unix:/x",
     )
     subset = Subset.of([P2, D2])
@@ -299,7 +303,8 @@ def test_a_gateways_subset_bounds_the_plan() -> None:
 def test_a_decode_only_plan_carries_ds_count() -> None:
     config = {"prefill": {"endpoints": [P1]}, "decode": {"endpoints": [D1]}}
     rt = Runtime(
-        parse_config(config | {"dispatch": {"no_healthy_prefill": "decode_only"}}), "unix:/x"
+        fixed_routing_config(config | {"dispatch": {"no_healthy_prefill": "decode_only"}}),
+        "unix:/x",
     )
     rt.prefill.set_healthy(P1, False)
     with ExitStack() as inflight:
@@ -310,7 +315,7 @@ def test_a_decode_only_plan_carries_ds_count() -> None:
 
 def test_plan_request_refuses_a_body_over_envoys_buffer() -> None:
     config = {"prefill": {"endpoints": [P1]}, "decode": {"endpoints": [D1]}}
-    rt = Runtime(parse_config(config | {"limits": {"max_body_bytes": 65536}}), "unix:/x")
+    rt = Runtime(fixed_routing_config(config | {"limits": {"max_body_bytes": 65536}}), "unix:/x")
     with ExitStack() as inflight, pytest.raises(ClientError) as caught:
         plan_request(
             completion("w1 " * 70_000), {}, rt.config, rt.scheduler, rt.identities, inflight

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from grpc import aio
 
-from extproc.config import Config, parse_config
+from extproc.config import Config
 from extproc.errors import PrefillFailed, PrefillTimeout, PrefillUnreachable
 from extproc.request.prefill_client import (
     PrefillCall,
@@ -31,6 +31,7 @@ from extproc.roles import Role
 from extproc.scheduling.pool import EndpointState
 from extproc.scheduling.shared_load import SharedLoad, table_bytes
 from extproc.wiring import Runtime
+from tests.support.routing import fixed_routing_config
 from tests.support.scripted_envoy import D1, REQUEST, WAIT_S, ScriptedEnvoy, body, headers
 from tests.support.scripted_prefill import run
 
@@ -85,7 +86,7 @@ def settings(
     (by default without the client's key, so that a direct leg carries the engines')."""
     key_file = tmp_path / key
     key_file.write_text(f"{key}\n")
-    return parse_config(
+    return fixed_routing_config(
         {
             "prefill": {"endpoints": [prefill]},
             "decode": {"endpoints": [D1]},

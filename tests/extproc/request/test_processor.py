@@ -19,7 +19,6 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc import aio
 
-from extproc.config import parse_config
 from extproc.errors import PrefillBusy, PrefillFailed, PrefillTimeout, PrefillUnreachable
 from extproc.headers import RANK_HEADER
 from extproc.policies import PickRequest
@@ -31,6 +30,7 @@ from extproc.scheduling.pool import EndpointState
 from extproc.tracing import RequestTrace
 from extproc.wiring import Runtime
 from tests.support.polling import until_true
+from tests.support.routing import fixed_routing_config
 from tests.support.scripted_envoy import (
     D1,
     D2,
@@ -85,7 +85,7 @@ class Request:
     ) -> None:
         config.setdefault("prefill", {"endpoints": [P]})
         config.setdefault("decode", {"endpoints": [D1, D2]})
-        self.rt = runtime or Runtime(parse_config(config), "unix:/nonexistent")
+        self.rt = runtime or Runtime(fixed_routing_config(config), "unix:/nonexistent")
         self.prefill = p_leg or ScriptedPrefill()
         self.trace = Trace()
         deps = self.rt.request_deps
@@ -961,7 +961,7 @@ async def test_watching_stops_after_request_s() -> None:
 
 def _reload(rt: Runtime, **timeouts: float) -> None:
     rt.reload(
-        parse_config(
+        fixed_routing_config(
             {"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D1, D2]}, "timeouts": timeouts}
         )
     )

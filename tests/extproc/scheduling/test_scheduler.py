@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from extproc.config import Config, DecisionConfig, parse_config
+from extproc.config import Config, DecisionConfig
 from extproc.errors import NoHealthyDecode, NoHealthyPrefill, Shed
 from extproc.metrics import Metrics
 from extproc.policies import PickRequest, build_picker
@@ -19,6 +19,7 @@ from extproc.scheduling.pool import EndpointState, Pool
 from extproc.scheduling.scheduler import DecodeAlone, Scheduler, WithPrefill
 from extproc.scheduling.shared_load import SharedLoad, table_bytes
 from extproc.scheduling.subset_hint import Subset
+from tests.support.routing import fixed_routing_config
 
 P1, P2, D1, D2 = "127.0.0.1:8100", "127.0.0.1:8101", "127.0.0.1:8200", "127.0.0.1:8201"
 POOLS = {"prefill": {"endpoints": [P1, P2]}, "decode": {"endpoints": [D1, D2]}}
@@ -27,7 +28,7 @@ SHORT, LONG = PickRequest("m", prompt_bytes=40), PickRequest("m", prompt_bytes=4
 
 
 def config(**sections: Any) -> Config:
-    return parse_config(POOLS | sections)
+    return fixed_routing_config(POOLS | sections)
 
 
 def scheduler(cfg: Config) -> Scheduler:
@@ -120,7 +121,7 @@ def test_ds_rank_and_a_fallback_that_has_that_rank() -> None:
             "data_parallel_size": 2,
         },
     }
-    cfg = parse_config(pools)
+    cfg = fixed_routing_config(pools)
     s = scheduler(cfg)
     with ExitStack() as inflight:
         first = s.pick(LONG, inflight, cfg)  # D1, rank 0: D2 has a rank 0 of its own (1 of 1)
@@ -271,7 +272,7 @@ def test_a_decode_that_left_its_pool_is_forgotten_by_the_decision() -> None:
 
 def data_parallel(policy: str) -> Config:
     """P1 and D1 with 2 ranks each, set on the endpoint (the default group has no size)."""
-    return parse_config(
+    return fixed_routing_config(
         {
             role: {"endpoints": [{"address": address, "data_parallel_size": 2}], "policy": policy}
             for role, address in (("prefill", P1), ("decode", D1))
