@@ -15,7 +15,11 @@ Long jobs (`long_from_bytes`) run in all workers but one, so that a burst of the
 the short ones wait out their time budget. Bounded: at most `max_pending` requests wait for or
 run in the workers, each for at most `timeout_s`; past either the answer is None and the caller
 routes without the KV index, and the worker of a job past its time is ended (and replaced)
-rather than left to run on. A prompt longer than the engines' context length
+rather than left to run on. A request routed without the index may go to an engine that does
+not hold its prompt, which then holds it too and evicts another: the queue is sized for a
+busy sidecar's concurrent prompts (16 routed a fifth of a 2P2D C = 64 burst so), and what it
+holds, one copy of each prompt, is within the bodies' own bound
+(`limits.max_body_bytes_in_flight`). A prompt longer than the engines' context length
 (`KvRouting.context`) is not worth its ids: None. A worker that dies costs its request (None)
 and is replaced; workers that cannot load the tokenizer (its files changed since the sidecar
 read them) say so once and are not used.
@@ -187,7 +191,7 @@ class OffLoopTokenizer:
         *,
         chat_template: str | None = None,
         workers: int = 2,
-        max_pending: int = 16,
+        max_pending: int = 256,
         inline_below_bytes: int = 512,
         timeout_s: float = 1.0,
         long_from_bytes: int = 256 << 10,

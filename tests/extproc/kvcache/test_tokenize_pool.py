@@ -440,3 +440,16 @@ def test_a_process_is_alive_until_it_has_exited() -> None:
     process.stdin.close()
     assert process.wait() == 0  # the probe sent it no signal
     assert not tokenize_pool._alive(process.pid)  # reaped: no such process now
+
+
+async def test_a_burst_of_concurrent_prompts_is_tokenized_whole(
+    pool: Callable[..., OffLoopTokenizer],
+) -> None:
+    """64 prompts of 2,000 words at once (a closed loop at C = 64, each over the inline size):
+    every one gets its ids. With a queue of 16, 48 were routed without the KV index, to a P
+    that did not hold their prefix, which then held it too and evicted another."""
+    off = pool(workers=1, timeout_s=30)
+    answers = await asyncio.gather(
+        *(off.ids(False, *completion(f"w{n % 100} {text(2000)}")) for n in range(64))
+    )
+    assert all(ids is not None and len(ids) == 2002 for ids in answers)
