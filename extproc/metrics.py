@@ -344,6 +344,13 @@ class Metrics:
             ["role"],
             registry=r,
         )
+        self.kv_untokenized_requests = Counter(
+            "pd_extproc_kv_untokenized_requests",
+            "Requests of a group that routes by the KV cache sent without their token ids (so "
+            "without the index), by why: queue_full, timeout, worker_died, unavailable.",
+            ["reason"],
+            registry=r,
+        )
         self.kv_cached_prompt_tokens = Counter(
             "pd_extproc_kv_cached_prompt_tokens",
             "Of those, the leading tokens the chosen engine held (per its KV events).",

@@ -145,13 +145,16 @@ class KvRouting:
     def _load(self, path: str) -> OffLoopTokenizer | None:
         if path not in self._by_path:
             try:
-                self._by_path[path] = OffLoopTokenizer(path)
+                self._by_path[path] = OffLoopTokenizer(path, on_unknown=self._untokenized)
             except TokenizerFilesError as error:
                 self._warn_once(path, f"KV-cache routing is off for {path}: {error}")
                 return None
             if self._task is not None:  # started: a reload's new tokenizer
                 self._by_path[path].warm()
         return self._by_path[path]
+
+    def _untokenized(self, reason: str) -> None:
+        self._metrics.kv_untokenized_requests.labels(reason=reason).inc()
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:

@@ -36,7 +36,7 @@ import select
 import signal
 import threading
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -195,6 +195,7 @@ class OffLoopTokenizer:
         inline_below_bytes: int = 512,
         timeout_s: float = 1.0,
         long_from_bytes: int = 256 << 10,
+        on_unknown: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.tokenizer = RequestTokenizer.from_path(path, chat_template)  # raises for bad files
         self.vocab_size = self.tokenizer.vocab_size
@@ -208,6 +209,8 @@ class OffLoopTokenizer:
         # Long jobs (a 10 MB prompt: a second) leave one worker to the short ones, which
         # would otherwise wait out their whole time budget behind them and route blind.
         self._long_from = long_from_bytes
+        # told why a request gets no ids (queue_full, timeout, worker_died, unavailable)
+        self._on_unknown = on_unknown
         self._long_lane = asyncio.Semaphore(max(1, workers - 1))
         # One single-process executor per worker, so that one overrunning job can be ended
         # alone (an executor cannot stop one job of several).
@@ -230,7 +233,8 @@ class OffLoopTokenizer:
         `context` (`token_ids`)."""
         if len(job) < self._inline_below:
             return _inline(self.tokenizer, chat, doc, context)
-        if self._pending >= self._max_pending or self._load_error is not None:
+        if self._load_error is not None or self._pending >= self._max_pending:
+            self._on_unknown("unavailable" if self._load_error is not None else "queue_full")
             return None
         self._pending += 1
         try:
@@ -241,6 +245,7 @@ class OffLoopTokenizer:
                     async with self._long_lane:
                         data = await self._in_worker(chat, job, context)
         except TimeoutError:
+            self._on_unknown("timeout")
             return None
         finally:
             self._pending -= 1
@@ -258,6 +263,7 @@ class OffLoopTokenizer:
             data = await asyncio.wrap_future(worker.submit(_work, chat, job, context))
             ended = False
         except BrokenProcessPool:
+            self._on_unknown("worker_died")
             if not self._closed:
                 log.warning("a tokenizer worker died; its request routes without the KV cache")
             return None

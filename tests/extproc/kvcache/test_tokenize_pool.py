@@ -453,3 +453,16 @@ async def test_a_burst_of_concurrent_prompts_is_tokenized_whole(
         *(off.ids(False, *completion(f"w{n % 100} {text(2000)}")) for n in range(64))
     )
     assert all(ids is not None and len(ids) == 2002 for ids in answers)
+
+
+async def test_why_a_request_got_no_ids_is_told(pool: Callable[..., OffLoopTokenizer]) -> None:
+    """The sidecar counts each request routed without its ids, by why (a metric)."""
+    told: list[str] = []
+    off = pool(workers=1, max_pending=1, timeout_s=0.05, on_unknown=told.append)
+    off.warm()
+    await worker_pids(off)
+    first = asyncio.create_task(off.ids(False, *completion(text(1_000_000))))
+    await asyncio.sleep(0)  # it runs to its first wait: the queue is full
+    assert await off.ids(False, *completion(text(2000))) is None
+    assert await first is None
+    assert told == ["queue_full", "timeout"]
