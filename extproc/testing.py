@@ -57,15 +57,16 @@ def _round_robin_pools(section: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fixed_routing(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` with round robin on every pool and the decision off, where it names neither.
+def fixed_routing(config: dict[str, Any], pools: bool = True) -> dict[str, Any]:
+    """`config` with round robin on every pool and the decision off, where it names neither
+    (`pools` False: the decision alone, the pools left on the default policy).
 
     The defaults route by the KV cache and let D serve a prompt alone when that is faster: a
     test of a leg, a failure or a metric wants to know which engine comes next and that both
     legs run, so it states the predictable routing, and a test of routing states its own.
     """
-    out = _round_robin_pools(config)
-    if isinstance(out.get("models"), dict):
+    out = _round_robin_pools(config) if pools else dict(config)
+    if pools and isinstance(out.get("models"), dict):
         out["models"] = {
             name: _round_robin_pools(group) if isinstance(group, dict) else group
             for name, group in out["models"].items()

@@ -184,10 +184,7 @@ async def topology(
             )
             | pools
         )
-        routed = fixed_routing(cfg)
-        for role in ("prefill", "decode"):
-            if default_policy and "policy" not in cfg[role]:
-                del routed[role]["policy"]
+        routed = fixed_routing(cfg, pools=not default_policy)
         sidecar = await stack.enter_async_context(running_sidecar(routed))
         session = await stack.enter_async_context(aiohttp.ClientSession())
         topo = Topology(prefills, decodes, sidecar, session)
