@@ -5,7 +5,8 @@ One instant vllmsim 1P1D (push); four clients (a process of their own) send 2 KB
 a closed loop while eight 10 MB prompts (spaces between two words: the engines skip them at
 once) go through together.
 `--cprofile PATH` runs the ext_proc under cProfile (its main thread: the event loop) and
-prints the functions with the most own time.
+prints the functions with the most own time; `--cprofile-engines PATH` each engine. `--pin`
+gives the sidecar (Envoy, the ext_proc) CPU 1 and the engines and clients CPU 0.
 
     python bench/big_bodies.py [--tokenizer] [--rounds 3] [--quiet-s 2] [--cprofile /tmp/p.prof]
 """
@@ -29,10 +30,13 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engines import INSTANT, running_engines
-from bench.procs import child_pids
+from bench.procs import child_pids, pinned
 from extproc.testing import ephemeral_config, running_sidecar
 
 MB = 1_000_000
+# `--pin`: the sidecar (Envoy, the ext_proc) on a core of its own, as on a machine apart from
+# the engines; the engines and the clients share the other.
+SIDECAR_CPUS, ENGINE_CPUS = {1}, {0}
 WORDS = [f"w{i}" for i in range(400)]
 # Starts cProfile in the ext_proc's process (a `sitecustomize` on its PYTHONPATH) and writes its
 # stats when the process exits.
@@ -175,9 +179,13 @@ def quantile(values: list[float], q: float) -> float:
 async def main(args: argparse.Namespace) -> None:
     env: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench-big-") as tmp:
-        if args.cprofile is not None:
+        engine_env: dict[str, str] = {}
+        if args.cprofile is not None or args.cprofile_engines is not None:
             (Path(tmp) / "sitecustomize.py").write_text(_HOOK)
+        if args.cprofile is not None:
             env = {"PYTHONPATH": tmp, "PD_CPROFILE": str(args.cprofile)}
+        if args.cprofile_engines is not None:
+            engine_env = {"PYTHONPATH": tmp, "PD_CPROFILE": str(args.cprofile_engines)}
         if args.baseline is not None:  # another version's `extproc` package
             env |= {"PYTHONPATH": str(args.baseline), "PYTHONSAFEPATH": "1"}
         if args.glibc_tunables:  # e.g. glibc.malloc.hugetlb=1: the heap in huge pages
@@ -186,7 +194,16 @@ async def main(args: argparse.Namespace) -> None:
             env["PYTHONASYNCIODEBUG"] = "1"  # logs each loop step over 0.1 s
         async with contextlib.AsyncExitStack() as stack:
             engines = await stack.enter_async_context(
-                running_engines("push", 1, 1, "sim-model", None, INSTANT)
+                running_engines(
+                    "push",
+                    1,
+                    1,
+                    "sim-model",
+                    None,
+                    INSTANT,
+                    ENGINE_CPUS if args.pin else None,
+                    env=engine_env,
+                )
             )
             config = ephemeral_config(
                 engines.addresses("prefill"),
@@ -199,9 +216,12 @@ async def main(args: argparse.Namespace) -> None:
             if args.tokenizer:
                 config["tokenizer"] = str(stall_tokenizer(Path(tmp)))
                 config["prefill"]["kv_events"] = config["decode"]["kv_events"] = {}
-            sidecar = await stack.enter_async_context(
-                running_sidecar(config, log_level="WARNING", env=env)
-            )
+            with pinned(SIDECAR_CPUS if args.pin else None):
+                sidecar = await stack.enter_async_context(
+                    running_sidecar(config, log_level="WARNING", env=env)
+                )
+            if args.pin:  # the clients (this process and the small one it starts) too
+                os.sched_setaffinity(0, ENGINE_CPUS)
             await asyncio.sleep(2.0)  # the probe
             load = " ".join(f"{x:.2f}" for x in os.getloadavg())
             envoy = child_pids(sidecar.pid)
@@ -248,8 +268,8 @@ async def main(args: argparse.Namespace) -> None:
             if args.slow_callbacks:
                 slow = [line for line in sidecar.log_text().splitlines() if " took " in line]
                 print("\n".join(slow[-40:]))
-    if args.cprofile is not None:
-        for path in glob.glob(f"{args.cprofile}.*"):
+    for prefix in (p for p in (args.cprofile, args.cprofile_engines) if p is not None):
+        for path in glob.glob(f"{prefix}.*"):
             print(f"-- {path}")
             pstats.Stats(path).sort_stats("tottime").print_stats(25)
 
@@ -261,9 +281,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quiet-s", type=float, default=0.0, help="pause between rounds")
     parser.add_argument("--cprofile", type=Path, default=None)
+    parser.add_argument("--cprofile-engines", type=Path, default=None, help="the engines, each")
     parser.add_argument("--slow-callbacks", action="store_true")
     parser.add_argument("--baseline", type=Path, default=None, help="a dir holding extproc/")
     parser.add_argument("--workers", type=int, default=None, help="extproc.workers")
+    parser.add_argument("--pin", action="store_true", help="the sidecar on CPU 1, the rest on 0")
     parser.add_argument("--glibc-tunables", default="", help="the ext_proc's GLIBC_TUNABLES")
     return parser.parse_args()
 
