@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import shlex
 import socket
 import subprocess
@@ -82,7 +83,7 @@ async def test_gateway_release_follows_pods_without_restarting_envoy(
     }
     token = tmp_path / "token"
     token.write_text("sa-token")
-    body = {"model": MODEL, "prompt": "through the release " * 8, "max_tokens": 2}
+    sent = itertools.count()
     async with fake_kube_api() as kube, aiohttp.ClientSession() as session:
         config["discovery"] = {
             "kubernetes_api": kube.url,
@@ -131,6 +132,10 @@ async def test_gateway_release_follows_pods_without_restarting_envoy(
                 url = f"http://127.0.0.1:{http}/v1/completions"
 
                 async def served() -> bool:
+                    # a new prompt each time: the default routing keeps a repeated one on
+                    # the D that holds it, and the pod that joins holds none
+                    prompt = f"request {next(sent)} through the release " * 8
+                    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
                     async with session.post(url, json=body) as response:
                         await response.read()
                         return response.status == 200

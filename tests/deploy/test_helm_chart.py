@@ -96,6 +96,9 @@ def test_config_in_the_configmap_loads_and_finds_the_engines(
     cfg = chart_config(docs)
     command = container(docs, "pd-extproc")["command"]
     assert command[:2] == ["pd-extproc", {"gateway": "serve", "epp": "epp"}[mode]]
+    # the product's default routing, cache- and load-aware, as for any other user
+    assert cfg.prefill.policy == cfg.decode.policy == "kv_cache"
+    assert cfg.decision.mode == "load_aware"
     if mode == "gateway":  # the engine pods by label, the ext_proc inside the pod
         for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             assert pool.kubernetes is not None and pool.kubernetes.namespace == NAMESPACE
@@ -120,7 +123,7 @@ def test_a_pool_source_in_config_replaces_the_charts(kube_bin: Path) -> None:
     docs = render(kube_bin, "gateway", **{"config.prefill.dns": "vllm-prefill:8000"})
     cfg = chart_config(docs)
     assert cfg.prefill == PoolConfig(dns="vllm-prefill:8000")
-    assert cfg.decode.kubernetes is not None and cfg.decode.policy == "least_request"
+    assert cfg.decode.kubernetes is not None
 
 
 def test_config_values_win_over_the_charts_defaults(kube_bin: Path) -> None:
