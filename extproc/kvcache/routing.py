@@ -44,9 +44,11 @@ from extproc.stopping import cancel_and_wait
 __all__ = [
     "Cached",
     "KvRouting",
+    "TokenizerFactory",
     "approximated_groups",
     "event_sources",
     "kv_groups",
+    "off_loop_tokenizer",
     "rank_engine",
 ]
 
@@ -83,11 +85,25 @@ class Cached:
     sent_or_held: dict[str, int] | None = None
 
 
+# A model's tokenizer from its files' path, told why a request gets no ids (the lab gives one
+# whose workers take simulated time)
+TokenizerFactory = Callable[[str, Callable[[str], None]], OffLoopTokenizer]
+
+
+def off_loop_tokenizer(path: str, on_unknown: Callable[[str], None]) -> OffLoopTokenizer:
+    return OffLoopTokenizer(path, on_unknown=on_unknown)
+
+
 class KvRouting:
     def __init__(
-        self, index: KvIndex, metrics: Metrics, watchers: KvEventWatchers | None = None
+        self,
+        index: KvIndex,
+        metrics: Metrics,
+        watchers: KvEventWatchers | None = None,
+        tokenizers: TokenizerFactory = off_loop_tokenizer,
     ) -> None:
         self.index = index
+        self._tokenizers = tokenizers
         self.watchers = watchers or KvEventWatchers(index, metrics)
         self.routed = RoutedBlocks(_ROUTED_BLOCKS)  # where prompts went, for silent engines
         self.sent = RoutedBlocks(_ROUTED_BLOCKS)  # what each P was sent (for sent_or_held)
@@ -145,7 +161,7 @@ class KvRouting:
     def _load(self, path: str) -> OffLoopTokenizer | None:
         if path not in self._by_path:
             try:
-                self._by_path[path] = OffLoopTokenizer(path, on_unknown=self._untokenized)
+                self._by_path[path] = self._tokenizers(path, self._untokenized)
             except TokenizerFilesError as error:
                 self._warn_once(path, f"KV-cache routing is off for {path}: {error}")
                 return None

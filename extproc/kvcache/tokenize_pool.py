@@ -22,30 +22,23 @@ holds, one copy of each prompt, is within the bodies' own bound
 (`limits.max_body_bytes_in_flight`). A prompt longer than the engines' context length
 (`KvRouting.context`) is not worth its ids: None. A worker that dies costs its request (None)
 and is replaced; workers that cannot load the tokenizer (its files changed since the sidecar
-read them) say so once and are not used.
-`close` ends the workers, and a worker whose sidecar died exits on its own.
+read them) say so once and are not used. The workers are `tokenize_workers`' processes, or a
+`pool` given instead (the lab's, whose jobs take simulated time): the bounds above are this
+module's either way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import os
-import select
-import signal
-import threading
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-import orjson
+from extproc.kvcache.tokenize_workers import IDS_TYPECODE, TokenizerWorkers, WorkerProcesses
+from extproc.kvcache.tokens import RequestTokenizer, token_ids
 
-from extproc.kvcache.tokens import RequestTokenizer
-
-__all__ = ["TOKENIZED_MEMBERS", "OffLoopTokenizer", "members_object", "token_ids"]
+__all__ = ["TOKENIZED_MEMBERS", "OffLoopTokenizer", "members_object"]
 
 log = logging.getLogger("extproc")
 
@@ -62,15 +55,6 @@ TOKENIZED_MEMBERS = {
     ),
     False: frozenset({"prompt"}),
 }
-_PARENT_CHECK_S = 1.0  # how often a worker without pidfd looks for its sidecar
-# Workers are forked by a small server process that has imported the tokenizer's modules,
-# rather than by the sidecar: a fork of the sidecar would copy its threads' state (gRPC's,
-# ZeroMQ's), and forking or spawning from its large process would hold the event loop while a
-# worker is replaced after a job past its time.
-_CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["extproc.kvcache.tokens"])
-_NICE = 10  # a worker's CPU share against the sidecar's: about a tenth when both want a core
-_IDS = "i"  # int32: vocabulary ids are far below 2**31
 
 
 def members_object(parts: Sequence[tuple[str, bytes | memoryview]], chat: bool) -> bytes:
@@ -87,103 +71,10 @@ def members_object(parts: Sequence[tuple[str, bytes | memoryview]], chat: bool) 
     return b"".join(pieces)  # one copy of a long prompt (each `+` of the whole made another)
 
 
-def token_ids(
-    tokenizer: RequestTokenizer, chat: bool, doc: Mapping[str, Any], context: int | None
-) -> list[int] | None:
-    """The request's ids as vLLM computes them; None where they are more than `context` (the
-    longest prompt any engine runs; None: unknown), which is then not worth tokenizing: the
-    engines refuse it, so what they hold of it cannot matter. Each character of a text lands
-    in one token, whose own text is at most the vocabulary's longest: a text longer than
-    `context` times that is more tokens than `context` and is not even encoded. (A tokenizer
-    that drops characters, whitespace for one, could fit it: it is then only routed without
-    the cache, which is always correct.) Raises ChatTemplateError, TypeError or ValueError
-    where the ids cannot be had."""
-    if chat:
-        kwargs = doc.get("chat_template_kwargs")
-        tools = doc.get("tools")
-        text = tokenizer.render_chat(
-            doc.get("messages") or [],
-            add_generation_prompt=doc.get("add_generation_prompt", True) is not False,
-            continue_final_message=doc.get("continue_final_message") is True,
-            tools=tools if isinstance(tools, list) else None,
-            template_kwargs=kwargs if isinstance(kwargs, dict) else None,
-        )
-    else:
-        prompt = doc.get("prompt")
-        if not isinstance(prompt, str):
-            raise TypeError("only a string prompt is tokenized")
-        text = prompt
-    if context is not None and len(text) > context * tokenizer.longest_token:
-        return None
-    ids = tokenizer.encode(text, add_special_tokens=not chat)
-    return None if context is not None and len(ids) > context else ids
-
-
-# -- in a worker process -----------------------------------------------------------------------
-
-_worker_tokenizer: RequestTokenizer | None = None
-_worker_error: str | None = None  # why the tokenizer could not be loaded here
-
-
-def _start_worker(path: str, chat_template: str | None, sidecar: int) -> None:
-    """A worker's initializer: load the tokenizer once; yield the CPU to the sidecar's own
-    work (ids are a routing hint: on a busy machine a request goes without them, rather than
-    the loop waiting for a core); leave Ctrl-C to the sidecar, which closes the pool; exit if
-    the sidecar dies without closing it (a killed sidecar)."""
-    global _worker_tokenizer, _worker_error
-    os.nice(_NICE)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        _worker_tokenizer = RequestTokenizer.from_path(path, chat_template)
-    except Exception as error:  # its files changed since the sidecar read them: said once, by
-        _worker_error = f"{type(error).__name__}: {error}"  # `_ready`, not a dying worker each job
-    threading.Thread(target=_exit_with, args=(sidecar,), daemon=True).start()
-
-
-def _exit_with(sidecar: int) -> None:
-    """Wait for the sidecar's end, then exit. (Not the parent's: that is the fork server,
-    which lives as long as a worker does.)"""
-    try:
-        handle = os.pidfd_open(sidecar)  # readable once it has exited; immune to pid reuse
-    except OSError:  # no pidfd (an old kernel): ask every second
-        while _alive(sidecar):
-            threading.Event().wait(_PARENT_CHECK_S)
-    else:
-        select.select([handle], [], [])
-    os._exit(0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True  # or PermissionError: it exists
-
-
-def _ready() -> str | None:
-    """For a worker to start (and load its tokenizer) before a request needs it: why it could
-    not load it, if so."""
-    return _worker_error
-
-
-def _work(chat: bool, job: bytes | str, context: int | None) -> bytes | None:
-    if _worker_tokenizer is None:  # not loaded (`_ready` said why)
-        return None
-    try:
-        doc = {"prompt": job} if isinstance(job, str) else orjson.loads(job)
-        ids = token_ids(_worker_tokenizer, chat, doc, context)
-    except Exception:  # a template can fail any way on a client's values: no ids, as inline
-        return None
-    return None if ids is None else array(_IDS, ids).tobytes()
-
-
-# -- in the sidecar ----------------------------------------------------------------------------
-
-
 class OffLoopTokenizer:
     """A model's tokenizer for the event loop: small requests inline, the rest in `workers`
-    worker processes, each loading the tokenizer from `path` once."""
+    worker processes, each loading the tokenizer from `path` once (or in `pool`: where its
+    jobs run, given instead)."""
 
     def __init__(
         self,
@@ -196,13 +87,12 @@ class OffLoopTokenizer:
         timeout_s: float = 1.0,
         long_from_bytes: int = 256 << 10,
         on_unknown: Callable[[str], None] = lambda reason: None,
+        pool: TokenizerWorkers | None = None,
     ) -> None:
         self.tokenizer = RequestTokenizer.from_path(path, chat_template)  # raises for bad files
         self.vocab_size = self.tokenizer.vocab_size
         self.longest_token = self.tokenizer.longest_token
         self.chars_per_token = self.tokenizer.chars_per_token
-        self._init = (path, chat_template, os.getpid())
-        self._workers = workers
         self._max_pending = max_pending
         self._inline_below = inline_below_bytes
         self._timeout_s = timeout_s
@@ -211,19 +101,13 @@ class OffLoopTokenizer:
         self._long_from = long_from_bytes
         # told why a request gets no ids (queue_full, timeout, worker_died, unavailable)
         self._on_unknown = on_unknown
-        self._long_lane = asyncio.Semaphore(max(1, workers - 1))
-        # One single-process executor per worker, so that one overrunning job can be ended
-        # alone (an executor cannot stop one job of several).
-        self._all: list[ProcessPoolExecutor] = []
-        self._idle: asyncio.Queue[ProcessPoolExecutor] = asyncio.Queue()
+        self._pool = pool or WorkerProcesses(path, chat_template, workers, on_unknown)
+        self._long_lane = asyncio.Semaphore(max(1, self._pool.workers - 1))
         self._pending = 0
-        self._closed = False
-        self._load_error: str | None = None  # the workers cannot load the tokenizer: why
 
     def warm(self) -> None:
         """Start the workers now, so that the first long request finds them loaded."""
-        while len(self._all) < self._workers and not self._closed:
-            self._idle.put_nowait(self._new_worker())
+        self._pool.warm()
 
     async def ids(
         self, chat: bool, doc: Mapping[str, Any], job: bytes | str, context: int | None = None
@@ -233,17 +117,18 @@ class OffLoopTokenizer:
         `context` (`token_ids`)."""
         if len(job) < self._inline_below:
             return _inline(self.tokenizer, chat, doc, context)
-        if self._load_error is not None or self._pending >= self._max_pending:
-            self._on_unknown("unavailable" if self._load_error is not None else "queue_full")
+        unavailable = self._pool.load_error is not None
+        if unavailable or self._pending >= self._max_pending:
+            self._on_unknown("unavailable" if unavailable else "queue_full")
             return None
         self._pending += 1
         try:
             async with asyncio.timeout(self._timeout_s):
                 if len(job) < self._long_from:
-                    data = await self._in_worker(chat, job, context)
+                    data = await self._pool.run(chat, job, context)
                 else:
                     async with self._long_lane:
-                        data = await self._in_worker(chat, job, context)
+                        data = await self._pool.run(chat, job, context)
         except TimeoutError:
             self._on_unknown("timeout")
             return None
@@ -251,58 +136,12 @@ class OffLoopTokenizer:
             self._pending -= 1
         if data is None:
             return None
-        ids = array(_IDS)
+        ids = array(IDS_TYPECODE)
         ids.frombytes(data)
         return ids.tolist()
 
-    async def _in_worker(self, chat: bool, job: bytes | str, context: int | None) -> bytes | None:
-        self.warm()
-        worker = await self._idle.get()
-        ended = True  # a job past its time (or whose request ended) must not run on
-        try:
-            data = await asyncio.wrap_future(worker.submit(_work, chat, job, context))
-            ended = False
-        except BrokenProcessPool:
-            self._on_unknown("worker_died")
-            if not self._closed:
-                log.warning("a tokenizer worker died; its request routes without the KV cache")
-            return None
-        finally:
-            if ended:
-                self._end(worker)
-            if not self._closed:
-                self._idle.put_nowait(self._new_worker() if ended else worker)
-        return data
-
-    def _new_worker(self) -> ProcessPoolExecutor:
-        worker = ProcessPoolExecutor(1, _CONTEXT, initializer=_start_worker, initargs=self._init)
-        worker.submit(_ready).add_done_callback(self._loaded)  # start it (and load) now
-        self._all.append(worker)
-        return worker
-
-    def _loaded(self, ready: Future[str | None]) -> None:
-        """A worker started (on an executor's thread: it sets a flag and logs, no more)."""
-        if ready.cancelled() or ready.exception() is not None or ready.result() is None:
-            return
-        if self._load_error is None:
-            self._load_error = ready.result()
-            log.error(
-                "tokenizer workers cannot load %s (%s): prompts of %d bytes or more route "
-                "without the KV cache until the sidecar restarts",
-                self._init[0],
-                self._load_error,
-                self._inline_below,
-            )
-
-    def _end(self, worker: ProcessPoolExecutor) -> None:
-        if worker in self._all:
-            self._all.remove(worker)
-        _end(worker)
-
     def close(self) -> None:
-        self._closed = True
-        for worker in list(self._all):
-            self._end(worker)
+        self._pool.close()
 
 
 def _inline(
@@ -313,11 +152,3 @@ def _inline(
     except Exception as error:  # a template can fail any way on a client's values: no ids
         log.debug("request not tokenized for the KV index: %s", error)
         return None
-
-
-def _end(pool: ProcessPoolExecutor) -> None:
-    """Stop the pool's workers now: one may be deep in a long job nobody waits for."""
-    processes = list((pool._processes or {}).values())  # no public way before 3.14
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        process.terminate()

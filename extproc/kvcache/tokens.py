@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from extproc.kvcache.token_bound import chars_per_token
 
-__all__ = ["ChatTemplateError", "RequestTokenizer", "TokenizerFilesError"]
+__all__ = ["ChatTemplateError", "RequestTokenizer", "TokenizerFilesError", "token_ids"]
 
 _SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -148,6 +148,38 @@ class RequestTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
+
+
+def token_ids(
+    tokenizer: RequestTokenizer, chat: bool, doc: Mapping[str, Any], context: int | None
+) -> list[int] | None:
+    """The request's ids as vLLM computes them; None where they are more than `context` (the
+    longest prompt any engine runs; None: unknown), which is then not worth tokenizing: the
+    engines refuse it, so what they hold of it cannot matter. Each character of a text lands
+    in one token, whose own text is at most the vocabulary's longest: a text longer than
+    `context` times that is more tokens than `context` and is not even encoded. (A tokenizer
+    that drops characters, whitespace for one, could fit it: it is then only routed without
+    the cache, which is always correct.) Raises ChatTemplateError, TypeError or ValueError
+    where the ids cannot be had."""
+    if chat:
+        kwargs = doc.get("chat_template_kwargs")
+        tools = doc.get("tools")
+        text = tokenizer.render_chat(
+            doc.get("messages") or [],
+            add_generation_prompt=doc.get("add_generation_prompt", True) is not False,
+            continue_final_message=doc.get("continue_final_message") is True,
+            tools=tools if isinstance(tools, list) else None,
+            template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+        )
+    else:
+        prompt = doc.get("prompt")
+        if not isinstance(prompt, str):
+            raise TypeError("only a string prompt is tokenized")
+        text = prompt
+    if context is not None and len(text) > context * tokenizer.longest_token:
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=not chat)
+    return None if context is not None and len(ids) > context else ids
 
 
 def _message(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from extproc.config import ConfigError, DecisionConfig
 from extproc.kvcache.index import KvIndex, chain_keys
 from extproc.kvcache.routing import KvRouting, approximated_groups, event_sources, kv_groups
 from extproc.kvcache.scope import PLAIN, CacheScope
+from extproc.kvcache.tokenize_workers import WorkerProcesses
 from extproc.kvcache.watchers import EventSource
 from extproc.metrics import Metrics
 from extproc.policies import KvCacheOptions, KvCachePicker, PickRequest, PrefixPicker
@@ -221,10 +222,10 @@ async def test_a_reload_that_drops_a_tokenizer_ends_its_worker_processes(
     try:
         routing.configure(kv_groups(cfg))  # a reload that keeps it
         assert routing.tokenizer_for("") is old
-        assert old._all  # its workers run
+        assert isinstance(old._pool, WorkerProcesses) and old._pool._all  # its workers run
         routing.configure(kv_groups(fixed_routing_config(config(None))))  # a reload without it
         assert routing.tokenizer_for("") is None
-        assert old._all == []  # its workers ended, not left running
+        assert old._pool._all == []  # its workers ended, not left running
     finally:
         await routing.stop()
 

@@ -23,13 +23,20 @@ import orjson
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from extproc.kvcache import tokenize_pool
-from extproc.kvcache.tokenize_pool import OffLoopTokenizer, members_object, token_ids
-from extproc.kvcache.tokens import RequestTokenizer
+from extproc.kvcache import tokenize_workers
+from extproc.kvcache.tokenize_pool import OffLoopTokenizer, members_object
+from extproc.kvcache.tokenize_workers import WorkerProcesses
+from extproc.kvcache.tokens import RequestTokenizer, token_ids
 
 WORDS = [f"w{i}" for i in range(100)]
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
 STALL_S = 0.25  # the loop's longest wait allowed (the issue's bound), well above noise
+
+
+def processes(off: OffLoopTokenizer) -> WorkerProcesses:
+    """The worker processes behind `off` (the test looks inside)."""
+    assert isinstance(off._pool, WorkerProcesses)
+    return off._pool
 
 
 @pytest.fixture
@@ -177,7 +184,9 @@ async def test_long_jobs_take_all_workers_but_one_from_the_threshold_on(
         await asyncio.sleep(0)  # both run to their first wait
         try:
             assert off._pending == 2  # the test looks inside: both requests are in ...
-            assert off._idle.qsize() == workers - taken  # ... and this many have a worker
+            assert (
+                processes(off)._idle.qsize() == workers - taken
+            )  # ... and this many have a worker
         finally:
             for job in jobs:
                 job.cancel()
@@ -235,10 +244,10 @@ async def test_workers_that_cannot_load_the_tokenizer_say_so_once_and_are_not_re
     off = pool(workers=1, timeout_s=30)
     (model_dir / "tokenizer.json").unlink()
     off.warm()
-    started = list(off._all)  # the test looks inside: which executors run
+    started = list(processes(off)._all)  # the test looks inside: which executors run
     for _ in range(3):
         assert await off.ids(False, *completion(text(3000))) is None
-    assert off._all == started
+    assert processes(off)._all == started
     assert caplog.text.count("tokenizer workers cannot load") == 1
     assert "a tokenizer worker died" not in caplog.text
     assert await off.ids(False, *completion(text(5))) == [0, 3, 4, 5, 6, 7]  # inline still
@@ -253,7 +262,7 @@ async def test_close_ends_a_worker_in_the_middle_of_a_job(
     off.close()
     await ended(pid)
     assert await asking is None
-    assert off._all == []  # no worker started again
+    assert processes(off)._all == []  # no worker started again
 
 
 SIDECAR = """
@@ -263,7 +272,7 @@ from extproc.kvcache.tokenize_pool import OffLoopTokenizer
 async def main() -> None:
     off = OffLoopTokenizer(sys.argv[1])
     off.warm()
-    while not (pids := [p for w in off._all for p in (w._processes or {})]):
+    while not (pids := [p for w in off._pool._all for p in (w._processes or {})]):
         await asyncio.sleep(0.02)
     print(*pids, flush=True)
     await asyncio.sleep(600)
@@ -301,7 +310,7 @@ async def worker_pids(off: OffLoopTokenizer) -> list[int]:
     """The pool's worker processes once one has started (polled, bounded)."""
     for _ in range(200):
         # the test looks inside: which processes to kill or watch
-        pids = [pid for worker in off._all for pid in (worker._processes or {})]
+        pids = [pid for worker in processes(off)._all for pid in (worker._processes or {})]
         if pids:
             return pids
         await asyncio.sleep(0.02)
@@ -352,15 +361,15 @@ def test_the_worker_side_gives_the_ids_as_int32_bytes_or_none(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tokenizer = RequestTokenizer.from_path(str(model_dir), None)
-    monkeypatch.setattr(tokenize_pool, "_worker_tokenizer", tokenizer)
+    monkeypatch.setattr(tokenize_workers, "_worker_tokenizer", tokenizer)
     asked = (False, completion(text(5))), (True, chat([{"role": "user", "content": "w1 w2"}]))
     for is_chat, (doc, raw) in asked:
         ids = token_ids(tokenizer, is_chat, doc, None)
-        assert ids and tokenize_pool._work(is_chat, raw, None) == array("i", ids).tobytes()
-    assert tokenize_pool._work(False, completion(text(5))[1], 2) is None  # over the context
-    assert tokenize_pool._work(False, b'{"prompt": 5}', None) is None  # no ids: as inline
-    monkeypatch.setattr(tokenize_pool, "_worker_tokenizer", None)  # could not load it
-    assert tokenize_pool._work(False, completion(text(5))[1], None) is None
+        assert ids and tokenize_workers._work(is_chat, raw, None) == array("i", ids).tobytes()
+    assert tokenize_workers._work(False, completion(text(5))[1], 2) is None  # over the context
+    assert tokenize_workers._work(False, b'{"prompt": 5}', None) is None  # no ids: as inline
+    monkeypatch.setattr(tokenize_workers, "_worker_tokenizer", None)  # could not load it
+    assert tokenize_workers._work(False, completion(text(5))[1], None) is None
 
 
 def test_a_worker_starts_niced_deaf_to_ctrl_c_and_watching_its_sidecar(
@@ -384,26 +393,26 @@ def test_a_worker_starts_niced_deaf_to_ctrl_c_and_watching_its_sidecar(
         done.append(how)
 
     # the module's own names only: this process's niceness, signals and threads stay as they are
-    monkeypatch.setattr(tokenize_pool, "os", SimpleNamespace(nice=nice))
+    monkeypatch.setattr(tokenize_workers, "os", SimpleNamespace(nice=nice))
     signals = SimpleNamespace(signal=handle, SIGINT=2, SIG_IGN=1)
-    monkeypatch.setattr(tokenize_pool, "signal", signals)
-    monkeypatch.setattr(tokenize_pool, "threading", SimpleNamespace(Thread=Thread))
-    monkeypatch.setattr(tokenize_pool, "_worker_tokenizer", None)
-    monkeypatch.setattr(tokenize_pool, "_worker_error", None)
-    tokenize_pool._start_worker(str(model_dir), str(template), 4321)
+    monkeypatch.setattr(tokenize_workers, "signal", signals)
+    monkeypatch.setattr(tokenize_workers, "threading", SimpleNamespace(Thread=Thread))
+    monkeypatch.setattr(tokenize_workers, "_worker_tokenizer", None)
+    monkeypatch.setattr(tokenize_workers, "_worker_error", None)
+    tokenize_workers._start_worker(str(model_dir), str(template), 4321)
     assert done == [
         ("nice", 10),
         (2, 1),  # SIGINT ignored
-        ("thread", tokenize_pool._exit_with, (4321,), True),
+        ("thread", tokenize_workers._exit_with, (4321,), True),
         "started",
     ]
-    loaded = tokenize_pool._worker_tokenizer
-    assert loaded is not None and tokenize_pool._ready() is None
+    loaded = tokenize_workers._worker_tokenizer
+    assert loaded is not None and tokenize_workers._ready() is None
     doc = {"messages": [{"role": "user", "content": "w1 w2"}]}
     assert token_ids(loaded, True, doc, None) == [4, 5]  # the override's, not "<user> w1 w2"
     (model_dir / "tokenizer.json").unlink()  # its files changed since the sidecar read them
-    tokenize_pool._start_worker(str(model_dir), None, 4321)
-    assert (tokenize_pool._ready() or "").startswith("TokenizerFilesError: cannot load")
+    tokenize_workers._start_worker(str(model_dir), None, 4321)
+    assert (tokenize_workers._ready() or "").startswith("TokenizerFilesError: cannot load")
 
 
 @pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "polled"])
@@ -417,9 +426,9 @@ def test_a_worker_exits_once_its_sidecar_has(monkeypatch: pytest.MonkeyPatch, pi
     watched = SimpleNamespace(
         pidfd_open=os.pidfd_open if pidfd else no_pidfd, kill=os.kill, _exit=exits.append
     )
-    monkeypatch.setattr(tokenize_pool, "os", watched)  # the module's name only
-    monkeypatch.setattr(tokenize_pool, "_PARENT_CHECK_S", 0.01)
-    watcher = threading.Thread(target=tokenize_pool._exit_with, args=(sidecar.pid,), daemon=True)
+    monkeypatch.setattr(tokenize_workers, "os", watched)  # the module's name only
+    monkeypatch.setattr(tokenize_workers, "_PARENT_CHECK_S", 0.01)
+    watcher = threading.Thread(target=tokenize_workers._exit_with, args=(sidecar.pid,), daemon=True)
     watcher.start()
     watcher.join(0.2)
     assert watcher.is_alive() and not exits  # the sidecar lives: so does the worker
@@ -436,10 +445,10 @@ def test_a_process_is_alive_until_it_has_exited() -> None:
     process = subprocess.Popen([sys.executable, "-c", code], stdin=PIPE, stdout=PIPE)
     assert process.stdin is not None and process.stdout is not None
     assert process.stdout.readline() == b"\n"  # ready
-    assert tokenize_pool._alive(process.pid)
+    assert tokenize_workers._alive(process.pid)
     process.stdin.close()
     assert process.wait() == 0  # the probe sent it no signal
-    assert not tokenize_pool._alive(process.pid)  # reaped: no such process now
+    assert not tokenize_workers._alive(process.pid)  # reaped: no such process now
 
 
 async def test_a_burst_of_concurrent_prompts_is_tokenized_whole(
