@@ -21,6 +21,7 @@ from lab.engines import parse_topology
 from lab.report import write
 from lab.run import Settings, run_config
 from lab.sidecar import PROXIES, ProxyCosts
+from lab.tokenizer import TokenizerCosts
 from lab.workloads import GENERATORS, TraceError, Workload, generate, read_mooncake
 from vllmsim.profiles import DEFAULT_PROFILE, PROFILES
 
@@ -93,6 +94,31 @@ def _parser() -> argparse.ArgumentParser:
         help="also write each request's diagnostics to DIR/<config>.requests.jsonl and the "
         "requests at or past TTFT p99 to DIR/<config>.tail.md",
     )
+    parser.add_argument(
+        "--tokenize",
+        action="store_true",
+        help="send prompts as text that the sidecar tokenizes, its workers' jobs taking "
+        "simulated time (lab/tokenizer.py); default: token ids, passed on as they are",
+    )
+    defaults = TokenizerCosts()
+    parser.add_argument(
+        "--tokenize-us-per-token",
+        type=float,
+        default=defaults.us_per_token,
+        help="--tokenize: a worker's time per token (default %(default)s)",
+    )
+    parser.add_argument(
+        "--tokenize-workers",
+        type=int,
+        default=defaults.workers,
+        help="--tokenize: the tokenizer's worker processes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--tokenize-max-pending",
+        type=int,
+        default=defaults.max_pending,
+        help="--tokenize: requests waiting for or in a worker at most (default %(default)s)",
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--out", type=Path, required=True, help="where summary.json goes")
@@ -113,6 +139,20 @@ def _costs(args: argparse.Namespace) -> ProxyCosts:
         base.intake_ms if args.proxy_intake_ms is None else args.proxy_intake_ms,
         base.answer_ms if args.proxy_answer_ms is None else args.proxy_answer_ms,
         base.hop_ms if args.proxy_hop_ms is None else args.proxy_hop_ms,
+    )
+
+
+def _tokenizer(args: argparse.Namespace) -> TokenizerCosts | None:
+    if not args.tokenize:
+        return None
+    if args.tokenize_us_per_token < 0:
+        raise ValueError("--tokenize-us-per-token must be at least 0")
+    if args.tokenize_workers < 1 or args.tokenize_max_pending < 1:
+        raise ValueError("--tokenize-workers and --tokenize-max-pending must be at least 1")
+    return TokenizerCosts(
+        us_per_token=args.tokenize_us_per_token,
+        workers=args.tokenize_workers,
+        max_pending=args.tokenize_max_pending,
     )
 
 
@@ -162,6 +202,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         _prefill_kv_blocks(args.prefill_kv_blocks),
         args.turn_waves,
         args.out if args.per_request else None,
+        _tokenizer(args),
     )
     configs = [run_config(path, workload, settings, _progress) for path in args.config]
     costs = settings.costs
@@ -174,6 +215,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "requests": workload.requests,
         "seed": args.seed,
         "turn_waves": args.turn_waves,
+        "tokenizer": dataclasses.asdict(settings.tokenizer) if settings.tokenizer else None,
         "workers": args.workers,
         "replicas": args.replicas,
         "proxy": {

@@ -27,6 +27,7 @@ from typing import Any
 
 import orjson
 
+from lab.workloads import prompt_ids
 from vllmsim.config import CacheConfig, CostModel, Faults, KVTransferConfig, SimConfig
 from vllmsim.cost_model import ApiProcess
 from vllmsim.engine import Engine, ErrorEvent, FinishEvent, KVMode, SimRequest, TokenEvent
@@ -209,7 +210,7 @@ class SimEngine:
         `on_headers`: the answer's status, when a streaming server sends it; `rank_header`:
         the leg's X-data-parallel-rank."""
         try:
-            parsed = parse(self.config, self.tokens, orjson.loads(body), chat=False)
+            parsed = parse(self.config, self.tokens, _read_text(orjson.loads(body)), chat=False)
         except (ApiError, orjson.JSONDecodeError) as error:
             status, message = (
                 (error.status, error.message)
@@ -402,3 +403,11 @@ class Cluster:
         for e in self.all:
             for rank in e.ranks:
                 await rank.connector.close()
+
+
+def _read_text(doc: Any) -> Any:
+    """A text prompt (`--tokenize`) as the engine's tokenizer reads it: the ids it was made of
+    (`lab.tokenizer.prompt_text`), the sidecar's ids for it too."""
+    if isinstance(doc, dict) and isinstance(doc.get("prompt"), str):
+        doc["prompt"] = prompt_ids(doc["prompt"])
+    return doc

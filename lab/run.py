@@ -29,7 +29,8 @@ from lab.configs import lab_config, placeholder_tokenizer
 from lab.diagnostics import write_requests
 from lab.engines import MODEL, Cluster, EngineTotals, SimEngine, Topology
 from lab.sidecar import Outcome, ProxyCosts, Sidecar
-from lab.workloads import LabRequest, Workload
+from lab.tokenizer import TokenizerCosts
+from lab.workloads import LabRequest, Workload, prompt_text
 from vllmsim.config import CostModel
 
 __all__ = [
@@ -63,6 +64,8 @@ class Settings:
     # k + 1 after all of turn k, as bench/cache.py's client sends conversations
     turn_waves: bool = False
     per_request: Path | None = None  # where each request's diagnostics go (lab.diagnostics)
+    # prompts as text the sidecar tokenizes at these costs (lab.tokenizer); None: token ids
+    tokenizer: TokenizerCosts | None = None
 
 
 @dataclass
@@ -85,7 +88,7 @@ def run_virtual_session(
 ) -> T:
     """`body` on a fresh session of the configuration in `path`, on a virtual clock."""
     with tempfile.TemporaryDirectory(prefix="lab-tokenizer-") as folder:
-        tokenizer = placeholder_tokenizer(Path(folder))
+        tokenizer = placeholder_tokenizer(Path(folder), words=settings.tokenizer is not None)
 
         async def main() -> T:
             async with session(path, tokenizer, settings) as lab:
@@ -104,6 +107,7 @@ async def _measure(
     summary["workers"], summary["replicas"] = lab.settings.workers, lab.settings.replicas
     # what each scheduler's KV index learnt from the engines' events (nothing: not followed)
     summary["kv_index"] = lab.indexes()
+    summary["kv_untokenized"] = lab.untokenized()
     if lab.settings.per_request is not None:
         p99 = summary["ttft_ms"]["p99"]
         write_requests(lab.settings.per_request, name, outcomes, p99)
@@ -142,6 +146,18 @@ class Session:
         else:
             await _drive(workload, route, header, tally, report)
         return tally.outcomes
+
+    def untokenized(self) -> dict[str, int]:
+        """Requests routed without their token ids, by why (every sidecar's, since the
+        session began: warm-ups too)."""
+        counts: dict[str, int] = {}
+        for sidecar in self.sidecars:
+            for family in sidecar.metrics.kv_untokenized_requests.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        reason = sample.labels["reason"]
+                        counts[reason] = counts.get(reason, 0) + int(sample.value)
+        return counts
 
     def indexes(self) -> list[dict[str, Any]]:
         """What each ext_proc process's KV index holds: engines heard from, blocks."""
@@ -209,7 +225,9 @@ def _replicas(config: Config, cluster: Cluster, settings: Settings) -> list[list
     replicas = []
     for r in range(settings.replicas):
         sidecars = [
-            Sidecar(share, cluster, settings.costs, settings.seed, r * workers + w)
+            Sidecar(
+                share, cluster, settings.costs, settings.seed, r * workers + w, settings.tokenizer
+            )
             for w in range(workers)
         ]
         if workers > 1 and config.extproc.share_load:  # `up`'s table, in this process
@@ -320,18 +338,20 @@ async def _one(
 ) -> None:
     """One request through the sidecar that takes it, labelled with its chain and turn."""
     headers = {session_header: request.session} if request.session else {}
-    outcome = await scheduler().handle(_body(request), headers)
+    sidecar = scheduler()
+    outcome = await sidecar.handle(_body(request, sidecar.text_prompts), headers)
     outcome.detail = {"chain": chain, "turn": turn, **(outcome.detail or {})}
     tally.outcomes.append(outcome)
 
 
-def _body(request: LabRequest) -> bytes:
+def _body(request: LabRequest, text: bool) -> bytes:
+    """What the client sends: the prompt as token ids, or (`text`) as text to tokenize."""
     import orjson
 
     return orjson.dumps(
         {
             "model": MODEL,
-            "prompt": request.prompt,
+            "prompt": prompt_text(request.prompt) if text else request.prompt,
             "max_tokens": request.output_tokens,
             "stream": True,
         }

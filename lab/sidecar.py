@@ -83,6 +83,7 @@ from extproc.scheduling.shared_load import SharedLoad
 from extproc.tracing import RequestTrace
 from lab.diagnostics import RecordingDecider, RecordingScheduler, request_detail
 from lab.engines import MODEL, Cluster, Served, SimEngine
+from lab.tokenizer import TokenizerCosts, simulated_tokenizers
 
 __all__ = ["Outcome", "ProxyCosts", "Sidecar"]
 
@@ -228,9 +229,11 @@ class Sidecar:
         costs: ProxyCosts,
         seed: int = 1,
         instance: int = 0,
+        tokenizer: TokenizerCosts | None = None,
     ) -> None:
         """`instance`: which of several ext_proc processes over the same cluster (each
-        draws from its own generators)."""
+        draws from its own generators); `tokenizer`: its clients send text, tokenized at
+        these costs (None: token ids, passed on as they are)."""
         self.config = config
         self.cluster = cluster
         self.costs = costs
@@ -249,7 +252,12 @@ class Sidecar:
         self.decode = Pool(
             Role.DECODE, config.static_addresses(Role.DECODE), pool_picker(config.decode)
         )
-        self.kv = KvRouting(KvIndex(config.kv_index.max_blocks), self.metrics)
+        self.text_prompts = tokenizer is not None
+        self.kv = KvRouting(
+            KvIndex(config.kv_index.max_blocks),
+            self.metrics,
+            tokenizers=simulated_tokenizers(tokenizer or TokenizerCosts()),
+        )
         self.kv.configure(kv_groups(config), approximated_groups(config))
         self.scheduler = RecordingScheduler(
             config, self.prefill, self.decode, self.metrics, self.kv

@@ -44,6 +44,8 @@ __all__ = [
     "Workload",
     "draw_length",
     "generate",
+    "prompt_ids",
+    "prompt_text",
     "random_prompts",
     "read_mooncake",
 ]
@@ -291,3 +293,13 @@ def generate(
         timed.append(Chain(chain.requests, at))
         at += rng.expovariate(rate)
     return Workload(f"{kind} at {rate:g} req/s", timed, open_loop=True)
+
+
+def prompt_text(ids: list[int]) -> str:
+    """The prompt the lab sends for `ids` when it tokenizes: a word per id."""
+    return " ".join(f"t{i}" for i in ids)
+
+
+def prompt_ids(text: str) -> list[int]:
+    """`prompt_text`'s ids back, as the engines' tokenizer reads them."""
+    return [int(word[1:]) for word in text.split()]

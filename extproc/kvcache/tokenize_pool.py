@@ -38,9 +38,12 @@ from typing import Any
 from extproc.kvcache.tokenize_workers import IDS_TYPECODE, TokenizerWorkers, WorkerProcesses
 from extproc.kvcache.tokens import RequestTokenizer, token_ids
 
-__all__ = ["TOKENIZED_MEMBERS", "OffLoopTokenizer", "members_object"]
+__all__ = ["MAX_PENDING", "TOKENIZED_MEMBERS", "WORKERS", "OffLoopTokenizer", "members_object"]
 
 log = logging.getLogger("extproc")
+
+WORKERS = 2  # worker processes: one is left to short prompts while long ones take the rest
+MAX_PENDING = 256  # requests waiting for or in a worker (16 routed a fifth of a burst blind)
 
 # The request members the tokenizer reads, per API (True: chat).
 TOKENIZED_MEMBERS = {
@@ -81,8 +84,8 @@ class OffLoopTokenizer:
         path: str,
         *,
         chat_template: str | None = None,
-        workers: int = 2,
-        max_pending: int = 256,
+        workers: int = WORKERS,
+        max_pending: int = MAX_PENDING,
         inline_below_bytes: int = 512,
         timeout_s: float = 1.0,
         long_from_bytes: int = 256 << 10,

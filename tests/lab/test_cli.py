@@ -61,3 +61,30 @@ def test_a_prompt_past_the_profiles_context_fails_unless_it_is_raised(tmp_path: 
     main([*args, "--max-model-len", "16384", "--out", str(out)])
     (figures,) = json.loads((out / "summary.json").read_text())["configs"]
     assert (figures["ok"], figures["failed"]) == (1, 0)
+
+
+def test_tokenize_sends_text_the_sidecar_tokenizes_at_the_given_costs(tmp_path: Path) -> None:
+    config = config_file(tmp_path, "kv", KV_CACHE)
+    out = tmp_path / "out"
+    args = ["--topology", "1P1D", "--config", str(config), "--workload", "shared-prefix"]
+    slow = ["--tokenize-us-per-token", "2000", "--tokenize-max-pending", "1"]
+    main([*args, "--concurrency", "4", "--tokenize", *slow, "--out", str(out)])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["tokenizer"] == {
+        "us_per_token": 2000,
+        "handoff_ms": 0.4,
+        "workers": 2,
+        "max_pending": 1,
+    }
+    (figures,) = summary["configs"]
+    assert figures["failed"] == 0
+    # 2 ms a token: every prompt's ids are past the sidecar's 1 s budget, or the queue full
+    assert set(figures["kv_untokenized"]) == {"queue_full", "timeout"}, figures["kv_untokenized"]
+    main([*args, "--concurrency", "4", "--out", str(out)])  # token ids: nothing to tokenize
+    (figures,) = json.loads((out / "summary.json").read_text())["configs"]
+    assert figures["kv_untokenized"] == {}
+    with pytest.raises(SystemExit) as ended:
+        main([*args, "--concurrency", "1", "--tokenize", "--tokenize-workers", "0", "--out", "x"])
+    assert ended.value.code == (
+        "pd-extproc-lab: --tokenize-workers and --tokenize-max-pending must be at least 1"
+    )
