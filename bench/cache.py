@@ -785,6 +785,7 @@ def probe_section(probes: dict[str, Any], every_s: float) -> list[str]:
         "steps late > 5 / 20 ms %",
         "CPU %",
         "decode-only (the cell's)",
+        "without token ids (the cell's)",
     ]
     lines = [
         "## Engines during the runs",
@@ -792,13 +793,15 @@ def probe_section(probes: dict[str, Any], every_s: float) -> list[str]:
         f"Every engine's GET /sim/state every {every_s:g} s during the measured runs; step "
         "lateness: how much later than the cost model its steps ended (the CPU came late); "
         "CPU %: the engine process's CPU time over the runs' wall time; decode-only: the "
-        "sidecar's decisions (pd_extproc_dispatch_decisions_total).",
+        "sidecar's decisions (pd_extproc_dispatch_decisions_total); without token ids: "
+        "requests its tokenizer did not give ids in time (pd_extproc_kv_untokenized_requests).",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
     for cell, seen in probes.items():
         decode_only = sum(v for k, v in seen["decisions"].items() if "decode_only" in k)
+        without_ids = sum(v for k, v in seen["decisions"].items() if k.startswith("untokenized"))
         busy = ", ".join(f"{cpu} {100 * b:.0f} %" for cpu, b in seen.get("cpu_busy", {}).items())
         label = cell.replace("|", " ") + (f" (CPU busy: {busy})" if busy else "")
         for name, e in seen["engines"].items():
@@ -817,6 +820,7 @@ def probe_section(probes: dict[str, Any], every_s: float) -> list[str]:
                         " / ".join(_f(100 * n / steps if steps else None) for n in late),
                         _f(100 * e["cpu_share"] if e.get("cpu_share") is not None else None, 0),
                         f"{decode_only:.0f}" if name.startswith("D") else "",
+                        f"{without_ids:.0f}" if name.startswith("P") else "",
                     ]
                 )
                 + " |"

@@ -29,6 +29,7 @@ from bench.engines import Engines
 from extproc.testing import scrape
 
 DECISIONS = "pd_extproc_dispatch_decisions_total"
+UNTOKENIZED = "pd_extproc_kv_untokenized_requests_total"  # kept among the decisions, so marked
 PROC_STAT = Path("/proc/stat")
 
 
@@ -138,6 +139,8 @@ class EngineProbe:
             for key, value in (await scrape(http, base + "/metrics")).items():
                 if key.startswith(DECISIONS):
                     decisions[f"{config}{key.removeprefix(DECISIONS)}"] = value
+                elif key.startswith(UNTOKENIZED):  # {reason="..."} -> {untokenized,reason="..."}
+                    decisions[f"{config}{{untokenized,{key.removeprefix(UNTOKENIZED)[1:]}"] = value
         for name, handle in _handles(self.engines).items():
             late[name]["cpu_s"] = process_cpu_s(handle.pid)
         late["wall"] = {"s": time.monotonic()}

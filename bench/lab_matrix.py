@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench.lab_scale import write_trace  # noqa: E402
 from lab.engines import parse_topology  # noqa: E402
 from lab.run import Settings, run_config  # noqa: E402
+from lab.tokenizer import TokenizerCosts  # noqa: E402
 from lab.workloads import generate, read_mooncake  # noqa: E402
 from vllmsim.profiles import DEFAULT_PROFILE, PROFILES  # noqa: E402
 
@@ -102,7 +103,9 @@ def config_text(config: str, decision: str = "") -> str:
     return text
 
 
-def run_cell(cell: Cell, config: str, seed: int, decision: str = "") -> dict[str, Any]:
+def run_cell(
+    cell: Cell, config: str, seed: int, decision: str = "", tokenize: bool = False
+) -> dict[str, Any]:
     """One configuration's summary on one cell (in a worker process)."""
     os.nice(19)
     with tempfile.TemporaryDirectory(prefix="lab-matrix-") as folder:
@@ -120,6 +123,7 @@ def run_cell(cell: Cell, config: str, seed: int, decision: str = "") -> dict[str
             PROFILES[DEFAULT_PROFILE],
             seed=seed,
             workers=cell.workers,
+            tokenizer=TokenizerCosts() if tokenize else None,
         )
         return run_config(path, workload, settings)
 
@@ -213,6 +217,11 @@ def main() -> None:
         help="more decision settings for the candidates, e.g. 'max_stall_ms: 15'",
     )
     parser.add_argument("--seeds", type=_csv(int), default="1,2,3", help="figures: their mean")
+    parser.add_argument(
+        "--tokenize",
+        action="store_true",
+        help="prompts as text the sidecar tokenizes at the lab's default costs (docs/lab.md)",
+    )
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write every summary here")
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
@@ -223,7 +232,8 @@ def main() -> None:
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = {
             (cell, config): [
-                pool.submit(run_cell, cell, config, seed, args.decision) for seed in args.seeds
+                pool.submit(run_cell, cell, config, seed, args.decision, args.tokenize)
+                for seed in args.seeds
             ]
             for cell in cells
             for config in configs
