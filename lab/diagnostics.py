@@ -24,10 +24,10 @@ from extproc.policies.base import EndpointView, PickRequest
 from extproc.scheduling.decision import Decider, Decision
 from extproc.scheduling.scheduler import Picked, Scheduler
 from lab.engines import Cluster, Served
+from lab.outcome import Outcome
 
 if TYPE_CHECKING:
     from extproc.scheduling.subset_hint import Subset
-    from lab.sidecar import Outcome
 
 __all__ = ["RecordingDecider", "RecordingScheduler", "request_detail", "write_requests"]
 

@@ -28,7 +28,8 @@ from lab.clock import run_virtual
 from lab.configs import lab_config, placeholder_tokenizer
 from lab.diagnostics import write_requests
 from lab.engines import MODEL, Cluster, EngineTotals, SimEngine, Topology
-from lab.sidecar import Outcome, ProxyCosts, Sidecar
+from lab.outcome import Outcome
+from lab.sidecar import ProxyCosts, Sidecar
 from lab.tokenizer import TokenizerCosts
 from lab.workloads import LabRequest, Workload, prompt_text
 from vllmsim.config import CostModel

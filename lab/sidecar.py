@@ -83,9 +83,10 @@ from extproc.scheduling.shared_load import SharedLoad
 from extproc.tracing import RequestTrace
 from lab.diagnostics import RecordingDecider, RecordingScheduler, request_detail
 from lab.engines import MODEL, Cluster, Served, SimEngine
+from lab.outcome import Outcome
 from lab.tokenizer import TokenizerCosts, simulated_tokenizers
 
-__all__ = ["Outcome", "ProxyCosts", "Sidecar"]
+__all__ = ["ProxyCosts", "Sidecar"]
 
 _PATH = Api.COMPLETIONS.value
 
@@ -110,22 +111,6 @@ PROXIES = {
     "pd-extproc": ProxyCosts(2.42, 3.65 - 2.42),
     "vllm-router": ProxyCosts(0.32, 1.93 - 0.32),
 }
-
-
-@dataclass
-class Outcome:
-    """One client request, as the client saw it, and how the sidecar routed it."""
-
-    ok: bool
-    status: int = 200
-    error: str = ""
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    strategy: str = ""
-    prefill: str | None = None
-    decode: str | None = None
-    finished_at: float = 0.0
-    detail: dict[str, Any] | None = None  # the per-request diagnostics (`lab.diagnostics`)
 
 
 class _Stream:
