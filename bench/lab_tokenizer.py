@@ -89,12 +89,7 @@ def main() -> None:
     print("|---|---|---|---|")
     p50s = {}
     for label, runs in results.items():
-        p50 = mean(
-            [r["ttft_ms"]["p50"] / b["ttft_ms"]["p50"] for r, b in zip(runs, base, strict=True)]
-        )
-        p99 = mean(
-            [r["ttft_ms"]["p99"] / b["ttft_ms"]["p99"] for r, b in zip(runs, base, strict=True)]
-        )
+        p50, p99 = ratio(runs, base, "p50"), ratio(runs, base, "p99")
         cached = mean([100 * r["prefill"]["cached_share"] for r in runs])
         missed: dict[str, float] = {}
         for r in runs:

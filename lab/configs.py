@@ -31,7 +31,7 @@ _MEMBER_SOURCES = ("endpoints", "dns", "kubernetes", "inference_pool")
 def placeholder_tokenizer(folder: Path, words: bool = False) -> Path:
     """A tokenizer.json that loads (KV-cache routing needs one) and refuses none of the
     workloads' token ids (the sidecar refuses ids past a tokenizer's vocabulary). `words`:
-    with a word per id (`t42`: id 42, `lab.tokenizer.prompt_text`), so that it encodes the
+    with a word per id (`t42`: id 42, `lab.workloads.prompt_text`), so that it encodes the
     lab's text prompts to their ids (0.3 s to build, 0.2 s to load: only then)."""
     if words:
         vocab = {"<unk>": 0} | {f"t{i}": i for i in range(1, VOCAB)}

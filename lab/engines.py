@@ -407,7 +407,7 @@ class Cluster:
 
 def _read_text(doc: Any) -> Any:
     """A text prompt (`--tokenize`) as the engine's tokenizer reads it: the ids it was made of
-    (`lab.tokenizer.prompt_text`), the sidecar's ids for it too."""
+    (`lab.workloads.prompt_text`), the sidecar's ids for it too."""
     if isinstance(doc, dict) and isinstance(doc.get("prompt"), str):
         doc["prompt"] = prompt_ids(doc["prompt"])
     return doc
