@@ -5,9 +5,9 @@ simulated time instead of running in processes.
 With `--tokenize` the lab's prompts reach the sidecar as text, one word per token id (`t42` is
 id 42; `placeholder_tokenizer`'s vocabulary), so that each request goes through
 `request_tokens` as a deployment's text prompt does; the engines read the same words back as
-the same ids (`lab.workloads.prompt_ids`), as vLLM's own tokenizer would give the sidecar's. A worker's job
-costs a hand-off and a time per token (`TokenizerCosts`); a request that finds the queue full
-or runs out of time is routed without the KV index, as in the product.
+the same ids (`lab.workloads.prompt_ids`), as vLLM's own tokenizer would give the sidecar's.
+A worker's job costs a hand-off and a time per token (`TokenizerCosts`); a request that finds
+the queue full or runs out of time is routed without the KV index, as in the product.
 
 What is not modelled: the CPU the workers take from the engines and the sidecar (each worker is
 a core of its own here), a worker's restart after a job past its time (it is free at once).
