@@ -801,7 +801,7 @@ def probe_section(probes: dict[str, Any], every_s: float) -> list[str]:
     ]
     for cell, seen in probes.items():
         decode_only = sum(v for k, v in seen["decisions"].items() if "decode_only" in k)
-        without_ids = sum(v for k, v in seen["decisions"].items() if k.startswith("untokenized"))
+        without_ids = seen.get("untokenized", 0.0)
         busy = ", ".join(f"{cpu} {100 * b:.0f} %" for cpu, b in seen.get("cpu_busy", {}).items())
         label = cell.replace("|", " ") + (f" (CPU busy: {busy})" if busy else "")
         for name, e in seen["engines"].items():

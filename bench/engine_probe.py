@@ -6,7 +6,8 @@ takes each engine's step lateness (how much later than its cost model its steps 
 process got the CPU late) and each pd-extproc target's per-request decisions
 (`pd_extproc_dispatch_decisions_total`), as differences over the cell's runs. `summary()` gives,
 per cell and engine, the mean, p50, p90 and max of the samples, the steps and their lateness;
-per cell, the decisions by outcome and reason, each CPU's busy share over the cell's runs
+per cell, the decisions by outcome and reason, the requests routed without their token ids
+(`pd_extproc_kv_untokenized_requests_total`), each CPU's busy share over the cell's runs
 (/proc/stat: user, system, irq and softirq time, not niced processes') and each engine
 process's CPU time over the cell's wall time (/proc/PID/stat).
 """
@@ -29,7 +30,7 @@ from bench.engines import Engines
 from extproc.testing import scrape
 
 DECISIONS = "pd_extproc_dispatch_decisions_total"
-UNTOKENIZED = "pd_extproc_kv_untokenized_requests_total"  # kept among the decisions, so marked
+UNTOKENIZED = "pd_extproc_kv_untokenized_requests_total"
 PROC_STAT = Path("/proc/stat")
 
 
@@ -106,6 +107,7 @@ class EngineProbe:
     _decisions: dict[str, dict[str, float]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(float))
     )
+    _untokenized: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     _cpu: dict[str, dict[str, list[float]]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
     )
@@ -134,17 +136,22 @@ class EngineProbe:
             }
             for name, s in (await self._states(http)).items()
         }
-        decisions = {}
+        decisions, untokenized = {}, defaultdict(float)
         for config, base in self.metrics.items():
             for key, value in (await scrape(http, base + "/metrics")).items():
                 if key.startswith(DECISIONS):
                     decisions[f"{config}{key.removeprefix(DECISIONS)}"] = value
-                elif key.startswith(UNTOKENIZED):  # {reason="..."} -> {untokenized,reason="..."}
-                    decisions[f"{config}{{untokenized,{key.removeprefix(UNTOKENIZED)[1:]}"] = value
+                elif key.startswith(UNTOKENIZED):  # every reason
+                    untokenized[config] += value
         for name, handle in _handles(self.engines).items():
             late[name]["cpu_s"] = process_cpu_s(handle.pid)
         late["wall"] = {"s": time.monotonic()}
-        return {"late": late, "decisions": decisions, "cpu": cpu_times()}
+        return {
+            "late": late,
+            "decisions": decisions,
+            "untokenized": untokenized,
+            "cpu": cpu_times(),
+        }
 
     async def boundary(
         self, http: aiohttp.ClientSession, done: str | None, upcoming: str | None
@@ -166,6 +173,10 @@ class EngineProbe:
                     self._decisions[done][labels.rstrip("}")] += value - self._last[
                         "decisions"
                     ].get(key, 0.0)
+            config = done.split("|")[1]
+            self._untokenized[done] += now["untokenized"].get(config, 0.0) - self._last[
+                "untokenized"
+            ].get(config, 0.0)
         self._last, self.current = now, upcoming
 
     async def _sample(self, http: aiohttp.ClientSession) -> None:
@@ -190,7 +201,7 @@ class EngineProbe:
 
     def summary(self) -> dict[str, Any]:
         """Per cell id: each engine's running and waiting samples' statistics and its step
-        lateness; the decisions by outcome and reason."""
+        lateness; the decisions by outcome and reason; the requests without token ids."""
         cells = set(self._batches) | set(self._late)
         return {
             cell: {
@@ -204,6 +215,7 @@ class EngineProbe:
                     for name in _named(self.engines)
                 },
                 "decisions": dict(self._decisions.get(cell, {})),
+                "untokenized": self._untokenized.get(cell, 0.0),
                 "cpu_busy": {
                     cpu: round(busy / total, 3) if total else None
                     for cpu, (busy, total) in self._cpu.get(cell, {}).items()

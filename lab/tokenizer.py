@@ -82,9 +82,8 @@ def simulated_tokenizers(costs: TokenizerCosts) -> TokenizerFactory:
     """`KvRouting`'s tokenizers for the lab: the product's, over `SimulatedWorkers`."""
 
     def make(path: str, on_unknown: Callable[[str], None]) -> OffLoopTokenizer:
-        return OffLoopTokenizer(
+        return OffLoopTokenizer(  # its worker count is the pool's
             path,
-            workers=costs.workers,
             max_pending=costs.max_pending,
             on_unknown=on_unknown,
             pool=SimulatedWorkers(costs),
